@@ -1,0 +1,132 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+Every call is stamped into the rank's :class:`~zeroshard.comm.ledger.Ledger` with the unit and
+phase it served, so byte counts, profiles and desync reports all come from one place. Groups are
+named by their role on the mesh ("world", "shard", "replicate") rather than passed as handles, so
+the ledger can say which one a collective ran on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm.ledger import CollectiveRecord, Ledger
+from zeroshard.comm.mesh import get_mesh
+
+_LEDGER = Ledger()
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def get_ledger() -> Ledger:
+    return _LEDGER
+
+
+class Pending:
+    """An issued collective; ``wait()`` blocks until it is done and closes its ledger record."""
+
+    __slots__ = ("_work", "record", "_after")
+
+    def __init__(self, work, record: CollectiveRecord, after=None) -> None:
+        self._work = work
+        self.record = record
+        self._after = after
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._after is not None:
+                self._after()
+        Ledger.close(self.record)
+
+
+def _group(name: str):
+    mesh = get_mesh()
+    if name == "world":
+        return mesh.world_group
+    if name == "shard":
+        return mesh.shard_group
+    if name == "replicate":
+        if mesh.replicate_group is None:
+            raise RuntimeError("no replicate group: the mesh has replicate size 1")
+        return mesh.replicate_group
+    raise ValueError(f"unknown group {name!r}; expected 'world', 'shard' or 'replicate'")
+
+
+def group_size(name: str) -> int:
+    mesh = get_mesh()
+    return {"world": mesh.world, "shard": mesh.shard_size, "replicate": mesh.replicate_size}[name]
+
+
+def _issue(op: str, full: torch.Tensor, group: str, unit: str, phase: str, call, async_op: bool, after=None):
+    record = _LEDGER.open(
+        group=group, op=op, numel=full.numel(), dtype=full.dtype, elem_size=full.element_size(), unit=unit, phase=phase
+    )
+    work = call(_group(group))
+    pending = Pending(work, record, after)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group: str = "world", unit: str = "", phase: str = "",
+               async_op: bool = False) -> Pending | None:
+    """In-place all-reduce. ``op="avg"`` is sum followed by a division, which every backend supports."""
+    reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
+    after = (lambda: tensor.div_(group_size(group))) if op == "avg" else None
+    call = lambda pg: dist.all_reduce(tensor, op=reduce_op, group=pg, async_op=True)  # noqa: E731
+    if not async_op:
+        _issue("all_reduce", tensor, group, unit, phase, call, False)
+        if after is not None:
+            after()
+        return None
+    return _issue("all_reduce", tensor, group, unit, phase, call, True, after)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: str = "world", unit: str = "",
+                   phase: str = "", async_op: bool = False) -> Pending | None:
+    """Sum-reduce ``input`` across the group; this rank keeps its contiguous 1/size slice in ``output``."""
+    call = lambda pg: _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=pg, async_op=True)  # noqa: E731
+    return _issue("reduce_scatter", input, group, unit, phase, call, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str = "world", unit: str = "",
+               phase: str = "", async_op: bool = False) -> Pending | None:
+    """Gather every rank's ``input`` into ``output`` in rank order; ``input`` may be a view of ``output``."""
+    call = lambda pg: _all_gather_single(output, input, group=pg, async_op=True)  # noqa: E731
+    return _issue("all_gather", output, group, unit, phase, call, async_op)
+
+
+def broadcast(tensor: torch.Tensor, *, src: int = 0, group: str = "world", unit: str = "", phase: str = "") -> None:
+    call = lambda pg: dist.broadcast(tensor, src=src, group=pg, async_op=True)  # noqa: E731
+    _issue("broadcast", tensor, group, unit, phase, call, False)
+
+
+def barrier(*, group: str = "world", phase: str = "") -> None:
+    marker = torch.zeros(1, device=get_mesh().device)
+    # A one-element all-reduce doubles as a barrier and, unlike dist.barrier, is recorded the same
+    # way on every backend.
+    all_reduce(marker, group=group, phase=phase or "barrier")
+
+
+def all_gather_object(obj, *, group: str = "world", phase: str = "") -> list:
+    """Gather a picklable Python object from every rank (small metadata only)."""
+    size = group_size(group)
+    out: list = [None] * size
+    marker = torch.zeros(1)
+    record = _LEDGER.open(group=group, op="all_gather_object", numel=size, dtype=marker.dtype,
+                          elem_size=0, unit="", phase=phase)
+    dist.all_gather_object(out, obj, group=_group(group))
+    Ledger.close(record)
+    return out

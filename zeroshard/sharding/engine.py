@@ -1,0 +1,237 @@
+"""The runtime behind ``zs.shard``: builds the units and drives them from forward/backward hooks.
+
+One engine serves every stage; ``StagePolicy`` decides what is sharded. The lifecycle, the hooks
+and the memory contract of each stage are explained in docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from zeroshard.comm.mesh import Mesh
+from zeroshard.sharding.flat import FlatGroup, StagePolicy
+from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.unit import Unit, UnitState
+from zeroshard.sharding.wrap import ParamRef, UnitSpec
+
+
+class ExecutionOrderError(RuntimeError):
+    """Units ran in a different order than in the first step, so prefetching would be wrong."""
+
+
+def _split_groups(name: str, refs: list[ParamRef], **kw) -> list[FlatGroup]:
+    """One flat group per (dtype, trainable) so each buffer has a single dtype and grad policy."""
+    keyed: dict[tuple, list[ParamRef]] = {}
+    for ref in refs:
+        keyed.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
+    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable, **kw)
+            for (dtype, trainable), group_refs in keyed.items()]
+
+
+def _buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
+    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``."""
+    buckets, current, size = [], [], 0
+    for spec in specs:
+        current.append(spec)
+        size += sum(r.param.numel() * r.param.element_size() for r in spec.refs)
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    return []
+
+
+class Engine:
+    def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
+                 mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
+                 bucket_bytes: int) -> None:
+        self.model = model
+        self.policy = policy
+        self.mesh = mesh
+        self.mp = mp
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device)
+        # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
+        backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
+        if policy.shard_params:
+            self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, **flat_kw), is_root=s.is_root,
+                               sharded=True) for s in backward_order]
+        else:
+            self.units = []
+            for bucket in _buckets(backward_order, bucket_bytes):
+                name = "+".join(s.name for s in bucket)
+                refs = [r for s in bucket for r in s.refs]
+                self.units.append(Unit(name, None, _split_groups(name, refs, **flat_kw),
+                                       is_root=any(s.is_root for s in bucket), sharded=False))
+                for group in self.units[-1].groups:
+                    group.register(unsharded=True)
+        # Reductions launch strictly in this order on every rank, so a grad that is late on one
+        # rank (an unused param) delays the collectives instead of reordering them.
+        self.reduce_order = list(self.units)
+        self._next_reduce = 0
+        self._in_backward = False
+        self._forward_order: list[Unit] = []
+        self._order_recorded = False
+        self._position = 0
+        self.peak_full_bytes = 0
+        self.max_unsharded_units = 0
+        self._hooks = []
+        self._register_grad_hooks()
+        if policy.shard_params:
+            self._register_forward_hooks()
+
+    # -- hook registration --------------------------------------------------------------------
+    def _register_grad_hooks(self) -> None:
+        for unit in self.units:
+            for gi, group in enumerate(unit.groups):
+                if not group.trainable:
+                    continue
+                for pi, param in enumerate(group.params):
+                    hook = functools.partial(self._on_grad, unit, gi, pi)
+                    self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _register_forward_hooks(self) -> None:
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+
+    # -- stage 3 forward ----------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        tracking = torch.is_grad_enabled()
+        if unit.is_root:
+            self._position = 0
+        if tracking:
+            self._check_order(unit)
+        unit.unshard("forward")
+        unit.wait_unshard()
+        self._track_memory()
+        if tracking and self._order_recorded:
+            upcoming = self._forward_order[self._position:self._position + self.prefetch]
+            for later in upcoming:
+                later.unshard("forward")
+            self._track_memory()
+
+    def _check_order(self, unit: Unit) -> None:
+        if not self._order_recorded:
+            self._forward_order.append(unit)
+            self._position += 1
+            return
+        pos = self._position
+        expected = self._forward_order[pos] if pos < len(self._forward_order) else None
+        if expected is not unit:
+            ran = expected.name if expected is not None else "nothing (the recorded order had ended)"
+            raise ExecutionOrderError(
+                f"unit execution order changed: the first step ran {ran} at position {pos}, this step ran "
+                f"{unit.name}. zeroshard records the order in step 1 to prefetch all-gathers; make every step "
+                "(and every rank) run the units in the same order, or use one unit for the branching part"
+            )
+        self._position += 1
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, unit), mode="any")
+        if not grad_enabled or (self.reshard_after_forward and not unit.is_root):
+            unit.reshard()
+        if unit.is_root and grad_enabled and not self._order_recorded:
+            self._order_recorded = True
+        return output
+
+    # -- stage 3 backward ---------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit, grad) -> None:
+        unit.unshard("backward")
+        unit.wait_unshard()
+        self._track_memory()
+        if self._order_recorded and unit in self._forward_order:
+            index = self._forward_order.index(unit)
+            for earlier in self._forward_order[max(0, index - self.prefetch):index][::-1]:
+                earlier.unshard("backward")
+            self._track_memory()
+
+    # -- gradient reduction -------------------------------------------------------------------
+    def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            # No public hook marks the end of backward; queue_callback is what torch's own DDP and
+            # FSDP2 use. It runs once the whole graph is done, on the same thread.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if unit.mark_ready(group_index, param_index):
+            if self.policy.shard_params and not unit.is_root:
+                unit.reshard()
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_reduce < len(self.reduce_order) and self.reduce_order[self._next_reduce].grads_ready:
+            self.reduce_order[self._next_reduce].launch_reduce()
+            self._next_reduce += 1
+
+    def _finish_backward(self) -> None:
+        # Units with grads still missing (unused params) are reduced with zeros for those params,
+        # in the fixed order, so every rank issues the same collectives.
+        for unit in self.reduce_order[self._next_reduce:]:
+            if unit.trainable_groups:
+                unit.launch_reduce()
+        for unit in self.reduce_order:
+            unit.finish_reduce()
+        self._next_reduce = 0
+        self._in_backward = False
+        if self.policy.shard_params:
+            for unit in self.units:
+                unit.reshard()
+
+    # -- optimizer-facing ---------------------------------------------------------------------
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return [g for unit in self.units for g in unit.groups]
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g.trainable]
+
+    def zero_grad(self) -> None:
+        for group in self.trainable_groups:
+            group.zero_grad()
+
+    def sync_params(self) -> None:
+        pending = [p for p in (g.sync_params() for g in self.groups) if p is not None]
+        for p in pending:
+            p.wait()
+
+    # -- memory accounting --------------------------------------------------------------------
+    def live_full_bytes(self) -> int:
+        """Bytes of full-param storage allocated right now, read from the storages themselves."""
+        return sum(u.full_bytes() for u in self.units)
+
+    def _track_memory(self) -> None:
+        self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes())
+        live_units = sum(1 for u in self.units if u.state is not UnitState.SHARDED)
+        self.max_unsharded_units = max(self.max_unsharded_units, live_units)
+
+    def reset_memory_stats(self) -> None:
+        self.peak_full_bytes = 0
+        self.max_unsharded_units = 0
+
+
+def get_engine(model: nn.Module) -> Engine:
+    engine = getattr(model, "_zeroshard_engine", None)
+    if engine is None:
+        raise ValueError("this model is not sharded: call zs.shard(model, ...) first")
+    return engine

@@ -1,0 +1,224 @@
+"""A flat group: the params of one unit that share a dtype and trainability, in one 1-D buffer.
+
+The buffer holds the params at their ``FlatLayout`` offsets; while the group is unsharded every
+registered param is a view into it, so an all-gather writes straight into the params with no
+copy-out. This rank's ``shard`` is the fp32 master slice the optimizer updates. Whether the full
+buffer persists, and whether full grads do, is decided by the stage (see ``StagePolicy``).
+[Note: flat buffers] in docs/runtime.md explains the trade-offs against FSDP2's per-param DTensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from zeroshard.comm import collectives
+from zeroshard.comm.mesh import Mesh
+from zeroshard.sharding.layout import FlatLayout
+from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.wrap import ParamRef
+
+
+def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A view of ``buffer`` with its own version counter.
+
+    ``buffer[a:b].view(shape)`` would share the buffer's version counter, so refilling the buffer
+    by all-gather between forward and backward would look like an in-place edit of a tensor saved
+    for backward. The values *are* the same, so the param gets a separate counter.
+    """
+    view = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    view.set_(buffer.untyped_storage(), buffer.storage_offset() + offset, shape)
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePolicy:
+    """What a ZeRO stage shards. The four stages are this table, not four code paths."""
+
+    stage: int
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
+
+    @property
+    def shard_optimizer(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def transient_grads(self) -> bool:
+        """Full grads exist only until their reduce-scatter completes (stages 2 and 3)."""
+        return self.stage >= 2
+
+    @property
+    def shard_params(self) -> bool:
+        return self.stage == 3
+
+
+class FlatGroup:
+    def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, policy: StagePolicy, mesh: Mesh,
+                 mp: MixedPrecision, device: torch.device) -> None:
+        self.unit = unit
+        self.refs = refs
+        self.trainable = trainable
+        self.policy = policy
+        self.mesh = mesh
+        self.shards = mesh.shard_size if policy.shard_optimizer else 1
+        self.shard_rank = mesh.shard_rank if policy.shard_optimizer else 0
+        self.layout = FlatLayout([(r.fqn, r.param.shape) for r in refs], self.shards)
+        self.master_dtype = refs[0].param.dtype
+        self.compute_dtype = mp.compute_dtype(self.master_dtype)
+        self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
+        self.lo, self.hi = self.layout.shard_range(self.shard_rank)
+
+        whole = self._flatten_originals(device)
+        # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins.
+        if mesh.world > 1:
+            collectives.broadcast(whole, src=0, phase="init", unit=unit)
+        self.aliased = self.compute_dtype == self.master_dtype and not policy.shard_params
+        if self.aliased:
+            self.full = whole
+            self.shard = whole[self.lo:self.hi]
+        else:
+            self.shard = whole[self.lo:self.hi].clone()
+            self.full = whole.to(self.compute_dtype)
+        del whole
+        self.params = [self._make_param(_alias(self.full, s.offset, s.shape)) for s in self.layout.slots]
+        self.sharded_params = self._make_sharded_params() if policy.shard_params else None
+
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self._reduced: torch.Tensor | None = None
+        self._reduce_input: torch.Tensor | None = None
+        self._pending: collectives.Pending | None = None
+        if trainable and not policy.transient_grads:
+            self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
+            self.attach_grad_views()
+
+    # -- construction -------------------------------------------------------------------------
+    def _flatten_originals(self, device: torch.device) -> torch.Tensor:
+        whole = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device)
+        with torch.no_grad():
+            for slot, ref in zip(self.layout.slots, self.refs):
+                whole[slot.offset:slot.end].copy_(ref.param.detach().reshape(-1))
+        return whole
+
+    def _make_param(self, data: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(data, requires_grad=self.trainable)
+
+    def _make_sharded_params(self) -> list[nn.Parameter]:
+        """Per param, the 1-D part of its values this rank owns (empty if none): what the module
+        shows outside the unit's forward/backward window, so no freed storage is ever reachable."""
+        out = []
+        for slot in self.layout.slots:
+            start, stop = max(slot.offset, self.lo), min(slot.end, self.hi)
+            piece = self.shard[start - self.lo:stop - self.lo] if start < stop else self.shard[:0]
+            out.append(self._make_param(piece))
+        return out
+
+    # -- registration -------------------------------------------------------------------------
+    def register(self, unsharded: bool) -> None:
+        params = self.params if unsharded else self.sharded_params
+        for ref, param in zip(self.refs, params):
+            for module, attr in ref.places:
+                module._parameters[attr] = param
+
+    # -- full buffer --------------------------------------------------------------------------
+    def full_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather_full(self, phase: str) -> collectives.Pending | None:
+        """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
+        storage = self.full.untyped_storage()
+        needed = self.full.numel() * self.full.element_size()
+        if storage.nbytes() < needed:
+            storage.resize_(needed)
+        own = self.full[self.lo:self.hi]
+        if not self.aliased:
+            with torch.no_grad():
+                own.copy_(self.shard)
+        if self.shards == 1:
+            return None
+        return collectives.all_gather(self.full, own, group="shard", unit=self.unit, phase=phase, async_op=True)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def attach_grad_views(self) -> None:
+        for slot, param in zip(self.layout.slots, self.params):
+            param.grad = self.grad_full[slot.offset:slot.end].view(slot.shape)
+
+    def take_grad(self, index: int) -> None:
+        """Move param ``index``'s fresh grad into the flat grad buffer (a no-op when autograd already
+        accumulated into our view)."""
+        param, slot = self.params[index], self.layout.slots[index]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+        view = self.grad_full[slot.offset:slot.end].view(slot.shape)
+        grad = param.grad
+        if grad is None or grad is view or grad.data_ptr() == view.data_ptr():
+            return
+        with torch.no_grad():
+            view.copy_(grad)
+        param.grad = None if self.policy.transient_grads else view
+
+    def launch_reduce(self, phase: str = "backward") -> None:
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+        source = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
+        self._reduce_input = source  # gloo reads it asynchronously; keep it alive until wait
+        if not self.policy.shard_optimizer:
+            self._reduced = source
+            self._pending = collectives.all_reduce(source, group="world", unit=self.unit, phase=phase, async_op=True)
+        else:
+            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=source.device)
+            self._pending = collectives.reduce_scatter(self._reduced, source, group="shard", unit=self.unit,
+                                                       phase=phase, async_op=True)
+
+    def finish_reduce(self, phase: str = "backward") -> None:
+        """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
+        self._pending.wait()
+        self._pending = None
+        reduced = self._reduced
+        if self.policy.shard_optimizer and self.mesh.replicate_size > 1:
+            collectives.all_reduce(reduced, group="replicate", unit=self.unit, phase=phase)
+        if reduced.dtype != self.master_dtype:
+            reduced = reduced.to(self.master_dtype)
+        # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
+        reduced.div_(self.mesh.world)
+        if self.grad_shard is not None and self.policy.transient_grads:
+            self.grad_shard.add_(reduced)
+        else:
+            self.grad_shard = reduced
+        self._reduced = self._reduce_input = None
+        if self.policy.transient_grads:
+            self.grad_full = None
+
+    @property
+    def reducing(self) -> bool:
+        return self._pending is not None
+
+    def zero_grad(self) -> None:
+        self.grad_shard = None
+        if self.grad_full is not None and not self.policy.transient_grads:
+            self.grad_full.zero_()
+            self.attach_grad_views()
+        elif self.policy.transient_grads:
+            self.grad_full = None
+            for param in self.params:
+                param.grad = None
+
+    # -- after the optimizer step -------------------------------------------------------------
+    def sync_params(self) -> collectives.Pending | None:
+        """Publish updated masters to the compute params (stages 0-2; stage 3 gathers lazily)."""
+        if self.policy.shard_params:
+            return None
+        if not self.policy.shard_optimizer:
+            if not self.aliased:
+                with torch.no_grad():
+                    self.full.copy_(self.shard)
+            return None
+        return self.gather_full(phase="param_sync")

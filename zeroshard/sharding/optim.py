@@ -1,0 +1,145 @@
+"""The sharded optimizer: any elementwise ``torch.optim`` class over this rank's fp32 master slices.
+
+The optimizer is a real instance of the user's class (so LR schedulers and ``isinstance`` work),
+built over *segments*: maximal runs of one param group inside this rank's shard of a flat buffer.
+Each segment is a Parameter aliasing the master shard, with a grad aliasing the reduced grad
+shard, so optimizer state is 1/N by construction and weight-decay groups hold even when a shard
+starts or ends in the middle of a param.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.sharding.engine import Engine, get_engine
+from zeroshard.sharding.flat import FlatGroup
+
+# Optimizers whose update of one element depends on other elements cannot run on flat slices.
+_NOT_ELEMENTWISE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
+
+
+def decays(fqn: str, shape: torch.Size) -> bool:
+    """Default weight-decay rule: matrices and embeddings decay; biases and norm weights do not."""
+    return len(shape) >= 2
+
+
+def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Plain torch param groups of an *unsharded* model, by the same rule ``zs.optimizer`` uses.
+
+    Use it to build a single-process reference that decays exactly the params we do.
+    """
+    if getattr(model, "_zeroshard_engine", None) is not None:
+        raise ValueError("optim_groups takes an unsharded model; for a sharded one use zs.optimizer")
+    seen, decay, no_decay = set(), [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (decay if decays(name, param.shape) else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_class(optim_cls: type) -> type:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        optim_cls.zero_grad(self, set_to_none=True)
+        self._zs_engine.zero_grad()
+
+    return type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "_zs_sharded": True})
+
+
+def _group_index(fqn: str, shape: torch.Size, user_groups: list[dict] | None, name_to_group: dict) -> int:
+    if user_groups is None:
+        return 0 if decays(fqn, shape) else 1
+    if fqn not in name_to_group:
+        raise ValueError(f"param {fqn!r} is in no param group; every trainable param must be listed once")
+    return name_to_group[fqn]
+
+
+def _segments(group: FlatGroup, group_of_slot: list[int]) -> list[tuple[int, int, int]]:
+    """(param group index, start, stop) runs over this rank's shard, relative to the shard."""
+    runs: list[list[int]] = []
+    for piece in group.layout.pieces(group.shard_rank):
+        index = group_of_slot[piece.slot_index]
+        start, stop = piece.start - group.lo, piece.stop - group.lo
+        if runs and runs[-1][0] == index and runs[-1][2] == start:
+            runs[-1][2] = stop
+        else:
+            runs.append([index, start, stop])
+    return [tuple(r) for r in runs]
+
+
+class _SegmentMap:
+    """The optimizer's segment params and where their grads come from."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[nn.Parameter, FlatGroup, int, int]] = []
+
+    def attach_grads(self) -> None:
+        for param, group, start, stop in self.entries:
+            grad = group.grad_shard
+            param.grad = None if grad is None else grad[start:stop]
+
+
+def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | None = None, **defaults: Any):
+    """Build ``optim_cls`` over this rank's shard of a sharded model.
+
+    ``param_groups``, if given, is a list of dicts whose ``"params"`` are param *names* (or the
+    params themselves from before ``zs.shard``) plus per-group options. By default two groups are
+    made: decaying matrices/embeddings (``weight_decay`` from the keywords) and non-decaying
+    biases and norms.
+    """
+    if optim_cls.__name__ in _NOT_ELEMENTWISE:
+        raise ValueError(f"{optim_cls.__name__} is not elementwise, so it cannot run on flat shards; "
+                         "use AdamW, Adam, SGD, Adagrad, RMSprop or another elementwise optimizer")
+    engine = get_engine(model)
+    name_to_group, options = _resolve_user_groups(engine, param_groups, defaults)
+    segment_map = _SegmentMap()
+    buckets: list[list[nn.Parameter]] = [[] for _ in options]
+    for group in engine.trainable_groups:
+        group_of_slot = [_group_index(s.fqn, s.shape, param_groups, name_to_group) for s in group.layout.slots]
+        for index, start, stop in _segments(group, group_of_slot):
+            segment = nn.Parameter(group.shard[start:stop], requires_grad=True)
+            buckets[index].append(segment)
+            segment_map.entries.append((segment, group, start, stop))
+    torch_groups = [dict(opts, params=params) for opts, params in zip(options, buckets)]
+    # An empty group would make some optimizers fail; a rank whose shard holds only padding still
+    # needs the same groups, so keep them and give them a zero-size segment.
+    for torch_group in torch_groups:
+        if not torch_group["params"]:
+            torch_group["params"] = [nn.Parameter(torch.zeros(0, device=engine.mesh.device))]
+    opt = _sharded_class(optim_cls)(torch_groups, **defaults)
+    opt._zs_engine = engine
+    opt._zs_segments = segment_map
+    opt.register_step_pre_hook(lambda o, args, kwargs: segment_map.attach_grads())
+    opt.register_step_post_hook(lambda o, args, kwargs: engine.sync_params())
+    return opt
+
+
+def _resolve_user_groups(engine: Engine, param_groups: list[dict] | None, defaults: dict):
+    if param_groups is None:
+        weight_decay = defaults.get("weight_decay", 0.0)
+        return {}, [{"weight_decay": weight_decay}, {"weight_decay": 0.0}]
+    by_id = {}
+    for group in engine.groups:
+        for ref in group.refs:
+            by_id[id(ref.param)] = ref.fqn
+            for alias in ref.aliases:
+                by_id[alias] = ref.fqn
+    name_to_group, options = {}, []
+    for index, spec in enumerate(param_groups):
+        options.append({k: v for k, v in spec.items() if k != "params"})
+        for item in spec["params"]:
+            key = item if isinstance(item, str) else id(item)
+            if key not in by_id:
+                raise ValueError(f"param group {index} lists {item if isinstance(item, str) else 'a tensor'} "
+                                 "that is not a param of the sharded model")
+            fqn = by_id[key]
+            if fqn in name_to_group:
+                raise ValueError(f"param {fqn!r} appears in two param groups; list each param once")
+            name_to_group[fqn] = index
+    return name_to_group, options

@@ -1,0 +1,52 @@
+"""Full (gathered) views of a sharded model's state."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from zeroshard.comm import collectives
+from zeroshard.sharding.engine import get_engine
+from zeroshard.sharding.flat import FlatGroup
+
+
+def _gather_master(group: FlatGroup) -> torch.Tensor:
+    if group.shards == 1:
+        return group.shard
+    whole = torch.empty(group.layout.numel, dtype=group.shard.dtype, device=group.shard.device)
+    collectives.all_gather(whole, group.shard.contiguous(), group="shard", unit=group.unit, phase="state_dict")
+    return whole
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every param at full size in its master dtype, under every name it is registered as, plus
+    buffers. A collective: call it on every rank. Costs one full copy of the model per rank."""
+    engine = get_engine(model)
+    out: dict[str, torch.Tensor] = {}
+    for group in engine.groups:
+        whole = _gather_master(group)
+        for slot, ref in zip(group.layout.slots, group.refs):
+            value = whole[slot.offset:slot.end].view(slot.shape).detach().clone()
+            for alias in ref.aliases:
+                out[alias] = value
+    for name, buffer in model.named_buffers():
+        out[name] = buffer.detach().clone()
+    return out
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module):
+    """Inside the block every unit is gathered and the modules show full params (stage 3)."""
+    engine = get_engine(model)
+    for unit in engine.units:
+        unit.unshard("summon")
+    for unit in engine.units:
+        unit.wait_unshard()
+    try:
+        yield model
+    finally:
+        if engine.policy.shard_params:
+            for unit in engine.units:
+                unit.reshard()

@@ -1,0 +1,89 @@
+"""A unit: the flat groups that are gathered, reshared and reduced together, with explicit state."""
+
+from __future__ import annotations
+
+import enum
+
+from zeroshard.comm import collectives
+from zeroshard.sharding.flat import FlatGroup
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"          # only this rank's shard exists (stage 3 between uses)
+    GATHERING = "gathering"      # all-gather issued, not yet waited on
+    UNSHARDED = "unsharded"      # full params registered on the modules
+
+
+class Unit:
+    def __init__(self, name: str, module, groups: list[FlatGroup], *, is_root: bool, sharded: bool) -> None:
+        self.name = name
+        self.module = module
+        self.groups = groups
+        self.is_root = is_root
+        self.state = UnitState.SHARDED if sharded else UnitState.UNSHARDED
+        self._gathers: list[collectives.Pending] = []
+        self._expected = {(gi, pi) for gi, g in enumerate(groups) if g.trainable for pi in range(len(g.params))}
+        self._ready: set[tuple[int, int]] = set()
+        self.reduce_launched = False
+        if sharded:
+            for group in groups:
+                group.free_full()
+                group.register(unsharded=False)
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g.trainable]
+
+    # -- params -------------------------------------------------------------------------------
+    def unshard(self, phase: str) -> None:
+        """Issue the all-gathers (async). Idempotent while gathering or unsharded."""
+        if self.state is not UnitState.SHARDED:
+            return
+        self._gathers = [p for p in (g.gather_full(phase) for g in self.groups) if p is not None]
+        self.state = UnitState.GATHERING
+
+    def wait_unshard(self) -> None:
+        if self.state is UnitState.UNSHARDED:
+            return
+        for pending in self._gathers:
+            pending.wait()
+        self._gathers = []
+        for group in self.groups:
+            group.register(unsharded=True)
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is UnitState.SHARDED:
+            return
+        if self.state is UnitState.GATHERING:
+            self.wait_unshard()
+        for group in self.groups:
+            group.register(unsharded=False)
+            group.free_full()
+        self.state = UnitState.SHARDED
+
+    def full_bytes(self) -> int:
+        return sum(g.full_bytes() for g in self.groups)
+
+    # -- grads --------------------------------------------------------------------------------
+    def mark_ready(self, group_index: int, param_index: int) -> bool:
+        """Record that a param's grad is in the buffer; True when every trainable param is ready."""
+        self.groups[group_index].take_grad(param_index)
+        self._ready.add((group_index, param_index))
+        return self.grads_ready
+
+    @property
+    def grads_ready(self) -> bool:
+        return self._ready >= self._expected
+
+    def launch_reduce(self) -> None:
+        for group in self.trainable_groups:
+            group.launch_reduce()
+        self.reduce_launched = True
+
+    def finish_reduce(self) -> None:
+        for group in self.trainable_groups:
+            if group.reducing:
+                group.finish_reduce()
+        self._ready.clear()
+        self.reduce_launched = False
