@@ -13,7 +13,7 @@ from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 
 SEED = 1234
-LR = 3e-3
+LR = 1e-3
 WEIGHT_DECAY = 0.1
 CLIP = 1.0
 
@@ -67,3 +67,110 @@ def sharded_run(stage: int, steps: int, global_batch: int, *, mp=None, prefetch:
         zs.comm.collectives.all_reduce(mean_loss, op="avg", phase="metrics")
         losses.append(mean_loss.item())
     return {"losses": losses, "params": zs.full_state_dict(model), "step_bytes": step_bytes}
+
+
+STEPS = 20
+GLOBAL_BATCH = 8
+
+
+def parity_suite() -> dict:
+    """Stages 0-3 in fp32 on this world, plus stage 0 and 3 with bf16 compute."""
+    results = {stage: sharded_run(stage, STEPS, GLOBAL_BATCH) for stage in (0, 1, 2, 3)}
+    for stage in (0, 3):
+        bf16 = zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        results[f"bf16-{stage}"] = sharded_run(stage, STEPS, GLOBAL_BATCH, mp=bf16)
+    return results
+
+
+def _unique_storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def memory_probe(stage: int, prefetch: int = 1, reshard_after_forward: bool = True) -> dict:
+    """Storage actually held for params, grads and optimizer state after one step, plus stage-3
+    full-param residency, read from the storages rather than from bookkeeping."""
+    from zeroshard.sharding import get_engine
+
+    mesh = zs.init()
+    cfg, data = tiny_setup(GLOBAL_BATCH)
+    torch.manual_seed(SEED)
+    model = zs.shard(GPT(cfg), stage=stage, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    engine = get_engine(model)
+    opt = zs.optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
+    x, y = collate(data, sampler.next_indices())
+    engine.reset_memory_stats()
+    model(x, y).backward()
+    opt.step()
+    groups = engine.groups
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    params = [g.full for g in groups] + [g.shard for g in groups] + list(model.parameters())
+    grads = [g.grad_full for g in groups] + [g.grad_shard for g in groups]
+    out = {
+        "padded_numel": sum(g.layout.numel for g in groups),
+        "shard_numel": sum(g.layout.shard_numel for g in groups),
+        "param_numel": sum(g.layout.param_numel for g in groups),
+        "param_bytes": _unique_storage_bytes(params),
+        "grad_bytes": _unique_storage_bytes(grads),
+        "optim_bytes": _unique_storage_bytes(state),
+        "all_bytes": _unique_storage_bytes(params + grads + state),
+        "full_bytes_after_step": engine.live_full_bytes(),
+        "peak_full_bytes": engine.peak_full_bytes,
+        "max_unsharded_units": engine.max_unsharded_units,
+        "unit_bytes": {u.name: sum(g.layout.numel * g.full.element_size() for g in u.groups) for u in engine.units},
+        "root_unit": next(u.name for u in engine.units if u.is_root),
+    }
+    opt.zero_grad()
+    return out
+
+
+def memory_suite() -> dict:
+    cases = {stage: memory_probe(stage) for stage in (0, 1, 2, 3)}
+    cases["3-prefetch2"] = memory_probe(3, prefetch=2)
+    cases["3-prefetch0"] = memory_probe(3, prefetch=0)
+    cases["3-keep"] = memory_probe(3, reshard_after_forward=False)
+    return cases
+
+
+def ledger_suite() -> dict:
+    """Per-phase collective bytes of one training step at each stage."""
+    from zeroshard.sharding import get_engine
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        mesh = zs.init()
+        cfg, data = tiny_setup(GLOBAL_BATCH)
+        torch.manual_seed(SEED)
+        model = zs.shard(GPT(cfg), stage=stage)
+        engine = get_engine(model)
+        opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
+        sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
+        ledger = zs.ledger()
+        for step in range(2):  # step 0 records the order; step 1 runs with prefetch
+            x, y = collate(data, sampler.next_indices())
+            start = ledger.next_seq
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        by_phase: dict[str, int] = {}
+        for record in ledger.since(start):
+            key = f"{record.op}:{record.phase}"
+            by_phase[key] = by_phase.get(key, 0) + record.bytes
+        out[stage] = {
+            "by_phase": by_phase,
+            "padded_bytes": sum(g.layout.numel * 4 for g in engine.groups),
+            "root_bytes": sum(g.layout.numel * 4 for u in engine.units if u.is_root for g in u.groups),
+            "psi": sum(g.layout.param_numel for g in engine.groups),
+            "groups_named": sorted({r.group for r in ledger.since(start)}),
+        }
+    return out

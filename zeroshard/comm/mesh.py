@@ -80,11 +80,13 @@ def init(*, backend: str | None = None, shard_size: int | None = None, timeout_s
         return _MESH
     backend = backend or default_backend()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # An in-memory store, not env vars: a plain process must not look like a torchrun
+            # worker to the subprocesses it starts.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     shard_size = shard_size or _default_shard_size(world)
     if shard_size < 1 or world % shard_size != 0:
@@ -138,10 +140,3 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,0 +1,30 @@
+"""`zeroshard <command>`: dispatch to one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from zeroshard.cli import train as train_cmd
+from zeroshard.cli import verify as verify_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroshard",
+        description="Sharded data-parallel training for PyTorch (DDP and ZeRO-1/2/3).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train_cmd.add_parser(sub)
+    verify_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

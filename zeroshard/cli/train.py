@@ -1,0 +1,203 @@
+"""`zeroshard train`: build a TrainConfig from a TOML file and flags, then run it.
+
+Locally it spawns `nproc` gloo processes on a free port; under torchrun (RANK/WORLD_SIZE set)
+this process is one rank of that world and trains directly. Rank 0 draws the progress bar and
+the summary; if any rank fails, the command exits non-zero with one line naming the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import typing
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from zeroshard.config import TrainConfig, field_help, field_names, load_toml, merge_config
+
+
+# --------------------------------------------------------------------------- flags shared with verify
+
+
+def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field, help text taken from the field's docstring.
+
+    Every default is None so that `config_from_args` can tell "not given" from "given", which is
+    what lets a flag override the TOML file but not be overridden by argparse's defaults.
+    """
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
+    hints = typing.get_type_hints(TrainConfig)
+    for name in field_names():
+        if name in skip:
+            continue
+        want = hints[name]
+        py_type = next((t for t in typing.get_args(want) if t is not type(None)), want)
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=py_type, default=None,
+            metavar=name.upper(), help=field_help(name),
+        )
+
+
+def config_from_args(args: argparse.Namespace, *, defaults: dict[str, Any] | None = None) -> TrainConfig:
+    """Command defaults, then the --config file, then flags (flags win)."""
+    file_values = dict(defaults or {})
+    if args.config is not None:
+        file_values.update(load_toml(args.config))
+    flags = {name: getattr(args, name, None) for name in field_names()}
+    return merge_config(file_values, flags)
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else repr(err)
+
+
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def fail(command: str, message: str) -> int:
+    print(f"zeroshard {command}: error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+# --------------------------------------------------------------------------- rank-0 reporting
+
+
+def _fmt_floor(floor: float | None) -> str:
+    return "unknown (text data)" if floor is None else f"{floor:.4f} nats/token"
+
+
+class RichReporter:
+    """Progress bar (on a terminal) plus a loss line every `log_every` steps, then a summary."""
+
+    def __init__(self, *, log_every: int, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.log_every = log_every
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.info: dict[str, Any] = {}
+        self.window: list[float] = []  # losses since the last printed line
+
+    def start(self, info: dict[str, Any]) -> None:
+        self.info = info
+        c = self.console
+        c.print(
+            f"[bold]zeroshard train[/]: {info['model']} ({info['params']:,} params), "
+            f"stage {info['stage']}, {info['world']} ranks on {info['backend']}, "
+            f"batch {info['global_batch']}x{info['seq_len']}"
+        )
+        c.print(f"entropy floor of the data: {_fmt_floor(info['entropy_floor'])}")
+        c.print(f"run dir: {info['run_dir']}")
+        if not c.is_terminal:
+            return
+        self.progress = Progress(
+            TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[ms]} ms/step"), TimeElapsedColumn(), console=c,
+        )
+        self.task = self.progress.add_task("train", total=info["steps"], loss="-", tps="-", ms="-")
+        self.progress.start()
+
+    def step(self, rec: Any) -> None:
+        if self.progress is not None:
+            self.progress.update(
+                self.task, advance=1, loss=f"{rec.loss:.4f}", tps=f"{rec.tokens_per_s:,.0f}",
+                ms=f"{rec.step_time_s * 1e3:.0f}",
+            )
+        self.window.append(rec.loss)
+        if rec.step % self.log_every == 0 or rec.step == 1 or rec.step == self.info["steps"]:
+            # The mean since the last line: a single batch's loss is too noisy to compare with
+            # the floor (it can even dip below it).
+            mean = sum(self.window) / len(self.window)
+            floor = self.info["entropy_floor"]
+            gap = "" if floor is None else f"  gap to floor {mean - floor:+.4f}"
+            self.console.print(
+                f"step {rec.step:>5}/{self.info['steps']}  loss {rec.loss:.4f}  "
+                f"mean(last {len(self.window)}) {mean:.4f}{gap}  {rec.step_time_s * 1e3:3.0f} ms",
+                highlight=False,
+            )
+            self.window.clear()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.console.print(summary_table(summary))
+
+
+def summary_table(s: dict[str, Any]) -> Table:
+    table = Table(title="zeroshard train: summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    floor = s["entropy_floor"]
+    rows = [
+        ("model", f"{s['model']} ({s['params']:,} params)"),
+        ("stage", str(s["stage"])),
+        ("world / backend", f"{s['world']} / {s['backend']} ({s['device']})"),
+        ("steps", f"{s['steps']} x {s['global_batch']} seq x {s['seq_len']} tokens"),
+        ("loss first -> final", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
+        (f"mean loss, last {s['tail_steps']} steps", f"{s['tail_mean_loss']:.4f}"),
+        ("entropy floor", _fmt_floor(floor)),
+    ]
+    if floor is not None:
+        rows.append(("gap to floor (that mean)", f"{s['tail_mean_loss'] - floor:+.4f} nats/token"))
+    rows += [
+        ("tokens/s (global)", f"{s['tokens_per_s']:,.0f}"),
+        ("mean step time", f"{s['mean_step_time_s'] * 1e3:.1f} ms (over {s['timed_steps']} steps)"),
+        ("comm bytes/step (rank 0)", f"{s['comm_bytes_per_step']:,.0f}"),
+        ("peak RSS (max over ranks)", f"{s['peak_rss_mb']:,.0f} MB"),
+        ("run dir", str(s["run_dir"])),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _rank_main(cfg: TrainConfig) -> dict[str, Any]:
+    """Spawn target (module level so it pickles): one rank of a local run."""
+    from zeroshard.train import train_worker
+
+    return train_worker(cfg, RichReporter(log_every=cfg.log_every))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        return fail("train", str(e))
+    from zeroshard.launch import WorkerError, running_under_torchrun, spawn
+
+    if running_under_torchrun():
+        try:
+            _rank_main(cfg)
+        except Exception as e:  # noqa: BLE001 - one line naming this rank, then a non-zero exit
+            fail("train", f"rank {rank_from_env()} failed: {type(e).__name__}: {e}".splitlines()[0])
+            sys.stdout.flush()
+            # Skip interpreter teardown: destroying a process group that peers still wait on can
+            # block, and torchrun stops the peers once this process is gone.
+            os._exit(1)
+        return 0
+    try:
+        # No wall-clock limit on the job: a dead rank is detected at once by the launcher and a
+        # stuck collective fails after cfg.hang_timeout_s (the process-group timeout).
+        spawn(_rank_main, cfg.nproc, args=(cfg,), timeout_s=math.inf)
+    except WorkerError as e:
+        return fail("train", one_line(e))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "train", help="train a GPT on N local gloo ranks (or under torchrun)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_flags(p)
+    p.set_defaults(run=run)

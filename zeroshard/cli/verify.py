@@ -1,0 +1,124 @@
+"""`zeroshard verify`: is the distributed run numerically the single-process run?
+
+It trains the same model on the same data and global batch three ways:
+  (a) plain single-process PyTorch (no zeroshard runtime) in this process,
+  (b) the requested stage on `nproc` spawned ranks,
+  (c) stage 0 (our DDP) on `nproc` ranks (reused from (b) when the stage is 0),
+then compares per-step losses and the final parameters. It exits non-zero when a difference
+exceeds its tolerance, so it can gate CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from zeroshard.cli.train import add_config_flags, config_from_args, fail, one_line
+from zeroshard.config import TrainConfig
+
+# Short by default: verification is about agreement, not about reaching the floor.
+VERIFY_DEFAULTS: dict[str, Any] = {"steps": 20, "warmup": 5, "num_samples": 1024}
+
+
+def _params_max_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, list[str]]:
+    """Largest |a - b| over all parameters, plus the names that exist on one side only."""
+    mismatched = sorted(set(a) ^ set(b))
+    diffs = [float((a[k].float() - b[k].float()).abs().max()) for k in sorted(set(a) & set(b))]
+    return (max(diffs) if diffs else float("inf")), mismatched
+
+
+def _loss_diffs(a: list[float], b: list[float]) -> list[float]:
+    return [abs(x - y) for x, y in zip(a, b, strict=True)]
+
+
+def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float, loss_tol: float) -> dict:
+    p_single, miss_single = _params_max_diff(dist["params"], ref["params"])
+    p_stage0, miss_stage0 = _params_max_diff(dist["params"], stage0["params"])
+    loss_diffs = _loss_diffs(dist["losses"], ref["losses"])
+    missing = sorted(set(miss_single) | set(miss_stage0))
+    result = {
+        "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "steps": cfg.steps,
+        "global_batch": cfg.batch, "seq_len": cfg.seq_len, "param_dtype": cfg.param_dtype,
+        "tol": tol, "loss_tol": loss_tol,
+        "max_abs_param_diff_vs_single": p_single,
+        "max_abs_loss_diff_vs_single": max(loss_diffs),
+        "max_abs_param_diff_vs_stage0": p_stage0,
+        "loss_diff_per_step": loss_diffs,
+        "losses": {"single": ref["losses"], "distributed": dist["losses"], "stage0": stage0["losses"]},
+        "mismatched_param_names": missing,
+    }
+    result["passed"] = bool(
+        not missing and p_single <= tol and p_stage0 <= tol and result["max_abs_loss_diff_vs_single"] <= loss_tol
+    )
+    return result
+
+
+def print_report(result: dict, console: Console) -> None:
+    steps = Table(title=f"zeroshard verify: stage {result['stage']} on {result['nproc']} ranks vs single process")
+    for col in ("step", "loss (single)", f"loss (stage {result['stage']})", "|diff|"):
+        steps.add_column(col, justify="right")
+    losses = result["losses"]
+    for i, d in enumerate(result["loss_diff_per_step"]):
+        steps.add_row(str(i + 1), f"{losses['single'][i]:.6f}", f"{losses['distributed'][i]:.6f}", f"{d:.2e}")
+    console.print(steps)
+    final = Table(show_header=True)
+    final.add_column("check")
+    final.add_column("max |diff|", justify="right")
+    final.add_column("tolerance", justify="right")
+    final.add_row("params vs single process", f"{result['max_abs_param_diff_vs_single']:.3e}", f"{result['tol']:.0e}")
+    final.add_row("params vs stage 0", f"{result['max_abs_param_diff_vs_stage0']:.3e}", f"{result['tol']:.0e}")
+    final.add_row("loss vs single process", f"{result['max_abs_loss_diff_vs_single']:.3e}", f"{result['loss_tol']:.0e}")
+    console.print(final)
+    if result["mismatched_param_names"]:
+        console.print(f"[red]parameter names differ between runs: {result['mismatched_param_names']}")
+    console.print("[bold green]PASSED" if result["passed"] else "[bold red]FAILED: a tolerance was exceeded")
+
+
+def _distributed(cfg: TrainConfig) -> dict:
+    from zeroshard.launch import spawn
+    from zeroshard.train import verify_worker
+
+    # A dead rank is detected at once; a stuck collective fails after cfg.hang_timeout_s.
+    return spawn(verify_worker, cfg.nproc, args=(cfg,), timeout_s=math.inf)[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args, defaults=VERIFY_DEFAULTS)
+    except ValueError as e:
+        return fail("verify", str(e))
+    from zeroshard.launch import WorkerError
+    from zeroshard.train import reference_train
+
+    try:
+        ref = reference_train(cfg)
+        dist = _distributed(cfg)
+        stage0 = dist if cfg.stage == 0 else _distributed(dataclasses.replace(cfg, stage=0))
+    except WorkerError as e:
+        return fail("verify", one_line(e))
+    except ValueError as e:
+        return fail("verify", str(e))
+    result = compare(cfg, ref, dist, stage0, tol=args.tol, loss_tol=args.loss_tol)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print_report(result, Console())
+    return 0 if result["passed"] else 1
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "verify", help="compare a distributed run against single-process PyTorch",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--tol", type=float, default=1e-5, help="max abs parameter difference (default 1e-5)")
+    p.add_argument("--loss-tol", type=float, default=1e-5, help="max abs per-step loss difference (default 1e-5)")
+    add_config_flags(p, skip=("run_dir", "log_every"))
+    p.set_defaults(run=run)

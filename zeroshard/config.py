@@ -1,0 +1,250 @@
+"""Typed configuration for `zeroshard train` and `zeroshard verify`.
+
+A run is described by one `TrainConfig`. It can come from a TOML file, from command-line
+flags, or both; flags override the file (see `merge_config`). Everything is validated once,
+in `__post_init__`, so a bad value fails before any process is spawned.
+
+This module deliberately does not import torch: the CLI validates a config (and reports a
+mistake) in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+MODEL_NAMES = ("tiny", "small", "medium")
+PARAM_DTYPES = ("fp32", "bf16", "fp16")
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run. Field names are also the TOML keys and (with `-` for `_`) the flags."""
+
+    model: str = "tiny"
+    """Named GPT size: tiny (<1M params, for tests), small (~25M) or medium (~120M)."""
+
+    stage: int = 0
+    """Sharding stage: 0 = DDP, 1 = optimizer state, 2 = + gradients, 3 = + parameters."""
+
+    nproc: int = 2
+    """Local processes to spawn. Ignored under torchrun, where WORLD_SIZE decides."""
+
+    batch: int = 16
+    """GLOBAL batch in sequences per optimizer step, split evenly over ranks. It does not change
+    with the world size, so runs at any world size see the same data."""
+
+    seq_len: int = 64
+    """Tokens per sequence (the model's context length is set to this)."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warm-up."""
+
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+
+    warmup: int = 10
+    """Linear warm-up steps from 0 to `lr`; cosine decay to `min_lr` follows."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
+
+    grad_clip: float = 1.0
+    """Clip the GLOBAL gradient norm to this value; 0 disables clipping."""
+
+    seed: int = 0
+    """Seeds model init, the synthetic data and the sampler. Same seed, same run."""
+
+    data: str | None = None
+    """Path to a text file for byte-level training, or None for the synthetic Markov source
+    (whose entropy floor is known exactly)."""
+
+    num_samples: int = 4096
+    """Sequences in the synthetic dataset (ignored for a text file)."""
+
+    vocab_size: int = 16
+    """Tokens in the synthetic Markov source (a text file is always 256 bytes). Small by default
+    so that the tiny model reaches the entropy floor in minutes on a CPU."""
+
+    order: int = 2
+    """Order k of the synthetic Markov chain: each token depends on the previous k. With k >= 2
+    the model must learn to attend backwards, so the loss plateaus before it falls."""
+
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MB for the overlapped reduction."""
+
+    param_dtype: str = "fp32"
+    """Compute dtype for parameters: fp32, bf16 or fp16."""
+
+    run_dir: str | None = None
+    """Where metrics.jsonl and config.json go; None means runs/<timestamp>."""
+
+    log_every: int = 10
+    """Steps between printed loss lines (the progress bar, when shown, updates every step)."""
+
+    hang_timeout_s: float = 600.0
+    """Seconds a collective may wait before the run fails with an error instead of hanging
+    (the process-group timeout). A rank that dies is detected at once, not after this."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} is not a known size; use one of {MODEL_NAMES}")
+        if self.stage not in STAGES:
+            raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype={self.param_dtype!r} is invalid; use one of {PARAM_DTYPES}")
+        for name in ("nproc", "batch", "seq_len", "steps", "num_samples", "log_every", "order"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.vocab_size < 2:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 2")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0 (0 disables warm-up)")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.hang_timeout_s <= 0:
+            raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
+        check_batch_split(self.batch, self.nproc)
+        if self.data is None and self.num_samples < self.batch:
+            raise ValueError(
+                f"num_samples={self.num_samples} is smaller than one global batch ({self.batch}); "
+                "raise num_samples or lower batch"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_batch_split(batch: int, world: int) -> None:
+    """Every rank must get the same number of sequences, or averaging would be inexact."""
+    if batch % world != 0:
+        raise ValueError(
+            f"global batch={batch} does not split evenly over {world} ranks; "
+            f"use a batch that is a multiple of {world}"
+        )
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    # TOML and flags both deliver loosely typed values; catch "steps = '10'" here, with the
+    # field's name, rather than as a TypeError deep inside the training loop.
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        want = hints[f.name]
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            setattr(cfg, f.name, float(value))
+            continue
+        allowed = typing.get_args(want) or (want,)
+        if value is None and type(None) in allowed:
+            continue
+        ok = any(
+            isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
+            for t in allowed
+            if t is not type(None)
+        )
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name}={value!r} has type {type(value).__name__}; expected {names}")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def field_help(name: str) -> str:
+    """The docstring under a field, reused as its --help text so the two never drift."""
+    return _FIELD_DOCS.get(name, "")
+
+
+def _parse_field_docs() -> dict[str, str]:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for prev, node in zip(body, body[1:]):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+try:
+    _FIELD_DOCS = _parse_field_docs()
+except (OSError, TypeError):  # source unavailable (e.g. zipped install): help text only
+    _FIELD_DOCS = {}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file of TrainConfig keys. A `[train]` table is accepted as well as top-level keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {str(p)!r} does not exist; check the --config path")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    if set(raw) == {"train"} and isinstance(raw["train"], dict):
+        raw = raw["train"]
+    return normalize_keys(raw, source=str(p))
+
+
+def normalize_keys(values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    """Accept `seq-len` as well as `seq_len`, and reject unknown keys by name."""
+    known = set(field_names())
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"unknown config key {key!r} in {source}; valid keys are: {', '.join(sorted(known))}"
+            )
+        out[name] = value
+    return out
+
+
+def merge_config(
+    file_values: Mapping[str, Any] | None = None, flag_values: Mapping[str, Any] | None = None
+) -> TrainConfig:
+    """Defaults, then the file, then flags. Flags that were not given must be absent (or None)."""
+    merged: dict[str, Any] = dict(file_values or {})
+    for key, value in (flag_values or {}).items():
+        if value is not None:
+            merged[key] = value
+    merged = normalize_keys(merged, source="flags")
+    return TrainConfig(**merged)
+
+
+def config_from_sources(path: str | Path | None, flag_values: Mapping[str, Any]) -> TrainConfig:
+    file_values = load_toml(path) if path is not None else {}
+    return merge_config(file_values, flag_values)

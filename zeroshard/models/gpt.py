@@ -1,0 +1,313 @@
+"""A one-file GPT: token + position embeddings, pre-norm blocks, a tied LM head.
+
+The model is deliberately plain so that the sharding code can be read against it:
+every block is a natural FSDP unit, and the root owns the embeddings and the head.
+The LM head's weight *is* the token embedding's weight (one Parameter object), which is
+the tied-weight case the wrap policy and checkpoints must handle (M17).
+
+Initialisation lives in ``GPT.init_weights()`` so it can be replayed after a meta-device
+build: ``with torch.device("meta"): m = GPT(cfg)`` then ``m.to_empty(device=...)`` and
+``m.init_weights()`` under the same ``torch.manual_seed`` gives bitwise the same parameters
+as building the model directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPT", "GPTConfig", "Block"]
+
+IGNORE_INDEX = -100
+"""Target value excluded from the loss (matches ``F.cross_entropy``'s default)."""
+
+# Sizes by name. Only the shape fields; vocab_size and the rest keep their defaults
+# unless overridden. Parameter counts below are for vocab_size=256.
+_PRESETS: dict[str, dict[str, int]] = {
+    # ~0.2M params: fast enough for unit tests on a laptop CPU.
+    "tiny": {"n_layer": 4, "n_head": 4, "n_embd": 64, "seq_len": 64},
+    # ~25M params: a real model that still trains on a few CPU cores.
+    "small": {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 256},
+    # ~116M params: GPT-2-small scale once the 50k vocabulary is taken out.
+    "medium": {"n_layer": 12, "n_head": 14, "n_embd": 896, "seq_len": 512},
+}
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    # bool is an int subclass; True as a layer count is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a GPT. Build by name with ``GPTConfig.named("tiny")``."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 covers byte-level text."""
+    seq_len: int = 128
+    """Maximum context length (size of the position embedding table)."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int
+    """Residual stream width."""
+    mlp_ratio: int = 4
+    """MLP hidden width as a multiple of n_embd."""
+    bias: bool = True
+    """Whether Linear and LayerNorm layers carry a bias."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                f"pick n_head among the divisors of n_embd"
+            )
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"GPTConfig.bias must be a bool, got {self.bias!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def named(cls, name: str, **overrides: Any) -> GPTConfig:
+        """The preset ``name`` (tiny, small, medium) with any field overridden."""
+        if name not in _PRESETS:
+            raise ValueError(
+                f"unknown GPT size {name!r}; valid names are {', '.join(sorted(_PRESETS))}"
+            )
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(_PRESETS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict, the form stored in checkpoints."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"GPTConfig.from_dict got unknown keys {unknown}; valid keys are {sorted(known)} "
+                f"(was the checkpoint written by a newer zeroshard?)"
+            )
+        return cls(**d)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        # One fused projection: a single GEMM (and one parameter to shard) instead of three.
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        # (B, T, C) -> (B, nh, T, hd): heads become a batch dimension for SDPA.
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.n_embd
+        self.fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the natural unit for per-module sharding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln2(x))  # (B, T, C)
+        return x
+
+
+# Linears that write into the residual stream. Their init is shrunk by depth so the
+# residual's variance does not grow with the number of blocks (GPT-2 trick).
+_RESIDUAL_PROJ_SUFFIXES = (".attn.proj", ".mlp.proj")
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``lm_head.weight is tok_emb.weight``.
+
+    Built under ``torch.device("meta")`` it allocates nothing; ``to_empty`` then
+    ``init_weights()`` materialises it with the same bits a direct build would have.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # Layers are built on meta so their default inits draw nothing from the RNG;
+        # only init_weights does. That makes a direct build and a meta build followed by
+        # init_weights() consume the same random numbers, hence give the same bits.
+        device = torch.get_default_device()  # honours an enclosing `with torch.device(...)`
+        with torch.device("meta"):
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.norm_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
+        self.init_weights()  # also ties lm_head to tok_emb
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the very Parameter object of ``tok_emb.weight``.
+
+        ``Module.to_empty`` (meta -> real device) creates a new Parameter per module and
+        so silently unties them; ``init_weights`` calls this first to restore the tie.
+        """
+        self.lm_head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter from the global torch RNG.
+
+        The RNG is consumed in ``named_modules()`` order, one draw per parameter, so the
+        result depends only on the seed: replaying this after a meta-device build gives
+        the same bits. The tied matrix is drawn once (as the embedding, std 0.02).
+        """
+        self.tie_weights()
+        std = 0.02
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        done: set[int] = set()  # ids of already-initialised params (the tied weight)
+
+        def fresh(p: torch.Tensor | None) -> bool:
+            if p is None or id(p) in done:
+                return False
+            done.add(id(p))
+            return True
+
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if fresh(module.weight):
+                    s = resid_std if name.endswith(_RESIDUAL_PROJ_SUFFIXES) else std
+                    nn.init.normal_(module.weight, mean=0.0, std=s)
+                if fresh(module.bias):
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                if fresh(module.weight):
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                if fresh(module.weight):
+                    nn.init.ones_(module.weight)
+                if fresh(module.bias):
+                    nn.init.zeros_(module.bias)
+
+    def _logits(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(
+                f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}; "
+                f"truncate the input or build the model with a larger seq_len"
+            )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        x = self.norm_f(x)  # (B, T, C)
+        return self.lm_head(x)  # (B, T, V)
+
+    def _token_losses(
+        self, idx: torch.Tensor, targets: torch.Tensor, reduction: str
+    ) -> torch.Tensor:
+        logits = self._logits(idx)  # (B, T, V)
+        # The softmax is computed in fp32 even when the model runs in bf16/fp16: a
+        # low-precision log-sum-exp over the vocabulary loses the digits the loss lives in.
+        return F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)),  # (B*T, V)
+            targets.reshape(-1),  # (B*T,)
+            ignore_index=IGNORE_INDEX,
+            reduction=reduction,
+        )
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets`` the mean loss over non-ignored tokens.
+
+        Targets equal to -100 are excluded from both the sum and the count.
+        """
+        if targets is None:
+            return self._logits(idx)
+        return self._token_losses(idx, targets, reduction="mean")
+
+    def loss_sum(
+        self, idx: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of per-token losses, number of counted tokens)`` as 0-dim tensors.
+
+        Ranks all-reduce both and divide once, so a global batch whose ranks hold
+        different numbers of real tokens is weighted per token, not per rank.
+        """
+        total = self._token_losses(idx, targets, reduction="sum")
+        n_tokens = (targets != IGNORE_INDEX).sum()
+        return total, n_tokens
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, counting the tied embedding/head matrix once.
+
+        With ``exclude_embeddings`` both lookup tables (token and position) are left out,
+        which also leaves out the LM head since it is the same matrix.
+        Works on meta-device models (only shapes are read).
+        """
+        skip = {id(self.tok_emb.weight), id(self.pos_emb.weight)} if exclude_embeddings else set()
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():  # parameters() already yields a shared one once
+            if id(p) in seen or id(p) in skip:
+                continue
+            seen.add(id(p))
+            total += p.numel()
+        return total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), for MFU.
+
+        ``6 * N + 6 * n_layer * seq_len * n_embd`` where
+
+        - ``N`` is the number of parameters that take part in a matmul: all of them
+          except the position table (a lookup). The tied matrix counts once, through
+          the LM head; the token lookup itself is free. Norms and biases are included
+          though they are not matmuls; they are a rounding error at these sizes.
+          Each such weight costs 2 FLOPs per token forward and 4 backward, hence 6N.
+        - attention scores and the weighted sum cost ``2 * 2 * seq_len * n_embd`` per
+          token per layer forward for full attention, times 3 with backward, i.e.
+          ``12 * n_layer * seq_len * n_embd``; causal attention only needs the lower
+          triangle, so we count half of that: ``6 * n_layer * seq_len * n_embd``.
+        """
+        cfg = self.cfg
+        n = self.num_params() - self.pos_emb.weight.numel()
+        return 6 * n + 6 * cfg.n_layer * cfg.seq_len * cfg.n_embd
