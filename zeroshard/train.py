@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 import zeroshard as zs
+from zeroshard.comm.collectives import all_reduce
 from zeroshard.config import TrainConfig, check_batch_split
 from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models.gpt import GPT, GPTConfig
@@ -83,7 +84,11 @@ class Run:
     dataset: Any
     sampler: GlobalBatchSampler
     model_cfg: GPTConfig
+    num_params: int
+    """Counted before sharding: at stage 3 the modules hold only this rank's slices."""
     records: list[StepRecord] = field(default_factory=list)
+    metric_bytes: int = 0
+    """Bytes of our own metric all-reduces, kept apart from the training traffic."""
 
 
 # --------------------------------------------------------------------------- schedule and faults
@@ -149,7 +154,7 @@ def setup(cfg: TrainConfig, mesh: Any) -> Run:
     check_batch_split(cfg.batch, mesh.world)
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, mesh.device)
-    model_cfg = model.cfg
+    num_params = model.num_params()
     zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb)
     opt = zs.optimizer(
         model, torch.optim.AdamW, lr=lr_at(cfg, 0), weight_decay=cfg.weight_decay, betas=BETAS
@@ -159,27 +164,24 @@ def setup(cfg: TrainConfig, mesh: Any) -> Run:
     )
     return Run(
         cfg=cfg, mesh=mesh, model=model, opt=opt, dataset=dataset, sampler=sampler,
-        model_cfg=model_cfg,
+        model_cfg=model.cfg, num_params=num_params,
     )
 
 
 # --------------------------------------------------------------------------- the loop
 
 
-def average_across_ranks(value: torch.Tensor) -> float:
-    from zeroshard.comm.collectives import all_reduce
-
+def average_across_ranks(run: Run, value: torch.Tensor) -> float:
     t = value.detach().float().reshape(1).clone()
     all_reduce(t, op="avg", phase=METRICS_PHASE)
+    run.metric_bytes += t.numel() * t.element_size()
     return float(t.item())
 
 
-def max_across_ranks(value: float, device: torch.device) -> float:
-    from zeroshard.comm.collectives import all_reduce
-
-    t = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32,
-                     device=device)
+def max_across_ranks(run: Run, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float32, device=run.mesh.device)
     all_reduce(t, op="max", phase=METRICS_PHASE)
+    run.metric_bytes += t.numel() * t.element_size()
     return float(t.item())
 
 
@@ -199,7 +201,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     run.opt.zero_grad()
     # Each rank's loss is the mean over an equal share of the global batch, so the mean of the
     # rank means is the global-batch loss that a single process would report.
-    mean_loss = average_across_ranks(loss)
+    mean_loss = average_across_ranks(run, loss)
     dt = time.perf_counter() - t0
     tokens = cfg.batch * cfg.seq_len
     return StepRecord(
@@ -238,11 +240,14 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
-def comm_bytes_per_step(first_seq: int, steps: int) -> float:
-    """Bytes this rank put into training collectives per step (metric all-reduces excluded)."""
-    records = zs.ledger().since(first_seq)
-    total = sum(r.bytes for r in records if r.phase != METRICS_PHASE)
-    return total / steps
+def comm_bytes_per_step(run: Run, bytes_before: int) -> float:
+    """Bytes this rank put into training collectives per step, our metric all-reduces excluded.
+
+    Taken from the ledger's running total rather than its records, which are a ring buffer
+    that a long run overflows.
+    """
+    total = zs.ledger().total_bytes() - bytes_before - run.metric_bytes
+    return total / len(run.records)
 
 
 def backend_name(mesh: Any) -> str:
@@ -255,7 +260,7 @@ def backend_name(mesh: Any) -> str:
 def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
     return {
         "model": run.cfg.model,
-        "params": run.model.num_params(),
+        "params": run.num_params,
         "stage": run.cfg.stage,
         "world": run.mesh.world,
         "backend": backend_name(run.mesh),
@@ -268,7 +273,7 @@ def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
     }
 
 
-def summarize(run: Run, info: dict[str, Any], first_seq: int) -> dict[str, Any]:
+def summarize(run: Run, info: dict[str, Any], bytes_before: int) -> dict[str, Any]:
     """Figures measured on this run; collective (every rank must call it)."""
     recs = run.records
     # The first step pays for lazy allocation and warm-up; leave it out of the timing if we can.
@@ -287,8 +292,8 @@ def summarize(run: Run, info: dict[str, Any], first_seq: int) -> dict[str, Any]:
         "tokens_per_s": tokens / sum(r.step_time_s for r in timed),
         "mean_step_time_s": mean_dt,
         "timed_steps": len(timed),
-        "comm_bytes_per_step": comm_bytes_per_step(first_seq, len(recs)),
-        "peak_rss_mb": max_across_ranks(peak_rss_mb(), run.mesh.device),
+        "comm_bytes_per_step": comm_bytes_per_step(run, bytes_before),
+        "peak_rss_mb": max_across_ranks(run, peak_rss_mb()),
     }
 
 
@@ -320,14 +325,14 @@ def train(cfg: TrainConfig, mesh: Any, reporter: Reporter | None = None) -> dict
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, run, info)
         metrics_file = (run_dir / "metrics.jsonl").open("w")
-    first_seq = zs.ledger().next_seq
+    bytes_before = zs.ledger().total_bytes()
     reporter.start(info)
     try:
         run_loop(run, reporter, metrics_file)
     finally:
         if metrics_file is not None:
             metrics_file.close()
-    summary = summarize(run, info, first_seq)
+    summary = summarize(run, info, bytes_before)
     reporter.finish(summary)
     return summary
 

@@ -53,6 +53,13 @@ def test_stage3_gathers_twice_and_reduce_scatters_once(ledger):
     assert rec["groups_named"] == ["shard"]
 
 
+def test_bf16_all_gather_moves_two_byte_params_and_reduces_in_fp32(ledger):
+    rec = ledger["3-bf16"]
+    fp32_bytes = rec["padded_bytes"]  # counted as 4 bytes per element
+    assert rec["by_phase"]["all_gather:forward"] == fp32_bytes // 2
+    assert rec["by_phase"]["reduce_scatter:backward"] == fp32_bytes
+
+
 def _expected_model_state(stage: int, padded: int, shard: int) -> int:
     # fp32 params, fp32 Adam (two moments). Masters alias the params in fp32; the reduced grad
     # shard is its own buffer from stage 1 on.

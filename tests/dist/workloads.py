@@ -143,15 +143,16 @@ def memory_suite() -> dict:
 
 
 def ledger_suite() -> dict:
-    """Per-phase collective bytes of one training step at each stage."""
+    """Per-phase collective bytes of one training step at each stage (and stage 3 in bf16)."""
     from zeroshard.sharding import get_engine
 
     out = {}
-    for stage in (0, 1, 2, 3):
+    bf16 = zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for stage, mp in ((0, None), (1, None), (2, None), (3, None), ("3-bf16", bf16)):
         mesh = zs.init()
         cfg, data = tiny_setup(GLOBAL_BATCH)
         torch.manual_seed(SEED)
-        model = zs.shard(GPT(cfg), stage=stage)
+        model = zs.shard(GPT(cfg), stage=3 if stage == "3-bf16" else stage, mp=mp)
         engine = get_engine(model)
         opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
         sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)

@@ -24,32 +24,40 @@ from zeroshard.config import TrainConfig, field_help, field_names, load_toml, me
 # --------------------------------------------------------------------------- flags shared with verify
 
 
-def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+) -> None:
     """One flag per TrainConfig field, help text taken from the field's docstring.
 
-    Every default is None so that `config_from_args` can tell "not given" from "given", which is
-    what lets a flag override the TOML file but not be overridden by argparse's defaults.
+    Every argparse default is None so that `config_from_args` can tell "not given" from "given",
+    which is what lets a flag override the TOML file; the real default is shown in the help.
     """
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
     hints = typing.get_type_hints(TrainConfig)
+    shown = {**TrainConfig().to_dict(), **(defaults or {})}
     for name in field_names():
         if name in skip:
             continue
         want = hints[name]
         py_type = next((t for t in typing.get_args(want) if t is not type(None)), want)
+        text = f"{field_help(name)} (default: {shown[name]})".replace("%", "%%")
         parser.add_argument(
             "--" + name.replace("_", "-"), dest=name, type=py_type, default=None,
-            metavar=name.upper(), help=field_help(name),
+            metavar=name.upper(), help=text,
         )
 
 
-def config_from_args(args: argparse.Namespace, *, defaults: dict[str, Any] | None = None) -> TrainConfig:
-    """Command defaults, then the --config file, then flags (flags win)."""
+def config_from_args(
+    args: argparse.Namespace, *, defaults: dict[str, Any] | None = None,
+    forced: dict[str, Any] | None = None,
+) -> TrainConfig:
+    """Command defaults, then the --config file, then flags (flags win), then `forced`."""
     file_values = dict(defaults or {})
     if args.config is not None:
         file_values.update(load_toml(args.config))
     flags = {name: getattr(args, name, None) for name in field_names()}
-    return merge_config(file_values, flags)
+    return merge_config(file_values, {**flags, **(forced or {})})
 
 
 def one_line(err: BaseException) -> str:
@@ -169,13 +177,16 @@ def _rank_main(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        return fail("train", str(e))
     from zeroshard.launch import WorkerError, running_under_torchrun, spawn
 
-    if running_under_torchrun():
+    under_torchrun = running_under_torchrun()
+    # Under torchrun the world size is torchrun's, whatever --nproc or the file says.
+    forced = {"nproc": int(os.environ["WORLD_SIZE"])} if under_torchrun else {}
+    try:
+        cfg = config_from_args(args, forced=forced)
+    except ValueError as e:
+        return fail("train", str(e))
+    if under_torchrun:
         try:
             _rank_main(cfg)
         except Exception as e:  # noqa: BLE001 - one line naming this rank, then a non-zero exit

@@ -120,5 +120,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--tol", type=float, default=1e-5, help="max abs parameter difference (default 1e-5)")
     p.add_argument("--loss-tol", type=float, default=1e-5, help="max abs per-step loss difference (default 1e-5)")
-    add_config_flags(p, skip=("run_dir", "log_every"))
+    add_config_flags(p, skip=("run_dir", "log_every"), defaults=VERIFY_DEFAULTS)
     p.set_defaults(run=run)

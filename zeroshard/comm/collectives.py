@@ -41,6 +41,10 @@ class Pending:
         self.record = record
         self._after = after
 
+    def is_done(self) -> bool:
+        """True once the collective finished (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()

@@ -84,6 +84,7 @@ class Engine:
         # rank (an unused param) delays the collectives instead of reordering them.
         self.reduce_order = list(self.units)
         self._next_reduce = 0
+        self._next_reap = 0
         self._in_backward = False
         self._forward_order: list[Unit] = []
         self._order_recorded = False
@@ -182,6 +183,14 @@ class Engine:
         while self._next_reduce < len(self.reduce_order) and self.reduce_order[self._next_reduce].grads_ready:
             self.reduce_order[self._next_reduce].launch_reduce()
             self._next_reduce += 1
+        self._reap_finished()
+
+    def _reap_finished(self) -> None:
+        """Finish reductions that already completed, in order, so stages 2-3 free each full grad
+        buffer as soon as its reduce-scatter is done rather than at the end of backward."""
+        while self._next_reap < self._next_reduce and self.reduce_order[self._next_reap].reduce_done:
+            self.reduce_order[self._next_reap].finish_reduce()
+            self._next_reap += 1
 
     def _finish_backward(self) -> None:
         # Units with grads still missing (unused params) are reduced with zeros for those params,
@@ -189,9 +198,9 @@ class Engine:
         for unit in self.reduce_order[self._next_reduce:]:
             if unit.trainable_groups:
                 unit.launch_reduce()
-        for unit in self.reduce_order:
+        for unit in self.reduce_order[self._next_reap:]:
             unit.finish_reduce()
-        self._next_reduce = 0
+        self._next_reduce = self._next_reap = 0
         self._in_backward = False
         if self.policy.shard_params:
             for unit in self.units:

@@ -201,6 +201,10 @@ class FlatGroup:
     def reducing(self) -> bool:
         return self._pending is not None
 
+    @property
+    def reduce_done(self) -> bool:
+        return self._pending is None or self._pending.is_done()
+
     def zero_grad(self) -> None:
         self.grad_shard = None
         if self.grad_full is not None and not self.policy.transient_grads:

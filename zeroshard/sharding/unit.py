@@ -81,6 +81,10 @@ class Unit:
             group.launch_reduce()
         self.reduce_launched = True
 
+    @property
+    def reduce_done(self) -> bool:
+        return all(g.reduce_done for g in self.trainable_groups)
+
     def finish_reduce(self) -> None:
         for group in self.trainable_groups:
             if group.reducing:

@@ -1,0 +1,32 @@
+# Two commands on a fresh clone: `make demo` and `make test` (`make venv` sets up alone).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install when pyproject.toml changes, not on every make call.
+STAMP := $(VENV)/.zeroshard-installed
+TESTS ?= tests/
+
+.PHONY: venv demo test
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch is pinned only here, and only when missing: pip must never resolve the open
+	@# `torch>=2.6` range itself (it would pick whatever index it sees first).
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+# 2 gloo ranks, tiny GPT on the synthetic Markov source; loss heads for the printed entropy floor.
+demo: venv
+	$(VENV)/bin/zeroshard train --model tiny --stage 0 --nproc 2 \
+		--batch 32 --seq-len 64 --steps 800 --lr 6e-3 --min-lr 6e-4 --warmup 20 \
+		--log-every 80
+
+# pytest exits 5 when nothing was collected; that must fail CI, never pass it.
+test: venv
+	@$(PY) -m pytest $(TESTS) ; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected; failing" >&2; exit 1; fi; \
+	exit $$rc

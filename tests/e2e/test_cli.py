@@ -1,0 +1,132 @@
+"""The `zeroshard` command as a user runs it: real subprocesses, real gloo ranks.
+
+Kept small (tiny model, short sequences, few steps): each run pays for importing torch in
+three processes, so the whole file stays around a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# Small enough to be quick, large enough that 30 steps visibly lower the loss.
+FAST = ["--model", "tiny", "--batch", "8", "--seq-len", "32", "--num-samples", "256"]
+RUN_TIMEOUT_S = 180
+
+
+def zeroshard_cmd() -> list[str]:
+    """The installed console script when present (what a user types), else the module."""
+    script = Path(sys.executable).with_name("zeroshard")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "zeroshard.cli.main"]
+
+
+def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, **(env or {})}
+    # A parent launched under torchrun must not make the child think it is one of its ranks.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(
+        zeroshard_cmd() + args, capture_output=True, text=True, timeout=timeout, env=full_env,
+        cwd=cwd,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_train_writes_metrics_and_config_and_loss_falls(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *FAST, "--nproc", "2", "--steps", "30", "--lr", "3e-3",
+                    "--warmup", "3", "--run-dir", str(run_dir)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    for m in metrics:
+        assert math.isfinite(m["loss"]) and m["step_time_s"] > 0 and m["tokens"] == 8 * 32
+    first = sum(m["loss"] for m in metrics[:5]) / 5
+    last = sum(m["loss"] for m in metrics[-5:]) / 5
+    assert last < first - 0.1, f"loss did not fall: {first:.4f} -> {last:.4f}"
+
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world"] == 2 and config["backend"] == "gloo"
+    assert config["train"]["stage"] == 0 and config["train"]["steps"] == 30
+    assert config["model"]["seq_len"] == 32 and config["params"] > 0
+    assert config["entropy_floor"] > 0
+
+    assert "summary" in proc.stdout and "entropy floor" in proc.stdout
+    assert f"{metrics[-1]['loss']:.4f}" in proc.stdout  # the table shows the measured final loss
+    # Stage 0 all-reduces every fp32 gradient once per step: exactly 4 bytes per parameter.
+    assert f"{config['params'] * 4:,}" in proc.stdout
+
+
+def test_verify_stage0_matches_single_process() -> None:
+    proc = run_cli(["verify", "--json", "--stage", "0", "--nproc", "2", "--steps", "8", *FAST])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["passed"] is True
+    assert result["max_abs_param_diff_vs_single"] <= 1e-5
+    assert result["max_abs_loss_diff_vs_single"] <= 1e-5
+    assert result["max_abs_param_diff_vs_stage0"] == 0.0  # stage 0 is its own stage-0 run
+    assert len(result["losses"]["single"]) == len(result["losses"]["distributed"]) == 8
+
+
+def test_fault_on_rank1_fails_fast_and_names_rank1(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = run_cli(
+        ["train", *FAST, "--nproc", "2", "--steps", "50", "--run-dir", str(tmp_path / "run"),
+         "--hang-timeout-s", "90"],
+        env={"ZEROSHARD_FAULT": "rank=1,step=3"}, timeout=150,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    err_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("zeroshard train: error")]
+    assert len(err_lines) == 1, proc.stderr
+    assert "rank 1" in err_lines[0] and "injected fault" in err_lines[0], err_lines[0]
+    assert elapsed < 90, f"took {elapsed:.0f}s: the surviving rank was not stopped promptly"
+
+
+def test_toml_config_is_honoured_and_flags_override_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'model = "tiny"\nnproc = 2\nbatch = 4\nseq_len = 16\nsteps = 5\nseed = 7\n'
+        f'num_samples = 64\nlr = 0.002\nrun_dir = "{run_dir}"\n'
+    )
+    proc = run_cli(["train", "--config", str(toml), "--steps", "3", "--lr", "0.001"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train = json.loads((run_dir / "config.json").read_text())["train"]
+    assert (train["batch"], train["seq_len"], train["seed"], train["num_samples"]) == (4, 16, 7, 64)
+    assert (train["steps"], train["lr"]) == (3, 0.001)  # the flags won
+    assert len(read_metrics(run_dir)) == 3
+
+
+@pytest.mark.parametrize(
+    ("toml_text", "flags", "needle"),
+    [
+        ("stage = 7\n", [], "stage=7"),
+        ("stepz = 3\n", [], "unknown config key 'stepz'"),
+        ('steps = "ten"\n', [], "steps='ten'"),
+        ("", ["--batch", "3", "--nproc", "2"], "multiple of 2"),
+    ],
+)
+def test_bad_config_gives_a_clear_error(tmp_path: Path, toml_text: str, flags: list[str],
+                                        needle: str) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text(toml_text)
+    proc = run_cli(["train", "--config", str(toml), *flags], timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started
