@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 # 2 gloo ranks, tiny GPT on the synthetic Markov source; loss heads for the printed entropy floor.
 demo: venv
-	$(VENV)/bin/zeroshard train --model tiny --stage 0 --nproc 2 \
+	$(VENV)/bin/zeroshard train --model tiny --stage 3 --nproc 2 \
 		--batch 32 --seq-len 64 --steps 800 --lr 6e-3 --min-lr 6e-4 --warmup 20 \
 		--log-every 80
 

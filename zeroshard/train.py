@@ -32,6 +32,7 @@ from zeroshard.comm.collectives import all_reduce
 from zeroshard.config import TrainConfig, check_batch_split
 from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.sharding.precision import parse_dtype
 
 FAULT_ENV = "ZEROSHARD_FAULT"
 """Fault injection for tests: "rank=1,step=3" makes rank 1 raise at the start of step 3
@@ -142,12 +143,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     return GPT(model_cfg).to(device)
 
 
-def param_dtype(cfg: TrainConfig) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
-
-
 def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
-    return None if cfg.param_dtype == "fp32" else zs.MixedPrecision(param_dtype=param_dtype(cfg))
+    return None if cfg.param_dtype == "fp32" else zs.MixedPrecision(param_dtype=parse_dtype(cfg.param_dtype))
 
 
 def setup(cfg: TrainConfig, mesh: Any) -> Run:
@@ -250,20 +247,13 @@ def comm_bytes_per_step(run: Run, bytes_before: int) -> float:
     return total / len(run.records)
 
 
-def backend_name(mesh: Any) -> str:
-    backend = getattr(mesh, "backend", None)
-    if backend:
-        return str(backend)
-    return "nccl" if torch.device(mesh.device).type == "cuda" else "gloo"
-
-
 def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
     return {
         "model": run.cfg.model,
         "params": run.num_params,
         "stage": run.cfg.stage,
         "world": run.mesh.world,
-        "backend": backend_name(run.mesh),
+        "backend": run.mesh.backend,
         "device": str(run.mesh.device),
         "steps": run.cfg.steps,
         "global_batch": run.cfg.batch,

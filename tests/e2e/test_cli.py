@@ -82,6 +82,15 @@ def test_verify_stage0_matches_single_process() -> None:
     assert len(result["losses"]["single"]) == len(result["losses"]["distributed"]) == 8
 
 
+def test_verify_stage3_is_bitwise_our_ddp() -> None:
+    proc = run_cli(["verify", "--json", "--stage", "3", "--nproc", "2", "--steps", "8", *FAST])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["passed"] is True
+    assert result["max_abs_param_diff_vs_single"] <= 1e-5
+    assert result["max_abs_param_diff_vs_stage0"] == 0.0  # two ranks: every stage equals DDP bitwise
+
+
 def test_fault_on_rank1_fails_fast_and_names_rank1(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = run_cli(
