@@ -4,11 +4,14 @@ from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
 from zeroshard.sharding import (
     MixedPrecision,
+    ShardedGradScaler,
     clip_grad_norm_,
     full_state_dict,
     grad_norm,
+    no_sync,
     optim_groups,
     optimizer,
+    precision_manifest,
     shard,
     unsharded,
 )
@@ -16,6 +19,7 @@ from zeroshard.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "MixedPrecision", "clip_grad_norm_", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger",
-    "optim_groups", "optimizer", "shard", "shutdown", "unsharded",
+    "Mesh", "MixedPrecision", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "get_mesh",
+    "grad_norm", "init", "ledger", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard",
+    "shutdown", "unsharded",
 ]

@@ -62,8 +62,13 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
 
-    grad_clip: float = 1.0
-    """Clip the GLOBAL gradient norm to this value; 0 disables clipping."""
+    clip: float = 1.0
+    """Clip the GLOBAL gradient norm (over every shard, tied params counted once) to this value;
+    0 disables clipping."""
+
+    accum: int = 1
+    """Gradient-accumulation micro-steps per optimizer step. Each rank's share of the global batch
+    is split into `accum` micro-batches; the loss is normalised by the global token count."""
 
     seed: int = 0
     """Seeds model init, the synthetic data and the sampler. Same seed, same run."""
@@ -86,8 +91,14 @@ class TrainConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MB for the overlapped reduction."""
 
-    param_dtype: str = "fp32"
-    """Compute dtype for parameters: fp32, bf16 or fp16."""
+    mp: str = "fp32"
+    """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
+    Masters and optimizer state stay fp32 and gradients are reduced in fp32; fp16 adds dynamic
+    loss scaling."""
+
+    accumulation: str = "sharded"
+    """Stages 2-3 only: 'sharded' reduce-scatters every micro-step into the 1/N grad shard;
+    'unsharded' keeps full fp32 grads across micro-steps and reduces once per step."""
 
     run_dir: str | None = None
     """Where metrics.jsonl and config.json go; None means runs/<timestamp>."""
@@ -108,9 +119,11 @@ class TrainConfig:
             raise ValueError(f"model={self.model!r} is not a known size; use one of {MODEL_NAMES}")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"param_dtype={self.param_dtype!r} is invalid; use one of {PARAM_DTYPES}")
-        for name in ("nproc", "batch", "seq_len", "steps", "num_samples", "log_every", "order"):
+        if self.mp not in PARAM_DTYPES:
+            raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
+        if self.accumulation not in ("sharded", "unsharded"):
+            raise ValueError(f"accumulation={self.accumulation!r} is invalid; use 'sharded' or 'unsharded'")
+        for name in ("nproc", "batch", "seq_len", "steps", "num_samples", "log_every", "order", "accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.vocab_size < 2:
@@ -121,14 +134,14 @@ class TrainConfig:
             raise ValueError(f"lr={self.lr} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
-        for name in ("weight_decay", "grad_clip"):
+        for name in ("weight_decay", "clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
-        check_batch_split(self.batch, self.nproc)
+        check_batch_split(self.batch, self.nproc, self.accum)
         if self.data is None and self.num_samples < self.batch:
             raise ValueError(
                 f"num_samples={self.num_samples} is smaller than one global batch ({self.batch}); "
@@ -139,12 +152,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def check_batch_split(batch: int, world: int) -> None:
-    """Every rank must get the same number of sequences, or averaging would be inexact."""
-    if batch % world != 0:
+def check_batch_split(batch: int, world: int, accum: int = 1) -> None:
+    """Every rank gets the same number of sequences, in `accum` equal micro-batches."""
+    if batch % (world * accum) != 0:
         raise ValueError(
-            f"global batch={batch} does not split evenly over {world} ranks; "
-            f"use a batch that is a multiple of {world}"
+            f"global batch={batch} does not split evenly over {world} ranks x {accum} micro-steps; "
+            f"use a batch that is a multiple of {world * accum}"
         )
 
 

@@ -15,6 +15,7 @@ history) and `RUN_DIR/config.json`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,7 @@ FAULT_ENV = "ZEROSHARD_FAULT"
 (1-based, as printed)."""
 
 BETAS = (0.9, 0.95)
+IGNORE_INDEX = -100
 METRICS_PHASE = "metrics"
 
 
@@ -72,6 +74,7 @@ class StepRecord:
     step_time_s: float
     tokens: int
     tokens_per_s: float
+    loss_scale: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -82,6 +85,9 @@ class Run:
     mesh: Any
     model: torch.nn.Module
     opt: Any
+    scheduler: Any
+    scaler: Any
+    """A ShardedGradScaler for fp16 compute, else None."""
     dataset: Any
     sampler: GlobalBatchSampler
     model_cfg: GPTConfig
@@ -104,9 +110,9 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(param_groups: list[dict[str, Any]], lr: float) -> None:
-    for group in param_groups:
-        group["lr"] = lr
+def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A plain torch LambdaLR over `lr_at`; the loop steps it once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(cfg, step) / cfg.lr)
 
 
 def parse_fault(spec: str | None) -> tuple[int, int] | None:
@@ -144,35 +150,28 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
 
 
 def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
-    return None if cfg.param_dtype == "fp32" else zs.MixedPrecision(param_dtype=parse_dtype(cfg.param_dtype))
+    return None if cfg.mp == "fp32" else zs.MixedPrecision(param_dtype=parse_dtype(cfg.mp))
 
 
 def setup(cfg: TrainConfig, mesh: Any) -> Run:
-    check_batch_split(cfg.batch, mesh.world)
+    check_batch_split(cfg.batch, mesh.world, cfg.accum)
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, mesh.device)
     num_params = model.num_params()
-    zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb)
-    opt = zs.optimizer(
-        model, torch.optim.AdamW, lr=lr_at(cfg, 0), weight_decay=cfg.weight_decay, betas=BETAS
-    )
+    zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb,
+             accumulation=cfg.accumulation)
+    opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
     sampler = GlobalBatchSampler(
         len(dataset), cfg.batch, world=mesh.world, rank=mesh.rank, seed=cfg.seed
     )
     return Run(
-        cfg=cfg, mesh=mesh, model=model, opt=opt, dataset=dataset, sampler=sampler,
-        model_cfg=model.cfg, num_params=num_params,
+        cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
+        dataset=dataset, sampler=sampler, model_cfg=model.cfg, num_params=num_params,
     )
 
 
 # --------------------------------------------------------------------------- the loop
-
-
-def average_across_ranks(run: Run, value: torch.Tensor) -> float:
-    t = value.detach().float().reshape(1).clone()
-    all_reduce(t, op="avg", phase=METRICS_PHASE)
-    run.metric_bytes += t.numel() * t.element_size()
-    return float(t.item())
 
 
 def max_across_ranks(run: Run, value: float) -> float:
@@ -182,36 +181,87 @@ def max_across_ranks(run: Run, value: float) -> float:
     return float(t.item())
 
 
+def global_token_count(run: Run, targets: torch.Tensor) -> torch.Tensor:
+    """Tokens that carry a loss (targets != -100) in the whole global batch, on every rank."""
+    count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    all_reduce(count, op="sum", phase=METRICS_PHASE)
+    run.metric_bytes += count.numel() * count.element_size()
+    return count
+
+
+def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward/backward over `accum` micro-batches; returns this rank's summed token loss.
+
+    Every micro-step backpropagates `loss_sum * world / global_tokens`: the runtime averages
+    over ranks (divides by world), so the gradient is exactly the mean over every loss-carrying
+    token of the global batch, however unevenly masked tokens fall across micro-batches and ranks.
+    """
+    cfg, model = run.cfg, run.model
+    norm = run.mesh.world / global_token_count(run, y)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    micro = list(zip(x.chunk(cfg.accum), y.chunk(cfg.accum)))
+    for index, (xm, ym) in enumerate(micro):
+        last = index == len(micro) - 1
+        with contextlib.nullcontext() if last else zs.no_sync(model):
+            loss_sum, _ = model.loss_sum(xm, ym)
+            scaled = loss_sum * norm.to(loss_sum.dtype)
+            (run.scaler.scale(scaled) if run.scaler is not None else scaled).backward()
+        total += loss_sum.detach().double()
+    return total
+
+
+def optimizer_step(run: Run) -> float | None:
+    """Unscale (fp16), clip on the global norm, step unless any rank overflowed, then advance the
+    LR schedule: once per optimizer step, never per micro-step."""
+    cfg, scaler = run.cfg, run.scaler
+    if scaler is not None:
+        scaler.unscale_(run.opt)
+    norm = zs.clip_grad_norm_(run.model, cfg.clip) if cfg.clip > 0 else None
+    if scaler is not None:
+        scaler.step(run.opt)
+        scaler.update()
+    else:
+        run.opt.step()
+    run.scheduler.step()
+    run.opt.zero_grad()
+    return None if norm is None else float(norm)
+
+
 def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step on this rank's slice of the global batch."""
     cfg = run.cfg
     t0 = time.perf_counter()
     maybe_inject_fault(run.mesh.rank, step + 1)  # 1-based, as the progress output counts
-    lr = lr_at(cfg, step)
-    set_lr(run.opt.param_groups, lr)
+    lr = run.opt.param_groups[0]["lr"]
     x, y = collate(run.dataset, run.sampler.next_indices())
     x, y = x.to(run.mesh.device), y.to(run.mesh.device)
-    loss = run.model(x, y)
-    loss.backward()
-    norm = zs.clip_grad_norm_(run.model, cfg.grad_clip) if cfg.grad_clip > 0 else None
-    run.opt.step()
-    run.opt.zero_grad()
-    # Each rank's loss is the mean over an equal share of the global batch, so the mean of the
-    # rank means is the global-batch loss that a single process would report.
-    mean_loss = average_across_ranks(run, loss)
+    loss_sum = accumulate_gradients(run, x, y)
+    norm = optimizer_step(run)
+    mean_loss = average_token_loss(run, loss_sum, y)
     dt = time.perf_counter() - t0
     tokens = cfg.batch * cfg.seq_len
     return StepRecord(
-        step=step + 1, loss=mean_loss, lr=lr,
-        grad_norm=None if norm is None else float(norm),
+        step=step + 1, loss=mean_loss, lr=lr, grad_norm=norm,
         step_time_s=dt, tokens=tokens, tokens_per_s=tokens / dt if dt > 0 else 0.0,
+        loss_scale=None if run.scaler is None else run.scaler.get_scale(),
     )
 
 
-def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None) -> None:
+def average_token_loss(run: Run, loss_sum: torch.Tensor, y: torch.Tensor) -> float:
+    """The global batch's mean token loss, as a single process would report it."""
+    totals = torch.stack([loss_sum, (y != IGNORE_INDEX).sum().double()]).reshape(2)
+    all_reduce(totals, op="sum", phase=METRICS_PHASE)
+    run.metric_bytes += totals.numel() * totals.element_size()
+    return float(totals[0] / totals[1])
+
+
+def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Path | None = None) -> None:
     for step in range(run.cfg.steps):
         rec = train_step(run, step)
         run.records.append(rec)
+        if step == 0 and run_dir is not None:
+            # After the first step, so the optimizer's lazily created state shows its real dtypes.
+            write_manifest(run_dir, run)
         if metrics_file is not None:
             metrics_file.write(json.dumps(rec.__dict__) + "\n")
             metrics_file.flush()
@@ -284,7 +334,16 @@ def summarize(run: Run, info: dict[str, Any], bytes_before: int) -> dict[str, An
         "timed_steps": len(timed),
         "comm_bytes_per_step": comm_bytes_per_step(run, bytes_before),
         "peak_rss_mb": max_across_ranks(run, peak_rss_mb()),
+        "accum": run.cfg.accum,
+        "precision": zs.precision_manifest(run.model, run.opt),
+        "skipped_steps": 0 if run.scaler is None else run.scaler.skipped_steps,
     }
+
+
+def write_manifest(run_dir: Path, run: Run) -> None:
+    manifest = {"precision": zs.precision_manifest(run.model, run.opt), "accum": run.cfg.accum,
+                "loss_scaling": run.scaler.state_dict() if run.scaler is not None else None}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def write_config(run_dir: Path, run: Run, info: dict[str, Any]) -> None:
@@ -318,7 +377,7 @@ def train(cfg: TrainConfig, mesh: Any, reporter: Reporter | None = None) -> dict
     bytes_before = zs.ledger().total_bytes()
     reporter.start(info)
     try:
-        run_loop(run, reporter, metrics_file)
+        run_loop(run, reporter, metrics_file, run_dir)
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -355,23 +414,23 @@ def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     """Plain single-process PyTorch: the numerical reference for `zeroshard verify`.
 
     Same seed, data, global batch, schedule, weight-decay groups and clipping as the
-    distributed run, but no zeroshard runtime at all (no process group, no hooks).
+    distributed run, but no zeroshard runtime at all (no process group, no hooks) and no
+    accumulation: one fp32 forward/backward over the whole global batch per step.
     """
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, torch.device("cpu"))
-    opt = torch.optim.AdamW(
-        zs.optim_groups(model, cfg.weight_decay), lr=lr_at(cfg, 0), betas=BETAS
-    )
+    opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=BETAS)
+    scheduler = make_scheduler(cfg, opt)
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=1, rank=0, seed=cfg.seed)
     losses: list[float] = []
-    for step in range(cfg.steps):
-        set_lr(opt.param_groups, lr_at(cfg, step))
+    for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
         loss = model(x, y)
         loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
+        scheduler.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}

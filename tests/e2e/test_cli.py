@@ -91,6 +91,34 @@ def test_verify_stage3_is_bitwise_our_ddp() -> None:
     assert result["max_abs_param_diff_vs_stage0"] == 0.0  # two ranks: every stage equals DDP bitwise
 
 
+def test_accumulation_steps_the_schedule_once_per_optimizer_step(tmp_path: Path) -> None:
+    from zeroshard.config import TrainConfig
+    from zeroshard.train import lr_at
+
+    run_dir = tmp_path / "run"
+    flags = ["--nproc", "2", "--stage", "2", "--accum", "2", "--steps", "6", "--warmup", "2",
+             "--lr", "3e-3", "--mp", "bf16"]
+    proc = run_cli(["train", *FAST, *flags, "--run-dir", str(run_dir)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = read_metrics(run_dir)
+    cfg = TrainConfig(model="tiny", batch=8, seq_len=32, num_samples=256, nproc=2, stage=2, accum=2,
+                      steps=6, warmup=2, lr=3e-3, mp="bf16")
+    assert [m["lr"] for m in metrics] == pytest.approx([lr_at(cfg, s) for s in range(6)], rel=1e-12)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["accum"] == 2
+    assert manifest["precision"]["param_compute_dtype"] == "bfloat16"
+    assert manifest["precision"]["grad_accumulation_dtype"] == "float32"
+    assert "bfloat16 / bfloat16" in proc.stdout  # the summary prints the precision manifest
+
+
+def test_verify_with_accumulation_matches_single_process() -> None:
+    proc = run_cli(["verify", "--json", "--stage", "2", "--nproc", "2", "--accum", "2", "--steps", "6", *FAST])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["passed"] is True and result["accum"] == 2
+    assert result["max_abs_param_diff_vs_single"] <= 1e-5
+
+
 def test_fault_on_rank1_fails_fast_and_names_rank1(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = run_cli(

@@ -19,7 +19,7 @@ from zeroshard.config import (
 
 def test_defaults_are_valid() -> None:
     cfg = TrainConfig()
-    assert cfg.stage == 0 and cfg.param_dtype == "fp32" and cfg.data is None
+    assert cfg.stage == 0 and cfg.mp == "fp32" and cfg.data is None
     assert cfg.to_dict()["batch"] == cfg.batch
 
 
@@ -40,13 +40,15 @@ def test_model_names_match_the_model_presets() -> None:
     [
         ({"model": "huge"}, "model='huge'"),
         ({"stage": 4}, "stage=4"),
-        ({"param_dtype": "fp8"}, "param_dtype='fp8'"),
+        ({"mp": "fp8"}, "mp='fp8'"),
         ({"steps": 0}, "steps=0"),
         ({"nproc": 0}, "nproc=0"),
         ({"lr": 0.0}, "lr=0.0"),
         ({"lr": 1e-3, "min_lr": 1e-2}, "min_lr"),
         ({"warmup": -1}, "warmup=-1"),
-        ({"grad_clip": -1.0}, "grad_clip"),
+        ({"clip": -1.0}, "clip"),
+        ({"accum": 0}, "accum"),
+        ({"batch": 8, "nproc": 2, "accum": 3}, "micro-steps"),
         ({"bucket_mb": 0.0}, "bucket_mb"),
         ({"hang_timeout_s": 0.0}, "hang_timeout_s"),
         ({"batch": 10, "nproc": 4}, "multiple of 4"),

@@ -159,8 +159,19 @@ def summary_table(s: dict[str, Any]) -> Table:
         ("mean step time", f"{s['mean_step_time_s'] * 1e3:.1f} ms (over {s['timed_steps']} steps)"),
         ("comm bytes/step (rank 0)", f"{s['comm_bytes_per_step']:,.0f}"),
         ("peak RSS (max over ranks)", f"{s['peak_rss_mb']:,.0f} MB"),
-        ("run dir", str(s["run_dir"])),
+        ("grad accumulation", f"{s['accum']} micro-steps/step"),
     ]
+    p = s["precision"]
+    rows += [
+        ("compute / all-gather dtype", f"{p['param_compute_dtype']} / {p['all_gather_dtype'] or '-'}"),
+        ("reduce / master / optim state", f"{p['reduce_dtype']} / {p['master_dtype']} / "
+                                           f"{', '.join(p['optimizer_state_dtypes'] or ['-'])}"),
+        ("grad accumulation dtype", f"{p['grad_accumulation_dtype']} ({p['grad_accumulation']})"),
+        ("units", f"{len(p['units'])}"),
+    ]
+    if s["skipped_steps"]:
+        rows.append(("steps skipped (fp16 overflow)", str(s["skipped_steps"])))
+    rows.append(("run dir", str(s["run_dir"])))
     for what, value in rows:
         table.add_row(what, value)
     return table

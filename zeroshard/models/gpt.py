@@ -255,14 +255,18 @@ class GPT(nn.Module):
             reduction=reduction,
         )
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(B, T, V)``, or with ``targets`` the mean loss over non-ignored tokens.
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets`` the loss over non-ignored tokens:
+        their mean (``reduction="mean"``) or their sum (``"sum"``).
 
         Targets equal to -100 are excluded from both the sum and the count.
         """
         if targets is None:
             return self._logits(idx)
-        return self._token_losses(idx, targets, reduction="mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        return self._token_losses(idx, targets, reduction=reduction)
 
     def loss_sum(
         self, idx: torch.Tensor, targets: torch.Tensor
@@ -272,7 +276,8 @@ class GPT(nn.Module):
         Ranks all-reduce both and divide once, so a global batch whose ranks hold
         different numbers of real tokens is weighted per token, not per rank.
         """
-        total = self._token_losses(idx, targets, reduction="sum")
+        # Through __call__, not _token_losses: a sharded runtime gathers params in forward hooks.
+        total = self(idx, targets, reduction="sum")
         n_tokens = (targets != IGNORE_INDEX).sum()
         return total, n_tokens
 

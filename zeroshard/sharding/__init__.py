@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from zeroshard.comm.mesh import get_mesh
@@ -9,19 +11,46 @@ from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, get_engine
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import optim_groups, optimizer
+from zeroshard.sharding.manifest import precision_manifest
 from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.scaler import ShardedGradScaler
 from zeroshard.sharding.state import full_state_dict, unsharded
 from zeroshard.sharding.wrap import UnitsArg, plan_units, validate_params
 
 
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Run micro-steps whose gradients accumulate without synchronising across ranks.
+
+    Backward passes inside the block add into the local gradients; the first backward outside it
+    reduces the accumulated sum. What "local" means per stage is set by ``shard(accumulation=)``.
+    """
+    engine = get_engine(model)
+    previous, engine.sync_grads = engine.sync_grads, False
+    try:
+        yield
+    finally:
+        engine.sync_grads = previous
+
+
 def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrecision | None = None,
-          reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0) -> nn.Module:
+          reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
+          accumulation: str = "sharded") -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
     unit takes the rest. ``bucket_mb`` groups units into reduction buckets for stages 0-2;
     ``prefetch`` and ``reshard_after_forward`` apply to stage 3. See docs/runtime.md.
+
+    ``accumulation`` decides what stages 2-3 do inside ``zs.no_sync``: ``"sharded"`` (default)
+    reduce-scatters every micro-step into the 1/N fp32 grad shard, so grad memory stays
+    4·P/N bytes at the cost of one reduce-scatter of P per micro-step; ``"unsharded"`` keeps a full
+    grad buffer in ``reduce_dtype`` across micro-steps (P × its size per rank, e.g. 4·P bytes in
+    fp32) and reduce-scatters once per optimizer step, cutting reduce traffic by G. Stages 0-1
+    always keep full grads, so for them ``no_sync`` simply defers the reduction.
     """
+    if accumulation not in ("sharded", "unsharded"):
+        raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
     policy = StagePolicy(stage)
     if getattr(model, "_zeroshard_engine", None) is not None:
         raise ValueError("this model is already sharded; build a fresh model to shard it again")
@@ -36,12 +65,12 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     specs = plan_units(model, units)
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                    bucket_bytes=int(bucket_mb * 2**20))
+                    bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation)
     model._zeroshard_engine = engine
     return model
 
 
 __all__ = [
-    "Engine", "ExecutionOrderError", "MixedPrecision", "StagePolicy", "clip_grad_norm_", "full_state_dict",
-    "get_engine", "grad_norm", "optim_groups", "optimizer", "shard", "unsharded",
+    "Engine", "ExecutionOrderError", "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
+    "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

@@ -58,13 +58,16 @@ def _tensors_in(output) -> list[torch.Tensor]:
 class Engine:
     def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, accumulation: str = "sharded") -> None:
         self.model = model
         self.policy = policy
         self.mesh = mesh
         self.mp = mp
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
+        self.accumulation = accumulation
+        self.bucket_bytes = bucket_bytes
+        self.sync_grads = True
         flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
@@ -168,6 +171,16 @@ class Engine:
             self._track_memory()
 
     # -- gradient reduction -------------------------------------------------------------------
+    @property
+    def defers_reduction(self) -> bool:
+        """Inside ``no_sync``: keep accumulating full grads locally instead of reducing.
+
+        Stages 0-1 always keep full grads, so deferring is free. Stages 2-3 reduce-scatter every
+        micro-step and accumulate into the 1/N grad shard unless ``accumulation="unsharded"``
+        asked to trade full-grad memory for fewer reduce-scatters.
+        """
+        return not self.sync_grads and (not self.policy.transient_grads or self.accumulation == "unsharded")
+
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
         if not self._in_backward:
             self._in_backward = True
@@ -177,7 +190,8 @@ class Engine:
         if unit.mark_ready(group_index, param_index):
             if self.policy.shard_params and not unit.is_root:
                 unit.reshard()
-            self._launch_ready()
+            if not self.defers_reduction:
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next_reduce < len(self.reduce_order) and self.reduce_order[self._next_reduce].grads_ready:
@@ -193,6 +207,13 @@ class Engine:
             self._next_reap += 1
 
     def _finish_backward(self) -> None:
+        self._in_backward = False
+        if self.defers_reduction:
+            for unit in self.units:
+                unit.clear_ready()
+                if self.policy.shard_params:
+                    unit.reshard()
+            return
         # Units with grads still missing (unused params) are reduced with zeros for those params,
         # in the fixed order, so every rank issues the same collectives.
         for unit in self.reduce_order[self._next_reduce:]:
@@ -201,7 +222,6 @@ class Engine:
         for unit in self.reduce_order[self._next_reap:]:
             unit.finish_reduce()
         self._next_reduce = self._next_reap = 0
-        self._in_backward = False
         if self.policy.shard_params:
             for unit in self.units:
                 unit.reshard()

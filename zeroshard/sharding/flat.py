@@ -159,11 +159,19 @@ class FlatGroup:
             self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
         view = self.grad_full[slot.offset:slot.end].view(slot.shape)
         grad = param.grad
-        if grad is None or grad is view or grad.data_ptr() == view.data_ptr():
-            return
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            return  # autograd already accumulated into our view (stages 0-1)
         with torch.no_grad():
-            view.copy_(grad)
-        param.grad = None if self.policy.transient_grads else view
+            if self.policy.transient_grads:
+                # The buffer starts at zero and may carry earlier micro-steps (unsharded
+                # accumulation), so add rather than overwrite; 0 + g is exactly g.
+                view.add_(grad)
+                param.grad = None
+            else:
+                # A foreign grad here means someone reset param.grad (e.g. model.zero_grad()),
+                # so it is the whole gradient, not an increment.
+                view.copy_(grad)
+                param.grad = view
 
     def launch_reduce(self, phase: str = "backward") -> None:
         if self.grad_full is None:

@@ -89,5 +89,8 @@ class Unit:
         for group in self.trainable_groups:
             if group.reducing:
                 group.finish_reduce()
+        self.clear_ready()
+
+    def clear_ready(self) -> None:
         self._ready.clear()
         self.reduce_launched = False

@@ -1,0 +1,46 @@
+"""The precision manifest: every dtype a run uses, by role (MISSION M13)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeroshard.sharding.engine import get_engine
+
+
+def _name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def precision_manifest(model: nn.Module, optimizer=None) -> dict:
+    """What each role's dtype actually is in this sharded model (read from the buffers, not flags)."""
+    engine = get_engine(model)
+    trainable = engine.trainable_groups
+    first = trainable[0]
+    state_dtypes = set()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            state_dtypes.update(_name(t.dtype) for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    buffers = {_name(b.dtype) for b in model.buffers()}
+    if engine.policy.transient_grads:
+        accumulation = _name(first.master_dtype) if engine.accumulation == "sharded" else _name(first.reduce_dtype)
+        accumulation_where = f"{engine.accumulation} ({'1/N grad shard' if engine.accumulation == 'sharded' else 'full grad buffer'})"
+    else:
+        accumulation, accumulation_where = _name(first.compute_dtype), "full grad buffer (local until the sync micro-step)"
+    return {
+        "stage": engine.policy.stage,
+        "world": engine.mesh.world,
+        "mesh": engine.mesh.describe(),
+        "param_compute_dtype": _name(first.compute_dtype),
+        "buffer_dtype": sorted(buffers) if buffers else None,
+        "reduce_dtype": _name(first.reduce_dtype),
+        "master_dtype": _name(first.master_dtype),
+        "optimizer_state_dtypes": sorted(state_dtypes) or None,
+        "grad_accumulation_dtype": accumulation,
+        "grad_accumulation": accumulation_where,
+        "all_gather_dtype": _name(first.compute_dtype) if engine.policy.shard_optimizer and engine.mesh.shard_size > 1 else None,
+        "units": [u.name for u in engine.units],
+        "bucket_mb": engine.bucket_bytes / 2**20 if not engine.policy.shard_params else None,
+        "prefetch": engine.prefetch if engine.policy.shard_params else None,
+        "reshard_after_forward": engine.reshard_after_forward if engine.policy.shard_params else None,
+    }
