@@ -119,6 +119,13 @@ def test_verify_with_accumulation_matches_single_process() -> None:
     assert result["max_abs_param_diff_vs_single"] <= 1e-5
 
 
+def test_verify_meta_init_starts_from_the_single_process_weights() -> None:
+    proc = run_cli(["verify", "--json", "--stage", "3", "--nproc", "2", "--init", "meta", "--steps", "4", *FAST])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["passed"] is True and result["max_abs_param_diff_vs_stage0"] == 0.0
+
+
 def test_fault_on_rank1_fails_fast_and_names_rank1(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = run_cli(

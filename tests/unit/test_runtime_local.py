@@ -121,3 +121,14 @@ def test_changed_execution_order_raises_naming_units():
     model.swap = True
     with pytest.raises(ExecutionOrderError, match=r"ran blocks\.1 at position 2, this step ran blocks\.2"):
         model(x)
+
+
+def test_original_params_are_released_after_sharding():
+    import gc
+    import weakref
+
+    model = tiny()
+    original = weakref.ref(model.blocks[0].attn.qkv.weight)
+    zs.shard(model, stage=3)
+    gc.collect()
+    assert original() is None, "the pre-shard full param must not outlive zs.shard"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 from torch import nn
 
@@ -35,7 +36,8 @@ def no_sync(model: nn.Module):
 
 def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrecision | None = None,
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
-          accumulation: str = "sharded") -> nn.Module:
+          accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
+          skip_init: bool = False) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -48,6 +50,11 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     grad buffer in ``reduce_dtype`` across micro-steps (P × its size per rank, e.g. 4·P bytes in
     fp32) and reduce-scatters once per optimizer step, cutting reduce traffic by G. Stages 0-1
     always keep full grads, so for them ``no_sync`` simply defers the reduction.
+
+    A model built on the meta device is materialised here, shard by shard, by replaying its init
+    (``init_fn``, default ``model.init_weights()`` or every module's ``reset_parameters()``); see
+    zeroshard/materialize.py. The values are bitwise those of a plain build under the same seed.
+    ``skip_init=True`` leaves them at zero instead, for a checkpoint load that fills them next.
     """
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
@@ -60,13 +67,20 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     device = validate_params(model)
     mesh = get_mesh()
-    if device.type != mesh.device.type:
+    if device.type not in (mesh.device.type, "meta"):
         model.to(mesh.device)
     specs = plan_units(model, units)
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                     bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation)
     model._zeroshard_engine = engine
+    if device.type == "meta":
+        from zeroshard.materialize import materialize
+
+        engine.init_stats = materialize(model, engine, (lambda m: None) if skip_init else init_fn,
+                                        require_all=not skip_init)
+    else:
+        engine.init_stats = {"path": "replicated", "peak_temp_bytes": 0}
     return model
 
 

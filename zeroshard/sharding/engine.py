@@ -105,9 +105,16 @@ class Engine:
             for gi, group in enumerate(unit.groups):
                 if not group.trainable:
                     continue
-                for pi, param in enumerate(group.params):
-                    hook = functools.partial(self._on_grad, unit, gi, pi)
-                    self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                register = functools.partial(self._register_group_hooks, unit, gi)
+                if group.params is None:
+                    group.on_params_created = register  # stage 3 creates its params at the first gather
+                else:
+                    register(group)
+
+    def _register_group_hooks(self, unit: Unit, group_index: int, group: FlatGroup) -> None:
+        for pi, param in enumerate(group.params):
+            hook = functools.partial(self._on_grad, unit, group_index, pi)
+            self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _register_forward_hooks(self) -> None:
         for unit in self.units:

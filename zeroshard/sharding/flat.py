@@ -73,20 +73,32 @@ class FlatGroup:
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
 
-        whole = self._flatten_originals(device)
-        # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins.
-        if mesh.world > 1:
-            collectives.broadcast(whole, src=0, phase="init", unit=unit)
         self.aliased = self.compute_dtype == self.master_dtype and not policy.shard_params
-        if self.aliased:
-            self.full = whole
-            self.shard = whole[self.lo:self.hi]
+        # A model built on the meta device has no values yet: buffers start at zero and
+        # zeroshard.init replays the model's init into them, keeping only what this rank holds.
+        self.from_meta = refs[0].param.is_meta
+        self.params: list[nn.Parameter] | None = None
+        self.on_params_created = None
+        if policy.shard_params:
+            if self.from_meta:
+                self.shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
+            else:
+                self.shard = self._replicated_originals(device)[self.lo:self.hi].clone()
+            # Grown, and the params created as views of it, at the first gather; never whole before.
+            self.full = torch.empty(0, dtype=self.compute_dtype, device=device)
         else:
-            self.shard = whole[self.lo:self.hi].clone()
-            self.full = whole.to(self.compute_dtype)
-        del whole
-        self.params = [self._make_param(_alias(self.full, s.offset, s.shape)) for s in self.layout.slots]
+            whole = (torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device) if self.from_meta
+                     else self._replicated_originals(device))
+            if self.aliased:
+                self.full, self.shard = whole, whole[self.lo:self.hi]
+            else:
+                self.shard = whole[self.lo:self.hi].clone()
+                self.full = whole.to(self.compute_dtype)
+            del whole
+            self._create_params()
         self.sharded_params = self._make_sharded_params() if policy.shard_params else None
+        for ref in refs:
+            ref.release()  # otherwise the original full-size params would outlive sharding
 
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -98,12 +110,33 @@ class FlatGroup:
             self.attach_grad_views()
 
     # -- construction -------------------------------------------------------------------------
-    def _flatten_originals(self, device: torch.device) -> torch.Tensor:
+    def _replicated_originals(self, device: torch.device) -> torch.Tensor:
         whole = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device)
         with torch.no_grad():
             for slot, ref in zip(self.layout.slots, self.refs):
                 whole[slot.offset:slot.end].copy_(ref.param.detach().reshape(-1))
+        # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins.
+        if self.mesh.world > 1:
+            collectives.broadcast(whole, src=0, phase="init", unit=self.unit)
         return whole
+
+    def _create_params(self) -> None:
+        self.params = [self._make_param(_alias(self.full, s.offset, s.shape)) for s in self.layout.slots]
+        if self.on_params_created is not None:
+            self.on_params_created(self)
+
+    def load_param_values(self, index: int, values: torch.Tensor) -> None:
+        """Write param ``index``'s full values into whatever of it this rank holds."""
+        slot = self.layout.slots[index]
+        flat = values.detach().reshape(-1)
+        with torch.no_grad():
+            if not self.policy.shard_params:
+                self.full[slot.offset:slot.end].copy_(flat)
+                if self.aliased:
+                    return  # the shard is a view of the full buffer
+            start, stop = max(slot.offset, self.lo), min(slot.end, self.hi)
+            if start < stop:
+                self.shard[start - self.lo:stop - self.lo].copy_(flat[start - slot.offset:stop - slot.offset])
 
     def _make_param(self, data: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(data, requires_grad=self.trainable)
@@ -134,6 +167,9 @@ class FlatGroup:
 
     def gather_full(self, phase: str) -> collectives.Pending | None:
         """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
+        if self.params is None:
+            self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.shard.device)
+            self._create_params()
         storage = self.full.untyped_storage()
         needed = self.full.numel() * self.full.element_size()
         if storage.nbytes() < needed:
@@ -220,7 +256,7 @@ class FlatGroup:
             self.attach_grad_views()
         elif self.policy.transient_grads:
             self.grad_full = None
-            for param in self.params:
+            for param in self.params or ():
                 param.grad = None
 
     # -- after the optimizer step -------------------------------------------------------------

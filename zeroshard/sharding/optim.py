@@ -127,7 +127,7 @@ def _resolve_user_groups(engine: Engine, param_groups: list[dict] | None, defaul
     by_id = {}
     for group in engine.groups:
         for ref in group.refs:
-            by_id[id(ref.param)] = ref.fqn
+            by_id[ref.original_id] = ref.fqn
             for alias in ref.aliases:
                 by_id[alias] = ref.fqn
     name_to_group, options = {}, []

@@ -22,7 +22,7 @@ class Unit:
         self.is_root = is_root
         self.state = UnitState.SHARDED if sharded else UnitState.UNSHARDED
         self._gathers: list[collectives.Pending] = []
-        self._expected = {(gi, pi) for gi, g in enumerate(groups) if g.trainable for pi in range(len(g.params))}
+        self._expected = {(gi, pi) for gi, g in enumerate(groups) if g.trainable for pi in range(len(g.layout.slots))}
         self._ready: set[tuple[int, int]] = set()
         self.reduce_launched = False
         if sharded:

@@ -29,6 +29,17 @@ class ParamRef:
     param: nn.Parameter
     places: list[tuple[nn.Module, str]]
     aliases: list[str]
+    original_id: int = 0
+    """``id()`` of the user's Parameter, so param groups built before sharding can be matched."""
+
+    def __post_init__(self) -> None:
+        self.original_id = self.original_id or id(self.param)
+
+    def release(self) -> None:
+        """Drop the original values once they live in a flat buffer; keep shape, dtype, grad flag."""
+        if not self.param.is_meta:
+            self.param = nn.Parameter(torch.empty(self.param.shape, dtype=self.param.dtype, device="meta"),
+                                      requires_grad=self.param.requires_grad)
 
 
 @dataclasses.dataclass

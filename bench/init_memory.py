@@ -1,0 +1,68 @@
+"""Peak per-rank tensor bytes while building and sharding a GPT, with and without meta init.
+
+    .venv/bin/python bench/init_memory.py --model medium --world 4 --stage 3
+
+Each rank reports the peak tensor storage allocated during build + zs.shard (allocator events via
+torch.profiler), its shard bytes and the largest single param: meta init should sit at
+shards + largest param, a plain build at the whole model or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import zeroshard as zs
+from zeroshard.launch import spawn
+from zeroshard.models import GPT, GPTConfig
+from zeroshard.profile.alloc import peak_allocated
+from zeroshard.sharding import get_engine
+
+
+def _rank(model_name: str, stage: int, meta: bool) -> dict:
+    zs.init()
+    cfg = GPTConfig.named(model_name)
+
+    def build():
+        torch.manual_seed(0)
+        if meta:
+            with zs.meta_init():
+                model = GPT(cfg)
+        else:
+            model = GPT(cfg)
+        return zs.shard(model, stage=stage)
+
+    start = time.perf_counter()
+    peak, model = peak_allocated(build)
+    seconds = time.perf_counter() - start
+    engine = get_engine(model)
+    return {
+        "peak": peak,
+        "seconds": seconds,
+        "shard": sum(g.shard.untyped_storage().nbytes() for g in engine.groups),
+        "largest": max(s.numel for g in engine.groups for s in g.layout.slots) * 4,
+        "model": sum(g.layout.param_numel for g in engine.groups) * 4,
+        "path": engine.init_stats["path"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="medium")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--stage", type=int, default=3)
+    args = parser.parse_args()
+    mib = 2**20
+    print(f"{args.model} at world {args.world}, stage {args.stage}")
+    for meta in (True, False):
+        results = spawn(_rank, args.world, args=(args.model, args.stage, meta), timeout_s=1800)
+        r = max(results, key=lambda x: x["peak"])
+        print(f"  init={r['path']:<10} peak/rank {r['peak'] / mib:8.1f} MiB   shards {r['shard'] / mib:7.1f} MiB"
+              f"   largest param {r['largest'] / mib:5.1f} MiB   model {r['model'] / mib:7.1f} MiB"
+              f"   build+shard {r['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

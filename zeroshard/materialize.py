@@ -1,0 +1,208 @@
+"""Meta-device initialisation: materialise only this rank's shards, bitwise equal to a plain build.
+
+[Note: seed-exact sharded init]
+A model built under ``torch.device("meta")`` has shapes but no values. ``zs.shard`` allocates only
+what the stage keeps (the 1/N shard at stage 3) and then *replays the model's own init code* on the
+meta model under a ``TorchFunctionMode``. Every in-place call that writes a param (``normal_``,
+``nn.init.trunc_normal_``, ``p.data.zero_()``, ...) is re-run on a temporary full-size real tensor
+of that one param, with the same generator, shape and dtype a single-process build would use; the
+rank then keeps its slice and drops the tensor. Because the replay consumes the global RNG in the
+same order and amounts as ``torch.manual_seed(s); Model()``, the global tensors are bitwise equal
+to the single-process init at every world size and stage.
+
+Cost: every rank generates every param once (the same compute as a plain init), but holds at most
+its shards plus one full param. The init code to replay is ``model.init_weights()`` when the model
+has one, otherwise every module's ``reset_parameters()`` in module order; pass ``init_fn`` to
+``zs.shard`` for anything else. The model must be seeded identically on every rank. Limits: an init
+that reads one param while writing another (copying a tied weight, say) is refused with a message,
+and ``trunc_normal_``/``orthogonal_``/``dirac_``/``sparse_`` are caught only when called as
+``nn.init.<name>`` (torch makes them no-ops on meta tensors, so they are wrapped by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zeroshard.sharding.engine import Engine
+
+# Init calls that overwrite every element, so a param can be re-initialised after it was flushed.
+_OVERWRITES = {
+    "normal_", "uniform_", "zero_", "zeros_", "ones_", "fill_", "constant_", "trunc_normal_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "eye_", "dirac_", "sparse_",
+}
+
+
+@contextlib.contextmanager
+def meta_init():
+    """Build a model without allocating it: ``with zs.meta_init(): model = GPT(cfg)``."""
+    with torch.device("meta"):
+        yield
+
+
+def reset_parameters(model: nn.Module) -> None:
+    """What torch layers do while being constructed: each module's reset, in module order."""
+    for module in model.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+
+def reset_then_init_weights(model: nn.Module) -> None:
+    """For models whose layers draw their default init while being built and whose
+    ``init_weights()`` then overwrites it (the Hugging Face pattern): both draws, in that order."""
+    reset_parameters(model)
+    model.init_weights()
+
+
+def default_init_fn(model: nn.Module) -> None:
+    """``init_weights()`` alone if the model has one (its layers must not draw random numbers
+    before it, as zeroshard's GPT guarantees by building them on meta), else every reset."""
+    if callable(getattr(model, "init_weights", None)):
+        model.init_weights()
+    else:
+        reset_parameters(model)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Target:
+    """One meta param and where its values go."""
+
+    def __init__(self, fqn: str, meta: torch.Tensor, sinks: list) -> None:
+        self.fqn = fqn
+        self.meta = meta
+        self.sinks = sinks  # (flat group, slot index) pairs
+        self.done = False
+
+
+class _InitReplay(TorchFunctionMode):
+    def __init__(self, targets: dict[int, _Target], device: torch.device) -> None:
+        super().__init__()
+        self.targets = targets
+        self.device = device
+        self.current: _Target | None = None
+        self.real: torch.Tensor | None = None
+        self.peak_temp_bytes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        leaves, _ = tree_flatten((args, kwargs))
+        touched = [self.targets.get(_storage_key(t)) for t in leaves
+                   if isinstance(t, torch.Tensor) and t.is_meta and t.untyped_storage() is not None]
+        touched = [t for t in touched if t is not None]
+        if not touched or not name.endswith("_") or name.startswith("__"):
+            return func(*args, **kwargs)  # shape queries, views and ops on non-params stay on meta
+        written = touched[0]
+        if len({id(t) for t in touched}) > 1:
+            others = ", ".join(sorted({t.fqn for t in touched[1:]}))
+            raise ValueError(f"init code {name} on {written.fqn} also reads {others}; meta-device init replays "
+                             "one param at a time, so initialise params independently (or shard a real model)")
+        return self.run_on_real(written, func, name, args, kwargs)
+
+    def run_on_real(self, written: _Target, func, name: str, args, kwargs):
+        self._materialise(written, name)
+        real_args, real_kwargs = tree_map(self._to_real, (args, kwargs))
+        func(*real_args, **real_kwargs)
+        return args[0] if args else None
+
+    def target_of(self, value) -> _Target | None:
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            return self.targets.get(_storage_key(value))
+        return None
+
+    def _to_real(self, value):
+        if isinstance(value, torch.Tensor) and value.is_meta and self.targets.get(_storage_key(value)) is self.current:
+            return self.real.as_strided(value.shape, value.stride(), value.storage_offset())
+        return value
+
+    def _materialise(self, target: _Target, op: str) -> None:
+        if target is self.current:
+            return
+        self.flush()
+        if target.done and op not in _OVERWRITES:
+            raise ValueError(f"init code runs {op} on {target.fqn} after other params were initialised; "
+                             "meta-device init replays one param at a time, so finish each param's init "
+                             "before moving to the next")
+        self.current = target
+        self.real = torch.empty(target.meta.shape, dtype=target.meta.dtype, device=self.device)
+        self.peak_temp_bytes = max(self.peak_temp_bytes, self.real.numel() * self.real.element_size())
+
+    def flush(self) -> None:
+        if self.current is None:
+            return
+        for group, index in self.current.sinks:
+            group.load_param_values(index, self.real)
+        self.current.done = True
+        self.current, self.real = None, None
+
+
+# These nn.init functions return early on meta tensors without dispatching to torch-function
+# modes, so the replay wraps them by name for the duration of the init call.
+_META_SHORTCUT_INITS = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+
+
+@contextlib.contextmanager
+def _route_meta_shortcuts(replay: _InitReplay):
+    originals = {name: getattr(nn.init, name) for name in _META_SHORTCUT_INITS}
+
+    def routed(name, original):
+        def call(tensor, *args, **kwargs):
+            target = replay.target_of(tensor)
+            if target is None:
+                return original(tensor, *args, **kwargs)
+            return replay.run_on_real(target, original, name, (tensor, *args), kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(nn.init, name, routed(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
+def materialize(model: nn.Module, engine: Engine, init_fn: Callable[[nn.Module], None] | None,
+                require_all: bool = True) -> dict:
+    """Fill the engine's buffers by replaying ``init_fn`` (see the note above); return stats."""
+    targets: dict[int, _Target] = {}
+    for group in engine.groups:
+        for index, ref in enumerate(group.refs):
+            key = _storage_key(ref.param)
+            target = targets.setdefault(key, _Target(ref.fqn, ref.param, []))
+            target.sinks.append((group, index))
+    # The replay needs the meta params registered on the modules, where the init code finds them.
+    for group in engine.groups:
+        for ref in group.refs:
+            for module, attr in ref.places:
+                module._parameters[attr] = ref.param
+    replay = _InitReplay(targets, engine.mesh.device)
+    with replay, _route_meta_shortcuts(replay), torch.no_grad():
+        (init_fn or default_init_fn)(model)
+    replay.flush()
+    for unit in engine.units:
+        for group in unit.groups:
+            group.register(unsharded=not engine.policy.shard_params)
+    missing = sorted(t.fqn for t in targets.values() if not t.done)
+    if missing and require_all:
+        raise ValueError(f"the init code never wrote {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+                         "give zs.shard an init_fn that initialises every param")
+    _check_buffers(model)
+    engine.sync_params()
+    return {"path": "meta" if require_all else "meta (values left for a checkpoint load)",
+            "peak_temp_bytes": replay.peak_temp_bytes}
+
+
+def _check_buffers(model: nn.Module) -> None:
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise ValueError(f"buffers {meta[:5]} are still on the meta device after init; build buffers "
+                         "outside torch.device('meta') or set them in the model's init_weights()")

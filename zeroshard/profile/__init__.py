@@ -1,0 +1,1 @@
+"""Measurement: where memory and time go."""
