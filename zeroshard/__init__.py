@@ -1,5 +1,6 @@
 """zeroshard: sharded data-parallel training for PyTorch (DDP and ZeRO-1/2/3 in one runtime)."""
 
+from zeroshard.checkpoint import CheckpointError, load, save
 from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
 from zeroshard.sharding import (
@@ -16,10 +17,15 @@ from zeroshard.sharding import (
     unsharded,
 )
 
+from zeroshard.materialize import meta_init
+from zeroshard.plan import plan
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Mesh", "MixedPrecision", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "get_mesh",
-    "grad_norm", "init", "ledger", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard",
+    "grad_norm", "init", "ledger", "meta_init", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard",
     "shutdown", "unsharded",
+    "plan",
+    "CheckpointError", "load", "save",
 ]

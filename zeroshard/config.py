@@ -88,6 +88,10 @@ class TrainConfig:
     """Order k of the synthetic Markov chain: each token depends on the previous k. With k >= 2
     the model must learn to attend backwards, so the loss plateaus before it falls."""
 
+    shard_size: int | None = None
+    """Hybrid sharding: shard inside groups of this many consecutive ranks and replicate across
+    groups (world/shard_size replicas). None shards over the whole world."""
+
     bucket_mb: float = 25.0
     """Gradient bucket size in MB for the overlapped reduction."""
 
@@ -100,6 +104,11 @@ class TrainConfig:
     """Stages 2-3 only: 'sharded' reduce-scatters every micro-step into the 1/N grad shard;
     'unsharded' keeps full fp32 grads across micro-steps and reduces once per step."""
 
+    init: str = "auto"
+    """How the model is initialised: 'meta' builds it on the meta device and materialises only
+    this rank's shards (bitwise the same values), 'full' builds it whole on every rank, 'auto'
+    picks meta above 50M params."""
+
     run_dir: str | None = None
     """Where metrics.jsonl and config.json go; None means runs/<timestamp>."""
 
@@ -109,6 +118,20 @@ class TrainConfig:
     hang_timeout_s: float = 600.0
     """Seconds a collective may wait before the run fails with an error instead of hanging
     (the process-group timeout). A rank that dies is detected at once, not after this."""
+
+    save_every: int = 0
+    """Save a checkpoint every this many optimizer steps into `ckpt_dir`; 0 never saves."""
+
+    ckpt_dir: str | None = None
+    """Checkpoint directory: one `step-NNNNNNNN` subdirectory per save, plus a `latest` pointer."""
+
+    resume: str | None = None
+    """'auto' continues from the newest checkpoint in `ckpt_dir` that verifies (naming any it skips;
+    a fresh start if there is none); a path continues from that checkpoint. The world size and stage
+    may differ from the saved run's."""
+
+    keep_last: int = 3
+    """Checkpoints kept in `ckpt_dir`; older ones are deleted after each successful save. 0 keeps all."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -121,6 +144,10 @@ class TrainConfig:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
         if self.mp not in PARAM_DTYPES:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
+        if self.shard_size is not None and (self.shard_size < 1 or self.nproc % self.shard_size):
+            raise ValueError(f"shard_size={self.shard_size} must divide nproc={self.nproc}")
+        if self.init not in ("auto", "meta", "full"):
+            raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")
         if self.accumulation not in ("sharded", "unsharded"):
             raise ValueError(f"accumulation={self.accumulation!r} is invalid; use 'sharded' or 'unsharded'")
         for name in ("nproc", "batch", "seq_len", "steps", "num_samples", "log_every", "order", "accum"):
@@ -141,6 +168,7 @@ class TrainConfig:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
+        check_checkpointing(self)
         check_batch_split(self.batch, self.nproc, self.accum)
         if self.data is None and self.num_samples < self.batch:
             raise ValueError(
@@ -159,6 +187,16 @@ def check_batch_split(batch: int, world: int, accum: int = 1) -> None:
             f"global batch={batch} does not split evenly over {world} ranks x {accum} micro-steps; "
             f"use a batch that is a multiple of {world * accum}"
         )
+
+
+def check_checkpointing(cfg: TrainConfig) -> None:
+    for name in ("save_every", "keep_last"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0 (0 disables it)")
+    if cfg.save_every and cfg.ckpt_dir is None:
+        raise ValueError(f"save_every={cfg.save_every} needs ckpt_dir: pass --ckpt-dir DIR")
+    if cfg.resume == "auto" and cfg.ckpt_dir is None:
+        raise ValueError("resume='auto' searches ckpt_dir, which is not set: pass --ckpt-dir DIR")
 
 
 def _check_types(cfg: TrainConfig) -> None:

@@ -30,9 +30,11 @@ import torch
 
 import zeroshard as zs
 from zeroshard.comm.collectives import all_reduce
+from zeroshard.checkpoint.training import maybe_save, open_metrics, resume
 from zeroshard.config import TrainConfig, check_batch_split
 from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.sharding import get_engine
 from zeroshard.sharding.precision import parse_dtype
 
 FAULT_ENV = "ZEROSHARD_FAULT"
@@ -142,11 +144,30 @@ def build_data(cfg: TrainConfig) -> Any:
     )
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
-    """Seed first, so every rank (and the single-process reference) starts bit-identical."""
+META_INIT_THRESHOLD = 50_000_000
+"""Above this many params `init="auto"` builds on the meta device (see zeroshard/materialize.py)."""
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool = True) -> GPT:
+    """Seed first, so every rank (and the single-process reference) starts bit-identical.
+
+    On the meta device nothing is allocated; `zs.shard` later materialises this rank's shards
+    with the values a plain build under the same seed would have.
+    """
     model_cfg = GPTConfig.named(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
+    if allow_meta and use_meta_init(cfg, model_cfg):
+        torch.manual_seed(cfg.seed)
+        with zs.meta_init():
+            return GPT(model_cfg)
     torch.manual_seed(cfg.seed)
     return GPT(model_cfg).to(device)
+
+
+def use_meta_init(cfg: TrainConfig, model_cfg: GPTConfig) -> bool:
+    if cfg.init != "auto":
+        return cfg.init == "meta"
+    with zs.meta_init():
+        return GPT(model_cfg).num_params() > META_INIT_THRESHOLD
 
 
 def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
@@ -255,17 +276,20 @@ def average_token_loss(run: Run, loss_sum: torch.Tensor, y: torch.Tensor) -> flo
     return float(totals[0] / totals[1])
 
 
-def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Path | None = None) -> None:
-    for step in range(run.cfg.steps):
+def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Path | None = None,
+             start: int = 0) -> None:
+    """Steps `start` .. `cfg.steps - 1` (0-based); `start` > 0 after a resume."""
+    for step in range(start, run.cfg.steps):
         rec = train_step(run, step)
         run.records.append(rec)
-        if step == 0 and run_dir is not None:
+        if step == start and run_dir is not None:
             # After the first step, so the optimizer's lazily created state shows its real dtypes.
             write_manifest(run_dir, run)
         if metrics_file is not None:
             metrics_file.write(json.dumps(rec.__dict__) + "\n")
             metrics_file.flush()
         reporter.step(rec)
+        maybe_save(run, step + 1)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -336,6 +360,7 @@ def summarize(run: Run, info: dict[str, Any], bytes_before: int) -> dict[str, An
         "peak_rss_mb": max_across_ranks(run, peak_rss_mb()),
         "accum": run.cfg.accum,
         "precision": zs.precision_manifest(run.model, run.opt),
+        "init_path": get_engine(run.model).init_stats["path"],
         "skipped_steps": 0 if run.scaler is None else run.scaler.skipped_steps,
     }
 
@@ -365,6 +390,7 @@ def write_config(run_dir: Path, run: Run, info: dict[str, Any]) -> None:
 def train(cfg: TrainConfig, mesh: Any, reporter: Reporter | None = None) -> dict[str, Any]:
     """Run training on an initialised mesh; returns the summary (same figures on every rank)."""
     run = setup(cfg, mesh)
+    start = resume(run)  # 0 unless cfg.resume found a checkpoint
     is_main = mesh.rank == 0
     reporter = reporter if (reporter is not None and is_main) else NullReporter()
     run_dir = resolve_run_dir(cfg) if is_main else None
@@ -373,11 +399,11 @@ def train(cfg: TrainConfig, mesh: Any, reporter: Reporter | None = None) -> dict
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, run, info)
-        metrics_file = (run_dir / "metrics.jsonl").open("w")
+        metrics_file = open_metrics(run_dir / "metrics.jsonl", start)
     bytes_before = zs.ledger().total_bytes()
     reporter.start(info)
     try:
-        run_loop(run, reporter, metrics_file, run_dir)
+        run_loop(run, reporter, metrics_file, run_dir, start)
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -392,7 +418,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     On an error the process group is deliberately not torn down: a peer may be blocked in a
     collective, and tearing down could block too. The launcher (or torchrun) stops the peers.
     """
-    mesh = zs.init(timeout_s=cfg.hang_timeout_s)
+    mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size)
     summary = train(cfg, mesh, reporter)
     zs.shutdown()
     return summary
@@ -400,7 +426,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
 
 def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Train quietly and return per-step losses; rank 0 also returns the full fp32 params."""
-    mesh = zs.init(timeout_s=cfg.hang_timeout_s)
+    mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size)
     run = setup(cfg, mesh)
     for step in range(cfg.steps):
         run.records.append(train_step(run, step))
@@ -418,7 +444,7 @@ def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     accumulation: one fp32 forward/backward over the whole global batch per step.
     """
     dataset = build_data(cfg)
-    model = build_model(cfg, dataset.vocab_size, torch.device("cpu"))
+    model = build_model(cfg, dataset.vocab_size, torch.device("cpu"), allow_meta=False)
     opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=BETAS)
     scheduler = make_scheduler(cfg, opt)
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=1, rank=0, seed=cfg.seed)

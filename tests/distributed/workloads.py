@@ -175,3 +175,80 @@ def ledger_suite() -> dict:
             "groups_named": sorted({r.group for r in ledger.since(start)}),
         }
     return out
+
+
+def hybrid_suite(shard_size: int = 2) -> dict:
+    """World 4 as 2 replicas x 2 shards: parity runs, plus one step's bytes per (op, group, phase)."""
+    from zeroshard.sharding import get_engine
+
+    zs.init(shard_size=shard_size)
+    out = {stage: sharded_run(stage, 10, GLOBAL_BATCH) for stage in (0, 1, 2, 3)}
+    cfg, data = tiny_setup(GLOBAL_BATCH)
+    mesh = zs.get_mesh()
+    torch.manual_seed(SEED)
+    model = zs.shard(GPT(cfg), stage=3)
+    engine = get_engine(model)
+    opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
+    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
+    ledger = zs.ledger()
+    for _ in range(2):
+        x, y = collate(data, sampler.next_indices())
+        start = ledger.next_seq
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    by_key: dict[str, int] = {}
+    for record in ledger.since(start):
+        key = f"{record.op}:{record.group}:{record.phase}"
+        by_key[key] = by_key.get(key, 0) + record.bytes
+    out["ledger"] = {
+        "by_key": by_key,
+        "padded_bytes": sum(g.layout.numel * 4 for g in engine.groups),
+        "shard_bytes": sum(g.layout.shard_numel * 4 for g in engine.groups),
+        "root_bytes": sum(g.layout.numel * 4 for u in engine.units if u.is_root for g in u.groups),
+        "mesh": mesh.describe(),
+    }
+    return out
+
+
+CHECKPOINT_POLICIES = ("none", "all", "every:3", "sqrt")
+
+
+def checkpointing_suite() -> dict:
+    """Every stage x policy for a few steps, plus the recompute all-gathers the ledger saw."""
+    out = {}
+    ledger = zs.ledger()
+    for stage in (0, 1, 2, 3):
+        for policy in CHECKPOINT_POLICIES:
+            start = ledger.next_seq
+            cfg, data = tiny_setup(GLOBAL_BATCH)
+            mesh = zs.init()
+            torch.manual_seed(SEED)
+            model = zs.shard(GPT(cfg), stage=stage, checkpointing=policy)
+            opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
+            sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
+            losses = []
+            for _ in range(4):
+                x, y = collate(data, sampler.next_indices())
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            recompute_bytes = sum(r.bytes for r in ledger.since(start) if r.phase == "recompute")
+            out[(stage, policy)] = {"losses": losses, "params": zs.full_state_dict(model),
+                                    "recompute_gather_bytes": recompute_bytes}
+    return out
+
+
+def activation_memory(n_layer: int, policy: str, n_embd: int = 64, batch: int = 4, seq: int = 64) -> dict:
+    """Activation bytes kept after forward and at the step's peak (torch's MemTracker)."""
+    from zeroshard.profile.activations import activation_bytes
+
+    mesh = zs.init()
+    cfg = GPTConfig.named("tiny", n_layer=n_layer, n_embd=n_embd, n_head=4, seq_len=seq)
+    torch.manual_seed(SEED)
+    model = zs.shard(GPT(cfg), stage=0, checkpointing=policy)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq))
+    model(x, x).backward()  # warm-up: lazily created buffers are not activations
+    return activation_bytes(model, lambda: model(x, x), mesh.device)

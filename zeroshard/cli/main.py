@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from zeroshard.cli import ckpt as ckpt_cmd
+from zeroshard.cli import plan as plan_cmd
 from zeroshard.cli import train as train_cmd
 from zeroshard.cli import verify as verify_cmd
 
@@ -18,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_cmd.add_parser(sub)
     verify_cmd.add_parser(sub)
+    ckpt_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     return parser
 
 

@@ -168,6 +168,7 @@ def summary_table(s: dict[str, Any]) -> Table:
                                            f"{', '.join(p['optimizer_state_dtypes'] or ['-'])}"),
         ("grad accumulation dtype", f"{p['grad_accumulation_dtype']} ({p['grad_accumulation']})"),
         ("units", f"{len(p['units'])}"),
+        ("init path", s["init_path"]),
     ]
     if s["skipped_steps"]:
         rows.append(("steps skipped (fp16 overflow)", str(s["skipped_steps"])))

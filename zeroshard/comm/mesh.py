@@ -64,16 +64,28 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _default_shard_size(world: int) -> int:
-    return world
+def _resolve_shard_size(shard_size: int | str | None, world: int) -> int:
+    """None: shard over the whole world. "node": one shard group per node, from torchrun's
+    LOCAL_WORLD_SIZE, so all-gathers and reduce-scatters stay on intra-node links."""
+    if shard_size is None:
+        return world
+    if shard_size == "node":
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not isinstance(shard_size, int):
+        raise ValueError(f"shard_size must be an int, 'node' or None, got {shard_size!r}")
+    return shard_size
 
 
-def init(*, backend: str | None = None, shard_size: int | None = None, timeout_s: float = 600.0) -> Mesh:
+def init(*, backend: str | None = None, shard_size: int | str | None = None, timeout_s: float = 600.0) -> Mesh:
     """Join (or create) the default process group from the environment and build the mesh.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun and our launcher set them. With
     no RANK in the environment it starts a one-process world, so library code runs unchanged in a
     plain ``python`` session. Calling it again returns the existing mesh.
+
+    ``shard_size=k`` makes a hybrid mesh of world/k replicas × k shards (ZeRO stages 1-3 shard
+    inside a group of k consecutive ranks and all-reduce across replicas); ``"node"`` takes k from
+    LOCAL_WORLD_SIZE.
     """
     global _MESH
     if _MESH is not None:
@@ -88,7 +100,7 @@ def init(*, backend: str | None = None, shard_size: int | None = None, timeout_s
             # worker to the subprocesses it starts.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
-    shard_size = shard_size or _default_shard_size(world)
+    shard_size = _resolve_shard_size(shard_size, world)
     if shard_size < 1 or world % shard_size != 0:
         raise ValueError(
             f"shard_size={shard_size} does not divide world size {world}; pick a divisor of {world} "

@@ -8,7 +8,14 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def peak_allocated(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """Run ``fn`` and return (peak bytes of tensor storage allocated above the start, its result).
+    """Run ``fn``; return (peak bytes allocated above the start, its result)."""
+    peak, _, result = allocation_profile(fn)
+    return peak, result
+
+
+def allocation_profile(fn: Callable[[], Any]) -> tuple[int, int, Any]:
+    """Run ``fn``; return (peak, still-allocated-at-the-end) bytes of tensor storage above the start,
+    and its result.
 
     Works on CPU, where there is no ``max_memory_allocated``. The profiler reports each allocation
     on the innermost op (and again on its callers), so only leaf events are summed.
@@ -21,4 +28,4 @@ def peak_allocated(fn: Callable[[], Any]) -> tuple[int, Any]:
     for event in events:
         current += event.cpu_memory_usage
         peak = max(peak, current)
-    return peak, result
+    return peak, current, result

@@ -14,6 +14,7 @@ from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import optim_groups, optimizer
 from zeroshard.sharding.manifest import precision_manifest
 from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.recompute import Recompute, segment_length
 from zeroshard.sharding.scaler import ShardedGradScaler
 from zeroshard.sharding.state import full_state_dict, unsharded
 from zeroshard.sharding.wrap import UnitsArg, plan_units, validate_params
@@ -37,7 +38,7 @@ def no_sync(model: nn.Module):
 def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrecision | None = None,
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
-          skip_init: bool = False) -> nn.Module:
+          skip_init: bool = False, checkpointing: str = "none") -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -55,7 +56,11 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     (``init_fn``, default ``model.init_weights()`` or every module's ``reset_parameters()``); see
     zeroshard/materialize.py. The values are bitwise those of a plain build under the same seed.
     ``skip_init=True`` leaves them at zero instead, for a checkpoint load that fills them next.
+
+    ``checkpointing`` recomputes block activations in backward: "none", "all", "every:K" or
+    "sqrt" (segments of about √L blocks); see zeroshard/sharding/recompute.py.
     """
+    segment_length(checkpointing, 1)  # validate the policy before touching the model
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
     policy = StagePolicy(stage)
@@ -74,6 +79,9 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                     bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation)
     model._zeroshard_engine = engine
+    blocks = [spec.module for spec in specs if not spec.is_root]
+    if segment_length(checkpointing, len(blocks)) is not None:
+        engine.recompute = Recompute(model, blocks, checkpointing, engine if policy.shard_params else None)
     if device.type == "meta":
         from zeroshard.materialize import materialize
 

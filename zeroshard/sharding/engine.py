@@ -94,6 +94,9 @@ class Engine:
         self._position = 0
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
+        self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
+        self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
+            if policy.shard_params else {}
         self._hooks = []
         self._register_grad_hooks()
         if policy.shard_params:
@@ -123,6 +126,11 @@ class Engine:
 
     # -- stage 3 forward ----------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
+        if self.recompute is not None and self.recompute.begin_cached_call(module, args):
+            return  # the unit already ran inside its checkpointed segment
+        self.enter_unit(unit)
+
+    def enter_unit(self, unit: Unit) -> None:
         tracking = torch.is_grad_enabled()
         if unit.is_root:
             self._position = 0
@@ -154,6 +162,11 @@ class Engine:
         self._position += 1
 
     def _post_forward(self, unit: Unit, module, args, output):
+        if self.recompute is not None and self.recompute.end_cached_call(module):
+            return output
+        return self.exit_unit(unit, output)
+
+    def exit_unit(self, unit: Unit, output):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
@@ -165,6 +178,21 @@ class Engine:
         if unit.is_root and grad_enabled and not self._order_recorded:
             self._order_recorded = True
         return output
+
+    def gather_for_recompute(self, module) -> bool:
+        """Make a unit's full params available to a recompute; True if it had to be gathered."""
+        unit = self.unit_of_module.get(id(module))
+        if unit is None or unit.state is not UnitState.SHARDED:
+            if unit is not None:
+                unit.wait_unshard()
+            return False
+        unit.unshard("recompute")
+        unit.wait_unshard()
+        self._track_memory()
+        return True
+
+    def release_after_recompute(self, module) -> None:
+        self.unit_of_module[id(module)].reshard()
 
     # -- stage 3 backward ---------------------------------------------------------------------
     def _pre_backward(self, unit: Unit, grad) -> None:

@@ -1,0 +1,160 @@
+"""`zeroshard ckpt inspect|verify|export|reshard`: offline checkpoint tools (no process group).
+
+  inspect DIR            what a checkpoint holds: step, world, stage, versions, sizes, state
+  verify DIR...          checksums, sizes, headers and coverage; a root verifies every checkpoint in it
+  export DIR OUT         one safetensors file for the plain model, streamed one param at a time
+  reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway)
+
+DIR may be a checkpoint directory or a root with a `latest` pointer. Exit status 1 on any problem,
+with the file or key named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
+        n /= 1024
+    return f"{n:,.1f} GB"
+
+
+def _err(message: str) -> int:
+    print(f"zeroshard ckpt: error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def summary(directory: Path, manifest: dict) -> dict[str, Any]:
+    numel = sum(_numel(p["shape"]) for p in manifest["params"])
+    opt = manifest.get("optimizer")
+    return {
+        "path": str(directory), "step": manifest["step"], "world": manifest["world"], "stage": manifest["stage"],
+        "created": manifest.get("created"), "zeroshard": manifest.get("zeroshard"), "torch": manifest.get("torch"),
+        "git": manifest.get("git"), "model": manifest.get("model"), "params": len(manifest["params"]),
+        "param_elements": numel, "units": len(manifest.get("units", [])),
+        "optimizer": None if opt is None else opt["class"],
+        "optimizer_state": sorted({s for p in manifest["params"] for s in p["state"]}),
+        "scheduler": manifest.get("scheduler") is not None, "scaler": manifest.get("scaler") is not None,
+        "sampler": manifest.get("sampler"), "files": manifest["files"],
+        "bytes": sum(f["bytes"] for f in manifest["files"].values()),
+        "resharded_from": manifest.get("resharded_from"),
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError, resolve
+    from zeroshard.checkpoint.format import read_manifest
+
+    try:
+        directory = resolve(args.dir)
+        info = summary(directory, read_manifest(directory))
+    except CheckpointError as e:
+        return _err(str(e))
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    model = info["model"] or {}
+    print(f"checkpoint {info['path']}")
+    print(f"  step {info['step']}, saved on {info['world']} ranks at stage {info['stage']} ({info['created']})")
+    print(f"  zeroshard {info['zeroshard']}, torch {info['torch']}, git {info['git'] or 'unknown'}")
+    print(f"  model {model.get('class')} {json.dumps(model.get('config'))}")
+    print(f"  {info['params']} params, {info['param_elements']:,} elements, {info['units']} units")
+    print(f"  optimizer {info['optimizer'] or '-'} (state: {', '.join(info['optimizer_state']) or '-'}); "
+          f"scheduler {'yes' if info['scheduler'] else 'no'}, scaler {'yes' if info['scaler'] else 'no'}, "
+          f"sampler {json.dumps(info['sampler'])}")
+    print(f"  {len(info['files'])} files, {_fmt_bytes(info['bytes'])}:")
+    for name, f in info["files"].items():
+        print(f"    {name}  {_fmt_bytes(f['bytes'])}  sha256 {f['sha256'][:16]}...")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import complete_checkpoints, problems
+    from zeroshard.checkpoint.discover import interrupted_saves
+    from zeroshard.checkpoint.format import MANIFEST
+
+    failed = False
+    for target in args.dirs:
+        root = Path(target)
+        if (root / MANIFEST).is_file() or not root.is_dir():
+            dirs = [root]
+        else:  # a root: every checkpoint in it, plus the saves that never committed
+            dirs = [f.path for f in complete_checkpoints(root)]
+            for partial in interrupted_saves(root):
+                print(f"SKIP {partial}: interrupted save, never committed")
+            if not dirs:
+                print(f"FAIL {root}: no checkpoints found")
+                failed = True
+        for directory in dirs:
+            found = problems(directory)
+            if found:
+                failed = True
+                print(f"FAIL {directory}")
+                for problem in found:
+                    print(f"  {problem}")
+            else:
+                print(f"OK   {directory}")
+    return 1 if failed else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError, export
+    from zeroshard.sharding.precision import parse_dtype
+
+    try:
+        stats = export(args.dir, args.out, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    except (CheckpointError, ValueError) as e:
+        return _err(str(e))
+    print(f"wrote {stats.path}: {stats.tensors} tensors, {_fmt_bytes(stats.bytes)} "
+          f"(largest param {_fmt_bytes(stats.largest_param_bytes)}, the export's working set)")
+    return 0
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError, reshard
+
+    try:
+        out = reshard(args.src, args.dst, args.world, overwrite=args.overwrite)
+    except CheckpointError as e:
+        return _err(str(e))
+    print(f"wrote {out}: {args.world} rank files")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("ckpt", help="inspect, verify, export or reshard checkpoints (offline)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = p.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    q = cmds.add_parser("inspect", help="summarise a checkpoint")
+    q.add_argument("dir")
+    q.add_argument("--json", action="store_true", help="print the summary as JSON")
+    q.set_defaults(run=cmd_inspect)
+    q = cmds.add_parser("verify", help="check sizes, sha256, headers and coverage")
+    q.add_argument("dirs", nargs="+", metavar="DIR")
+    q.set_defaults(run=cmd_verify)
+    q = cmds.add_parser("export", help="consolidate into one safetensors file, one param at a time")
+    q.add_argument("dir")
+    q.add_argument("out")
+    q.add_argument("--dtype", default=None, help="cast params to fp32, bf16 or fp16 (default: as saved)")
+    q.add_argument("--overwrite", action="store_true")
+    q.set_defaults(run=cmd_export)
+    q = cmds.add_parser("reshard", help="rewrite as M rank files")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("-w", "--world", type=int, required=True, help="number of rank files to write")
+    q.add_argument("--overwrite", action="store_true")
+    q.set_defaults(run=cmd_reshard)

@@ -1,0 +1,198 @@
+"""`zeroshard plan`: per-rank memory of DDP and ZeRO-1/2/3 before you choose (MISSION M1-M4).
+
+  zeroshard plan --params 7e9 --world 8                    the seeds' textbook table
+  zeroshard plan --model small --world 4 --batch 8 --seq 512
+  zeroshard plan --model medium --world 16 --device-mem 24GB --inter-gbps 100 --gpus-per-node 8
+  zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured
+
+A model is built on the meta device: planning allocates nothing. --measure runs one real step per
+stage on gloo CPU ranks and prints predicted against measured bytes per component.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from zeroshard.cli.train import fail, one_line
+
+
+def _unit(largest: int) -> tuple[float, str, int]:
+    return (1e9, "GB", 2) if largest >= 1e9 else (1e6, "MB", 1)
+
+
+def plan_table(p) -> Table:
+    from zeroshard.plan.result import COMPONENTS
+
+    names = list(p.layouts)
+    div, unit, digits = _unit(max(p[n].device.total for n in names))
+    spec = p.spec
+    what = (f"{p.model.name}: {p.params / 1e6:,.1f}M params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)")
+    table = Table(title=f"{what}, per-rank {unit}, world {spec.world}",
+                  caption=f"micro-batch {spec.micro_batch} x seq {spec.seq}, accum {spec.accum}, "
+                          f"{spec.optimizer.__name__}, {spec.accounting} accounting; decimal units"
+                          + (f"; {p.model.tied} tied param(s) counted once" if p.model and p.model.tied else ""))
+    table.add_column("component", no_wrap=True)
+    for n in names:
+        style = "bold" if spec.stage is not None and p[n].stage == spec.stage and "_" not in n else None
+        table.add_column(n, justify="right", style=style)
+    fmt = lambda v: f"{v / div:,.{digits}f}"  # noqa: E731
+    for comp in COMPONENTS:
+        table.add_row(comp, *[fmt(getattr(p[n].device, comp)) for n in names])
+    if any(p[n].device.overlap for n in names):
+        # Components are each at their own peak; this is what they over-count together.
+        table.add_row("[dim]not simultaneous", *[f"[dim]{'-' if p[n].device.overlap else ''}"
+                                                  f"{fmt(p[n].device.overlap)}" for n in names])
+    table.add_section()
+    table.add_row("model states", *[fmt(p[n].device.model_states) for n in names])
+    table.add_row("[bold]total", *[f"[bold]{fmt(p[n].device.total)}" for n in names])
+    if any(p[n].host_bytes for n in names):
+        table.add_row("host (offload)", *[fmt(p[n].host_bytes) for n in names])
+    table.add_row("comm / step", *[fmt(p[n].comm_bytes) for n in names])
+    return table
+
+
+def measure_table(checks) -> Table:
+    from zeroshard.plan.measure import MEASURED
+
+    div, unit, digits = _unit(max(c.measured_total for c in checks))
+    table = Table(title=f"predicted vs measured, per rank ({unit}; {checks[0].method})")
+    table.add_column("component", no_wrap=True)
+    for c in checks:
+        table.add_column(f"{c.layout} pred", justify="right")
+        table.add_column("meas", justify="right")
+    fmt = lambda v: f"{v / div:,.{digits}f}"  # noqa: E731
+    for comp in MEASURED:
+        table.add_row(comp, *[x for c in checks for x in (fmt(getattr(c.predicted, comp)), fmt(c.measured[comp]))])
+    # What the measured peak leaves unexplained by the terms above, against the same for the plan.
+    table.add_row("workspace - overlap", *[x for c in checks for x in (
+        fmt(c.predicted.workspace - c.predicted.overlap), fmt(c.measured["workspace"]))])
+    table.add_section()
+    table.add_row("model states", *[x for c in checks for x in (
+        fmt(c.predicted.model_states), fmt(sum(c.measured[k] for k in ("params", "grads", "master", "optimizer"))))])
+    table.add_row("allocated peak", *[x for c in checks for x in (fmt(c.predicted.allocated), fmt(c.measured_total))])
+    table.add_row("error: model states", *[x for c in checks for x in ("", f"{c.model_state_error:.1%}")])
+    table.add_row("error: total", *[x for c in checks for x in ("", f"{c.total_error:.1%}")])
+    return table
+
+
+def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
+    from zeroshard.models import GPTConfig
+
+    if args.params is not None:
+        target: Any = args.params
+    else:
+        # The preset's name reads better in the report; a vocabulary override needs the config itself.
+        target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
+    kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
+                  seq=args.seq, accum=args.accum, checkpointing=args.checkpointing, prefetch=args.prefetch,
+                  bucket_mb=args.bucket_mb, headroom=args.headroom, accounting=args.accounting,
+                  device="cpu" if args.measure else args.device)
+    return target, kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeroshard.plan import Network, plan
+    from zeroshard.plan.recommend import recommend
+
+    if (args.params is None) == (args.model is None):
+        return fail("plan", "give exactly one of --model NAME or --params COUNT")
+    try:
+        target, kwargs = _plan_kwargs(args)
+        network = Network(intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, gpus_per_node=args.gpus_per_node)
+        p = plan(target, offload=args.offload, shard_size=args.shard_size, gpus_per_node=args.gpus_per_node, **kwargs)
+        rec = recommend(target, device_mem=args.device_mem, network=network, **kwargs) if args.device_mem else None
+        checks = _measure(p, args) if args.measure else None
+        chart = None
+        if args.plot:
+            from zeroshard.plan.chart import plot
+
+            chart = plot(p, args.plot, device_mem=rec.device_mem if rec else None)
+    except ValueError as e:
+        return fail("plan", str(e))
+    except Exception as e:  # a failed measurement rank arrives as WorkerError
+        from zeroshard.launch import WorkerError
+
+        if isinstance(e, WorkerError):
+            return fail("plan", one_line(e))
+        raise
+    if args.json:
+        out = p.to_dict()
+        if rec:
+            out["recommendation"] = rec.to_dict()
+        if checks:
+            out["measurement"] = [{"layout": c.layout, "method": c.method, "measured_bytes": c.measured,
+                                   "measured_total_bytes": c.measured_total, "model_state_error": c.model_state_error,
+                                   "total_error": c.total_error} for c in checks]
+        if chart:
+            out["plot"] = str(chart)
+        print(json.dumps(out, indent=1), flush=True)
+        return 0
+    console = Console()
+    console.print(plan_table(p))
+    for note in p.notes:
+        console.print(f"[dim]note: {note}")
+    if rec:
+        pick = rec.layout or "nothing fits"
+        extra = "" if rec.checkpointing == "none" else f" + {rec.checkpointing} checkpointing"
+        console.print(f"[bold]recommendation:[/bold] {pick}{extra} - {rec.reason}")
+    if checks:
+        console.print(measure_table(checks))
+    if chart:
+        console.print(f"chart written to {chart}")
+    return 0
+
+
+def _measure(p, args: argparse.Namespace):
+    from zeroshard.plan.measure import measure
+
+    stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
+    return measure(p, stages)
+
+
+def add_parser(sub: Any) -> None:
+    from zeroshard.config import MODEL_NAMES
+
+    p = sub.add_parser("plan", help="per-rank memory of every stage, a recommendation, and a measured check",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("what to plan (one of)")
+    what.add_argument("--model", choices=MODEL_NAMES, help="a named GPT, built on the meta device")
+    what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
+    run_ = p.add_argument_group("the run")
+    run_.add_argument("--world", type=int, required=True, help="data-parallel ranks")
+    run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
+                      "the one measured by --measure); every stage is planned")
+    run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")
+    run_.add_argument("--seq", type=int, help="tokens per sequence (default: the model's seq_len)")
+    run_.add_argument("--accum", type=int, default=1, help="gradient-accumulation micro-steps (default: 1)")
+    run_.add_argument("--mp", choices=("fp32", "bf16", "fp16"), help="compute dtype (fp32 master, fp32 reduction); "
+                      "default: the model's own dtype, or bf16 params and grads for --params")
+    run_.add_argument("--optimizer", default="adamw", help="torch.optim name or module:Class (default: adamw); "
+                      "its state size is found by running it")
+    run_.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")
+    run_.add_argument("--checkpointing", default="none", help="activation checkpointing: none, all, every:K, sqrt "
+                      "(planned only until the runtime implements it)")
+    run_.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
+                      help="also plan offload variants (planned only)")
+    run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
+    run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
+    run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")
+    run_.add_argument("--headroom", type=float, default=0.10, help="allocator headroom fraction (default: 0.10)")
+    run_.add_argument("--accounting", choices=("runtime", "textbook"),
+                      help="runtime (zeroshard's real buffers; default for --model) or textbook (default for --params)")
+    run_.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                      help="target backend: optimizer scratch and grad-buffer lifetime differ (default: cuda)")
+    net = p.add_argument_group("recommendation")
+    net.add_argument("--device-mem", metavar="SIZE", help="memory per device, e.g. 80GB; turns on the recommender")
+    net.add_argument("--intra-gbps", type=float, default=1600.0, help="intra-node link, Gb/s (default: 1600)")
+    net.add_argument("--inter-gbps", type=float, default=200.0, help="inter-node link, Gb/s (default: 200)")
+    net.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default: 8)")
+    out = p.add_argument_group("output")
+    out.add_argument("--measure", action="store_true", help="run one real step per stage on gloo and compare")
+    out.add_argument("--plot", metavar="OUT.png", help="write a stacked per-component chart (needs matplotlib)")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=run)

@@ -1,0 +1,70 @@
+"""Activation memory of our GPT: what autograd saves for backward, per layer and per token.
+
+Counted against ``saved_tensors_hooks`` on the real model (tests/unit/test_plan.py asserts the
+count is exact), with C = n_embd, c = bytes of the compute dtype, h = heads:
+
+- per block and token: 16·C·c bytes. The block input (ln1), ln1's output (qkv), the qkv output
+  (3C, which SDPA keeps as q, k, v views), the attention output (C, which is also out-proj's input:
+  the transpose back is already contiguous), the residual after attention (ln2), ln2's output (fc),
+  fc's output (4C, for GELU) and GELU's output (4C, for the MLP projection). Plus 4·c for the two
+  LayerNorms' mean and rstd, and 4·h for SDPA's fp32 log-sum-exp.
+- root, per token: the last block's output and norm_f's output (2·C·c), norm_f's stats (2·c), the
+  fp32 log-probabilities (4·V, kept by log_softmax whatever the compute dtype), token ids and
+  targets (int64, 16). Per sequence position: the position ids (8).
+
+ZeRO does not divide any of this by N (MISSION M2). Checkpointing keeps only block inputs
+(C·c per token) for checkpointed blocks and recomputes one block (or one √L segment) at a time in
+backward; the runtime does not implement it yet, so those rows are planned-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zeroshard.plan.spec import Checkpointing
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationEstimate:
+    saved: int
+    """Bytes held for backward when forward ends (the peak of saved activations)."""
+    recompute: int
+    """Bytes of the block or segment being recomputed during backward (0 without checkpointing)."""
+    workspace: int
+    """Backward temporaries alive at the peak: activation gradients, the logits' gradient."""
+    per_layer: int
+    root: int
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.recompute
+
+
+def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing) -> ActivationEstimate:
+    C, L, V, h = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
+    hidden = cfg.mlp_ratio * C
+    tokens = micro_batch * seq
+    c = compute_bytes
+    # 8·C outside the MLP plus its two hidden-size tensors: 16·C for the usual 4× MLP.
+    per_layer = tokens * ((8 * C + 2 * hidden) * c + 4 * c + 4 * h)
+    root = tokens * (2 * C * c + 2 * c + 4 * V + 16) + seq * 8 + 4
+    boundary = tokens * C * c  # what a checkpointed block keeps: its input
+
+    if policy.policy == "none":
+        saved, recompute = L * per_layer, 0
+    elif policy.policy in ("all", "every"):
+        checkpointed = math.ceil(L / policy.every)
+        saved = (L - checkpointed) * per_layer + checkpointed * boundary
+        recompute = per_layer
+    else:  # sqrt: ~√L segments, one segment of ~√L blocks recomputed at a time
+        segment = math.isqrt(L - 1) + 1  # ceil(√L)
+        segments = math.ceil(L / segment)
+        saved, recompute = segments * boundary, segment * per_layer
+
+    # At backward's start the fp32 log-prob gradient and the logits gradient coexist; inside a block
+    # the MLP's hidden-size gradients dominate (GELU's input and output grads, plus the residual).
+    head = tokens * V * 4 * 2 + (tokens * V * c if c != 4 else 0)
+    block = tokens * (2 * hidden + 3 * C + 2 * C) * c
+    return ActivationEstimate(saved=saved + root, recompute=recompute, workspace=max(head, block),
+                              per_layer=per_layer, root=root)

@@ -1,0 +1,118 @@
+"""``zs.plan``: one call from a model, a config, a preset name or a bare parameter count to a Plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.plan.activations import gpt_activations
+from zeroshard.plan.inventory import Inventory, meta_gpt
+from zeroshard.plan.memory import Estimator, variants
+from zeroshard.plan.result import Plan
+from zeroshard.plan.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
+from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.wrap import UnitsArg
+
+_ANALYTIC_SEQ = 2048  # shown only: a bare count has no activations to scale
+
+
+def _is_count(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    if isinstance(value, str):
+        try:
+            parse_count(value)
+        except ValueError:
+            return False
+        return True
+    return False
+
+
+def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, str, Any, int]:
+    """(model, name, GPTConfig or None, seq). Configs and names are built on the meta device."""
+    from zeroshard.models import GPT, GPTConfig
+
+    if isinstance(model_or_config, str):
+        cfg = GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
+        return meta_gpt(cfg), model_or_config, cfg, cfg.seq_len
+    if isinstance(model_or_config, GPTConfig):
+        cfg = dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config
+        return meta_gpt(cfg), "GPT", cfg, cfg.seq_len
+    if isinstance(model_or_config, nn.Module):
+        cfg = model_or_config.cfg if isinstance(model_or_config, GPT) else None
+        if cfg is not None and seq is not None and seq > cfg.seq_len:
+            raise ValueError(f"seq {seq} exceeds the model's seq_len {cfg.seq_len}; plan a model built with "
+                             f"seq_len >= {seq} or a shorter seq")
+        seq = seq or (cfg.seq_len if cfg is not None else _ANALYTIC_SEQ)
+        return model_or_config, type(model_or_config).__name__, cfg, seq
+    raise ValueError(f"cannot plan {type(model_or_config).__name__}: pass an nn.Module, a GPTConfig, a preset name "
+                     "(tiny, small, medium) or a parameter count such as 7e9")
+
+
+def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
+         optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
+         seq: int | None = None, accum: int = 1, checkpointing: str = "none", offload: str = "none",
+         shard_size: int | None = None, prefetch: int = 1, reshard_after_forward: bool = True,
+         bucket_mb: float = 25.0, headroom: float = 0.10, accounting: str | None = None,
+         accumulation: str = "sharded", units: UnitsArg = None, device: str = "cuda",
+         gpus_per_node: int | None = None) -> Plan:
+    """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
+
+    ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
+    a parameter count (analytic mode, the seeds' textbook table). ``batch`` is the global batch per
+    optimizer step (default: one sequence per rank per micro-step). ``device`` picks the backend's
+    behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
+    which sets its scratch, and whether stage 2-3 grad buffers are freed during backward (NCCL) or
+    only when it ends (gloo). See docs/planner.md.
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    analytic = _is_count(model_or_config)
+    if analytic and accounting == "runtime":
+        raise ValueError("runtime accounting needs the model's layout; pass a model, config or preset name, "
+                         "or use accounting='textbook' with a bare parameter count")
+    optim_cls = resolve_optimizer(optimizer)
+    kwargs = dict(optimizer_kwargs or {})
+    inventory, cfg = None, None
+    if analytic:
+        psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
+    else:
+        model, name, cfg, seq = _resolve_model(model_or_config, seq)
+        inventory = Inventory(model, name=name, units=units, gpt=cfg)
+        psi, frozen = inventory.facts.trainable, inventory.facts.frozen
+    spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
+                    optimizer_kwargs=kwargs, batch=batch or world * accum, seq=seq, accum=accum,
+                    checkpointing=Checkpointing.parse(checkpointing), offload=offload, shard_size=shard_size,
+                    prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
+                    headroom=headroom, accounting=accounting or ("textbook" if analytic else "runtime"),
+                    accumulation=accumulation)
+    notes = []
+    activations = None
+    if cfg is not None:
+        compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
+        activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq,
+                                      compute_bytes=torch.empty(0, dtype=compute).element_size(),
+                                      policy=spec.checkpointing)
+    elif analytic:
+        notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
+                     "workspace is the optimizer's scratch")
+    else:
+        notes.append("activations not estimated: the formula covers zeroshard's GPT only")
+    if spec.checkpointing.policy != "none":
+        notes.append("activation checkpointing is planned only: the runtime does not implement it yet")
+    if spec.offload != "none":
+        notes.append("offload is planned only: the runtime does not implement it yet")
+    foreach = kwargs.get("foreach")
+    estimator = Estimator(spec, inventory=None if spec.accounting == "textbook" else inventory, psi=psi,
+                          frozen=frozen, activations=activations,
+                          foreach=(device == "cuda") if foreach is None else bool(foreach),
+                          gpus_per_node=gpus_per_node, reap_at_end=device == "cpu")
+    layouts = {v.name: estimator.layout(v) for v in variants(spec)}
+    return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
+                params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),
+                activations=activations, layouts=layouts, notes=tuple(notes))

@@ -1,0 +1,167 @@
+"""What the runtime would allocate for a model, read from the model without allocating it.
+
+The planner does not re-derive the runtime's layout: it calls the same functions ``zs.shard`` calls
+(``plan_units`` for units and tied-weight ownership, ``_buckets`` for stage 0-2 reduction buckets,
+``FlatLayout`` for alignment and padding), on a model whose params may live on the meta device.
+So padding, frozen params and tied weights are counted exactly as the runtime lays them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from zeroshard.sharding.engine import _buckets
+from zeroshard.sharding.layout import FlatLayout
+from zeroshard.sharding.optim import decays
+from zeroshard.sharding.wrap import ParamRef, UnitSpec, UnitsArg, plan_units
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupShape:
+    """One flat buffer of the runtime: one (unit or bucket, dtype, trainable) triple."""
+
+    unit: str
+    dtype: torch.dtype
+    trainable: bool
+    layout: FlatLayout
+    decay: tuple[bool, ...]
+    """Per slot: whether the default optimizer groups decay it (decides segment boundaries)."""
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def span_end(self) -> int:
+        """End of the last slot's padded span; past it is buffer-tail padding no optimizer sees."""
+        last = self.layout.slots[-1]
+        return last.offset + last.span
+
+    def optimizer_numel(self, shard_rank: int) -> int:
+        """Elements of this rank's optimizer segments: its shard, less the buffer tail."""
+        lo, hi = self.layout.shard_range(shard_rank)
+        return max(0, min(hi, self.span_end) - lo)
+
+    def segments(self, shard_rank: int) -> int:
+        """Optimizer params (maximal same-group runs) on this rank, as ``zs.optimizer`` builds them."""
+        runs, last = 0, None
+        for piece in self.layout.pieces(shard_rank):
+            flag = self.decay[piece.slot_index]
+            if flag != last:
+                runs, last = runs + 1, flag
+        return runs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommUnit:
+    """What is gathered or reduced together: a block or the root (stage 3), or a bucket (stages 0-2)."""
+
+    name: str
+    is_root: bool
+    groups: tuple[GroupShape, ...]
+
+    def full_bytes(self, compute: dict[torch.dtype, torch.dtype]) -> int:
+        """Bytes of the unit's full params in their compute dtype (what an all-gather materialises)."""
+        return sum(g.numel * _size(compute[g.dtype]) for g in self.groups)
+
+    def grad_bytes(self, reduce: dict[torch.dtype, torch.dtype]) -> int:
+        """Bytes of the unit's full grad buffers in the reduce dtype (stages 2-3 allocate them in backward)."""
+        return sum(g.numel * _size(reduce[g.dtype]) for g in self.groups if g.trainable)
+
+
+    def shard_grad_bytes(self, reduce: dict[torch.dtype, torch.dtype]) -> int:
+        """Bytes of one rank's reduce-scatter output for the unit, in the reduce dtype."""
+        return sum(g.shard_numel * _size(reduce[g.dtype]) for g in self.groups if g.trainable)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """Counts read from the model: distinct params (tied counted once), trainable and frozen."""
+
+    name: str
+    params: int
+    trainable: int
+    frozen: int
+    tied: int
+    """Params registered in more than one place (each counted once above)."""
+    dtypes: tuple[tuple[str, int], ...]
+    gpt: object | None
+    """The ``GPTConfig`` when the model is our GPT (activations are then estimated per layer)."""
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype, device="meta").element_size()
+
+
+def _groups(name: str, refs: list[ParamRef], shards: int) -> tuple[GroupShape, ...]:
+    # Same split as the engine: one buffer per (dtype, trainable), in first-seen order.
+    keyed: dict[tuple[torch.dtype, bool], list[ParamRef]] = {}
+    for ref in refs:
+        keyed.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
+    out = []
+    for (dtype, trainable), group_refs in keyed.items():
+        layout = FlatLayout([(r.fqn, r.param.shape) for r in group_refs], shards)
+        out.append(GroupShape(unit=name, dtype=dtype, trainable=trainable, layout=layout,
+                              decay=tuple(decays(r.fqn, r.param.shape) for r in group_refs)))
+    return tuple(out)
+
+
+class Inventory:
+    """The units of one model, and the comm units the runtime builds for each stage and shard count."""
+
+    def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: object | None = None) -> None:
+        self.specs: list[UnitSpec] = plan_units(model, units)
+        refs = [r for s in self.specs for r in s.refs]
+        dtypes: dict[str, int] = {}
+        for r in refs:
+            key = str(r.param.dtype).removeprefix("torch.")
+            dtypes[key] = dtypes.get(key, 0) + r.param.numel()
+        trainable = sum(r.param.numel() for r in refs if r.param.requires_grad)
+        total = sum(r.param.numel() for r in refs)
+        if trainable == 0:
+            raise ValueError("the model has no trainable params (every param has requires_grad=False); "
+                             "there is nothing to plan a training run for")
+        self.facts = ModelFacts(name=name, params=total, trainable=trainable, frozen=total - trainable,
+                                tied=sum(1 for r in refs if len(r.places) > 1), dtypes=tuple(sorted(dtypes.items())),
+                                gpt=gpt)
+        self._cache: dict[tuple, tuple[CommUnit, ...]] = {}
+
+    @property
+    def dtypes(self) -> set[torch.dtype]:
+        return {r.param.dtype for s in self.specs for r in s.refs}
+
+    def comm_units(self, *, stage: int, shards: int, bucket_bytes: int) -> tuple[CommUnit, ...]:
+        """The engine's communication units, in its backward (= reduction) order."""
+        key = (stage, shards if stage >= 1 else 1, bucket_bytes if stage < 3 else 0)
+        if key not in self._cache:
+            self._cache[key] = self._build(*key)
+        return self._cache[key]
+
+    def _build(self, stage: int, shards: int, bucket_bytes: int) -> tuple[CommUnit, ...]:
+        # The engine lists blocks in reverse module order, then the root: roughly backward order.
+        order = [s for s in reversed(self.specs) if not s.is_root] + [s for s in self.specs if s.is_root]
+        if stage == 3:
+            return tuple(CommUnit(name=s.name, is_root=s.is_root, groups=_groups(s.name, s.refs, shards))
+                         for s in order if s.refs)
+        out = []
+        for bucket in _buckets(order, bucket_bytes):
+            name = "+".join(s.name for s in bucket)
+            refs = [r for s in bucket for r in s.refs]
+            if refs:
+                out.append(CommUnit(name=name, is_root=any(s.is_root for s in bucket), groups=_groups(name, refs, shards)))
+        return tuple(out)
+
+
+def meta_gpt(config) -> nn.Module:
+    """Our GPT built on the meta device: shapes and dtypes only, no memory."""
+    from zeroshard.models import GPT
+
+    with torch.device("meta"):
+        return GPT(config)

@@ -1,0 +1,245 @@
+"""``--measure``: run the planned config for real and read what it allocated, component by component.
+
+Each stage runs on a fresh model in one gloo world (``zeroshard.launch.spawn``). Step 1 is a warm-up:
+it creates the optimizer state and records stage 3's unit order, so step 2 is the steady state the
+plan describes. During step 2:
+
+- params, master, grads and optimizer state are read from the storages themselves
+  (``untyped_storage().nbytes()``, each storage once), not from bookkeeping;
+- activations are the storages autograd saves for backward (``saved_tensors_hooks``), params excluded;
+- buckets are the full-size grad buffers alive during backward beyond the ones kept for the step,
+  sampled after every grad hook;
+- the window is the engine's own storage-based peak of gathered full params (stage 3);
+- the total is the peak of live storage over the whole step from torch's ``MemTracker`` on CPU, or
+  ``torch.cuda.max_memory_allocated`` on CUDA. Workspace is what the total leaves unexplained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import warnings
+from typing import Any
+
+import torch
+
+from zeroshard.plan.result import COMPONENTS, MODEL_STATES, Components, Plan
+from zeroshard.plan.spec import STAGE_NAMES
+
+MEASURED = ("params", "grads", "master", "optimizer", "activations", "window", "buckets")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComponentCheck:
+    layout: str
+    predicted: Components
+    measured: dict[str, int]
+    """Per component, the worst rank's bytes; ``workspace`` is the residual (total less the other
+    measured terms), which compares with the plan's workspace less its overlap."""
+    measured_total: int
+    method: str
+
+    @property
+    def model_state_error(self) -> float:
+        measured = sum(self.measured[n] for n in MODEL_STATES)
+        return abs(self.predicted.model_states - measured) / max(measured, 1)
+
+    @property
+    def total_error(self) -> float:
+        """Against the allocated peak: CPU storage accounting has no allocator to need headroom."""
+        return abs(self.predicted.allocated - self.measured_total) / max(self.measured_total, 1)
+
+
+def _storages(tensors) -> dict[int, int]:
+    """data_ptr -> nbytes for each distinct, non-empty storage."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in out:
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+class _GradSampler:
+    """Peak bytes of full-size grad buffers in flight (stages 2-3 transient buffers, cast copies)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.peak = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self.sample)
+                        for g in engine.trainable_groups for p in g.params]
+
+    def sample(self, *_: Any) -> None:
+        transient, kept = [], set()
+        for g in self.engine.trainable_groups:
+            if g.grad_full is not None and not g.policy.transient_grads:
+                kept.add(g.grad_full.untyped_storage().data_ptr())
+            elif g.grad_full is not None:
+                transient.append(g.grad_full)
+            # A cast copy fed to the reduction is transient, unless it is also the reduction's output
+            # (stage 0 all-reduces in place), which becomes the grads the step reads.
+            source, reduced = getattr(g, "_reduce_input", None), getattr(g, "_reduced", None)
+            if source is not None and source is not reduced:
+                transient.append(source)
+            if reduced is not None and g.grad_shard is not None and reduced is not g.grad_shard:
+                transient.append(reduced)  # accumulating: added into the existing shard, then dropped
+        live = _storages(transient)
+        self.peak = max(self.peak, sum(v for k, v in live.items() if k not in kept))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _saved_activations(engine, sink: dict[int, int]):
+    def param_ptrs() -> set[int]:
+        return {t.untyped_storage().data_ptr() for g in engine.groups for t in (g.full, g.shard)}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in param_ptrs():
+            sink.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def _peak_tracker(device: torch.device, externals: list):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return contextlib.nullcontext(), lambda: torch.cuda.max_memory_allocated(), "cuda max_memory_allocated"
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*[e for e in externals if e is not None])
+
+    def peak() -> int:
+        return max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+
+    return tracker, peak, "storage accounting (torch MemTracker)"
+
+
+def _measure_stage(cfg, stage: int, req: dict) -> dict:
+    import zeroshard as zs
+    from zeroshard.models import GPT
+    from zeroshard.sharding import get_engine
+
+    mesh = zs.get_mesh()
+    torch.manual_seed(0)
+    extra = {} if req["accumulation"] == "sharded" else {"accumulation": req["accumulation"]}
+    model = zs.shard(GPT(cfg).to(mesh.device), stage=stage, mp=req["mp"], prefetch=req["prefetch"],
+                     reshard_after_forward=req["reshard_after_forward"], bucket_mb=req["bucket_mb"], **extra)
+    engine = get_engine(model)
+    opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
+    gen = torch.Generator().manual_seed(1000 + mesh.rank)
+    x = torch.randint(0, cfg.vocab_size, (req["micro_batch"], req["seq"]), generator=gen).to(mesh.device)
+    y = torch.randint(0, cfg.vocab_size, (req["micro_batch"], req["seq"]), generator=gen).to(mesh.device)
+    no_sync = getattr(zs, "no_sync", None)
+
+    def forward_backward(activations: dict[int, int] | None, tracker=None) -> None:
+        for micro in range(req["accum"]):
+            last = micro == req["accum"] - 1
+            if micro and hasattr(tracker, "reset_mod_stats"):
+                tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; peaks stay
+            sync = contextlib.nullcontext() if last or no_sync is None else no_sync(model)
+            saved: dict[int, int] = {}
+            with sync:
+                with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext():
+                    loss = model(x, y) / req["accum"]
+                loss.backward()
+            if activations is not None:  # per micro-step: each backward frees what its forward saved
+                activations["peak"] = max(activations.get("peak", 0), sum(saved.values()))
+
+    forward_backward(None)  # warm-up: optimizer state exists and stage 3 has its unit order
+    opt.step()
+    opt.zero_grad()
+    gc.collect()
+
+    engine.reset_memory_stats()
+    groups = engine.groups
+    externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
+    tracker, peak, method = _peak_tracker(mesh.device, externals)
+    saved: dict[int, int] = {}
+    sampler = _GradSampler(engine)
+    with tracker, warnings.catch_warnings():
+        # MemTracker's grad hook reads param.grad after the engine has moved it into the flat buffer
+        # (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        forward_backward(saved, tracker)
+        grads = _storages([t for g in groups for t in (g.grad_full, g.grad_shard)])
+        opt.step()
+    sampler.close()
+    full = _storages([g.full for g in groups]) if stage < 3 else {}
+    own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) if stage == 3 else {}
+    params = {**full, **own}
+    master = {k: v for k, v in _storages([g.shard for g in groups]).items() if k not in params}
+    state = _storages([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+    out = {
+        "params": sum(params.values()), "grads": sum(grads.values()), "master": sum(master.values()),
+        "optimizer": sum(state.values()), "activations": saved.get("peak", 0),
+        "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
+        "total": int(peak()), "method": method,
+    }
+    opt.zero_grad()
+    return out
+
+
+def measure_worker(req: dict) -> dict:
+    """Runs on every rank: each requested stage on a fresh model, one after the other."""
+    import zeroshard as zs
+    from zeroshard.models import GPTConfig
+
+    zs.init(shard_size=req["shard_size"])
+    cfg = GPTConfig.from_dict(req["gpt"])
+    out = {}
+    for stage in req["stages"]:
+        out[stage] = _measure_stage(cfg, stage, req)
+        gc.collect()  # the previous stage's model and optimizer go before the next is built
+    return out
+
+
+def request(plan: Plan, stages: tuple[int, ...]) -> dict:
+    """What the workers need, as plain picklable data; refuses what the runtime cannot run."""
+    spec = plan.spec
+    if plan.model is None or plan.model.gpt is None:
+        raise ValueError("--measure runs zeroshard's GPT; plan a preset (--model small) or a GPTConfig")
+    if spec.checkpointing.policy != "none":
+        raise ValueError("activation checkpointing is planned only (the runtime does not implement it yet); "
+                         "measure with checkpointing none")
+    if spec.offload != "none":
+        raise ValueError("offload is planned only (the runtime does not implement it yet); measure with offload none")
+    if spec.accounting != "runtime":
+        raise ValueError("measurement checks the runtime accounting; plan with accounting='runtime'")
+    return {
+        "gpt": plan.model.gpt.to_dict(), "stages": tuple(stages), "mp": spec.mp, "optimizer": spec.optimizer,
+        "optimizer_kwargs": dict(spec.optimizer_kwargs), "prefetch": spec.prefetch,
+        "reshard_after_forward": spec.reshard_after_forward, "bucket_mb": spec.bucket_mb,
+        "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
+        "accumulation": spec.accumulation,
+    }
+
+
+def measure(plan: Plan, stages: tuple[int, ...] = (0, 1, 2, 3), *, timeout_s: float = 600.0) -> list[ComponentCheck]:
+    """Spawn ``plan.spec.world`` gloo ranks, measure each stage, and pair it with the prediction."""
+    from zeroshard.launch import spawn
+
+    per_rank = spawn(measure_worker, plan.spec.world, args=(request(plan, stages),), timeout_s=timeout_s)
+    return checks(plan, per_rank)
+
+
+def checks(plan: Plan, per_rank: list[dict]) -> list[ComponentCheck]:
+    out = []
+    for stage in per_rank[0]:
+        name = STAGE_NAMES[stage] + ("_hybrid" if plan.spec.hybrid and stage > 0 else "")
+        worst = {k: max(r[stage][k] for r in per_rank) for k in (*MEASURED, "total")}
+        worst["workspace"] = worst["total"] - sum(worst[k] for k in MEASURED)
+        out.append(ComponentCheck(layout=name, predicted=plan[name].device,
+                                  measured={k: worst[k] for k in COMPONENTS if k in worst},
+                                  measured_total=worst["total"], method=per_rank[0][stage]["method"]))
+    return out

@@ -1,0 +1,200 @@
+"""Pick the cheapest layout that fits, and say why (MISSION M4: "higher stage" is not "better").
+
+Cost is communication time per step on the given network (``comm.Network``); ties go to the lower
+stage, because a stage that buys memory you do not need only adds moving parts. The order of
+resort when nothing fits cheaply:
+
+1. the cheapest layout that fits as planned;
+2. if that needs ZeRO-3 or hybrid sharding (or nothing fits) and a cheaper layout fails because
+   *activations* are its largest term, enable sqrt checkpointing on the cheaper layout instead
+   (one extra forward beats ZeRO-3's 1.5x communication, and raising the stage does not divide
+   activations at all);
+3. offload (optimizer, then params);
+4. nothing: say how many ranks ZeRO-3 would need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeroshard.plan.api import plan as make_plan
+from zeroshard.plan.comm import Network
+from zeroshard.plan.result import COMPONENTS, LayoutPlan, Plan
+from zeroshard.plan.spec import parse_bytes
+
+PRETTY = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+
+
+def pretty(name: str) -> str:
+    base, _, variant = name.partition("_")
+    label = PRETTY.get(base, base)
+    return f"{label} ({variant})" if variant else label
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.0f} MB"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    layout: str
+    checkpointing: str
+    offload: str
+    total_bytes: int
+    fits: bool
+    comm_seconds: float
+    dominant: str
+    """The largest component of this layout's total."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recommendation:
+    layout: str | None
+    """The chosen layout's name, or None when nothing fits."""
+    checkpointing: str
+    offload: str
+    fits: bool
+    reason: str
+    device_mem: int
+    candidates: tuple[Candidate, ...]
+    plan: Plan
+    """The plan the chosen layout comes from (with the recommended checkpointing and offload)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "checkpointing": self.checkpointing, "offload": self.offload,
+                "fits": self.fits, "reason": self.reason, "device_mem_bytes": self.device_mem,
+                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+
+def _dominant(layout: LayoutPlan) -> str:
+    values = layout.device.as_dict()
+    states = layout.device.model_states
+    best = max((n for n in COMPONENTS if n not in ("params", "grads", "master", "optimizer")), key=values.get)
+    return "model states" if states >= values[best] else best
+
+
+def _candidates(p: Plan, net: Network, device_mem: int, names: list[str]) -> list[Candidate]:
+    out = []
+    for name in names:
+        layout = p[name]
+        out.append(Candidate(layout=name, checkpointing=layout.checkpointing, offload=layout.offload,
+                             total_bytes=layout.device.total, fits=layout.device.total <= device_mem,
+                             comm_seconds=net.seconds(layout.collectives), dominant=_dominant(layout)))
+    # Within 1% of each other counts as a tie, and a tie goes to the lower stage / plain layout.
+    floor = min((c.comm_seconds for c in out if c.comm_seconds > 0), default=1.0)
+    return sorted(out, key=lambda c: (round(c.comm_seconds / floor, 2), p[c.layout].stage, c.layout))
+
+
+def _comm_note(chosen: Candidate, cands: list[Candidate]) -> str:
+    """How much more a costlier alternative would communicate, so the choice reads as a trade."""
+    by_name = {c.layout: c for c in cands}
+    hybrid = chosen.layout.endswith("_hybrid")
+    if chosen.comm_seconds <= 0:
+        return ""
+    if chosen.layout.startswith("zero3"):
+        full = by_name.get("zero3")
+        if hybrid and full is not None and full.comm_seconds > chosen.comm_seconds:
+            return (f"; sharding inside each node keeps the all-gathers on intra-node links (full ZeRO-3 across "
+                    f"nodes would communicate {full.comm_seconds / chosen.comm_seconds:.1f}x longer)")
+        return ""
+    other = by_name.get("zero3_hybrid" if hybrid else "zero3")
+    if other is None:
+        return ""
+    extra = other.comm_seconds / chosen.comm_seconds - 1
+    return f"; {pretty(other.layout)} would add {extra:.0%} more communication" if extra > 0.005 else ""
+
+
+def recommend(model_or_config: Any, *, device_mem: int | str, network: Network | None = None,
+              **plan_kwargs: Any) -> Recommendation:
+    """The cheapest layout of ``model_or_config`` that fits ``device_mem`` per rank, with the reason.
+
+    ``plan_kwargs`` are ``zs.plan``'s (world, batch, seq, mp, optimizer, ...). With a world larger than
+    ``network.gpus_per_node``, hybrid layouts (shard inside a node, replicate across) are candidates.
+    """
+    net = network or Network()
+    mem = parse_bytes(device_mem)
+    if "world" not in plan_kwargs:
+        raise ValueError("recommend needs world=N (the data-parallel ranks you have)")
+    world = plan_kwargs["world"]
+    for key in ("offload", "shard_size", "gpus_per_node"):
+        plan_kwargs.pop(key, None)
+    ckpt = plan_kwargs.pop("checkpointing", "none")
+    hybrid = net.gpus_per_node if world > net.gpus_per_node and world % net.gpus_per_node == 0 else None
+
+    def plan_with(**extra: Any) -> Plan:
+        return make_plan(model_or_config, gpus_per_node=net.gpus_per_node, shard_size=hybrid,
+                         checkpointing=extra.pop("checkpointing", ckpt), **plan_kwargs, **extra)
+
+    base = plan_with()
+    names = [n for n in base.layouts if not n.endswith("_offload")]
+    cands = _candidates(base, net, mem, names)
+    fitting = [c for c in cands if c.fits]
+    plain = fitting[0] if fitting else None
+
+    # 2. Prefer recompute over a costly stage when activations are what overflows a cheaper layout.
+    if base.activations is not None and str(base.spec.checkpointing) == "none" and (
+            plain is None or base[plain.layout].stage == 3 or "hybrid" in plain.layout):
+        cheaper = [c for c in cands if not c.fits and (plain is None or cands.index(c) < cands.index(plain))]
+        sqrt_plan = plan_with(checkpointing="sqrt")
+        for c in cheaper:
+            after = _candidates(sqrt_plan, net, mem, [c.layout])[0]
+            if c.dominant == "activations" and after.fits:
+                act = base[c.layout].device.activations
+                reason = (f"activations dominate ({gb(act)} of {gb(c.total_bytes)} on {pretty(c.layout)}): enable "
+                          f"sqrt checkpointing before raising the stage; {pretty(c.layout)} then fits with "
+                          f"{gb(mem - after.total_bytes)} headroom" + _comm_note(after, cands))
+                return Recommendation(layout=c.layout, checkpointing="sqrt", offload="none", fits=True, reason=reason,
+                                      device_mem=mem, candidates=tuple(cands) + (after,), plan=sqrt_plan)
+
+    if plain is not None:
+        reason = f"{pretty(plain.layout)} fits with {gb(mem - plain.total_bytes)} headroom" + _comm_note(plain, cands)
+        lower = [c for c in cands if base[c.layout].stage < base[plain.layout].stage and not c.fits]
+        if lower:
+            worst = min(lower, key=lambda c: c.total_bytes)
+            reason += f"; {pretty(worst.layout)} would need {gb(worst.total_bytes)}"
+        return Recommendation(layout=plain.layout, checkpointing=str(base.spec.checkpointing), offload="none",
+                              fits=True, reason=reason, device_mem=mem, candidates=tuple(cands), plan=base)
+
+    # 3. Offload, optimizer state first (params offload costs a host round trip every forward).
+    smallest = min(cands, key=lambda c: c.total_bytes)
+    head = (f"nothing fits in {gb(mem)} on the device: the smallest, {pretty(smallest.layout)}, needs "
+            f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
+    tried = list(cands)
+    # A bare parameter count has no unit sizes, so params offload (which leaves only the all-gather
+    # window on the device) cannot be planned honestly there.
+    offloads = ("optimizer",) if base.mode == "analytic" else ("optimizer", "params")
+    for offload in offloads:
+        off_plan = plan_with(offload=offload)
+        off = _candidates(off_plan, net, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
+        tried += off
+        fit = next((c for c in off if c.fits), None)
+        if fit is not None:
+            host = off_plan[fit.layout].host_bytes
+            reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with {offload} offload fits with "
+                      f"{gb(mem - fit.total_bytes)} headroom, moving {gb(host)} per rank to host memory")
+            return Recommendation(layout=fit.layout, checkpointing=str(base.spec.checkpointing), offload=offload,
+                                  fits=True, reason=reason, device_mem=mem, candidates=tuple(tried), plan=off_plan)
+
+    if smallest.dominant == "activations":
+        # More ranks shrink model states, never a rank's activations.
+        more = "; more ranks will not help: lower the micro-batch or sequence length, or checkpoint more"
+    else:
+        need = _ranks_needed(model_or_config, mem, plan_kwargs, world)
+        more = f"; ZeRO-3 would fit from {need} ranks" if need else "; even 4096 ranks of ZeRO-3 would not fit"
+    return Recommendation(layout=None, checkpointing=str(base.spec.checkpointing), offload="none", fits=False,
+                          reason=head + ", even with offload" + more, device_mem=mem, candidates=tuple(tried),
+                          plan=base)
+
+
+def _ranks_needed(model_or_config: Any, mem: int, kwargs: dict, world: int) -> int | None:
+    """Smallest power-of-two world (same micro-batch) where ZeRO-3 fits, or None up to 4096."""
+    accum = kwargs.get("accum") or 1
+    micro = (kwargs.get("batch") or world * accum) // (world * accum)
+    n = world * 2
+    while n <= 4096:
+        trial = dict(kwargs, world=n, batch=micro * n * accum)
+        if make_plan(model_or_config, **trial)["zero3"].device.total <= mem:
+            return n
+        n *= 2
+    return None

@@ -1,0 +1,143 @@
+"""The planner's answer: per-rank bytes by component for every layout, as frozen dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeroshard.plan.activations import ActivationEstimate
+from zeroshard.plan.comm import Collective
+from zeroshard.plan.inventory import ModelFacts
+from zeroshard.plan.optim_probe import OptimStateCost
+from zeroshard.plan.spec import PlanSpec
+
+COMPONENTS = ("params", "grads", "master", "optimizer", "activations", "window", "buckets", "workspace", "headroom")
+MODEL_STATES = ("params", "grads", "master", "optimizer")
+COMPONENT_HELP = {
+    "params": "compute-dtype params held between uses (full at stages 0-2, the shard at stage 3 when it is the param)",
+    "grads": "gradients held at the optimizer step (full buffers at stages 0-1, the fp32 reduced shard from stage 1)",
+    "master": "separate fp32 master copy (0 when the params are fp32 and serve as their own master)",
+    "optimizer": "optimizer state, discovered by running the optimizer's step once",
+    "activations": "tensors saved for backward (plus the recomputed block or segment when checkpointing)",
+    "window": "stage 3: full params of the gathered units ((1 + prefetch) x largest block + root)",
+    "buckets": "full gradient buffers in flight (stages 2-3) and reduce-dtype casts (stage 1)",
+    "workspace": "temporaries: activation and logits gradients, optimizer scratch, gloo's reduce-scatter copy",
+    "headroom": "allocator headroom (fragmentation, cached blocks), a fraction of the allocated peak",
+    "overlap": "subtracted: what the components over-count because they peak at different moments",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Components:
+    """Bytes per rank on the device, by component. ``total`` is what must fit."""
+
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    window: int = 0
+    buckets: int = 0
+    workspace: int = 0
+    headroom: int = 0
+    overlap: int = 0
+    """Bytes the components above over-count because they peak at different moments (activations
+    at backward's start, gloo's grad buffers at its end, optimizer scratch in step()); subtracted."""
+
+    def __post_init__(self) -> None:
+        for name in (*COMPONENTS, "overlap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Components.{name} must be a non-negative int of bytes, got {value!r}")
+
+    @property
+    def model_states(self) -> int:
+        return sum(getattr(self, n) for n in MODEL_STATES)
+
+    @property
+    def allocated(self) -> int:
+        """The peak of live tensors: what storage accounting or max_memory_allocated measures."""
+        return self.total - self.headroom
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, n) for n in COMPONENTS) - self.overlap
+
+    def as_dict(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in COMPONENTS}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutPlan:
+    name: str
+    """ddp, zero1, zero2, zero3, or a variant such as zero3_hybrid or zero2_offload."""
+    stage: int
+    shard_size: int
+    """Ranks each buffer is sharded over (1 for DDP, the world unless hybrid)."""
+    replicas: int
+    offload: str
+    checkpointing: str
+    device: Components
+    host_bytes: int
+    """Bytes moved to host memory by offload (per rank)."""
+    collectives: tuple[Collective, ...]
+    planned_only: tuple[str, ...] = ()
+    """Features this layout assumes that the runtime does not implement yet."""
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(c.wire_bytes for c in self.collectives)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f"{k}_bytes": v for k, v in self.device.as_dict().items()}
+        out.update(overlap_bytes=self.device.overlap, model_states_bytes=self.device.model_states,
+                   allocated_bytes=self.device.allocated, total_bytes=self.device.total, host_bytes=self.host_bytes, comm_bytes=self.comm_bytes,
+                   stage=self.stage, shard_size=self.shard_size, replicas=self.replicas, offload=self.offload,
+                   checkpointing=self.checkpointing, planned_only=list(self.planned_only),
+                   collectives=[dataclasses.asdict(c) | {"wire_bytes": c.wire_bytes} for c in self.collectives])
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    spec: PlanSpec
+    mode: str
+    """``model`` (a real layout of a model's params) or ``analytic`` (a bare parameter count)."""
+    model: ModelFacts | None
+    params: int
+    trainable: int
+    optimizer_cost: tuple[OptimStateCost, ...]
+    activations: ActivationEstimate | None
+    layouts: dict[str, LayoutPlan]
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("model", "analytic"):
+            raise ValueError(f"Plan.mode must be 'model' or 'analytic', got {self.mode!r}")
+        missing = [n for n in ("ddp", "zero1", "zero2", "zero3") if n not in self.layouts]
+        if missing:
+            raise ValueError(f"a plan must cover every stage; missing layouts {missing}")
+
+    def __getitem__(self, name: str) -> LayoutPlan:
+        try:
+            return self.layouts[name]
+        except KeyError:
+            raise KeyError(f"no layout {name!r}; this plan has {', '.join(self.layouts)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "spec": self.spec.describe(),
+            "model": dataclasses.asdict(self.model) | {"gpt": _gpt_dict(self.model.gpt)} if self.model else None,
+            "params": self.params,
+            "trainable": self.trainable,
+            "optimizer_state": [{"dtype": str(c.dtype).removeprefix("torch."), "per_element_bytes": c.per_element,
+                                 "per_tensor_bytes": c.per_tensor, "state": dict(c.state)} for c in self.optimizer_cost],
+            "activations": dataclasses.asdict(self.activations) if self.activations else None,
+            "layouts": {name: layout.to_dict() for name, layout in self.layouts.items()},
+            "notes": list(self.notes),
+        }
+
+
+def _gpt_dict(cfg) -> dict | None:
+    return cfg.to_dict() if cfg is not None and hasattr(cfg, "to_dict") else None

@@ -1,0 +1,207 @@
+"""What the planner is asked: the inputs of one plan, validated once, plus the small parsers
+(``80GB``, ``every:4``) the CLI and the library share.
+
+Every problem raises ``ValueError`` naming the field and the fix, so a bad flag never reaches the
+arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import torch
+
+from zeroshard.sharding.precision import MixedPrecision, parse_dtype
+
+STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+OFFLOADS = ("none", "optimizer", "params")
+ACCOUNTINGS = ("runtime", "textbook")
+_SIZE_UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``80GB`` (decimal), ``80GiB`` (binary), ``8e10`` or a bare number of GB, to bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"a memory size must be positive, got {text!r}")
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write it like 80GB, 80GiB or 512MB")
+    value = float(match.group(1))
+    # A bare large number is bytes (8e10); a bare small one is GB (80), which is what people type.
+    scale = 1 if unit == "" and value >= 1e6 else _SIZE_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(value * scale)
+
+
+def parse_count(text: str | int | float) -> int:
+    """A parameter count: ``7e9``, ``7B``, ``350M``, ``1.3b``."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*", str(text))
+        if match is None:
+            raise ValueError(f"cannot read parameter count {text!r}; write it like 7e9, 7B or 350M")
+        value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
+    if value < 1 or not math.isfinite(value):
+        raise ValueError(f"parameter count must be at least 1, got {text!r}")
+    return int(round(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing policy over the transformer blocks.
+
+    ``none`` keeps every block's activations; ``all`` (= ``every:1``) keeps only block inputs and
+    recomputes one block at a time; ``every:k`` checkpoints every k-th block; ``sqrt`` keeps about
+    √L segment boundaries and recomputes one segment of about √L blocks (MISSION M14).
+    """
+
+    policy: str
+    every: int = 0
+
+    @classmethod
+    def parse(cls, text: str | Checkpointing | None) -> Checkpointing:
+        if isinstance(text, Checkpointing):
+            return text
+        value = (text or "none").strip().lower()
+        if value in ("none", "all", "sqrt"):
+            return cls(value, 1 if value == "all" else 0)
+        match = re.fullmatch(r"every:([0-9]+)", value)
+        if match and int(match.group(1)) >= 1:
+            k = int(match.group(1))
+            return cls("all", 1) if k == 1 else cls("every", k)
+        raise ValueError(f"unknown checkpointing policy {text!r}; use none, all, every:K (K >= 1) or sqrt")
+
+    def __str__(self) -> str:
+        return f"every:{self.every}" if self.policy == "every" else self.policy
+
+
+def resolve_optimizer(optimizer: Any) -> type:
+    """A ``torch.optim.Optimizer`` subclass from a class, a name (``adamw``) or ``module:Class``."""
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if not isinstance(optimizer, str):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer subclass or its name, got {optimizer!r}")
+    if ":" in optimizer:
+        import importlib
+
+        module_name, _, attr = optimizer.partition(":")
+        found = getattr(importlib.import_module(module_name), attr, None)
+    else:
+        names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
+        found = getattr(torch.optim, names[optimizer.lower()]) if optimizer.lower() in names else None
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer {optimizer!r} is not a torch.optim optimizer; use a name like adamw, adam or "
+                         "sgd, or module:Class for your own")
+    return found
+
+
+def resolve_mp(mp: MixedPrecision | str | None, *, analytic: bool) -> MixedPrecision:
+    """``fp32``/``bf16``/``fp16`` mean what ``zeroshard train --mp`` means: compute dtype, fp32 reduction.
+
+    In analytic mode the default is the seeds' classic recipe (16-bit params and grads, fp32 master)
+    so that the textbook table comes out; a model keeps the runtime's default (its own dtypes).
+    """
+    if isinstance(mp, MixedPrecision):
+        return mp
+    if mp is None:
+        if analytic:
+            return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        return MixedPrecision()
+    dtype = parse_dtype(mp)
+    return MixedPrecision(param_dtype=None if dtype == torch.float32 and not analytic else dtype,
+                          reduce_dtype=torch.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpec:
+    """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``."""
+
+    world: int
+    stage: int | None = None
+    """The stage you intend to run (highlighted, and measured by ``--measure``); every stage is planned."""
+    mp: MixedPrecision
+    optimizer: type
+    optimizer_kwargs: dict = dataclasses.field(default_factory=dict)
+    batch: int
+    seq: int
+    accum: int = 1
+    checkpointing: Checkpointing = Checkpointing("none")
+    offload: str = "none"
+    shard_size: int | None = None
+    """Hybrid sharding: shard inside groups of this many ranks, replicate across them."""
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    bucket_mb: float = 25.0
+    headroom: float = 0.10
+    """Allocator headroom as a fraction of the allocated peak (fragmentation, cached blocks)."""
+    accounting: str = "runtime"
+    accumulation: str = "sharded"
+    """Stages 2-3 with accum > 1: "sharded" reduce-scatters every micro-step into the 1/N grad shard;
+    "unsharded" keeps full grads across micro-steps (as ``zs.shard(accumulation=)``)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("world", self.world)
+        _positive_int("batch", self.batch)
+        _positive_int("seq", self.seq)
+        _positive_int("accum", self.accum)
+        if self.stage is not None and self.stage not in STAGE_NAMES:
+            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
+        if self.batch % (self.world * self.accum):
+            raise ValueError(f"global batch {self.batch} does not split over world {self.world} × accum {self.accum}; "
+                             f"use a multiple of {self.world * self.accum}")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+        if self.shard_size is not None:
+            _positive_int("shard_size", self.shard_size)
+            if self.world % self.shard_size:
+                raise ValueError(f"shard_size {self.shard_size} does not divide world {self.world}; pick a divisor")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (all-gathers in flight ahead of compute), got {self.prefetch!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom is a fraction of the peak in [0, 1), got {self.headroom!r}; 0.1 means 10%")
+        if self.accounting not in ACCOUNTINGS:
+            raise ValueError(f"accounting must be 'runtime' or 'textbook', got {self.accounting!r}")
+        if self.accumulation not in ("sharded", "unsharded"):
+            raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {self.accumulation!r}")
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per rank per micro-step: what activations scale with."""
+        return self.batch // (self.world * self.accum)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq
+
+    @property
+    def hybrid(self) -> bool:
+        return self.shard_size is not None and self.shard_size < self.world
+
+    def describe(self) -> dict[str, Any]:
+        def name(d: torch.dtype | None) -> str | None:
+            return None if d is None else str(d).removeprefix("torch.")
+
+        return {
+            "world": self.world, "stage": self.stage, "batch": self.batch, "micro_batch": self.micro_batch,
+            "seq": self.seq, "accum": self.accum, "checkpointing": str(self.checkpointing), "offload": self.offload,
+            "shard_size": self.shard_size, "prefetch": self.prefetch, "bucket_mb": self.bucket_mb,
+            "reshard_after_forward": self.reshard_after_forward, "headroom": self.headroom,
+            "accounting": self.accounting, "accumulation": self.accumulation, "optimizer": self.optimizer.__name__,
+            "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
+        }
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
