@@ -95,6 +95,7 @@ class Engine:
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
         self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
+        self.max_inflight_reductions = 2
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
         self._hooks = []
@@ -235,10 +236,20 @@ class Engine:
         self._reap_finished()
 
     def _reap_finished(self) -> None:
-        """Finish reductions that already completed, in order, so stages 2-3 free each full grad
-        buffer as soon as its reduce-scatter is done rather than at the end of backward."""
-        while self._next_reap < self._next_reduce and self.reduce_order[self._next_reap].reduce_done:
-            self.reduce_order[self._next_reap].finish_reduce()
+        """Finish reductions in order: those already done, and at stages 2-3 the oldest ones while
+        more than ``max_inflight_reductions`` are pending.
+
+        Finishing frees a unit's full grad buffer. gloo reports an async reduce-scatter complete only
+        once it is waited on, so without the cap every full grad of the step would stay alive until
+        the end of backward; the cap bounds them to that many units at the cost of some overlap.
+        """
+        while self._next_reap < self._next_reduce:
+            unit = self.reduce_order[self._next_reap]
+            pending = self._next_reduce - self._next_reap
+            over_cap = self.policy.transient_grads and pending > self.max_inflight_reductions
+            if not (unit.reduce_done or over_cap):
+                break
+            unit.finish_reduce()
             self._next_reap += 1
 
     def _finish_backward(self) -> None:
