@@ -8,6 +8,7 @@ from typing import Callable
 from torch import nn
 
 from zeroshard.comm.mesh import get_mesh
+from zeroshard.offload import OffloadPolicy, make_store
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, get_engine
 from zeroshard.sharding.flat import StagePolicy
@@ -38,7 +39,8 @@ def no_sync(model: nn.Module):
 def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrecision | None = None,
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
-          skip_init: bool = False, checkpointing: str = "none") -> nn.Module:
+          skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None
+          ) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -59,8 +61,12 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
 
     ``checkpointing`` recomputes block activations in backward: "none", "all", "every:K" or
     "sqrt" (segments of about √L blocks); see zeroshard/sharding/recompute.py.
+    ``offload`` moves fp32 masters and optimizer state off the compute device: "cpu" (host
+    memory, CPU optimizer step) or an ``OffloadPolicy(kind="disk", directory=...)``; see
+    zeroshard/offload/.
     """
     segment_length(checkpointing, 1)  # validate the policy before touching the model
+    offload = OffloadPolicy(kind=offload) if isinstance(offload, str) else (offload or OffloadPolicy())
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
     policy = StagePolicy(stage)
@@ -77,7 +83,9 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     specs = plan_units(model, units)
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                    bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation)
+                    bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation,
+                    store=make_store(offload, mesh.device, mesh.rank))
+    engine.offload = offload
     model._zeroshard_engine = engine
     blocks = [spec.module for spec in specs if not spec.is_root]
     if segment_length(checkpointing, len(blocks)) is not None:

@@ -58,7 +58,7 @@ def _tensors_in(output) -> list[torch.Tensor]:
 class Engine:
     def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
-                 bucket_bytes: int, accumulation: str = "sharded") -> None:
+                 bucket_bytes: int, accumulation: str = "sharded", store=None) -> None:
         self.model = model
         self.policy = policy
         self.mesh = mesh
@@ -68,7 +68,8 @@ class Engine:
         self.accumulation = accumulation
         self.bucket_bytes = bucket_bytes
         self.sync_grads = True
-        flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device)
+        self.store = store
+        flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device, store=store)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
         if policy.shard_params:
@@ -284,6 +285,12 @@ class Engine:
     def zero_grad(self) -> None:
         for group in self.trainable_groups:
             group.zero_grad()
+
+    def wait_host_copies(self) -> None:
+        """Grad shards reach offloaded masters by async copies; the CPU step must see them landed."""
+        device = self.mesh.device
+        if self.store is not None and device.type != "cpu":
+            getattr(torch, device.type).synchronize()
 
     def sync_params(self) -> None:
         pending = [p for p in (g.sync_params() for g in self.groups) if p is not None]

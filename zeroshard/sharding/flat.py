@@ -59,7 +59,7 @@ class StagePolicy:
 
 class FlatGroup:
     def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, policy: StagePolicy, mesh: Mesh,
-                 mp: MixedPrecision, device: torch.device) -> None:
+                 mp: MixedPrecision, device: torch.device, store=None) -> None:
         self.unit = unit
         self.refs = refs
         self.trainable = trainable
@@ -72,8 +72,11 @@ class FlatGroup:
         self.compute_dtype = mp.compute_dtype(self.master_dtype)
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
+        self.device = device
 
-        self.aliased = self.compute_dtype == self.master_dtype and not policy.shard_params
+        # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
+        self.store = store if trainable else None
+        self.aliased = self.compute_dtype == self.master_dtype and not policy.shard_params and self.store is None
         # A model built on the meta device has no values yet: buffers start at zero and
         # zeroshard.init replays the model's init into them, keeping only what this rank holds.
         self.from_meta = refs[0].param.is_meta
@@ -96,6 +99,8 @@ class FlatGroup:
                 self.full = whole.to(self.compute_dtype)
             del whole
             self._create_params()
+        if self.store is not None:
+            self.shard = self._offload_master(self.shard)
         self.sharded_params = self._make_sharded_params() if policy.shard_params else None
         for ref in refs:
             ref.release()  # otherwise the original full-size params would outlive sharding
@@ -119,6 +124,11 @@ class FlatGroup:
         if self.mesh.world > 1:
             collectives.broadcast(whole, src=0, phase="init", unit=self.unit)
         return whole
+
+    def _offload_master(self, values: torch.Tensor) -> torch.Tensor:
+        master = self.store.allocate(f"{self.unit}-master", values.numel(), values.dtype)
+        master.copy_(values)
+        return master
 
     def _create_params(self) -> None:
         self.params = [self._make_param(_alias(self.full, s.offset, s.shape)) for s in self.layout.slots]
@@ -168,7 +178,7 @@ class FlatGroup:
     def gather_full(self, phase: str) -> collectives.Pending | None:
         """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
         if self.params is None:
-            self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.shard.device)
+            self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
             self._create_params()
         storage = self.full.untyped_storage()
         needed = self.full.numel() * self.full.element_size()
@@ -233,6 +243,9 @@ class FlatGroup:
             reduced = reduced.to(self.master_dtype)
         # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
         reduced.div_(self.mesh.world)
+        if self.store is not None:
+            # The optimizer steps where the masters live; pinned memory lets this copy overlap.
+            reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
         if self.grad_shard is not None and self.policy.transient_grads:
             self.grad_shard.add_(reduced)
         else:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.offload.stepper import SlicedStep
 from zeroshard.sharding.engine import Engine, get_engine
 from zeroshard.sharding.flat import FlatGroup
 
@@ -43,13 +44,26 @@ def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _unhooked(step):
+    """torch wraps an optimizer class's ``step`` to run step hooks; calling the wrapped one from our
+    own (already hooked) step would run every hook twice."""
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_class(optim_cls: type) -> type:
     def zero_grad(self, set_to_none: bool = True) -> None:
         optim_cls.zero_grad(self, set_to_none=True)
         self._zs_engine.zero_grad()
 
-    return type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "_zs_sharded": True})
+    def step(self, closure=None):
+        sliced = self.__dict__.get("_zs_sliced_step")
+        if sliced is not None:
+            return sliced(closure)
+        return _unhooked(optim_cls.step)(self, closure)
+
+    return type(f"Sharded{optim_cls.__name__}", (optim_cls,),
+                {"zero_grad": zero_grad, "step": step, "_zs_sharded": True})
 
 
 def _group_index(fqn: str, shape: torch.Size, user_groups: list[dict] | None, name_to_group: dict) -> int:
@@ -109,13 +123,22 @@ def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | N
     torch_groups = [dict(opts, params=params) for opts, params in zip(options, buckets)]
     # An empty group would make some optimizers fail; a rank whose shard holds only padding still
     # needs the same groups, so keep them and give them a zero-size segment.
+    master_device = engine.trainable_groups[0].shard.device
     for torch_group in torch_groups:
         if not torch_group["params"]:
-            torch_group["params"] = [nn.Parameter(torch.zeros(0, device=engine.mesh.device))]
+            torch_group["params"] = [nn.Parameter(torch.zeros(0, device=master_device))]
     opt = _sharded_class(optim_cls)(torch_groups, **defaults)
     opt._zs_engine = engine
     opt._zs_segments = segment_map
-    opt.register_step_pre_hook(lambda o, args, kwargs: segment_map.attach_grads())
+    if engine.store is not None and engine.store.kind == "disk":
+        max_numel = int(engine.offload.slice_mb * 2**20 / 4)
+        opt._zs_sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
+
+    def before_step(o, args, kwargs) -> None:
+        engine.wait_host_copies()
+        segment_map.attach_grads()
+
+    opt.register_step_pre_hook(before_step)
     opt.register_step_post_hook(lambda o, args, kwargs: engine.sync_params())
     return opt
 
