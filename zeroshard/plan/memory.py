@@ -245,8 +245,8 @@ class Estimator:
         # reduce-scatter is reaped. The head's grads arrive first, so the root's buffer lives through
         # the whole backward. With NCCL the others come and go: one filling while the previous one's
         # reduce-scatter finishes. gloo's async reduce-scatter reports completion only once waited
-        # on, so on CPU the runtime waits on the oldest once more than max_inflight_reductions (2)
-        # are pending: two launched plus the one filling.
+        # on, so on CPU the runtime waits on the oldest once more than max_inflight_reductions (1)
+        # is pending: one launched plus the one filling, as with NCCL.
         # With accumulation the shard already exists, so each reduce-scatter's output is a second
         # shard-sized buffer until it has been added in.
         extra = self.spec.accum > 1
@@ -257,7 +257,7 @@ class Estimator:
         root = sum(cost(u) for u in units if u.is_root)
         in_order = [cost(u) for u in units if not u.is_root]  # reduction order
         if self.reap_at_end:
-            return root + sum(sorted(in_order, reverse=True)[:3]), root + (in_order[0] if in_order else 0)
+            return root + sum(sorted(in_order, reverse=True)[:2]), root + (in_order[0] if in_order else 0)
         top = root + sum(sorted(in_order, reverse=True)[:2])
         return top, top
 

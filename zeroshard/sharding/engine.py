@@ -96,7 +96,7 @@ class Engine:
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
         self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
-        self.max_inflight_reductions = 2
+        self.max_inflight_reductions = 1
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
         self._hooks = []

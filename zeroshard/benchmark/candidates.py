@@ -1,0 +1,91 @@
+"""The contestants: one training step each, on the same model, data, batch and precision.
+
+Each candidate owns its model and optimizer and exposes ``step(x, y)``. Peers (torch DDP, FSDP2)
+are built with torch's own APIs, exactly as their users would; the floor is the same step with no
+distribution at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+import zeroshard as zs
+from zeroshard.models import GPT, GPTConfig
+
+
+@dataclasses.dataclass
+class Candidate:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ours: bool = False
+
+
+def _adamw(params, lr: float = 3e-4):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
+
+
+def _build(cfg: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def _plain(name: str, model: nn.Module, autocast_dtype) -> Candidate:
+    opt = _adamw(model.parameters())
+    return Candidate(name, model, opt, _plain_step(model, opt, autocast_dtype))
+
+
+def _plain_step(model: nn.Module, opt, autocast_dtype):
+    def step(x, y):
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def floor(cfg: GPTConfig, seed: int, dtype: torch.dtype) -> Candidate:
+    """Single-process compute of the same micro-batch: no communication, no hooks."""
+    return _plain("floor (1 process)", _build(cfg, seed), None if dtype == torch.float32 else dtype)
+
+
+def ours(cfg: GPTConfig, seed: int, dtype: torch.dtype, stage: int) -> Candidate:
+    mp = None if dtype == torch.float32 else zs.MixedPrecision(param_dtype=dtype)
+    model = zs.shard(_build(cfg, seed), stage=stage, mp=mp)
+    opt = zs.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1, foreach=True)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return Candidate(f"zeroshard stage {stage}", model, opt, step, ours=True)
+
+
+def torch_ddp(cfg: GPTConfig, seed: int, dtype: torch.dtype) -> Candidate:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_build(cfg, seed))
+    return _plain("torch DDP", model, None if dtype == torch.float32 else dtype)
+
+
+def fsdp2(cfg: GPTConfig, seed: int, dtype: torch.dtype, reshard_after_forward: bool) -> Candidate:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _build(cfg, seed)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy() if dtype == torch.float32 else MixedPrecisionPolicy(param_dtype=dtype,
+                                                                                  reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return _plain("FSDP2" if reshard_after_forward else "FSDP2 (no reshard)", model, None)

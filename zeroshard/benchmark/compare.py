@@ -1,0 +1,115 @@
+"""Run every candidate on the same work, interleaved, and summarise.
+
+Runs alternate A B C ... A B C ... so slow drift of this shared machine hits everyone alike.
+Timing is wall time per step after a barrier. Peak live tensor bytes (everything alive: params,
+grads, optimizer state, activations, buffers) come from torch's MemTracker over one separate step,
+so measuring memory never overlaps timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+import zeroshard as zs
+from zeroshard.benchmark import candidates as c
+from zeroshard.comm import collectives
+from zeroshard.models import GPTConfig
+from zeroshard.sharding.precision import parse_dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchSpec:
+    model: str = "small"
+    world: int = 2
+    batch: int = 4
+    """Sequences per rank per step."""
+    seq: int = 128
+    dtype: str = "fp32"
+    rounds: int = 5
+    steps_per_round: int = 3
+    warmup: int = 2
+    seed: int = 0
+
+
+def _candidates(spec: BenchSpec, cfg: GPTConfig):
+    dtype = parse_dtype(spec.dtype)
+    yield lambda: c.floor(cfg, spec.seed, dtype)
+    for stage in (0, 1, 2, 3):
+        yield lambda stage=stage: c.ours(cfg, spec.seed, dtype, stage)
+    yield lambda: c.torch_ddp(cfg, spec.seed, dtype)
+    yield lambda: c.fsdp2(cfg, spec.seed, dtype, True)
+    yield lambda: c.fsdp2(cfg, spec.seed, dtype, False)
+
+
+def _peak_live_bytes(candidate, x, y, device) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(candidate.model, candidate.optimizer)
+    with tracker:
+        candidate.step(x, y)
+    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+    return int(next(v for k, v in snapshot.items() if str(k) == "Total"))
+
+
+def _timed(candidate, x, y, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        collectives.barrier(phase="bench")
+        start = time.perf_counter()
+        candidate.step(x, y)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(spec: BenchSpec) -> dict:
+    mesh = zs.init()
+    torch.set_num_threads(1)
+    cfg = GPTConfig.named(spec.model, seq_len=spec.seq)
+    gen = torch.Generator().manual_seed(spec.seed + mesh.rank)
+    x = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen)
+    built = [make() for make in _candidates(spec, cfg)]
+    rows = {}
+    for cand in built:
+        for _ in range(spec.warmup):
+            cand.step(x, y)
+        ledger_before = zs.ledger().total_bytes()
+        peak = _peak_live_bytes(cand, x, y, mesh.device)
+        comm = zs.ledger().total_bytes() - ledger_before if cand.ours else None
+        rows[cand.name] = {"times": [], "peak_bytes": peak, "comm_bytes": comm}
+    for _ in range(spec.rounds):
+        for cand in built:
+            rows[cand.name]["times"] += _timed(cand, x, y, spec.steps_per_round)
+    tokens = spec.batch * spec.seq * mesh.world
+    out = {}
+    for name, row in rows.items():
+        median = statistics.median(row["times"])
+        out[name] = {"median_step_s": median, "tokens_per_s": tokens / median, "peak_bytes": row["peak_bytes"],
+                     "comm_bytes": row["comm_bytes"], "steps": len(row["times"])}
+    return out
+
+
+def run_bench(spec: BenchSpec) -> list[dict]:
+    from zeroshard.launch import spawn
+
+    per_rank = spawn(rank_main, spec.world, args=(spec,), timeout_s=3600)
+    names = list(per_rank[0])
+    rows = []
+    for name in names:
+        # A step is as slow as its slowest rank; memory is reported for the worst rank.
+        step = max(r[name]["median_step_s"] for r in per_rank)
+        rows.append({"name": name, "median_step_s": step,
+                     "tokens_per_s": spec.batch * spec.seq * spec.world / step,
+                     "peak_bytes_per_rank": max(r[name]["peak_bytes"] for r in per_rank),
+                     "comm_bytes_per_step": per_rank[0][name]["comm_bytes"]})
+    by = {r["name"]: r for r in rows}
+    for row in rows:
+        row["x_floor"] = row["median_step_s"] / by["floor (1 process)"]["median_step_s"]
+        row["vs_fsdp2"] = row["tokens_per_s"] / by["FSDP2"]["tokens_per_s"]
+        row["vs_torch_ddp"] = row["tokens_per_s"] / by["torch DDP"]["tokens_per_s"]
+    return rows
