@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	@# torch is pinned only here, and only when missing: pip must never resolve the open
 	@# `torch>=2.6` range itself (it would pick whatever index it sees first).
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	@# hf: transformers, for the Hugging Face tests (it does not depend on torch, so the pin holds).
+	$(PY) -m pip install -q -e '.[test,hf]'
 	@touch $(STAMP)
 
 # 2 gloo ranks, tiny GPT on the synthetic Markov source; loss heads for the printed entropy floor.

@@ -3,6 +3,9 @@
 from zeroshard.checkpoint import CheckpointError, load, save
 from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
+from zeroshard.materialize import meta_init
+from zeroshard.offload import OffloadPolicy
+from zeroshard.plan import plan
 from zeroshard.sharding import (
     MixedPrecision,
     ShardedGradScaler,
@@ -17,15 +20,10 @@ from zeroshard.sharding import (
     unsharded,
 )
 
-from zeroshard.materialize import meta_init
-from zeroshard.plan import plan
-
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "MixedPrecision", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "get_mesh",
-    "grad_norm", "init", "ledger", "meta_init", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard",
-    "shutdown", "unsharded",
-    "plan",
-    "CheckpointError", "load", "save",
+    "CheckpointError", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler", "clip_grad_norm_",
+    "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load", "meta_init", "no_sync", "optim_groups",
+    "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "unsharded",
 ]

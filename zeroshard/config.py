@@ -23,6 +23,9 @@ else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 MODEL_NAMES = ("tiny", "small", "medium")
+HF_PREFIX = "hf:"
+HF_MODEL_NAMES = ("hf:gpt2-tiny", "hf:llama-tiny")
+"""Hugging Face models built from small configs in code (zeroshard/models/hf.py); need the `hf` extra."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)
 
@@ -32,7 +35,8 @@ class TrainConfig:
     """One training run. Field names are also the TOML keys and (with `-` for `_`) the flags."""
 
     model: str = "tiny"
-    """Named GPT size: tiny (<1M params, for tests), small (~25M) or medium (~120M)."""
+    """Named GPT size: tiny (<1M params, for tests), small (~25M) or medium (~120M); or a Hugging Face
+    model, hf:gpt2-tiny or hf:llama-tiny (needs the hf extra)."""
 
     stage: int = 0
     """Sharding stage: 0 = DDP, 1 = optimizer state, 2 = + gradients, 3 = + parameters."""
@@ -88,6 +92,17 @@ class TrainConfig:
     """Order k of the synthetic Markov chain: each token depends on the previous k. With k >= 2
     the model must learn to attend backwards, so the loss plateaus before it falls."""
 
+    checkpointing: str = "none"
+    """Activation checkpointing of the blocks: none, all, every:K (segments of K blocks) or sqrt
+    (segments of about sqrt(L) blocks)."""
+
+    offload: str = "none"
+    """Where fp32 masters and optimizer state live: none (with the params), cpu (host memory, CPU
+    optimizer step) or disk (files under offload_dir, stepped slice by slice)."""
+
+    offload_dir: str | None = None
+    """Directory for offload='disk' files (a per-process subdirectory is created and removed)."""
+
     shard_size: int | None = None
     """Hybrid sharding: shard inside groups of this many consecutive ranks and replicate across
     groups (world/shard_size replicas). None shards over the whole world."""
@@ -116,8 +131,25 @@ class TrainConfig:
     """Steps between printed loss lines (the progress bar, when shown, updates every step)."""
 
     hang_timeout_s: float = 600.0
-    """Seconds a collective may wait before the run fails with an error instead of hanging
-    (the process-group timeout). A rank that dies is detected at once, not after this."""
+    """Seconds a rank may stay blocked in one collective before the watchdog dumps every rank's
+    ledger to RUN_DIR/ledger and ends the run with the collective's name (`zeroshard doctor RUN_DIR`
+    explains it). The process-group timeout is set a little later. A rank that dies is detected at
+    once, not after this."""
+
+    desync_check: int = 0
+    """Every this many steps, compare a hash of each rank's collective sequence with one tiny
+    all-gather and stop with the first divergence if they differ; 0 disables."""
+
+    profile: bool = True
+    """Per-step time breakdown, overlap ratio, memory and MFU in metrics.jsonl and the summary."""
+
+    trace: bool = False
+    """Write a Chrome/Perfetto trace per rank to RUN_DIR/trace/rank-R.json (compute and
+    collective lanes)."""
+
+    peak_flops: float | None = None
+    """Peak FLOP/s of one rank's device, for MFU; None measures it with a short matmul at start
+    (pass the datasheet figure to compare against that instead)."""
 
     save_every: int = 0
     """Save a checkpoint every this many optimizer steps into `ckpt_dir`; 0 never saves."""
@@ -138,14 +170,22 @@ class TrainConfig:
         self._check_ranges()
 
     def _check_ranges(self) -> None:
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"model={self.model!r} is not a known size; use one of {MODEL_NAMES}")
+        if self.model not in MODEL_NAMES + HF_MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES}")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
         if self.mp not in PARAM_DTYPES:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
         if self.shard_size is not None and (self.shard_size < 1 or self.nproc % self.shard_size):
             raise ValueError(f"shard_size={self.shard_size} must divide nproc={self.nproc}")
+        if self.offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"offload={self.offload!r} is invalid; use 'none', 'cpu' or 'disk'")
+        if self.offload == "disk" and not self.offload_dir:
+            raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
+        policy = self.checkpointing
+        if not (policy in ("none", "all", "sqrt") or (policy.startswith("every:") and policy[6:].isdigit()
+                                                      and int(policy[6:]) >= 1)):
+            raise ValueError(f"checkpointing={policy!r} is invalid; use none, all, every:K (K >= 1) or sqrt")
         if self.init not in ("auto", "meta", "full"):
             raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")
         if self.accumulation not in ("sharded", "unsharded"):
@@ -168,6 +208,10 @@ class TrainConfig:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
+        if self.desync_check < 0:
+            raise ValueError(f"desync_check={self.desync_check} must be >= 0 (0 disables it)")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ValueError(f"peak_flops={self.peak_flops} must be > 0 FLOP/s, or unset to measure it")
         check_checkpointing(self)
         check_batch_split(self.batch, self.nproc, self.accum)
         if self.data is None and self.num_samples < self.batch:
@@ -206,10 +250,10 @@ def _check_types(cfg: TrainConfig) -> None:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         want = hints[f.name]
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            setattr(cfg, f.name, float(value))
-            continue
         allowed = typing.get_args(want) or (want,)
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            setattr(cfg, f.name, float(value))  # "peak_flops = 100000000000" in TOML is an int
+            continue
         if value is None and type(None) in allowed:
             continue
         ok = any(

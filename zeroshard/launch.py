@@ -14,9 +14,10 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 _STOP_GRACE_S = 5.0
 
@@ -43,6 +44,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_REPORT: tuple[int, Any] | None = None
+"""(rank, results queue) inside a spawned worker, so `abort_rank` can report from any thread."""
+
+
+def abort_rank(reason: str, details: str = "", code: int = 1) -> NoReturn:
+    """End this rank at once, from any thread, with a one-line ``reason`` for whoever launched it.
+
+    For a thread that must stop a rank whose training thread is blocked inside a collective (the
+    hang watchdog): spawned by `spawn`, the reason reaches the parent as this rank's error, like an
+    exception would; under torchrun it goes to stderr and torchrun stops the peers.
+    """
+    if _REPORT is not None:
+        rank, results = _REPORT
+        try:
+            results.put((rank, "error", reason, details))
+            results.close()
+            results.join_thread()
+        except (ValueError, OSError):  # queue already closed by the training thread's own report
+            pass
+    else:
+        rank_text = os.environ.get("RANK", "0")
+        print(f"zeroshard: rank {rank_text} failed: {reason}", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
 def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
@@ -53,6 +79,8 @@ def _worker(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZEROSHARD_SPAWNED="1",
     )
+    global _REPORT
+    _REPORT = (rank, results)
     import torch
 
     torch.set_num_threads(_threads_per_rank(nproc))
@@ -91,9 +119,16 @@ def spawn(fn: Callable, nproc: int, args: tuple = (), *, timeout_s: float = 600.
     for p in procs:
         p.start()
     try:
-        return _collect(procs, results, timeout_s)
-    finally:
+        values = _collect(procs, results, timeout_s)
+    except BaseException:
         _stop_all(procs)
+        raise
+    # Every rank reported: let them exit on their own so their exit handlers (process-group
+    # teardown, offload-file cleanup) run; stop only those that do not.
+    for p in procs:
+        p.join(timeout=_STOP_GRACE_S)
+    _stop_all(procs)
+    return values
 
 
 def _collect(procs: list, results: mp.Queue, timeout_s: float) -> list[Any]:

@@ -16,6 +16,7 @@ history) and `RUN_DIR/config.json`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -29,13 +30,18 @@ from typing import Any, Protocol
 import torch
 
 import zeroshard as zs
-from zeroshard.comm.collectives import all_reduce
+from zeroshard.comm import desync, faults
+from zeroshard.comm.collectives import all_gather_object, all_reduce
+from zeroshard.comm.watchdog import Diagnostics, process_group_timeout
 from zeroshard.checkpoint.training import maybe_save, open_metrics, resume
 from zeroshard.config import TrainConfig, check_batch_split
 from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.models import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.sharding import get_engine
 from zeroshard.sharding.precision import parse_dtype
+from zeroshard.profile import step as step_profile
+from zeroshard.profile.timeline import phase
 
 FAULT_ENV = "ZEROSHARD_FAULT"
 """Fault injection for tests: "rank=1,step=3" makes rank 1 raise at the start of step 3
@@ -77,6 +83,8 @@ class StepRecord:
     tokens: int
     tokens_per_s: float
     loss_scale: float | None = None
+    profile: dict[str, Any] | None = None
+    """This step's time breakdown, communication, memory and MFU (zeroshard/profile/step.py)."""
 
 
 @dataclass(kw_only=True)
@@ -92,11 +100,14 @@ class Run:
     """A ShardedGradScaler for fp16 compute, else None."""
     dataset: Any
     sampler: GlobalBatchSampler
-    model_cfg: GPTConfig
+    model_cfg: Any
+    """The GPTConfig, or for an hf: model its HFSpec; both have to_dict()."""
     num_params: int
     """Counted before sharding: at stage 3 the modules hold only this rank's slices."""
     records: list[StepRecord] = field(default_factory=list)
     metric_bytes: int = 0
+    profiler: Any = None
+    """A zeroshard.profile.step.StepProfiler, or None when profiling is off."""
     """Bytes of our own metric all-reduces, kept apart from the training traffic."""
 
 
@@ -148,12 +159,16 @@ META_INIT_THRESHOLD = 50_000_000
 """Above this many params `init="auto"` builds on the meta device (see zeroshard/materialize.py)."""
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool = True) -> GPT:
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
+                allow_meta: bool = True) -> torch.nn.Module:
     """Seed first, so every rank (and the single-process reference) starts bit-identical.
 
     On the meta device nothing is allocated; `zs.shard` later materialises this rank's shards
-    with the values a plain build under the same seed would have.
+    with the values a plain build under the same seed would have. `hf:` names build a Hugging
+    Face model (zeroshard/models/hf.py).
     """
+    if adapter.is_hf_name(cfg.model):
+        return adapter.build_hf(cfg, vocab_size, device, allow_meta=allow_meta, threshold=META_INIT_THRESHOLD)
     model_cfg = GPTConfig.named(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
     if allow_meta and use_meta_init(cfg, model_cfg):
         torch.manual_seed(cfg.seed)
@@ -178,9 +193,12 @@ def setup(cfg: TrainConfig, mesh: Any) -> Run:
     check_batch_split(cfg.batch, mesh.world, cfg.accum)
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, mesh.device)
-    num_params = model.num_params()
+    num_params = adapter.num_params(model)
+    offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
     zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb,
-             accumulation=cfg.accumulation)
+             accumulation=cfg.accumulation, checkpointing=cfg.checkpointing, offload=offload,
+             **adapter.shard_kwargs(model))
+    faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
     sampler = GlobalBatchSampler(
@@ -224,9 +242,11 @@ def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     for index, (xm, ym) in enumerate(micro):
         last = index == len(micro) - 1
         with contextlib.nullcontext() if last else zs.no_sync(model):
-            loss_sum, _ = model.loss_sum(xm, ym)
+            with phase("forward"):
+                loss_sum, _ = adapter.loss_sum(model, xm, ym)
             scaled = loss_sum * norm.to(loss_sum.dtype)
-            (run.scaler.scale(scaled) if run.scaler is not None else scaled).backward()
+            with phase("backward"):
+                (run.scaler.scale(scaled) if run.scaler is not None else scaled).backward()
         total += loss_sum.detach().double()
     return total
 
@@ -254,10 +274,12 @@ def train_step(run: Run, step: int) -> StepRecord:
     t0 = time.perf_counter()
     maybe_inject_fault(run.mesh.rank, step + 1)  # 1-based, as the progress output counts
     lr = run.opt.param_groups[0]["lr"]
-    x, y = collate(run.dataset, run.sampler.next_indices())
-    x, y = x.to(run.mesh.device), y.to(run.mesh.device)
+    with phase("data"):
+        x, y = collate(run.dataset, run.sampler.next_indices())
+        x, y = x.to(run.mesh.device), y.to(run.mesh.device)
     loss_sum = accumulate_gradients(run, x, y)
-    norm = optimizer_step(run)
+    with phase("optimizer"):
+        norm = optimizer_step(run)
     mean_loss = average_token_loss(run, loss_sum, y)
     dt = time.perf_counter() - t0
     tokens = cfg.batch * cfg.seq_len
@@ -280,7 +302,12 @@ def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Pa
              start: int = 0) -> None:
     """Steps `start` .. `cfg.steps - 1` (0-based); `start` > 0 after a resume."""
     for step in range(start, run.cfg.steps):
+        zs.ledger().step = step + 1  # stamped on every collective of the step, for the doctor
+        if run.profiler is not None:
+            run.profiler.begin(step)
         rec = train_step(run, step)
+        if run.profiler is not None:
+            rec.profile = run.profiler.end(step)
         run.records.append(rec)
         if step == start and run_dir is not None:
             # After the first step, so the optimizer's lazily created state shows its real dtypes.
@@ -289,7 +316,10 @@ def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Pa
             metrics_file.write(json.dumps(rec.__dict__) + "\n")
             metrics_file.flush()
         reporter.step(rec)
-        maybe_save(run, step + 1)
+        if run.cfg.desync_check and (step + 1) % run.cfg.desync_check == 0:
+            run.metric_bytes += desync.check(step + 1)
+        with phase("checkpoint"):
+            maybe_save(run, step + 1)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -362,6 +392,7 @@ def summarize(run: Run, info: dict[str, Any], bytes_before: int) -> dict[str, An
         "precision": zs.precision_manifest(run.model, run.opt),
         "init_path": get_engine(run.model).init_stats["path"],
         "skipped_steps": 0 if run.scaler is None else run.scaler.skipped_steps,
+        "profile": None if run.profiler is None else run.profiler.summary(),
     }
 
 
@@ -401,13 +432,16 @@ def train(cfg: TrainConfig, mesh: Any, reporter: Reporter | None = None) -> dict
         write_config(run_dir, run, info)
         metrics_file = open_metrics(run_dir / "metrics.jsonl", start)
     bytes_before = zs.ledger().total_bytes()
+    # Every rank writes its own profile (and trace) files, so it needs the run dir too.
+    run.profiler = step_profile.for_run(run, cfg.run_dir or run_dir)
     reporter.start(info)
-    try:
-        run_loop(run, reporter, metrics_file, run_dir, start)
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-    summary = summarize(run, info, bytes_before)
+    with run.profiler or contextlib.nullcontext():
+        try:
+            run_loop(run, reporter, metrics_file, run_dir, start)
+        finally:
+            if metrics_file is not None:
+                metrics_file.close()
+        summary = summarize(run, info, bytes_before)
     reporter.finish(summary)
     return summary
 
@@ -418,8 +452,14 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     On an error the process group is deliberately not torn down: a peer may be blocked in a
     collective, and tearing down could block too. The launcher (or torchrun) stops the peers.
     """
-    mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size)
-    summary = train(cfg, mesh, reporter)
+    # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
+    mesh = zs.init(timeout_s=process_group_timeout(cfg.hang_timeout_s), shard_size=cfg.shard_size)
+    # Rank 0 names the run dir (a timestamp by default); every rank dumps its ledger there.
+    run_dir = all_gather_object(str(resolve_run_dir(cfg)), phase="init")[0]
+    cfg = dataclasses.replace(cfg, run_dir=run_dir)
+    with Diagnostics(zs.ledger(), run_dir=run_dir, rank=mesh.rank, world=mesh.world,
+                     hang_timeout_s=cfg.hang_timeout_s):
+        summary = train(cfg, mesh, reporter)
     zs.shutdown()
     return summary
 
@@ -451,7 +491,7 @@ def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     losses: list[float] = []
     for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
-        loss = model(x, y)
+        loss = adapter.mean_loss(model, x, y)
         loss.backward()
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

@@ -126,6 +126,22 @@ def test_verify_meta_init_starts_from_the_single_process_weights() -> None:
     assert result["passed"] is True and result["max_abs_param_diff_vs_stage0"] == 0.0
 
 
+@pytest.mark.parametrize("levers", [
+    ["--checkpointing", "sqrt"],
+    ["--offload", "cpu", "--checkpointing", "every:2"],
+    ["--nproc", "4", "--shard-size", "2", "--offload", "disk"],
+    ["--nproc", "4", "--shard-size", "2", "--checkpointing", "all", "--offload", "cpu"],
+], ids=["ckpt", "cpu-offload+ckpt", "hybrid+disk", "hybrid+ckpt+cpu"])
+def test_verify_memory_levers_combinations(tmp_path: Path, levers: list[str]) -> None:
+    flags = ["verify", "--json", "--stage", "3", "--nproc", "2", "--steps", "4", *FAST, *levers]
+    if "disk" in levers:
+        flags += ["--offload-dir", str(tmp_path / "offload")]
+    proc = run_cli(flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["passed"] is True and result["max_abs_param_diff_vs_single"] <= 1e-5
+
+
 def test_fault_on_rank1_fails_fast_and_names_rank1(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = run_cli(

@@ -6,8 +6,11 @@ import argparse
 import sys
 from typing import Sequence
 
+from zeroshard.cli import bench as bench_cmd
 from zeroshard.cli import ckpt as ckpt_cmd
+from zeroshard.cli import doctor as doctor_cmd
 from zeroshard.cli import plan as plan_cmd
+from zeroshard.cli import report as report_cmd
 from zeroshard.cli import train as train_cmd
 from zeroshard.cli import verify as verify_cmd
 
@@ -22,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd.add_parser(sub)
     ckpt_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
+    doctor_cmd.add_parser(sub)
+    report_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 

@@ -42,6 +42,11 @@ def add_config_flags(
         want = hints[name]
         py_type = next((t for t in typing.get_args(want) if t is not type(None)), want)
         text = f"{field_help(name)} (default: {shown[name]})".replace("%", "%%")
+        if py_type is bool:
+            # --trace / --no-trace; still None when not given, so a TOML file can decide.
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                                action=argparse.BooleanOptionalAction, help=text)
+            continue
         parser.add_argument(
             "--" + name.replace("_", "-"), dest=name, type=py_type, default=None,
             metavar=name.upper(), help=text,
@@ -172,6 +177,10 @@ def summary_table(s: dict[str, Any]) -> Table:
     ]
     if s["skipped_steps"]:
         rows.append(("steps skipped (fp16 overflow)", str(s["skipped_steps"])))
+    if s.get("profile"):
+        from zeroshard.profile.render import profile_rows
+
+        rows += profile_rows(s["profile"])
     rows.append(("run dir", str(s["run_dir"])))
     for what, value in rows:
         table.add_row(what, value)
@@ -213,7 +222,10 @@ def run(args: argparse.Namespace) -> int:
         # stuck collective fails after cfg.hang_timeout_s (the process-group timeout).
         spawn(_rank_main, cfg.nproc, args=(cfg,), timeout_s=math.inf)
     except WorkerError as e:
-        return fail("train", one_line(e))
+        message = one_line(e)
+        if cfg.run_dir and "zeroshard doctor" not in message:
+            message += f"; every rank's collective ledger is in {cfg.run_dir}/ledger: run `zeroshard doctor {cfg.run_dir}`"
+        return fail("train", message)
     return 0
 
 

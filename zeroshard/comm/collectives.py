@@ -8,6 +8,8 @@ the ledger can say which one a collective ran on.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -47,11 +49,15 @@ class Pending:
 
     def wait(self) -> None:
         if self._work is not None:
+            # How long the training thread is blocked here is the collective's *exposed* time (the
+            # profiler's overlap ratio); the watchdog reads wait_start to tell a hang from a prefetch.
+            self.record.wait_start = started = time.perf_counter()
             self._work.wait()
+            self.record.waited += time.perf_counter() - started
             self._work = None
             if self._after is not None:
                 self._after()
-        Ledger.close(self.record)
+        _LEDGER.wait_returned(self.record)
 
 
 def _group(name: str):
@@ -77,6 +83,7 @@ def _issue(op: str, full: torch.Tensor, group: str, unit: str, phase: str, call,
         group=group, op=op, numel=full.numel(), dtype=full.dtype, elem_size=full.element_size(), unit=unit, phase=phase
     )
     work = call(_group(group))
+    _LEDGER.started(record, work, device_async=get_mesh().backend == "nccl")
     pending = Pending(work, record, after)
     if async_op:
         return pending
@@ -131,6 +138,9 @@ def all_gather_object(obj, *, group: str = "world", phase: str = "") -> list:
     marker = torch.zeros(1)
     record = _LEDGER.open(group=group, op="all_gather_object", numel=size, dtype=marker.dtype,
                           elem_size=0, unit="", phase=phase)
+    _LEDGER.started(record)
+    record.wait_start = time.perf_counter()  # blocking: the thread waits from the start
     dist.all_gather_object(out, obj, group=_group(group))
-    Ledger.close(record)
+    record.waited = time.perf_counter() - record.wait_start
+    _LEDGER.complete(record)
     return out

@@ -94,7 +94,11 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tim
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            # Via our helper: after a torchrun restart the env:// store still holds the dead
+            # attempt's keys (see zeroshard/elastic.py).
+            from zeroshard.elastic import init_process_group_from_env
+
+            init_process_group_from_env(backend, timeout)
         else:
             # An in-memory store, not env vars: a plain process must not look like a torchrun
             # worker to the subprocesses it starts.

@@ -22,7 +22,7 @@ def _gather_master(group: FlatGroup) -> torch.Tensor:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every param at full size in its master dtype, under every name it is registered as, plus
-    buffers. A collective: call it on every rank. Costs one full copy of the model per rank."""
+    persistent buffers. A collective: call it on every rank. Costs one full copy of the model per rank."""
     engine = get_engine(model)
     out: dict[str, torch.Tensor] = {}
     for group in engine.groups:
@@ -31,8 +31,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             value = whole[slot.offset:slot.end].view(slot.shape).detach().clone()
             for alias in ref.aliases:
                 out[alias] = value
-    for name, buffer in model.named_buffers():
-        out[name] = buffer.detach().clone()
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            # As nn.Module.state_dict does: a non-persistent buffer (an HF model's rotary inv_freq)
+            # is derived, not state, so a plain model's state_dict() and this compare key for key.
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buffer.detach().clone()
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from zeroshard.comm import collectives
+from zeroshard.profile import timeline
 from zeroshard.sharding.flat import FlatGroup
 
 
@@ -41,6 +42,7 @@ class Unit:
             return
         self._gathers = [p for p in (g.gather_full(phase) for g in self.groups) if p is not None]
         self.state = UnitState.GATHERING
+        timeline.event("gather", self.name)  # memory sample for the step profiler (no-op when off)
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.UNSHARDED:
@@ -61,6 +63,7 @@ class Unit:
             group.register(unsharded=False)
             group.free_full()
         self.state = UnitState.SHARDED
+        timeline.event("free", self.name)
 
     def full_bytes(self) -> int:
         return sum(g.full_bytes() for g in self.groups)

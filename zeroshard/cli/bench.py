@@ -1,0 +1,52 @@
+"""`zeroshard bench`: our stages against torch DDP and FSDP2 on the same work, interleaved."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("run", "median step", "tokens/s", "x floor", "vs FSDP2", "vs torch DDP", "peak MiB/rank",
+                "comm MB/step"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        comm = "-" if r["comm_bytes_per_step"] is None else f"{r['comm_bytes_per_step'] / 1e6:.1f}"
+        t.add_row(r["name"], f"{r['median_step_s'] * 1e3:.0f} ms", f"{r['tokens_per_s']:,.0f}",
+                  f"{r['x_floor']:.2f}", f"{r['vs_fsdp2']:.2f}", f"{r['vs_torch_ddp']:.2f}",
+                  f"{r['peak_bytes_per_rank'] / 2**20:.0f}", comm)
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeroshard.benchmark import BenchSpec, run_bench
+
+    spec = BenchSpec(model=args.model, world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                     rounds=args.rounds, steps_per_round=args.steps_per_round)
+    rows = run_bench(spec)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        Console().print(table(rows, f"{spec.model}, world {spec.world}, B={spec.batch}/rank, T={spec.seq}, "
+                                    f"{spec.dtype}, AdamW, 1 thread/rank"))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="compare our stages with torch DDP and FSDP2 (tokens/s, peak memory)",
+                       description=__doc__)
+    p.add_argument("--model", default="small")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (A B C ... repeated)")
+    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="one JSON row per run")
+    p.set_defaults(run=run)

@@ -1,0 +1,33 @@
+"""`zeroshard report RUN_DIR`: charts of a training run as PNG files.
+
+Writes RUN_DIR/report/loss.png (loss per step), step_time.png (each step's time stacked by phase)
+and memory.png (memory over the last step, with the phases shaded), from metrics.jsonl and
+profile/memory-rank-0.json. Needs matplotlib (the `plot` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from zeroshard.cli.train import fail
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeroshard.profile.report import write_report
+
+    try:
+        paths = write_report(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        return fail("report", str(e))
+    for path in paths:
+        print(path)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("report", help="write PNG charts (loss, step-time breakdown, memory) of a run",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of `zeroshard train`")
+    p.add_argument("--out", metavar="DIR", default=None, help="where to write the PNGs (default: RUN_DIR/report)")
+    p.set_defaults(run=run)

@@ -1,0 +1,242 @@
+"""Read every rank's ledger and name the first point where the ranks diverged.
+
+Collectives match by position: the k-th collective of every rank must be the same call. So the
+ledgers are compared seq by seq over the range that every rank still holds, field by field (op,
+numel, dtype, group, unit, phase; see docs/diagnostics.md). Three kinds of finding, earliest first:
+
+- **mismatch**: at some seq the ranks issued different calls. Where one rank's entry equals
+  another's *next* entry, that rank skipped a collective, and the skipped one is named;
+- **never entered**: the calls agree as far as they go, but some ranks issued collective #k and
+  others never did; the unit and phase of #k come from the ranks that entered it;
+- **died**: a rank raised (its dump says what) or left no dump at all (killed: SIGKILL, the OOM
+  killer, gloo's abort on a size mismatch); its last entries come from its dump or its ring file.
+
+The analysis is pure: it takes ``{rank: (header, records)}`` so the desync check can run it on
+ledgers gathered in memory, and ``zeroshard doctor`` on the files.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("op", "numel", "dtype", "group", "unit", "phase")
+LAST_ENTRIES = 4
+
+
+def load(run_dir: str | Path) -> dict[int, tuple[dict, list[dict]]]:
+    """Every rank's (header, records) from ``RUN_DIR/ledger``: its JSON dump merged with its ring
+    file (which may be newer, and is all there is for a rank that was killed)."""
+    from zeroshard.comm.ledger import read_dump
+    from zeroshard.comm.ring import read_ring
+
+    folder = Path(run_dir) / "ledger"
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"{folder} does not exist: no rank left a ledger. Ledgers are written by `zeroshard train` "
+            "(or zeroshard.comm.watchdog.Diagnostics) when a run finishes, fails or hangs; check RUN_DIR")
+    ranks: dict[int, tuple[dict, list[dict]]] = {}
+    for path in sorted(folder.glob("rank-*.jsonl")):
+        header, records = read_dump(path)
+        ranks[int(header.get("rank", path.stem.split("-")[1]))] = (header, records)
+    for path in sorted(folder.glob("rank-*.ring")):
+        try:
+            ring_header, ring_records = read_ring(path)
+        except (ValueError, OSError):
+            continue
+        rank = ring_header["rank"]
+        if rank not in ranks:
+            ranks[rank] = (ring_header, ring_records)
+            continue
+        header, records = ranks[rank]
+        if ring_header["next_seq"] > header.get("next_seq", 0):
+            # The training thread went on after the dump (a peer's alarm): the ring is newer.
+            merged = {r["seq"]: r for r in records}
+            merged.update({r["seq"]: r for r in ring_records})
+            records = [merged[s] for s in sorted(merged)]
+            header = {**header, "next_seq": ring_header["next_seq"],
+                      "in_flight": [r["seq"] for r in records if r["state"] != "completed"]}
+            ranks[rank] = (header, records)
+    if not ranks:
+        raise FileNotFoundError(f"{folder} holds no rank-R.jsonl or rank-R.ring files")
+    return ranks
+
+
+def entry_text(record: dict | None) -> str:
+    if record is None:
+        return "(nothing)"
+    unit = record.get("unit") or "-"
+    return (f"#{record['seq']} {record['op']}({record['numel']} x {record['dtype']}, group {record['group']}) "
+            f"unit {unit} phase {record.get('phase') or '-'} step {record.get('step', '?')} [{record['state']}]")
+
+
+def _fingerprint(record: dict) -> tuple:
+    return tuple(record.get(f) for f in FIELDS)
+
+
+def _where(record: dict) -> dict:
+    return {"seq": record["seq"], "op": record["op"], "unit": record.get("unit", ""),
+            "phase": record.get("phase", ""), "step": record.get("step")}
+
+
+def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None) -> dict[str, Any]:
+    """The doctor's findings as plain data (what ``zeroshard doctor --json`` prints)."""
+    world = world or max([h.get("world", 0) for h, _ in ranks.values()] + [max(ranks) + 1])
+    by_seq = {r: {rec["seq"]: rec for rec in records} for r, (_, records) in ranks.items()}
+    next_seq = {r: h.get("next_seq", max(by_seq[r], default=-1) + 1) for r, (h, _) in ranks.items()}
+    first_seq = {r: min(by_seq[r], default=next_seq[r]) for r in ranks}
+    report: dict[str, Any] = {
+        "world": world, "ranks": {}, "missing_ranks": [r for r in range(world) if r not in ranks],
+        "mismatch": None, "never_entered": None, "died": [], "hang": [],
+        "at": None,  # the collective the verdict names: seq, op, unit, phase, step, and the ranks at fault
+    }
+    for r, (header, records) in sorted(ranks.items()):
+        report["ranks"][r] = {
+            "source": "ring" if header.get("reason") == "ring" else "dump",
+            "reason": header.get("reason"), "message": header.get("message", ""),
+            "next_seq": next_seq[r], "first_seq": first_seq[r],
+            "in_flight": header.get("in_flight", []),
+            "last": [entry_text(rec) for rec in records[-LAST_ENTRIES:]],
+        }
+        if header.get("reason") == "error":
+            report["died"].append({"rank": r, "how": "raised", "message": header.get("message", ""),
+                                   "last": report["ranks"][r]["last"]})
+        elif header.get("reason") == "ring":
+            report["died"].append({"rank": r, "how": "killed", "message": "left no dump: killed without running "
+                                   "Python (SIGKILL, the OOM killer, or gloo's abort on a size mismatch)",
+                                   "last": report["ranks"][r]["last"]})
+        elif header.get("reason") == "hang":
+            report["hang"].append({"rank": r, "message": header.get("message", "")})
+
+    lo = max(first_seq.values())
+    hi = min(next_seq.values())
+    report["compared"] = [lo, hi]
+    for seq in range(lo, hi):
+        entries = {r: by_seq[r].get(seq) for r in ranks}
+        if any(e is None for e in entries.values()):
+            continue
+        prints = {r: _fingerprint(e) for r, e in entries.items()}
+        if len(set(prints.values())) > 1:
+            report["mismatch"] = _mismatch(seq, entries, prints, by_seq)
+            break
+    if report["mismatch"] is None and len(set(next_seq.values())) > 1:
+        k = hi
+        entered = sorted(r for r in ranks if next_seq[r] > k)
+        absent = sorted(r for r in ranks if next_seq[r] == k)
+        entry = by_seq[entered[0]].get(k)
+        report["never_entered"] = {
+            **(_where(entry) if entry else {"seq": k}), "entered": entered, "missing": absent,
+            "entry": entry_text(entry),
+        }
+        report["at"] = {**(_where(entry) if entry else {"seq": k}), "ranks": absent}
+    if report["mismatch"] is not None:
+        report["at"] = report["mismatch"]["at"]
+    report["verdict"], report["summary"] = _verdict(report)
+    return report
+
+
+def _mismatch(seq: int, entries: dict[int, dict], prints: dict[int, tuple], by_seq: dict) -> dict:
+    counts = Counter(prints.values())
+    fields = [f for i, f in enumerate(FIELDS) if len({p[i] for p in prints.values()}) > 1]
+    out: dict[str, Any] = {"seq": seq, "fields": fields,
+                           "by_rank": {r: entry_text(e) for r, e in sorted(entries.items())},
+                           "values": {f: {r: e.get(f) for r, e in sorted(entries.items())} for f in fields},
+                           "skipped": None, "reordered": None}
+
+    def runs_next(r: int, other: int) -> bool:
+        """Rank r's entry k is rank other's entry k+1: r is one collective ahead of other."""
+        later = by_seq[other].get(seq + 1)
+        return later is not None and _fingerprint(later) == prints[r]
+
+    ranks = sorted(entries)
+    for r in ranks:
+        for other in ranks:
+            if other == r or prints[other] == prints[r] or not runs_next(r, other):
+                continue
+            if runs_next(other, r):
+                # Each runs the other's next call: the same calls in another order.
+                out["reordered"] = {"ranks": [r, other], "a": _where(entries[r]), "b": _where(entries[other])}
+                out["at"] = {**_where(entries[min(r, other)]), "ranks": [max(r, other)]}
+            else:
+                out["skipped"] = {"rank": r, **_where(entries[other]), "ran_instead": _where(entries[r])}
+                out["at"] = {**_where(entries[other]), "ranks": [r]}
+            return out
+    expected = counts.most_common(1)[0][0]
+    if len(counts) > 1 and counts.most_common(1)[0][1] > counts.most_common(2)[1][1]:
+        out["odd_ranks"] = sorted(r for r, p in prints.items() if p != expected)
+    else:
+        out["odd_ranks"] = [r for r in ranks if prints[r] != prints[ranks[0]]]
+    reference = next(e for r, e in sorted(entries.items()) if r not in out["odd_ranks"])
+    out["at"] = {**_where(reference), "ranks": out["odd_ranks"]}
+    return out
+
+
+def _short(message: str, limit: int = 160) -> str:
+    # gloo's messages run on ("... This is typically caused by ... GLHF!"); the first sentence says it.
+    first = message.split(". ")[0]
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
+def _verdict(report: dict) -> tuple[str, str]:
+    died = report["died"]
+    dead = "; ".join(f"rank {d['rank']} {d['how']}: {_short(d['message'])}" for d in died)
+    tail = f". {dead}" if died else ""
+    if report["mismatch"] is not None:
+        m = report["mismatch"]
+        if m["skipped"] is not None:
+            s = m["skipped"]
+            text = (f"first divergence at collective #{m['seq']}: rank {s['rank']} never entered {s['op']} of unit "
+                    f"{s['unit'] or '-'} in phase {s['phase'] or '-'} (step {s['step']}); it ran "
+                    f"{s['ran_instead']['op']} of unit {s['ran_instead']['unit'] or '-'} "
+                    f"({s['ran_instead']['phase']}) instead")
+        elif m["reordered"] is not None:
+            a, b = m["reordered"]["a"], m["reordered"]["b"]
+            r1, r2 = m["reordered"]["ranks"]
+            text = (f"first divergence at collective #{m['seq']} (step {a['step']}): the ranks ran the same collectives "
+                    f"in another order: rank {r1} ran {a['op']} of unit {a['unit'] or '-'} ({a['phase']}) where rank "
+                    f"{r2} ran {b['op']} of unit {b['unit'] or '-'} ({b['phase']})")
+        else:
+            at = m["at"]
+            diffs = "; ".join(f"{f}: " + ", ".join(f"rank {r} {v}" for r, v in vals.items())
+                              for f, vals in m["values"].items())
+            text = (f"first divergence at collective #{m['seq']} ({at['op']} of unit {at['unit'] or '-'} in phase "
+                    f"{at['phase'] or '-'}, step {at['step']}): {diffs}")
+        return "mismatch", text + tail
+    if report["never_entered"] is not None:
+        n = report["never_entered"]
+        who = ", ".join(str(r) for r in n["missing"])
+        text = (f"rank{'s' if len(n['missing']) > 1 else ''} {who} never entered collective #{n['seq']} "
+                f"({n.get('op', '?')} of unit {n.get('unit') or '-'} in phase {n.get('phase') or '-'}, step "
+                f"{n.get('step', '?')}) that rank{'s' if len(n['entered']) > 1 else ''} "
+                f"{', '.join(str(r) for r in n['entered'])} entered")
+        return "never_entered", text + tail
+    if died:
+        return "died", dead
+    if report["missing_ranks"]:
+        return "incomplete", f"no ledger from ranks {report['missing_ranks']}; the others agree"
+    if report["hang"]:
+        return "hang", "every rank issued the same collectives, but a rank reported a hang: " + report["hang"][0]["message"]
+    lo, hi = report["compared"]
+    return "ok", f"no divergence: collectives #{lo}..#{hi - 1} match on all {len(report['ranks'])} ranks"
+
+
+def render(report: dict, run_dir: str | Path | None = None) -> list[str]:
+    """Human-readable lines for a report from :func:`analyse`."""
+    lines = [f"zeroshard doctor: {run_dir or ''} ({report['world']} ranks)".replace(":  (", ": ("),
+             f"verdict: {report['verdict'].upper()}: {report['summary']}"]
+    for r, info in report["ranks"].items():
+        what = {"ring": "no dump; read its crash-safe ring"}.get(info["source"], f"{info['reason']} dump")
+        msg = f": {_short(info['message'], 240)}" if info["message"] else ""
+        lines.append(f"  rank {r}: {what}, {info['next_seq']} collectives issued{msg}")
+    m = report["mismatch"]
+    if m is not None:
+        lines.append(f"collective #{m['seq']} per rank (differs in: {', '.join(m['fields'])}):")
+        lines += [f"  rank {r}: {text}" for r, text in m["by_rank"].items()]
+    n = report["never_entered"]
+    if n is not None:
+        lines.append(f"collective #{n['seq']} as entered by rank {n['entered'][0]}: {n['entry']}")
+    for r, info in report["ranks"].items():
+        lines.append(f"last entries of rank {r}:")
+        lines += [f"  {text}" for text in info["last"]]
+    return lines
