@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 
 import zeroshard as zs
-from zeroshard.data import GlobalBatchSampler, collate
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.offload import DiskStore, OffloadPolicy
 
-from workloads import GLOBAL_BATCH, LR, SEED, tiny_setup
+from workloads import GLOBAL_BATCH, LR, SEED, sharded_run, tiny_setup
 
 
 def _policy(kind: str, directory: str):
@@ -23,27 +22,17 @@ def _policy(kind: str, directory: str):
 
 
 def parity_suite(directory: str) -> dict:
-    mesh = zs.init()
+    zs.init()
     out = {"files_seen": 0}
     for stage in (0, 1, 2, 3):
         for kind in ("none", "cpu", "disk"):
-            cfg, data = tiny_setup(GLOBAL_BATCH)
-            torch.manual_seed(SEED)
-            model = zs.shard(GPT(cfg), stage=stage, offload=_policy(kind, directory))
-            opt = zs.optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-            sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
-            losses = []
-            for _ in range(4):
-                x, y = collate(data, sampler.next_indices())
-                loss = model(x, y)
-                loss.backward()
-                zs.clip_grad_norm_(model, 1.0)
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            out[(stage, kind)] = sharded_run(stage, 4, GLOBAL_BATCH, offload=_policy(kind, directory))
             if kind == "disk":
+                # Hold a disk-offloaded model while looking, so its store is certainly alive.
+                cfg, _ = tiny_setup(GLOBAL_BATCH)
+                held = zs.shard(GPT(cfg), stage=stage, offload=_policy(kind, directory))
                 out["files_seen"] += sum(len(list(p.iterdir())) for p in Path(directory).iterdir())
-            out[(stage, kind)] = {"losses": losses, "params": zs.full_state_dict(model)}
+                del held
     return out
 
 

@@ -43,13 +43,12 @@ def reference_run(steps: int, global_batch: int) -> dict:
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def sharded_run(stage: int, steps: int, global_batch: int, *, mp=None, prefetch: int = 1,
-                reshard_after_forward: bool = True, bucket_mb: float = 25.0) -> dict:
+def sharded_run(stage: int, steps: int, global_batch: int, **shard_kwargs) -> dict:
+    """``steps`` AdamW steps of tiny with global clipping; ``shard_kwargs`` go to ``zs.shard``."""
     mesh = zs.init()
     cfg, data = tiny_setup(global_batch)
     torch.manual_seed(SEED)
-    model = zs.shard(GPT(cfg), stage=stage, mp=mp, prefetch=prefetch,
-                     reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb)
+    model = zs.shard(GPT(cfg), stage=stage, **shard_kwargs)
     opt = zs.optimizer(model, torch.optim.AdamW, lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
     sampler = GlobalBatchSampler(len(data), global_batch, world=mesh.world, rank=mesh.rank, seed=SEED)
     ledger = zs.ledger()
@@ -221,23 +220,9 @@ def checkpointing_suite() -> dict:
     for stage in (0, 1, 2, 3):
         for policy in CHECKPOINT_POLICIES:
             start = ledger.next_seq
-            cfg, data = tiny_setup(GLOBAL_BATCH)
-            mesh = zs.init()
-            torch.manual_seed(SEED)
-            model = zs.shard(GPT(cfg), stage=stage, checkpointing=policy)
-            opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
-            sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
-            losses = []
-            for _ in range(4):
-                x, y = collate(data, sampler.next_indices())
-                loss = model(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            recompute_bytes = sum(r.bytes for r in ledger.since(start) if r.phase == "recompute")
-            out[(stage, policy)] = {"losses": losses, "params": zs.full_state_dict(model),
-                                    "recompute_gather_bytes": recompute_bytes}
+            run = sharded_run(stage, 4, GLOBAL_BATCH, checkpointing=policy)
+            run["recompute_gather_bytes"] = sum(r.bytes for r in ledger.since(start) if r.phase == "recompute")
+            out[(stage, policy)] = run
     return out
 
 
