@@ -108,7 +108,16 @@ class TrainConfig:
     groups (world/shard_size replicas). None shards over the whole world."""
 
     bucket_mb: float = 25.0
-    """Gradient bucket size in MB for the overlapped reduction."""
+    """Gradient bucket size in MB for the overlapped reduction (stages 0-2; stage 3 reduces per unit)."""
+
+    prefetch: int = 1
+    """Stage 3 only: units whose all-gather is issued ahead of the one computing. Each extra unit
+    hides more all-gather latency and holds one more block's full params; 0 gathers on demand."""
+
+    reshard_after_forward: bool = True
+    """Stage 3 only: free each unit's gathered params after its forward and gather them again for
+    backward. False keeps every unit's full params from forward to backward: one all-gather fewer
+    per unit, the memory of unsharded params during backward."""
 
     mp: str = "fp32"
     """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
@@ -206,6 +215,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch} must be >= 0 (units gathered ahead; 0 gathers on demand)")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
         if self.desync_check < 0:

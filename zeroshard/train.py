@@ -195,9 +195,9 @@ def setup(cfg: TrainConfig, mesh: Any) -> Run:
     model = build_model(cfg, dataset.vocab_size, mesh.device)
     num_params = adapter.num_params(model)
     offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
-    zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb,
-             accumulation=cfg.accumulation, checkpointing=cfg.checkpointing, offload=offload,
-             **adapter.shard_kwargs(model))
+    zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
+             reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
+             checkpointing=cfg.checkpointing, offload=offload, **adapter.shard_kwargs(model))
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None

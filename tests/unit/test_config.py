@@ -50,6 +50,8 @@ def test_model_names_match_the_model_presets() -> None:
         ({"accum": 0}, "accum"),
         ({"batch": 8, "nproc": 2, "accum": 3}, "micro-steps"),
         ({"bucket_mb": 0.0}, "bucket_mb"),
+        ({"prefetch": -1}, "prefetch=-1"),
+        ({"reshard_after_forward": "no"}, "expected bool"),
         ({"hang_timeout_s": 0.0}, "hang_timeout_s"),
         ({"batch": 10, "nproc": 4}, "multiple of 4"),
         ({"batch": 64, "num_samples": 32, "nproc": 2}, "num_samples=32"),

@@ -12,6 +12,7 @@ from zeroshard.cli import doctor as doctor_cmd
 from zeroshard.cli import plan as plan_cmd
 from zeroshard.cli import report as report_cmd
 from zeroshard.cli import train as train_cmd
+from zeroshard.cli import tune as tune_cmd
 from zeroshard.cli import verify as verify_cmd
 
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_cmd.add_parser(sub)
     report_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    tune_cmd.add_parser(sub)
     return parser
 
 

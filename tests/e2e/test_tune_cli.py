@@ -1,0 +1,57 @@
+"""`zeroshard tune` as a user runs it: real spawned gloo ranks, a tiny grid, a TOML that train reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_cli import run_cli
+from zeroshard.config import load_toml, merge_config
+from zeroshard.tune.measure import FAULT_ENV
+
+# 2 gloo ranks on the tiny GPT; every timed step is real, so keep them few.
+QUICK = ["tune", "--model", "tiny", "--nproc", "2", "--batch", "8", "--seq-len", "32", "--steps", "2",
+         "--rounds", "2", "--warmup", "1", "--checkpointing", "none", "--bucket-mb", "25", "--prefetch", "1", "--json"]
+
+
+def rows_of(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def test_tune_ranks_measured_candidates_and_writes_a_train_config(tmp_path: Path) -> None:
+    proc = run_cli([*QUICK, "--stages", "0,3", "--reshard", "true,false", "--device-mem", "1GB"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = rows_of(proc.stdout)
+    assert len(rows) == 3 and all(r["status"] == "ok" for r in rows)
+    assert [r["rank"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["timed_steps"] == 4
+        assert r["tokens_per_s"] * r["median_step_s"] == pytest.approx(8 * 32)  # useful tokens: the global batch
+        assert 0 < r["measured_peak_bytes"] and 0 < r["predicted_allocated_bytes"] < r["predicted_total_bytes"] < 1e9
+    assert rows[0]["tokens_per_s"] >= rows[-1]["tokens_per_s"] and rows[0]["winner"] is True
+    assert "all built at once" in proc.stderr
+
+    toml = tmp_path / "tuned.toml"  # the default --out, relative to where tune ran
+    cfg = merge_config(load_toml(toml))  # what `zeroshard train --config tuned.toml` does
+    winner = rows[0]
+    assert (cfg.model, cfg.nproc, cfg.batch, cfg.seq_len) == ("tiny", 2, 8, 32)
+    assert (cfg.stage, cfg.checkpointing) == (winner["stage"], winner["checkpointing"])
+    if winner["stage"] == 3:
+        assert (cfg.prefetch, cfg.reshard_after_forward) == (1, winner["reshard_after_forward"])
+    assert winner["candidate"] in toml.read_text()
+
+
+def test_a_failing_candidate_is_reported_and_the_rest_still_measured(tmp_path: Path) -> None:
+    out = tmp_path / "conf" / "best.toml"
+    broken = "stage 0, bucket 25 MB, ckpt none"
+    proc = run_cli([*QUICK, "--stages", "0,3", "--reshard", "true", "--no-resident", "--out", str(out)],
+                   env={FAULT_ENV: broken}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = rows_of(proc.stdout)
+    assert [(r["candidate"], r["status"]) for r in rows] == [("stage 3, prefetch 1, reshard, ckpt none", "ok"),
+                                                            (broken, "failed")]
+    assert "every rank: RuntimeError: injected fault" in rows[1]["error"]
+    assert rows[0]["tokens_per_s"] > 0
+    assert "each rebuilt in its turn" in proc.stderr and f"failed {broken}" in proc.stderr
+    assert merge_config(load_toml(out)).stage == 3

@@ -1,0 +1,161 @@
+"""`zeroshard tune` without spawning ranks: the grid, planner pruning, ranking and the TOML it writes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from zeroshard.config import TrainConfig, load_toml, merge_config, tomllib
+from zeroshard.tune import choose, tomlfile
+from zeroshard.tune.grid import DEFAULT_AXES, Candidate, candidates, default_candidates, parse_axes
+from zeroshard.tune.prune import Prediction, predict, prune
+
+# Model states dominate at this size (tiny batch), so sharding them is what decides the fit.
+BASE = TrainConfig(model="tiny", nproc=2, batch=2, seq_len=16)
+
+
+def axes(**overrides: str):
+    return parse_axes(**{**DEFAULT_AXES, **overrides})
+
+
+def test_default_grid_varies_each_knob_only_where_the_runtime_reads_it() -> None:
+    grid = default_candidates()
+    # stages 0-2: 2 bucket sizes x 2 policies; stage 3: 2 prefetch x 2 reshard x 2 policies.
+    assert len(grid) == 3 * 2 * 2 + 2 * 2 * 2 == len(set(grid))
+    for c in grid:
+        if c.stage == 3:
+            assert c.bucket_mb is None and c.prefetch in (1, 2) and c.reshard_after_forward in (True, False)
+            assert set(c.train_keys()) == {"stage", "checkpointing", "prefetch", "reshard_after_forward"}
+        else:
+            assert c.prefetch is None and c.reshard_after_forward is None and c.bucket_mb in (5.0, 25.0)
+            assert set(c.train_keys()) == {"stage", "checkpointing", "bucket_mb"}
+    assert len({c.name for c in grid}) == len(grid)
+
+
+def test_flags_narrow_the_grid_and_repeats_collapse() -> None:
+    grid = candidates(axes(stages="3,3", prefetch="0,2", reshard="false", checkpointing="every:2"))
+    assert [(c.prefetch, c.reshard_after_forward, c.checkpointing) for c in grid] == [(0, False, "every:2"),
+                                                                                      (2, False, "every:2")]
+
+
+@pytest.mark.parametrize(("flag", "text", "needle"), [
+    ("stages", "0,4", "--stages: '4' is not a stage"),
+    ("stages", "", "--stages '': give a comma-separated list"),
+    ("prefetch", "1,,2", "--prefetch '1,,2'"),
+    ("prefetch", "-1", "--prefetch: '-1'"),
+    ("bucket_mb", "0", "--bucket-mb: '0'"),
+    ("bucket_mb", "big", "--bucket-mb: 'big'"),
+    ("checkpointing", "none,every:0", "--checkpointing: 'every:0'"),
+    ("reshard", "maybe", "--reshard: 'maybe' is not a boolean"),
+])
+def test_bad_grid_values_name_the_flag(flag: str, text: str, needle: str) -> None:
+    with pytest.raises(ValueError) as info:
+        axes(**{flag: text})
+    assert needle in str(info.value)
+
+
+def test_tiny_budget_prunes_stage_0_keeps_stage_3_and_says_why() -> None:
+    grid = candidates(axes(stages="0,3", checkpointing="none", bucket_mb="25", prefetch="1", reshard="true"))
+    ddp, zero3 = grid
+    predicted = predict(grid, BASE)
+    assert predicted[zero3].total < predicted[ddp].total
+    assert 0 < predicted[zero3].allocated < predicted[zero3].total  # headroom on top of the live peak
+    budget = (predicted[zero3].total + predicted[ddp].total) // 2
+    kept, pruned = prune(grid, predicted, budget)
+    assert kept == [zero3]
+    assert [p.candidate for p in pruned] == [ddp]
+    reason = pruned[0].reason
+    assert f"predicted {predicted[ddp].total / 1e6:.1f} MB per rank" in reason
+    assert f"budget {budget / 1e6:.1f} MB" in reason
+    assert prune(grid, predicted, None) == (grid, [])
+
+
+def test_prediction_follows_the_stage_3_knobs() -> None:
+    grid = candidates(axes(stages="3", checkpointing="none", prefetch="1,2", reshard="true,false"))
+    predicted = predict(grid, BASE)
+    by = {(c.prefetch, c.reshard_after_forward): predicted[c].allocated for c in grid}
+    # A deeper prefetch window holds more gathered blocks; no reshard holds every unit's params.
+    assert by[(1, True)] < by[(2, True)] <= by[(1, False)] == by[(2, False)]
+
+
+def _row(c: Candidate, tps: float, status: str = "ok") -> dict:
+    row = {"candidate": c.name, **c.train_keys(), "status": status}
+    if status == "ok":
+        row.update(tokens_per_s=tps, median_step_s=BASE.batch * BASE.seq_len / tps, spread=0.1,
+                   measured_peak_bytes=1000)
+    else:
+        row["error"] = "every rank: RuntimeError: boom"
+    return row
+
+
+def test_rank_orders_by_tokens_per_second_then_failed_then_pruned() -> None:
+    a, b, c, d = candidates(axes(stages="0,1,2,3", checkpointing="none", bucket_mb="25", prefetch="1",
+                                 reshard="true"))
+    predictions = {x: Prediction(total=200, allocated=180) for x in (a, b, c, d)}
+    _, pruned = prune([d], {d: Prediction(total=500, allocated=450)}, 300)
+    ranked = choose.rank([_row(a, 100.0), _row(b, 300.0), _row(c, 0.0, "failed")], [a, b, c], predictions, pruned)
+    assert [r["candidate"] for r in ranked] == [b.name, a.name, c.name, d.name]
+    assert [r.get("rank") for r in ranked] == [1, 2, None, None]
+    assert ranked[1]["vs_best"] == pytest.approx(1 / 3)
+    assert ranked[3]["status"] == "pruned" and "> budget" in ranked[3]["reason"]
+    assert all(r["predicted_total_bytes"] for r in ranked)
+
+
+def test_toml_writer_round_trips_flat_scalars() -> None:
+    values = {"a": 1, "b": 2.5, "c": 1e-05, "d": 1e16, "e": True, "f": False, "g": None, "h": math.inf,
+              "path": 'C:\\runs\\"x"\n\tend\x01', "dashed-key": "é", "odd key": 3}
+    text = tomlfile.dumps(values, header="first line\nsecond")
+    assert text.startswith("# first line\n# second\n")
+    assert tomllib.loads(text) == {k: v for k, v in values.items() if v is not None}
+    with pytest.raises(TypeError, match="list"):
+        tomlfile.dumps({"x": [1]})
+
+
+@pytest.mark.parametrize("winner", [
+    Candidate(stage=3, checkpointing="sqrt", prefetch=2, reshard_after_forward=False),
+    Candidate(stage=1, checkpointing="every:2", bucket_mb=5.0),
+])
+def test_winning_config_loads_as_train_does(tmp_path: Path, winner: Candidate) -> None:
+    base = TrainConfig(model="tiny", nproc=2, batch=8, seq_len=32, lr=3e-3, min_lr=1e-5, run_dir="runs/a b")
+    row = _row(winner, 1234.0)
+    ranked = [row]
+    path = tomlfile.write(tmp_path / "sub" / "tuned.toml", choose.tuned_values(base, row),
+                          header=choose.header(row, ranked, base, 2_000_000_000))
+    assert "2.00 GB per rank" in path.read_text()
+    cfg = merge_config(load_toml(path))  # what `zeroshard train --config` does with the file
+    assert (cfg.stage, cfg.checkpointing) == (winner.stage, winner.checkpointing)
+    if winner.stage == 3:
+        assert (cfg.prefetch, cfg.reshard_after_forward) == (2, False)
+    else:
+        assert cfg.bucket_mb == 5.0
+    # The workload and the base's own settings survive; untouched defaults stay out of the file.
+    assert (cfg.model, cfg.nproc, cfg.batch, cfg.seq_len, cfg.lr, cfg.min_lr, cfg.run_dir) == (
+        "tiny", 2, 8, 32, 3e-3, 1e-5, "runs/a b")
+    assert "steps" not in load_toml(path)
+
+
+def test_cli_rejects_bad_flags_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    from zeroshard.cli.main import main
+
+    assert main(["tune", "--stages", "0,5"]) == 1
+    assert "zeroshard tune: error: --stages: '5' is not a stage" in capsys.readouterr().err
+    assert main(["tune", "--model", "hf:gpt2-tiny"]) == 1
+    assert "GPT presets" in capsys.readouterr().err
+    assert main(["tune", "--device-mem", "lots"]) == 1
+    assert "cannot read memory size 'lots'" in capsys.readouterr().err
+    assert main(["tune", "--rounds", "0"]) == 1
+    assert "rounds=0" in capsys.readouterr().err
+
+
+def test_cli_says_when_nothing_fits(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from zeroshard.cli.main import main
+
+    out = tmp_path / "tuned.toml"
+    assert main(["tune", "--model", "tiny", "--batch", "2", "--seq-len", "16", "--stages", "0,3",
+                 "--checkpointing", "none", "--bucket-mb", "25", "--prefetch", "1", "--reshard", "true",
+                 "--device-mem", "1MB", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "no candidate fits 1.0 MB per rank: the smallest, stage 3" in err
+    assert not out.exists()

@@ -1,0 +1,131 @@
+"""The candidates `zeroshard tune` tries: stage x prefetch x reshard x bucket size x checkpointing.
+
+Each knob only enters the grid where the runtime reads it (prefetch and reshard_after_forward at
+stage 3, bucket_mb at stages 0-2), so no two candidates differ only in a setting that does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, TypeVar
+
+from zeroshard.config import STAGES
+
+T = TypeVar("T")
+
+DEFAULT_AXES = {"stages": "0,1,2,3", "prefetch": "1,2", "bucket_mb": "5,25", "checkpointing": "none,sqrt",
+                "reshard": "true,false"}
+_EXAMPLES = {"--" + axis.replace("_", "-"): text for axis, text in DEFAULT_AXES.items()}
+LAYOUT = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+"""The planner's name for each stage's layout."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    stage: int
+    checkpointing: str
+    bucket_mb: float | None = None
+    """Stages 0-2 only."""
+    prefetch: int | None = None
+    """Stage 3 only."""
+    reshard_after_forward: bool | None = None
+    """Stage 3 only."""
+
+    @property
+    def name(self) -> str:
+        if self.stage == 3:
+            knobs = f"prefetch {self.prefetch}, {'reshard' if self.reshard_after_forward else 'no reshard'}"
+        else:
+            knobs = f"bucket {self.bucket_mb:g} MB"
+        return f"stage {self.stage}, {knobs}, ckpt {self.checkpointing}"
+
+    def train_keys(self) -> dict[str, Any]:
+        """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
+        keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing}
+        if self.stage == 3:
+            keys.update(prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward)
+        else:
+            keys["bucket_mb"] = self.bucket_mb
+        return keys
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Axes:
+    stages: tuple[int, ...]
+    prefetch: tuple[int, ...]
+    bucket_mb: tuple[float, ...]
+    checkpointing: tuple[str, ...]
+    reshard: tuple[bool, ...]
+
+
+def _split(flag: str, text: str, convert: Callable[[str], T]) -> tuple[T, ...]:
+    items = [part.strip() for part in str(text).split(",")]
+    if not items or any(not part for part in items):
+        raise ValueError(f"{flag} {text!r}: give a comma-separated list such as {_EXAMPLES[flag]!r}")
+    out: list[T] = []
+    for part in items:
+        value = convert(part)
+        if value not in out:  # a repeated value would be measured twice under two names
+            out.append(value)
+    return tuple(out)
+
+
+def _stage(part: str) -> int:
+    if not part.isdigit() or int(part) not in STAGES:
+        raise ValueError(f"--stages: {part!r} is not a stage; use 0 (DDP), 1, 2 or 3")
+    return int(part)
+
+
+def _prefetch(part: str) -> int:
+    if not part.isdigit():
+        raise ValueError(f"--prefetch: {part!r} is not a count of units; use integers >= 0 such as 1,2")
+    return int(part)
+
+
+def _bucket(part: str) -> float:
+    try:
+        value = float(part)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"--bucket-mb: {part!r} is not a bucket size; use positive MB such as 5,25")
+    return value
+
+
+def _policy(part: str) -> str:
+    every = part.startswith("every:") and part[6:].isdigit() and int(part[6:]) >= 1
+    if part not in ("none", "all", "sqrt") and not every:
+        raise ValueError(f"--checkpointing: {part!r} is not a policy; use none, all, sqrt or every:K (K >= 1)")
+    return part
+
+
+def _bool(part: str) -> bool:
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(part.lower())
+    if value is None:
+        raise ValueError(f"--reshard: {part!r} is not a boolean; use true, false or true,false")
+    return value
+
+
+def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str) -> Axes:
+    """Comma-separated flag values to typed axes; a bad value raises ValueError naming its flag."""
+    return Axes(stages=_split("--stages", stages, _stage), prefetch=_split("--prefetch", prefetch, _prefetch),
+                bucket_mb=_split("--bucket-mb", bucket_mb, _bucket),
+                checkpointing=_split("--checkpointing", checkpointing, _policy),
+                reshard=_split("--reshard", reshard, _bool))
+
+
+def candidates(axes: Axes) -> list[Candidate]:
+    out: list[Candidate] = []
+    for stage in axes.stages:
+        for ckpt in axes.checkpointing:
+            if stage == 3:
+                out += [Candidate(stage=3, checkpointing=ckpt, prefetch=p, reshard_after_forward=r)
+                        for p in axes.prefetch for r in axes.reshard]
+            else:
+                out += [Candidate(stage=stage, checkpointing=ckpt, bucket_mb=b) for b in axes.bucket_mb]
+    return out
+
+
+def default_candidates() -> list[Candidate]:
+    return candidates(parse_axes(**DEFAULT_AXES))
+

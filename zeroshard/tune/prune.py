@@ -1,0 +1,75 @@
+"""Drop the candidates the planner says cannot fit the device, before spending time measuring them.
+
+The planner's per-rank total (allocated peak + allocator headroom) is what must fit, as in
+`zeroshard plan --device-mem`; the allocated peak is kept too, because that is what a measured peak
+of live tensors is comparable with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zeroshard.config import TrainConfig
+from zeroshard.tune.grid import LAYOUT, Candidate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    total: int
+    """Bytes per rank the device must hold: allocated peak + headroom."""
+    allocated: int
+    """Bytes per rank of live tensors at the peak."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pruned:
+    candidate: Candidate
+    prediction: Prediction
+    budget: int
+
+    @property
+    def reason(self) -> str:
+        return f"predicted {mb(self.prediction.total)} per rank > budget {mb(self.budget)}"
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def vocab_size(base: TrainConfig) -> int:
+    # What zeroshard.train builds the model with: bytes for a text file, else the synthetic vocabulary.
+    return 256 if base.data else base.vocab_size
+
+
+def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -> dict[Candidate, Prediction]:
+    """The planner's per-rank memory for each candidate, on ``base``'s model, world, batch and precision."""
+    from zeroshard.models import GPTConfig
+    from zeroshard.plan.api import plan
+
+    gpt = GPTConfig.named(base.model, vocab_size=vocab_size(base), seq_len=base.seq_len)
+    plans: dict[tuple, object] = {}
+    out: dict[Candidate, Prediction] = {}
+    for c in cands:
+        # One plan covers every stage; only the knobs that change some layout make a new one.
+        knobs = dict(checkpointing=c.checkpointing, prefetch=1 if c.prefetch is None else c.prefetch,
+                     reshard_after_forward=True if c.reshard_after_forward is None else c.reshard_after_forward,
+                     bucket_mb=base.bucket_mb if c.bucket_mb is None else c.bucket_mb)
+        key = tuple(sorted(knobs.items()))
+        if key not in plans:
+            plans[key] = plan(gpt, world=base.nproc, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
+                              accumulation=base.accumulation, device=device, optimizer="adamw",
+                              optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True}, **knobs)
+        layout = plans[key][LAYOUT[c.stage]].device  # type: ignore[index]
+        out[c] = Prediction(total=layout.total, allocated=layout.allocated)
+    return out
+
+
+def prune(cands: list[Candidate], predictions: dict[Candidate, Prediction],
+          budget: int | None) -> tuple[list[Candidate], list[Pruned]]:
+    """(kept, pruned) in grid order; no budget keeps everything."""
+    if budget is None:
+        return list(cands), []
+    kept = [c for c in cands if predictions[c].total <= budget]
+    pruned = [Pruned(candidate=c, prediction=predictions[c], budget=budget) for c in cands
+              if predictions[c].total > budget]
+    return kept, pruned

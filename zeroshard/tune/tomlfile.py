@@ -1,0 +1,66 @@
+"""Write a flat TOML file of TrainConfig keys, the kind `zeroshard train --config` reads.
+
+tomllib only reads; rather than add a dependency for writing, this serialises the only shape a
+TrainConfig has: one table of str / int / float / bool values (None has no TOML spelling, and
+every optional field defaults to None, so a None is simply left out).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _key(name: str) -> str:
+    return name if _BARE_KEY.fullmatch(name) else _string(name)
+
+
+def _string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")  # TOML basic strings forbid raw control characters
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # "25.0", "0.001", "1e-05", "1e+16": each a TOML float, and exact
+    if isinstance(value, str):
+        return _string(value)
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as a flat TOML value")
+
+
+def dumps(values: Mapping[str, Any], *, header: str = "") -> str:
+    """``key = value`` lines, preceded by ``header`` as ``#`` comments."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += [f"{_key(k)} = {_value(v)}" for k, v in values.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: str | Path, values: Mapping[str, Any], *, header: str = "") -> Path:
+    p = Path(path)
+    if p.parent != Path(""):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(dumps(values, header=header))
+    return p
