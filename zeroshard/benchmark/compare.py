@@ -33,16 +33,28 @@ class BenchSpec:
     steps_per_round: int = 3
     warmup: int = 2
     seed: int = 0
+    only: tuple[str, ...] = ()
+    """Run names to keep (floor, stage0..stage3, ddp, fsdp2, fsdp2-noreshard); empty keeps all. The ratio
+    columns need the floor, FSDP2 and torch DDP rows, so those always run."""
+
+
+RUN_KEYS = ("floor", "stage0", "stage1", "stage2", "stage3", "ddp", "fsdp2", "fsdp2-noreshard")
+_ALWAYS = ("floor", "ddp", "fsdp2")
 
 
 def _candidates(spec: BenchSpec, cfg: GPTConfig):
     dtype = parse_dtype(spec.dtype)
-    yield lambda: c.floor(cfg, spec.seed, dtype)
-    for stage in (0, 1, 2, 3):
-        yield lambda stage=stage: c.ours(cfg, spec.seed, dtype, stage)
-    yield lambda: c.torch_ddp(cfg, spec.seed, dtype)
-    yield lambda: c.fsdp2(cfg, spec.seed, dtype, True)
-    yield lambda: c.fsdp2(cfg, spec.seed, dtype, False)
+    unknown = set(spec.only) - set(RUN_KEYS)
+    if unknown:
+        raise ValueError(f"unknown bench runs {sorted(unknown)}; choose from {', '.join(RUN_KEYS)}")
+    makers = {"floor": lambda: c.floor(cfg, spec.seed, dtype),
+              **{f"stage{s}": (lambda s=s: c.ours(cfg, spec.seed, dtype, s)) for s in (0, 1, 2, 3)},
+              "ddp": lambda: c.torch_ddp(cfg, spec.seed, dtype),
+              "fsdp2": lambda: c.fsdp2(cfg, spec.seed, dtype, True),
+              "fsdp2-noreshard": lambda: c.fsdp2(cfg, spec.seed, dtype, False)}
+    for key in RUN_KEYS:
+        if not spec.only or key in spec.only or key in _ALWAYS:
+            yield makers[key]
 
 
 def _peak_live_bytes(candidate, x, y, device) -> int:

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.benchmark import BenchSpec, run_bench
 
     spec = BenchSpec(model=args.model, world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                     rounds=args.rounds, steps_per_round=args.steps_per_round)
+                     rounds=args.rounds, steps_per_round=args.steps_per_round,
+                     only=tuple(k for k in args.only.split(",") if k) if args.only else ())
     rows = run_bench(spec)
     if args.json:
         for row in rows:
@@ -48,5 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (A B C ... repeated)")
     p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--only", default="", help="comma-separated runs to keep (floor, ddp and fsdp2 always run): "
+                   "stage0,stage1,stage2,stage3,fsdp2-noreshard")
     p.add_argument("--json", action="store_true", help="one JSON row per run")
     p.set_defaults(run=run)

@@ -229,6 +229,10 @@ class Engine:
                 unit.reshard()
             if not self.defers_reduction:
                 self._launch_ready()
+        elif self._next_reap < self._next_reduce:
+            # Free the full grads of reductions that finished meanwhile, not only when the next
+            # unit launches: at stages 2-3 they would otherwise overlap the next unit's full grads.
+            self._reap_finished()
 
     def _launch_ready(self) -> None:
         while self._next_reduce < len(self.reduce_order) and self.reduce_order[self._next_reduce].grads_ready:
@@ -257,6 +261,7 @@ class Engine:
         self._in_backward = False
         if self.defers_reduction:
             for unit in self.units:
+                unit.collect_grads()  # units with unused params were never complete
                 unit.clear_ready()
                 if self.policy.shard_params:
                     unit.reshard()

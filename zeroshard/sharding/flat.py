@@ -110,6 +110,7 @@ class FlatGroup:
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | None = None
         self._pending: collectives.Pending | None = None
+        self._grad_full_zero = True
         if trainable and not policy.transient_grads:
             self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
             self.attach_grad_views()
@@ -198,30 +199,45 @@ class FlatGroup:
             param.grad = self.grad_full[slot.offset:slot.end].view(slot.shape)
 
     def take_grad(self, index: int) -> None:
-        """Move param ``index``'s fresh grad into the flat grad buffer (a no-op when autograd already
-        accumulated into our view)."""
+        """Param ``index``'s grad for this backward is complete.
+
+        Stages 0-1 keep it in the flat buffer (a no-op when autograd accumulated into our view).
+        Stages 2-3 leave it on the param until the unit is ready (``collect_grads``): allocating the
+        flat buffer at the first grad would hold the whole unit's grads while the unit's backward,
+        the step's memory peak, has produced only a few of them.
+        """
+        self._grad_full_zero = False
+        if self.policy.transient_grads:
+            return
         param, slot = self.params[index], self.layout.slots[index]
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
         view = self.grad_full[slot.offset:slot.end].view(slot.shape)
         grad = param.grad
         if grad is None or grad.data_ptr() == view.data_ptr():
-            return  # autograd already accumulated into our view (stages 0-1)
+            return
         with torch.no_grad():
-            if self.policy.transient_grads:
-                # The buffer starts at zero and may carry earlier micro-steps (unsharded
-                # accumulation), so add rather than overwrite; 0 + g is exactly g.
-                view.add_(grad)
+            # A foreign grad here means someone reset param.grad (e.g. model.zero_grad()), so it is
+            # the whole gradient, not an increment.
+            view.copy_(grad)
+            param.grad = view
+
+    def collect_grads(self) -> None:
+        """Stages 2-3: move the params' grads into the flat buffer, in ``reduce_dtype``, and free them."""
+        if not self.policy.transient_grads:
+            return
+        fresh = self.grad_full is None
+        if fresh:
+            self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+        with torch.no_grad():
+            for slot, param in zip(self.layout.slots, self.params or ()):
+                if param.grad is None:
+                    continue
+                view = self.grad_full[slot.offset:slot.end].view(slot.shape)
+                # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
+                view.copy_(param.grad) if fresh else view.add_(param.grad)
                 param.grad = None
-            else:
-                # A foreign grad here means someone reset param.grad (e.g. model.zero_grad()),
-                # so it is the whole gradient, not an increment.
-                view.copy_(grad)
-                param.grad = view
 
     def launch_reduce(self, phase: str = "backward") -> None:
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+        self.collect_grads()
         source = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
         self._reduce_input = source  # gloo reads it asynchronously; keep it alive until wait
         if not self.policy.shard_optimizer:
@@ -246,13 +262,19 @@ class FlatGroup:
         if self.store is not None:
             # The optimizer steps where the masters live; pinned memory lets this copy overlap.
             reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
-        if self.grad_shard is not None and self.policy.transient_grads:
+        if self.grad_shard is not None and self.policy.shard_optimizer:
             self.grad_shard.add_(reduced)
         else:
             self.grad_shard = reduced
         self._reduced = self._reduce_input = None
         if self.policy.transient_grads:
             self.grad_full = None
+        elif self.policy.shard_optimizer:
+            # The reduce-scatter consumed the full grads (its input is scratch), and grad_shard now
+            # holds their reduced sum; a further backward without zero_grad must start from zero
+            # so that grad_shard accumulates exactly what it adds.
+            self.grad_full.zero_()
+            self._grad_full_zero = True
 
     @property
     def reducing(self) -> bool:
@@ -265,7 +287,9 @@ class FlatGroup:
     def zero_grad(self) -> None:
         self.grad_shard = None
         if self.grad_full is not None and not self.policy.transient_grads:
-            self.grad_full.zero_()
+            if not self._grad_full_zero:
+                self.grad_full.zero_()
+                self._grad_full_zero = True
             self.attach_grad_views()
         elif self.policy.transient_grads:
             self.grad_full = None

@@ -70,10 +70,18 @@ class Unit:
 
     # -- grads --------------------------------------------------------------------------------
     def mark_ready(self, group_index: int, param_index: int) -> bool:
-        """Record that a param's grad is in the buffer; True when every trainable param is ready."""
+        """Record that a param's grad is complete; True when every trainable param's is, at which
+        point the grads are in the flat buffers."""
         self.groups[group_index].take_grad(param_index)
         self._ready.add((group_index, param_index))
-        return self.grads_ready
+        if not self.grads_ready:
+            return False
+        self.collect_grads()
+        return True
+
+    def collect_grads(self) -> None:
+        for group in self.trainable_groups:
+            group.collect_grads()
 
     @property
     def grads_ready(self) -> bool:
