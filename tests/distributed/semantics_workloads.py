@@ -20,6 +20,9 @@ GLOBAL_BATCH = 16
 
 
 def _grad_storage_bytes(engine) -> int:
+    # The last reductions of a backward may still run until the next forward starts (or a grad
+    # shard is read); what stays between micro-steps is what is left once they finish.
+    engine.finish_reductions()
     seen, total = set(), 0
     for group in engine.trainable_groups:
         for t in (group.grad_full, group.grad_shard):

@@ -35,7 +35,7 @@ def test_hybrid_bytes_per_group_equal_theory(hybrid):
     assert led["mesh"]["shard_size"] == 2 and led["mesh"]["replicate_size"] == 2
     by = led["by_key"]
     assert by["all_gather:shard:forward"] == led["padded_bytes"]
-    assert by["all_gather:shard:backward"] == led["padded_bytes"] - led["root_bytes"]
+    assert by["all_gather:shard:backward"] == led["padded_bytes"] - led["root_bytes"] - led["kept_bytes"]
     assert by["reduce_scatter:shard:backward"] == led["padded_bytes"]
     # Across replicas only each rank's already-reduced shard travels.
     assert by["all_reduce:replicate:backward"] == led["shard_bytes"] == led["padded_bytes"] // 2

@@ -170,6 +170,8 @@ def ledger_suite() -> dict:
             "by_phase": by_phase,
             "padded_bytes": sum(g.layout.numel * 4 for g in engine.groups),
             "root_bytes": sum(g.layout.numel * 4 for u in engine.units if u.is_root for g in u.groups),
+            "kept_bytes": sum(g.layout.numel * 4 for u in engine.kept_for_backward() for g in u.groups)
+            if stage in (3, "3-bf16") else 0,
             "psi": sum(g.layout.param_numel for g in engine.groups),
             "groups_named": sorted({r.group for r in ledger.since(start)}),
         }
@@ -205,6 +207,7 @@ def hybrid_suite(shard_size: int = 2) -> dict:
         "padded_bytes": sum(g.layout.numel * 4 for g in engine.groups),
         "shard_bytes": sum(g.layout.shard_numel * 4 for g in engine.groups),
         "root_bytes": sum(g.layout.numel * 4 for u in engine.units if u.is_root for g in u.groups),
+        "kept_bytes": sum(g.layout.numel * 4 for u in engine.kept_for_backward() for g in u.groups),
         "mesh": mesh.describe(),
     }
     return out

@@ -96,7 +96,10 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group: str = "world", u
     """In-place all-reduce. ``op="avg"`` is sum followed by a division, which every backend supports."""
     reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
     after = (lambda: tensor.div_(group_size(group))) if op == "avg" else None
-    call = lambda pg: dist.all_reduce(tensor, op=reduce_op, group=pg, async_op=True)  # noqa: E731
+    if group_size(group) == 1:
+        call = lambda pg: None  # noqa: E731  (the tensor already is the result)
+    else:
+        call = lambda pg: dist.all_reduce(tensor, op=reduce_op, group=pg, async_op=True)  # noqa: E731
     if not async_op:
         _issue("all_reduce", tensor, group, unit, phase, call, False)
         if after is not None:
@@ -116,6 +119,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: str = "w
     if input.numel() != output.numel() * size:
         raise ValueError(f"reduce_scatter input has {input.numel()} elements; it must be exactly group size "
                          f"{size} x output's {output.numel()}")
+    if size == 1:
+        return _issue("reduce_scatter", input, group, unit, phase, _local_copy(output, input), async_op)
     if _fans_out(size):
         return _issue("reduce_scatter", input, group, unit, phase, _fan_out_reduce(output, input, group), async_op)
     call = lambda pg: _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=pg, async_op=True)  # noqa: E731
@@ -129,10 +134,22 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str = "world
     if output.numel() != input.numel() * size:
         raise ValueError(f"all_gather output has {output.numel()} elements; it must be exactly group size "
                          f"{size} x input's {input.numel()}")
+    if size == 1:
+        return _issue("all_gather", output, group, unit, phase, _local_copy(output, input), async_op)
     if _fans_out(size):
         return _issue("all_gather", output, group, unit, phase, _fan_out_gather(output, input, group), async_op)
     call = lambda pg: _all_gather_single(output, input, group=pg, async_op=True)  # noqa: E731
     return _issue("all_gather", output, group, unit, phase, call, async_op)
+
+
+def _local_copy(output: torch.Tensor, input: torch.Tensor):
+    """A one-rank group: the result is the input, so skip the transport (it would copy, and gloo's
+    reduce-scatter would run on this thread)."""
+    def call(pg) -> None:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    return call
 
 
 # -- gloo: reduce-scatter and all-gather as one rooted collective per slice ---------------------

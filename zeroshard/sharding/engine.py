@@ -96,10 +96,18 @@ class Engine:
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
         self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
-        self.max_inflight_reductions = 1
+        # Two, so that at the end of backward the last block's reduction is still running when the
+        # root's launches, and the optimizer can step the other units meanwhile (see optim.py).
+        self.max_inflight_reductions = 2
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
+        for unit in self.units:
+            for group in unit.groups:
+                group.before_grad_read = functools.partial(self.finish_reductions, unit)
         self._hooks = []
+        # Reductions left running after a backward finish at the next forward at the latest, so
+        # they never add their full grads to that forward's activations (gradient accumulation).
+        self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.finish_reductions()))
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
@@ -175,11 +183,26 @@ class Engine:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(self._pre_backward, unit), mode="any")
-        if not grad_enabled or (self.reshard_after_forward and not unit.is_root):
+        if not grad_enabled or (self.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
             unit.reshard()
         if unit.is_root and grad_enabled and not self._order_recorded:
             self._order_recorded = True
         return output
+
+    def kept_for_backward(self) -> list[Unit]:
+        """Units that stay gathered from forward into backward (once the order is recorded).
+
+        Backward starts with the last units of forward, the ones it would gather at once (the
+        first and ``prefetch`` more), so resharding them after forward would only gather them again.
+        Backward's window holds the same units, so the peak does not grow.
+        """
+        if not self._order_recorded or not self.reshard_after_forward:
+            return []
+        blocks = [u for u in self._forward_order if not u.is_root]
+        return blocks[max(0, len(blocks) - 1 - self.prefetch):]
+
+    def _reused_next(self, unit: Unit) -> bool:
+        return unit in self.kept_for_backward()
 
     def gather_for_recompute(self, module) -> bool:
         """Make a unit's full params available to a recompute; True if it had to be gathered."""
@@ -220,6 +243,7 @@ class Engine:
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
         if not self._in_backward:
+            self.finish_reductions()  # the previous backward's, if nobody has read them yet
             self._in_backward = True
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and
             # FSDP2 use. It runs once the whole graph is done, on the same thread.
@@ -257,6 +281,17 @@ class Engine:
             unit.finish_reduce()
             self._next_reap += 1
 
+    def finish_reductions(self, through: Unit | None = None) -> None:
+        """Finish pending reductions in launch order, up to and including ``through`` (default all)."""
+        while self._next_reap < self._next_reduce:
+            unit = self.reduce_order[self._next_reap]
+            unit.finish_reduce()
+            self._next_reap += 1
+            if unit is through:
+                break
+        if not self._in_backward and self._next_reap == self._next_reduce:
+            self._next_reduce = self._next_reap = 0
+
     def _finish_backward(self) -> None:
         self._in_backward = False
         if self.defers_reduction:
@@ -271,9 +306,10 @@ class Engine:
         for unit in self.reduce_order[self._next_reduce:]:
             if unit.trainable_groups:
                 unit.launch_reduce()
-        for unit in self.reduce_order[self._next_reap:]:
-            unit.finish_reduce()
-        self._next_reduce = self._next_reap = 0
+        self._next_reduce = len(self.reduce_order)
+        # The last reductions are left running: reading a grad shard (the optimizer, clipping, the
+        # scaler) finishes them in order, so the units reduced first can step meanwhile.
+        self._reap_finished()
         if self.policy.shard_params:
             for unit in self.units:
                 unit.reshard()
@@ -288,6 +324,7 @@ class Engine:
         return [g for g in self.groups if g.trainable]
 
     def zero_grad(self) -> None:
+        self.finish_reductions()  # one finishing later would put stale grads back
         for group in self.trainable_groups:
             group.zero_grad()
 

@@ -106,7 +106,8 @@ class FlatGroup:
             ref.release()  # otherwise the original full-size params would outlive sharding
 
         self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
+        self._grad_shard: torch.Tensor | None = None
+        self.before_grad_read = None  # set by the engine: finish pending reductions, in order
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | None = None
         self._pending: collectives.Pending | None = None
@@ -194,6 +195,21 @@ class FlatGroup:
         return collectives.all_gather(self.full, own, group="shard", unit=self.unit, phase=phase, async_op=True)
 
     # -- gradients ----------------------------------------------------------------------------
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """The averaged grad of this rank's shard, in the master dtype.
+
+        Reductions launched at the end of backward may still be running: reading waits for them,
+        so the optimizer can step the units reduced first while the last ones finish.
+        """
+        if self._pending is not None and self.before_grad_read is not None:
+            self.before_grad_read()
+        return self._grad_shard
+
+    @grad_shard.setter
+    def grad_shard(self, value: torch.Tensor | None) -> None:
+        self._grad_shard = value
+
     def attach_grad_views(self) -> None:
         for slot, param in zip(self.layout.slots, self.params):
             param.grad = self.grad_full[slot.offset:slot.end].view(slot.shape)
@@ -225,16 +241,31 @@ class FlatGroup:
         if not self.policy.transient_grads:
             return
         fresh = self.grad_full is None
+        params = self.params or ()
         if fresh:
-            self.grad_full = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+            self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+            self._zero_where_no_grad(params)
         with torch.no_grad():
-            for slot, param in zip(self.layout.slots, self.params or ()):
+            for slot, param in zip(self.layout.slots, params):
                 if param.grad is None:
                     continue
                 view = self.grad_full[slot.offset:slot.end].view(slot.shape)
                 # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
                 view.copy_(param.grad) if fresh else view.add_(param.grad)
                 param.grad = None
+
+    def _zero_where_no_grad(self, params) -> None:
+        """Zero the parts of a fresh grad buffer no grad will be copied into (padding, unused params),
+        instead of the whole buffer: the copies overwrite the rest."""
+        covered = 0
+        has_grad = [p.grad is not None for p in params] or [False] * len(self.layout.slots)
+        for slot, filled in zip(self.layout.slots, has_grad):
+            if filled:
+                if slot.offset > covered:
+                    self.grad_full[covered:slot.offset].zero_()
+                covered = slot.end
+        if covered < self.layout.numel:
+            self.grad_full[covered:].zero_()
 
     def launch_reduce(self, phase: str = "backward") -> None:
         self.collect_grads()
@@ -258,14 +289,15 @@ class FlatGroup:
         if reduced.dtype != self.master_dtype:
             reduced = reduced.to(self.master_dtype)
         # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
-        reduced.div_(self.mesh.world)
+        if self.mesh.world > 1:
+            reduced.div_(self.mesh.world)
         if self.store is not None:
             # The optimizer steps where the masters live; pinned memory lets this copy overlap.
             reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
-        if self.grad_shard is not None and self.policy.shard_optimizer:
-            self.grad_shard.add_(reduced)
+        if self._grad_shard is not None and self.policy.shard_optimizer:
+            self._grad_shard.add_(reduced)
         else:
-            self.grad_shard = reduced
+            self._grad_shard = reduced
         self._reduced = self._reduce_input = None
         if self.policy.transient_grads:
             self.grad_full = None

@@ -57,10 +57,15 @@ def _sharded_class(optim_cls: type) -> type:
         self._zs_engine.zero_grad()
 
     def step(self, closure=None):
-        sliced = self.__dict__.get("_zs_sliced_step")
-        if sliced is not None:
-            return sliced(closure)
-        return _unhooked(optim_cls.step)(self, closure)
+        pipeline = self.__dict__.get("_zs_pipeline")
+        if pipeline is None or closure is not None:
+            self._zs_segments.attach_grads()
+            sliced = self.__dict__.get("_zs_sliced_step")
+            loss = sliced(closure) if sliced is not None else _unhooked(optim_cls.step)(self, closure)
+            self._zs_engine.sync_params()
+            return loss
+        pipeline.run(self, _unhooked(optim_cls.step))
+        return None
 
     return type(f"Sharded{optim_cls.__name__}", (optim_cls,),
                 {"zero_grad": zero_grad, "step": step, "_zs_sharded": True})
@@ -92,11 +97,55 @@ class _SegmentMap:
 
     def __init__(self) -> None:
         self.entries: list[tuple[nn.Parameter, FlatGroup, int, int]] = []
+        self.group_index: dict[int, int] = {}  # id(segment) -> its torch param group
 
-    def attach_grads(self) -> None:
+    def attach_grads(self, groups: set[FlatGroup] | None = None) -> None:
         for param, group, start, stop in self.entries:
-            grad = group.grad_shard
-            param.grad = None if grad is None else grad[start:stop]
+            if groups is None or group in groups:
+                grad = group.grad_shard
+                param.grad = None if grad is None else grad[start:stop]
+
+
+class _UnitPipeline:
+    """Step the optimizer one unit at a time, in the order the reductions were launched.
+
+    Reading a unit's grad shard waits only for the reductions up to it, so the step of the units
+    reduced first overlaps the last reductions; at stages 1-2 each unit's param all-gather is
+    issued as soon as its masters are updated, overlapping the steps of the units after it. The
+    update itself is the user's optimizer on the same segments, so the numbers do not change.
+    """
+
+    def __init__(self, engine: Engine, segment_map: _SegmentMap, n_groups: int) -> None:
+        self.engine = engine
+        self.segment_map = segment_map
+        by_group: dict[int, list[list[nn.Parameter]]] = {}
+        for param, group, _, _ in segment_map.entries:
+            by_group.setdefault(id(group), [[] for _ in range(n_groups)])
+        self.stages = []  # (unit, its trainable groups, per torch param group: its segments)
+        for unit in engine.reduce_order:
+            groups = set(unit.trainable_groups)
+            lists = [[] for _ in range(n_groups)]
+            for param, group, _, _ in segment_map.entries:
+                if group in groups:
+                    lists[segment_map.group_index[id(param)]].append(param)
+            if any(lists):
+                self.stages.append((unit, groups, lists))
+
+    def run(self, opt, base_step) -> None:
+        originals = [g["params"] for g in opt.param_groups]
+        pending = []
+        try:
+            for unit, groups, lists in self.stages:
+                self.segment_map.attach_grads(groups)
+                for torch_group, params in zip(opt.param_groups, lists):
+                    torch_group["params"] = params
+                base_step(opt)
+                pending += [p for p in (g.sync_params() for g in unit.groups) if p is not None]
+        finally:
+            for torch_group, params in zip(opt.param_groups, originals):
+                torch_group["params"] = params
+        for p in pending:
+            p.wait()
 
 
 def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | None = None, **defaults: Any):
@@ -120,6 +169,7 @@ def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | N
             segment = nn.Parameter(group.shard[start:stop], requires_grad=True)
             buckets[index].append(segment)
             segment_map.entries.append((segment, group, start, stop))
+            segment_map.group_index[id(segment)] = index
     torch_groups = [dict(opts, params=params) for opts, params in zip(options, buckets)]
     # An empty group would make some optimizers fail; a rank whose shard holds only padding still
     # needs the same groups, so keep them and give them a zero-size segment.
@@ -133,13 +183,15 @@ def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | N
     if engine.store is not None and engine.store.kind == "disk":
         max_numel = int(engine.offload.slice_mb * 2**20 / 4)
         opt._zs_sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
+    elif engine.store is None:
+        opt._zs_pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))
 
     def before_step(o, args, kwargs) -> None:
-        engine.wait_host_copies()
-        segment_map.attach_grads()
+        if engine.store is not None:
+            engine.finish_reductions()
+            engine.wait_host_copies()
 
     opt.register_step_pre_hook(before_step)
-    opt.register_step_post_hook(lambda o, args, kwargs: engine.sync_params())
     return opt
 
 
