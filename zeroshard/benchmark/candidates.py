@@ -32,7 +32,7 @@ def _adamw(params, lr: float = 3e-4):
 
 def _build(cfg: GPTConfig, seed: int) -> GPT:
     torch.manual_seed(seed)
-    return GPT(cfg)
+    return GPT(cfg).to(zs.get_mesh().device)
 
 
 def _plain(name: str, model: nn.Module, autocast_dtype) -> Candidate:
@@ -42,7 +42,7 @@ def _plain(name: str, model: nn.Module, autocast_dtype) -> Candidate:
 
 def _plain_step(model: nn.Module, opt, autocast_dtype):
     def step(x, y):
-        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with torch.autocast(zs.get_mesh().device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = model(x, y)
         loss.backward()
         opt.step()
@@ -82,7 +82,7 @@ def fsdp2(cfg: GPTConfig, seed: int, dtype: torch.dtype, reshard_after_forward: 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _build(cfg, seed)
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mesh = init_device_mesh(zs.get_mesh().device.type, (torch.distributed.get_world_size(),))
     mp = MixedPrecisionPolicy() if dtype == torch.float32 else MixedPrecisionPolicy(param_dtype=dtype,
                                                                                   reduce_dtype=torch.float32)
     for block in model.blocks:

@@ -74,6 +74,8 @@ def _timed(candidate, x, y, steps: int) -> list[float]:
         collectives.barrier(phase="bench")
         start = time.perf_counter()
         candidate.step(x, y)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()  # the step is queued, not done, when step() returns
         times.append(time.perf_counter() - start)
     return times
 
@@ -83,8 +85,8 @@ def rank_main(spec: BenchSpec) -> dict:
     torch.set_num_threads(1)
     cfg = GPTConfig.named(spec.model, seq_len=spec.seq)
     gen = torch.Generator().manual_seed(spec.seed + mesh.rank)
-    x = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen)
-    y = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen)
+    x = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
+    y = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
     built = [make() for make in _candidates(spec, cfg)]
     rows = {}
     for cand in built:
