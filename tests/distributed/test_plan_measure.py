@@ -10,6 +10,7 @@ import pytest
 
 from zeroshard.plan import plan
 from zeroshard.plan.measure import MEASURED, checks, measure_worker, request
+from zeroshard.plan.memory import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.launch import spawn
 
 WORLD = 2
@@ -26,8 +27,12 @@ def planned():
 
 
 @pytest.fixture(scope="module")
-def result(planned):
-    per_rank = spawn(measure_worker, WORLD, args=(request(planned, STAGES),), timeout_s=240)
+def per_rank(planned):
+    return spawn(measure_worker, WORLD, args=(request(planned, STAGES),), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def result(planned, per_rank):
     out = checks(planned, per_rank)
     for c in out:  # the table for the log (pytest -s)
         print(f"{c.layout}: model states {c.predicted.model_states} vs "
@@ -60,6 +65,14 @@ def test_stage3_window_is_one_plus_prefetch_blocks_plus_root(result, planned):
     check = result["zero3"]
     assert check.measured["window"] > 0
     assert check.measured["window"] == check.predicted.window
+
+
+def test_plan_assumes_the_engines_cap_on_inflight_reductions(per_rank):
+    """Stages 2-3's buckets are a bound set by how many reductions the engine lets run while the next
+    unit collects its grads; a different cap needs the plan's constant changed with it."""
+    engine = {r[s]["max_inflight_reductions"] for r in per_rank for s in (2, 3)}
+    assert engine == {MAX_INFLIGHT_REDUCTIONS}, (
+        f"the engine's max_inflight_reductions is {engine}: set zeroshard.plan.memory.MAX_INFLIGHT_REDUCTIONS")
 
 
 def test_measure_refuses_planned_only_features():

@@ -13,6 +13,7 @@ from zeroshard.models import GPT, GPTConfig
 from zeroshard.plan import COMPONENTS, Network, plan, probe
 from zeroshard.plan.activations import gpt_activations
 from zeroshard.plan.inventory import Inventory
+from zeroshard.plan.memory import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.plan.recommend import recommend
 from zeroshard.plan.spec import Checkpointing, parse_bytes, parse_count
 from zeroshard.sharding.layout import FlatLayout
@@ -138,6 +139,64 @@ def test_tied_embedding_counted_once():
     with torch.device("meta"):
         assert p.params == GPT(cfg).num_params()
     assert p.model.tied == 1
+
+
+# -- grads in flight during backward -----------------------------------------------------------------
+def _units(cfg_name: str, stage: int, world: int):
+    inv = Inventory(GPT(GPTConfig.named(cfg_name, seq_len=128)), name=cfg_name)
+    return inv.comm_units(stage=stage, shards=world, bucket_bytes=int(25 * 2**20))
+
+
+@pytest.mark.parametrize("mp, c, r", [("fp32", 4, 4), ("bf16", 2, 4)])
+def test_stage23_buckets_are_a_units_collection_next_to_the_ones_still_reducing(mp, c, r):
+    """At its last grad a unit's per-param grads (compute dtype) are copied into a fresh flat buffer
+    (reduce dtype) while the flat buffers of the units before it may still be reducing: the engine
+    waits on the oldest only when one more launches than max_inflight_reductions."""
+    k = MAX_INFLIGHT_REDUCTIONS
+    for stage, name in ((2, "zero2"), (3, "zero3")):
+        units = _units("small", stage, 2)
+        per_param = [sum(g.layout.param_numel for g in u.groups if g.trainable) * c for u in units]
+        flat = [sum(g.numel for g in u.groups if g.trainable) * r for u in units]
+        expected = max(sum(flat[max(0, i - k):i]) + per_param[i] + flat[i] for i in range(len(units)))
+        for device in ("cpu", "cuda"):  # both complete reductions asynchronously: the same bound
+            p = plan("small", world=2, batch=2, seq=128, mp=mp, device=device)
+            assert p[name].device.buckets == expected, (name, device)
+
+
+def test_stage01_have_nothing_in_flight_unless_the_reduction_casts():
+    p = plan("small", world=2, batch=2, seq=128, device="cpu")
+    assert p["ddp"].device.buckets == p["zero1"].device.buckets == 0
+    # bf16 grads reduce-scattered in fp32: a cast per bucket, which the engine does not cap at stage 1.
+    p = plan("small", world=2, batch=2, seq=128, mp="bf16", device="cpu")
+    assert p["zero1"].device.buckets == sum(g.numel * 4 for u in _units("small", 1, 2) for g in u.groups)
+
+
+def test_stage3_peak_is_a_units_collection_with_the_activations_still_saved():
+    """zero3's peak is mid-backward: the last-but-one block's collection, when the blocks behind it
+    still hold activations and gathered params, not backward's start or end."""
+    p = plan("small", world=2, batch=2, seq=128, device="cpu")
+    d, act = p["zero3"].device, p.activations
+    units = _units("small", 3, 2)
+    block = sum(g.numel for g in units[0].groups) * 4
+    root = sum(g.numel for g in units[-1].groups) * 4
+    shards = d.grads
+    # blocks.1 completes: the flat buffers of the blocks before it still reduce; blocks.0 and the root
+    # still hold their activations, blocks.1, blocks.0 (prefetched) and the root are gathered, and
+    # only the shards of blocks.1, blocks.0 and the root are still to come.
+    to_come = 2 * (block // 2) + root // 2
+    moment = d.params + d.master + d.optimizer + shards - to_come + act.per_layer + act.root \
+        + (2 * block + root) + (MAX_INFLIGHT_REDUCTIONS + 2) * block
+    assert d.allocated == moment
+
+
+def test_cpu_optimizer_scratch_is_two_temporaries_and_the_previous_denominator():
+    """torch's per-tensor Adam(W) loop: sqrt and the divided denominator of this segment, while the
+    previous segment's denominator is still bound to the loop variable."""
+    p = plan("small", world=2, batch=2, seq=128, device="cpu")
+    mlp = 2048 * 512 * 4  # fc.weight and the MLP projection: consecutive decaying segments
+    assert p["zero1"].device.workspace >= 3 * mlp
+    states = p["zero1"].device.model_states
+    assert p["zero1"].device.allocated == states + 3 * mlp
 
 
 # -- activations (M2) -----------------------------------------------------------------------------

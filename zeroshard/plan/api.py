@@ -67,8 +67,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     a parameter count (analytic mode, the seeds' textbook table). ``batch`` is the global batch per
     optimizer step (default: one sequence per rank per micro-step). ``device`` picks the backend's
     behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
-    which sets its scratch, and whether stage 2-3 grad buffers are freed during backward (NCCL) or
-    only when it ends (gloo). See docs/planner.md.
+    which sets its scratch. Reductions complete asynchronously on both backends (NCCL's stream,
+    gloo's worker threads), so the grad buffers in flight are planned the same way for both: the
+    bound the engine's cap on in-flight reductions guarantees. See docs/planner.md.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -111,7 +112,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     estimator = Estimator(spec, inventory=None if spec.accounting == "textbook" else inventory, psi=psi,
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
-                          gpus_per_node=gpus_per_node, reap_at_end=device == "cpu")
+                          gpus_per_node=gpus_per_node)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),

@@ -51,12 +51,18 @@ class GroupShape:
 
     def segments(self, shard_rank: int) -> int:
         """Optimizer params (maximal same-group runs) on this rank, as ``zs.optimizer`` builds them."""
-        runs, last = 0, None
+        return len(self.segment_numels(shard_rank))
+
+    def segment_numels(self, shard_rank: int) -> list[tuple[bool, int]]:
+        """(decays, elements) of each optimizer param on this rank, in buffer order."""
+        runs: list[list] = []
         for piece in self.layout.pieces(shard_rank):
             flag = self.decay[piece.slot_index]
-            if flag != last:
-                runs, last = runs + 1, flag
-        return runs
+            if runs and runs[-1][0] == flag:
+                runs[-1][1] += piece.numel
+            else:
+                runs.append([flag, piece.numel])
+        return [(flag, numel) for flag, numel in runs]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,13 @@ plan describes. During step 2:
 - params, master, grads and optimizer state are read from the storages themselves
   (``untyped_storage().nbytes()``, each storage once), not from bookkeeping;
 - activations are the storages autograd saves for backward (``saved_tensors_hooks``), params excluded;
-- buckets are the full-size grad buffers alive during backward beyond the ones kept for the step,
-  sampled after every grad hook;
+- buckets are the full-size grads in flight during backward beyond the ones kept for the step
+  (stages 2-3: per-param grads waiting for their unit and the flat buffers they are collected into;
+  cast copies fed to a reduction), sampled after every grad hook and at the two moments inside the
+  engine's hook where they peak (``_GradSampler``);
+- every reduction is reported finished only once the engine waits on it, so the step reaches the
+  bound the plan predicts instead of whatever the timing of that run allows
+  (``_reductions_finish_when_waited``);
 - the window is the engine's own storage-based peak of gathered full params (stage 3);
 - the total is the peak of live storage over the whole step from torch's ``MemTracker`` on CPU, or
   ``torch.cuda.max_memory_allocated`` on CUDA. Workspace is what the total leaves unexplained.
@@ -64,7 +69,19 @@ def _storages(tensors) -> dict[int, int]:
 
 
 class _GradSampler:
-    """Peak bytes of full-size grad buffers in flight (stages 2-3 transient buffers, cast copies)."""
+    """Peak bytes of full-size grad memory in flight besides the grads the step keeps.
+
+    That is: stages 2-3's per-param grads waiting on ``param.grad`` for the rest of their unit, the
+    flat buffers they are collected into (until the reduction is reaped), a cast copy fed to a
+    reduction, and a reduction's output while it is a second shard (added into an existing one, or
+    cast to the master dtype). Stages 0-1's persistent flat grads, and the shards the reductions
+    leave, are the ``grads`` component.
+
+    Sampled after every grad hook (this hook is registered after the engine's, so it runs after it),
+    and inside the engine's hook where the peaks are: when a unit's flat buffer has just been
+    allocated and every per-param grad is still alive (``collect_grads``), and when a reduction has
+    just been launched, before the engine reaps the previous one (``launch_reduce``).
+    """
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -72,26 +89,84 @@ class _GradSampler:
         self.handles = [p.register_post_accumulate_grad_hook(self.sample)
                         for g in engine.trainable_groups for p in g.params]
 
-    def sample(self, *_: Any) -> None:
-        transient, kept = [], set()
+    def sample(self, *_: Any, held: tuple = ()) -> None:
+        transient, kept = list(held), set()
         for g in self.engine.trainable_groups:
             if g.grad_full is not None and not g.policy.transient_grads:
                 kept.add(g.grad_full.untyped_storage().data_ptr())
             elif g.grad_full is not None:
                 transient.append(g.grad_full)
+            if g.policy.transient_grads:
+                # Waiting for the rest of the unit; at stages 0-1 param.grad is a view of the kept buffer.
+                transient.extend(p.grad for p in g.params or () if p.grad is not None)
             # A cast copy fed to the reduction is transient, unless it is also the reduction's output
             # (stage 0 all-reduces in place), which becomes the grads the step reads.
             source, reduced = getattr(g, "_reduce_input", None), getattr(g, "_reduced", None)
             if source is not None and source is not reduced:
                 transient.append(source)
-            if reduced is not None and g.grad_shard is not None and reduced is not g.grad_shard:
-                transient.append(reduced)  # accumulating: added into the existing shard, then dropped
+            shard = _held_grad_shard(g)
+            if reduced is not None and g.policy.shard_optimizer and reduced is not shard and (
+                    shard is not None or reduced.dtype != g.master_dtype):
+                transient.append(reduced)  # added into the existing shard, or cast to the master dtype, then dropped
         live = _storages(transient)
         self.peak = max(self.peak, sum(v for k, v in live.items() if k not in kept))
+
+    @contextlib.contextmanager
+    def inside_hooks(self):
+        """Also sample at the two moments inside the engine's grad hook (see the class docstring)."""
+        from zeroshard.sharding.flat import FlatGroup
+
+        collect, launch = FlatGroup.collect_grads, FlatGroup.launch_reduce
+
+        def collect_grads(group) -> None:
+            # Holding the per-param grads across the call keeps alive exactly what was alive when the
+            # flat buffer was allocated, so the sample after it sees that moment (and adds nothing to it).
+            held = tuple(p.grad for p in group.params or () if p.grad is not None) \
+                if group.policy.transient_grads else ()
+            collect(group)
+            self.sample(held=held)
+
+        def launch_reduce(group, *args, **kwargs) -> None:
+            launch(group, *args, **kwargs)
+            self.sample()
+
+        FlatGroup.collect_grads, FlatGroup.launch_reduce = collect_grads, launch_reduce
+        try:
+            yield
+        finally:
+            FlatGroup.collect_grads, FlatGroup.launch_reduce = collect, launch
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _held_grad_shard(group):
+    """The group's grad shard as it stands, without finishing a pending reduction to read it (an
+    observer must not change when reductions finish)."""
+    state = vars(group)
+    return state["_grad_shard"] if "_grad_shard" in state else state.get("grad_shard")
+
+
+@contextlib.contextmanager
+def _reductions_finish_when_waited():
+    """Report a reduction done only once the engine waits on it.
+
+    The engine reaps (frees) a reduction's buffers as soon as it completes, which on gloo's worker
+    threads or NCCL's stream depends on timing: in one run a unit's flat grads are gone before the
+    next unit collects its own, in another they are not (seen here on rank 0, and not on rank 1, of
+    the same run). What the engine guarantees is the bound at ``max_inflight_reductions``: the plan
+    predicts that bound, and this makes the measured step reach it every time, as a link slower
+    than compute would. A reduction that finishes sooner only lowers the peak.
+    """
+    from zeroshard.sharding.flat import FlatGroup
+
+    done = FlatGroup.reduce_done
+    FlatGroup.reduce_done = property(lambda group: group._pending is None)
+    try:
+        yield
+    finally:
+        FlatGroup.reduce_done = done
 
 
 @contextlib.contextmanager
@@ -167,13 +242,16 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     tracker, peak, method = _peak_tracker(mesh.device, externals)
     saved: dict[int, int] = {}
     sampler = _GradSampler(engine)
-    with tracker, warnings.catch_warnings():
-        # MemTracker's grad hook reads param.grad after the engine has moved it into the flat buffer
-        # (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
+    with tracker, warnings.catch_warnings(), sampler.inside_hooks(), _reductions_finish_when_waited():
+        # MemTracker's grad hook can read param.grad after the engine has moved it into the flat
+        # buffer (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         forward_backward(saved, tracker)
-        grads = _storages([t for g in groups for t in (g.grad_full, g.grad_shard)])
         opt.step()
+        # Read after the step, when every reduction has finished: were one still pending (an engine
+        # may leave the last ones to the step), reading its shard would wait for it and change the
+        # step being measured. The step frees no grads.
+        grads = _storages([t for g in groups for t in (g.grad_full, g.grad_shard)])
     sampler.close()
     full = _storages([g.full for g in groups]) if stage < 3 else {}
     own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) if stage == 3 else {}
@@ -184,7 +262,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         "params": sum(params.values()), "grads": sum(grads.values()), "master": sum(master.values()),
         "optimizer": sum(state.values()), "activations": saved.get("peak", 0),
         "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
-        "total": int(peak()), "method": method,
+        "total": int(peak()), "method": method, "max_inflight_reductions": engine.max_inflight_reductions,
     }
     opt.zero_grad()
     return out

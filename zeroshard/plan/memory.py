@@ -26,6 +26,11 @@ from zeroshard.plan.result import Components, LayoutPlan
 from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
 
 
+MAX_INFLIGHT_REDUCTIONS = 2
+"""The engine's ``max_inflight_reductions`` at stages 2-3: how many launched reductions may still
+hold their unit's full grads when another launches (--measure reports the engine's own value)."""
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype, device="meta").element_size()
 
@@ -35,19 +40,43 @@ class Transient:
     """Memory that comes and goes within a step, and when it is there."""
 
     buckets: int = 0
-    """Peak of full grad buffers in flight."""
+    """Peak of full-size grad memory in flight besides the grads kept for the step."""
     early: int = 0
     """Grad buffers already live when backward starts (next to every saved activation)."""
-    collective: int = 0
-    """gloo only: the bucket-sized temporary a reduce-scatter holds while it runs (end of backward)."""
+    during: int = 0
+    """Bytes above the model states at backward's worst moment after its start: a unit's grads being
+    collected or reduced, with the activations, gathered params and grad shards of that moment, or
+    backward's end."""
     window: int = 0
-    late_window: int = 0
-    """Gathered params still live when backward ends (stage 3: the root)."""
     scratch: int = 0
-    """Optimizer step temporaries."""
+    """Optimizer step temporaries (the largest one unit's step makes)."""
+    step: int = 0
+    """Bytes above the model states at the optimizer step's worst moment: a unit's scratch next to
+    the grad buffers of the reductions still running when its step starts."""
     late_grads: int = 0
     """Part of the grads that the reductions create during backward (reduced copies and shards),
     so it is not there yet when backward starts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _UnitGrads:
+    """One comm unit's share of what backward allocates and frees, in reduction order."""
+
+    late: int = 0
+    """Grads its reduction creates (the reduced copy or shard), kept for the step."""
+    activations: int = 0
+    """Saved activations its backward frees: gone by the time its last grad arrives."""
+    window: int = 0
+    """Stage 3: full params gathered while its grads complete (itself, the units prefetched, the root)."""
+    per_param: int = 0
+    """Stages 2-3: its grads as autograd makes them (compute dtype), kept on the params until the unit
+    is complete."""
+    flat: int = 0
+    """Stages 2-3: the flat reduce-dtype buffer they are collected into, until the reduction is reaped."""
+    reduced: int = 0
+    """Its reduction's output while that is a second shard (added into an existing one, or cast)."""
+    cast: int = 0
+    """Stage 1: a reduce-dtype copy of its persistent grads, fed to the reduce-scatter."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,9 +119,11 @@ class Estimator:
 
     def __init__(self, spec: PlanSpec, *, inventory: Inventory | None = None, psi: int = 0, frozen: int = 0,
                  activations: ActivationEstimate | None = None, foreach: bool = True,
-                 gpus_per_node: int | None = None, reap_at_end: bool = False) -> None:
+                 gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.spec = spec
-        self.reap_at_end = reap_at_end
+        self.max_inflight = max_inflight
         self.gpus_per_node = gpus_per_node
         self.inventory = inventory
         self.psi, self.frozen = psi, frozen
@@ -119,19 +150,23 @@ class Estimator:
         sharded_grads = states["grads"] if v.stage >= 2 else self._grad_shard_bytes(v)
         states, host = _offload(states, v.offload, v.stage, sharded_grads)
         if v.offload != "none":
-            t = dataclasses.replace(t, scratch=0)  # the optimizer step runs on the host, scratch too
+            # The optimizer step runs on the host, scratch too, once every reduction has finished.
+            t = dataclasses.replace(t, scratch=0, step=0)
         activations = self.act.total if self.act else 0
         backward_ws = (self.act.workspace if self.act else 0) + self._largest_param_grad()
         # Each component is reported at its own peak; the step's peak is the largest of three moments:
-        # backward's start (every saved activation, the window, the first grad buffers, backward
-        # temporaries, but not yet the grads the reductions create), backward's end (every grad,
-        # the buffers still in flight, on gloo the reduce-scatter's own copy), and optimizer.step
-        # (its scratch). What the components over-count together is the overlap.
+        # backward's start (every saved activation, the window, backward temporaries, but not yet
+        # the grads the reductions create), backward's worst later moment (``Transient.during``: at
+        # stages 2-3 a unit's grads being collected into their flat buffer while the units before
+        # it still reduce, next to the activations, gathered params and grad shards of that moment;
+        # at stages 0-1 backward's end, every grad and cast copy there; see ``_backward``), and
+        # optimizer.step (a unit's scratch, next to the reductions still running; ``_step``). What
+        # the components over-count together is the overlap.
         states_total = sum(states.values())
         phases = (states_total - t.late_grads + activations + t.window + t.early + backward_ws,
-                  states_total + t.buckets + t.collective + t.late_window,
-                  states_total + t.scratch)
-        workspace = max(backward_ws, t.scratch, t.collective)
+                  states_total + t.during,
+                  states_total + t.step)
+        workspace = max(backward_ws, t.scratch)
         allocated = max(phases)
         overlap = states_total + activations + t.window + t.buckets + workspace - allocated
         device = Components(**states, activations=activations, window=t.window, buckets=t.buckets,
@@ -155,8 +190,9 @@ class Estimator:
     # -- runtime accounting -------------------------------------------------------------------
     def _runtime_states(self, v: Variant, units: tuple[CommUnit, ...]) -> tuple[dict[str, int], Transient]:
         spec = self.spec
-        params = grads = master = late = 0
+        params = grads = master = 0
         groups = [g for u in units for g in u.groups]
+        late_of = {id(g): 0 for g in groups}
         for g in groups:
             m, c, r = g.dtype, self.compute(g.dtype), self.reduce(g.dtype)
             P, S = g.numel, g.shard_numel
@@ -174,33 +210,29 @@ class Estimator:
                 # the reduced copy (in the master dtype) is a second full buffer.
                 copy = 0 if c == r == m else P * _size(m)
                 grads += P * _size(c) + copy
-                late += copy
+                late_of[id(g)] = copy
             elif v.stage == 1:
                 grads += P * _size(c) + S * _size(m)
-                late += S * _size(m)
+                late_of[id(g)] = S * _size(m)
             else:
                 grads += S * _size(m)
-                # With accumulation the shard already holds earlier micro-steps when backward starts.
-                late += S * _size(m) if spec.accum == 1 else 0
-                if spec.accum > 1 and spec.accumulation == "unsharded":
-                    grads += P * _size(r)  # full grads carried across micro-steps
-        optimizer, largest_segment = self._optimizer(groups, v)
-        buckets, early = self._buckets(units, v)
-        reduce_map = {d: self.reduce(d) for d in self.master_dtypes}
-        compute_map = {d: self.compute(d) for d in self.master_dtypes}
-        # Measured: gloo's reduce-scatter holds a temporary the size of its input while it runs, and
-        # the runtime waits on them when backward ends.
-        collective = max(u.grad_bytes(reduce_map) for u in units) if self.reap_at_end and v.stage >= 1 else 0
+                unsharded = spec.accum > 1 and spec.accumulation == "unsharded"
+                # Accumulating in shards, the shard already holds earlier micro-steps when backward
+                # starts; accumulating unsharded, the first reduction is the last micro-step's.
+                late_of[id(g)] = S * _size(m) if spec.accum == 1 or unsharded else 0
+        optimizer = self._optimizer(groups, v)
+        late = [sum(late_of[id(g)] for g in u.groups) for u in units]
+        if v.offload != "none":
+            late = [0] * len(units)  # the grad shards the reductions make are the ones moved to the host
         window = self._window(units) if v.stage == 3 else 0
-        late_window = sum(u.full_bytes(compute_map) for u in units if u.is_root) if v.stage == 3 else 0
-        if v.stage == 3 and not spec.reshard_after_forward:
-            late_window = window
-        transient = Transient(buckets=buckets, early=early, collective=collective, window=window,
-                              late_window=late_window, scratch=self._scratch(optimizer, largest_segment, groups),
-                              late_grads=late)
+        buckets, during, early, running = self._backward(units, v, late)
+        scratch = self._unit_scratch(units, v)
+        step = max((s + sum(b for i, b in running if i > j) for j, s in enumerate(scratch)), default=0)
+        transient = Transient(buckets=buckets, during=during, early=early, window=window,
+                              scratch=max(scratch, default=0), step=step, late_grads=sum(late))
         return {"params": params, "grads": grads, "master": master, "optimizer": optimizer}, transient
 
-    def _optimizer(self, groups, v: Variant) -> tuple[int, int]:
+    def _optimizer(self, groups, v: Variant) -> int:
         """Optimizer bytes on the worst rank (the buffer tail makes the last ranks lighter)."""
         trainable = [g for g in groups if g.trainable]
         shards = v.shards if v.stage >= 1 else 1
@@ -209,57 +241,151 @@ class Estimator:
             value = sum(self.costs[g.dtype].per_element * g.optimizer_numel(rank) for g in trainable)
             if value > best:
                 best_rank, best = rank, value
-        total = sum(self.costs[g.dtype].bytes_for(g.optimizer_numel(best_rank), g.segments(best_rank))
-                    for g in trainable)
-        largest = max((g.optimizer_numel(best_rank) for g in trainable), default=0)
-        largest_slot = max((s.span for g in trainable for s in g.layout.slots), default=0)
-        return total, min(largest, largest_slot)
+        return sum(self.costs[g.dtype].bytes_for(g.optimizer_numel(best_rank), g.segments(best_rank))
+                   for g in trainable)
 
-    def _scratch(self, optimizer_bytes: int, largest_segment: int, groups) -> int:
-        # A foreach step (torch's default on CUDA) materialises one temporary per state element
-        # (sqrt of the second moment); the per-tensor loop (CPU default) holds two temporaries of
-        # the largest segment at a time.
-        per_element = max(self.costs[g.dtype].per_element for g in groups if g.trainable)
+    def _unit_scratch(self, units: tuple[CommUnit, ...], v: Variant) -> list[int]:
+        """Per unit, the temporaries of its optimizer step on the worst rank.
+
+        zs.optimizer steps one unit at a time, in reduction order: one call of the torch class over
+        that unit's segments, one loop per torch param group (decaying or not), whose temporaries
+        die with it. A foreach loop (torch's default on CUDA) materialises one temporary per
+        element (the second moment's sqrt). The per-tensor loop (the CPU default) makes two per
+        segment (that sqrt, then the denominator it is divided into) while the previous segment's
+        denominator is still bound to the loop's variable. A fused kernel needs none.
+        """
+        trainable = [g for u in units for g in u.groups if g.trainable]
+        per_element = max(self.costs[g.dtype].per_element for g in trainable)
         if per_element == 0 or self.spec.optimizer_kwargs.get("fused"):
-            return 0  # no state to take a temporary of, or a fused kernel that needs none
-        elem = max(_size(g.dtype) for g in groups if g.trainable)
-        if self.foreach:
-            return int(optimizer_bytes / per_element * elem)
-        return 2 * largest_segment * elem
+            return [0] * len(units)  # no state to take a temporary of, or a fused kernel
+        elem = max(_size(g.dtype) for g in trainable)
+        out = []
+        for u in units:
+            worst = 0
+            for rank in range(v.shards if v.stage >= 1 else 1):
+                loops: dict[bool, list[int]] = {}
+                for g in u.groups:
+                    if g.trainable:
+                        for decay, numel in g.segment_numels(rank):
+                            loops.setdefault(decay, []).append(numel)
+                for seg in loops.values():
+                    need = sum(seg) if self.foreach else max(p + 2 * c for p, c in zip([0] + seg, seg))
+                    worst = max(worst, need)
+            out.append(worst * elem)
+        return out
 
-    def _buckets(self, units: tuple[CommUnit, ...], v: Variant) -> tuple[int, int]:
-        """(peak, live at backward's start) bytes of full grad buffers in flight."""
-        reduce_map = {d: self.reduce(d) for d in self.master_dtypes}
+    def _unit_grads(self, units: tuple[CommUnit, ...], v: Variant, late: list[int]) -> list[_UnitGrads]:
+        spec = self.spec
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
-        if v.stage == 0:
-            return 0, 0
-        if v.stage == 1:
-            # Reduce-scatter input: a reduce-dtype copy of each bucket when the grads are in another
-            # dtype, made as the bucket launches (so none yet when backward starts), kept until reaped.
-            casts = [u.grad_bytes(reduce_map) for u in units if any(compute_map[g.dtype] != reduce_map[g.dtype]
-                                                                   for g in u.groups)]
-            return (sum(casts) if self.reap_at_end else 2 * max(casts, default=0)), 0
-        if self.spec.accum > 1 and self.spec.accumulation == "unsharded":
-            return 0, 0  # the full grad buffers are already counted in grads
-        # Stages 2-3 allocate a unit's full grad buffer at its first grad and free it when its
-        # reduce-scatter is reaped. The head's grads arrive first, so the root's buffer lives through
-        # the whole backward. With NCCL the others come and go: one filling while the previous one's
-        # reduce-scatter finishes. gloo's async reduce-scatter reports completion only once waited
-        # on, so on CPU the runtime waits on the oldest once more than max_inflight_reductions (1)
-        # is pending: one launched plus the one filling, as with NCCL.
-        # With accumulation the shard already exists, so each reduce-scatter's output is a second
-        # shard-sized buffer until it has been added in.
-        extra = self.spec.accum > 1
+        activations = self._unit_activations(units)
+        root = sum(u.full_bytes(compute_map) for u in units if u.is_root)
+        blocks = [u for u in units if not u.is_root]  # reduction order
+        unsharded = spec.accum > 1 and spec.accumulation == "unsharded"
+        out = []
+        for i, u in enumerate(units):
+            window = 0
+            if v.stage == 3:
+                # Its grads complete before it is resharded. Its backward prefetched the next
+                # ``prefetch`` units; the root stays gathered until backward ends. Without
+                # reshard_after_forward, every unit not yet through backward is still gathered.
+                k = next((j for j, b in enumerate(blocks) if b is u), len(blocks))
+                ahead = blocks[k:] if not spec.reshard_after_forward else blocks[k:k + 1 + spec.prefetch]
+                window = root + sum(b.full_bytes(compute_map) for b in ahead)
+            per_param = flat = reduced = cast = 0
+            for g in u.groups:
+                if not g.trainable:
+                    continue
+                c, r, m = self.compute(g.dtype), self.reduce(g.dtype), g.dtype
+                if v.stage >= 2:
+                    per_param += g.layout.param_numel * _size(c)
+                    flat += g.numel * _size(r)
+                    second = (spec.accum > 1 and not unsharded) or r != m
+                    reduced += g.shard_numel * _size(r) if second else 0
+                elif v.stage == 1:
+                    cast += g.numel * _size(r) if c != r else 0
+                    reduced += g.shard_numel * _size(r) if r != m else 0
+            out.append(_UnitGrads(late=late[i], activations=activations[i], window=window, per_param=per_param,
+                                  flat=flat, reduced=reduced, cast=cast))
+        return out
 
-        def cost(u: CommUnit) -> int:
-            return u.grad_bytes(reduce_map) + (u.shard_grad_bytes(reduce_map) if extra else 0)
+    def _unit_activations(self, units: tuple[CommUnit, ...]) -> list[int]:
+        """Per unit, the saved activations its backward frees. Our GPT saves ``per_layer`` per block
+        and ``root`` in the embeddings and head; with checkpointing none is counted as freed (the
+        estimate is not per block), so every moment keeps them all."""
+        if self.act is None or self.spec.checkpointing.policy != "none":
+            return [0] * len(units)
+        out = []
+        for u in units:
+            names = {s.fqn.split(".")[1] for g in u.groups for s in g.layout.slots if s.fqn.startswith("blocks.")}
+            out.append(len(names) * self.act.per_layer + (self.act.root if u.is_root else 0))
+        return out
 
-        root = sum(cost(u) for u in units if u.is_root)
-        in_order = [cost(u) for u in units if not u.is_root]  # reduction order
-        if self.reap_at_end:
-            return root + sum(sorted(in_order, reverse=True)[:2]), root + (in_order[0] if in_order else 0)
-        top = root + sum(sorted(in_order, reverse=True)[:2])
-        return top, top
+    def _backward(self, units: tuple[CommUnit, ...], v: Variant,
+                  late: list[int]) -> tuple[int, int, int, list[tuple[int, int]]]:
+        """(buckets, during, early, running): the peak of grad memory in flight, of everything above
+        the model states after backward's start, the grad memory in flight when backward starts,
+        and (unit index, bytes) of the reductions still running when it ends.
+
+        Reductions launch in the units' order, each when its unit's grads are complete, and the
+        engine frees their buffers when it reaps them: as soon as they finish, but at the latest, at
+        stages 2-3, when one more launches while ``max_inflight`` are pending (the oldest is waited
+        on). Backward's end does not wait for the last ones: the optimizer step finishes each when it
+        reaches its unit. When each finishes is timing, on gloo's worker threads as on NCCL's
+        stream, so this is the bound the engine guarantees, reached when every reduction is slower
+        than the next unit's backward. At each unit's last grad:
+
+        - stages 2-3: its per-param grads are copied into a freshly allocated flat buffer, so for a
+          moment both exist, next to the flat buffers of the ``max_inflight`` units before it still
+          reducing; then its reduction launches (its shard appears) and the oldest is reaped;
+        - stage 0: the all-reduce runs in the grad buffer (or the reduced copy, in the grads);
+        - stage 1: the reduce-scatter reads the persistent grads in place (nothing in flight), or a
+          reduce-dtype cast of them, which the engine does not cap: every cast can be alive at
+          backward's end, and into the step.
+
+        Each moment also holds the activations of the units not yet through backward, stage 3's
+        gathered params, and the grad shards created so far.
+
+        Accumulating unsharded (stages 2-3, accum > 1), the flat buffers are allocated in the first
+        micro-step and carried to the last, whose reductions free them: every one is in flight when
+        a later micro-step's backward starts, and its units' grads are added into them.
+        """
+        grads = self._unit_grads(units, v, late)
+        compute_map = {d: self.compute(d) for d in self.master_dtypes}
+        carried = v.stage >= 2 and self.spec.accum > 1 and self.spec.accumulation == "unsharded"
+        early = sum(g.flat for g in grads) if carried else 0
+        moments: list[tuple[int, int]] = [(early, 0)]  # (grad memory in flight, everything above the states)
+        pending = sum(late)  # grads the reductions have not created yet
+        activations = self.act.total if self.act else 0  # saved, not yet freed by backward
+        ahead = early  # carried flat buffers not yet reduced
+        reducing: list[tuple[int, int]] = []  # stages 2-3: (unit, bytes) launched and unreaped, oldest first
+        held: list[tuple[int, int]] = []  # stages 0-1: (unit, casts), all unreaped in the bound
+        for i, g in enumerate(grads):
+            activations = max(0, activations - g.activations)
+            if v.stage >= 2:
+                if carried:  # an earlier micro-step: no reduction, no shard yet
+                    moments.append((early + g.per_param, early + g.per_param - sum(late) + activations + g.window))
+                flat = ahead if carried else g.flat
+                before = sum(b for _, b in reducing)
+                collect = before + flat + g.per_param
+                moments.append((collect, collect - pending + activations + g.window))
+                pending -= g.late
+                launch = before + flat + g.reduced
+                moments.append((launch, launch - pending + activations + g.window))
+                ahead -= g.flat if carried else 0
+                # A unit without trainable params launches nothing but still takes a place in line.
+                reducing = (reducing + [(i, g.flat + g.reduced)])[-self.max_inflight:]
+            else:
+                pending -= g.late
+                held.append((i, g.cast + g.reduced))
+                inflight = sum(b for _, b in held)
+                moments.append((inflight, inflight - pending + activations))
+        # Backward's end: the reductions still running stay; stage 3's root is still gathered
+        # (every unit is resharded as backward ends).
+        running = reducing if v.stage >= 2 else held
+        end = sum(b for _, b in running)
+        root = sum(u.full_bytes(compute_map) for u in units if u.is_root) if v.stage == 3 else 0
+        moments.append((end, end + root))
+        return max(m[0] for m in moments), max(m[1] for m in moments), early, running
 
     def _window(self, units: tuple[CommUnit, ...]) -> int:
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
@@ -302,4 +428,5 @@ class Estimator:
         buckets = 2 * min(self._bucket_bytes, psi * _size(r)) if v.stage == 2 else 0
         foreach = cost.per_element and self.foreach and not self.spec.optimizer_kwargs.get("fused")
         scratch = int(states["optimizer"] / cost.per_element * _size(m)) if foreach else 0
-        return states, Transient(buckets=buckets, early=buckets, scratch=scratch), psi + frozen, 0
+        return states, Transient(buckets=buckets, early=buckets, during=buckets, scratch=scratch, step=scratch), \
+            psi + frozen, 0

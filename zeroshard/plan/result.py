@@ -20,8 +20,9 @@ COMPONENT_HELP = {
     "optimizer": "optimizer state, discovered by running the optimizer's step once",
     "activations": "tensors saved for backward (plus the recomputed block or segment when checkpointing)",
     "window": "stage 3: full params of the gathered units ((1 + prefetch) x largest block + root)",
-    "buckets": "full gradient buffers in flight (stages 2-3) and reduce-dtype casts (stage 1)",
-    "workspace": "temporaries: activation and logits gradients, optimizer scratch, gloo's reduce-scatter copy",
+    "buckets": "full-size gradients in flight: stages 2-3 per-param grads and flat buffers until reduced; "
+               "stage 1 reduce-dtype casts",
+    "workspace": "temporaries: activation and logits gradients, one fresh param grad, optimizer scratch",
     "headroom": "allocator headroom (fragmentation, cached blocks), a fraction of the allocated peak",
     "overlap": "subtracted: what the components over-count because they peak at different moments",
 }
@@ -42,7 +43,8 @@ class Components:
     headroom: int = 0
     overlap: int = 0
     """Bytes the components above over-count because they peak at different moments (activations
-    at backward's start, gloo's grad buffers at its end, optimizer scratch in step()); subtracted."""
+    at backward's start, grad buffers while a unit's grads are collected, optimizer scratch in
+    step()); subtracted."""
 
     def __post_init__(self) -> None:
         for name in (*COMPONENTS, "overlap"):
