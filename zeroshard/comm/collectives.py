@@ -159,6 +159,14 @@ def _local_copy(output: torch.Tensor, input: torch.Tensor):
 # project's 2-core machine measured 1.5-2x (reduce) and 2-4x (broadcast) faster for 12-100 MB
 # buffers at world 2 and 4 (docs/runtime.md, [Note: gloo fan-out]). NCCL keeps its native kernels.
 
+def reduce_scatter_lands_in_input(group: str) -> bool:
+    """True when a reduce-scatter leaves this rank's result in its own slice of the input anyway
+    (gloo's per-slice reduce, a one-rank group): callers may then pass that slice as the output
+    and skip allocating a second buffer while the collective runs."""
+    size = group_size(group)
+    return size == 1 or _fans_out(size)
+
+
 def _fans_out(size: int) -> bool:
     return size > 1 and get_mesh().backend == "gloo"
 

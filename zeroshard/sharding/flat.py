@@ -275,7 +275,11 @@ class FlatGroup:
             self._reduced = source
             self._pending = collectives.all_reduce(source, group="world", unit=self.unit, phase=phase, async_op=True)
         else:
-            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=source.device)
+            if collectives.reduce_scatter_lands_in_input("shard"):
+                # No second shard-sized buffer while it runs; finish_reduce copies the slice out.
+                self._reduced = source[self.lo:self.hi]
+            else:
+                self._reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=source.device)
             self._pending = collectives.reduce_scatter(self._reduced, source, group="shard", unit=self.unit,
                                                        phase=phase, async_op=True)
 
@@ -288,6 +292,8 @@ class FlatGroup:
             collectives.all_reduce(reduced, group="replicate", unit=self.unit, phase=phase)
         if reduced.dtype != self.master_dtype:
             reduced = reduced.to(self.master_dtype)
+        elif self.policy.shard_optimizer and reduced.data_ptr() == self._reduce_input[self.lo:].data_ptr():
+            reduced = reduced.clone()  # a view would keep the whole full-grad buffer alive
         # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
         if self.mesh.world > 1:
             reduced.div_(self.mesh.world)
