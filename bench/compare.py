@@ -30,6 +30,26 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    """The issue's targets, read off one table: (target, measured, met)."""
+    by = {r["name"]: r for r in rows}
+    s0, s2, s3 = by["zeroshard stage 0"], by["zeroshard stage 2"], by["zeroshard stage 3"]
+    ddp, fsdp2 = by["torch DDP"], by["FSDP2"]
+    return [
+        ("ZeRO-3 step <= 1.10x floor", f"{s3['x_floor']:.2f}x", s3["x_floor"] <= 1.10),
+        ("ZeRO-3 tokens/s >= 1.15x FSDP2", f"{s3['vs_fsdp2']:.2f}x", s3["vs_fsdp2"] >= 1.15),
+        ("stage 0 tokens/s >= torch DDP", f"{s0['tokens_per_s']:,.0f} vs {ddp['tokens_per_s']:,.0f}",
+         s0["tokens_per_s"] >= ddp["tokens_per_s"]),
+        ("ZeRO-2 step <= 1.08x floor", f"{s2['x_floor']:.2f}x", s2["x_floor"] <= 1.08),
+        ("ZeRO-3 peak <= FSDP2 peak", f"{s3['peak_bytes_per_rank'] / 2**20:.1f} vs "
+         f"{fsdp2['peak_bytes_per_rank'] / 2**20:.1f} MiB", s3["peak_bytes_per_rank"] <= fsdp2["peak_bytes_per_rank"]),
+    ]
+
+
+def targets_text(rows: list[dict]) -> str:
+    return "\n".join(f"- {'met   ' if ok else 'MISSED'} {name}: {value}" for name, value, ok in targets(rows)) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -45,7 +65,7 @@ def main() -> None:
             buffer = io.StringIO()
             Console(file=buffer, width=140, color_system=None).print(
                 table(rows, f"small, world {world}, B=4/rank, T=128, {dtype}, AdamW, 1 thread/rank"))
-            sections.append(buffer.getvalue())
+            sections.append(buffer.getvalue() + "\n" + targets_text(rows))
             print(sections[-1], flush=True)
     header = (f"# Benchmark results\n\nGenerated {datetime.datetime.now():%Y-%m-%d %H:%M} by\n"
               f"`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`\n\n"
