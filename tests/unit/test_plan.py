@@ -158,9 +158,14 @@ def test_stage23_buckets_are_a_units_collection_next_to_the_ones_still_reducing(
         per_param = [sum(g.layout.param_numel for g in u.groups if g.trainable) * c for u in units]
         flat = [sum(g.numel for g in u.groups if g.trainable) * r for u in units]
         expected = max(sum(flat[max(0, i - k):i]) + per_param[i] + flat[i] for i in range(len(units)))
-        for device in ("cpu", "cuda"):  # both complete reductions asynchronously: the same bound
-            p = plan("small", world=2, batch=2, seq=128, mp=mp, device=device)
-            assert p[name].device.buckets == expected, (name, device)
+        p = plan("small", world=2, batch=2, seq=128, mp=mp, device="cuda")
+        assert p[name].device.buckets == expected, name
+        if c == r:
+            # gloo reduces grads already in the reduce dtype where they lie: no flat buffer, so a
+            # unit holds only its per-param grads while it reduces.
+            expected = max(sum(per_param[max(0, i - k):i + 1]) for i in range(len(units)))
+        p = plan("small", world=2, batch=2, seq=128, mp=mp, device="cpu")
+        assert p[name].device.buckets == expected, name
 
 
 def test_stage01_have_nothing_in_flight_unless_the_reduction_casts():
@@ -173,8 +178,9 @@ def test_stage01_have_nothing_in_flight_unless_the_reduction_casts():
 
 def test_stage3_peak_is_a_units_collection_with_the_activations_still_saved():
     """zero3's peak is mid-backward: the last-but-one block's collection, when the blocks behind it
-    still hold activations and gathered params, not backward's start or end."""
-    p = plan("small", world=2, batch=2, seq=128, device="cpu")
+    still hold activations and gathered params, not backward's start or end. (On NCCL, where a unit's
+    grads are collected into a flat buffer; gloo reduces them in place, see the test above.)"""
+    p = plan("small", world=2, batch=2, seq=128, device="cuda")
     d, act = p["zero3"].device, p.activations
     units = _units("small", 3, 2)
     block = sum(g.numel for g in units[0].groups) * 4

@@ -167,6 +167,32 @@ def reduce_scatter_lands_in_input(group: str) -> bool:
     return size == 1 or _fans_out(size)
 
 
+def reduce_to_owners(pieces: list[tuple[torch.Tensor, int]], *, numel: int, group: str = "world",
+                     unit: str = "", phase: str = "", async_op: bool = False) -> Pending | None:
+    """A reduce-scatter whose input comes in pieces instead of one flat buffer (per-param grads,
+    so no flat copy of them is made): piece ``(tensor, owner)`` is summed in place onto group rank
+    ``owner``; on other ranks it is scratch afterwards. Every rank passes the same pieces in the
+    same order. ``numel`` is the logical input extent, for the ledger. Only where
+    ``reduce_scatter_lands_in_input`` (gloo, or a one-rank group, where there is nothing to do).
+    """
+    if not reduce_scatter_lands_in_input(group):
+        raise RuntimeError("reduce_to_owners needs gloo or a one-rank group; use reduce_scatter with a flat input")
+    dtype = pieces[0][0].dtype if pieces else torch.float32
+    record = _LEDGER.open(group=group, op="reduce_scatter", numel=numel, dtype=dtype,
+                          elem_size=torch.empty(0, dtype=dtype).element_size(), unit=unit, phase=phase)
+    work = None
+    if group_size(group) > 1:
+        pg = _group(group)
+        work = _Works([dist.reduce(t, dst=dist.get_global_rank(pg, owner), op=dist.ReduceOp.SUM, group=pg,
+                                   async_op=True) for t, owner in pieces])
+    _LEDGER.started(record, work, device_async=False)
+    pending = Pending(work, record)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
 def _fans_out(size: int) -> bool:
     return size > 1 and get_mesh().backend == "gloo"
 

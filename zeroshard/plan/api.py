@@ -112,7 +112,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     estimator = Estimator(spec, inventory=None if spec.accounting == "textbook" else inventory, psi=psi,
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
-                          gpus_per_node=gpus_per_node)
+                          gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu")
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),

@@ -102,7 +102,9 @@ class _GradSampler:
             # A cast copy fed to the reduction is transient, unless it is also the reduction's output
             # (stage 0 all-reduces in place), which becomes the grads the step reads.
             source, reduced = getattr(g, "_reduce_input", None), getattr(g, "_reduced", None)
-            if source is not None and source is not reduced:
+            if isinstance(source, list):  # gloo reduces the grads in place, piece by piece
+                transient.extend(piece for piece, _, _ in source)
+            elif source is not None and source is not reduced:
                 transient.append(source)
             shard = _held_grad_shard(g)
             if reduced is not None and g.policy.shard_optimizer and reduced is not shard and (

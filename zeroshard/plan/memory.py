@@ -119,11 +119,15 @@ class Estimator:
 
     def __init__(self, spec: PlanSpec, *, inventory: Inventory | None = None, psi: int = 0, frozen: int = 0,
                  activations: ActivationEstimate | None = None, foreach: bool = True,
-                 gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS) -> None:
+                 gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS,
+                 reduce_in_place: bool = False) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.spec = spec
         self.max_inflight = max_inflight
+        # gloo reduces stage 2-3 grads where autograd left them (collectives.reduce_to_owners), with
+        # no flat buffer, when they are already in the reduce dtype; NCCL collects them first.
+        self.reduce_in_place = reduce_in_place
         self.gpus_per_node = gpus_per_node
         self.inventory = inventory
         self.psi, self.frozen = psi, frozen
@@ -296,7 +300,12 @@ class Estimator:
                 if not g.trainable:
                     continue
                 c, r, m = self.compute(g.dtype), self.reduce(g.dtype), g.dtype
-                if v.stage >= 2:
+                if v.stage >= 2 and self.reduce_in_place and c == r and not unsharded:
+                    # The per-param grads are what the reduction holds in flight: no collection.
+                    flat += g.layout.param_numel * _size(c)
+                    second = spec.accum > 1 or r != m
+                    reduced += g.shard_numel * _size(r) if second else 0
+                elif v.stage >= 2:
                     per_param += g.layout.param_numel * _size(c)
                     flat += g.numel * _size(r)
                     second = (spec.accum > 1 and not unsharded) or r != m

@@ -93,6 +93,8 @@ class Engine:
         self._forward_order: list[Unit] = []
         self._order_recorded = False
         self._position = 0
+        self._prefetch_after_first_grad: Unit | None = None
+        self.backward_prefetch_at = 0.5
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
         self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
@@ -190,16 +192,13 @@ class Engine:
         return output
 
     def kept_for_backward(self) -> list[Unit]:
-        """Units that stay gathered from forward into backward (once the order is recorded).
-
-        Backward starts with the last units of forward, the ones it would gather at once (the
-        first and ``prefetch`` more), so resharding them after forward would only gather them again.
-        Backward's window holds the same units, so the peak does not grow.
-        """
+        """Units that stay gathered from forward into backward (once the order is recorded): the
+        last block of forward, which backward needs first, so resharding it would only gather it
+        again at once. Holding it costs nothing at the peak, where backward holds it anyway."""
         if not self._order_recorded or not self.reshard_after_forward:
             return []
         blocks = [u for u in self._forward_order if not u.is_root]
-        return blocks[max(0, len(blocks) - 1 - self.prefetch):]
+        return blocks[-1:]
 
     def _reused_next(self, unit: Unit) -> bool:
         return unit in self.kept_for_backward()
@@ -224,6 +223,16 @@ class Engine:
         unit.unshard("backward")
         unit.wait_unshard()
         self._track_memory()
+        self._prefetch_after_first_grad = unit
+
+    def _prefetch_backward(self, unit: Unit) -> None:
+        """Gather the ``prefetch`` units backward runs after ``unit``.
+
+        Issued at ``unit``'s first grad rather than when its backward starts: that moment (every
+        activation still saved) is the step's memory peak, and the first grad comes once the
+        unit's last layer has freed its inputs, early enough to hide the all-gather behind the rest
+        of the unit's backward.
+        """
         if self._order_recorded and unit in self._forward_order:
             index = self._forward_order.index(unit)
             for earlier in self._forward_order[max(0, index - self.prefetch):index][::-1]:
@@ -248,7 +257,13 @@ class Engine:
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and
             # FSDP2 use. It runs once the whole graph is done, on the same thread.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if unit.mark_ready(group_index, param_index):
+        ready = unit.mark_ready(group_index, param_index)
+        if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.backward_prefetch_at):
+            self._prefetch_after_first_grad = None
+            self._prefetch_backward(unit)
+        if ready:
+            if self.defers_reduction:
+                unit.collect_grads()  # accumulate in the flat buffer until the synchronising backward
             if self.policy.shard_params and not unit.is_root:
                 unit.reshard()
             if not self.defers_reduction:
@@ -294,6 +309,7 @@ class Engine:
 
     def _finish_backward(self) -> None:
         self._in_backward = False
+        self._prefetch_after_first_grad = None
         if self.defers_reduction:
             for unit in self.units:
                 unit.collect_grads()  # units with unused params were never complete

@@ -267,7 +267,41 @@ class FlatGroup:
         if covered < self.layout.numel:
             self.grad_full[covered:].zero_()
 
+    def _grad_pieces(self) -> list[tuple[torch.Tensor, int, int]] | None:
+        """This unit's grads as (flat view, owner shard rank, offset in the owner's shard), cut at
+        shard boundaries, when the backend reduces them where they lie (gloo); else None."""
+        if not (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
+                and self.params is not None and collectives.reduce_scatter_lands_in_input("shard")):
+            return None
+        grads = [p.grad for p in self.params]
+        if any(g is not None and (g.dtype != self.reduce_dtype or not g.is_contiguous()) for g in grads):
+            return None
+        per_shard, pieces = self.layout.shard_numel, []
+        for slot, grad in zip(self.layout.slots, grads):
+            # A param unused here may have grads on other ranks: every rank reduces the same pieces.
+            flat = (torch.zeros(slot.numel, dtype=self.reduce_dtype, device=self.device) if grad is None
+                    else grad.view(-1))
+            start = slot.offset
+            while start < slot.end:
+                owner = start // per_shard
+                stop = min(slot.end, (owner + 1) * per_shard)
+                pieces.append((flat[start - slot.offset:stop - slot.offset], owner, start - owner * per_shard))
+                start = stop
+        return pieces
+
     def launch_reduce(self, phase: str = "backward") -> None:
+        pieces = self._grad_pieces()
+        if pieces is not None:
+            # gloo: reduce each grad where it lies; no flat copy, and no unit-sized buffer beside
+            # the grads at the moment the unit completes (the step's late memory peak).
+            for param in self.params:
+                param.grad = None  # the pieces keep the storages alive until finish_reduce
+            self._reduce_input = pieces
+            self._reduced = None
+            self._pending = collectives.reduce_to_owners([(t, owner) for t, owner, _ in pieces],
+                                                         numel=self.layout.numel, group="shard", unit=self.unit,
+                                                         phase=phase, async_op=True)
+            return
         self.collect_grads()
         source = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
         self._reduce_input = source  # gloo reads it asynchronously; keep it alive until wait
@@ -288,11 +322,18 @@ class FlatGroup:
         self._pending.wait()
         self._pending = None
         reduced = self._reduced
+        if reduced is None:  # reduced piecewise: gather this rank's sums (padding stays zero)
+            reduced = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            for piece, owner, offset in self._reduce_input:
+                if owner == self.shard_rank:
+                    reduced[offset:offset + piece.numel()].copy_(piece)
+            self._reduce_input = None
         if self.policy.shard_optimizer and self.mesh.replicate_size > 1:
             collectives.all_reduce(reduced, group="replicate", unit=self.unit, phase=phase)
         if reduced.dtype != self.master_dtype:
             reduced = reduced.to(self.master_dtype)
-        elif self.policy.shard_optimizer and reduced.data_ptr() == self._reduce_input[self.lo:].data_ptr():
+        elif self.policy.shard_optimizer and self._reduce_input is not None and \
+                reduced.data_ptr() == self._reduce_input[self.lo:].data_ptr():
             reduced = reduced.clone()  # a view would keep the whole full-grad buffer alive
         # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
         if self.mesh.world > 1:

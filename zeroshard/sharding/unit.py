@@ -70,18 +70,21 @@ class Unit:
 
     # -- grads --------------------------------------------------------------------------------
     def mark_ready(self, group_index: int, param_index: int) -> bool:
-        """Record that a param's grad is complete; True when every trainable param's is, at which
-        point the grads are in the flat buffers."""
+        """Record that a param's grad is complete; True when every trainable param's is."""
         self.groups[group_index].take_grad(param_index)
         self._ready.add((group_index, param_index))
-        if not self.grads_ready:
-            return False
-        self.collect_grads()
-        return True
+        return self.grads_ready
 
     def collect_grads(self) -> None:
         for group in self.trainable_groups:
             group.collect_grads()
+
+    @property
+    def ready_fraction(self) -> float:
+        """Share of this unit's trainable elements whose grads are complete in this backward."""
+        total = sum(self.groups[gi].layout.slots[pi].numel for gi, pi in self._expected)
+        done = sum(self.groups[gi].layout.slots[pi].numel for gi, pi in self._ready)
+        return done / total if total else 1.0
 
     @property
     def grads_ready(self) -> bool:
