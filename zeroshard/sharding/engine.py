@@ -223,7 +223,11 @@ class Engine:
         unit.unshard("backward")
         unit.wait_unshard()
         self._track_memory()
-        self._prefetch_after_first_grad = unit
+        if self.recompute is not None:
+            # Recomputing a segment needs all of its units at once, before any of its grads.
+            self._prefetch_backward(unit)
+        else:
+            self._prefetch_after_first_grad = unit
 
     def _prefetch_backward(self, unit: Unit) -> None:
         """Gather the ``prefetch`` units backward runs after ``unit``.
