@@ -24,6 +24,7 @@ from zeroshard.plan.inventory import CommUnit, Inventory
 from zeroshard.plan.optim_probe import OptimStateCost, probe
 from zeroshard.plan.result import Components, LayoutPlan
 from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
+from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
 
 
 MAX_INFLIGHT_REDUCTIONS = 2
@@ -263,19 +264,28 @@ class Estimator:
         if per_element == 0 or self.spec.optimizer_kwargs.get("fused"):
             return [0] * len(units)  # no state to take a temporary of, or a fused kernel
         elem = max(_size(g.dtype) for g in trainable)
-        out = []
-        for u in units:
+        # Consecutive units share one call until it has PIPELINE_MIN_NUMEL shard elements; the call
+        # runs once the last of them is reduced, so its scratch is charged at that unit.
+        calls, current, numel = [], [], 0
+        for i, u in enumerate(units):
+            current.append(i)
+            numel += sum(g.shard_numel for g in u.groups if g.trainable)
+            if numel >= PIPELINE_MIN_NUMEL or i == len(units) - 1:
+                calls.append(current)
+                current, numel = [], 0
+        out = [0] * len(units)
+        for call in calls:
             worst = 0
             for rank in range(v.shards if v.stage >= 1 else 1):
                 loops: dict[bool, list[int]] = {}
-                for g in u.groups:
+                for g in (g for i in call for g in units[i].groups):
                     if g.trainable:
                         for decay, numel in g.segment_numels(rank):
                             loops.setdefault(decay, []).append(numel)
                 for seg in loops.values():
                     need = sum(seg) if self.foreach else max(p + 2 * c for p, c in zip([0] + seg, seg))
                     worst = max(worst, need)
-            out.append(worst * elem)
+            out[call[-1]] = worst * elem
         return out
 
     def _unit_grads(self, units: tuple[CommUnit, ...], v: Variant, late: list[int]) -> list[_UnitGrads]:

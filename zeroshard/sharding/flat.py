@@ -21,6 +21,10 @@ from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import ParamRef
 
 
+SMALL_GRAD_NUMEL = 1 << 16
+"""Grads smaller than this (elements) are packed per owner for gloo's in-place reduce, not sent alone."""
+
+
 def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     """A view of ``buffer`` with its own version counter.
 
@@ -267,16 +271,21 @@ class FlatGroup:
         if covered < self.layout.numel:
             self.grad_full[covered:].zero_()
 
-    def _grad_pieces(self) -> list[tuple[torch.Tensor, int, int]] | None:
-        """This unit's grads as (flat view, owner shard rank, offset in the owner's shard), cut at
-        shard boundaries, when the backend reduces them where they lie (gloo); else None."""
+    def _grad_pieces(self) -> list[tuple[torch.Tensor, int, list[tuple[int, int, int]]]] | None:
+        """This unit's grads as reduce pieces, when the backend reduces them where they lie (gloo);
+        else None. A piece is (tensor, owner shard rank, [(offset in tensor, offset in the owner's
+        shard, length)]). A large grad is cut at shard boundaries into views of itself; the small
+        ones (biases, norms) are packed into one buffer per owner, since every gloo op has a fixed
+        cost that would dominate tiny pieces."""
         if not (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
                 and self.params is not None and collectives.reduce_scatter_lands_in_input("shard")):
             return None
         grads = [p.grad for p in self.params]
         if any(g is not None and (g.dtype != self.reduce_dtype or not g.is_contiguous()) for g in grads):
             return None
-        per_shard, pieces = self.layout.shard_numel, []
+        per_shard = self.layout.shard_numel
+        large: list[tuple[torch.Tensor, int, list[tuple[int, int, int]]]] = []
+        small: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}  # owner -> (flat, start, shard offset, n)
         for slot, grad in zip(self.layout.slots, grads):
             # A param unused here may have grads on other ranks: every rank reduces the same pieces.
             flat = (torch.zeros(slot.numel, dtype=self.reduce_dtype, device=self.device) if grad is None
@@ -285,9 +294,23 @@ class FlatGroup:
             while start < slot.end:
                 owner = start // per_shard
                 stop = min(slot.end, (owner + 1) * per_shard)
-                pieces.append((flat[start - slot.offset:stop - slot.offset], owner, start - owner * per_shard))
+                a, n, shard_offset = start - slot.offset, stop - start, start - owner * per_shard
+                if slot.numel >= SMALL_GRAD_NUMEL:
+                    large.append((flat[a:a + n], owner, [(0, shard_offset, n)]))
+                else:
+                    small.setdefault(owner, []).append((flat, a, shard_offset, n))
                 start = stop
-        return pieces
+        packed = []
+        for owner in sorted(small):
+            parts = small[owner]
+            buffer = torch.empty(sum(n for *_, n in parts), dtype=self.reduce_dtype, device=self.device)
+            spans, at = [], 0
+            for flat, a, shard_offset, n in parts:
+                buffer[at:at + n].copy_(flat[a:a + n])
+                spans.append((at, shard_offset, n))
+                at += n
+            packed.append((buffer, owner, spans))
+        return large + packed
 
     def launch_reduce(self, phase: str = "backward") -> None:
         pieces = self._grad_pieces()
@@ -324,9 +347,10 @@ class FlatGroup:
         reduced = self._reduced
         if reduced is None:  # reduced piecewise: gather this rank's sums (padding stays zero)
             reduced = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            for piece, owner, offset in self._reduce_input:
+            for piece, owner, spans in self._reduce_input:
                 if owner == self.shard_rank:
-                    reduced[offset:offset + piece.numel()].copy_(piece)
+                    for at, offset, n in spans:
+                        reduced[offset:offset + n].copy_(piece[at:at + n])
             self._reduce_input = None
         if self.policy.shard_optimizer and self.mesh.replicate_size > 1:
             collectives.all_reduce(reduced, group="replicate", unit=self.unit, phase=phase)

@@ -106,6 +106,10 @@ class _SegmentMap:
                 param.grad = None if grad is None else grad[start:stop]
 
 
+PIPELINE_MIN_NUMEL = 1 << 19
+"""Shard elements per pipelined optimizer call, at least (see ``_UnitPipeline``)."""
+
+
 class _UnitPipeline:
     """Step the optimizer one unit at a time, in the order the reductions were launched.
 
@@ -118,29 +122,41 @@ class _UnitPipeline:
     def __init__(self, engine: Engine, segment_map: _SegmentMap, n_groups: int) -> None:
         self.engine = engine
         self.segment_map = segment_map
-        by_group: dict[int, list[list[nn.Parameter]]] = {}
-        for param, group, _, _ in segment_map.entries:
-            by_group.setdefault(id(group), [[] for _ in range(n_groups)])
-        self.stages = []  # (unit, its trainable groups, per torch param group: its segments)
+        # (units, their trainable groups, per torch param group: their segments). Consecutive units
+        # are stepped together until a stage has PIPELINE_MIN_NUMEL elements: each optimizer call
+        # has a fixed cost, which dominates small units (a model of a few million params takes one).
+        self.stages: list[tuple[list, set, list[list[nn.Parameter]]]] = []
+        current: tuple[list, set, list[list[nn.Parameter]]] | None = None
+        numel = 0
         for unit in engine.reduce_order:
             groups = set(unit.trainable_groups)
             lists = [[] for _ in range(n_groups)]
             for param, group, _, _ in segment_map.entries:
                 if group in groups:
                     lists[segment_map.group_index[id(param)]].append(param)
-            if any(lists):
-                self.stages.append((unit, groups, lists))
+            if not any(lists):
+                continue
+            if current is None:
+                current, numel = ([], set(), [[] for _ in range(n_groups)]), 0
+                self.stages.append(current)
+            current[0].append(unit)
+            current[1].update(groups)
+            for merged, params in zip(current[2], lists):
+                merged.extend(params)
+            numel += sum(p.numel() for params in lists for p in params)
+            if numel >= PIPELINE_MIN_NUMEL:
+                current = None
 
     def run(self, opt, base_step) -> None:
         originals = [g["params"] for g in opt.param_groups]
         pending = []
         try:
-            for unit, groups, lists in self.stages:
+            for units, groups, lists in self.stages:
                 self.segment_map.attach_grads(groups)
                 for torch_group, params in zip(opt.param_groups, lists):
                     torch_group["params"] = params
                 base_step(opt)
-                pending += [p for p in (g.sync_params() for g in unit.groups) if p is not None]
+                pending += [p for unit in units for p in (g.sync_params() for g in unit.groups) if p is not None]
         finally:
             for torch_group, params in zip(opt.param_groups, originals):
                 torch_group["params"] = params
