@@ -291,11 +291,16 @@ class Engine:
         once it is waited on, so without the cap every full grad of the step would stay alive until
         the end of backward; the cap bounds them to that many units at the cost of some overlap.
         """
+        # With a replicate group, finishing runs a blocking all-reduce across replicas, so it must
+        # happen at the same point of the program on every rank: a rank finishing early because its
+        # reduce-scatter happened to be done would block while a replica waits on it for the next
+        # all-gather (a cross-group deadlock). Then only the deterministic cap finishes here.
+        opportunistic = self.mesh.replicate_size == 1
         while self._next_reap < self._next_reduce:
             unit = self.reduce_order[self._next_reap]
             pending = self._next_reduce - self._next_reap
             over_cap = self.policy.transient_grads and pending > self.max_inflight_reductions
-            if not (unit.reduce_done or over_cap):
+            if not ((opportunistic and unit.reduce_done) or over_cap):
                 break
             unit.finish_reduce()
             self._next_reap += 1
