@@ -50,6 +50,7 @@ if str(REPO) not in sys.path:
 
 import zeroshard as zs  # noqa: E402
 from zeroshard.models.gpt import GPT, GPTConfig  # noqa: E402
+from zeroshard.benchmark.candidates import sharded_step  # noqa: E402
 from zeroshard.profile.alloc import allocation_profile, peak_allocated  # noqa: E402
 from zeroshard.profile.flops import calibrate_peak_flops, gpt_flops  # noqa: E402
 
@@ -113,8 +114,9 @@ class Dev:
 
 
 # ----------------------------------------------------------------------------------------------
-# Candidates. zeroshard/benchmark/candidates.py hard-codes "cpu" for autocast and the FSDP2 device
-# mesh, so the GPU versions are built here with the device passed through.
+# Candidates. Unlike zeroshard/benchmark/candidates.py these run in one process at world 1, keep
+# per-candidate memory and error fields, and give eager and FSDP2 the same weight-decay groups as
+# zs.optimizer, so the optimizer work matches exactly; the zeroshard step is the bench's own.
 
 @dataclasses.dataclass
 class Candidate:
@@ -160,14 +162,7 @@ def build_zeroshard(cfg: GPTConfig, dtype: torch.dtype, device: torch.device) ->
     mp = None if dtype == torch.float32 else zs.MixedPrecision(param_dtype=dtype)
     model = zs.shard(_gpt(cfg, device), stage=3, mp=mp)
     opt = zs.optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return Candidate("zeroshard s3", model, opt, step, ours=True)
+    return Candidate("zeroshard s3", model, opt, sharded_step(model, opt), ours=True)
 
 
 _FSDP_MESH = None

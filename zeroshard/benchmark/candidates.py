@@ -56,18 +56,22 @@ def floor(cfg: GPTConfig, seed: int, dtype: torch.dtype) -> Candidate:
     return _plain("floor (1 process)", _build(cfg, seed), None if dtype == torch.float32 else dtype)
 
 
-def ours(cfg: GPTConfig, seed: int, dtype: torch.dtype, stage: int) -> Candidate:
-    mp = None if dtype == torch.float32 else zs.MixedPrecision(param_dtype=dtype)
-    model = zs.shard(_build(cfg, seed), stage=stage, mp=mp)
-    opt = zs.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1, foreach=True)
-
+def sharded_step(model: nn.Module, opt):
+    """One training step of a ``zs.shard`` model: precision is the model's own, so no autocast."""
     def step(x, y):
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
-    return Candidate(f"zeroshard stage {stage}", model, opt, step, ours=True)
+    return step
+
+
+def ours(cfg: GPTConfig, seed: int, dtype: torch.dtype, stage: int) -> Candidate:
+    mp = None if dtype == torch.float32 else zs.MixedPrecision(param_dtype=dtype)
+    model = zs.shard(_build(cfg, seed), stage=stage, mp=mp)
+    opt = zs.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1, foreach=True)
+    return Candidate(f"zeroshard stage {stage}", model, opt, sharded_step(model, opt), ours=True)
 
 
 def torch_ddp(cfg: GPTConfig, seed: int, dtype: torch.dtype) -> Candidate:
