@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zeroshard-installed
 TESTS ?= tests/
 
-.PHONY: venv demo test
+.PHONY: venv demo test lint
 
 venv: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@# `torch>=2.6` range itself (it would pick whatever index it sees first).
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	@# hf: transformers, for the Hugging Face tests (it does not depend on torch, so the pin holds).
-	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip install -q -e '.[test,hf,lint]'
 	@touch $(STAMP)
 
 # 2 gloo ranks, tiny GPT on the synthetic Markov source; loss heads for the printed entropy floor.
@@ -31,3 +31,8 @@ test: venv
 	@$(PY) -m pytest $(TESTS) ; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected; failing" >&2; exit 1; fi; \
 	exit $$rc
+
+# ruff (style, and SLF001: no reads of another class's _private fields) and mypy over the package.
+lint: venv
+	$(VENV)/bin/ruff check zeroshard tests bench
+	$(VENV)/bin/mypy
