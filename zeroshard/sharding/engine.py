@@ -55,6 +55,15 @@ def _tensors_in(output) -> list[torch.Tensor]:
     return []
 
 
+MAX_INFLIGHT_REDUCTIONS = 2
+"""Stages 2-3 finish the oldest reduction while more than this many are pending. Two, so that at the
+end of backward the last block's reduction is still running when the root's launches, and the
+optimizer can step the other units meanwhile (see optim.py). zeroshard.sim reads it too."""
+
+BACKWARD_PREFETCH_AT = 0.5
+"""Fraction of a unit's grads ready before its backward prefetch of earlier units is issued."""
+
+
 class Engine:
     def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
@@ -94,13 +103,11 @@ class Engine:
         self._order_recorded = False
         self._position = 0
         self._prefetch_after_first_grad: Unit | None = None
-        self.backward_prefetch_at = 0.5
+        self.backward_prefetch_at = BACKWARD_PREFETCH_AT
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
         self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
-        # Two, so that at the end of backward the last block's reduction is still running when the
-        # root's launches, and the optimizer can step the other units meanwhile (see optim.py).
-        self.max_inflight_reductions = 2
+        self.max_inflight_reductions = MAX_INFLIGHT_REDUCTIONS
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
         for unit in self.units:

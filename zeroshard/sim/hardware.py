@@ -1,0 +1,95 @@
+"""Node presets (peak compute, HBM, links) and a TOML loader for your own.
+
+Link figures are per GPU and per direction, as nccl-tests' bus bandwidth reports them
+(nccl-tests doc/PERFORMANCE.md): a collective's bus bandwidth approaches this figure at large sizes.
+Latencies (alpha) are per ring step; they are order-of-magnitude assumptions in the range NCCL's own
+tuning model uses (a few microseconds on NVLink, more across the network), not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    peak_flops: float
+    """Dense bf16 tensor-core FLOP/s per GPU (no sparsity)."""
+    hbm_bytes: float
+    hbm_bandwidth: float
+    """Bytes/s; memory-bound work (elementwise ops, the optimizer) runs at this."""
+    gpus_per_node: int = 8
+    intra_bandwidth: float
+    """NVLink bytes/s per GPU per direction."""
+    inter_bandwidth: float
+    """Network bytes/s per GPU per direction (one NIC per GPU, rail-optimised)."""
+    intra_latency: float = 3e-6
+    inter_latency: float = 10e-6
+    gemm_efficiency: float = 0.6
+    """Fraction of peak that large bf16 GEMMs reach. Assumption: measured large-GEMM throughput on
+    H100 SXM is commonly 600-700 TFLOP/s of the 989 peak; we take the lower end."""
+    attention_efficiency: float = 0.35
+    """Fraction of peak for FlashAttention-2 (FlashAttention-3 paper, Shah et al. 2024: FA2 reaches
+    about 35% of H100 peak)."""
+
+    def __post_init__(self) -> None:
+        for f in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"hardware {self.name!r}: {f} must be positive, got {getattr(self, f)!r}")
+        for f in ("gemm_efficiency", "attention_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"hardware {self.name!r}: gpus_per_node must be a positive int")
+
+
+_GB = 1e9
+PRESETS: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense bf16 (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s,
+    # NVLink 4 at 900 GB/s bidirectional (450 per direction). DGX H100: one 400 Gb/s ConnectX-7 per GPU.
+    "h100": Hardware(name="h100", peak_flops=989e12, hbm_bytes=80 * _GB, hbm_bandwidth=3.35e12,
+                     intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB),
+    # The H100 torchtitan benchmarks on (docs/performance.md, Grand Teton): 96 GB HBM2e at 2.4 TB/s,
+    # 400 Gb/s RDMA per GPU, 500 W power limit (not modelled: peak is left at the datasheet figure).
+    "h100-96": Hardware(name="h100-96", peak_flops=989e12, hbm_bytes=96 * _GB, hbm_bandwidth=2.4e12,
+                        intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB),
+    # NVIDIA H200 SXM datasheet: same compute as H100, 141 GB HBM3e at 4.8 TB/s; same NVLink 4 and NICs.
+    "h200": Hardware(name="h200", peak_flops=989e12, hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12,
+                     intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB),
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s bf16, 2.039 TB/s; NVLink 3 at 600 GB/s bidirectional;
+    # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU.
+    "a100": Hardware(name="a100", peak_flops=312e12, hbm_bytes=80 * _GB, hbm_bandwidth=2.039e12,
+                     intra_bandwidth=300 * _GB, inter_bandwidth=25 * _GB),
+}
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A preset by name, or a TOML file whose top-level keys are ``Hardware`` fields.
+
+    A TOML file may set ``base = "h100"`` to start from a preset and override some fields.
+    """
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if not path.suffix == ".toml":
+        raise ValueError(f"unknown hardware {name_or_path!r}; use one of {', '.join(PRESETS)} or a .toml file")
+    if not path.is_file():
+        raise ValueError(f"hardware file {path} does not exist; pass an existing .toml or a preset name")
+    with path.open("rb") as f:
+        table = tomllib.load(f)
+    base = table.pop("base", None)
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = set(table) - fields
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(fields))}")
+    if base is not None:
+        if base not in PRESETS:
+            raise ValueError(f"{path}: base {base!r} is not a preset; use one of {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[base], **{"name": path.stem, **table})
+    try:
+        return Hardware(**{"name": path.stem, **table})
+    except TypeError as e:
+        raise ValueError(f"{path}: {e}; set every field or give base = \"h100\"") from None

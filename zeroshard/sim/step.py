@@ -1,0 +1,240 @@
+"""Replay one optimizer step of zeroshard's schedule on two timelines: compute and communication.
+
+The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch per step:
+
+- stage 3 all-gathers each block before its forward, ``prefetch`` blocks ahead, and again before its
+  backward when ``reshard_after_forward``; the root unit is gathered once and stays gathered;
+- backward launches each unit's reduction when its grads are ready: a reduce-scatter at stages 1-3
+  over the shard group, an all-reduce at stage 0, blocks merged into buckets of ``bucket_bytes`` when
+  params are not sharded; at stages 2-3 the oldest reduction is waited on while more than the
+  engine's ``MAX_INFLIGHT_REDUCTIONS`` are pending, so compute can stall on communication;
+- hybrid layouts all-reduce each reduced shard across replicas when the reduction is finished,
+  which the engine does synchronously (a blocking call on the compute timeline);
+- stages 1-2 all-gather the updated params after the optimizer step.
+
+Collectives share one communication timeline in launch order (they compete for the same links).
+Anything on it that compute had to wait for is exposed; the rest is hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
+from zeroshard.sharding.flat import StagePolicy
+from zeroshard.sim.hardware import Hardware
+from zeroshard.sim.network import collective_seconds, wire_bytes
+from zeroshard.sim.workload import Workload
+
+ADAMW_BYTES_PER_PARAM = 34
+"""fp32 AdamW update moves param, grad, two moments in (16 B) and param, moments out (12 B), plus the
+compute-dtype copy of the param (read 4, write 2)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    world: int
+    stage: int
+    shards: int | None = None
+    """Ranks each buffer is sharded over (hybrid when smaller than world); default world."""
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    bucket_mb: float = 25.0
+    param_bytes: int = 2
+    reduce_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        StagePolicy(self.stage)  # validates
+        if self.world < 1:
+            raise ValueError(f"world must be >= 1, got {self.world}")
+        s = self.shard_group
+        if self.world % s:
+            raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
+
+    @property
+    def policy(self) -> StagePolicy:
+        return StagePolicy(self.stage)
+
+    @property
+    def shard_group(self) -> int:
+        if not self.policy.shard_optimizer:
+            return 1
+        return self.world if self.shards is None else self.shards
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.shard_group
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepResult:
+    step_s: float
+    compute_s: float
+    optimizer_s: float
+    comm_s: float
+    exposed_comm_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    wire_bytes: float
+    """Bytes each rank sends per step (ring volumes)."""
+    breakdown: dict[str, float]
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return max(0.0, self.comm_s - self.exposed_comm_s)
+
+    def dominant(self) -> str:
+        return max(self.breakdown, key=lambda k: self.breakdown[k])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"hidden_comm_s": self.hidden_comm_s, "dominant": self.dominant()}
+
+
+class _Timeline:
+    """The communication stream: collectives run one at a time, in launch order."""
+
+    def __init__(self, hw: Hardware, layout: Layout) -> None:
+        self.hw, self.layout = hw, layout
+        self.free_at = 0.0
+        self.busy = 0.0
+        self.wire = 0.0
+
+    def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None) -> float:
+        """Start ``op`` when both the stream and its input are ready; returns when it ends."""
+        seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans)
+        self.free_at = max(self.free_at, at) + seconds
+        self.busy += seconds
+        self.wire += wire_bytes(op, nbytes, group)
+        return self.free_at
+
+
+@dataclasses.dataclass(frozen=True)
+class _Durations:
+    block_fwd: float
+    block_bwd: float
+    root_fwd: float
+    root_bwd: float
+    parts: dict[str, float]
+
+
+def _durations(w: Workload, hw: Hardware) -> _Durations:
+    """Seconds per unit: matmuls and attention at their efficiencies, the rest at HBM speed."""
+    gemm, attn = hw.peak_flops * hw.gemm_efficiency, hw.peak_flops * hw.attention_efficiency
+    g_f, a_f = w.block_gemm_flops / gemm, w.block_attention_flops / attn
+    e_f = w.block_elementwise_bytes / hw.hbm_bandwidth
+    frac_g, frac_a = w.recompute_fraction()
+    # Any checkpointing replays the block's elementwise ops (they are never on a save list).
+    recompute = frac_g * g_f + frac_a * a_f + (e_f if w.checkpointing != "none" else 0.0)
+    root_g = w.root_gemm_flops / gemm
+    root_e = w.root_elementwise_bytes / hw.hbm_bandwidth
+    L = w.shape.n_layer
+    parts = {"matmul": 3 * (L * g_f + root_g), "attention": 3 * L * a_f, "memory-bound": 3 * (L * e_f + root_e),
+             "recompute": L * recompute}
+    return _Durations(block_fwd=g_f + a_f + e_f, block_bwd=2 * (g_f + a_f + e_f) + recompute,
+                      root_fwd=root_g + root_e, root_bwd=2 * (root_g + root_e), parts=parts)
+
+
+def _buckets(sizes: list[float], bucket_bytes: float) -> list[float]:
+    """Consecutive units merged until a bucket reaches ``bucket_bytes``, as the engine merges them."""
+    out, current = [], 0.0
+    for size in sizes:
+        current += size
+        if current >= bucket_bytes:
+            out.append(current)
+            current = 0.0
+    if current:
+        out.append(current)
+    return out
+
+
+def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
+    """One step of ``w`` on ``layout`` over ``hw``."""
+    d = _durations(w, hw)
+    pol, s = layout.policy, w.shape
+    comm = _Timeline(hw, layout)
+    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
+    block_param = s.block_params * layout.param_bytes
+    # Forward: the root (embeddings) first, then each block, gathered k ahead at stage 3.
+    t = comm.launch("all_gather", s.root_params * layout.param_bytes, group, 0.0) if pol.shard_params else 0.0
+    ready = [0.0] * L
+    if pol.shard_params:
+        for i in range(min(k, L)):
+            ready[i] = comm.launch("all_gather", block_param, group, 0.0)
+    for i in range(L):
+        start = max(t, ready[i])
+        if pol.shard_params and i + k < L:
+            ready[i + k] = comm.launch("all_gather", block_param, group, start)
+        t = start + d.block_fwd
+    t += d.root_fwd + d.root_bwd
+    t = _backward(w, layout, d, comm, t)
+    compute = L * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd
+    optimizer = s.params / (group if pol.shard_optimizer else 1) * ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
+    t += optimizer
+    if pol.shard_optimizer and not pol.shard_params:
+        t = comm.launch("all_gather", s.params * layout.param_bytes, group, t)
+    exposed = max(0.0, t - compute - optimizer)
+    tokens = w.tokens
+    breakdown = dict(d.parts) | {"optimizer": optimizer, "exposed comm": exposed}
+    return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
+                      tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
+                      wire_bytes=comm.wire, breakdown=breakdown)
+
+
+def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float) -> float:
+    """Blocks in reverse with their gathers and reductions; returns when the last reduction is done."""
+    pol, s = layout.policy, w.shape
+    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
+    block_param, block_grad = s.block_params * layout.param_bytes, s.block_params * layout.reduce_bytes
+    regather = pol.shard_params and layout.reshard_after_forward
+    ready = [t] * L
+    if regather:
+        for j in range(min(k, L)):
+            ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
+    # Reductions: per block at stage 3, per bucket otherwise (the root last, in backward order).
+    sizes = [block_grad] * L + [s.root_params * layout.reduce_bytes]
+    units = sizes if pol.shard_params else _buckets(sizes, layout.bucket_mb * 1e6)
+    owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
+    op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
+    spans_replicas = layout.world > w_gpn(comm)
+    pending: list[tuple[float, float]] = []  # (reduce done, replica all-reduce bytes)
+    next_unit = 0
+
+    def finish_oldest(now: float) -> float:
+        done, nbytes = pending.pop(0)
+        now = max(now, done)
+        if layout.replicas > 1 and pol.shard_optimizer:  # blocking all-reduce across replicas
+            now = comm.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas)
+        return now
+
+    for step, i in enumerate(range(L - 1, -1, -1)):
+        start = max(t, ready[i])
+        j = i - k
+        if regather and j >= 0:
+            ready[j] = comm.launch("all_gather", block_param, group, start)
+        t = start + d.block_bwd
+        while next_unit < len(units) and owner[next_unit] <= step:
+            pending.append((comm.launch(op, units[next_unit], group, t), units[next_unit] / group))
+            next_unit += 1
+        while pol.transient_grads and len(pending) > MAX_INFLIGHT_REDUCTIONS:
+            t = finish_oldest(t)
+    for u in range(next_unit, len(units)):  # the root's reduction
+        pending.append((comm.launch(op, units[u], group, t), units[u] / group))
+    while pending:
+        t = finish_oldest(t)
+    return t
+
+
+def w_gpn(comm: _Timeline) -> int:
+    return comm.hw.gpus_per_node
+
+
+def _bucket_ends(sizes: list[float], units: list[float]) -> list[int]:
+    """For each bucket, the index (in backward order) of the last unit it holds."""
+    ends, total, b = [], 0.0, 0
+    for idx, size in enumerate(sizes):
+        total += size
+        while b < len(units) and total >= sum(units[: b + 1]) - 1e-6:
+            ends.append(idx)
+            b += 1
+    return ends

@@ -1,0 +1,166 @@
+"""What one rank computes per micro-batch, per unit: FLOPs, memory-bound bytes, saved activations.
+
+Blocks are identical units; the root (embeddings, final norm, LM head, loss) is one more unit that,
+as in zeroshard's engine, stays gathered. FLOPs follow the usual count: a matmul of a (t x k) by a
+(k x m) is 2tkm, backward is twice forward, so a step is 6 * params * tokens over the matmul params,
+plus attention 4*s*h per token per layer forward (QK^T and AV). MFU uses the convention torchtitan
+and PaLM use: 6 * (params - embedding) + 12 * layers * hidden * seq per token, causal mask not halved;
+the time model does halve the attention work for causal masking (FlashAttention skips masked tiles).
+
+Memory-bound work (norms, RoPE, activation functions, residual adds, the loss) is counted as bytes
+moved by eager PyTorch kernels and costs bytes / HBM bandwidth; the counts are ours, stated per term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zeroshard.sharding.recompute import segment_length
+
+# Checkpointing policies beyond zeroshard's own (none, all, every:K, sqrt): "op" is torchtitan's
+# selective op-level policy, which keeps every other matmul output and SDPA's output, recomputing the rest.
+TORCHTITAN_POLICIES = ("op", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+    name: str
+    n_layer: int
+    hidden: int
+    ffn: int
+    n_head: int
+    kv_dim: int
+    vocab: int
+    gated: bool = True
+    """SwiGLU (three MLP matmuls) rather than GELU (two)."""
+    tied: bool = False
+    bias: bool = False
+
+    @property
+    def block_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        attn = 2 * h * h + 2 * h * self.kv_dim + (3 * h + self.kv_dim if self.bias else 0)
+        mlp = (3 if self.gated else 2) * h * f + ((f + h) if self.bias else 0)
+        norms = (4 if self.bias else 2) * h
+        return attn + mlp + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        return self.embedding_params * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.n_layer * self.block_params + self.root_params
+
+    @property
+    def block_matmuls(self) -> list[int]:
+        """Weights of the block's matmuls in forward order (k*m each)."""
+        h, f, kv = self.hidden, self.ffn, self.kv_dim
+        mlp = [h * f, h * f, h * f] if self.gated else [h * f, h * f]
+        return [h * h, h * kv, h * kv, h * h, *mlp]
+
+
+# Llama 3.1 model cards (config.json of meta-llama/Llama-3.1-8B and -70B): GQA with 8 KV heads of 128.
+SHAPES = {
+    "llama3-8b": Shape(name="llama3-8b", n_layer=32, hidden=4096, ffn=14336, n_head=32, kv_dim=1024, vocab=128256),
+    "llama3-70b": Shape(name="llama3-70b", n_layer=80, hidden=8192, ffn=28672, n_head=64, kv_dim=1024,
+                        vocab=128256),
+}
+
+
+def gpt_shape(cfg, name: str = "GPT") -> Shape:
+    """zeroshard's GPT: full multi-head attention, GELU MLP, tied head, biases."""
+    return Shape(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, ffn=cfg.mlp_ratio * cfg.n_embd,
+                 n_head=cfg.n_head, kv_dim=cfg.n_embd, vocab=cfg.vocab_size, gated=False, tied=True,
+                 bias=cfg.bias)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    shape: Shape
+    micro_batch: int
+    seq: int
+    checkpointing: str = "none"
+    compute_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.checkpointing not in TORCHTITAN_POLICIES:
+            segment_length(self.checkpointing, self.shape.n_layer)  # raises on an unknown policy
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq
+
+    # --- FLOPs per micro-batch -------------------------------------------------------------
+    @property
+    def block_gemm_flops(self) -> float:
+        return 2.0 * self.tokens * sum(self.shape.block_matmuls)
+
+    @property
+    def block_attention_flops(self) -> float:
+        """Forward, causal mask counted as half (what the kernel does)."""
+        return 0.5 * 4.0 * self.tokens * self.seq * self.shape.hidden
+
+    @property
+    def root_gemm_flops(self) -> float:
+        return 2.0 * self.tokens * self.shape.vocab * self.shape.hidden
+
+    def recompute_fraction(self) -> tuple[float, float]:
+        """(fraction of the block's matmul FLOPs, of its attention) run again in backward."""
+        if self.checkpointing == "op":
+            # Every second matmul of the block is recomputed; SDPA's output is kept.
+            mms = self.shape.block_matmuls
+            return sum(mms[1::2]) / sum(mms), 0.0
+        if self.checkpointing == "full" or segment_length(self.checkpointing, self.shape.n_layer) is not None:
+            return 1.0, 1.0  # zeroshard's policies rebuild whole units
+        return 0.0, 0.0
+
+    def mfu_flops_per_token(self) -> float:
+        s = self.shape
+        return 6.0 * (s.params - s.embedding_params) + 12.0 * s.n_layer * s.hidden * self.seq
+
+    # --- memory-bound bytes per micro-batch (forward; backward moves about twice) ------------
+    @property
+    def block_elementwise_bytes(self) -> float:
+        h, f, kv = self.shape.hidden, self.shape.ffn, self.shape.kv_dim
+        norms = 2 * 36 * h      # eager RMSNorm/LayerNorm in fp32: ~9 passes of a 4-byte row
+        rope = 20 * (h + kv)    # q and k to fp32 complex, multiply, back
+        residual = 2 * 6 * h    # two adds: read two bf16 rows, write one
+        act = (10 if self.shape.gated else 4) * f  # SiLU and the gate product, or GELU
+        layout = 8 * h          # transposes around attention
+        return float(self.tokens * (norms + rope + residual + act + layout))
+
+    @property
+    def root_elementwise_bytes(self) -> float:
+        # logits written in bf16, cast to fp32, log-softmax read and written, loss gathered.
+        return float(self.tokens * 16 * self.shape.vocab)
+
+    # --- activations per rank, bytes ---------------------------------------------------------
+    def per_layer_activation_bytes(self, policy: str | None = None) -> float:
+        """What autograd keeps per block for backward under ``policy`` (default: the workload's)."""
+        s, c = self.shape, self.compute_bytes
+        h, f, kv = s.hidden, s.ffn, s.kv_dim
+        policy = self.checkpointing if policy is None else policy
+        lse = 4 * s.n_head  # SDPA's fp32 log-sum-exp per token
+        if policy == "op":
+            per_token = c * (h + h + kv + f + h + h) + lse  # input, wq, wv, w1, w2 outputs, SDPA output
+        elif policy == "none":
+            mlp = 4 * f if s.gated else 2 * f
+            per_token = c * (5 * h + 2 * kv + mlp) + lse
+        else:
+            per_token = c * h  # only the block input
+        return float(self.tokens * per_token)
+
+    def activation_peak_bytes(self) -> float:
+        """At the start of backward: every block's saved tensors, the root's, the loss gradients,
+        and (when checkpointing) one block being rebuilt."""
+        s, c = self.shape, self.compute_bytes
+        saved = s.n_layer * self.per_layer_activation_bytes()
+        root = self.tokens * (2 * s.hidden * c + 4 * s.vocab)  # final norm in/out, fp32 log-probs
+        loss_grads = self.tokens * (4 + c) * s.vocab           # grad of the fp32 logits and its bf16 cast
+        rebuilt = self.per_layer_activation_bytes("none") if self.checkpointing != "none" else 0.0
+        return saved + root + loss_grads + rebuilt
