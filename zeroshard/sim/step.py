@@ -196,6 +196,7 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     units = sizes if pol.shard_params else _buckets(sizes, layout.bucket_mb * 1e6)
     owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
+    reduce_group = group if pol.shard_optimizer else layout.world  # DDP all-reduces over everyone
     spans_replicas = layout.world > w_gpn(comm)
     pending: list[tuple[float, float]] = []  # (reduce done, replica all-reduce bytes)
     next_unit = 0
@@ -214,12 +215,12 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
             ready[j] = comm.launch("all_gather", block_param, group, start)
         t = start + d.block_bwd
         while next_unit < len(units) and owner[next_unit] <= step:
-            pending.append((comm.launch(op, units[next_unit], group, t), units[next_unit] / group))
+            pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
             next_unit += 1
         while pol.transient_grads and len(pending) > MAX_INFLIGHT_REDUCTIONS:
             t = finish_oldest(t)
     for u in range(next_unit, len(units)):  # the root's reduction
-        pending.append((comm.launch(op, units[u], group, t), units[u] / group))
+        pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
     while pending:
         t = finish_oldest(t)
     return t

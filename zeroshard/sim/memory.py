@@ -1,0 +1,41 @@
+"""Per-rank peak memory for the simulator, built on zeroshard.plan's estimator.
+
+zeroshard's GPT is planned by ``zeroshard.plan.plan`` whole (it has the exact activation count).
+Other shapes (Llama) take model states and optimizer scratch from the planner's textbook accounting
+of their parameter count and add what the planner leaves out in that mode: the workload's activations,
+the stage-3 all-gather window and the full grads of the reductions in flight.
+"""
+
+from __future__ import annotations
+
+from zeroshard.plan import plan
+from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
+from zeroshard.sim.step import Layout
+from zeroshard.sim.workload import Workload
+
+
+def _layout_name(layout: Layout) -> str:
+    names = ("ddp", "zero1", "zero2", "zero3")
+    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
+    return names[layout.stage] + ("_hybrid" if hybrid else "")
+
+
+def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
+    """Bytes per rank at the step's peak, with the planner's allocator headroom."""
+    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
+    p = plan(w.shape.params, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq,
+             batch=w.micro_batch * layout.world, shard_size=layout.shard_group if hybrid else None,
+             prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom, accounting="textbook")
+    device = p[_layout_name(layout)].device
+    s = w.shape
+    window = 0.0
+    if layout.policy.shard_params:
+        # The root stays gathered; a block being computed plus ``prefetch`` gathered ahead.
+        window = (s.root_params + (1 + layout.prefetch) * s.block_params) * layout.param_bytes
+    inflight = 0.0
+    if layout.policy.transient_grads:
+        inflight = (MAX_INFLIGHT_REDUCTIONS + 1) * s.block_params * layout.reduce_bytes
+    backward = w.activation_peak_bytes() + window + inflight
+    # Optimizer scratch and the backward peak happen at different moments: the larger one counts.
+    allocated = device.model_states + max(backward, device.workspace)
+    return allocated * (1 + headroom)
