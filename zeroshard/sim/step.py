@@ -192,20 +192,22 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
         for j in range(min(k, L)):
             ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
     # Reductions: per block at stage 3, per bucket otherwise (the root last, in backward order).
-    sizes = [block_grad] * L + [s.root_params * layout.reduce_bytes]
+    sizes = [float(block_grad)] * L + [float(s.root_params * layout.reduce_bytes)]
     units = sizes if pol.shard_params else _buckets(sizes, layout.bucket_mb * 1e6)
     owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
     reduce_group = group if pol.shard_optimizer else layout.world  # DDP all-reduces over everyone
-    spans_replicas = layout.world > w_gpn(comm)
+    spans_replicas = layout.world > comm.hw.gpus_per_node
     pending: list[tuple[float, float]] = []  # (reduce done, replica all-reduce bytes)
     next_unit = 0
+    # The replicate group is its own process group (its own stream), but the engine waits on it.
+    across = _Timeline(comm.hw, layout)
 
     def finish_oldest(now: float) -> float:
         done, nbytes = pending.pop(0)
         now = max(now, done)
         if layout.replicas > 1 and pol.shard_optimizer:  # blocking all-reduce across replicas
-            now = comm.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas)
+            now = across.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas)
         return now
 
     for step, i in enumerate(range(L - 1, -1, -1)):
@@ -223,11 +225,9 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
         pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
     while pending:
         t = finish_oldest(t)
+    comm.busy += across.busy
+    comm.wire += across.wire
     return t
-
-
-def w_gpn(comm: _Timeline) -> int:
-    return comm.hw.gpus_per_node
 
 
 def _bucket_ends(sizes: list[float], units: list[float]) -> list[int]:
