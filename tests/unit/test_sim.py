@@ -115,3 +115,36 @@ def test_hardware_toml(tmp_path):
 def test_layout_rejects_bad_shard_group():
     with pytest.raises(ValueError, match="divide world"):
         Layout(world=8, stage=3, shards=3)
+
+
+def test_cli_time_json_and_sweep_plot(tmp_path, capsys):
+    import json
+
+    from zeroshard.cli.main import main as cli
+
+    png = tmp_path / "sweep.png"
+    assert cli(["plan", "--time", "--model", "llama3-70b", "--sweep", "64,256", "--stage", "3",
+                "--shard-sizes", "64", "--checkpointing", "full", "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    labels = {(r["layout"], r["world"]) for r in out["rows"]}
+    assert labels == {("zero3", 64), ("zero3", 256), ("zero3 shard=64", 256)}
+    assert png.stat().st_size > 0
+    assert cli(["plan", "--time", "--model", "tiny", "--world", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3] and all(r["peak_bytes"] > 0 for r in rows)
+    assert cli(["plan", "--time", "--model", "llama3-8b", "--sweep", "8,x"]) == 1
+    assert "--sweep takes" in capsys.readouterr().err
+    assert cli(["plan", "--model", "llama3-8b", "--world", "8"]) == 1
+    assert "only with --time" in capsys.readouterr().err
+
+
+def test_hybrid_beats_full_sharding_for_70b_at_scale():
+    """Full sharding's rings pay one network latency per rank, so at thousands of GPUs a 64-GPU shard
+    group (the smallest that fits 70B in 80 GB here) is faster; at 64 GPUs there is nothing to replicate."""
+    w = Workload(shape=SHAPES["llama3-70b"], micro_batch=1, seq=8192, checkpointing="full")
+    full = simulate(w, H100, Layout(world=4096, stage=3))
+    hybrid = simulate(w, H100, Layout(world=4096, stage=3, shards=64))
+    assert hybrid.tokens_per_s_per_gpu > full.tokens_per_s_per_gpu
+    assert full.exposed_comm_s > hybrid.exposed_comm_s
+    assert peak_bytes(w, Layout(world=4096, stage=3, shards=64)) < H100.hbm_bytes
+    assert peak_bytes(w, Layout(world=4096, stage=3, shards=8)) > H100.hbm_bytes

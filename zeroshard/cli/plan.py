@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard.cli.train import fail, one_line
+from zeroshard.config import MODEL_NAMES
 
 
 def _unit(largest: int) -> tuple[float, str, int]:
@@ -99,6 +100,17 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.plan import Network, plan
     from zeroshard.plan.recommend import recommend
 
+    if args.time:  # the step-time simulator (zeroshard.sim) instead of the memory tables
+        from zeroshard.sim.cli import print_time
+
+        try:
+            return print_time(args)
+        except ValueError as e:
+            return fail("plan", str(e))
+    if args.world is None:
+        return fail("plan", "--world is required: the number of data-parallel ranks")
+    if args.model is not None and args.model not in MODEL_NAMES:
+        return fail("plan", f"--model {args.model} is planned only with --time; use one of {', '.join(MODEL_NAMES)}")
     if (args.params is None) == (args.model is None):
         return fail("plan", "give exactly one of --model NAME or --params COUNT")
     try:
@@ -155,15 +167,17 @@ def _measure(p, args: argparse.Namespace):
 
 
 def add_parser(sub: Any) -> None:
-    from zeroshard.config import MODEL_NAMES
+    from zeroshard.sim.cli import add_arguments as add_time_arguments
+    from zeroshard.sim.workload import SHAPES
 
     p = sub.add_parser("plan", help="per-rank memory of every stage, a recommendation, and a measured check",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("what to plan (one of)")
-    what.add_argument("--model", choices=MODEL_NAMES, help="a named GPT, built on the meta device")
+    what.add_argument("--model", choices=MODEL_NAMES + tuple(SHAPES), help="a named GPT, built on the meta "
+                      "device (Llama shapes: --time only)")
     what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
     run_ = p.add_argument_group("the run")
-    run_.add_argument("--world", type=int, required=True, help="data-parallel ranks")
+    run_.add_argument("--world", type=int, help="data-parallel ranks (required unless --time --sweep)")
     run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
                       "the one measured by --measure); every stage is planned")
     run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")
@@ -175,7 +189,7 @@ def add_parser(sub: Any) -> None:
                       "its state size is found by running it")
     run_.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")
     run_.add_argument("--checkpointing", default="none", help="activation checkpointing: none, all, every:K, sqrt "
-                      "(planned only until the runtime implements it)")
+                      "(planned only until the runtime implements it); op and full for Llama shapes with --time")
     run_.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
                       help="also plan offload variants (planned only)")
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
@@ -195,4 +209,5 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--measure", action="store_true", help="run one real step per stage on gloo and compare")
     out.add_argument("--plot", metavar="OUT.png", help="write a stacked per-component chart (needs matplotlib)")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_time_arguments(p)
     p.set_defaults(run=run)

@@ -39,3 +39,13 @@ def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     # Optimizer scratch and the backward peak happen at different moments: the larger one counts.
     allocated = device.model_states + max(backward, device.workspace)
     return allocated * (1 + headroom)
+
+
+def gpt_peak_bytes(name: str, w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
+    """zeroshard's own GPT preset, planned whole by the runtime-accounting estimator."""
+    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
+    p = plan(name, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, batch=w.micro_batch * layout.world,
+             checkpointing=w.checkpointing, shard_size=layout.shard_group if hybrid else None,
+             prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom,
+             reshard_after_forward=layout.reshard_after_forward)
+    return float(p[_layout_name(layout)].device.total)

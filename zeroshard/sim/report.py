@@ -64,9 +64,9 @@ def time_table(rows: list[Row], w: Workload, hw: Hardware):
     for r in rows:
         res = r.result
         peak = f"{r.peak_bytes / GIB:,.1f}" + ("" if r.fits else " [red](OOM)")
-        table.add_row(layout_label(r.layout), str(r.layout.world), f"{res.step_s:.3f}",
-                      f"{res.tokens_per_s_per_gpu:,.0f}", f"{res.mfu:.1%}", f"{res.compute_s:.3f}",
-                      f"{res.exposed_comm_s:.3f}", f"{res.hidden_comm_s:.3f}", peak, res.dominant())
+        table.add_row(layout_label(r.layout), str(r.layout.world), f"{res.step_s:.4g}",
+                      f"{res.tokens_per_s_per_gpu:,.0f}", f"{res.mfu:.1%}", f"{res.compute_s:.4g}",
+                      f"{res.exposed_comm_s:.3g}", f"{res.hidden_comm_s:.3g}", peak, res.dominant())
     return table
 
 
@@ -82,10 +82,11 @@ def sweep_plot(rows: list[Row], path: str | Path, w: Workload, hw: Hardware) -> 
     for r in rows:
         by_label.setdefault(layout_label(r.layout), []).append(r)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
-    order = sorted(by_label, key=lambda k: (by_label[k][0].layout.stage, -by_label[k][0].layout.shard_group
-                                            if by_label[k][0].layout.shard_group == by_label[k][0].layout.world
-                                            else by_label[k][0].layout.shard_group))
-    for label in order:
+    def key(label: str) -> tuple[int, int]:
+        lay = by_label[label][0].layout
+        return lay.stage, 0 if lay.shard_group == lay.world else lay.shard_group
+
+    for label in sorted(by_label, key=key):
         rs = by_label[label]
         xs = [r.layout.world for r in rs]
         line, = top.plot(xs, [r.result.tokens_per_s_per_gpu for r in rs], "-", label=label)

@@ -1,0 +1,91 @@
+"""``zeroshard plan --time``: predicted step time, throughput, MFU and memory per layout, or a sweep."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from zeroshard.sim.hardware import PRESETS, load_hardware
+from zeroshard.sim.workload import SHAPES, TORCHTITAN_POLICIES, Workload, gpt_shape
+
+DEFAULT_SEQ = 8192
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("step time (--time)")
+    g.add_argument("--time", action="store_true", help="simulate one step: time, tokens/s/GPU, MFU, exposed comm")
+    g.add_argument("--hw", default="h100", help=f"hardware preset ({', '.join(PRESETS)}) or a .toml file")
+    g.add_argument("--micro-batch", type=int, help="sequences per rank per step (default: --batch / world, or 1)")
+    g.add_argument("--sweep", metavar="N,N,...", help="world sizes to sweep instead of --world")
+    g.add_argument("--shard-sizes", metavar="S,S,...", help="hybrid shard-group sizes to include (with --time)")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated positive integers, e.g. 64,128,256; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes comma-separated positive integers, e.g. 64,128,256; got {text!r}")
+    return values
+
+
+def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
+    """The workload and, for zeroshard's GPT presets, a memory function from the full planner."""
+    from zeroshard.sim.memory import gpt_peak_bytes
+
+    if args.model is None:
+        raise ValueError("--time needs --model (a zeroshard preset or one of " + ", ".join(SHAPES) + ")")
+    mb = args.micro_batch or (max(1, args.batch // world) if args.batch else 1)
+    if args.model in SHAPES:
+        w = Workload(shape=SHAPES[args.model], micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
+                     checkpointing=args.checkpointing)
+        return w, None
+    from zeroshard.models import GPTConfig
+
+    if args.checkpointing in TORCHTITAN_POLICIES:
+        raise ValueError(f"--checkpointing {args.checkpointing} is for the Llama shapes; zeroshard's GPT takes "
+                         "none, all, every:K or sqrt")
+    cfg = GPTConfig.named(args.model)
+    w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
+                 checkpointing=args.checkpointing)
+    return w, lambda layout: gpt_peak_bytes(args.model, w, layout)
+
+
+def run_time(args: argparse.Namespace) -> list:
+    """The rows to print; raises ValueError on bad input."""
+    from zeroshard.sim.report import evaluate, layouts_for
+
+    hw = load_hardware(args.hw)
+    worlds = _ints(args.sweep, "--sweep") if args.sweep else (args.world,)
+    if worlds == (None,):
+        raise ValueError("give --world N, or --sweep N,N,... with --time")
+    shard_sizes = _ints(args.shard_sizes, "--shard-sizes") if args.shard_sizes else (
+        (args.shard_size,) if args.shard_size else ())
+    stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
+    rows = []
+    for world in worlds:
+        w, memory = _workload(args, world)
+        rows += evaluate(w, hw, layouts_for(world, stages, shard_sizes, prefetch=args.prefetch,
+                                            bucket_mb=args.bucket_mb), memory)
+    return [w, hw, rows]
+
+
+def print_time(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from zeroshard.sim.report import sweep_plot, time_table
+
+    w, hw, rows = run_time(args)
+    chart = sweep_plot(rows, args.plot, w, hw) if args.plot else None
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "workload": {"model": w.shape.name, "micro_batch": w.micro_batch,
+                                                            "seq": w.seq, "checkpointing": w.checkpointing},
+                          "rows": [r.to_dict() for r in rows], **({"plot": str(chart)} if chart else {})}, indent=1))
+        return 0
+    console = Console(width=200)
+    console.print(time_table(rows, w, hw))
+    if chart:
+        console.print(f"chart written to {chart}")
+    return 0
