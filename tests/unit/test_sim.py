@@ -148,3 +148,15 @@ def test_hybrid_beats_full_sharding_for_70b_at_scale():
     assert full.exposed_comm_s > hybrid.exposed_comm_s
     assert peak_bytes(w, Layout(world=4096, stage=3, shards=64)) < H100.hbm_bytes
     assert peak_bytes(w, Layout(world=4096, stage=3, shards=8)) > H100.hbm_bytes
+
+
+def test_calibration_fit_recovers_alpha_and_bandwidth():
+    from zeroshard.sim.calibrate import fit
+
+    alpha, bw, p = 50e-6, 2e9, 4
+    points = [(n, algorithm_seconds("all_gather", "ring", n, p, dataclasses.replace(
+        H100, intra_latency=alpha, intra_bandwidth=bw))) for n in (1e3, 1e5, 1e7)]
+    a, b = fit(points, "all_gather", p)
+    assert a == pytest.approx(alpha) and b == pytest.approx(bw)
+    with pytest.raises(ValueError, match="2 ranks"):
+        fit(points, "all_gather", 1)

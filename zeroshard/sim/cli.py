@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch", type=int, help="sequences per rank per step (default: --batch / world, or 1)")
     g.add_argument("--sweep", metavar="N,N,...", help="world sizes to sweep instead of --world")
     g.add_argument("--shard-sizes", metavar="S,S,...", help="hybrid shard-group sizes to include (with --time)")
+    g.add_argument("--calibrate", choices=("all_gather", "reduce_scatter", "all_reduce"),
+                   help="time this collective on --world gloo ranks here and fit alpha and bandwidth (with --time)")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -72,11 +74,31 @@ def run_time(args: argparse.Namespace) -> list:
     return [w, hw, rows]
 
 
+def print_calibration(args: argparse.Namespace) -> int:
+    from zeroshard.sim.calibrate import calibrate
+
+    if not args.world or args.world < 2:
+        raise ValueError("--calibrate needs --world N with N >= 2 local gloo ranks")
+    result = calibrate(args.world, args.calibrate)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    for nbytes, seconds in result["points"]:
+        print(f"{args.calibrate} {nbytes / 1e6:10.3f} MB on {args.world} ranks: {seconds * 1e6:10.1f} us")
+    print(f"fit: alpha {result['alpha_s'] * 1e6:.1f} us per ring step, bus bandwidth "
+          f"{result['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s")
+    print(f"as --hw TOML: base = \"{args.hw}\"\nintra_latency = {result['alpha_s']:.3g}\n"
+          f"intra_bandwidth = {result['bandwidth_bytes_per_s']:.3g}")
+    return 0
+
+
 def print_time(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from zeroshard.sim.report import sweep_plot, time_table
 
+    if args.calibrate:
+        return print_calibration(args)
     w, hw, rows = run_time(args)
     chart = sweep_plot(rows, args.plot, w, hw) if args.plot else None
     if args.json:
