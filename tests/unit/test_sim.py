@@ -160,3 +160,25 @@ def test_calibration_fit_recovers_alpha_and_bandwidth():
     assert a == pytest.approx(alpha) and b == pytest.approx(bw)
     with pytest.raises(ValueError, match="2 ranks"):
         fit(points, "all_gather", 1)
+
+
+@pytest.mark.parametrize("bucket_mb", [1.0, 25.0, 1e9])
+def test_ddp_volume_does_not_depend_on_buckets(bucket_mb):
+    w = _small_workload()
+    r = simulate(w, H100, Layout(world=8, stage=0, bucket_mb=bucket_mb, reduce_bytes=4))
+    assert r.wire_bytes == pytest.approx(wire_bytes("all_reduce", w.shape.params * 4, 8))
+
+
+def test_shard_group_inside_a_node_uses_nvlink():
+    w = _small_workload()
+    inside = simulate(w, H100, Layout(world=64, stage=3, shards=8))
+    across = simulate(w, H100, Layout(world=64, stage=3, shards=16))
+    # Same bytes per rank inside the shard group would be cheaper over NVLink: less busy time.
+    assert inside.comm_s < across.comm_s
+
+
+def test_stage_zero_exposes_the_last_all_reduce_on_a_slow_network():
+    w = _small_workload()
+    slow = dataclasses.replace(H100, inter_bandwidth=H100.inter_bandwidth / 100)
+    r = simulate(w, slow, Layout(world=16, stage=0))
+    assert r.exposed_comm_s > 0 and r.step_s > r.compute_s + r.optimizer_s

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
+from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sim.hardware import Hardware
 from zeroshard.sim.network import collective_seconds, wire_bytes
@@ -213,8 +213,8 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     for step, i in enumerate(range(L - 1, -1, -1)):
         start = max(t, ready[i])
         j = i - k
-        if regather and j >= 0:
-            ready[j] = comm.launch("all_gather", block_param, group, start)
+        if regather and j >= 0:  # issued once this unit's grads are partly ready, as the engine does
+            ready[j] = comm.launch("all_gather", block_param, group, start + BACKWARD_PREFETCH_AT * d.block_bwd)
         t = start + d.block_bwd
         while next_unit < len(units) and owner[next_unit] <= step:
             pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
