@@ -9,15 +9,15 @@ the stage-3 all-gather window and the full grads of the reductions in flight.
 from __future__ import annotations
 
 from zeroshard.plan import plan
+from zeroshard.plan.spec import STAGE_NAMES
 from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sim.step import Layout
 from zeroshard.sim.workload import Workload
 
 
 def _layout_name(layout: Layout) -> str:
-    names = ("ddp", "zero1", "zero2", "zero3")
     hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
-    return names[layout.stage] + ("_hybrid" if hybrid else "")
+    return STAGE_NAMES[layout.stage] + ("_hybrid" if hybrid else "")
 
 
 def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:

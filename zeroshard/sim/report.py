@@ -6,13 +6,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from zeroshard.plan.spec import STAGE_NAMES
 from zeroshard.sim.hardware import Hardware
 from zeroshard.sim.memory import peak_bytes
 from zeroshard.sim.step import Layout, StepResult, simulate
 from zeroshard.sim.workload import Workload
 
 GIB = 2**30
-STAGE_NAMES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def layout_label(layout: Layout) -> str:
