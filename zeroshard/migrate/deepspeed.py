@@ -50,7 +50,8 @@ class _Section:
     def __init__(self, data: Any, path: str) -> None:
         if not isinstance(data, Mapping):
             raise UnsupportedKey(f"DeepSpeed key {path!r} must be a JSON object, got {data!r}")
-        self.data, self.path, self.taken = dict(data), path, set()
+        self.data, self.path = dict(data), path
+        self.taken: set[str] = set()
 
     def name(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
