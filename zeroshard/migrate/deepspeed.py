@@ -85,7 +85,8 @@ class _Section:
 def _refuse(section: _Section, key: str, why: str, *, off: tuple = (None, False, 0)) -> None:
     """A feature zeroshard lacks: fine while switched off, refused by name when on."""
     value = section.take(key)
-    if value not in off:
+    # `True == 1` in Python: compare bools only with bools, or "feature: true" would pass as 1.
+    if not any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off):
         raise UnsupportedKey(f"DeepSpeed key {section.name(key)}={value!r} is unsupported: {why}")
 
 
@@ -166,8 +167,9 @@ def _batch(root: _Section, out: _Builder) -> None:
 
 
 def _precision(root: _Section, out: _Builder) -> None:
+    if root.has("bf16") and root.has("bfloat16"):
+        raise UnsupportedKey("DeepSpeed keys bf16 and bfloat16 are the same setting, given twice; keep bf16")
     bf16 = root.section("bf16") or root.section("bfloat16")
-    root.taken.update({"bf16", "bfloat16"})
     fp16 = root.section("fp16")
     on = []
     if bf16 is not None:
@@ -311,6 +313,8 @@ def _optimizer(root: _Section, out: _Builder) -> None:
                              "train steps AdamW (decoupled weight decay); from Python, zs.optimizer takes any "
                              "elementwise torch optimizer")
     params.take("adam_w_mode")
+    _refuse(params, "bias_correction", "torch's AdamW always corrects the moments' bias", off=(None, True))
+    _refuse(params, "amsgrad", "zeroshard train's AdamW runs without amsgrad")
     for key in ("lr", "weight_decay"):
         value = params.concrete(key)
         if value is not None:
@@ -340,7 +344,10 @@ def _scheduler(root: _Section, out: _Builder) -> None:
     if kind != "WarmupCosineLR":
         raise UnsupportedKey(f"DeepSpeed key {sched.name('type')}={kind!r} is unsupported: zeroshard train runs linear "
                              "warm-up then cosine decay, which is WarmupCosineLR with warmup_type 'linear'")
-    _refuse(params, "warmup_type", "zeroshard warms up linearly", off=("linear",))
+    if params.take("warmup_type", "log") != "linear":  # DeepSpeed's default is "log"
+        raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_type')}={params.data.get('warmup_type', 'log')!r} "
+                             "is unsupported: zeroshard warms up linearly; set it to \"linear\"")
+    _refuse(params, "last_batch_iteration", "zeroshard resumes its schedule from checkpoints", off=(None, -1))
     _refuse(params, "warmup_min_ratio", "zeroshard warms up from 0", off=(None, 0, 0.0))
     steps = params.concrete("total_num_steps")
     if steps is None:
