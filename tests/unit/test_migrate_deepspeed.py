@@ -131,6 +131,9 @@ def test_minimal_stage0_config_takes_deepspeed_defaults():
     conv = from_deepspeed({"train_batch_size": 32})
     # DeepSpeed clips nothing unless gradient_clipping is set; zeroshard's own default would clip at 1.0.
     assert conv.values == dict(batch=32, clip=0.0, accum=1, mp="fp32")
+    assert conv.notes[-1].startswith("world size unknown, so nproc is not written")
+    # An odd global batch is fine while the world is unknown: nothing says it must split over 2 ranks.
+    assert from_deepspeed({"train_batch_size": 9, "gradient_accumulation_steps": 3}).values["batch"] == 9
 
 
 def test_mics_and_legacy_cpu_offload():

@@ -121,8 +121,11 @@ def from_deepspeed(ds: Mapping[str, Any], *, world: int | None = None) -> Conver
     root.finish()
     order = {name: i for i, name in enumerate(field_names())}
     values = dict(sorted(out.values.items(), key=lambda kv: order[kv[0]]))
+    if "nproc" not in values:
+        out.notes.append("world size unknown, so nproc is not written: give zeroshard train --nproc N "
+                         "(or run it under torchrun)")
     try:
-        TrainConfig(**values)
+        TrainConfig(**{"nproc": 1, **values})  # with the world unknown, check what does not depend on it
     except ValueError as e:
         raise ValueError(f"the converted config is not a valid zeroshard run: {e}") from e
     return Conversion(values, out.notes)
