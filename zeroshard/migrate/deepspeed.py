@@ -230,7 +230,7 @@ def _zero(zero: _Section, out: _Builder) -> None:
     own_way = {
         "overlap_comm": "zeroshard always overlaps reductions with backward",
         "contiguous_gradients": "zeroshard's gradients always live in contiguous flat buffers",
-        "reduce_scatter": "zeroshard reduce-scatters at stages 1-3 and all-reduces at stage 0",
+        "reduce_scatter": "zeroshard picks the gradient collective for each stage itself",
         "allgather_partitions": "zeroshard all-gathers its param shards",
         "round_robin_gradients": "a DeepSpeed CPU-offload copy order; zeroshard copies per unit",
         "load_from_fp32_weights": "zeroshard checkpoints always hold fp32 masters",
