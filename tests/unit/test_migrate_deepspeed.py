@@ -180,6 +180,8 @@ def _with(base: dict, **zero) -> dict:
      "scheduler.params.warmup_type='log' is unsupported"),
     ({**ZERO1_BF16, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, 8, "optimizer.type='Adam'"),
     ({**ZERO1_BF16, "bfloat16": {"enabled": True}}, 8, "bf16 and bfloat16"),
+    ({**ZERO1_BF16, "activation_checkpointing": {"partition_activations": True}}, 8,
+     "activation_checkpointing={'partition_activations': True} is unsupported"),
     (ZERO2_FP16_OFFLOAD, None, "pass --world N"),
     (ZERO1_BF16, 3, "train_batch_size=256 is not a multiple"),
     ({**ZERO3_NVME, "train_batch_size": 60}, 8, "train_batch_size=60 != train_micro_batch_size_per_gpu=4"),

@@ -376,6 +376,8 @@ def _misc(root: _Section, out: _Builder) -> None:
         "tensor_parallel": "tensor parallelism", "sequence_parallel_size": "sequence parallelism",
         "compression_training": "DeepSpeed compression", "data_efficiency": "DeepSpeed data sampling",
         "curriculum_learning": "DeepSpeed curriculum learning", "elasticity": "DeepSpeed elastic batch sizes",
+        "activation_checkpointing": "it configures deepspeed.checkpointing, which the model calls itself; "
+                                    "zeroshard's checkpointing key (none, all, every:K, sqrt) does the job",
     }.items():
         _refuse(root, key, why, off=(None, False, {}, {"enabled": False}, 1))
     own_way = {
