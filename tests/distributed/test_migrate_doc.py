@@ -26,6 +26,7 @@ def test_doc_has_the_examples_the_test_expects():
     assert setup
     for name in ("basic", "bf16", "accumulation", "checkpoint"):
         assert f"zeroshard:{name}" in runnable and f"fsdp2:{name}" in runnable, name
+    assert "zeroshard:fp16" in runnable
 
 
 def test_every_example_trains(ran):
@@ -71,3 +72,11 @@ def test_checkpoint_reloads_and_full_state_dicts_agree(ran):
         for name, value in ours["full"].items():
             assert torch.equal(ours["restored"][name], value), name
             assert torch.allclose(value, theirs["full"][name], atol=1e-5), name
+
+
+def test_fp16_with_loss_scaling_tracks_fp32(ran):
+    for results in ran:
+        fp16, fp32 = results["zeroshard:fp16"]["losses"], results["zeroshard:basic"]["losses"]
+        diff = max(abs(a - b) for a, b in zip(fp16, fp32, strict=True))
+        print(f"fp16: max|loss fp16 - fp32| = {diff:.3e}")
+        assert diff <= 0.02 * max(fp32)
