@@ -13,6 +13,56 @@ OPTIMIZERS = {
     "adam": (torch.optim.Adam, dict(lr=1e-2)),
     "adagrad": (torch.optim.Adagrad, dict(lr=5e-2)),
     "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3)),
+    "rmsprop_centered": (torch.optim.RMSprop, dict(lr=1e-3, centered=True, momentum=0.5)),
+    "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
+    "adamax": (torch.optim.Adamax, dict(lr=1e-2)),
+    "nadam": (torch.optim.NAdam, dict(lr=1e-2)),
+    "radam": (torch.optim.RAdam, dict(lr=1e-2)),
+    "adadelta": (torch.optim.Adadelta, dict(lr=1.0)),
+    "asgd": (torch.optim.ASGD, dict(lr=5e-2, t0=2)),
+    "rprop": (torch.optim.Rprop, dict(lr=1e-2)),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+}
+
+
+class SignMomentum(torch.optim.Optimizer):
+    """A user's own elementwise optimizer (signed momentum): correct on shards once declared so."""
+
+    def __init__(self, params, lr: float = 1e-2, beta: float = 0.9) -> None:
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["beta"]).add_(p.grad)
+                p.add_(buf.sign(), alpha=-group["lr"])
+
+
+class TrustRatioSGD(torch.optim.Optimizer):
+    """LARS-style SGD: each tensor's step is scaled by ||p|| / ||g||, a per-tensor quantity."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                trust = p.norm() / p.grad.norm().clamp_min(1e-12)
+                p.add_(p.grad, alpha=-group["lr"] * float(trust))
+
+
+# Classes zs.optimizer accepts only with elementwise=True; the trust-ratio one is opted in on purpose,
+# to show the wrong updates that the refusal prevents.
+OPTED_IN = {
+    "sign_momentum": (SignMomentum, dict(lr=1e-2)),
+    "trust_ratio_opted_in": (TrustRatioSGD, dict(lr=0.1)),
 }
 
 
@@ -99,7 +149,8 @@ def optimizer_suite(steps: int = 5) -> dict:
     """Each optimizer at stages 0 and 3 on two ranks, plus the single-process reference."""
     mesh = zs.init()
     out = {}
-    for name, (cls, kwargs) in OPTIMIZERS.items():
+    for name, (cls, kwargs) in {**OPTIMIZERS, **OPTED_IN}.items():
+        extra = {"elementwise": True} if name in OPTED_IN else {}
         for stage in ("ref", 0, 3):
             torch.manual_seed(0)
             model = Branchy()
@@ -109,7 +160,7 @@ def optimizer_suite(steps: int = 5) -> dict:
             else:
                 zs.shard(model, stage=stage)
                 opt = zs.optimizer(model, cls, param_groups=[{"params": [n for n, p in model.named_parameters()
-                                                                           if p.requires_grad]}], **kwargs)
+                                                                           if p.requires_grad]}], **kwargs, **extra)
                 _, x = _data(mesh.rank, mesh.world)
             for _ in range(steps):
                 model(x).backward()

@@ -65,6 +65,44 @@ def test_non_elementwise_optimizer_is_rejected():
         zs.optimizer(model, torch.optim.LBFGS, lr=1.0)
 
 
+def test_per_tensor_torch_optimizers_are_refused_even_when_declared_elementwise():
+    model = zs.shard(tiny(), stage=0)
+    for cls in (torch.optim.LBFGS, torch.optim.Adafactor, torch.optim.Muon, torch.optim.SparseAdam):
+        with pytest.raises(ValueError, match=f"{cls.__name__} is not elementwise"):
+            zs.optimizer(model, cls, elementwise=True, lr=1e-3)
+
+
+class _TrustRatio(torch.optim.SGD):
+    """A LARS-like subclass: even a subclass of an allowed class may compute per-tensor norms."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * float(p.norm() / p.grad.norm()))
+
+
+def test_undeclared_optimizer_is_refused_and_the_error_says_why():
+    model = zs.shard(tiny(), stage=1)
+    with pytest.raises(ValueError) as info:
+        zs.optimizer(model, _TrustRatio, lr=0.1)
+    message = str(info.value)
+    assert "\n" not in message
+    for part in ("_TrustRatio is not a known elementwise optimizer", "trust ratio", "elementwise=True",
+                 "silently give wrong updates"):
+        assert part in message
+
+
+def test_allow_list_and_opt_in_are_accepted():
+    model = zs.shard(tiny(), stage=1)
+    for cls in zs.sharding.optim.ELEMENTWISE_OPTIMIZERS:
+        opt = zs.optimizer(model, cls, lr=1e-3)
+        assert isinstance(opt, cls)
+    opt = zs.optimizer(model, _TrustRatio, elementwise=True, lr=0.1)  # the user's word is taken
+    assert isinstance(opt, _TrustRatio)
+
+
 def test_default_units_are_the_blocks_and_tied_weight_has_one_owner():
     model = zs.shard(tiny(), stage=3)
     engine = get_engine(model)

@@ -19,8 +19,39 @@ from zeroshard.offload.stepper import SlicedStep
 from zeroshard.sharding.engine import Engine, get_engine
 from zeroshard.sharding.flat import FlatGroup
 
-# Optimizers whose update of one element depends on other elements cannot run on flat slices.
-_NOT_ELEMENTWISE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
+# The optimizer runs on flat shard slices: one segment holds pieces of several params, and a param
+# split across ranks is seen in part. That is exact only when each element's update reads nothing
+# but its own grad and state (plus per-step scalars such as the step count, equal on every segment).
+# Each class below was checked to be so, with every option it takes (amsgrad, nesterov, centered, ...).
+ELEMENTWISE_OPTIMIZERS: frozenset[type] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.ASGD,
+})
+
+# torch classes known to read other elements, with what they read; opting in cannot make them right.
+_PER_TENSOR = {
+    "LBFGS": "dot products and a line search over all params at once",
+    "SparseAdam": "sparse gradients, which the flat reduction never produces",
+    "Adafactor": "row and column means of each matrix and each param's RMS",
+    "Muon": "an orthogonalisation of each whole matrix",
+}
+
+
+def check_elementwise(optim_cls: type, elementwise: bool) -> None:
+    """Refuse an optimizer that would compute wrong updates on flat shard slices."""
+    name = optim_cls.__name__
+    if optim_cls.__module__.startswith("torch.optim") and name in _PER_TENSOR:
+        raise ValueError(f"{name} is not elementwise ({_PER_TENSOR[name]}), so it cannot run on flat shards; "
+                         "use AdamW, Adam, SGD, Adagrad, RMSprop or another elementwise optimizer")
+    if optim_cls in ELEMENTWISE_OPTIMIZERS or elementwise:
+        return
+    raise ValueError(
+        f"{name} is not a known elementwise optimizer: zs.optimizer steps it on flat shard slices that mix "
+        "pieces of several params and hold only part of each, so any per-tensor quantity (a norm, a LAMB/LARS "
+        "trust ratio, a factored moment, an orthogonalisation) would be computed over the wrong elements; "
+        "if every element's update reads only its own grad and state, pass elementwise=True, otherwise "
+        "opting in would silently give wrong updates, so use an elementwise optimizer such as AdamW")
 
 
 def decays(fqn: str, shape: torch.Size) -> bool:
@@ -164,17 +195,19 @@ class _UnitPipeline:
             p.wait()
 
 
-def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | None = None, **defaults: Any):
+def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | None = None,
+              elementwise: bool = False, **defaults: Any):
     """Build ``optim_cls`` over this rank's shard of a sharded model.
 
     ``param_groups``, if given, is a list of dicts whose ``"params"`` are param *names* (or the
     params themselves from before ``zs.shard``) plus per-group options. By default two groups are
     made: decaying matrices/embeddings (``weight_decay`` from the keywords) and non-decaying
     biases and norms.
+
+    ``optim_cls`` must be one of ``ELEMENTWISE_OPTIMIZERS``, or a class of your own whose update of
+    each element reads only that element's grad and state, declared with ``elementwise=True``.
     """
-    if optim_cls.__name__ in _NOT_ELEMENTWISE:
-        raise ValueError(f"{optim_cls.__name__} is not elementwise, so it cannot run on flat shards; "
-                         "use AdamW, Adam, SGD, Adagrad, RMSprop or another elementwise optimizer")
+    check_elementwise(optim_cls, elementwise)
     engine = get_engine(model)
     name_to_group, options = _resolve_user_groups(engine, param_groups, defaults)
     segment_map = _SegmentMap()

@@ -1,0 +1,240 @@
+"""DeepSpeed JSON configs, shaped like the ones people ship, converted to zeroshard TOML."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zeroshard.config import config_from_sources, load_toml
+from zeroshard.migrate import UnsupportedKey, from_deepspeed
+from zeroshard.migrate.deepspeed import ADAMW_BETAS, ADAMW_EPS, SCALER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Stage 1, bf16, the GPT-pretraining shape: global batch and micro-batch given, accumulation derived.
+ZERO1_BF16 = {
+    "train_batch_size": 256,
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 50,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1000, "warmup_num_steps": 100,
+                                                       "warmup_type": "linear", "cos_min_ratio": 0.1}},
+}
+
+# Stage 2 + CPU optimizer offload + fp16 dynamic loss scaling, as in the Hugging Face docs' zero2 example.
+ZERO2_FP16_OFFLOAD = {
+    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+        "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": 2,
+}
+
+# Stage 3 with optimizer state on NVMe and the stage-3 tuning knobs.
+ZERO3_NVME = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4, "fast_init": False},
+        "offload_param": {"device": "none"},
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "wall_clock_breakdown": False,
+}
+
+# The Hugging Face Trainer's zero3 template: "auto" everywhere the Trainer fills in.
+ZERO3_HF_AUTO = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": 4,
+}
+
+
+def test_zero1_bf16_exact_toml():
+    conv = from_deepspeed(ZERO1_BF16, world=8)
+    assert conv.toml("ds.json") == "\n".join([
+        "# Converted from the DeepSpeed config ds.json by `zeroshard config from-deepspeed`.",
+        "# note: weight_decay: zeroshard decays matrices and embeddings only, not biases or norm weights",
+        "# note: scheduler WarmupCosineLR: zeroshard's warm-up reaches lr one step earlier "
+        "(lr*(s+1)/warmup rather than lr*s/warmup)",
+        "stage = 1",
+        "nproc = 8",
+        "batch = 256",
+        "steps = 1000",
+        "lr = 0.0003",
+        f"min_lr = {3e-4 * 0.1!r}",  # lr x cos_min_ratio, as DeepSpeed computes it
+        "warmup = 100",
+        "weight_decay = 0.1",
+        "clip = 1.0",
+        "accum = 4",
+        f"bucket_mb = {5e8 * 4 / 2**20!r}",
+        'mp = "bf16"',
+        "log_every = 50",
+    ]) + "\n"
+
+
+def test_zero2_fp16_loss_scaling_with_cpu_offload():
+    conv = from_deepspeed(ZERO2_FP16_OFFLOAD, world=4)
+    assert conv.values == dict(stage=2, nproc=4, batch=2 * 4 * 4, clip=1.0, accum=4, offload="cpu",
+                               bucket_mb=2e8 * 4 / 2**20, mp="fp16")
+    # Our scaler's schedule is fixed: each differing DeepSpeed knob is named, with our value.
+    scaler_notes = [n for n in conv.notes if n.startswith("fp16.")]
+    assert [n.split("=")[0] for n in scaler_notes] == ["fp16.loss_scale_window", "fp16.hysteresis",
+                                                       "fp16.min_loss_scale"]
+    assert "loss_scale_window=2000" in scaler_notes[0]
+    assert any(n.startswith("zero_optimization.overlap_comm=True") for n in conv.notes)
+
+
+def test_zero3_nvme_optimizer_offload_becomes_disk():
+    conv = from_deepspeed(ZERO3_NVME)  # all three batch keys given: the world (8) follows from them
+    assert conv.values == dict(stage=3, nproc=8, batch=64, clip=0.0, accum=2, offload="disk",
+                               offload_dir="/local_nvme", mp="bf16")
+    noted = {n.split("=")[0] for n in conv.notes}
+    assert {"zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+            "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.sub_group_size"} <= noted
+
+
+def test_hf_auto_template_resolves_batch_and_keeps_default_buckets():
+    conv = from_deepspeed(ZERO3_HF_AUTO, world=2)
+    assert conv.values == dict(stage=3, nproc=2, batch=4 * 2 * 2, clip=1.0, accum=2, mp="bf16")
+    assert "train_batch_size='auto': derived from the other batch keys and the world size" in conv.notes
+    assert "zero_optimization.reduce_bucket_size='auto': zeroshard's default bucket_mb is used" in conv.notes
+
+
+def test_minimal_stage0_config_takes_deepspeed_defaults():
+    conv = from_deepspeed({"train_batch_size": 32})
+    # DeepSpeed clips nothing unless gradient_clipping is set; zeroshard's own default would clip at 1.0.
+    assert conv.values == dict(batch=32, clip=0.0, accum=1, mp="fp32")
+    assert conv.notes[-1].startswith("world size unknown, so nproc is not written")
+    # An odd global batch is fine while the world is unknown: nothing says it must split over 2 ranks.
+    assert from_deepspeed({"train_batch_size": 9, "gradient_accumulation_steps": 3}).values["batch"] == 9
+
+
+def test_mics_and_legacy_cpu_offload():
+    conv = from_deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+                           "zero_optimization": {"stage": 3, "mics_shard_size": 2, "cpu_offload": True}}, world=4)
+    assert conv.values == dict(stage=3, nproc=4, batch=32, clip=0.0, accum=4, offload="cpu", shard_size=2, mp="fp32")
+
+
+def test_every_converted_config_is_read_back_by_train_config(tmp_path):
+    for i, ds in enumerate([ZERO1_BF16, ZERO2_FP16_OFFLOAD, ZERO3_NVME, ZERO3_HF_AUTO]):
+        conv = from_deepspeed(ds, world=None if ds is ZERO3_NVME else 2 if ds is ZERO3_HF_AUTO else 8 if
+                              ds is ZERO1_BF16 else 4)
+        path = tmp_path / f"{i}.toml"
+        path.write_text(conv.toml("ds.json"))
+        assert load_toml(path) == conv.values
+        cfg = config_from_sources(path, {})
+        assert {k: getattr(cfg, k) for k in conv.values} == conv.values
+
+
+def _with(base: dict, **zero) -> dict:
+    out = json.loads(json.dumps(base))
+    out["zero_optimization"].update(zero)
+    return out
+
+
+@pytest.mark.parametrize("ds, world, named", [
+    (_with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=True), 4, "zero_optimization.zero_quantized_weights"),
+    (_with(ZERO2_FP16_OFFLOAD, zero_quantized_gradients=True), 4, "zero_optimization.zero_quantized_gradients"),
+    (_with(ZERO2_FP16_OFFLOAD, zero_hpz_partition_size=8), 4, "zero_optimization.zero_hpz_partition_size"),
+    (_with(ZERO3_NVME, offload_param={"device": "nvme", "nvme_path": "/nvme"}), None,
+     "zero_optimization.offload_param.device"),
+    (_with(ZERO3_NVME, offload_param={"device": "cpu"}), None, "zero_optimization.offload_param.device"),
+    (_with(ZERO2_FP16_OFFLOAD, frobnicate_buckets=True), 4, "unknown DeepSpeed key 'zero_optimization.frobnicate_buckets'"),
+    ({**ZERO1_BF16, "gradient_clipping": "auto"}, 8, "'gradient_clipping' is \"auto\""),
+    ({**ZERO1_BF16, "bf16": {"enabled": "auto"}}, 8, "'bf16.enabled' is \"auto\""),
+    ({**ZERO2_FP16_OFFLOAD, "fp16": {"enabled": True, "loss_scale": 128}}, 4, "fp16.loss_scale=128"),
+    (_with(ZERO1_BF16, allgather_bucket_size=2e8), 8, "allgather_bucket_size=200000000.0 differ"),
+    ({**ZERO1_BF16, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 8, "optimizer.type='Lamb'"),
+    ({**ZERO1_BF16, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}}, 8, "optimizer.params.betas"),
+    ({**ZERO1_BF16, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 8, "scheduler.type='WarmupDecayLR'"),
+    ({**ZERO1_BF16, "tensorboard_extra": 1}, 8, "unknown DeepSpeed key 'tensorboard_extra'"),
+    ({**ZERO1_BF16, "sparse_attention": True}, 8, "sparse_attention=True is unsupported"),
+    ({**ZERO1_BF16, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}}, 8,
+     "scheduler.params.warmup_type='log' is unsupported"),
+    ({**ZERO1_BF16, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, 8, "optimizer.type='Adam'"),
+    ({**ZERO1_BF16, "bfloat16": {"enabled": True}}, 8, "bf16 and bfloat16"),
+    ({**ZERO1_BF16, "activation_checkpointing": {"partition_activations": True}}, 8,
+     "activation_checkpointing={'partition_activations': True} is unsupported"),
+    (ZERO2_FP16_OFFLOAD, None, "pass --world N"),
+    (ZERO1_BF16, 3, "train_batch_size=256 is not a multiple"),
+    ({**ZERO3_NVME, "train_batch_size": 60}, 8, "train_batch_size=60 != train_micro_batch_size_per_gpu=4"),
+])
+def test_unsupported_or_unknown_key_is_named(ds, world, named):
+    with pytest.raises(UnsupportedKey) as info:
+        from_deepspeed(ds, world=world)
+    assert named in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_switched_off_features_are_accepted():
+    ds = _with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=False, zero_hpz_partition_size=1)
+    assert from_deepspeed(ds, world=4).values == from_deepspeed(ZERO2_FP16_OFFLOAD, world=4).values
+
+
+def test_constants_match_the_runtime():
+    import zeroshard.train as train
+    from zeroshard.sharding.scaler import ShardedGradScaler
+
+    assert ADAMW_BETAS == train.BETAS and ADAMW_EPS == 1e-8
+    defaults = ShardedGradScaler.__init__.__kwdefaults__
+    assert 2 ** SCALER["initial_scale_power"] == defaults["init_scale"]
+    assert SCALER["loss_scale_window"] == defaults["growth_interval"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zeroshard.cli.main", "config", "from-deepspeed", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_cli_writes_toml_that_train_reads(tmp_path):
+    src = tmp_path / "ds_config.json"
+    src.write_text(json.dumps(ZERO2_FP16_OFFLOAD))
+    out = tmp_path / "run.toml"
+    done = _cli(str(src), "--world", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "note: fp16.hysteresis=2" in done.stderr and f"zeroshard train --config {out}" in done.stderr
+    assert config_from_sources(out, {}).stage == 2
+    assert load_toml(out) == from_deepspeed(ZERO2_FP16_OFFLOAD, world=4).values
+    printed = _cli(str(src), "--world", "4")
+    assert printed.returncode == 0 and printed.stdout == out.read_text()
+
+
+def test_cli_refuses_by_name_and_strict_refuses_notes(tmp_path):
+    src = tmp_path / "ds_config.json"
+    src.write_text(json.dumps(_with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=True)))
+    done = _cli(str(src), "--world", "4")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("zeroshard config: error: DeepSpeed key zero_optimization.zero_quantized_weights=True")
+    src.write_text(json.dumps(ZERO2_FP16_OFFLOAD))
+    strict = _cli(str(src), "--world", "4", "--strict")
+    assert strict.returncode == 1 and "--strict: fp16.loss_scale_window=1000" in strict.stderr
+    missing = _cli(str(tmp_path / "nope.json"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
