@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, dtype_name
+from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter
 from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, INDEX
 
@@ -72,7 +72,8 @@ class FolderWriter:
         self.files = _split(entries, max_shard_size)
         n = len(self.files)
         self.names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else ["model.safetensors"]
-        self._file, self._left, self._writer = -1, 0, None
+        self._file, self._left = -1, 0
+        self._writer: TensorFileWriter | None = None
         config = dict(config)
         if entries:
             config["dtype"] = str(entries[0].dtype).removeprefix("torch.")
@@ -132,16 +133,18 @@ def _hf_config(model_config: Any, where: str) -> tuple[dict[str, Any], str | Non
     return model_config["hf_config"], model_config.get("source") or None
 
 
-def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int | str = "5GB",
                       dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """A zeroshard checkpoint of an hf model -> a ``from_pretrained`` folder (offline, one param in memory)."""
+    from zeroshard.checkpoint import format as fmt
     from zeroshard.checkpoint.load import PieceReader
     from zeroshard.checkpoint.tensorfile import parse_dtype
     from zeroshard.checkpoint.verify import resolve, verify
 
     directory = resolve(src)
     manifest = verify(directory)
-    config, source = _hf_config((manifest.get("model") or {}).get("config"), str(directory))
+    # The manifest stores the config in its own JSON encoding (int keys of id2label, tuples).
+    config, source = _hf_config(fmt.from_json((manifest.get("model") or {}).get("config")), str(directory))
     params = manifest["params"]
     saved = [parse_dtype(p["dtype"], str(directory)) for p in params]
     entries = [Entry(p["fqn"], dtype or d, tuple(p["shape"])) for p, d in zip(params, saved)]
@@ -173,7 +176,7 @@ def _gather(group) -> torch.Tensor:
     return whole
 
 
-def export_pretrained(model: nn.Module, out: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int | str = "5GB",
                       dtype: torch.dtype | None = None, overwrite: bool = False) -> Path | None:
     """A live sharded hf model -> a ``from_pretrained`` folder written by rank 0. A collective:
     every rank gathers one flat group at a time; returns the folder on rank 0, None elsewhere."""
@@ -207,14 +210,14 @@ def export_pretrained(model: nn.Module, out: str | os.PathLike, *, max_shard_siz
         except Exception as e:
             writer.abort()
             writer, problem = None, f"{out}: export failed, nothing written: {e}"
-    try:
-        if writer is not None:
+    if writer is not None:
+        try:
             for n, b in buffers:
                 writer.write(n, b.detach())
             result = writer.commit()
-    except Exception as e:
-        writer.abort()
-        problem = f"{out}: export failed, nothing written: {e}"
+        except Exception as e:
+            writer.abort()
+            problem = f"{out}: export failed, nothing written: {e}"
     problem = next((p for p in collectives.all_gather_object(problem, phase="export") if p), "")
     if problem:
         raise PretrainedError(problem)

@@ -76,11 +76,12 @@ def build_pretrained(path: str | Path) -> nn.Module:
                               f"({first})") from e
     model.cfg = PretrainedSpec(name=str(folder), config=config.to_dict(), source=str(folder.resolve()))
     for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
                 # NaN until load_pretrained computes it: a buffer nobody fills is caught, not used.
-                module._buffers[name] = torch.full(buf.shape, math.nan if buf.is_floating_point() else 0,
-                                                   dtype=buf.dtype)
+                # (Assigning to a registered buffer's name keeps it registered, persistence and all.)
+                setattr(module, name, torch.full(buf.shape, math.nan if buf.is_floating_point() else 0,
+                                                 dtype=buf.dtype))
     return model
 
 
