@@ -145,6 +145,7 @@ def test_export_failure_leaves_no_folder(world2, tmp_path, monkeypatch):
                                         ("unknown_arch", "no-such-architecture")])
 def test_bad_folders_fail_in_one_line_naming_the_problem(world2, kind, names):
     case = world2["bad"][kind]
+    print(f"{kind}: {case['error']}")
     assert case["error"] is not None, f"{kind}: the load must fail"
     assert "\n" not in case["error"] and names in case["error"], case["error"]
     assert case["untouched"], f"{kind}: a refused load must write nothing into the shards"

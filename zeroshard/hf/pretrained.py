@@ -33,7 +33,7 @@ from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, FolderReader, is_pretrained_folder
 from zeroshard.models.hf import HFSpec, require_transformers
 
-__all__ = ["PretrainedSpec", "build_pretrained", "is_pretrained_folder", "load_pretrained"]
+__all__ = ["PretrainedSpec", "build_pretrained", "is_pretrained_folder", "load_pretrained", "plain_pretrained"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +61,10 @@ def _read_config(folder: Path) -> Any:
     return tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
-def build_pretrained(path: str | Path) -> nn.Module:
+def build_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     """The causal LM of a pretrained folder with params on meta (for ``zs.shard(skip_init=True)``)
-    and real buffers, computed later by ``load_pretrained``. fp32 params, whatever the files hold."""
+    and buffers on ``device`` (the mesh's), computed later by ``load_pretrained``. fp32 params,
+    whatever the files hold."""
     tf = require_transformers()
     folder = Path(path)
     config = _read_config(folder)
@@ -81,7 +82,19 @@ def build_pretrained(path: str | Path) -> nn.Module:
                 # NaN until load_pretrained computes it: a buffer nobody fills is caught, not used.
                 # (Assigning to a registered buffer's name keeps it registered, persistence and all.)
                 setattr(module, name, torch.full(buf.shape, math.nan if buf.is_floating_point() else 0,
-                                                 dtype=buf.dtype))
+                                                 dtype=buf.dtype, device=device))
+    return model
+
+
+def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """The same model loaded whole in one process by transformers (fp32): the reference that a
+    sharded load must equal."""
+    tf = require_transformers()
+    folder = Path(path)
+    config = _read_config(folder)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                    local_files_only=True).to(device)
+    model.cfg = PretrainedSpec(name=str(folder), config=config.to_dict(), source=str(folder.resolve()))
     return model
 
 
@@ -150,4 +163,5 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
             unit.reshard()  # a unit gathered before the load holds stale values
     engine.sync_params()
     engine.zero_grad()
+    engine.init_stats = {**engine.init_stats, "path": f"pretrained folder {path}"}  # what train reports
     return {"bytes_read": read_bytes, "tensors": len(plan)}
