@@ -115,6 +115,7 @@ def suite(folders: dict[str, str], root: str) -> dict:
             model, stats = _loaded(Path(path), stage)
             x, _ = batch(99)
             out["loads"][(name, stage)] = {"state": zs.full_state_dict(model), "bytes_read": stats["bytes_read"],
+                                           "bytes_held": stats["bytes_held"],
                                            "logits": model(input_ids=x).logits.detach(),
                                            "buffers": {k: b.clone() for k, b in model.named_buffers()}}
         model, _ = _loaded(Path(path), 3)

@@ -52,6 +52,7 @@ class FolderReader:
             raise PretrainedError(f"{self.folder / missing[0]} is missing (listed in {INDEX}); "
                                   "copy the complete folder")
         self._open: dict[str, Any] = {}
+        self.bytes_read = 0  # what the slices asked of the files: whole rows, so a bit over the range
 
     def _file(self, name: str) -> Any:
         file = self.weight_map[name]
@@ -90,6 +91,7 @@ class FolderReader:
             return torch.empty(0)
         first, last = start // row, -(-stop // row)
         rows = part[first:last].reshape(-1)
+        self.bytes_read += rows.numel() * rows.element_size()
         return rows[start - first * row:stop - first * row]
 
     def read(self, name: str) -> torch.Tensor:

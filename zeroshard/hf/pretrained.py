@@ -138,12 +138,13 @@ def _fill_buffers(model: nn.Module, reader: FolderReader) -> None:
 
 def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
     """Fill a sharded model (``zs.shard(..., skip_init=True)`` of ``build_pretrained(path)``) from
-    the folder: each rank reads only the elements it holds. Returns bytes and tensors read."""
+    the folder: each rank reads only the elements it holds. Returns ``bytes_held`` (the values
+    copied into this rank's shard), ``bytes_read`` (the rows read for them) and ``tensors``."""
     from zeroshard.sharding import get_engine
 
     engine = get_engine(model)
     reader = FolderReader(path)
-    read_bytes = 0
+    held = 0
     try:
         plan = _plan(engine, reader)
         for group, index, name in plan:
@@ -152,7 +153,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
             if start >= stop:
                 continue
             values = reader.read_range(name, start - slot.offset, stop - slot.offset)
-            read_bytes += values.numel() * values.element_size()
+            held += values.numel() * values.element_size()
             with torch.no_grad():
                 group.shard[start - group.lo:stop - group.lo].copy_(values)
         _fill_buffers(model, reader)
@@ -164,4 +165,4 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
     engine.sync_params()
     engine.zero_grad()
     engine.init_stats = {**engine.init_stats, "path": f"pretrained folder {path}"}  # what train reports
-    return {"bytes_read": read_bytes, "tensors": len(plan)}
+    return {"bytes_held": held, "bytes_read": reader.bytes_read, "tensors": len(plan)}
