@@ -131,3 +131,13 @@ def suite(folders: dict[str, str], root: str) -> dict:
     out["bad"] = _bad_input(Path(root), Path(folders["llama"]))
     out["world"] = mesh.world
     return out
+
+
+def stage3_loads(folders: dict[str, str]) -> dict:
+    """Stage 3 loads only (for world 4): the state and what this rank read."""
+    zs.init()
+    out = {}
+    for name, path in folders.items():
+        model, stats = _loaded(Path(path), 3)
+        out[name] = {"state": zs.full_state_dict(model), **stats}
+    return out

@@ -5,6 +5,7 @@ export to folders that from_pretrained opens with no missing or unexpected keys.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,19 @@ def test_load_is_bitwise_the_files(world2, folders, name, stage):
     with torch.no_grad():
         expected = reference(input_ids=x).logits
     assert (run["logits"] - expected).abs().max().item() <= LOGIT_TOL
+
+
+@pytest.mark.skipif(os.environ.get("ZEROSHARD_WORLD4") != "1",
+                    reason="four gloo ranks take about a minute on a 2-core machine; set ZEROSHARD_WORLD4=1")
+def test_stage3_at_world4_is_bitwise_the_files(folders):
+    runs = spawn(pw.stage3_loads, 4, args=({k: str(v) for k, v in folders.items()},), timeout_s=300)
+    for name in folders:
+        files, total = original(folders[name]), sum(r[name]["bytes_read"] for r in runs)
+        state = runs[0][name]["state"]
+        assert all(torch.equal(state[k], v.float()) for k, v in files.items()), f"{name}: world 4 differs"
+        full = sum(t.numel() * t.element_size() for t in files.values())
+        print(f"{name} world 4 stage 3: ranks read {[r[name]['bytes_read'] for r in runs]} (sum {total}) of {full}")
+        assert max(r[name]["bytes_read"] for r in runs) < 0.35 * full, "a rank of four must read about a quarter"
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
