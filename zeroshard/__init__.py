@@ -3,6 +3,7 @@
 from zeroshard.checkpoint import CheckpointError, load, save
 from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
+from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
 from zeroshard.materialize import meta_init
 from zeroshard.offload import OffloadPolicy
 from zeroshard.plan import plan
@@ -23,7 +24,8 @@ from zeroshard.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler", "clip_grad_norm_",
-    "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load", "meta_init", "no_sync", "optim_groups",
+    "CheckpointError", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler", "build_pretrained",
+    "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
+    "load_pretrained", "meta_init", "no_sync", "optim_groups",
     "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "unsharded",
 ]

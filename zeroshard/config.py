@@ -179,8 +179,9 @@ class TrainConfig:
         self._check_ranges()
 
     def _check_ranges(self) -> None:
-        if self.model not in MODEL_NAMES + HF_MODEL_NAMES:
-            raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES}")
+        if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES} "
+                             "or a folder written by save_pretrained (with config.json)")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
         if self.mp not in PARAM_DTYPES:

@@ -198,6 +198,7 @@ def setup(cfg: TrainConfig, mesh: Any) -> Run:
     zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
              reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
              checkpointing=cfg.checkpointing, offload=offload, **adapter.shard_kwargs(model))
+    adapter.after_shard(model)  # a pretrained folder: each rank reads its shard of the weights
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None

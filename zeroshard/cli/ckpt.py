@@ -3,6 +3,7 @@
   inspect DIR            what a checkpoint holds: step, world, stage, versions, sizes, state
   verify DIR...          checksums, sizes, headers and coverage; a root verifies every checkpoint in it
   export DIR OUT         one safetensors file for the plain model, streamed one param at a time
+  export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index)
   reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway)
 
 DIR may be a checkpoint directory or a root with a `latest` pointer. Exit status 1 on any problem,
@@ -115,12 +116,33 @@ def cmd_export(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, export
     from zeroshard.sharding.precision import parse_dtype
 
+    if args.hf is not None:
+        return _export_hf(args)
+    if args.out is None:
+        return _err("export needs OUT (one safetensors file) or --hf OUT (a from_pretrained folder)")
     try:
         stats = export(args.dir, args.out, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     except (CheckpointError, ValueError) as e:
         return _err(str(e))
     print(f"wrote {stats.path}: {stats.tensors} tensors, {_fmt_bytes(stats.bytes)} "
           f"(largest param {_fmt_bytes(stats.largest_param_bytes)}, the export's working set)")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.hf import export_checkpoint
+    from zeroshard.sharding.precision import parse_dtype
+
+    if args.out is not None:
+        return _err(f"give either OUT or --hf OUT, not both (got {args.out} and {args.hf})")
+    try:
+        out = export_checkpoint(args.dir, args.hf, max_shard_size=args.max_shard_size,
+                                dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    except (CheckpointError, ValueError) as e:
+        return _err(str(e))
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote {out}: {len(files)} files ({', '.join(files)})")
     return 0
 
 
@@ -148,7 +170,10 @@ def add_parser(sub: Any) -> None:
     q.set_defaults(run=cmd_verify)
     q = cmds.add_parser("export", help="consolidate into one safetensors file, one param at a time")
     q.add_argument("dir")
-    q.add_argument("out")
+    q.add_argument("out", nargs="?", help="the safetensors file to write (or use --hf)")
+    q.add_argument("--hf", metavar="OUT", default=None,
+                   help="write a from_pretrained folder instead: config.json, sharded safetensors, index")
+    q.add_argument("--max-shard-size", default="5GB", help="with --hf: largest safetensors file (default 5GB)")
     q.add_argument("--dtype", default=None, help="cast params to fp32, bf16 or fp16 (default: as saved)")
     q.add_argument("--overwrite", action="store_true")
     q.set_defaults(run=cmd_export)

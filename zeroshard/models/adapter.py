@@ -10,7 +10,21 @@ import torch
 from torch import nn
 
 from zeroshard.config import TrainConfig
-from zeroshard.models.hf import build_hf_model, hf_loss_sum, init_weights, is_hf_model, is_hf_name
+from zeroshard.models import hf as hf_models
+from zeroshard.models.hf import build_hf_model, hf_loss_sum, init_weights, is_hf_model
+
+
+def is_hf_name(name: str) -> bool:
+    """``hf:<name>`` or a local ``save_pretrained`` folder (zeroshard/hf/pretrained.py)."""
+    from zeroshard.hf.folder import is_pretrained_folder
+
+    return hf_models.is_hf_name(name) or is_pretrained_folder(name)
+
+
+def _is_pretrained(model: nn.Module) -> bool:
+    from zeroshard.hf.pretrained import PretrainedSpec
+
+    return isinstance(getattr(model, "cfg", None), PretrainedSpec)
 
 
 def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +49,17 @@ def num_params(model: nn.Module) -> int:
 
 def shard_kwargs(model: nn.Module) -> dict:
     """Extra ``zs.shard`` arguments a model needs: an hf: model's own init, replayed if on meta."""
+    if _is_pretrained(model):
+        return {"skip_init": True}  # the values come from the folder, in after_shard
     return {"init_fn": init_weights} if is_hf_model(model) else {}
+
+
+def after_shard(model: nn.Module) -> None:
+    """A model built from a pretrained folder reads its weights now: each rank only its shard."""
+    if _is_pretrained(model):
+        from zeroshard.hf.pretrained import load_pretrained
+
+        load_pretrained(model, getattr(model, "cfg").source)
 
 
 def build_hf(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool,
@@ -43,6 +67,8 @@ def build_hf(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_m
     """An ``hf:`` model for ``train``, seeded with ``cfg.seed``. ``init="auto"`` builds on meta
     above ``threshold`` params, as for zeroshard's GPT."""
     assert is_hf_name(cfg.model)
+    if not hf_models.is_hf_name(cfg.model):
+        return _build_pretrained(cfg, vocab_size, device, meta=allow_meta)
     meta = allow_meta and cfg.init == "meta"
     if allow_meta and cfg.init == "auto":
         probe = build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed,
@@ -50,3 +76,17 @@ def build_hf(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_m
         meta = num_params(probe) > threshold
     return build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed,
                           device=device, meta=meta)
+
+
+def _build_pretrained(cfg: TrainConfig, vocab_size: int, device: torch.device, *, meta: bool) -> nn.Module:
+    """A pretrained folder: on meta for ``zs.shard`` (filled by ``after_shard``), or loaded whole by
+    transformers for the single-process reference."""
+    from zeroshard.hf.errors import PretrainedError
+    from zeroshard.hf.pretrained import build_pretrained, plain_pretrained
+
+    model = build_pretrained(cfg.model, device) if meta else plain_pretrained(cfg.model, device)
+    model_vocab = model.get_input_embeddings().weight.shape[0]  # type: ignore[operator]
+    if vocab_size > model_vocab:
+        raise PretrainedError(f"the data has {vocab_size} token ids but {cfg.model} embeds only {model_vocab}; "
+                              f"use --vocab-size <= {model_vocab} or data tokenized for this model")
+    return model

@@ -1,0 +1,168 @@
+"""Load a ``save_pretrained`` folder straight into a sharded model.
+
+    model = zs.hf.build_pretrained(path)          # AutoConfig + from_config on meta; real buffers
+    zs.shard(model, stage=3, skip_init=True)      # only this rank's shards are allocated
+    zs.load_pretrained(model, path)               # each rank reads only what it holds
+
+[Note: what each rank reads]
+The engine lays each unit's params into one flat buffer; a rank holds ``[group.lo, group.hi)`` of
+it (the whole buffer at stage 0, 1/N at stages 1-3). For every param inside that range we read
+exactly those elements from the safetensors file (``FolderReader.read_range``), convert them to
+the master dtype (bf16 files into fp32 masters) and copy them into the shard; then the engine
+publishes the masters to the compute params as after a checkpoint load. No rank ever holds more
+than its shard plus one slice being copied.
+
+Tied weights: a tied LM head is one param registered under two names; the files hold it under one
+of them (save_pretrained drops the tied copy), so any of the param's names may supply it.
+Buffers: persistent ones are read from the files; non-persistent ones (rotary ``inv_freq``) are
+not state, so the model's own per-module init computes them, exactly as ``from_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.hf.errors import PretrainedError
+from zeroshard.hf.folder import CONFIG, FolderReader, is_pretrained_folder
+from zeroshard.models.hf import HFSpec, require_transformers
+
+__all__ = ["PretrainedSpec", "build_pretrained", "is_pretrained_folder", "load_pretrained", "plain_pretrained"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainedSpec(HFSpec):
+    """``model.cfg`` of a model built from a folder: also where it came from (for export)."""
+
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "source": self.source}
+
+
+def _read_config(folder: Path) -> Any:
+    tf = require_transformers()
+    path = folder / CONFIG
+    if not path.is_file():
+        raise PretrainedError(f"{path} is missing; point --model at a folder written by save_pretrained")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except ValueError as e:
+        raise PretrainedError(f"{path} is not valid JSON ({e})") from e
+    if model_type not in tf.CONFIG_MAPPING:
+        raise PretrainedError(f"{path}: model_type {model_type!r} is not an architecture transformers "
+                              f"{tf.__version__} knows; upgrade transformers or fix model_type")
+    return tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def build_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """The causal LM of a pretrained folder with params on meta (for ``zs.shard(skip_init=True)``)
+    and buffers on ``device`` (the mesh's), computed later by ``load_pretrained``. fp32 params,
+    whatever the files hold."""
+    tf = require_transformers()
+    folder = Path(path)
+    config = _read_config(folder)
+    try:
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0]
+        raise PretrainedError(f"{folder / CONFIG}: transformers has no causal LM for {config.model_type!r} "
+                              f"({first})") from e
+    model.cfg = PretrainedSpec(name=str(folder), config=config.to_dict(), source=str(folder.resolve()))
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                # NaN until load_pretrained computes it: a buffer nobody fills is caught, not used.
+                # (Assigning to a registered buffer's name keeps it registered, persistence and all.)
+                setattr(module, name, torch.full(buf.shape, math.nan if buf.is_floating_point() else 0,
+                                                 dtype=buf.dtype, device=device))
+    return model
+
+
+def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """The same model loaded whole in one process by transformers (fp32): the reference that a
+    sharded load must equal."""
+    tf = require_transformers()
+    folder = Path(path)
+    config = _read_config(folder)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                    local_files_only=True).to(device)
+    model.cfg = PretrainedSpec(name=str(folder), config=config.to_dict(), source=str(folder.resolve()))
+    return model
+
+
+def _plan(engine, reader: FolderReader) -> list[tuple[Any, int, str]]:
+    """(group, param index, file tensor name) for every param; checks names and shapes first, so
+    a bad folder is refused before any value is written."""
+    plan = []
+    for group in engine.groups:
+        for index, (slot, ref) in enumerate(zip(group.layout.slots, group.refs)):
+            found = [n for n in sorted(ref.aliases) if n in reader.weight_map]
+            if not found:
+                raise PretrainedError(f"{reader.folder}: no tensor for param {' / '.join(sorted(ref.aliases))} "
+                                      "in the safetensors files; the folder is from a different model")
+            shape = reader.shape(found[0])
+            if shape != slot.shape:
+                raise PretrainedError(f"{reader.where(found[0])}: tensor {found[0]} has shape {list(shape)}, "
+                                      f"the model expects {list(slot.shape)}; config.json and weights disagree")
+            plan.append((group, index, found[0]))
+    return plan
+
+
+def _fill_buffers(model: nn.Module, reader: FolderReader) -> None:
+    """Persistent buffers from the files; the rest from the model's per-module init."""
+    init_module = getattr(model, "_init_weights", None)
+    for module_name, module in model.named_modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if callable(init_module) and buffers and not list(module.parameters(recurse=False)):
+            # transformers' per-module init computes derived buffers (rotary tables) from the
+            # config; modules with params are skipped, so no loaded value is touched.
+            init_module(module)
+        for name, buf in buffers.items():
+            key = f"{module_name}.{name}" if module_name else name
+            if key in reader.weight_map:
+                with torch.no_grad():
+                    buf.copy_(reader.read(key).reshape(buf.shape))
+    unset = [n for n, b in model.named_buffers() if b.is_floating_point() and b.numel() and b.isnan().all()]
+    if unset:
+        raise PretrainedError(f"{reader.folder}: buffers {unset[:3]} are neither in the files nor computed by "
+                              "the model's init; this architecture needs a custom loader")
+
+
+def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
+    """Fill a sharded model (``zs.shard(..., skip_init=True)`` of ``build_pretrained(path)``) from
+    the folder: each rank reads only the elements it holds. Returns ``bytes_held`` (the values
+    copied into this rank's shard), ``bytes_read`` (the rows read for them) and ``tensors``."""
+    from zeroshard.sharding import get_engine
+
+    engine = get_engine(model)
+    reader = FolderReader(path)
+    held = 0
+    try:
+        plan = _plan(engine, reader)
+        for group, index, name in plan:
+            slot = group.layout.slots[index]
+            start, stop = max(slot.offset, group.lo), min(slot.end, group.hi)
+            if start >= stop:
+                continue
+            values = reader.read_range(name, start - slot.offset, stop - slot.offset)
+            held += values.numel() * values.element_size()
+            with torch.no_grad():
+                group.shard[start - group.lo:stop - group.lo].copy_(values)
+        _fill_buffers(model, reader)
+    finally:
+        reader.close()
+    if engine.policy.shard_params:
+        for unit in engine.units:
+            unit.reshard()  # a unit gathered before the load holds stale values
+    engine.sync_params()
+    engine.zero_grad()
+    getattr(engine, "init_stats", {})["path"] = f"pretrained folder {path}"  # what train's summary reports
+    return {"bytes_held": held, "bytes_read": reader.bytes_read, "tensors": len(plan)}
