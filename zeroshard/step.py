@@ -251,3 +251,20 @@ def slowest_rank(value: float, device: torch.device) -> float:
 def slowest_per_step(per_rank: Sequence[Sequence[float]]) -> list[float]:
     """Step by step, the slowest rank's time, from each rank's list of step times."""
     return [max(times) for times in zip(*per_rank)]
+
+
+# --------------------------------------------------------------------------- a peer's step
+
+
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The step a plain PyTorch user writes (mean loss, backward, step, zero_grad), for the peers a
+    benchmark holds zeroshard against (one process, torch DDP, FSDP2). Not zeroshard's step: it is
+    here so that every step any tool times is written in this one module. Returns the loss."""
+    device_type = x.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
