@@ -267,4 +267,4 @@ def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss
+    return loss.detach()
