@@ -32,6 +32,7 @@ import zeroshard as zs
 from zeroshard.comm import collectives
 from zeroshard.launch import spawn
 from zeroshard.models import GPT, GPTConfig
+from zeroshard.step import one_step
 
 
 def _evict(directory: Path) -> None:
@@ -50,9 +51,7 @@ def worker(model_name: str, stage: int, path: str) -> dict:
     model = zs.shard(GPT(GPTConfig.named(model_name)), stage=stage)
     opt = zs.optimizer(model, torch.optim.AdamW, lr=1e-4)
     idx = torch.randint(0, model.cfg.vocab_size, (1, 8))
-    model(idx, idx).backward()  # a short sequence: we only need the optimizer state to exist
-    opt.step()
-    opt.zero_grad()
+    one_step(model, opt, idx, idx)  # a short sequence: we only need the optimizer state to exist
     collectives.barrier(phase="bench")
     t0 = time.perf_counter()
     zs.save(path, model, opt, step=1)

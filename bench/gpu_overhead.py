@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +52,7 @@ if str(REPO) not in sys.path:
 import zeroshard as zs  # noqa: E402
 from zeroshard.models.gpt import GPT, GPTConfig  # noqa: E402
 from zeroshard.benchmark.candidates import sharded_step  # noqa: E402
+from zeroshard.step import plain_step  # noqa: E402
 from zeroshard.profile.alloc import allocation_profile, peak_allocated  # noqa: E402
 from zeroshard.profile.flops import calibrate_peak_flops, gpt_flops  # noqa: E402
 
@@ -149,12 +151,7 @@ def build_eager(cfg: GPTConfig, dtype: torch.dtype, device: torch.device) -> Can
     amp = dtype != torch.float32
 
     def step(x, y):
-        with torch.autocast(device.type, dtype=dtype, enabled=amp):
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        return plain_step(model, opt, x, y, autocast_dtype=dtype if amp else None)
     return Candidate("eager", model, opt, step)
 
 
@@ -193,11 +190,7 @@ def build_fsdp2(cfg: GPTConfig, dtype: torch.dtype, device: torch.device) -> Can
     opt = _adamw(zs.optim_groups(model, WEIGHT_DECAY))
 
     def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        return plain_step(model, opt, x, y)
     return Candidate("FSDP2", model, opt, step)
 
 
@@ -374,16 +367,12 @@ def parity_section(dev: Dev, args, log) -> dict:
     ours = zs.shard(_gpt(cfg, dev.device), stage=3)
     ours_opt = zs.optimizer(ours, torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY,
                             foreach=True)
+    eager_step = partial(plain_step, eager, eager_opt)
+    ours_step = sharded_step(ours, ours_opt)
     loss_diff = 0.0
     for i in range(steps):
         x, y = batch_of(cfg, batch, cfg.seq_len, dev.device, seed=100 + i)
-        losses = []
-        for model, opt in ((eager, eager_opt), (ours, ours_opt)):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = [float(step(x, y)) for step in (eager_step, ours_step)]
         loss_diff = max(loss_diff, abs(losses[0] - losses[1]))
     ref = dict(eager.state_dict())
     got = zs.full_state_dict(ours)

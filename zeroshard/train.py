@@ -18,28 +18,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 import zeroshard as zs
-from zeroshard.comm import desync, faults
+from zeroshard.comm import desync
 from zeroshard.comm.collectives import all_gather_object, all_reduce
 from zeroshard.comm.watchdog import Diagnostics, process_group_timeout
 from zeroshard.checkpoint.training import maybe_save, open_metrics, resume
-from zeroshard.config import TrainConfig, check_batch_split
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.config import TrainConfig
+from zeroshard.data import GlobalBatchSampler, collate
 from zeroshard.models import adapter
-from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.sharding import get_engine
-from zeroshard.sharding.precision import parse_dtype
+from zeroshard import step as step_mod
+from zeroshard.step import (  # noqa: F401 - re-exported: callers import the run's parts from here
+    BETAS, IGNORE_INDEX, METRICS_PHASE, META_INIT_THRESHOLD, Run, build_data, build_model, lr_at, make_scheduler,
+    mixed_precision, use_meta_init,
+)
 from zeroshard.profile import step as step_profile
 from zeroshard.profile.timeline import phase
 
@@ -47,9 +49,6 @@ FAULT_ENV = "ZEROSHARD_FAULT"
 """Fault injection for tests: "rank=1,step=3" makes rank 1 raise at the start of step 3
 (1-based, as printed)."""
 
-BETAS = (0.9, 0.95)
-IGNORE_INDEX = -100
-METRICS_PHASE = "metrics"
 
 
 class Reporter(Protocol):
@@ -87,45 +86,7 @@ class StepRecord:
     """This step's time breakdown, communication, memory and MFU (zeroshard/profile/step.py)."""
 
 
-@dataclass(kw_only=True)
-class Run:
-    """Everything one rank holds for a run."""
-
-    cfg: TrainConfig
-    mesh: Any
-    model: torch.nn.Module
-    opt: Any
-    scheduler: Any
-    scaler: Any
-    """A ShardedGradScaler for fp16 compute, else None."""
-    dataset: Any
-    sampler: GlobalBatchSampler
-    model_cfg: Any
-    """The GPTConfig, or for an hf: model its HFSpec; both have to_dict()."""
-    num_params: int
-    """Counted before sharding: at stage 3 the modules hold only this rank's slices."""
-    records: list[StepRecord] = field(default_factory=list)
-    metric_bytes: int = 0
-    profiler: Any = None
-    """A zeroshard.profile.step.StepProfiler, or None when profiling is off."""
-    """Bytes of our own metric all-reduces, kept apart from the training traffic."""
-
-
 # --------------------------------------------------------------------------- schedule and faults
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step. `step` is 0-based."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - 1 - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    """A plain torch LambdaLR over `lr_at`; the loop steps it once per optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(cfg, step) / cfg.lr)
 
 
 def parse_fault(spec: str | None) -> tuple[int, int] | None:
@@ -148,125 +109,17 @@ def maybe_inject_fault(rank: int, step: int) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def build_data(cfg: TrainConfig) -> Any:
-    return build_dataset(
-        data_path=cfg.data, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
-        vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed,
-    )
-
-
-META_INIT_THRESHOLD = 50_000_000
-"""Above this many params `init="auto"` builds on the meta device (see zeroshard/materialize.py)."""
-
-
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
-                allow_meta: bool = True) -> torch.nn.Module:
-    """Seed first, so every rank (and the single-process reference) starts bit-identical.
-
-    On the meta device nothing is allocated; `zs.shard` later materialises this rank's shards
-    with the values a plain build under the same seed would have. `hf:` names build a Hugging
-    Face model (zeroshard/models/hf.py).
-    """
-    if adapter.is_hf_name(cfg.model):
-        return adapter.build_hf(cfg, vocab_size, device, allow_meta=allow_meta, threshold=META_INIT_THRESHOLD)
-    model_cfg = GPTConfig.named(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
-    if allow_meta and use_meta_init(cfg, model_cfg):
-        torch.manual_seed(cfg.seed)
-        with zs.meta_init():
-            return GPT(model_cfg)
-    torch.manual_seed(cfg.seed)
-    return GPT(model_cfg).to(device)
-
-
-def use_meta_init(cfg: TrainConfig, model_cfg: GPTConfig) -> bool:
-    if cfg.init != "auto":
-        return cfg.init == "meta"
-    with zs.meta_init():
-        return GPT(model_cfg).num_params() > META_INIT_THRESHOLD
-
-
-def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
-    return None if cfg.mp == "fp32" else zs.MixedPrecision(param_dtype=parse_dtype(cfg.mp))
-
-
 def setup(cfg: TrainConfig, mesh: Any) -> Run:
-    check_batch_split(cfg.batch, mesh.world, cfg.accum)
-    dataset = build_data(cfg)
-    model = build_model(cfg, dataset.vocab_size, mesh.device)
-    num_params = adapter.num_params(model)
-    offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
-    zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
-             reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
-             checkpointing=cfg.checkpointing, offload=offload, **adapter.shard_kwargs(model))
-    adapter.after_shard(model)  # a pretrained folder: each rank reads its shard of the weights
-    faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
-    opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
-    scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
-    sampler = GlobalBatchSampler(
-        len(dataset), cfg.batch, world=mesh.world, rank=mesh.rank, seed=cfg.seed
-    )
-    return Run(
-        cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
-        dataset=dataset, sampler=sampler, model_cfg=model.cfg, num_params=num_params,
-    )
+    """This rank's run of `cfg` (zeroshard/step.py builds it)."""
+    return step_mod.build(cfg, mesh)
 
 
 # --------------------------------------------------------------------------- the loop
 
 
 def max_across_ranks(run: Run, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float32, device=run.mesh.device)
-    all_reduce(t, op="max", phase=METRICS_PHASE)
-    run.metric_bytes += t.numel() * t.element_size()
-    return float(t.item())
-
-
-def global_token_count(run: Run, targets: torch.Tensor) -> torch.Tensor:
-    """Tokens that carry a loss (targets != -100) in the whole global batch, on every rank."""
-    count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-    all_reduce(count, op="sum", phase=METRICS_PHASE)
-    run.metric_bytes += count.numel() * count.element_size()
-    return count
-
-
-def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Forward/backward over `accum` micro-batches; returns this rank's summed token loss.
-
-    Every micro-step backpropagates `loss_sum * world / global_tokens`: the runtime averages
-    over ranks (divides by world), so the gradient is exactly the mean over every loss-carrying
-    token of the global batch, however unevenly masked tokens fall across micro-batches and ranks.
-    """
-    cfg, model = run.cfg, run.model
-    norm = run.mesh.world / global_token_count(run, y)
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    micro = list(zip(x.chunk(cfg.accum), y.chunk(cfg.accum)))
-    for index, (xm, ym) in enumerate(micro):
-        last = index == len(micro) - 1
-        with contextlib.nullcontext() if last else zs.no_sync(model):
-            with phase("forward"):
-                loss_sum, _ = adapter.loss_sum(model, xm, ym)
-            scaled = loss_sum * norm.to(loss_sum.dtype)
-            with phase("backward"):
-                (run.scaler.scale(scaled) if run.scaler is not None else scaled).backward()
-        total += loss_sum.detach().double()
-    return total
-
-
-def optimizer_step(run: Run) -> float | None:
-    """Unscale (fp16), clip on the global norm, step unless any rank overflowed, then advance the
-    LR schedule: once per optimizer step, never per micro-step."""
-    cfg, scaler = run.cfg, run.scaler
-    if scaler is not None:
-        scaler.unscale_(run.opt)
-    norm = zs.clip_grad_norm_(run.model, cfg.clip) if cfg.clip > 0 else None
-    if scaler is not None:
-        scaler.step(run.opt)
-        scaler.update()
-    else:
-        run.opt.step()
-    run.scheduler.step()
-    run.opt.zero_grad()
-    return None if norm is None else float(norm)
+    run.metric_bytes += 4  # one float32
+    return step_mod.slowest_rank(value, run.mesh.device)
 
 
 def train_step(run: Run, step: int) -> StepRecord:
@@ -278,9 +131,8 @@ def train_step(run: Run, step: int) -> StepRecord:
     with phase("data"):
         x, y = collate(run.dataset, run.sampler.next_indices())
         x, y = x.to(run.mesh.device), y.to(run.mesh.device)
-    loss_sum = accumulate_gradients(run, x, y)
-    with phase("optimizer"):
-        norm = optimizer_step(run)
+    out = step_mod.step(run, x, y)
+    loss_sum, norm = out.loss_sum, out.grad_norm
     mean_loss = average_token_loss(run, loss_sum, y)
     dt = time.perf_counter() - t0
     tokens = cfg.batch * cfg.seq_len

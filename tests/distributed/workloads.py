@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 import zeroshard as zs
+from zeroshard import step
+from zeroshard.config import TrainConfig
 from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 
@@ -43,29 +45,46 @@ def reference_run(steps: int, global_batch: int) -> dict:
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def tiny_run(stage: int, global_batch: int, *, clip: float = CLIP, weight_decay: float = WEIGHT_DECAY,
+             **shard_kwargs):
+    """A `zeroshard.step.Run` of tiny on this world, built the way `zeroshard train` builds one, with
+    a constant LR (no warm-up, `min_lr == lr`); ``shard_kwargs`` go to ``zs.shard``."""
+    cfg, data = tiny_setup(global_batch)
+    train_cfg = TrainConfig(stage=stage, nproc=zs.get_mesh().world, batch=global_batch, seq_len=cfg.seq_len,
+                            lr=LR, min_lr=LR, warmup=0, weight_decay=weight_decay, clip=clip, seed=SEED)
+    torch.manual_seed(SEED)
+    return step.build(train_cfg, zs.get_mesh(), model=GPT(cfg), dataset=data, **shard_kwargs)
+
+
+def next_batch(run):
+    return collate(run.dataset, run.sampler.next_indices())
+
+
+def global_mean_loss(loss_sum: torch.Tensor, y: torch.Tensor) -> float:
+    """The global batch's mean token loss (every rank's summed loss over every rank's tokens)."""
+    totals = torch.stack([loss_sum, (y != -100).sum().double()])
+    zs.comm.collectives.all_reduce(totals, op="sum", phase="metrics")
+    return float(totals[0] / totals[1])
+
+
+def training_records(ledger, start: int):
+    """The ledger's records since ``start``, less the step's own metric all-reduce (the token count)."""
+    return [r for r in ledger.since(start) if r.phase != step.METRICS_PHASE]
+
+
 def sharded_run(stage: int, steps: int, global_batch: int, **shard_kwargs) -> dict:
     """``steps`` AdamW steps of tiny with global clipping; ``shard_kwargs`` go to ``zs.shard``."""
-    mesh = zs.init()
-    cfg, data = tiny_setup(global_batch)
-    torch.manual_seed(SEED)
-    model = zs.shard(GPT(cfg), stage=stage, **shard_kwargs)
-    opt = zs.optimizer(model, torch.optim.AdamW, lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
-    sampler = GlobalBatchSampler(len(data), global_batch, world=mesh.world, rank=mesh.rank, seed=SEED)
+    zs.init()
+    run = tiny_run(stage, global_batch, **shard_kwargs)
     ledger = zs.ledger()
     losses, step_bytes = [], []
     for _ in range(steps):
-        x, y = collate(data, sampler.next_indices())
+        x, y = next_batch(run)
         before = {op: ledger.total_bytes(op) for op in ("all_reduce", "reduce_scatter", "all_gather")}
-        loss = model(x, y)
-        loss.backward()
-        zs.clip_grad_norm_(model, CLIP)
-        opt.step()
-        opt.zero_grad()
+        out = step.step(run, x, y)
         step_bytes.append({op: ledger.total_bytes(op) - b for op, b in before.items()})
-        mean_loss = loss.detach().clone()
-        zs.comm.collectives.all_reduce(mean_loss, op="avg", phase="metrics")
-        losses.append(mean_loss.item())
-    return {"losses": losses, "params": zs.full_state_dict(model), "step_bytes": step_bytes}
+        losses.append(global_mean_loss(out.loss_sum, y))
+    return {"losses": losses, "params": zs.full_state_dict(run.model), "step_bytes": step_bytes}
 
 
 STEPS = 20
@@ -100,21 +119,22 @@ def memory_probe(stage: int, prefetch: int = 1, reshard_after_forward: bool = Tr
     full-param residency, read from the storages rather than from bookkeeping."""
     from zeroshard.sharding import get_engine
 
-    mesh = zs.init()
-    cfg, data = tiny_setup(GLOBAL_BATCH)
-    torch.manual_seed(SEED)
-    model = zs.shard(GPT(cfg), stage=stage, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    zs.init()
+    run = tiny_run(stage, GLOBAL_BATCH, clip=0.0, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    model, opt = run.model, run.opt
     engine = get_engine(model)
-    opt = zs.optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
-    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
-    x, y = collate(data, sampler.next_indices())
+    x, y = next_batch(run)
     engine.reset_memory_stats()
-    model(x, y).backward()
-    opt.step()
+    held: dict = {}
+
+    def read_grads() -> None:  # after the optimizer step, before the grads are zeroed
+        held["grads"] = [g.grad_full for g in engine.groups] + [g.grad_shard for g in engine.groups]
+
+    step.step(run, x, y, before_zero_grad=read_grads)
     groups = engine.groups
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
     params = [g.full for g in groups] + [g.shard for g in groups] + list(model.parameters())
-    grads = [g.grad_full for g in groups] + [g.grad_shard for g in groups]
+    grads = held.pop("grads")
     out = {
         "padded_numel": sum(g.layout.numel for g in groups),
         "shard_numel": sum(g.layout.shard_numel for g in groups),
@@ -129,7 +149,7 @@ def memory_probe(stage: int, prefetch: int = 1, reshard_after_forward: bool = Tr
         "unit_bytes": {u.name: sum(g.layout.numel * g.full.element_size() for g in u.groups) for u in engine.units},
         "root_unit": next(u.name for u in engine.units if u.is_root),
     }
-    opt.zero_grad()
+    del grads
     return out
 
 
@@ -148,22 +168,16 @@ def ledger_suite() -> dict:
     out = {}
     bf16 = zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for stage, mp in ((0, None), (1, None), (2, None), (3, None), ("3-bf16", bf16)):
-        mesh = zs.init()
-        cfg, data = tiny_setup(GLOBAL_BATCH)
-        torch.manual_seed(SEED)
-        model = zs.shard(GPT(cfg), stage=3 if stage == "3-bf16" else stage, mp=mp)
-        engine = get_engine(model)
-        opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
-        sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
+        zs.init()
+        run = tiny_run(3 if stage == "3-bf16" else stage, GLOBAL_BATCH, clip=0.0, mp=mp)
+        engine = get_engine(run.model)
         ledger = zs.ledger()
-        for step in range(2):  # step 0 records the order; step 1 runs with prefetch
-            x, y = collate(data, sampler.next_indices())
+        for _ in range(2):  # step 0 records the order; step 1 runs with prefetch
+            x, y = next_batch(run)
             start = ledger.next_seq
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+            step.step(run, x, y)
         by_phase: dict[str, int] = {}
-        for record in ledger.since(start):
+        for record in training_records(ledger, start):
             key = f"{record.op}:{record.phase}"
             by_phase[key] = by_phase.get(key, 0) + record.bytes
         out[stage] = {
@@ -173,7 +187,7 @@ def ledger_suite() -> dict:
             "kept_bytes": sum(g.layout.numel * 4 for u in engine.kept_for_backward() for g in u.groups)
             if stage in (3, "3-bf16") else 0,
             "psi": sum(g.layout.param_numel for g in engine.groups),
-            "groups_named": sorted({r.group for r in ledger.since(start)}),
+            "groups_named": sorted({r.group for r in training_records(ledger, start)}),
         }
     return out
 
@@ -184,22 +198,16 @@ def hybrid_suite(shard_size: int = 2) -> dict:
 
     zs.init(shard_size=shard_size)
     out = {stage: sharded_run(stage, 10, GLOBAL_BATCH) for stage in (0, 1, 2, 3)}
-    cfg, data = tiny_setup(GLOBAL_BATCH)
     mesh = zs.get_mesh()
-    torch.manual_seed(SEED)
-    model = zs.shard(GPT(cfg), stage=3)
-    engine = get_engine(model)
-    opt = zs.optimizer(model, torch.optim.AdamW, lr=LR)
-    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=mesh.world, rank=mesh.rank, seed=SEED)
+    run = tiny_run(3, GLOBAL_BATCH, clip=0.0)
+    engine = get_engine(run.model)
     ledger = zs.ledger()
     for _ in range(2):
-        x, y = collate(data, sampler.next_indices())
+        x, y = next_batch(run)
         start = ledger.next_seq
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+        step.step(run, x, y)
     by_key: dict[str, int] = {}
-    for record in ledger.since(start):
+    for record in training_records(ledger, start):
         key = f"{record.op}:{record.group}:{record.phase}"
         by_key[key] = by_key.get(key, 0) + record.bytes
     out["ledger"] = {

@@ -1,8 +1,8 @@
 """The contestants: one training step each, on the same model, data, batch and precision.
 
-Each candidate owns its model and optimizer and exposes ``step(x, y)``. Peers (torch DDP, FSDP2)
-are built with torch's own APIs, exactly as their users would; the floor is the same step with no
-distribution at all.
+Each candidate owns its model and optimizer and exposes ``step(x, y)``. Ours takes the step
+``zeroshard train`` takes; peers (torch DDP, FSDP2) are built with torch's own APIs and stepped as
+their users would (``zeroshard.step.plain_step``); the floor is that step with no distribution.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
+from zeroshard.step import IGNORE_INDEX, one_step, plain_step
 
 
 @dataclasses.dataclass
@@ -42,12 +43,7 @@ def _plain(name: str, model: nn.Module, autocast_dtype) -> Candidate:
 
 def _plain_step(model: nn.Module, opt, autocast_dtype):
     def step(x, y):
-        with torch.autocast(zs.get_mesh().device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        return plain_step(model, opt, x, y, autocast_dtype=autocast_dtype)
     return step
 
 
@@ -57,13 +53,12 @@ def floor(cfg: GPTConfig, seed: int, dtype: torch.dtype) -> Candidate:
 
 
 def sharded_step(model: nn.Module, opt):
-    """One training step of a ``zs.shard`` model: precision is the model's own, so no autocast."""
+    """One training step of a ``zs.shard`` model, the step ``zeroshard train`` takes
+    (zeroshard/step.py) without clipping, as the peers do not clip. Precision is the model's own,
+    so no autocast. Returns this rank's mean token loss."""
     def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+        out = one_step(model, opt, x, y)
+        return out.loss_sum / (y != IGNORE_INDEX).sum()
     return step
 
 

@@ -206,6 +206,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     import zeroshard as zs
     from zeroshard.models import GPT
     from zeroshard.sharding import get_engine
+    from zeroshard.step import one_step
 
     mesh = zs.get_mesh()
     torch.manual_seed(0)
@@ -215,27 +216,25 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
     gen = torch.Generator().manual_seed(1000 + mesh.rank)
-    x = torch.randint(0, cfg.vocab_size, (req["micro_batch"], req["seq"]), generator=gen).to(mesh.device)
-    y = torch.randint(0, cfg.vocab_size, (req["micro_batch"], req["seq"]), generator=gen).to(mesh.device)
-    no_sync = getattr(zs, "no_sync", None)
+    # The rank's whole slice, as training holds it; the step cuts it into `accum` micro-batches.
+    rows = req["micro_batch"] * req["accum"]
+    x = torch.randint(0, cfg.vocab_size, (rows, req["seq"]), generator=gen).to(mesh.device)
+    y = torch.randint(0, cfg.vocab_size, (rows, req["seq"]), generator=gen).to(mesh.device)
 
-    def forward_backward(activations: dict[int, int] | None, tracker=None) -> None:
-        for micro in range(req["accum"]):
-            last = micro == req["accum"] - 1
-            if micro and hasattr(tracker, "reset_mod_stats"):
+    def micro_hooks(activations: dict[int, int] | None, tracker=None):
+        @contextlib.contextmanager
+        def micro(index: int):
+            if index and hasattr(tracker, "reset_mod_stats"):
                 tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; peaks stay
-            sync = contextlib.nullcontext() if last or no_sync is None else no_sync(model)
             saved: dict[int, int] = {}
-            with sync:
-                with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext():
-                    loss = model(x, y) / req["accum"]
-                loss.backward()
+            with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext():
+                yield
             if activations is not None:  # per micro-step: each backward frees what its forward saved
                 activations["peak"] = max(activations.get("peak", 0), sum(saved.values()))
+        return micro
 
-    forward_backward(None)  # warm-up: optimizer state exists and stage 3 has its unit order
-    opt.step()
-    opt.zero_grad()
+    # Warm-up: optimizer state exists and stage 3 has its unit order.
+    one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(None))
     gc.collect()
 
     engine.reset_memory_stats()
@@ -243,17 +242,20 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
     tracker, peak, method = _peak_tracker(mesh.device, externals)
     saved: dict[int, int] = {}
+    grads: dict[int, int] = {}
+
+    def read_grads() -> None:
+        # Read after the optimizer step, when every reduction has finished: were one still pending (an
+        # engine may leave the last ones to the step), reading its shard would wait for it and change
+        # the step being measured. The step frees no grads; zeroing them comes after this.
+        grads.update(_storages([t for g in groups for t in (g.grad_full, g.grad_shard)]))
+
     sampler = _GradSampler(engine)
     with tracker, warnings.catch_warnings(), sampler.inside_hooks(), _reductions_finish_when_waited():
         # MemTracker's grad hook can read param.grad after the engine has moved it into the flat
         # buffer (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-        forward_backward(saved, tracker)
-        opt.step()
-        # Read after the step, when every reduction has finished: were one still pending (an engine
-        # may leave the last ones to the step), reading its shard would wait for it and change the
-        # step being measured. The step frees no grads.
-        grads = _storages([t for g in groups for t in (g.grad_full, g.grad_shard)])
+        one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(saved, tracker), before_zero_grad=read_grads)
     sampler.close()
     full = _storages([g.full for g in groups]) if stage < 3 else {}
     own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) if stage == 3 else {}
@@ -266,7 +268,6 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
         "total": int(peak()), "method": method, "max_inflight_reductions": engine.max_inflight_reductions,
     }
-    opt.zero_grad()
     return out
 
 

@@ -177,7 +177,7 @@ class StepProfiler:
 
 
 def for_run(run: Any, run_dir: str | Path | None) -> StepProfiler | None:
-    """The profiler for a `zeroshard.train.Run` (None when ``cfg.profile`` is off)."""
+    """The profiler for a `zeroshard.step.Run` (None when ``cfg.profile`` is off)."""
     from zeroshard.profile.flops import calibrate_peak_flops, gpt_flops
     from zeroshard.sharding import get_engine
 

@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 from zeroshard.config import TrainConfig
+from zeroshard.step import slowest_per_step
 from zeroshard.tune.grid import Candidate
 from zeroshard.tune.prune import Prediction, vocab_size
 
@@ -74,45 +75,25 @@ def host_available_bytes() -> int:
 
 
 class _Built:
-    """A candidate's model and optimizer, with the same step `zeroshard train` takes (less its
-    loss-reporting all-reduces and the LR schedule, which cost the same for every candidate)."""
+    """A candidate built and stepped exactly as `zeroshard train` builds and steps it
+    (zeroshard/step.py): every sharding option of the config, offload and the model's own shard
+    arguments included, so tune never ranks a set-up that train would run differently."""
 
     def __init__(self, cfg: TrainConfig, mesh: Any) -> None:
-        import torch
+        from zeroshard import step
 
-        import zeroshard as zs
-        from zeroshard.train import BETAS, build_model, mixed_precision
-
-        model = build_model(cfg, vocab_size(cfg), mesh.device)
-        zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
-                 reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
-                 checkpointing=cfg.checkpointing)
-        self.cfg, self.model = cfg, model
-        self.opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS,
-                                foreach=True)
-        self.scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
+        self.run = step.build(cfg, mesh)
+        self.model, self.opt = self.run.model, self.run.opt
 
     def step(self, x, y, tracker: Any = None) -> None:
-        import zeroshard as zs
+        from zeroshard import step
 
-        cfg, model, opt, scaler = self.cfg, self.model, self.opt, self.scaler
-        micro = list(zip(x.chunk(cfg.accum), y.chunk(cfg.accum)))
-        for i, (xm, ym) in enumerate(micro):
-            if i and tracker is not None:
+        def micro(index: int) -> contextlib.AbstractContextManager[None]:
+            if index and tracker is not None:
                 tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
-            with contextlib.nullcontext() if i == len(micro) - 1 else zs.no_sync(model):
-                loss = model(xm, ym) / cfg.accum
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        if cfg.clip > 0:
-            zs.clip_grad_norm_(model, cfg.clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+            return contextlib.nullcontext()
+
+        step.step(self.run, x, y, micro=micro)
 
     def externals(self, x, y) -> list:
         from zeroshard.sharding import get_engine
@@ -222,7 +203,7 @@ def summarise(spec: MeasureSpec, per_rank: list[list[dict]]) -> list[dict]:
         if errors:
             rows.append({**row, "status": "failed", "error": errors[0]})
             continue
-        steps = [max(times) for times in zip(*(r[i]["times"] for r in per_rank))]
+        steps = slowest_per_step([r[i]["times"] for r in per_rank])
         median = statistics.median(steps)
         q = statistics.quantiles(steps, n=4) if len(steps) >= 2 else [median, median, median]
         rows.append({**row, "status": "ok", "tokens_per_s": tokens / median if median > 0 else math.inf,

@@ -1,0 +1,272 @@
+"""The training step: how a run is built from a `TrainConfig`, and one optimizer step of it.
+
+This is the only place the step is written. `zeroshard train`, `zeroshard tune`, the planner's
+`--measure`, the benchmarks and the distributed tests all call it, so what they time, measure or
+check is what training runs. Callers that need to look inside a step (a memory tracker, saved
+activations, the grads before they are zeroed) pass hooks (`micro`, `before_zero_grad`) rather
+than writing their own loop. The one other loop is `zeroshard.train.reference_train`, the plain
+PyTorch reference that the runtime is checked against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+
+import zeroshard as zs
+from zeroshard.comm import faults
+from zeroshard.comm.collectives import all_reduce
+from zeroshard.config import TrainConfig, check_batch_split
+from zeroshard.data import GlobalBatchSampler, build_dataset
+from zeroshard.models import adapter
+from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.profile.timeline import phase
+from zeroshard.sharding.precision import parse_dtype
+
+BETAS = (0.9, 0.95)
+IGNORE_INDEX = -100
+METRICS_PHASE = "metrics"
+META_INIT_THRESHOLD = 50_000_000
+"""Above this many params `init="auto"` builds on the meta device (see zeroshard/materialize.py)."""
+
+Micro = Callable[[int], ContextManager[Any]]
+"""`micro(index)` returns a context entered around micro-step `index`'s forward and backward."""
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything one rank holds for a run."""
+
+    cfg: TrainConfig
+    mesh: Any
+    model: torch.nn.Module
+    opt: Any
+    scheduler: Any
+    scaler: Any
+    """A ShardedGradScaler for fp16 compute, else None."""
+    dataset: Any
+    sampler: GlobalBatchSampler
+    model_cfg: Any
+    """The GPTConfig, or for an hf: model its HFSpec; both have to_dict()."""
+    num_params: int
+    """Counted before sharding: at stage 3 the modules hold only this rank's slices."""
+    records: list[Any] = field(default_factory=list)
+    """One `zeroshard.train.StepRecord` per step taken."""
+    metric_bytes: int = 0
+    """Bytes of our own metric all-reduces, kept apart from the training traffic."""
+    profiler: Any = None
+    """A zeroshard.profile.step.StepProfiler, or None when profiling is off."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    loss_sum: torch.Tensor
+    """This rank's summed token loss (float64), over every micro-batch."""
+    grad_norm: float | None
+    """The global grad norm before clipping; None when clipping is off."""
+    metric_bytes: int
+    """Bytes of the step's own metric all-reduce (the global token count)."""
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step. `step` is 0-based."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - 1 - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A plain torch LambdaLR over `lr_at`; the step advances it once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(cfg, step) / cfg.lr)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_data(cfg: TrainConfig) -> Any:
+    return build_dataset(
+        data_path=cfg.data, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
+        vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed,
+    )
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
+                allow_meta: bool = True) -> torch.nn.Module:
+    """Seed first, so every rank (and the single-process reference) starts bit-identical.
+
+    On the meta device nothing is allocated; `zs.shard` later materialises this rank's shards
+    with the values a plain build under the same seed would have. `hf:` names build a Hugging
+    Face model (zeroshard/models/hf.py).
+    """
+    if adapter.is_hf_name(cfg.model):
+        return adapter.build_hf(cfg, vocab_size, device, allow_meta=allow_meta, threshold=META_INIT_THRESHOLD)
+    model_cfg = GPTConfig.named(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
+    if allow_meta and use_meta_init(cfg, model_cfg):
+        torch.manual_seed(cfg.seed)
+        with zs.meta_init():
+            return GPT(model_cfg)
+    torch.manual_seed(cfg.seed)
+    return GPT(model_cfg).to(device)
+
+
+def use_meta_init(cfg: TrainConfig, model_cfg: GPTConfig) -> bool:
+    if cfg.init != "auto":
+        return cfg.init == "meta"
+    with zs.meta_init():
+        return GPT(model_cfg).num_params() > META_INIT_THRESHOLD
+
+
+def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
+    return None if cfg.mp == "fp32" else zs.MixedPrecision(param_dtype=parse_dtype(cfg.mp))
+
+
+def shard_model(cfg: TrainConfig, model: torch.nn.Module, **overrides: Any) -> torch.nn.Module:
+    """`zs.shard` with every sharding option of `cfg`, offload and the model's own kwargs included.
+    `overrides` replace or add `zs.shard` arguments (a test passing its own precision policy)."""
+    offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
+    kwargs = dict(stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
+                  reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
+                  checkpointing=cfg.checkpointing, offload=offload, **adapter.shard_kwargs(model))
+    zs.shard(model, **{**kwargs, **overrides})
+    adapter.after_shard(model)  # a pretrained folder: each rank reads only its shard of the weights
+    return model
+
+
+def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, dataset: Any = None,
+          **shard_overrides: Any) -> Run:
+    """A run of `cfg` on this rank: data, sharded model, optimizer, scaler, schedule and sampler.
+
+    `model` replaces the model `cfg` names (a test's own module, built before sharding);
+    `dataset` replaces the one `cfg` describes; `shard_overrides` go to `zs.shard`.
+    """
+    check_batch_split(cfg.batch, mesh.world, cfg.accum)
+    dataset = build_data(cfg) if dataset is None else dataset
+    model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
+    num_params = adapter.num_params(model)
+    shard_model(cfg, model, **shard_overrides)
+    faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
+    opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
+    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.world, rank=mesh.rank, seed=cfg.seed)
+    return Run(
+        cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
+        dataset=dataset, sampler=sampler, model_cfg=getattr(model, "cfg", None), num_params=num_params,
+    )
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def global_token_count(targets: torch.Tensor) -> torch.Tensor:
+    """Tokens that carry a loss (targets != -100) in the whole global batch, on every rank."""
+    count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    all_reduce(count, op="sum", phase=METRICS_PHASE)
+    return count
+
+
+def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, accum: int,
+                         scaler: Any = None, micro: Micro | None = None) -> tuple[torch.Tensor, int]:
+    """Forward/backward over `accum` micro-batches; returns this rank's summed token loss and the
+    bytes of the token-count all-reduce.
+
+    Every micro-step backpropagates `loss_sum * world / global_tokens`: the runtime averages
+    over ranks (divides by world), so the gradient is exactly the mean over every loss-carrying
+    token of the global batch, however unevenly masked tokens fall across micro-batches and ranks.
+    Only the last micro-step synchronises; the others run under `zs.no_sync`.
+    """
+    count = global_token_count(y)
+    norm = zs.get_mesh().world / count
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    pairs = list(zip(x.chunk(accum), y.chunk(accum)))
+    for index, (xm, ym) in enumerate(pairs):
+        last = index == len(pairs) - 1
+        with contextlib.nullcontext() if last else zs.no_sync(model), \
+                micro(index) if micro is not None else contextlib.nullcontext():
+            with phase("forward"):
+                loss_sum, _ = adapter.loss_sum(model, xm, ym)
+            scaled = loss_sum * norm.to(loss_sum.dtype)
+            with phase("backward"):
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        total += loss_sum.detach().double()
+    return total, count.numel() * count.element_size()
+
+
+def optimizer_step(model: torch.nn.Module, opt: Any, *, clip: float, scaler: Any = None, scheduler: Any = None,
+                   before_zero_grad: Callable[[], None] | None = None) -> float | None:
+    """Unscale (fp16), clip on the global norm, step unless any rank overflowed, advance the LR
+    schedule (once per optimizer step, never per micro-step), then zero the grads."""
+    if scaler is not None:
+        scaler.unscale_(opt)
+    norm = zs.clip_grad_norm_(model, clip) if clip > 0 else None
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    if scheduler is not None:
+        scheduler.step()
+    if before_zero_grad is not None:
+        before_zero_grad()
+    opt.zero_grad()
+    return None if norm is None else float(norm)
+
+
+def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, *, accum: int = 1,
+             clip: float = 0.0, scaler: Any = None, scheduler: Any = None, micro: Micro | None = None,
+             before_zero_grad: Callable[[], None] | None = None) -> StepOutcome:
+    """One optimizer step of a `zs.shard` model on this rank's slice (`x`, `y`) of the global batch."""
+    loss_sum, metric_bytes = accumulate_gradients(model, x, y, accum=accum, scaler=scaler, micro=micro)
+    with phase("optimizer"):
+        norm = optimizer_step(model, opt, clip=clip, scaler=scaler, scheduler=scheduler,
+                              before_zero_grad=before_zero_grad)
+    return StepOutcome(loss_sum=loss_sum, grad_norm=norm, metric_bytes=metric_bytes)
+
+
+def step(run: Run, x: torch.Tensor, y: torch.Tensor, *, micro: Micro | None = None,
+         before_zero_grad: Callable[[], None] | None = None) -> StepOutcome:
+    """One optimizer step of `run`, with its config's accumulation, clipping, scaler and schedule."""
+    out = one_step(run.model, run.opt, x, y, accum=run.cfg.accum, clip=run.cfg.clip, scaler=run.scaler,
+                   scheduler=run.scheduler, micro=micro, before_zero_grad=before_zero_grad)
+    run.metric_bytes += out.metric_bytes
+    return out
+
+
+# --------------------------------------------------------------------------- the slowest rank
+
+
+def slowest_rank(value: float, device: torch.device) -> float:
+    """The largest `value` over every rank (collective). A step lasts as long as its slowest rank."""
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    all_reduce(t, op="max", phase=METRICS_PHASE)
+    return float(t.item())
+
+
+def slowest_per_step(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Step by step, the slowest rank's time, from each rank's list of step times."""
+    return [max(times) for times in zip(*per_rank)]
+
+
+# --------------------------------------------------------------------------- a peer's step
+
+
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The step a plain PyTorch user writes (mean loss, backward, step, zero_grad), for the peers a
+    benchmark holds zeroshard against (one process, torch DDP, FSDP2). Not zeroshard's step: it is
+    here so that every step any tool times is written in this one module. Returns the loss."""
+    device_type = x.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
