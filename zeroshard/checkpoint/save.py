@@ -36,6 +36,7 @@ from zeroshard.checkpoint.pieces import (SegmentIndex, ordered_refs, owned_slots
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, dtype_name
 from zeroshard.comm import collectives
 from zeroshard.sharding.engine import Engine, get_engine
+from zeroshard.sharding.optim import user_class
 
 FAULT_ENV = "ZEROSHARD_CKPT_FAULT"
 """Fault injection for tests: "rank=1,step=4" makes rank 1 SIGKILL itself halfway through writing
@@ -248,7 +249,7 @@ def _precision(model: nn.Module, optimizer) -> dict | None:
 
 def _model_info(model: nn.Module) -> dict:
     cfg = getattr(model, "cfg", None)
-    config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
+    config = cfg.to_dict() if cfg is not None and hasattr(cfg, "to_dict") else None
     return {"class": f"{type(model).__module__}.{type(model).__qualname__}",
             "config": fmt.to_json(config, "model.cfg.to_dict()")}
 
@@ -260,7 +261,7 @@ def _optimizer_info(optimizer, reports: list[dict]) -> dict | None:
     for report in reports:
         for key, values in report["scalars"].items():
             _merge_scalars_json(scalars.setdefault(int(key), {}), values, int(key))
-    base = type(optimizer).__mro__[1] if getattr(optimizer, "_zs_sharded", False) else type(optimizer)
+    base = user_class(optimizer)
     return {
         "class": f"{base.__module__}.{base.__qualname__}",
         "param_groups": [{"options": fmt.to_json({k: v for k, v in g.items() if k != "params"}, f"param group {i}"),

@@ -74,7 +74,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 class TensorFileWriter:
@@ -217,7 +217,7 @@ class TensorFile:
         if count == 0:
             return
         target = out if out.device.type == "cpu" and out.is_contiguous() else torch.empty(count, dtype=out.dtype)
-        view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+        view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
         offset = info.begin + first * info.dtype.itemsize
         done = 0
         while done < len(view):

@@ -164,7 +164,7 @@ def _reductions_finish_when_waited():
     from zeroshard.sharding.flat import FlatGroup
 
     done = FlatGroup.reduce_done
-    FlatGroup.reduce_done = property(lambda group: group._pending is None)
+    FlatGroup.reduce_done = property(lambda group: not group.reducing)
     try:
         yield
     finally:
@@ -219,7 +219,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     y = torch.randint(0, cfg.vocab_size, (req["micro_batch"], req["seq"]), generator=gen).to(mesh.device)
     no_sync = getattr(zs, "no_sync", None)
 
-    def forward_backward(activations: dict[int, int] | None, tracker=None) -> None:
+    def forward_backward(activations: dict[str, int] | None, tracker=None) -> None:
         for micro in range(req["accum"]):
             last = micro == req["accum"] - 1
             if micro and hasattr(tracker, "reset_mod_stats"):
@@ -242,7 +242,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     groups = engine.groups
     externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
     tracker, peak, method = _peak_tracker(mesh.device, externals)
-    saved: dict[int, int] = {}
+    saved: dict[str, int] = {}  # "peak": the most activation bytes one micro-step saved
     sampler = _GradSampler(engine)
     with tracker, warnings.catch_warnings(), sampler.inside_hooks(), _reductions_finish_when_waited():
         # MemTracker's grad hook can read param.grad after the engine has moved it into the flat

@@ -93,7 +93,7 @@ class Variant:
 def variants(spec: PlanSpec) -> list[Variant]:
     """DDP and ZeRO-1/2/3 over the whole world, plus hybrid and offload variants when asked."""
     out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.world) for s in range(4)]
-    if spec.hybrid:
+    if spec.hybrid and spec.shard_size is not None:  # hybrid means a shard size below the world
         out += [Variant(name=f"{STAGE_NAMES[s]}_hybrid", stage=s, shards=spec.shard_size) for s in (1, 2, 3)]
     if spec.offload == "optimizer":
         out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=spec.world, offload="optimizer")

@@ -70,7 +70,7 @@ class Recommendation:
 def _dominant(layout: LayoutPlan) -> str:
     values = layout.device.as_dict()
     states = layout.device.model_states
-    best = max((n for n in COMPONENTS if n not in ("params", "grads", "master", "optimizer")), key=values.get)
+    best = max((n for n in COMPONENTS if n not in ("params", "grads", "master", "optimizer")), key=lambda n: values[n])
     return "model states" if states >= values[best] else best
 
 

@@ -176,7 +176,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
     shape = (base.batch // mesh.world, base.seq_len)
     x = torch.randint(0, vocab_size(base), shape, generator=gen).to(mesh.device)
     y = torch.randint(0, vocab_size(base), shape, generator=gen).to(mesh.device)
-    out = [{"times": [], "peak_bytes": None, "error": None} for _ in spec.candidates]
+    out: list[dict[str, Any]] = [{"times": [], "peak_bytes": None, "error": None} for _ in spec.candidates]
     built: dict[int, _Built] = {}
     for _ in range(spec.rounds):
         for i, cand in enumerate(spec.candidates):
