@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 import zeroshard as zs
+from zeroshard import faults as fault_points
 from zeroshard.comm import desync, faults
 from zeroshard.comm.collectives import all_gather_object, all_reduce
 from zeroshard.comm.watchdog import Diagnostics, process_group_timeout
@@ -43,7 +43,6 @@ from zeroshard.sharding.precision import parse_dtype
 from zeroshard.profile import step as step_profile
 from zeroshard.profile.timeline import phase
 
-FAULT_ENV = "ZEROSHARD_FAULT"
 """Fault injection for tests: "rank=1,step=3" makes rank 1 raise at the start of step 3
 (1-based, as printed)."""
 
@@ -111,7 +110,7 @@ class Run:
     """Bytes of our own metric all-reduces, kept apart from the training traffic."""
 
 
-# --------------------------------------------------------------------------- schedule and faults
+# --------------------------------------------------------------------------- schedule
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -126,23 +125,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """A plain torch LambdaLR over `lr_at`; the loop steps it once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(cfg, step) / cfg.lr)
-
-
-def parse_fault(spec: str | None) -> tuple[int, int] | None:
-    """Parse ZEROSHARD_FAULT="rank=R,step=S" into (R, S)."""
-    if not spec:
-        return None
-    try:
-        parts = dict(kv.split("=", 1) for kv in spec.replace(" ", "").split(","))
-        return int(parts["rank"]), int(parts["step"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{FAULT_ENV}={spec!r} is malformed; use e.g. 'rank=1,step=3'") from e
-
-
-def maybe_inject_fault(rank: int, step: int) -> None:
-    fault = parse_fault(os.environ.get(FAULT_ENV))
-    if fault is not None and fault == (rank, step):
-        raise RuntimeError(f"injected fault ({FAULT_ENV}) on rank {rank} at step {step}")
 
 
 # --------------------------------------------------------------------------- building
@@ -190,6 +172,7 @@ def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
 
 
 def setup(cfg: TrainConfig, mesh: Any) -> Run:
+    fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable fails here, before anything is built
     check_batch_split(cfg.batch, mesh.world, cfg.accum)
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, mesh.device)
@@ -272,7 +255,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step on this rank's slice of the global batch."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    maybe_inject_fault(run.mesh.rank, step + 1)  # 1-based, as the progress output counts
+    fault_points.point("train.step", rank=run.mesh.rank, step=step + 1)  # 1-based, as the progress counts
     lr = run.opt.param_groups[0]["lr"]
     with phase("data"):
         x, y = collate(run.dataset, run.sampler.next_indices())

@@ -65,7 +65,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
-    a parameter count (analytic mode, the seeds' textbook table). ``batch`` is the global batch per
+    a parameter count (analytic mode, the ZeRO paper's textbook table). ``batch`` is the global batch per
     optimizer step (default: one sequence per rank per micro-step). ``device`` picks the backend's
     behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
     which sets its scratch. Reductions complete asynchronously on both backends (NCCL's stream,

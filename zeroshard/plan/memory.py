@@ -6,8 +6,9 @@ Two accountings:
   ``zs.shard`` runs (docs/runtime.md, "Memory contract per rank"). Padding, frozen params, tied
   weights, the separate fp32 reduced-grad shard from stage 1, and masters that alias fp32 params
   are all as the runtime does them.
-- ``textbook`` (a bare parameter count): the seeds' table, 2Ψ + 2Ψ + 12Ψ split per stage, with the
-  optimizer's bytes still discovered by running it (MISSION M1, M3).
+- ``textbook`` (a bare parameter count): the ZeRO paper's table, 2Ψ + 2Ψ + 12Ψ split per stage,
+  with the optimizer's bytes still discovered by running it, because "12 bytes for Adam" holds only
+  for fp32 moments and master over 16-bit params.
 
 docs/planner.md gives the formulas.
 """
@@ -432,7 +433,7 @@ class Estimator:
 
     # -- textbook accounting ------------------------------------------------------------------
     def _textbook(self, v: Variant) -> tuple[dict[str, int], Transient, int, int]:
-        """The seeds' table: no padding, grads in the reduce dtype, optimizer cost from the probe."""
+        """The ZeRO paper's table: no padding, grads in the reduce dtype, optimizer cost from the probe."""
         m = torch.float32
         c, r = self.compute(m), self.reduce(m)
         psi, frozen, n = self.psi, self.frozen, v.shards

@@ -67,6 +67,19 @@ class StagePolicy:
 
 
 class FlatGroup:
+    """The params of one unit that share a dtype and trainability, laid out in one flat buffer.
+
+    ``full`` is the whole buffer in the compute dtype (params are views of it while unsharded);
+    ``shard`` is this rank's ``[lo, hi)`` slice of the fp32 (master dtype) values, which the
+    optimizer updates; ``grad_full`` and ``grad_shard`` are the same two extents for grads. What
+    persists is the stage's choice (``StagePolicy``): stage 0 keeps everything whole, stage 1 adds
+    the sharded master and grad shard, stage 2 frees full grads once reduced, stage 3 also frees
+    ``full`` between uses and shows the modules 1-D shard params (``sharded_params``) meanwhile.
+    The group owns its collectives: ``gather_full`` (all-gather into ``full``), ``launch_reduce`` /
+    ``finish_reduce`` (reduce-scatter or all-reduce of the grads, plus the replica all-reduce when
+    hybrid) and ``sync_params`` (all-gather of updated shards at stages 1-2).
+    """
+
     def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, store=None) -> None:
         self.unit = unit

@@ -1,4 +1,4 @@
-"""The precision manifest: every dtype a run uses, by role (MISSION M13)."""
+"""The precision manifest: every dtype a run uses, by role, read from the buffers rather than the flags."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A unit is a module whose params are gathered and reduced together (a transformer block); the root
 unit takes every param no other unit owns (embeddings, final norm, head). A param registered in
 more than one place (tied embedding and LM head, or any shared weight) gets exactly one owner, so
-it is flattened once, lives in one storage and is reduced once (MISSION M17). If its places span
+it is flattened once, lives in one storage and is reduced once (two copies would drift apart). If its places span
 two units it is owned by the root, which stays unsharded for the whole forward and backward, so
 every user of the param sees the same storage.
 """

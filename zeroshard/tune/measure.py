@@ -23,11 +23,12 @@ import time
 import warnings
 from typing import Any
 
+from zeroshard import faults
 from zeroshard.config import TrainConfig
 from zeroshard.tune.grid import Candidate
 from zeroshard.tune.prune import Prediction, vocab_size
 
-FAULT_ENV = "ZEROSHARD_TUNE_FAULT"
+FAULT_ENV = faults.env_var("tune.build")
 """For tests: a candidate name (as printed) whose build raises on every rank."""
 
 
@@ -185,8 +186,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
             error = None
             try:
                 if i not in built:
-                    if os.environ.get(FAULT_ENV) == cand.name:
-                        raise RuntimeError(f"injected fault ({FAULT_ENV})")
+                    faults.point("tune.build", candidate=cand.name)
                     built[i] = _Built(dataclasses.replace(base, **cand.train_keys()), mesh)
                     for _ in range(spec.warmup):
                         built[i].step(x, y)
@@ -235,4 +235,5 @@ def measure(spec: MeasureSpec, *, timeout_s: float = 3600.0) -> list[dict]:
     """Run every candidate of ``spec`` on ``spec.base.nproc`` local ranks; rows in spec order."""
     from zeroshard.launch import spawn
 
+    faults.configure()  # a malformed fault variable fails here, not in every rank
     return summarise(spec, spawn(rank_main, spec.base.nproc, args=(spec,), timeout_s=timeout_s))
