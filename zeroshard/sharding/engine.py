@@ -68,8 +68,9 @@ class Engine:
     first step) and resharded after; at stages 0-2 units are buckets of about ``bucket_bytes`` whose
     params stay whole. Post-accumulate-grad hooks mark params ready; a unit whose grads are all in
     launches its reduction, strictly in ``reduce_order`` so every rank issues the same collectives.
-    Reductions are finished (waited on, full grads freed) in that same order, lazily: when a grad
-    shard is read (optimizer, clipping), at the next forward, or when too many are in flight.
+    Reductions are finished (waited on, full grads freed) in that same order: when a grad shard is
+    read (optimizer, clipping), at the next forward, when too many are in flight, and, without a
+    replicate group, as soon as they are done (``_reap_finished`` says why hybrid waits).
     See docs/runtime.md for the lifecycle and memory contract of each stage.
     """
 
