@@ -134,7 +134,7 @@ def worker(cfg: TrainConfig, steps: int, repeats: int) -> dict:
                         direct.append((t1 - t0) + (t3 - t2))
                     collectives.append(ledger.next_seq - seq)
                     if profiler is not None:
-                        _, _, spans, samples = profiler._last
+                        _, _, spans, samples = profiler.last_window
                         counts.append((len(spans), len(samples)))
                     step += 1
                 if profiler is not None:
@@ -177,7 +177,8 @@ def main() -> None:
     print(f"{args.model} stage {args.stage}, world 2, batch {args.batch}x{args.seq_len}: "
           f"{len(off)} steps off, {len(on)} on; per step {result['collectives']:.0f} collectives, "
           f"{spans:.0f} spans, {samples:.0f} memory samples")
-    print(f"  A/B    median step off {med_off * 1e3:.2f} ms, on {med_on * 1e3:.2f} ms ({(med_on - med_off) / med_off * 100:+.2f}%); "
+    print(f"  A/B    median step off {med_off * 1e3:.2f} ms, on {med_on * 1e3:.2f} ms "
+          f"({(med_on - med_off) / med_off * 100:+.2f}%); "
           f"faster half off {fast_half(off) * 1e3:.2f}, on {fast_half(on) * 1e3:.2f} "
           f"({(fast_half(on) - fast_half(off)) / fast_half(off) * 100:+.2f}%); noise: the off steps' IQR is "
           f"{(statistics.quantiles(off, n=4)[2] - statistics.quantiles(off, n=4)[0]) / med_off * 100:.1f}% of their median")

@@ -89,7 +89,7 @@ class MarkovSource:
         """Stationary distribution ``pi`` over the ``V**k`` contexts, shape (S,)."""
         return self._stationary
 
-    def _step(self, pi: np.ndarray) -> np.ndarray:
+    def advance(self, pi: np.ndarray) -> np.ndarray:
         """One step of the context chain: (a1..ak) -> (a2..ak, b) with prob P(b | a1..ak)."""
         V = self.vocab_size
         flow = pi[:, None] * self.transitions  # (S, V): mass moving from s via token b
@@ -102,7 +102,7 @@ class MarkovSource:
         for _ in range(max_iters):
             # The lazy chain (stay with prob 1/2) has the same stationary distribution but
             # is aperiodic, so the iteration converges even if the sparse chain cycles.
-            nxt = 0.5 * (pi + self._step(pi))
+            nxt = 0.5 * (pi + self.advance(pi))
             nxt /= nxt.sum()
             if np.abs(nxt - pi).sum() < tol:
                 return nxt

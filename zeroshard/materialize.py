@@ -48,28 +48,32 @@ def meta_init():
 def reset_parameters(model: nn.Module) -> None:
     """What torch layers do while being constructed: each module's reset, in module order."""
     for module in model.modules():
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
 
 def reset_then_init_weights(model: nn.Module) -> None:
     """For models whose layers draw their default init while being built and whose
     ``init_weights()`` then overwrites it (the Hugging Face pattern): both draws, in that order."""
     reset_parameters(model)
-    model.init_weights()
+    init: Callable[[], None] = getattr(model, "init_weights")  # HF models have one (see the docstring)
+    init()
 
 
 def default_init_fn(model: nn.Module) -> None:
     """``init_weights()`` alone if the model has one (its layers must not draw random numbers
     before it, as zeroshard's GPT guarantees by building them on meta), else every reset."""
-    if callable(getattr(model, "init_weights", None)):
-        model.init_weights()
+    init = getattr(model, "init_weights", None)
+    if callable(init):
+        init()
     else:
         reset_parameters(model)
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    # Meta storages all have data_ptr 0, so only the storage object's own handle tells them apart.
+    return t.untyped_storage()._cdata  # noqa: SLF001 (no public API)
 
 
 class _Target:
@@ -183,7 +187,7 @@ def materialize(model: nn.Module, engine: Engine, init_fn: Callable[[nn.Module],
     for group in engine.groups:
         for ref in group.refs:
             for module, attr in ref.places:
-                module._parameters[attr] = ref.param
+                module._parameters[attr] = ref.param  # noqa: SLF001 (swaps a registered param; torch has no public API)
     replay = _InitReplay(targets, engine.mesh.device)
     with replay, _route_meta_shortcuts(replay), torch.no_grad():
         (init_fn or default_init_fn)(model)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import resource
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 import zeroshard as zs
+from zeroshard import faults as fault_points
 from zeroshard.comm import desync
 from zeroshard.comm.collectives import all_gather_object, all_reduce
 from zeroshard.comm.watchdog import Diagnostics, process_group_timeout
@@ -45,9 +45,6 @@ from zeroshard.step import (  # noqa: F401 - re-exported: callers import the run
 from zeroshard.profile import step as step_profile
 from zeroshard.profile.timeline import phase
 
-FAULT_ENV = "ZEROSHARD_FAULT"
-"""Fault injection for tests: "rank=1,step=3" makes rank 1 raise at the start of step 3
-(1-based, as printed)."""
 
 
 
@@ -86,31 +83,12 @@ class StepRecord:
     """This step's time breakdown, communication, memory and MFU (zeroshard/profile/step.py)."""
 
 
-# --------------------------------------------------------------------------- schedule and faults
-
-
-def parse_fault(spec: str | None) -> tuple[int, int] | None:
-    """Parse ZEROSHARD_FAULT="rank=R,step=S" into (R, S)."""
-    if not spec:
-        return None
-    try:
-        parts = dict(kv.split("=", 1) for kv in spec.replace(" ", "").split(","))
-        return int(parts["rank"]), int(parts["step"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{FAULT_ENV}={spec!r} is malformed; use e.g. 'rank=1,step=3'") from e
-
-
-def maybe_inject_fault(rank: int, step: int) -> None:
-    fault = parse_fault(os.environ.get(FAULT_ENV))
-    if fault is not None and fault == (rank, step):
-        raise RuntimeError(f"injected fault ({FAULT_ENV}) on rank {rank} at step {step}")
-
-
 # --------------------------------------------------------------------------- building
 
 
 def setup(cfg: TrainConfig, mesh: Any) -> Run:
     """This rank's run of `cfg` (zeroshard/step.py builds it)."""
+    fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable fails here, before anything is built
     return step_mod.build(cfg, mesh)
 
 
@@ -126,7 +104,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step on this rank's slice of the global batch."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    maybe_inject_fault(run.mesh.rank, step + 1)  # 1-based, as the progress output counts
+    fault_points.point("train.step", rank=run.mesh.rank, step=step + 1)  # 1-based, as the progress counts
     lr = run.opt.param_groups[0]["lr"]
     with phase("data"):
         x, y = collate(run.dataset, run.sampler.next_indices())

@@ -166,7 +166,8 @@ def optimizer_suite(steps: int = 5) -> dict:
                 model(x).backward()
                 opt.step()
                 opt.zero_grad()
-            state = zs.full_state_dict(model) if stage != "ref" else {k: v.detach().clone() for k, v in model.state_dict().items()}
+            state = (zs.full_state_dict(model) if stage != "ref"
+                     else {k: v.detach().clone() for k, v in model.state_dict().items()})
             out[(name, stage)] = state
     return out
 

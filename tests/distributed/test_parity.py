@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import workloads as w
 from zeroshard.launch import spawn

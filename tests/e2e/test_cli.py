@@ -157,6 +157,18 @@ def test_fault_on_rank1_fails_fast_and_names_rank1(tmp_path: Path) -> None:
     assert elapsed < 90, f"took {elapsed:.0f}s: the surviving rank was not stopped promptly"
 
 
+def test_malformed_fault_variable_is_one_error_line_before_launch(tmp_path: Path) -> None:
+    # Before the named fault points, this spec raised a KeyError halfway through the first save.
+    proc = run_cli(["train", *FAST, "--nproc", "2", "--steps", "2", "--run-dir", str(tmp_path / "run")],
+                   env={"ZEROSHARD_CKPT_FAULT": "rank=1"}, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0
+    err_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("zeroshard train: error")]
+    assert len(err_lines) == 1, proc.stderr
+    assert "ZEROSHARD_CKPT_FAULT='rank=1' is malformed: missing step" in err_lines[0], err_lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
 def test_toml_config_is_honoured_and_flags_override_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     toml = tmp_path / "run.toml"

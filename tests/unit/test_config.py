@@ -128,12 +128,3 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
     assert lrs[-1] == pytest.approx(1e-4)
     assert TrainConfig(steps=1, warmup=0).lr == lr_at(TrainConfig(steps=1, warmup=0), 0)
-
-
-def test_fault_spec_parsing() -> None:
-    from zeroshard.train import parse_fault
-
-    assert parse_fault(None) is None
-    assert parse_fault("rank=1,step=3") == (1, 3)
-    with pytest.raises(ValueError, match="rank=1,step=3"):
-        parse_fault("rank=one")

@@ -30,7 +30,7 @@ def test_stationary_distribution_is_a_fixed_point(source):
     assert pi.shape == (64**2,)
     assert pi.sum() == pytest.approx(1.0, abs=1e-12)
     assert np.all(pi >= 0)
-    np.testing.assert_allclose(source._step(pi), pi, atol=1e-12)
+    np.testing.assert_allclose(source.advance(pi), pi, atol=1e-12)
 
 
 def test_entropy_rate_matches_empirical_log_loss(source):

@@ -22,8 +22,8 @@ LAYOUTS = ("ddp", "zero1", "zero2", "zero3")
 GB = 10**9
 
 
-# -- the seeds' table (MISSION M3) ------------------------------------------------------------------
-def test_7b_on_8_ranks_reproduces_the_seeds_table():
+# -- the ZeRO paper's table ----------------------------------------------------------------------
+def test_7b_on_8_ranks_reproduces_the_zero_paper_table():
     p = plan(7e9, world=8)
     states = {name: p[name].device.model_states for name in LAYOUTS}
     assert states == {"ddp": 112 * GB, "zero1": 38.5 * GB, "zero2": 26.25 * GB, "zero3": 14 * GB}
@@ -49,7 +49,7 @@ def test_cli_table_prints_every_stage(capsys):
     assert "112.00" in text and "38.50" in text and "26.25" in text and "14.00" in text
 
 
-# -- optimizer state is discovered, not assumed (M1) -------------------------------------------------
+# -- optimizer state is discovered, not assumed -----------------------------------------------------
 def test_optimizer_probe_reads_real_state():
     assert probe(torch.optim.AdamW, torch.float32).per_element == 8
     assert probe(torch.optim.AdamW, torch.bfloat16).per_element == 4  # bf16 moments, no master
@@ -205,7 +205,7 @@ def test_cpu_optimizer_scratch_is_two_temporaries_and_the_previous_denominator()
     assert p["zero1"].device.allocated == states + 3 * mlp
 
 
-# -- activations (M2) -----------------------------------------------------------------------------
+# -- activations (not divided by ZeRO) ------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpt_activation_formula_is_exact_against_saved_tensors(dtype):
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=256, seq_len=64)
@@ -284,7 +284,7 @@ def test_parsers():
         plan(7e9, world=8, accounting="runtime")
 
 
-# -- recommender (M4) -----------------------------------------------------------------------------
+# -- recommender: the cheapest layout that fits, not the highest stage ----------------------------
 def test_recommender_picks_zero2_over_zero3_when_it_fits():
     rec = recommend(7e9, world=8, device_mem="34GB")
     assert rec.layout == "zero2" and rec.checkpointing == "none"

@@ -9,6 +9,8 @@ so measuring memory never overlaps timing.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 import statistics
 import time
 
@@ -44,11 +46,13 @@ _ALWAYS = ("floor", "ddp", "fsdp2")
 
 def _candidates(spec: BenchSpec, cfg: GPTConfig):
     dtype = parse_dtype(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"bench dtype must be fp32, bf16 or fp16, got {spec.dtype!r}")
     unknown = set(spec.only) - set(RUN_KEYS)
     if unknown:
         raise ValueError(f"unknown bench runs {sorted(unknown)}; choose from {', '.join(RUN_KEYS)}")
     makers = {"floor": lambda: c.floor(cfg, spec.seed, dtype),
-              **{f"stage{s}": (lambda s=s: c.ours(cfg, spec.seed, dtype, s)) for s in (0, 1, 2, 3)},
+              **{f"stage{s}": functools.partial(c.ours, cfg, spec.seed, dtype, s) for s in (0, 1, 2, 3)},
               "ddp": lambda: c.torch_ddp(cfg, spec.seed, dtype),
               "fsdp2": lambda: c.fsdp2(cfg, spec.seed, dtype, True),
               "fsdp2-noreshard": lambda: c.fsdp2(cfg, spec.seed, dtype, False)}
@@ -88,7 +92,7 @@ def rank_main(spec: BenchSpec) -> dict:
     x = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
     y = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
     built = [make() for make in _candidates(spec, cfg)]
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for cand in built:
         for _ in range(spec.warmup):
             cand.step(x, y)

@@ -20,7 +20,7 @@ class Found:
 def complete_checkpoints(root: str | Path) -> list[Found]:
     """Directories in ``root`` with a readable zeroshard manifest, newest first (by step, then time)."""
     root = Path(root)
-    found = []
+    found: list[Found] = []
     if not root.is_dir():
         return found
     for path in root.iterdir():

@@ -34,7 +34,7 @@ RANK_META_KEY = "zeroshard.rank"
 """Key of the per-rank JSON (rank, RNG states) in each rank file's safetensors metadata."""
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_REQUIRED = {
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "format": str, "version": int, "step": (int, type(None)), "world": int, "stage": int,
     "params": list, "buffers": list, "groups": list, "ranks": list, "files": dict,
 }

@@ -30,6 +30,8 @@ from zeroshard.checkpoint.pieces import SegmentIndex, owned_slots, persistent_bu
 from zeroshard.checkpoint.tensorfile import TensorFile, dtype_name
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.comm import collectives
+from zeroshard.sharding.engine import find_engine
+from zeroshard.sharding.optim import user_class
 
 
 @dataclasses.dataclass
@@ -152,7 +154,7 @@ class Plan:
         if saved is None:
             raise CheckpointError(f"{self.where} holds no optimizer state (it was saved with optimizer=None); "
                                   "load without an optimizer")
-        base = type(optimizer).__mro__[1] if getattr(optimizer, "_zs_sharded", False) else type(optimizer)
+        base = user_class(optimizer)
         name = f"{base.__module__}.{base.__qualname__}"
         if name != saved["class"]:
             raise CheckpointError(f"{self.where} holds {saved['class']} state but the optimizer is {name}")
@@ -271,9 +273,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler
     ``nn.Module`` loads the full params with no process group (``optimizer`` must then be None).
     ``rng=True`` restores this rank's torch/numpy/python RNG states.
     """
-    engine = getattr(model, "_zeroshard_engine", None)
+    engine = find_engine(model)
     rank = engine.mesh.rank if engine is not None else 0
-    plan, problem = None, None
+    plan: Plan | None = None
+    problem: str | None = None
     try:
         directory = resolve(path)
         plan = Plan(directory, fmt.read_manifest(directory))
@@ -303,6 +306,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler
         if plan is not None:
             plan.reader.close()
         raise CheckpointError(problem)
+    assert plan is not None  # no rank had a problem, so every step above ran
 
     try:
         plan.execute()

@@ -16,6 +16,7 @@ from torch import nn
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.sharding.flat import FlatGroup
+from zeroshard.sharding.optim import sharded_state
 from zeroshard.sharding.layout import ALIGN, FlatLayout, Slot
 
 
@@ -68,8 +69,8 @@ class SegmentIndex:
     """The sharded optimizer's segments, findable by flat group and buffer range."""
 
     def __init__(self, optimizer) -> None:
-        segments = getattr(getattr(optimizer, "_zs_segments", None), "entries", None)
-        if segments is None:
+        state = sharded_state(optimizer)
+        if state is None:
             raise CheckpointError(
                 f"the optimizer is a plain {type(optimizer).__name__}; checkpoints need the sharded optimizer "
                 "from zs.optimizer(model, cls, ...) (its params are the shard segments the state is kept on)")
@@ -77,7 +78,7 @@ class SegmentIndex:
         self.optimizer = optimizer
         self.by_group: dict[int, list[Segment]] = {}
         self.all: list[Segment] = []
-        for param, group, start, stop in segments:
+        for param, group, start, stop in state.segments.entries:
             segment = Segment(param, group, start, stop, group_of[id(param)])
             self.by_group.setdefault(id(group), []).append(segment)
             self.all.append(segment)
@@ -118,8 +119,8 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Buffers that belong in a state dict (``register_buffer(..., persistent=False)`` ones do not)."""
     out = []
     for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is None or name in module._non_persistent_buffers_set:
+        for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
+            if name in module._non_persistent_buffers_set:  # noqa: SLF001 (no public API)
                 continue
             out.append((f"{module_name}.{name}" if module_name else name, buffer))
     return out

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +33,11 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.pieces import (SegmentIndex, ordered_refs, owned_slots, persistent_buffers, split_state,
                                          writer_range)
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, dtype_name
+from zeroshard import faults
 from zeroshard.comm import collectives
 from zeroshard.sharding.engine import Engine, get_engine
+from zeroshard.sharding.optim import user_class
 
-FAULT_ENV = "ZEROSHARD_CKPT_FAULT"
-"""Fault injection for tests: "rank=1,step=4" makes rank 1 SIGKILL itself halfway through writing
-its file for the checkpoint of step 4, as a node dying mid-save would."""
 
 PHASE = "checkpoint"
 
@@ -63,6 +61,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     one after a successful commit. Returns the committed directory.
     """
     engine = get_engine(model)
+    faults.armed("ckpt.write")  # a malformed ZEROSHARD_CKPT_FAULT fails here, before any file is written
     mesh = engine.mesh
     final = Path(path)
     partial = final.parent / f".{final.name}.partial"
@@ -120,15 +119,6 @@ def _side_state(scheduler, sampler, scaler, extra) -> dict[str, Any]:
     return out
 
 
-def _maybe_die(rank: int, step: int | None) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = dict(kv.split("=", 1) for kv in spec.replace(" ", "").split(","))
-    if int(parts["rank"]) == rank and step is not None and int(parts["step"]) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def write_rank_file(directory: Path, model: nn.Module, engine: Engine, optimizer, step: int | None) -> dict:
     """Stream this rank's pieces (masters, elementwise optimizer state) and RNG into its file."""
     rank, world = engine.mesh.rank, engine.mesh.world
@@ -172,7 +162,7 @@ def write_rank_file(directory: Path, model: nn.Module, engine: Engine, optimizer
         for i, (entry, value) in enumerate(zip(entries, values)):
             if i == len(entries) // 2:
                 writer.flush()
-                _maybe_die(rank, step)
+                faults.point("ckpt.write", rank=rank, step=step)  # ZEROSHARD_CKPT_FAULT: die mid-write
             writer.write(entry.name, value)
         digest, size = writer.close()
     except BaseException:
@@ -248,7 +238,7 @@ def _precision(model: nn.Module, optimizer) -> dict | None:
 
 def _model_info(model: nn.Module) -> dict:
     cfg = getattr(model, "cfg", None)
-    config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
+    config = cfg.to_dict() if cfg is not None and hasattr(cfg, "to_dict") else None
     return {"class": f"{type(model).__module__}.{type(model).__qualname__}",
             "config": fmt.to_json(config, "model.cfg.to_dict()")}
 
@@ -260,7 +250,7 @@ def _optimizer_info(optimizer, reports: list[dict]) -> dict | None:
     for report in reports:
         for key, values in report["scalars"].items():
             _merge_scalars_json(scalars.setdefault(int(key), {}), values, int(key))
-    base = type(optimizer).__mro__[1] if getattr(optimizer, "_zs_sharded", False) else type(optimizer)
+    base = user_class(optimizer)
     return {
         "class": f"{base.__module__}.{base.__qualname__}",
         "param_groups": [{"options": fmt.to_json({k: v for k, v in g.items() if k != "params"}, f"param group {i}"),

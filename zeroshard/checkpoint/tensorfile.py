@@ -2,11 +2,16 @@
 
 We write the safetensors layout ourselves instead of calling ``safetensors.torch.save_file``:
 
-- the library refuses tensors that share storage, and every piece we save is a view into one flat
-  buffer, so it would force a copy of the whole shard;
-- a streaming writer needs only the header up front (names, dtypes, shapes), so a consolidated
-  export holds one tensor in memory at a time, not the model;
-- the sha256 is computed from the same buffers as they are written, so hashing costs no extra read.
+- ``save_file`` takes every tensor at once, as one dict, and moves each accelerator tensor to a
+  host copy that it keeps until the file is written. A streaming writer needs only the header up
+  front (names, dtypes, shapes), so a consolidated export holds one tensor in memory at a time, not
+  the whole model, and a rank's accelerator pieces reach the host one tensor at a time;
+- the sha256 is computed from the same buffers as they are written, so hashing costs no extra read
+  of a file that may be many GB.
+
+(The library does accept our pieces as they are: safetensors 0.8 saves non-overlapping views of one
+flat buffer without a copy; it refuses only tensors whose memory overlaps, such as the same tensor
+under two names.)
 
 Reading is also ours: a piece of a param may be needed in part (when resharding), so we read an
 element range straight into the destination tensor with ``readinto``; no mmap, whose touched pages
@@ -74,7 +79,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 class TensorFileWriter:
@@ -217,7 +222,7 @@ class TensorFile:
         if count == 0:
             return
         target = out if out.device.type == "cpu" and out.is_contiguous() else torch.empty(count, dtype=out.dtype)
-        view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+        view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
         offset = info.begin + first * info.dtype.itemsize
         done = 0
         while done < len(view):

@@ -8,6 +8,7 @@ needed, so the same code serves ``zs.load``, ``--resume auto`` and ``zeroshard c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -91,7 +92,7 @@ def problems(directory: str | Path) -> list[str]:
     return found
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory, or a root holding a ``latest`` pointer, to the checkpoint directory."""
     path = Path(path)
     if (path / fmt.MANIFEST).is_file():

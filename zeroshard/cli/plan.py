@@ -1,6 +1,7 @@
-"""`zeroshard plan`: per-rank memory of DDP and ZeRO-1/2/3 before you choose (MISSION M1-M4).
+"""`zeroshard plan`: per-rank memory of DDP and ZeRO-1/2/3 before you choose, so the choice rests
+on arithmetic rather than on "a higher stage is better".
 
-  zeroshard plan --params 7e9 --world 8                    the seeds' textbook table
+  zeroshard plan --params 7e9 --world 8                    the ZeRO paper's textbook table
   zeroshard plan --model small --world 4 --batch 8 --seq 512
   zeroshard plan --model medium --world 16 --device-mem 24GB --inter-gbps 100 --gpus-per-node 8
   zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured

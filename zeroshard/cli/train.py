@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from zeroshard import faults as fault_points
 from zeroshard.config import TrainConfig, field_help, field_names, load_toml, merge_config
 
 
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     forced = {"nproc": int(os.environ["WORLD_SIZE"])} if under_torchrun else {}
     try:
         cfg = config_from_args(args, forced=forced)
+        fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable is a one-line error before launch
     except ValueError as e:
         return fail("train", str(e))
     if under_torchrun:

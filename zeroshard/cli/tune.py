@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     for p in pruned:
         console.print(f"pruned {p.candidate.name}: {p.reason}", highlight=False, soft_wrap=True)
     if not kept:
+        assert budget is not None  # without a budget nothing is pruned
         smallest = min(pruned, key=lambda p: p.prediction.total)
         return fail("tune", f"no candidate fits {mb(budget)} per rank: the smallest, {smallest.candidate.name}, "
                             f"is predicted at {mb(smallest.prediction.total)}; widen the grid (--stages 3, "

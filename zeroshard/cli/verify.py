@@ -42,7 +42,7 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
     p_stage0, miss_stage0 = _params_max_diff(dist["params"], stage0["params"])
     loss_diffs = _loss_diffs(dist["losses"], ref["losses"])
     missing = sorted(set(miss_single) | set(miss_stage0))
-    result = {
+    result: dict[str, Any] = {
         "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "steps": cfg.steps,
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
         "tol": tol, "loss_tol": loss_tol,

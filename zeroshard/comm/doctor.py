@@ -113,8 +113,9 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
     hi = min(next_seq.values())
     report["compared"] = [lo, hi]
     for seq in range(lo, hi):
-        entries = {r: by_seq[r].get(seq) for r in ranks}
-        if any(e is None for e in entries.values()):
+        found = {r: by_seq[r].get(seq) for r in ranks}
+        entries = {r: e for r, e in found.items() if e is not None}
+        if len(entries) < len(found):
             continue
         prints = {r: _fingerprint(e) for r, e in entries.items()}
         if len(set(prints.values())) > 1:

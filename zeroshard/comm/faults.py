@@ -14,7 +14,8 @@ training step S (1-based), at the module ``U`` (a unit, e.g. ``blocks.2``):
 - ``swap-units``: rank R runs U and ``other`` in swapped order; at stage 3 the all-gathers still
   pair (same shapes), so nothing hangs: only the desync check or the doctor can tell.
 
-Nothing here runs unless the variable is set.
+Nothing here runs unless the variable is set. This is the ``comm.unit`` point of zeroshard/faults.py,
+which parses and validates the spec.
 """
 
 from __future__ import annotations
@@ -24,25 +25,18 @@ import os
 import torch
 from torch import nn
 
+import zeroshard.faults
 from zeroshard.comm import collectives
 
-FAULT_ENV = "ZEROSHARD_COMM_FAULT"
-KINDS = ("skip-unit", "raise", "bad-shape", "bad-dtype", "swap-units")
+FAULT_ENV = zeroshard.faults.env_var("comm.unit")
+KINDS = zeroshard.faults.COMM_KINDS
 
 
 def parse(spec: str | None) -> dict | None:
-    if not spec:
-        return None
-    try:
-        parts = dict(kv.split("=", 1) for kv in spec.replace(" ", "").split(","))
-        fault = {"kind": parts["kind"], "rank": int(parts["rank"]), "step": int(parts["step"]),
-                 "unit": parts["unit"], "other": parts.get("other")}
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{FAULT_ENV}={spec!r} is malformed; use e.g. 'kind=raise,rank=1,step=2,unit=blocks.2'") from e
-    if fault["kind"] not in KINDS:
-        raise ValueError(f"{FAULT_ENV}: kind={fault['kind']!r} is unknown; use one of {KINDS}")
-    if fault["kind"] == "swap-units" and not fault["other"]:
-        raise ValueError(f"{FAULT_ENV}: swap-units needs other=UNIT")
+    """The fault spec as a dict (None when unset); parsed and validated by zeroshard.faults."""
+    fault = zeroshard.faults.parse("comm.unit", spec)
+    if fault is not None:
+        fault.setdefault("other", None)
     return fault
 
 

@@ -25,7 +25,10 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zeroshard.comm.ring import RingMirror
 
 
 class CollectiveState(enum.Enum):
@@ -98,7 +101,7 @@ class Ledger:
         """Set by the training loop; stamped on every new record."""
         self.hash = 0
         """Running CRC-32 of every record's fingerprint, in order; never rolls off (desync check)."""
-        self.mirror = None
+        self.mirror: RingMirror | None = None  # set by the watchdog: a file copy of the ring
         """A crash-safe copy on disk (zeroshard.comm.ring.RingMirror), attached per run."""
 
     def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str) -> CollectiveRecord:

@@ -27,9 +27,14 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from zeroshard.comm.ledger import CollectiveRecord, Ledger
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from zeroshard.comm.ring import RingMirror
 
 EXIT_HANG = 3
 """Exit status of a rank stopped by the watchdog."""
@@ -58,7 +63,7 @@ class PeerChannel:
         self.rank, self.world = rank, world
         # A restarted torchrun attempt reuses the agent's store: keep its keys apart.
         self.prefix = f"zeroshard/diag/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self.store = None
+        self.store: dist.TCPStore | None = None
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world > 1 and addr and port:
             try:
@@ -69,11 +74,13 @@ class PeerChannel:
             except Exception:  # noqa: BLE001 - no channel: each rank still dumps on its own
                 self.store = None
 
-    def _call(self, fn, *args):
-        if self.store is None:
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(store)``, or None once there is no store."""
+        store = self.store
+        if store is None:
             return None
         try:
-            return fn(*args)
+            return fn(store)
         except Exception:  # noqa: BLE001 - the store's host may be gone; stop using it
             self.store = None
             return None
@@ -82,25 +89,29 @@ class PeerChannel:
         """Announce a failure; returns the alarm that stands (the first rank's, if it was earlier)."""
         key = self.prefix + "alarm"
         value = f"{self.rank}\n{message}"
-        stood = self._call(lambda: self.store.compare_set(key, "", value))
+        stood = self._call(lambda store: store.compare_set(key, "", value))
         return _parse_alarm(stood) if stood else (self.rank, message)
 
     def alarm(self) -> tuple[int, str] | None:
         key = self.prefix + "alarm"
-        if not self._call(lambda: self.store.check([key])):
+        if not self._call(lambda store: store.check([key])):
             return None
-        value = self._call(lambda: self.store.get(key))
+        value = self._call(lambda store: store.get(key))
         return _parse_alarm(value) if value else None
 
     def mark_dumped(self) -> None:
-        self._call(lambda: self.store.set(self.prefix + f"dumped/{self.rank}", "1"))
+        self._call(lambda store: store.set(self.prefix + f"dumped/{self.rank}", "1"))
+
+    def _flagged_dumped(self, rank: int) -> bool:
+        key = self.prefix + f"dumped/{rank}"
+        return bool(self._call(lambda store: store.check([key])))
 
     def wait_for_dumps(self, timeout_s: float) -> list[int]:
         """Wait until every other rank flagged its dump (or the time is up); returns the missing ranks."""
         missing = [r for r in range(self.world) if r != self.rank]
         deadline = time.monotonic() + timeout_s
         while missing and self.store is not None and time.monotonic() < deadline:
-            missing = [r for r in missing if not self._call(lambda r=r: self.store.check([self.prefix + f"dumped/{r}"]))]
+            missing = [r for r in missing if not self._flagged_dumped(r)]
             if missing:
                 time.sleep(0.05)
         return missing
@@ -133,7 +144,7 @@ class Diagnostics:
         self._dump_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._mirror = None
+        self._mirror: RingMirror | None = None
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> Diagnostics:
@@ -149,7 +160,7 @@ class Diagnostics:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc is not None:
             self.fail(exc)
         else:
@@ -200,7 +211,8 @@ class Diagnostics:
                 if alarm_seen_at is None:
                     alarm_seen_at = time.monotonic()
                     self.dump("peer", f"rank {alarm[0]} reported: {alarm[1]}")
-                    self.channel.mark_dumped()
+                    if self.channel is not None:  # always: the alarm came through it
+                        self.channel.mark_dumped()
                 # The reporting rank's launcher stops us; if nobody does, do not linger forever.
                 if time.monotonic() - alarm_seen_at > self.grace_s + 10.0:
                     self._abort(f"stopped: rank {alarm[0]} reported: {alarm[1]}")

@@ -6,6 +6,8 @@ The training loop calls these functions instead of model methods, so an HF model
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -31,7 +33,9 @@ def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tupl
     """``(sum of per-token losses, tokens counted)``; targets of -100 are left out of both."""
     if is_hf_model(model):
         return hf_loss_sum(model, idx, targets)
-    return model.loss_sum(idx, targets)
+    # nn.Module's __getattr__ is typed for params and submodules; this is the model's method (GPT's).
+    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = getattr(model, "loss_sum")
+    return loss(idx, targets)
 
 
 def mean_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The model is deliberately plain so that the sharding code can be read against it:
 every block is a natural FSDP unit, and the root owns the embeddings and the head.
 The LM head's weight *is* the token embedding's weight (one Parameter object), which is
-the tied-weight case the wrap policy and checkpoints must handle (M17).
+the tied-weight case the wrap policy and checkpoints must handle (one owner, one storage).
 
 Initialisation lives in ``GPT.init_weights()`` so it can be replayed after a meta-device
 build: ``with torch.device("meta"): m = GPT(cfg)`` then ``m.to_empty(device=...)`` and

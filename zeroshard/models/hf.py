@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -116,27 +116,28 @@ def init_weights(model: nn.Module) -> None:
     for target in _tied_targets(model):
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)
-        param = module._parameters.get(attr)
+        param = dict(module.named_parameters(recurse=False, remove_duplicate=False)).get(attr)
         if param is None:
             continue
         saved.append((module, attr, param))
         # Drawn into and then dropped, as a model whose head is not tied yet would do.
-        module._parameters[attr] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                                requires_grad=param.requires_grad)
+        module._parameters[attr] = nn.Parameter(  # noqa: SLF001 (swaps a registered param; no public API)
+            torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
     try:
-        model.init_weights()
+        # nn.Module's __getattr__ is typed for params and submodules; this is the HF model's method.
+        cast(Callable[[], None], model.init_weights)()
     finally:
         for module, attr, param in saved:
-            module._parameters[attr] = param
+            module._parameters[attr] = param  # noqa: SLF001 (swaps a registered param; torch has no public API)
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
     """Meta buffers (rotary ``inv_freq``) become empty real tensors; ``_init_weights`` fills them
     (transformers 5 computes every buffer there, because ``from_pretrained`` builds on meta too)."""
     for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+        for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if buf.is_meta:
+                setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
 
 
 def build_hf_model(name: str, *, vocab_size: int, seq_len: int, seed: int, device: torch.device,
@@ -145,7 +146,7 @@ def build_hf_model(name: str, *, vocab_size: int, seq_len: int, seed: int, devic
     (pass ``init_fn=init_weights``); buffers are real either way."""
     config = hf_config(name, vocab_size=vocab_size, seq_len=seq_len)
     with torch.device("meta"):
-        model = _model_class(config)(config)
+        model: Any = _model_class(config)(config)  # a transformers PreTrainedModel (loosely typed)
     model.cfg = HFSpec(name, config.to_dict())  # what checkpoints and config.json record
     _materialize_buffers(model, device)
     torch.manual_seed(seed)

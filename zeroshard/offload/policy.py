@@ -22,7 +22,7 @@ class OffloadPolicy:
             raise ValueError(f"offload must be 'none', 'cpu' or 'disk', got {self.kind!r}")
         if self.kind == "disk" and not self.directory:
             raise ValueError("offload='disk' needs a directory for its files: pass offload_dir / --offload-dir")
-        if self.kind == "disk" and Path(self.directory).exists() and not Path(self.directory).is_dir():
+        if self.kind == "disk" and self.directory and Path(self.directory).exists() and not Path(self.directory).is_dir():
             raise ValueError(f"offload directory {self.directory!r} exists and is not a directory")
         if self.slice_mb <= 0:
             raise ValueError(f"slice_mb must be positive, got {self.slice_mb}")

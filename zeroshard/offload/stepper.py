@@ -16,7 +16,9 @@ from torch import nn
 
 
 def chunk_segments(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
-    chunks, current, size = [], [], 0
+    chunks: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
     for p in params:
         if current and size + p.numel() > max_numel:
             chunks.append(current)

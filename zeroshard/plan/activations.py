@@ -12,7 +12,8 @@ count is exact), with C = n_embd, c = bytes of the compute dtype, h = heads:
   fp32 log-probabilities (4·V, kept by log_softmax whatever the compute dtype), token ids and
   targets (int64, 16). Per sequence position: the position ids (8).
 
-ZeRO does not divide any of this by N (MISSION M2). Checkpointing keeps only block inputs
+ZeRO does not divide any of this by N: it shards model states, while activations scale with the
+micro-batch each rank runs. Checkpointing keeps only block inputs
 (C·c per token) for checkpointed blocks and recomputes one block (or one √L segment) at a time in
 backward; the runtime does not implement it yet, so those rows are planned-only.
 """

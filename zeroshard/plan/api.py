@@ -37,6 +37,7 @@ def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, st
     """(model, name, GPTConfig or None, seq). Configs and names are built on the meta device."""
     from zeroshard.models import GPT, GPTConfig
 
+    cfg: GPTConfig | None
     if isinstance(model_or_config, str):
         cfg = GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
         return meta_gpt(cfg), model_or_config, cfg, cfg.seq_len
@@ -64,7 +65,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
-    a parameter count (analytic mode, the seeds' textbook table). ``batch`` is the global batch per
+    a parameter count (analytic mode, the ZeRO paper's textbook table). ``batch`` is the global batch per
     optimizer step (default: one sequence per rank per micro-step). ``device`` picks the backend's
     behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
     which sets its scratch. Reductions complete asynchronously on both backends (NCCL's stream,
@@ -94,7 +95,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     accumulation=accumulation)
     notes = []
     activations = None
-    if cfg is not None:
+    if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
         compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
         activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq,
                                       compute_bytes=torch.empty(0, dtype=compute).element_size(),

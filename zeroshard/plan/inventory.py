@@ -9,6 +9,7 @@ So padding, frozen params and tied weights are counted exactly as the runtime la
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from zeroshard.sharding.engine import _buckets
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.optim import decays
 from zeroshard.sharding.wrap import ParamRef, UnitSpec, UnitsArg, plan_units
+
+if TYPE_CHECKING:
+    from zeroshard.models.gpt import GPTConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +102,7 @@ class ModelFacts:
     tied: int
     """Params registered in more than one place (each counted once above)."""
     dtypes: tuple[tuple[str, int], ...]
-    gpt: object | None
+    gpt: GPTConfig | None
     """The ``GPTConfig`` when the model is our GPT (activations are then estimated per layer)."""
 
 
@@ -122,7 +126,7 @@ def _groups(name: str, refs: list[ParamRef], shards: int) -> tuple[GroupShape, .
 class Inventory:
     """The units of one model, and the comm units the runtime builds for each stage and shard count."""
 
-    def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: object | None = None) -> None:
+    def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: GPTConfig | None = None) -> None:
         self.specs: list[UnitSpec] = plan_units(model, units)
         refs = [r for s in self.specs for r in s.refs]
         dtypes: dict[str, int] = {}

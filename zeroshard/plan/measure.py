@@ -164,7 +164,7 @@ def _reductions_finish_when_waited():
     from zeroshard.sharding.flat import FlatGroup
 
     done = FlatGroup.reduce_done
-    FlatGroup.reduce_done = property(lambda group: group._pending is None)
+    FlatGroup.reduce_done = property(lambda group: not group.reducing)
     try:
         yield
     finally:
@@ -221,7 +221,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     x = torch.randint(0, cfg.vocab_size, (rows, req["seq"]), generator=gen).to(mesh.device)
     y = torch.randint(0, cfg.vocab_size, (rows, req["seq"]), generator=gen).to(mesh.device)
 
-    def micro_hooks(activations: dict[int, int] | None, tracker=None):
+    def micro_hooks(activations: dict[str, int] | None, tracker=None):
         @contextlib.contextmanager
         def micro(index: int):
             if index and hasattr(tracker, "reset_mod_stats"):
@@ -241,7 +241,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     groups = engine.groups
     externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
     tracker, peak, method = _peak_tracker(mesh.device, externals)
-    saved: dict[int, int] = {}
+    saved: dict[str, int] = {}  # "peak": the most activation bytes one micro-step saved
     grads: dict[int, int] = {}
 
     def read_grads() -> None:

@@ -6,8 +6,9 @@ Two accountings:
   ``zs.shard`` runs (docs/runtime.md, "Memory contract per rank"). Padding, frozen params, tied
   weights, the separate fp32 reduced-grad shard from stage 1, and masters that alias fp32 params
   are all as the runtime does them.
-- ``textbook`` (a bare parameter count): the seeds' table, 2Ψ + 2Ψ + 12Ψ split per stage, with the
-  optimizer's bytes still discovered by running it (MISSION M1, M3).
+- ``textbook`` (a bare parameter count): the ZeRO paper's table, 2Ψ + 2Ψ + 12Ψ split per stage,
+  with the optimizer's bytes still discovered by running it, because "12 bytes for Adam" holds only
+  for fp32 moments and master over 16-bit params.
 
 docs/planner.md gives the formulas.
 """
@@ -93,7 +94,7 @@ class Variant:
 def variants(spec: PlanSpec) -> list[Variant]:
     """DDP and ZeRO-1/2/3 over the whole world, plus hybrid and offload variants when asked."""
     out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.world) for s in range(4)]
-    if spec.hybrid:
+    if spec.hybrid and spec.shard_size is not None:  # hybrid means a shard size below the world
         out += [Variant(name=f"{STAGE_NAMES[s]}_hybrid", stage=s, shards=spec.shard_size) for s in (1, 2, 3)]
     if spec.offload == "optimizer":
         out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=spec.world, offload="optimizer")
@@ -432,7 +433,7 @@ class Estimator:
 
     # -- textbook accounting ------------------------------------------------------------------
     def _textbook(self, v: Variant) -> tuple[dict[str, int], Transient, int, int]:
-        """The seeds' table: no padding, grads in the reduce dtype, optimizer cost from the probe."""
+        """The ZeRO paper's table: no padding, grads in the reduce dtype, optimizer cost from the probe."""
         m = torch.float32
         c, r = self.compute(m), self.reduce(m)
         psi, frozen, n = self.psi, self.frozen, v.shards

@@ -1,6 +1,6 @@
 """How many bytes of state an optimizer keeps per parameter, found by running it.
 
-"Adam = 12 bytes" is a model, not a constant (MISSION M1): AdamW with bf16 params keeps bf16
+"Adam = 12 bytes" is a model, not a constant: AdamW with bf16 params keeps bf16
 moments, SGD without momentum keeps nothing, an 8-bit optimizer keeps 1-byte moments plus block
 scales. So we build the real optimizer class over two small tensors of the master dtype, run one
 ``step()``, and read the state's storage sizes. Two sizes give a line: bytes = a·numel + b, where

@@ -1,4 +1,5 @@
-"""Pick the cheapest layout that fits, and say why (MISSION M4: "higher stage" is not "better").
+"""Pick the cheapest layout that fits, and say why: a higher stage is not a better one, since each
+stage buys memory with more communication.
 
 Cost is communication time per step on the given network (``comm.Network``); ties go to the lower
 stage, because a stage that buys memory you do not need only adds moving parts. The order of
@@ -70,7 +71,7 @@ class Recommendation:
 def _dominant(layout: LayoutPlan) -> str:
     values = layout.device.as_dict()
     states = layout.device.model_states
-    best = max((n for n in COMPONENTS if n not in ("params", "grads", "master", "optimizer")), key=values.get)
+    best = max((n for n in COMPONENTS if n not in ("params", "grads", "master", "optimizer")), key=lambda n: values[n])
     return "model states" if states >= values[best] else best
 
 

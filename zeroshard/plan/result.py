@@ -93,7 +93,8 @@ class LayoutPlan:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{k}_bytes": v for k, v in self.device.as_dict().items()}
         out.update(overlap_bytes=self.device.overlap, model_states_bytes=self.device.model_states,
-                   allocated_bytes=self.device.allocated, total_bytes=self.device.total, host_bytes=self.host_bytes, comm_bytes=self.comm_bytes,
+                   allocated_bytes=self.device.allocated, total_bytes=self.device.total, host_bytes=self.host_bytes,
+                   comm_bytes=self.comm_bytes,
                    stage=self.stage, shard_size=self.shard_size, replicas=self.replicas, offload=self.offload,
                    checkpointing=self.checkpointing, planned_only=list(self.planned_only),
                    collectives=[dataclasses.asdict(c) | {"wire_bytes": c.wire_bytes} for c in self.collectives])

@@ -61,7 +61,8 @@ class Checkpointing:
 
     ``none`` keeps every block's activations; ``all`` (= ``every:1``) keeps only block inputs and
     recomputes one block at a time; ``every:k`` checkpoints every k-th block; ``sqrt`` keeps about
-    √L segment boundaries and recomputes one segment of about √L blocks (MISSION M14).
+    √L segment boundaries and recomputes one segment of about √L blocks, which trades one extra
+    forward for activation memory of about 2√L blocks instead of L.
     """
 
     policy: str
@@ -107,7 +108,7 @@ def resolve_optimizer(optimizer: Any) -> type:
 def resolve_mp(mp: MixedPrecision | str | None, *, analytic: bool) -> MixedPrecision:
     """``fp32``/``bf16``/``fp16`` mean what ``zeroshard train --mp`` means: compute dtype, fp32 reduction.
 
-    In analytic mode the default is the seeds' classic recipe (16-bit params and grads, fp32 master)
+    In analytic mode the default is the ZeRO paper's mixed-precision recipe (16-bit params and grads, fp32 master)
     so that the textbook table comes out; a model keeps the runtime's default (its own dtypes).
     """
     if isinstance(mp, MixedPrecision):

@@ -41,16 +41,17 @@ def busy_intervals(records: Iterable[Any]) -> list[tuple[float, float]]:
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
+    total = 0.0
+    current: tuple[float, float] | None = None  # the merged interval being extended
     for a, b in sorted(intervals):
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = a, b
+        if current is None or a > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = (a, b)
         else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            current = (current[0], max(current[1], b))
+    if current is not None:
+        total += current[1] - current[0]
     return total
 
 

@@ -68,7 +68,8 @@ def _title(config: dict) -> str:
     train = config.get("train", {})
     if not train:
         return ""
-    return f"{train.get('model')} stage {train.get('stage')}, world {config.get('world')}, batch {train.get('batch')}x{train.get('seq_len')}"
+    return (f"{train.get('model')} stage {train.get('stage')}, world {config.get('world')}, "
+            f"batch {train.get('batch')}x{train.get('seq_len')}")
 
 
 def _save(plt, fig, path: Path) -> Path:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TextIO
 
 import torch
 
@@ -43,10 +43,15 @@ class StepProfiler:
         self.trace = TraceWriter(rank) if trace else None
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.steps: list[dict[str, Any]] = []
-        self._file = None
+        self._file: TextIO | None = None
         self._window_start: float | None = None
         self._last: tuple | None = None
         self._window_seq = 0
+
+    @property
+    def last_window(self) -> tuple | None:
+        """(step, window start, spans, memory samples) of the newest profiled step; None before one."""
+        return self._last
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> StepProfiler:
@@ -57,18 +62,18 @@ class StepProfiler:
         tl.activate(self.timeline)
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         tl.activate(None)
         if self._file is not None:
             self._file.close()
         if self._last is not None and self.run_dir is not None:
-            self._write_memory(self.run_dir / "profile" / f"memory-rank-{self.rank}.json")
+            self._write_memory(self._last, self.run_dir / "profile" / f"memory-rank-{self.rank}.json")
         if self.trace is not None and self.run_dir is not None:
             self.trace.write(self.run_dir / "trace" / f"rank-{self.rank}.json")
         return False
 
-    def _write_memory(self, path: Path) -> None:
-        step, origin, spans, samples = self._last
+    def _write_memory(self, last: tuple, path: Path) -> None:
+        step, origin, spans, samples = last
         payload = {
             "step": step, "mem_source": self.memory_source,
             "samples": [[t - origin, m / MB, f / MB, label] for t, m, f, label in samples],
@@ -94,7 +99,10 @@ class StepProfiler:
         self.ledger.poll()
         records = self.ledger.since(self._window_seq)
         spans, samples = self.timeline.take()
-        step_s = now - self._window_start
+        start = self._window_start
+        if start is None:
+            raise RuntimeError(f"StepProfiler.end({step}) without begin({step}) first")
+        step_s = now - start
         parts = breakdown(spans, records, step_s)
         prof: dict[str, Any] = {"step": step + 1, "step_s": step_s, **{f"{k}_s": v for k, v in parts.items()}}
         prof.update(comm_stats(records))
@@ -106,11 +114,11 @@ class StepProfiler:
             prof["hfu"] = utilisation(self.flops["hardware"], prof["tokens_per_s"], self.world, self.peak_flops)
         self.steps.append(prof)
         # The memory chart shows one step: keep the newest step's raw samples, convert them at exit.
-        self._last = (step + 1, self._window_start, spans, samples)
+        self._last = (step + 1, start, spans, samples)
         if self._file is not None:
             self._file.write(json.dumps(prof) + "\n")
         if self.trace is not None:
-            self.trace.add_step(step + 1, self._window_start, now, spans, records, None)
+            self.trace.add_step(step + 1, start, now, spans, records, None)
         self._window_start, self._window_seq = now, self.ledger.next_seq
         return prof
 

@@ -10,7 +10,7 @@ from torch import nn
 from zeroshard.comm.mesh import get_mesh
 from zeroshard.offload import OffloadPolicy, make_store
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
-from zeroshard.sharding.engine import Engine, ExecutionOrderError, get_engine
+from zeroshard.sharding.engine import Engine, ExecutionOrderError, attach_engine, find_engine, get_engine
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import optim_groups, optimizer
 from zeroshard.sharding.manifest import precision_manifest
@@ -70,7 +70,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
     policy = StagePolicy(stage)
-    if getattr(model, "_zeroshard_engine", None) is not None:
+    if find_engine(model) is not None:
         raise ValueError("this model is already sharded; build a fresh model to shard it again")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 (all-gathers in flight ahead of compute), got {prefetch}")
@@ -86,7 +86,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
                     bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation,
                     store=make_store(offload, mesh.device, mesh.rank))
     engine.offload = offload
-    model._zeroshard_engine = engine
+    attach_engine(model, engine)
     blocks = [spec.module for spec in specs if not spec.is_root]
     if segment_length(checkpointing, len(blocks)) is not None:
         engine.recompute = Recompute(model, blocks, checkpointing, engine if policy.shard_params else None)

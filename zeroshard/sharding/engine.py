@@ -7,6 +7,7 @@ and the memory contract of each stage are explained in docs/runtime.md.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +17,10 @@ from zeroshard.sharding.flat import FlatGroup, StagePolicy
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.unit import Unit, UnitState
 from zeroshard.sharding.wrap import ParamRef, UnitSpec
+
+if TYPE_CHECKING:
+    from zeroshard.offload.policy import OffloadPolicy
+    from zeroshard.sharding.recompute import Recompute
 
 
 class ExecutionOrderError(RuntimeError):
@@ -65,6 +70,22 @@ BACKWARD_PREFETCH_AT = 0.5
 
 
 class Engine:
+    """The runtime of one sharded model: its units, the hooks that drive them, and the reduction order.
+
+    ``zs.shard`` builds one per model. At stage 3 each unit is one wrapped module whose params are
+    all-gathered in a forward pre-hook (with ``prefetch`` later units, in the order recorded in the
+    first step) and resharded after; at stages 0-2 units are buckets of about ``bucket_bytes`` whose
+    params stay whole. Post-accumulate-grad hooks mark params ready; a unit whose grads are all in
+    launches its reduction, strictly in ``reduce_order`` so every rank issues the same collectives.
+    Reductions are finished (waited on, full grads freed) in that same order: when a grad shard is
+    read (optimizer, clipping), at the next forward, when too many are in flight, and, without a
+    replicate group, as soon as they are done (``_reap_finished`` says why hybrid waits).
+    See docs/runtime.md for the lifecycle and memory contract of each stage.
+    """
+
+    offload: OffloadPolicy  # set by zs.shard right after construction
+    init_stats: dict[str, Any]  # how the params were initialised (see zeroshard/materialize.py)
+
     def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
                  bucket_bytes: int, accumulation: str = "sharded", store=None) -> None:
@@ -106,7 +127,7 @@ class Engine:
         self.backward_prefetch_at = BACKWARD_PREFETCH_AT
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
-        self.recompute = None  # set by zeroshard.sharding.recompute when checkpointing is on
+        self.recompute: Recompute | None = None  # set by zeroshard.sharding.recompute when checkpointing is on
         self.max_inflight_reductions = MAX_INFLIGHT_REDUCTIONS
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
@@ -134,7 +155,7 @@ class Engine:
                     register(group)
 
     def _register_group_hooks(self, unit: Unit, group_index: int, group: FlatGroup) -> None:
-        for pi, param in enumerate(group.params):
+        for pi, param in enumerate(group.created_params()):
             hook = functools.partial(self._on_grad, unit, group_index, pi)
             self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
@@ -267,7 +288,8 @@ class Engine:
             self._in_backward = True
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and
             # FSDP2 use. It runs once the whole graph is done, on the same thread.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001 (no public API)
+                self._finish_backward)
         ready = unit.mark_ready(group_index, param_index)
         if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.backward_prefetch_at):
             self._prefetch_after_first_grad = None
@@ -386,8 +408,22 @@ class Engine:
         self.max_unsharded_units = 0
 
 
+_ENGINE_ATTR = "_zeroshard_engine"  # on the model; a private name so it never clashes with a user's
+
+
+def attach_engine(model: nn.Module, engine: Engine) -> None:
+    """Record ``engine`` as the runtime of ``model`` (what ``get_engine`` returns)."""
+    setattr(model, _ENGINE_ATTR, engine)
+
+
+def find_engine(model: nn.Module) -> Engine | None:
+    """The engine of a sharded model, or None for a plain one."""
+    engine = getattr(model, _ENGINE_ATTR, None)
+    return engine if isinstance(engine, Engine) else None
+
+
 def get_engine(model: nn.Module) -> Engine:
-    engine = getattr(model, "_zeroshard_engine", None)
+    engine = find_engine(model)
     if engine is None:
         raise ValueError("this model is not sharded: call zs.shard(model, ...) first")
     return engine

@@ -10,6 +10,7 @@ buffer persists, and whether full grads do, is decided by the stage (see ``Stage
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import ParamRef
 
+
+_Piece = tuple[torch.Tensor, int, list[tuple[int, int, int]]]
+"""A reduce piece: (tensor, owner shard rank, [(offset in tensor, offset in the owner's shard, length)])."""
 
 SMALL_GRAD_NUMEL = 1 << 16
 """Grads smaller than this (elements) are packed per owner for gloo's in-place reduce, not sent alone."""
@@ -33,7 +37,8 @@ def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor
     for backward. The values *are* the same, so the param gets a separate counter.
     """
     view = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
-    view.set_(buffer.untyped_storage(), buffer.storage_offset() + offset, shape)
+    # torch accepts (storage, offset, size) with contiguous strides; its stubs list only the 4-argument form.
+    view.set_(buffer.untyped_storage(), buffer.storage_offset() + offset, shape)  # type: ignore[call-overload]
     return view
 
 
@@ -62,6 +67,19 @@ class StagePolicy:
 
 
 class FlatGroup:
+    """The params of one unit that share a dtype and trainability, laid out in one flat buffer.
+
+    ``full`` is the whole buffer in the compute dtype (params are views of it while unsharded);
+    ``shard`` is this rank's ``[lo, hi)`` slice of the fp32 (master dtype) values, which the
+    optimizer updates; ``grad_full`` and ``grad_shard`` are the same two extents for grads. What
+    persists is the stage's choice (``StagePolicy``): stage 0 keeps everything whole, stage 1 adds
+    the sharded master and grad shard, stage 2 frees full grads once reduced, stage 3 also frees
+    ``full`` between uses and shows the modules 1-D shard params (``sharded_params``) meanwhile.
+    The group owns its collectives: ``gather_full`` (all-gather into ``full``), ``launch_reduce`` /
+    ``finish_reduce`` (reduce-scatter or all-reduce of the grads, plus the replica all-reduce when
+    hybrid) and ``sync_params`` (all-gather of updated shards at stages 1-2).
+    """
+
     def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, store=None) -> None:
         self.unit = unit
@@ -85,7 +103,7 @@ class FlatGroup:
         # zeroshard.init replays the model's init into them, keeping only what this rank holds.
         self.from_meta = refs[0].param.is_meta
         self.params: list[nn.Parameter] | None = None
-        self.on_params_created = None
+        self.on_params_created: Callable[[FlatGroup], None] | None = None
         if policy.shard_params:
             if self.from_meta:
                 self.shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
@@ -111,9 +129,9 @@ class FlatGroup:
 
         self.grad_full: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
-        self.before_grad_read = None  # set by the engine: finish pending reductions, in order
+        self.before_grad_read: Callable[[], None] | None = None  # set by the engine: finish pending reductions, in order
         self._reduced: torch.Tensor | None = None
-        self._reduce_input: torch.Tensor | None = None
+        self._reduce_input: torch.Tensor | list[_Piece] | None = None
         self._pending: collectives.Pending | None = None
         self._grad_full_zero = True
         if trainable and not policy.transient_grads:
@@ -132,6 +150,7 @@ class FlatGroup:
         return whole
 
     def _offload_master(self, values: torch.Tensor) -> torch.Tensor:
+        assert self.store is not None, "only offloaded masters are allocated in a store"
         master = self.store.allocate(f"{self.unit}-master", values.numel(), values.dtype)
         master.copy_(values)
         return master
@@ -169,10 +188,11 @@ class FlatGroup:
 
     # -- registration -------------------------------------------------------------------------
     def register(self, unsharded: bool) -> None:
-        params = self.params if unsharded else self.sharded_params
+        params = self.created_params() if unsharded else self.sharded_params
+        assert params is not None, "sharded params exist at stage 3 only"
         for ref, param in zip(self.refs, params):
             for module, attr in ref.places:
-                module._parameters[attr] = param
+                module._parameters[attr] = param  # noqa: SLF001 (swaps a registered param; torch has no public API)
 
     # -- full buffer --------------------------------------------------------------------------
     def full_bytes(self) -> int:
@@ -199,6 +219,18 @@ class FlatGroup:
         return collectives.all_gather(self.full, own, group="shard", unit=self.unit, phase=phase, async_op=True)
 
     # -- gradients ----------------------------------------------------------------------------
+    def created_params(self) -> list[nn.Parameter]:
+        """The unsharded params (views of ``full``): made at construction, or at stage 3 at the first gather."""
+        if self.params is None:
+            raise RuntimeError(f"unit {self.unit}: its params are created at the first all-gather, not yet run")
+        return self.params
+
+    def full_grads(self) -> torch.Tensor:
+        """The full flat grad buffer, where the caller knows one exists (stages 0-1, or collected)."""
+        if self.grad_full is None:
+            raise RuntimeError(f"unit {self.unit}: no full grad buffer (stages 2-3 keep one only while reducing)")
+        return self.grad_full
+
     @property
     def grad_shard(self) -> torch.Tensor | None:
         """The averaged grad of this rank's shard, in the master dtype.
@@ -215,8 +247,9 @@ class FlatGroup:
         self._grad_shard = value
 
     def attach_grad_views(self) -> None:
-        for slot, param in zip(self.layout.slots, self.params):
-            param.grad = self.grad_full[slot.offset:slot.end].view(slot.shape)
+        grad_full = self.full_grads()
+        for slot, param in zip(self.layout.slots, self.created_params()):
+            param.grad = grad_full[slot.offset:slot.end].view(slot.shape)
 
     def take_grad(self, index: int) -> None:
         """Param ``index``'s grad for this backward is complete.
@@ -229,8 +262,8 @@ class FlatGroup:
         self._grad_full_zero = False
         if self.policy.transient_grads:
             return
-        param, slot = self.params[index], self.layout.slots[index]
-        view = self.grad_full[slot.offset:slot.end].view(slot.shape)
+        param, slot = self.created_params()[index], self.layout.slots[index]
+        view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
         grad = param.grad
         if grad is None or grad.data_ptr() == view.data_ptr():
             return
@@ -253,7 +286,7 @@ class FlatGroup:
             for slot, param in zip(self.layout.slots, params):
                 if param.grad is None:
                     continue
-                view = self.grad_full[slot.offset:slot.end].view(slot.shape)
+                view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
                 # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
                 view.copy_(param.grad) if fresh else view.add_(param.grad)
                 param.grad = None
@@ -266,12 +299,12 @@ class FlatGroup:
         for slot, filled in zip(self.layout.slots, has_grad):
             if filled:
                 if slot.offset > covered:
-                    self.grad_full[covered:slot.offset].zero_()
+                    self.full_grads()[covered:slot.offset].zero_()
                 covered = slot.end
         if covered < self.layout.numel:
-            self.grad_full[covered:].zero_()
+            self.full_grads()[covered:].zero_()
 
-    def _grad_pieces(self) -> list[tuple[torch.Tensor, int, list[tuple[int, int, int]]]] | None:
+    def _grad_pieces(self) -> list[_Piece] | None:
         """This unit's grads as reduce pieces, when the backend reduces them where they lie (gloo);
         else None. A piece is (tensor, owner shard rank, [(offset in tensor, offset in the owner's
         shard, length)]). A large grad is cut at shard boundaries into views of itself; the small
@@ -280,7 +313,7 @@ class FlatGroup:
         if not (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
                 and self.params is not None and collectives.reduce_scatter_lands_in_input("shard")):
             return None
-        grads = [p.grad for p in self.params]
+        grads = [p.grad for p in self.created_params()]
         if any(g is not None and (g.dtype != self.reduce_dtype or not g.is_contiguous()) for g in grads):
             return None
         per_shard = self.layout.shard_numel
@@ -317,7 +350,7 @@ class FlatGroup:
         if pieces is not None:
             # gloo: reduce each grad where it lies; no flat copy, and no unit-sized buffer beside
             # the grads at the moment the unit completes (the step's late memory peak).
-            for param in self.params:
+            for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce
             self._reduce_input = pieces
             self._reduced = None
@@ -326,7 +359,8 @@ class FlatGroup:
                                                          phase=phase, async_op=True)
             return
         self.collect_grads()
-        source = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
+        grad_full = self.full_grads()
+        source = grad_full if grad_full.dtype == self.reduce_dtype else grad_full.to(self.reduce_dtype)
         self._reduce_input = source  # gloo reads it asynchronously; keep it alive until wait
         if not self.policy.shard_optimizer:
             self._reduced = source
@@ -342,11 +376,13 @@ class FlatGroup:
 
     def finish_reduce(self, phase: str = "backward") -> None:
         """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
+        assert self._pending is not None, "finish_reduce without launch_reduce"
         self._pending.wait()
         self._pending = None
         reduced = self._reduced
         if reduced is None:  # reduced piecewise: gather this rank's sums (padding stays zero)
             reduced = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            assert isinstance(self._reduce_input, list), "a piecewise reduction keeps its pieces"
             for piece, owner, spans in self._reduce_input:
                 if owner == self.shard_rank:
                     for at, offset, n in spans:
@@ -356,7 +392,7 @@ class FlatGroup:
             collectives.all_reduce(reduced, group="replicate", unit=self.unit, phase=phase)
         if reduced.dtype != self.master_dtype:
             reduced = reduced.to(self.master_dtype)
-        elif self.policy.shard_optimizer and self._reduce_input is not None and \
+        elif self.policy.shard_optimizer and isinstance(self._reduce_input, torch.Tensor) and \
                 reduced.data_ptr() == self._reduce_input[self.lo:].data_ptr():
             reduced = reduced.clone()  # a view would keep the whole full-grad buffer alive
         # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
@@ -376,7 +412,7 @@ class FlatGroup:
             # The reduce-scatter consumed the full grads (its input is scratch), and grad_shard now
             # holds their reduced sum; a further backward without zero_grad must start from zero
             # so that grad_shard accumulates exactly what it adds.
-            self.grad_full.zero_()
+            self.full_grads().zero_()
             self._grad_full_zero = True
 
     @property

@@ -1,4 +1,4 @@
-"""The precision manifest: every dtype a run uses, by role (MISSION M13)."""
+"""The precision manifest: every dtype a run uses, by role, read from the buffers rather than the flags."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ def precision_manifest(model: nn.Module, optimizer=None) -> dict:
     engine = get_engine(model)
     trainable = engine.trainable_groups
     first = trainable[0]
-    state_dtypes = set()
+    state_dtypes: set[str | None] = set()
     if optimizer is not None:
         for state in optimizer.state.values():
             state_dtypes.update(_name(t.dtype) for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     buffers = {_name(b.dtype) for b in model.buffers()}
     if engine.policy.transient_grads:
         accumulation = _name(first.master_dtype) if engine.accumulation == "sharded" else _name(first.reduce_dtype)
-        accumulation_where = f"{engine.accumulation} ({'1/N grad shard' if engine.accumulation == 'sharded' else 'full grad buffer'})"
+        kept_in = "1/N grad shard" if engine.accumulation == "sharded" else "full grad buffer"
+        accumulation_where = f"{engine.accumulation} ({kept_in})"
     else:
         accumulation, accumulation_where = _name(first.compute_dtype), "full grad buffer (local until the sync micro-step)"
     return {

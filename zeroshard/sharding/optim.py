@@ -9,14 +9,14 @@ starts or ends in the middle of a param.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from zeroshard.offload.stepper import SlicedStep
-from zeroshard.sharding.engine import Engine, get_engine
+from zeroshard.sharding.engine import Engine, find_engine, get_engine
 from zeroshard.sharding.flat import FlatGroup
 
 # The optimizer runs on flat shard slices: one segment holds pieces of several params, and a param
@@ -64,9 +64,11 @@ def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     Use it to build a single-process reference that decays exactly the params we do.
     """
-    if getattr(model, "_zeroshard_engine", None) is not None:
+    if find_engine(model) is not None:
         raise ValueError("optim_groups takes an unsharded model; for a sharded one use zs.optimizer")
-    seen, decay, no_decay = set(), [], []
+    seen: set[int] = set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in seen:
             continue
@@ -81,25 +83,54 @@ def _unhooked(step):
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
 
 
-@functools.lru_cache(maxsize=None)
-def _sharded_class(optim_cls: type) -> type:
+@dataclasses.dataclass
+class ShardedState:
+    """What a sharded optimizer steps with, kept on it as ``optimizer.zeroshard_state``."""
+
+    engine: Engine
+    segments: SegmentMap
+    sliced_step: SlicedStep | None = None  # disk offload: the step runs slice by slice
+    pipeline: _UnitPipeline | None = None  # on-device masters: the step runs unit by unit
+
+
+def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedState | None:
+    """The sharding state of an optimizer built by ``zs.optimizer``; None for a plain torch one."""
+    state = getattr(optimizer, "zeroshard_state", None)
+    return state if isinstance(state, ShardedState) else None
+
+
+def user_class(optimizer: torch.optim.Optimizer) -> type:
+    """The class the user asked for: a sharded optimizer is an instance of a subclass of it."""
+    cls = type(optimizer)
+    return cls.__mro__[1] if sharded_state(optimizer) is not None else cls
+
+
+_SHARDED_CLASSES: dict[type, type] = {}  # one subclass per user class, so repeated calls share it
+
+
+def _sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
+    if optim_cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[optim_cls] = _make_sharded_class(optim_cls)
+    return _SHARDED_CLASSES[optim_cls]
+
+
+def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
     def zero_grad(self, set_to_none: bool = True) -> None:
         optim_cls.zero_grad(self, set_to_none=True)
-        self._zs_engine.zero_grad()
+        self.zeroshard_state.engine.zero_grad()
 
     def step(self, closure=None):
-        pipeline = self.__dict__.get("_zs_pipeline")
-        if pipeline is None or closure is not None:
-            self._zs_segments.attach_grads()
-            sliced = self.__dict__.get("_zs_sliced_step")
+        state = self.zeroshard_state
+        if state.pipeline is None or closure is not None:
+            state.segments.attach_grads()
+            sliced = state.sliced_step
             loss = sliced(closure) if sliced is not None else _unhooked(optim_cls.step)(self, closure)
-            self._zs_engine.sync_params()
+            state.engine.sync_params()
             return loss
-        pipeline.run(self, _unhooked(optim_cls.step))
+        state.pipeline.run(self, _unhooked(optim_cls.step))
         return None
 
-    return type(f"Sharded{optim_cls.__name__}", (optim_cls,),
-                {"zero_grad": zero_grad, "step": step, "_zs_sharded": True})
+    return type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "step": step})
 
 
 def _group_index(fqn: str, shape: torch.Size, user_groups: list[dict] | None, name_to_group: dict) -> int:
@@ -120,10 +151,10 @@ def _segments(group: FlatGroup, group_of_slot: list[int]) -> list[tuple[int, int
             runs[-1][2] = stop
         else:
             runs.append([index, start, stop])
-    return [tuple(r) for r in runs]
+    return [(r[0], r[1], r[2]) for r in runs]
 
 
-class _SegmentMap:
+class SegmentMap:
     """The optimizer's segment params and where their grads come from."""
 
     def __init__(self) -> None:
@@ -150,7 +181,7 @@ class _UnitPipeline:
     update itself is the user's optimizer on the same segments, so the numbers do not change.
     """
 
-    def __init__(self, engine: Engine, segment_map: _SegmentMap, n_groups: int) -> None:
+    def __init__(self, engine: Engine, segment_map: SegmentMap, n_groups: int) -> None:
         self.engine = engine
         self.segment_map = segment_map
         # (units, their trainable groups, per torch param group: their segments). Consecutive units
@@ -161,7 +192,7 @@ class _UnitPipeline:
         numel = 0
         for unit in engine.reduce_order:
             groups = set(unit.trainable_groups)
-            lists = [[] for _ in range(n_groups)]
+            lists: list[list[nn.Parameter]] = [[] for _ in range(n_groups)]
             for param, group, _, _ in segment_map.entries:
                 if group in groups:
                     lists[segment_map.group_index[id(param)]].append(param)
@@ -195,7 +226,7 @@ class _UnitPipeline:
             p.wait()
 
 
-def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | None = None,
+def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param_groups: list[dict] | None = None,
               elementwise: bool = False, **defaults: Any):
     """Build ``optim_cls`` over this rank's shard of a sharded model.
 
@@ -210,7 +241,7 @@ def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | N
     check_elementwise(optim_cls, elementwise)
     engine = get_engine(model)
     name_to_group, options = _resolve_user_groups(engine, param_groups, defaults)
-    segment_map = _SegmentMap()
+    segment_map = SegmentMap()
     buckets: list[list[nn.Parameter]] = [[] for _ in options]
     for group in engine.trainable_groups:
         group_of_slot = [_group_index(s.fqn, s.shape, param_groups, name_to_group) for s in group.layout.slots]
@@ -227,13 +258,12 @@ def optimizer(model: nn.Module, optim_cls: type, *, param_groups: list[dict] | N
         if not torch_group["params"]:
             torch_group["params"] = [nn.Parameter(torch.zeros(0, device=master_device))]
     opt = _sharded_class(optim_cls)(torch_groups, **defaults)
-    opt._zs_engine = engine
-    opt._zs_segments = segment_map
+    state = opt.zeroshard_state = ShardedState(engine, segment_map)
     if engine.store is not None and engine.store.kind == "disk":
         max_numel = int(engine.offload.slice_mb * 2**20 / 4)
-        opt._zs_sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
+        state.sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
     elif engine.store is None:
-        opt._zs_pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))
+        state.pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))
 
     def before_step(o, args, kwargs) -> None:
         if engine.store is not None:
@@ -248,7 +278,7 @@ def _resolve_user_groups(engine: Engine, param_groups: list[dict] | None, defaul
     if param_groups is None:
         weight_decay = defaults.get("weight_decay", 0.0)
         return {}, [{"weight_decay": weight_decay}, {"weight_decay": 0.0}]
-    by_id = {}
+    by_id: dict[int | str, str] = {}  # id of a param (or an alias of it) -> its name
     for group in engine.groups:
         for ref in group.refs:
             by_id[ref.original_id] = ref.fqn

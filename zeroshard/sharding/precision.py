@@ -9,7 +9,7 @@ import torch
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Four dtypes, one per role (MISSION M13).
+    """Four dtypes, one per role, because one "precision" flag hides which role loses precision.
 
     The fp32 master copy always lives in the optimizer shard; ``param_dtype`` is only what forward
     and backward compute in and what the all-gather moves.

@@ -1,4 +1,4 @@
-"""Activation checkpointing per unit and per segment of consecutive units (MISSION M14).
+"""Activation checkpointing per unit and per segment of consecutive units: memory for compute.
 
 A *segment* is a run of consecutive block units recomputed together from the segment's input,
 with non-reentrant ``torch.utils.checkpoint``. Policies:

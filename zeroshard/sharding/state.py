@@ -32,10 +32,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for alias in ref.aliases:
                 out[alias] = value
     for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():
+        for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
             # As nn.Module.state_dict does: a non-persistent buffer (an HF model's rotary inv_freq)
             # is derived, not state, so a plain model's state_dict() and this compare key for key.
-            if buffer is not None and name not in module._non_persistent_buffers_set:
+            if name not in module._non_persistent_buffers_set:  # noqa: SLF001 (no public API)
                 out[f"{module_name}.{name}" if module_name else name] = buffer.detach().clone()
     return out
 

@@ -16,6 +16,17 @@ class UnitState(enum.Enum):
 
 
 class Unit:
+    """One module's (stage 3) or one bucket's (stages 0-2) flat groups, moved through one state machine.
+
+    Params: ``unshard`` issues the groups' all-gathers, ``wait_unshard`` waits and registers the full
+    params on the modules, ``reshard`` registers the 1-D shards back and frees the full buffers;
+    ``state`` (a ``UnitState``) says which holds, and each call is a no-op in the wrong state, so the
+    engine's hooks may call them freely. At stages 0-2 a unit is created unsharded and stays so.
+    Grads: ``mark_ready`` counts the trainable params whose grad is complete; once all are, the
+    engine launches the unit's reduction (``launch_reduce``), in its fixed order, and finishes it
+    later (``finish_reduce``), leaving each group's averaged grad shard for the optimizer.
+    """
+
     def __init__(self, name: str, module, groups: list[FlatGroup], *, is_root: bool, sharded: bool) -> None:
         self.name = name
         self.module = module

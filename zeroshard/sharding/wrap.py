@@ -3,7 +3,7 @@
 A unit is a module whose params are gathered and reduced together (a transformer block); the root
 unit takes every param no other unit owns (embeddings, final norm, head). A param registered in
 more than one place (tied embedding and LM head, or any shared weight) gets exactly one owner, so
-it is flattened once, lives in one storage and is reduced once (MISSION M17). If its places span
+it is flattened once, lives in one storage and is reduced once (two copies would drift apart). If its places span
 two units it is owned by the root, which stays unsharded for the whole forward and backward, so
 every user of the param sees the same storage.
 """
@@ -11,7 +11,7 @@ every user of the param sees the same storage.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Union, cast
 
 import torch
 from torch import nn
@@ -78,18 +78,21 @@ def _select_units(model: nn.Module, units: UnitsArg) -> list[tuple[str, nn.Modul
     if units is None:
         return find_blocks(model)
     if callable(units) and not isinstance(units, nn.Module):
-        chosen, claimed = [], set()
+        chosen: list[tuple[str, nn.Module]] = []
+        claimed: set[int] = set()
         for name, module in model.named_modules():
             if name and id(module) not in claimed and units(name, module):
                 chosen.append((name, module))
                 claimed.update(id(m) for m in module.modules())
         return chosen
     chosen, seen = [], set()
-    for module in units:
+    # What is left is an iterable of modules (an nn.ModuleList is one, though also callable).
+    for module in cast(Iterable[nn.Module], units):
         if not isinstance(module, nn.Module):
             raise ValueError(f"units must be modules of the model, got {type(module).__name__}")
         if id(module) in seen:
-            raise ValueError(f"module {names.get(id(module), module.__class__.__name__)!r} is listed twice in units; list each unit once")
+            shown = names.get(id(module), module.__class__.__name__)
+            raise ValueError(f"module {shown!r} is listed twice in units; list each unit once")
         if module is model:
             raise ValueError("the model itself cannot be a unit: the root unit is implicit; list its blocks instead")
         if id(module) not in names:
@@ -114,9 +117,8 @@ def plan_units(model: nn.Module, units: UnitsArg = None) -> list[UnitSpec]:
     refs: dict[int, ParamRef] = {}
     owners: dict[int, set[int]] = {}
     for mod_name, module in model.named_modules():
-        for attr, param in module._parameters.items():
-            if param is None:
-                continue
+        # Every place a param sits is needed, also a second name for the same (tied) param.
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             ref = refs.get(id(param))
             if ref is None:

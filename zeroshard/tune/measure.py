@@ -23,12 +23,13 @@ import time
 import warnings
 from typing import Any
 
+from zeroshard import faults
 from zeroshard.config import TrainConfig
 from zeroshard.step import slowest_per_step
 from zeroshard.tune.grid import Candidate
 from zeroshard.tune.prune import Prediction, vocab_size
 
-FAULT_ENV = "ZEROSHARD_TUNE_FAULT"
+FAULT_ENV = faults.env_var("tune.build")
 """For tests: a candidate name (as printed) whose build raises on every rank."""
 
 
@@ -157,7 +158,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
     shape = (base.batch // mesh.world, base.seq_len)
     x = torch.randint(0, vocab_size(base), shape, generator=gen).to(mesh.device)
     y = torch.randint(0, vocab_size(base), shape, generator=gen).to(mesh.device)
-    out = [{"times": [], "peak_bytes": None, "error": None} for _ in spec.candidates]
+    out: list[dict[str, Any]] = [{"times": [], "peak_bytes": None, "error": None} for _ in spec.candidates]
     built: dict[int, _Built] = {}
     for _ in range(spec.rounds):
         for i, cand in enumerate(spec.candidates):
@@ -166,8 +167,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
             error = None
             try:
                 if i not in built:
-                    if os.environ.get(FAULT_ENV) == cand.name:
-                        raise RuntimeError(f"injected fault ({FAULT_ENV})")
+                    faults.point("tune.build", candidate=cand.name)
                     built[i] = _Built(dataclasses.replace(base, **cand.train_keys()), mesh)
                     for _ in range(spec.warmup):
                         built[i].step(x, y)
@@ -216,4 +216,5 @@ def measure(spec: MeasureSpec, *, timeout_s: float = 3600.0) -> list[dict]:
     """Run every candidate of ``spec`` on ``spec.base.nproc`` local ranks; rows in spec order."""
     from zeroshard.launch import spawn
 
+    faults.configure()  # a malformed fault variable fails here, not in every rank
     return summarise(spec, spawn(rank_main, spec.base.nproc, args=(spec,), timeout_s=timeout_s))

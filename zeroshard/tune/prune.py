@@ -8,6 +8,7 @@ of live tensors is comparable with.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from zeroshard.config import TrainConfig
 from zeroshard.tune.grid import LAYOUT, Candidate
@@ -51,7 +52,7 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
     out: dict[Candidate, Prediction] = {}
     for c in cands:
         # One plan covers every stage; only the knobs that change some layout make a new one.
-        knobs = dict(checkpointing=c.checkpointing, prefetch=1 if c.prefetch is None else c.prefetch,
+        knobs: dict[str, Any] = dict(checkpointing=c.checkpointing, prefetch=1 if c.prefetch is None else c.prefetch,
                      reshard_after_forward=True if c.reshard_after_forward is None else c.reshard_after_forward,
                      bucket_mb=base.bucket_mb if c.bucket_mb is None else c.bucket_mb)
         key = tuple(sorted(knobs.items()))
