@@ -113,6 +113,8 @@ def open_model(path: str | Path) -> Generator:
 
 def encode(gen: Generator, prompt: str | None, ids: list[int] | None) -> list[int]:
     """Prompt ids: given directly, through the tokenizer, or the prompt's UTF-8 bytes (byte-level vocab)."""
+    if ids is not None and prompt is not None:
+        raise GenerateError("give either --prompt or --prompt-ids, not both")
     if ids is not None:
         return ids
     if prompt is None:

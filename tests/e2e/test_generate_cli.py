@@ -115,3 +115,5 @@ def test_missing_path_and_bad_input_are_one_line_errors(
     assert "positions" in capsys.readouterr().err
     assert main(["generate", str(folder), "--prompt-ids", "1,2", "--temperature", "-1"]) == 1
     assert "--temperature" in capsys.readouterr().err
+    assert main(["generate", str(folder), "--prompt", "the", "--prompt-ids", "1"]) == 1
+    assert "not both" in capsys.readouterr().err
