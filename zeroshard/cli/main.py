@@ -10,6 +10,7 @@ from zeroshard.cli import bench as bench_cmd
 from zeroshard.cli import ckpt as ckpt_cmd
 from zeroshard.cli import config as config_cmd
 from zeroshard.cli import doctor as doctor_cmd
+from zeroshard.cli import generate as generate_cmd
 from zeroshard.cli import plan as plan_cmd
 from zeroshard.cli import report as report_cmd
 from zeroshard.cli import train as train_cmd
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_parser(sub)
     tune_cmd.add_parser(sub)
     config_cmd.add_parser(sub)
+    generate_cmd.add_parser(sub)
     return parser
 
 
