@@ -16,10 +16,14 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.quant import QuantizedGather
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import ParamRef
 
+
+QUANTIZED_PHASES = ("forward", "backward", "recompute")
+"""Gathers that feed compute may be quantized; others (state_dict's summon) must be exact."""
 
 SMALL_GRAD_NUMEL = 1 << 16
 """Grads smaller than this (elements) are packed per owner for gloo's in-place reduce, not sent alone."""
@@ -77,6 +81,8 @@ class FlatGroup:
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
         self.device = device
+        # Block size when stage 3's weight all-gather is sent quantized (set by the engine), else None.
+        self.weight_quant: int | None = None
 
         # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
         self.store = store if trainable else None
@@ -191,6 +197,10 @@ class FlatGroup:
         if storage.nbytes() < needed:
             storage.resize_(needed)
         own = self.full[self.lo:self.hi]
+        if self.weight_quant is not None and self.shards > 1 and phase in QUANTIZED_PHASES:
+            # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
+            return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
+                                   unit=self.unit, phase=phase)
         if not self.aliased:
             with torch.no_grad():
                 own.copy_(self.shard)
