@@ -197,7 +197,8 @@ def setup(cfg: TrainConfig, mesh: Any) -> Run:
     offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
     zs.shard(model, stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
              reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
-             checkpointing=cfg.checkpointing, offload=offload, **adapter.shard_kwargs(model))
+             checkpointing=cfg.checkpointing, offload=offload,
+             comm=zs.CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block), **adapter.shard_kwargs(model))
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None

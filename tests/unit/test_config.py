@@ -137,3 +137,15 @@ def test_fault_spec_parsing() -> None:
     assert parse_fault("rank=1,step=3") == (1, 3)
     with pytest.raises(ValueError, match="rank=1,step=3"):
         parse_fault("rank=one")
+
+
+def test_comm_quant_validation() -> None:
+    assert TrainConfig(stage=3, comm_quant="weights").comm_quant == "weights"
+    with pytest.raises(ValueError, match="needs stage 3"):
+        TrainConfig(stage=2, comm_quant="weights")
+    with pytest.raises(ValueError, match="power of two"):
+        TrainConfig(stage=3, comm_quant="weights", comm_quant_block=100)
+    with pytest.raises(ValueError, match="comm_quant="):
+        TrainConfig(stage=3, comm_quant="weight")
+    with pytest.raises(ValueError, match="not available yet"):
+        TrainConfig(stage=3, comm_quant="weights,grads")

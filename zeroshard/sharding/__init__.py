@@ -107,6 +107,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
 
 
 __all__ = [
-    "CommQuant", "Engine", "ExecutionOrderError", "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
+    "CommQuant", "Engine", "ExecutionOrderError",
+    "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
     "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

@@ -187,7 +187,7 @@ class FlatGroup:
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
 
-    def gather_full(self, phase: str) -> collectives.Pending | None:
+    def gather_full(self, phase: str) -> collectives.Pending | QuantizedGather | None:
         """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
         if self.params is None:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
@@ -419,4 +419,6 @@ class FlatGroup:
                 with torch.no_grad():
                     self.full.copy_(self.shard)
             return None
-        return self.gather_full(phase="param_sync")
+        pending = self.gather_full(phase="param_sync")
+        assert not isinstance(pending, QuantizedGather)  # only compute-feeding phases are quantized
+        return pending
