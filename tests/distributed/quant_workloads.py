@@ -7,7 +7,7 @@ import torch
 import workloads as w
 import zeroshard as zs
 from zeroshard.comm import collectives
-from zeroshard.comm.quant import dequantize, quantize, wire_bytes
+from zeroshard.comm.quant import dequantize, num_blocks, quantize, quantized_reduce_scatter, wire_bytes
 from zeroshard.data import GlobalBatchSampler, collate
 from zeroshard.models import GPT
 from zeroshard.sharding import get_engine
@@ -101,6 +101,32 @@ def _errors() -> dict:
     return out
 
 
+def _quantized_reduce() -> dict:
+    """qgZ's building block against the exact reduce-scatter, on real-sized, rank-dependent grads."""
+    mesh = zs.init()
+    size, per = mesh.shard_size, 3000  # not a multiple of the block: exercises padding
+    torch.manual_seed(w.SEED + mesh.rank)
+    grads = torch.randn(size * per) * (1 + torch.arange(size * per) % 7)  # blocks of different magnitude
+    everyone = torch.empty(size * grads.numel())
+    collectives.all_gather(everyone, grads, group="shard", phase="test")
+    exact = everyone.view(size, size, per).sum(dim=0)[mesh.shard_rank]
+    # Bound: each sender's half step in its block of this rank's piece, summed over senders.
+    bound = torch.zeros(per)
+    for sender in everyone.view(size, size, per):
+        piece = torch.zeros(num_blocks(per, BLOCK) * BLOCK)
+        piece[:per] = sender[mesh.shard_rank]
+        bound += (piece.view(-1, BLOCK).abs().amax(dim=1) / 127 / 2).repeat_interleave(BLOCK)[:per]
+    ledger = zs.ledger()
+    start = ledger.next_seq
+    out = torch.empty(per)
+    quantized_reduce_scatter(out, grads, BLOCK, group="shard", phase="qgz")
+    records = list(ledger.since(start))
+    return {"within_bound": bool(torch.all((out - exact).abs() <= bound * (1 + 1e-5) + 1e-6)),
+            "rms_rel": ((out - exact).norm() / exact.norm()).item(),
+            "ops": sorted({r.op for r in records}), "bytes": sum(r.bytes for r in records),
+            "formula": size * wire_bytes(per, BLOCK)}
+
+
 def quant_suite() -> dict:
     comm = zs.CommQuant(weights=True, block_size=BLOCK)
     fp32 = w.sharded_run(3, w.STEPS, w.GLOBAL_BATCH)
@@ -117,4 +143,5 @@ def quant_suite() -> dict:
         "consistency": _gather_consistency(model),
         "ledger_q": _one_step_bytes(comm),
         "errors": _errors(),
+        "qgz": _quantized_reduce(),
     }

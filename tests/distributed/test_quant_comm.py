@@ -63,3 +63,14 @@ def test_wrong_stage_is_a_clear_error(results):
     assert "need stage 3" in errors["weights-stage2"]
     assert "need stage 3" in errors["weights-stage0"]
     assert "stage 2 or 3" in errors["grads-stage0"]
+
+
+def test_quantized_reduce_scatter_matches_exact_sum_within_bound(results):
+    for rank in results:
+        rec = rank["qgz"]
+        assert rec["within_bound"]
+        assert 0 < rec["rms_rel"] < 0.02
+        assert rec["ops"] == ["all_to_all"]
+        assert rec["bytes"] == rec["formula"]  # int8 payload + fp32 scales, one piece per rank
+    print(f"quantized reduce-scatter rms rel error {results[0]['qgz']['rms_rel']:.2e}, "
+          f"wire {results[0]['qgz']['bytes']} bytes vs fp32 {4 * 3000 * WORLD}")

@@ -159,3 +159,34 @@ class QuantizedGather:
                 target[rank].copy_(dequantize(q[rank], scales[rank], self.shard_numel, dtype=self.full.dtype))
         # Free the wire buffers now, not when this object goes away.
         self._pending, self.q, self.scales = None, torch.empty(0), torch.empty(0)
+
+
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
+                             unit: str = "", phase: str = "") -> None:
+    """qgZ's reduction: the sum over the group of ``input`` (1-D, group size x ``output``), of which this
+    rank keeps its slice in ``output`` (fp32 accumulation), with every piece sent as int8 + scales.
+
+    A reduce-scatter cannot add int8 values on the wire, so each rank quantizes the piece every
+    other rank owns, an all-to-all delivers them, and the owner dequantizes and sums in fp32.
+    The error per element is at most the sum over ranks of each sender's half-step for that block.
+    Not yet used by the engine's reduction path.
+    """
+    size = collectives.group_size(group)
+    per = output.numel()
+    if input.numel() != per * size:
+        raise ValueError(f"quantized_reduce_scatter input has {input.numel()} elements; it must be exactly "
+                         f"group size {size} x output's {per}")
+    blocks = num_blocks(per, block_size)
+    q_send = torch.empty(size, blocks * block_size, dtype=WIRE_DTYPE, device=input.device)
+    s_send = torch.empty(size, blocks, dtype=SCALE_DTYPE, device=input.device)
+    pieces = input.detach().view(size, per)
+    for owner in range(size):
+        quantize(pieces[owner], block_size, out=q_send[owner], scales_out=s_send[owner])
+    q_recv, s_recv = torch.empty_like(q_send), torch.empty_like(s_send)
+    collectives.all_to_all(q_recv.view(-1), q_send.view(-1), group=group, unit=unit, phase=phase)
+    collectives.all_to_all(s_recv.view(-1), s_send.view(-1), group=group, unit=unit, phase=phase)
+    total = torch.zeros(per, dtype=torch.float32, device=output.device)
+    for sender in range(size):
+        total += dequantize(q_recv[sender], s_recv[sender], per)
+    with torch.no_grad():
+        output.copy_(total)
