@@ -130,7 +130,8 @@ class TrainConfig:
 
     comm_quant: str = "none"
     """Quantized communication: 'none', or 'weights' (stage 3 all-gathers weights as blockwise int8
-    plus fp32 scales; masters stay exact). 'grads' is reserved for quantized gradient reduction."""
+    plus fp32 scales; masters stay exact), 'grads' (stages 2-3 reduce grads as int8 pieces through an
+    all-to-all, summed in fp32 by the owner), or 'weights,grads'."""
 
     comm_quant_block: int = 256
     """Elements per quantization block (one fp32 scale each); a power of two."""
@@ -196,8 +197,9 @@ class TrainConfig:
         if "weights" in parts and self.stage != 3:
             raise ValueError(f"comm_quant=weights needs stage 3 (weights are all-gathered only there); "
                              f"got stage {self.stage}: pass --stage 3 or drop weights")
-        if "grads" in parts:
-            raise ValueError("comm_quant=grads (quantized gradient reduction) is not available yet; use 'weights'")
+        if "grads" in parts and self.stage < 2:
+            raise ValueError(f"comm_quant=grads needs stage 2 or 3 (a sharded grad reduction); got stage "
+                             f"{self.stage}: pass --stage 2 or 3 or drop grads")
 
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES:

@@ -47,6 +47,10 @@ def _one_step_bytes(comm) -> dict:
         "backward_formula": sum(b for k, b in gather_bytes.items() if k not in kept),
         "fp32_forward": sum(g.layout.numel * 4 for g in engine.groups),
         "quantized_groups": sum(1 for g in engine.groups if g.weight_quant),
+        "grad_formula": sum(shards * wire_bytes(g.layout.shard_numel, BLOCK) for g in engine.groups if g.grad_quant),
+        "grad_unquantized_formula": sum(g.layout.numel * 4 for g in engine.groups
+                                        if g.trainable and not g.grad_quant),
+        "grad_fp32": sum(g.layout.numel * 4 for g in engine.groups if g.trainable),
         "groups": len(engine.groups),
         "manifest": zs.precision_manifest(model, opt),
     }
@@ -92,7 +96,8 @@ def _errors() -> dict:
     out = {}
     for name, stage, comm in (("weights-stage2", 2, zs.CommQuant(weights=True)),
                               ("weights-stage0", 0, zs.CommQuant(weights=True)),
-                              ("grads-stage0", 0, zs.CommQuant(grads=True))):
+                              ("grads-stage0", 0, zs.CommQuant(grads=True)),
+                              ("grads-stage1", 1, zs.CommQuant(grads=True))):
         try:
             zs.shard(GPT(cfg), stage=stage, comm=comm)
             out[name] = None
@@ -131,6 +136,9 @@ def quant_suite() -> dict:
     comm = zs.CommQuant(weights=True, block_size=BLOCK)
     fp32 = w.sharded_run(3, w.STEPS, w.GLOBAL_BATCH)
     qwz = w.sharded_run(3, w.STEPS, w.GLOBAL_BATCH, comm=comm)
+    both = w.sharded_run(3, w.STEPS, w.GLOBAL_BATCH, comm=zs.CommQuant(weights=True, grads=True, block_size=BLOCK))
+    fp32_s2 = w.sharded_run(2, w.STEPS, w.GLOBAL_BATCH)
+    qgz_s2 = w.sharded_run(2, w.STEPS, w.GLOBAL_BATCH, comm=zs.CommQuant(grads=True, block_size=BLOCK))
     mesh = zs.init()
     cfg, _ = w.tiny_setup(w.GLOBAL_BATCH)
     torch.manual_seed(w.SEED)
@@ -139,6 +147,8 @@ def quant_suite() -> dict:
     return {
         "fp32_losses": fp32["losses"], "qwz_losses": qwz["losses"],
         "fp32_step_bytes": fp32["step_bytes"], "qwz_step_bytes": qwz["step_bytes"],
+        "both_losses": both["losses"], "fp32_s2_losses": fp32_s2["losses"], "qgz_s2_losses": qgz_s2["losses"],
+        "ledger_qg": _one_step_bytes(zs.CommQuant(weights=True, grads=True, block_size=BLOCK)),
         "param_diff": max((fp32["params"][k] - qwz["params"][k]).abs().max().item() for k in fp32["params"]),
         "consistency": _gather_consistency(model),
         "ledger_q": _one_step_bytes(comm),

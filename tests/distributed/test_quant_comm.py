@@ -63,6 +63,29 @@ def test_wrong_stage_is_a_clear_error(results):
     assert "need stage 3" in errors["weights-stage2"]
     assert "need stage 3" in errors["weights-stage0"]
     assert "stage 2 or 3" in errors["grads-stage0"]
+    assert "stage 2 or 3" in errors["grads-stage1"]
+
+
+def test_qgz_ledger_counts_int8_pieces_plus_scales(results):
+    rec = results[0]["ledger_qg"]
+    assert rec["by_phase"]["all_to_all:backward"] == rec["grad_formula"] > 0
+    assert rec["by_phase"].get("reduce_scatter:backward", 0) == rec["grad_unquantized_formula"]
+    total = rec["by_phase"]["all_to_all:backward"] + rec["by_phase"].get("reduce_scatter:backward", 0)
+    print(f"qgZ grad reduction bytes / fp32 = {total / rec['grad_fp32']:.4f}; manifest grad wire "
+          f"{rec['manifest']['grad_wire_dtype']} B={rec['manifest']['grad_wire_block_size']}")
+    assert rec["manifest"]["grad_wire_dtype"] == "int8"
+    assert total / rec["grad_fp32"] < 0.5
+
+
+@pytest.mark.parametrize("run, ref", [("both_losses", "fp32_losses"), ("qgz_s2_losses", "fp32_s2_losses")])
+def test_training_with_qgz_tracks_fp32_comm(results, run, ref):
+    got, want = results[0][run], results[0][ref]
+    assert all(math.isfinite(x) for x in got)
+    diffs = [abs(a - b) for a, b in zip(got, want)]
+    print(f"{run} vs {ref}: max |loss diff| {max(diffs):.2e}, final {want[-1]:.4f} vs {got[-1]:.4f}")
+    assert max(diffs) < 3e-2
+    assert max(diffs) > 0  # the quantized path really ran
+    assert got[-1] < got[0] - 0.1
 
 
 def test_quantized_reduce_scatter_matches_exact_sum_within_bound(results):

@@ -147,5 +147,7 @@ def test_comm_quant_validation() -> None:
         TrainConfig(stage=3, comm_quant="weights", comm_quant_block=100)
     with pytest.raises(ValueError, match="comm_quant="):
         TrainConfig(stage=3, comm_quant="weight")
-    with pytest.raises(ValueError, match="not available yet"):
-        TrainConfig(stage=3, comm_quant="weights,grads")
+    assert TrainConfig(stage=3, comm_quant="weights,grads").comm_quant == "weights,grads"
+    assert TrainConfig(stage=2, comm_quant="grads").stage == 2
+    with pytest.raises(ValueError, match="grads needs stage 2 or 3"):
+        TrainConfig(stage=1, comm_quant="grads")

@@ -86,9 +86,10 @@ def test_stage_and_parse_errors():
         CommQuant(weights=True).check_stage(2)
     with pytest.raises(ValueError, match="stage 2 or 3"):
         CommQuant(grads=True).check_stage(0)
-    with pytest.raises(ValueError, match="not available yet"):
-        CommQuant(grads=True).check_stage(3)
-    CommQuant(weights=True).check_stage(3)
+    with pytest.raises(ValueError, match="stage 2 or 3"):
+        CommQuant(grads=True).check_stage(1)
+    CommQuant(weights=True, grads=True).check_stage(3)
+    CommQuant(grads=True).check_stage(2)
     assert CommQuant.parse("weights") == CommQuant(weights=True)
     assert CommQuant.parse("weights,grads", 128) == CommQuant(weights=True, grads=True, block_size=128)
     assert not CommQuant.parse("none").enabled

@@ -77,9 +77,10 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, *, dtype: torc
 @dataclasses.dataclass(frozen=True)
 class CommQuant:
     """Which communication is sent quantized. ``weights`` is qwZ: stage 3's weight all-gather as int8
-    plus per-block scales. Groups under ``min_numel`` elements, and the root unit unless
+    plus per-block scales. Groups under ``min_numel`` elements, and (for weights) the root unit unless
     ``quantize_root``, stay in the compute dtype: their bytes are few and often sensitive
-    (embeddings, norms). ``grads`` (quantized gradient reduction) is not available yet."""
+    (embeddings, norms). ``grads`` is qgZ: stages 2-3 reduce grads as int8 pieces through an
+    all-to-all and sum them in fp32 on the owner (``QuantizedReduce``)."""
 
     weights: bool = False
     grads: bool = False
@@ -113,7 +114,14 @@ class CommQuant:
             if stage == 0:
                 raise ValueError("quantized grads need stage 2 or 3 (a sharded reduction); stage 0 all-reduces. "
                                  "Use stage>=2 or grads=False")
-            raise ValueError("quantized gradient reduction (grads=True) is not available yet; use grads=False")
+            if stage == 1:
+                raise ValueError("quantized grads need stage 2 or 3, where grads are transient and reduced "
+                                 "once into the owner's shard; use stage>=2 or grads=False")
+
+    def quantizes_grads(self, numel: int) -> bool:
+        """Grads are averaged over ranks, so their rounding error shrinks: only the size threshold applies
+        (at stages 0-2 a reduction bucket may hold the root together with blocks)."""
+        return self.grads and numel >= self.min_numel
 
     def quantizes(self, numel: int, is_root: bool) -> bool:
         """Whether a weight group of ``numel`` elements is all-gathered quantized."""
@@ -161,32 +169,57 @@ class QuantizedGather:
         self._pending, self.q, self.scales = None, torch.empty(0), torch.empty(0)
 
 
-def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
-                             unit: str = "", phase: str = "") -> None:
+
+class QuantizedReduce:
     """qgZ's reduction: the sum over the group of ``input`` (1-D, group size x ``output``), of which this
     rank keeps its slice in ``output`` (fp32 accumulation), with every piece sent as int8 + scales.
 
     A reduce-scatter cannot add int8 values on the wire, so each rank quantizes the piece every
-    other rank owns, an all-to-all delivers them, and the owner dequantizes and sums in fp32.
-    The error per element is at most the sum over ranks of each sender's half-step for that block.
-    Not yet used by the engine's reduction path.
+    other rank owns, an all-to-all delivers them, and ``wait`` dequantizes and sums in fp32 on the
+    owner. The error per element is at most the sum over senders of each one's half-step there.
     """
-    size = collectives.group_size(group)
-    per = output.numel()
-    if input.numel() != per * size:
-        raise ValueError(f"quantized_reduce_scatter input has {input.numel()} elements; it must be exactly "
-                         f"group size {size} x output's {per}")
-    blocks = num_blocks(per, block_size)
-    q_send = torch.empty(size, blocks * block_size, dtype=WIRE_DTYPE, device=input.device)
-    s_send = torch.empty(size, blocks, dtype=SCALE_DTYPE, device=input.device)
-    pieces = input.detach().view(size, per)
-    for owner in range(size):
-        quantize(pieces[owner], block_size, out=q_send[owner], scales_out=s_send[owner])
-    q_recv, s_recv = torch.empty_like(q_send), torch.empty_like(s_send)
-    collectives.all_to_all(q_recv.view(-1), q_send.view(-1), group=group, unit=unit, phase=phase)
-    collectives.all_to_all(s_recv.view(-1), s_send.view(-1), group=group, unit=unit, phase=phase)
-    total = torch.zeros(per, dtype=torch.float32, device=output.device)
-    for sender in range(size):
-        total += dequantize(q_recv[sender], s_recv[sender], per)
-    with torch.no_grad():
-        output.copy_(total)
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
+                 unit: str = "", phase: str = "") -> None:
+        size = collectives.group_size(group)
+        self.output, self.per = output, output.numel()
+        if input.numel() != self.per * size:
+            raise ValueError(f"quantized reduce input has {input.numel()} elements; it must be exactly "
+                             f"group size {size} x output's {self.per}")
+        blocks = num_blocks(self.per, block_size)
+        q_send = torch.empty(size, blocks * block_size, dtype=WIRE_DTYPE, device=input.device)
+        s_send = torch.empty(size, blocks, dtype=SCALE_DTYPE, device=input.device)
+        pieces = input.detach().view(size, self.per)
+        for owner in range(size):
+            quantize(pieces[owner], block_size, out=q_send[owner], scales_out=s_send[owner])
+        self.q, self.scales = torch.empty_like(q_send), torch.empty_like(s_send)
+        self._sent = (q_send, s_send)  # gloo reads them asynchronously
+        self._pending: list | None = [
+            collectives.all_to_all(recv.view(-1), sent.view(-1), group=group, unit=unit, phase=phase, async_op=True)
+            for recv, sent in ((self.q, q_send), (self.scales, s_send))]
+
+    @property
+    def record(self):
+        return self._pending[0].record if self._pending else None
+
+    def is_done(self) -> bool:
+        return self._pending is None or all(p is None or p.is_done() for p in self._pending)
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        for pending in self._pending:
+            if pending is not None:
+                pending.wait()
+        total = torch.zeros(self.per, dtype=torch.float32, device=self.output.device)
+        for sender in range(self.q.shape[0]):
+            total += dequantize(self.q[sender], self.scales[sender], self.per)
+        with torch.no_grad():
+            self.output.copy_(total)
+        self._pending, self._sent = None, ()
+
+
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
+                             unit: str = "", phase: str = "") -> None:
+    """Blocking ``QuantizedReduce``."""
+    QuantizedReduce(output, input, block_size, group=group, unit=unit, phase=phase).wait()

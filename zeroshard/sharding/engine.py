@@ -90,6 +90,9 @@ class Engine:
             for group in unit.groups:
                 if policy.shard_params and self.comm.quantizes(group.layout.numel, unit.is_root):
                     group.weight_quant = self.comm.block_size
+                if policy.transient_grads and group.trainable and \
+                        self.comm.quantizes_grads(group.layout.numel):
+                    group.grad_quant = self.comm.block_size
         # Reductions launch strictly in this order on every rank, so a grad that is late on one
         # rank (an unused param) delays the collectives instead of reordering them.
         self.reduce_order = list(self.units)

@@ -16,7 +16,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import QuantizedGather
+from zeroshard.comm.quant import QuantizedGather, QuantizedReduce
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import ParamRef
@@ -83,6 +83,8 @@ class FlatGroup:
         self.device = device
         # Block size when stage 3's weight all-gather is sent quantized (set by the engine), else None.
         self.weight_quant: int | None = None
+        # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
+        self.grad_quant: int | None = None
 
         # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
         self.store = store if trainable else None
@@ -120,7 +122,7 @@ class FlatGroup:
         self.before_grad_read = None  # set by the engine: finish pending reductions, in order
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | None = None
-        self._pending: collectives.Pending | None = None
+        self._pending: collectives.Pending | QuantizedReduce | None = None
         self._grad_full_zero = True
         if trainable and not policy.transient_grads:
             self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
@@ -323,6 +325,14 @@ class FlatGroup:
         return large + packed
 
     def launch_reduce(self, phase: str = "backward") -> None:
+        if self.grad_quant is not None and self.shards > 1:
+            # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
+            self.collect_grads()
+            self._reduce_input = self.grad_full
+            self._reduced = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+            self._pending = QuantizedReduce(self._reduced, self.grad_full, self.grad_quant, group="shard",
+                                            unit=self.unit, phase=phase)
+            return
         pieces = self._grad_pieces()
         if pieces is not None:
             # gloo: reduce each grad where it lies; no flat copy, and no unit-sized buffer beside

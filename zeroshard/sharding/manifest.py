@@ -14,13 +14,17 @@ def _name(dtype: torch.dtype | None) -> str | None:
 
 
 def _wire(engine) -> dict:
-    """What stage 3's weight all-gather puts on the wire: int8 + fp32 block scales where quantized."""
+    """What the weight all-gather and grad reduction put on the wire: int8 + fp32 block scales where quantized."""
     quantized = [g for g in engine.groups if g.weight_quant is not None]
+    grads = [g for g in engine.groups if g.grad_quant is not None]
     return {
         "weight_wire_dtype": "int8" if quantized else None,
         "weight_wire_scale_dtype": _name(SCALE_DTYPE) if quantized else None,
         "weight_wire_block_size": engine.comm.block_size if quantized else None,
         "weight_wire_quantized_groups": len(quantized),
+        "grad_wire_dtype": "int8" if grads else None,
+        "grad_wire_block_size": engine.comm.block_size if grads else None,
+        "grad_wire_quantized_groups": len(grads),
     }
 
 
