@@ -193,7 +193,7 @@ class QuantizedReduce:
         for owner in range(size):
             quantize(pieces[owner], block_size, out=q_send[owner], scales_out=s_send[owner])
         self.q, self.scales = torch.empty_like(q_send), torch.empty_like(s_send)
-        self._sent = (q_send, s_send)  # gloo reads them asynchronously
+        self._sent: tuple[torch.Tensor, ...] = (q_send, s_send)  # gloo reads them asynchronously
         self._pending: list | None = [
             collectives.all_to_all(recv.view(-1), sent.view(-1), group=group, unit=unit, phase=phase, async_op=True)
             for recv, sent in ((self.q, q_send), (self.scales, s_send))]

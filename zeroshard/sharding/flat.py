@@ -328,6 +328,7 @@ class FlatGroup:
         if self.grad_quant is not None and self.shards > 1:
             # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
             self.collect_grads()
+            assert self.grad_full is not None  # collect_grads made it
             self._reduce_input = self.grad_full
             self._reduced = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
             self._pending = QuantizedReduce(self._reduced, self.grad_full, self.grad_quant, group="shard",
