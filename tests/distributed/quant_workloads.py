@@ -155,3 +155,11 @@ def quant_suite() -> dict:
         "errors": _errors(),
         "qgz": _quantized_reduce(),
     }
+
+
+def hybrid_quant_suite() -> dict:
+    """World 4 as 2 replicas x 2 shards: qwZ+qgZ against fp32 comm, a few steps."""
+    zs.init(shard_size=2)
+    fp32 = w.sharded_run(3, 6, w.GLOBAL_BATCH)
+    quant = w.sharded_run(3, 6, w.GLOBAL_BATCH, comm=zs.CommQuant(weights=True, grads=True, block_size=BLOCK))
+    return {"fp32": fp32["losses"], "quant": quant["losses"]}

@@ -97,3 +97,11 @@ def test_quantized_reduce_scatter_matches_exact_sum_within_bound(results):
         assert rec["bytes"] == rec["formula"]  # int8 payload + fp32 scales, one piece per rank
     print(f"quantized reduce-scatter rms rel error {results[0]['qgz']['rms_rel']:.2e}, "
           f"wire {results[0]['qgz']['bytes']} bytes vs fp32 {4 * 3000 * WORLD}")
+
+
+def test_hybrid_mesh_world4_tracks_fp32_comm():
+    rec = spawn(qw.hybrid_quant_suite, 4, timeout_s=420)[0]
+    diffs = [abs(a - b) for a, b in zip(rec["fp32"], rec["quant"])]
+    print(f"hybrid 2x2 qwZ+qgZ vs fp32 comm: max |loss diff| {max(diffs):.2e}")
+    assert all(math.isfinite(x) for x in rec["quant"])
+    assert 0 < max(diffs) < 2e-2
