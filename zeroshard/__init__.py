@@ -8,6 +8,7 @@ from zeroshard.materialize import meta_init
 from zeroshard.offload import OffloadPolicy
 from zeroshard.plan import plan
 from zeroshard.sharding import (
+    CommQuant,
     MixedPrecision,
     ShardedGradScaler,
     clip_grad_norm_,
@@ -24,7 +25,7 @@ from zeroshard.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler", "build_pretrained",
+    "CheckpointError", "CommQuant", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler", "build_pretrained",
     "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
     "load_pretrained", "meta_init", "no_sync", "optim_groups",
     "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "unsharded",

@@ -128,6 +128,14 @@ class TrainConfig:
     """Stages 2-3 only: 'sharded' reduce-scatters every micro-step into the 1/N grad shard;
     'unsharded' keeps full fp32 grads across micro-steps and reduces once per step."""
 
+    comm_quant: str = "none"
+    """Quantized communication: 'none', or 'weights' (stage 3 all-gathers weights as blockwise int8
+    plus fp32 scales; masters stay exact), 'grads' (stages 2-3 reduce grads as int8 pieces through an
+    all-to-all, summed in fp32 by the owner), or 'weights,grads'."""
+
+    comm_quant_block: int = 256
+    """Elements per quantization block (one fp32 scale each); a power of two."""
+
     init: str = "auto"
     """How the model is initialised: 'meta' builds it on the meta device and materialises only
     this rank's shards (bitwise the same values), 'full' builds it whole on every rank, 'auto'
@@ -178,6 +186,21 @@ class TrainConfig:
         _check_types(self)
         self._check_ranges()
 
+    def _check_comm_quant(self) -> None:
+        """The same rules as zeroshard.comm.quant.CommQuant, without importing torch."""
+        parts = {p.strip() for p in self.comm_quant.split(",") if p.strip()} - {"none"}
+        if parts - {"weights", "grads"}:
+            raise ValueError(f"comm_quant={self.comm_quant!r} is invalid; use 'none', 'weights' or 'weights,grads'")
+        block = self.comm_quant_block
+        if block <= 0 or block & (block - 1):
+            raise ValueError(f"comm_quant_block={block} must be a positive power of two (e.g. 256)")
+        if "weights" in parts and self.stage != 3:
+            raise ValueError(f"comm_quant=weights needs stage 3 (weights are all-gathered only there); "
+                             f"got stage {self.stage}: pass --stage 3 or drop weights")
+        if "grads" in parts and self.stage < 2:
+            raise ValueError(f"comm_quant=grads needs stage 2 or 3 (a sharded grad reduction); got stage "
+                             f"{self.stage}: pass --stage 2 or 3 or drop grads")
+
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES} "
@@ -196,6 +219,7 @@ class TrainConfig:
         if not (policy in ("none", "all", "sqrt") or (policy.startswith("every:") and policy[6:].isdigit()
                                                       and int(policy[6:]) >= 1)):
             raise ValueError(f"checkpointing={policy!r} is invalid; use none, all, every:K (K >= 1) or sqrt")
+        self._check_comm_quant()
         if self.init not in ("auto", "meta", "full"):
             raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")
         if self.accumulation not in ("sharded", "unsharded"):

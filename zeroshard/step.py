@@ -135,7 +135,8 @@ def shard_model(cfg: TrainConfig, model: torch.nn.Module, **overrides: Any) -> t
     offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
     kwargs = dict(stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
                   reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
-                  checkpointing=cfg.checkpointing, offload=offload, **adapter.shard_kwargs(model))
+                  checkpointing=cfg.checkpointing, offload=offload,
+                  comm=zs.CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block), **adapter.shard_kwargs(model))
     zs.shard(model, **{**kwargs, **overrides})
     adapter.after_shard(model)  # a pretrained folder: each rank reads only its shard of the weights
     return model

@@ -128,3 +128,17 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
     assert lrs[-1] == pytest.approx(1e-4)
     assert TrainConfig(steps=1, warmup=0).lr == lr_at(TrainConfig(steps=1, warmup=0), 0)
+
+
+def test_comm_quant_validation() -> None:
+    assert TrainConfig(stage=3, comm_quant="weights").comm_quant == "weights"
+    with pytest.raises(ValueError, match="needs stage 3"):
+        TrainConfig(stage=2, comm_quant="weights")
+    with pytest.raises(ValueError, match="power of two"):
+        TrainConfig(stage=3, comm_quant="weights", comm_quant_block=100)
+    with pytest.raises(ValueError, match="comm_quant="):
+        TrainConfig(stage=3, comm_quant="weight")
+    assert TrainConfig(stage=3, comm_quant="weights,grads").comm_quant == "weights,grads"
+    assert TrainConfig(stage=2, comm_quant="grads").stage == 2
+    with pytest.raises(ValueError, match="grads needs stage 2 or 3"):
+        TrainConfig(stage=1, comm_quant="grads")

@@ -173,6 +173,13 @@ def summary_table(s: dict[str, Any]) -> Table:
         ("reduce / master / optim state", f"{p['reduce_dtype']} / {p['master_dtype']} / "
                                            f"{', '.join(p['optimizer_state_dtypes'] or ['-'])}"),
         ("grad accumulation dtype", f"{p['grad_accumulation_dtype']} ({p['grad_accumulation']})"),
+        *([("weight all-gather wire", f"{p['weight_wire_dtype']} + {p['weight_wire_scale_dtype']} scale per "
+                                      f"{p['weight_wire_block_size']} elements "
+                                      f"({p['weight_wire_quantized_groups']} groups)")]
+          if p.get("weight_wire_dtype") else []),
+        *([("grad reduce wire", f"{p['grad_wire_dtype']} pieces via all-to-all, block {p['grad_wire_block_size']} "
+                                f"({p['grad_wire_quantized_groups']} groups)")]
+          if p.get("grad_wire_dtype") else []),
         ("units", f"{len(p['units'])}"),
         ("init path", s["init_path"]),
     ]

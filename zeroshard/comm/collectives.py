@@ -142,6 +142,20 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str = "world
     return _issue("all_gather", output, group, unit, phase, call, async_op)
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: str = "world", unit: str = "",
+               phase: str = "", async_op: bool = False) -> Pending | None:
+    """Slice ``i`` of ``input`` goes to group rank ``i``; slice ``j`` of ``output`` comes from rank ``j``
+    (equal slices, 1-D). Quantized reductions need it: int8 pieces cannot be summed on the wire."""
+    size = group_size(group)
+    if input.numel() != output.numel() or input.numel() % size:
+        raise ValueError(f"all_to_all input ({input.numel()}) and output ({output.numel()}) must have the same "
+                         f"number of elements, a multiple of group size {size}")
+    if size == 1:
+        return _issue("all_to_all", input, group, unit, phase, _local_copy(output, input), async_op)
+    call = lambda pg: dist.all_to_all_single(output, input, group=pg, async_op=True)  # noqa: E731
+    return _issue("all_to_all", input, group, unit, phase, call, async_op)
+
+
 def _local_copy(output: torch.Tensor, input: torch.Tensor):
     """A one-rank group: the result is the input, so skip the transport (it would copy, and gloo's
     reduce-scatter would run on this thread)."""

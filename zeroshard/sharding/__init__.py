@@ -8,6 +8,7 @@ from typing import Callable
 from torch import nn
 
 from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.quant import CommQuant
 from zeroshard.offload import OffloadPolicy, make_store
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, attach_engine, find_engine, get_engine
@@ -39,8 +40,8 @@ def no_sync(model: nn.Module):
 def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrecision | None = None,
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
-          skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None
-          ) -> nn.Module:
+          skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None,
+          comm: CommQuant | None = None) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -64,12 +65,17 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     ``offload`` moves fp32 masters and optimizer state off the compute device: "cpu" (host
     memory, CPU optimizer step) or an ``OffloadPolicy(kind="disk", directory=...)``; see
     zeroshard/offload/.
+
+    ``comm=CommQuant(weights=True)`` sends stage 3's weight all-gather as blockwise int8 plus one
+    fp32 scale per block (zeroshard/comm/quant.py); fp32 masters stay exact on their owner.
     """
     segment_length(checkpointing, 1)  # validate the policy before touching the model
     offload = OffloadPolicy(kind=offload) if isinstance(offload, str) else (offload or OffloadPolicy())
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
     policy = StagePolicy(stage)
+    if comm is not None:
+        comm.check_stage(stage)
     if find_engine(model) is not None:
         raise ValueError("this model is already sharded; build a fresh model to shard it again")
     if prefetch < 0:
@@ -84,7 +90,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                     bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation,
-                    store=make_store(offload, mesh.device, mesh.rank))
+                    store=make_store(offload, mesh.device, mesh.rank), comm=comm)
     engine.offload = offload
     attach_engine(model, engine)
     blocks = [spec.module for spec in specs if not spec.is_root]
@@ -101,6 +107,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
 
 
 __all__ = [
-    "Engine", "ExecutionOrderError", "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
+    "CommQuant", "Engine", "ExecutionOrderError",
+    "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
     "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

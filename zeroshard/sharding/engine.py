@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import FlatGroup, StagePolicy
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.unit import Unit, UnitState
@@ -88,7 +89,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
                  mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
-                 bucket_bytes: int, accumulation: str = "sharded", store=None) -> None:
+                 bucket_bytes: int, accumulation: str = "sharded", store=None, comm: CommQuant | None = None) -> None:
         self.model = model
         self.policy = policy
         self.mesh = mesh
@@ -114,6 +115,14 @@ class Engine:
                                        is_root=any(s.is_root for s in bucket), sharded=False))
                 for group in self.units[-1].groups:
                     group.register(unsharded=True)
+        self.comm = comm or CommQuant()
+        for unit in self.units:
+            for group in unit.groups:
+                if policy.shard_params and self.comm.quantizes(group.layout.numel, unit.is_root):
+                    group.weight_quant = self.comm.block_size
+                if policy.transient_grads and group.trainable and \
+                        self.comm.quantizes_grads(group.layout.numel):
+                    group.grad_quant = self.comm.block_size
         # Reductions launch strictly in this order on every rank, so a grad that is late on one
         # rank (an unused param) delays the collectives instead of reordering them.
         self.reduce_order = list(self.units)

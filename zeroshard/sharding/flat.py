@@ -17,6 +17,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.quant import QuantizedGather, QuantizedReduce
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import ParamRef
@@ -24,6 +25,8 @@ from zeroshard.sharding.wrap import ParamRef
 
 _Piece = tuple[torch.Tensor, int, list[tuple[int, int, int]]]
 """A reduce piece: (tensor, owner shard rank, [(offset in tensor, offset in the owner's shard, length)])."""
+QUANTIZED_PHASES = ("forward", "backward", "recompute")
+"""Gathers that feed compute may be quantized; others (state_dict's summon) must be exact."""
 
 SMALL_GRAD_NUMEL = 1 << 16
 """Grads smaller than this (elements) are packed per owner for gloo's in-place reduce, not sent alone."""
@@ -95,6 +98,10 @@ class FlatGroup:
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
         self.device = device
+        # Block size when stage 3's weight all-gather is sent quantized (set by the engine), else None.
+        self.weight_quant: int | None = None
+        # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
+        self.grad_quant: int | None = None
 
         # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
         self.store = store if trainable else None
@@ -132,7 +139,7 @@ class FlatGroup:
         self.before_grad_read: Callable[[], None] | None = None  # set by the engine: finish pending reductions, in order
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | list[_Piece] | None = None
-        self._pending: collectives.Pending | None = None
+        self._pending: collectives.Pending | QuantizedReduce | None = None
         self._grad_full_zero = True
         if trainable and not policy.transient_grads:
             self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
@@ -201,7 +208,7 @@ class FlatGroup:
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
 
-    def gather_full(self, phase: str) -> collectives.Pending | None:
+    def gather_full(self, phase: str) -> collectives.Pending | QuantizedGather | None:
         """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
         if self.params is None:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
@@ -211,6 +218,10 @@ class FlatGroup:
         if storage.nbytes() < needed:
             storage.resize_(needed)
         own = self.full[self.lo:self.hi]
+        if self.weight_quant is not None and self.shards > 1 and phase in QUANTIZED_PHASES:
+            # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
+            return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
+                                   unit=self.unit, phase=phase)
         if not self.aliased:
             with torch.no_grad():
                 own.copy_(self.shard)
@@ -346,6 +357,15 @@ class FlatGroup:
         return large + packed
 
     def launch_reduce(self, phase: str = "backward") -> None:
+        if self.grad_quant is not None and self.shards > 1:
+            # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
+            self.collect_grads()
+            assert self.grad_full is not None  # collect_grads made it
+            self._reduce_input = self.grad_full
+            self._reduced = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+            self._pending = QuantizedReduce(self._reduced, self.grad_full, self.grad_quant, group="shard",
+                                            unit=self.unit, phase=phase)
+            return
         pieces = self._grad_pieces()
         if pieces is not None:
             # gloo: reduce each grad where it lies; no flat copy, and no unit-sized buffer beside
@@ -445,4 +465,6 @@ class FlatGroup:
                 with torch.no_grad():
                     self.full.copy_(self.shard)
             return None
-        return self.gather_full(phase="param_sync")
+        pending = self.gather_full(phase="param_sync")
+        assert not isinstance(pending, QuantizedGather)  # only compute-feeding phases are quantized
+        return pending

@@ -5,11 +5,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zeroshard.comm.quant import SCALE_DTYPE
 from zeroshard.sharding.engine import get_engine
 
 
 def _name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _wire(engine) -> dict:
+    """What the weight all-gather and grad reduction put on the wire: int8 + fp32 block scales where quantized."""
+    quantized = [g for g in engine.groups if g.weight_quant is not None]
+    grads = [g for g in engine.groups if g.grad_quant is not None]
+    return {
+        "weight_wire_dtype": "int8" if quantized else None,
+        "weight_wire_scale_dtype": _name(SCALE_DTYPE) if quantized else None,
+        "weight_wire_block_size": engine.comm.block_size if quantized else None,
+        "weight_wire_quantized_groups": len(quantized),
+        "grad_wire_dtype": "int8" if grads else None,
+        "grad_wire_block_size": engine.comm.block_size if grads else None,
+        "grad_wire_quantized_groups": len(grads),
+    }
 
 
 def precision_manifest(model: nn.Module, optimizer=None) -> dict:
@@ -40,6 +56,7 @@ def precision_manifest(model: nn.Module, optimizer=None) -> dict:
         "grad_accumulation_dtype": accumulation,
         "grad_accumulation": accumulation_where,
         "all_gather_dtype": _name(first.compute_dtype) if engine.policy.shard_optimizer and engine.mesh.shard_size > 1 else None,
+        **_wire(engine),
         "units": [u.name for u in engine.units],
         "bucket_mb": engine.bucket_bytes / 2**20 if not engine.policy.shard_params else None,
         "prefetch": engine.prefetch if engine.policy.shard_params else None,

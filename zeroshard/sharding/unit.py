@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from zeroshard.comm import collectives
+from zeroshard.comm.quant import QuantizedGather
 from zeroshard.profile import timeline
 from zeroshard.sharding.flat import FlatGroup
 
@@ -33,7 +34,7 @@ class Unit:
         self.groups = groups
         self.is_root = is_root
         self.state = UnitState.SHARDED if sharded else UnitState.UNSHARDED
-        self._gathers: list[collectives.Pending] = []
+        self._gathers: list[collectives.Pending | QuantizedGather] = []
         self._expected = {(gi, pi) for gi, g in enumerate(groups) if g.trainable for pi in range(len(g.layout.slots))}
         self._ready: set[tuple[int, int]] = set()
         self.reduce_launched = False
