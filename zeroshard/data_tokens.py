@@ -28,7 +28,7 @@ __all__ = ["META_NAME", "FORMAT", "TokenFileDataset", "dtype_for_vocab", "is_tok
 
 META_NAME = "meta.json"
 FORMAT = "zeroshard-tokens"
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
