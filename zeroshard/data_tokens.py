@@ -111,16 +111,10 @@ class TokenFileDataset:
         self._vocab = self._vocab_size(meta)
 
     def _vocab_size(self, meta: dict[str, Any] | None) -> int:
-        top = max((int(a.max()) for a in self._arrays if len(a)), default=0)
-        if meta is None or "vocab_size" not in meta:
-            return top + 1
-        vocab = int(meta["vocab_size"])
-        if top >= vocab:
-            raise ValueError(
-                f"{self.root / META_NAME} says vocab_size={vocab} but the token files hold id "
-                f"{top}; re-run `zeroshard data prepare`"
-            )
-        return vocab
+        if meta is not None and "vocab_size" in meta:
+            return int(meta["vocab_size"])  # trusted here; each window is checked when read
+        # nanoGPT's layout records no vocab: one pass over the files finds the largest id.
+        return max((int(a.max()) for a in self._arrays if len(a)), default=0) + 1
 
     @property
     def vocab_size(self) -> int:
@@ -142,4 +136,9 @@ class TokenFileDataset:
         lo = (i - self._starts[f]) * (self.seq_len + 1)
         # Copy out of the map: int64 for the embedding, and no tensor aliases the file.
         w = torch.from_numpy(self._arrays[f][lo : lo + self.seq_len + 1].astype(np.int64))
+        if int(w.max()) >= self._vocab:  # an embedding lookup would fail far less clearly
+            raise ValueError(
+                f"token file {self.files[f]} holds id {int(w.max())} but {self.root / META_NAME} "
+                f"says vocab_size={self._vocab}; re-run `zeroshard data prepare`"
+            )
         return w[:-1], w[1:]  # (T,), (T,)

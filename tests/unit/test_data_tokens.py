@@ -110,10 +110,12 @@ def test_token_file_with_partial_token_names_the_file(tmp_path):
 
 
 def test_meta_vocab_smaller_than_tokens_is_rejected(tmp_path):
-    np.array([1, 2, 300], dtype="<u2").tofile(tmp_path / "a.bin")
+    np.array([1, 2, 300, 3], dtype="<u2").tofile(tmp_path / "a.bin")
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256}))
-    with pytest.raises(ValueError, match="vocab_size=256 but the token files hold id 300"):
-        TokenFileDataset(tmp_path, seq_len=1)
+    ds = TokenFileDataset(tmp_path, seq_len=1)
+    assert ds[0][0].tolist() == [1]
+    with pytest.raises(ValueError, match=r"a\.bin holds id 300 but .*vocab_size=256"):
+        ds[1]
 
 
 def test_cli_tokenizer_folder_without_tokenizer_writes_nothing(tmp_path, capsys):
@@ -135,3 +137,14 @@ def test_cli_missing_text_writes_nothing(prepared, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope.txt" in err
     assert not out.exists()
+
+
+def test_train_on_a_truncated_token_file_fails_before_any_rank_starts(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.bin").write_bytes(b"\x01\x00\x02")
+    run_dir = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path / "data"), "--model", "tiny", "--nproc", "1",
+                 "--steps", "1", "--run-dir", str(run_dir)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train.bin has 3 bytes" in err
+    assert not run_dir.exists()
