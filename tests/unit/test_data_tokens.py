@@ -148,3 +148,24 @@ def test_train_on_a_truncated_token_file_fails_before_any_rank_starts(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.bin has 3 bytes" in err
     assert not run_dir.exists()
+
+
+def test_cli_tokenizer_config_without_vocabulary_writes_nothing(tmp_path, capsys):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    out = tmp_path / "out"
+    assert main(["data", "prepare", str(DOCS / "workflow.md"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tok" in err and "no vocabulary" in err
+    assert not out.exists()
+
+
+def test_prepare_reads_a_save_pretrained_folder(prepared, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    _, tok, texts = prepared
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(tmp_path / "hf"))
+    meta = prepare(texts[:1], tmp_path / "hf", tmp_path / "out", show_progress=False)
+    raw = np.fromfile(tmp_path / "out" / meta["files"][0], dtype="<u2")
+    assert raw.tolist() == tok.encode(texts[0].read_text(), add_special_tokens=False).ids

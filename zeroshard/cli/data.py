@@ -43,7 +43,16 @@ def load_tokenizer(directory: Path) -> tuple[Encoder, int]:
     if (directory / "tokenizer_config.json").is_file():  # slow (sentencepiece/vocab.txt) tokenizers
         from transformers import AutoTokenizer
 
-        hf: Any = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        try:
+            hf: Any = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError) as e:  # e.g. a config naming a vocab file that is not there
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"tokenizer folder {str(directory)!r} does not load ({message})") from e
+        if len(hf) <= len(set(hf.all_special_ids)):  # transformers builds one from a bare config
+            raise DataError(
+                f"tokenizer folder {str(directory)!r} has no vocabulary, only special tokens; "
+                f"pass a folder saved by tokenizer.save_pretrained(...)"
+            )
         return (lambda texts: hf(texts, add_special_tokens=False)["input_ids"], len(hf))
     raise DataError(
         f"tokenizer folder {str(directory)!r} has no tokenizer.json or tokenizer_config.json; "
