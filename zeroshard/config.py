@@ -78,7 +78,8 @@ class TrainConfig:
     """Seeds model init, the synthetic data and the sampler. Same seed, same run."""
 
     data: str | None = None
-    """Path to a text file for byte-level training, or None for the synthetic Markov source
+    """Path to a text file for byte-level training, a folder of token files (from `zeroshard data
+    prepare`, or nanoGPT's .bin; see docs/data.md), or None for the synthetic Markov source
     (whose entropy floor is known exactly)."""
 
     num_samples: int = 4096

@@ -450,12 +450,17 @@ def build_dataset(
     vocab_size: int = 64,
     order: int = 2,
     seed: int = 0,
-) -> ByteFileDataset | SyntheticDataset:
-    """Byte-level windows of ``data_path`` if given, else a synthetic Markov dataset.
+) -> Any:
+    """Token windows of a folder of token files (``zeroshard.data_tokens``), byte-level
+    windows of a text file, or, without ``data_path``, a synthetic Markov dataset.
 
     ``num_samples``, ``vocab_size``, ``order`` and ``seed`` only apply to synthetic data.
     """
     if data_path is not None:
+        from zeroshard.data_tokens import TokenFileDataset, is_token_dir
+
+        if is_token_dir(data_path):
+            return TokenFileDataset(data_path, seq_len)
         return ByteFileDataset(data_path, seq_len)
     source = MarkovSource(vocab_size=vocab_size, order=order, seed=seed)
     return SyntheticDataset(source, num_samples, seq_len, seed)

@@ -9,6 +9,7 @@ from typing import Sequence
 from zeroshard.cli import bench as bench_cmd
 from zeroshard.cli import ckpt as ckpt_cmd
 from zeroshard.cli import config as config_cmd
+from zeroshard.cli import data as data_cmd
 from zeroshard.cli import doctor as doctor_cmd
 from zeroshard.cli import generate as generate_cmd
 from zeroshard.cli import plan as plan_cmd
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune_cmd.add_parser(sub)
     config_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    data_cmd.add_parser(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -216,6 +217,13 @@ def run(args: argparse.Namespace) -> int:
         fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable is a one-line error before launch
     except ValueError as e:
         return fail("train", str(e))
+    if cfg.data is not None and Path(cfg.data).is_dir():
+        from zeroshard.data_tokens import TokenFileDataset
+
+        try:  # before any rank starts or the run dir is made: a bad token folder writes nothing
+            TokenFileDataset(cfg.data, cfg.seq_len)
+        except ValueError as e:
+            return fail("train", str(e))
     if under_torchrun:
         try:
             _rank_main(cfg)
