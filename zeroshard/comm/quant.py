@@ -128,7 +128,29 @@ class CommQuant:
         return self.weights and numel >= self.min_numel and (self.quantize_root or not is_root)
 
 
-class QuantizedGather:
+class _WirePair:
+    """Two collectives in flight together (int8 values and their fp32 scales), finished as one."""
+
+    _pending: list | None
+
+    @property
+    def record(self):
+        return self._pending[0].record if self._pending else None
+
+    def is_done(self) -> bool:
+        return self._pending is None or all(p is None or p.is_done() for p in self._pending)
+
+    def _wait_wire(self) -> bool:
+        """Wait for both; False if they were already finished (``wait`` ran before)."""
+        if self._pending is None:
+            return False
+        for pending in self._pending:
+            if pending is not None:
+                pending.wait()
+        return True
+
+
+class QuantizedGather(_WirePair):
     """Two all-gathers in flight (int8 values, fp32 scales); ``wait`` dequantizes into ``full``.
 
     Every rank, the owner included, takes the dequantized values, so all ranks compute with the
@@ -144,22 +166,12 @@ class QuantizedGather:
         q_own = self.q.view(shards, -1)[rank]
         s_own = self.scales.view(shards, -1)[rank]
         quantize(shard.detach().to(full.device).view(-1), block_size, out=q_own, scales_out=s_own)
-        self._pending: list | None = [collectives.all_gather(buf, own, group="shard", unit=unit, phase=phase, async_op=True)
+        self._pending = [collectives.all_gather(buf, own, group="shard", unit=unit, phase=phase, async_op=True)
                          for buf, own in ((self.q, q_own), (self.scales, s_own))]
 
-    @property
-    def record(self):
-        return self._pending[0].record
-
-    def is_done(self) -> bool:
-        return self._pending is None or all(p is None or p.is_done() for p in self._pending)
-
     def wait(self) -> None:
-        if self._pending is None:
+        if not self._wait_wire():
             return
-        for pending in self._pending:
-            if pending is not None:
-                pending.wait()
         q, scales = self.q.view(self.shards, -1), self.scales.view(self.shards, -1)
         target = self.full.view(self.shards, self.shard_numel)
         with torch.no_grad():
@@ -170,7 +182,7 @@ class QuantizedGather:
 
 
 
-class QuantizedReduce:
+class QuantizedReduce(_WirePair):
     """qgZ's reduction: the sum over the group of ``input`` (1-D, group size x ``output``), of which this
     rank keeps its slice in ``output`` (fp32 accumulation), with every piece sent as int8 + scales.
 
@@ -194,23 +206,13 @@ class QuantizedReduce:
             quantize(pieces[owner], block_size, out=q_send[owner], scales_out=s_send[owner])
         self.q, self.scales = torch.empty_like(q_send), torch.empty_like(s_send)
         self._sent: tuple[torch.Tensor, ...] = (q_send, s_send)  # gloo reads them asynchronously
-        self._pending: list | None = [
+        self._pending = [
             collectives.all_to_all(recv.view(-1), sent.view(-1), group=group, unit=unit, phase=phase, async_op=True)
             for recv, sent in ((self.q, q_send), (self.scales, s_send))]
 
-    @property
-    def record(self):
-        return self._pending[0].record if self._pending else None
-
-    def is_done(self) -> bool:
-        return self._pending is None or all(p is None or p.is_done() for p in self._pending)
-
     def wait(self) -> None:
-        if self._pending is None:
+        if not self._wait_wire():
             return
-        for pending in self._pending:
-            if pending is not None:
-                pending.wait()
         total = torch.zeros(self.per, dtype=torch.float32, device=self.output.device)
         for sender in range(self.q.shape[0]):
             total += dequantize(self.q[sender], self.scales[sender], self.per)
