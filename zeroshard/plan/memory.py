@@ -25,12 +25,10 @@ from zeroshard.plan.inventory import CommUnit, Inventory
 from zeroshard.plan.optim_probe import OptimStateCost, probe
 from zeroshard.plan.result import Components, LayoutPlan
 from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
+from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS  # the engine's cap, imported: one value, not two copies
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
 
 
-MAX_INFLIGHT_REDUCTIONS = 2
-"""The engine's ``max_inflight_reductions`` at stages 2-3: how many launched reductions may still
-hold their unit's full grads when another launches (--measure reports the engine's own value)."""
 
 
 def _size(dtype: torch.dtype) -> int:
