@@ -114,3 +114,14 @@ def test_config_checks_checkpoint_flags():
         TrainConfig(resume="auto")
     with pytest.raises(ValueError, match="keep_last=-1"):
         TrainConfig(keep_last=-1)
+
+
+def test_the_latest_pointer_file_itself_names_the_checkpoint(tmp_path):
+    from zeroshard.checkpoint.save import write_latest
+    from zeroshard.checkpoint.verify import resolve
+
+    step = _fake_checkpoint(tmp_path, "step-2", 2)
+    write_latest(step)
+    assert resolve(tmp_path) == step and resolve(tmp_path / fmt.LATEST) == step
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        resolve(tmp_path / "step-9")

@@ -93,8 +93,11 @@ def problems(directory: str | Path) -> list[str]:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or a root holding a ``latest`` pointer, to the checkpoint directory."""
+    """A checkpoint directory, a root holding a ``latest`` pointer, or that pointer file itself."""
     path = Path(path)
+    if path.name == fmt.LATEST and path.is_file():
+        # `ckpt/latest` is what a user types after seeing the pointer in `ls ckpt`; it names the same run.
+        path = path.parent
     if (path / fmt.MANIFEST).is_file():
         return path
     latest = path / fmt.LATEST
