@@ -1,0 +1,55 @@
+"""Read DCP tensors a bounded batch at a time with DCP's own loader (no process group).
+
+Each batch is a state dict of freshly allocated tensors that ``dcp.load(..., no_dist=True)`` fills,
+so memory holds at most one batch (or one tensor, when a tensor is bigger than the batch), never
+the whole checkpoint. DCP reads its tensor records with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.dcp.layout import Tensor
+
+BATCH_BYTES = 256 * 2**20
+"""Bytes read per dcp.load call: big enough that the metadata is read rarely, small next to a model."""
+
+
+def batches(tensors: Sequence[Tensor], budget: int) -> Iterator[list[Tensor]]:
+    batch: list[Tensor] = []
+    size = 0
+    for t in tensors:
+        if batch and size + t.nbytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(t)
+        size += t.nbytes
+    if batch:
+        yield batch
+
+
+def read(path: str | os.PathLike, tensors: Sequence[Tensor], *,
+         budget: int = BATCH_BYTES) -> Iterator[tuple[Tensor, torch.Tensor]]:
+    """Yield (tensor, value) in the order given, loading ``budget`` bytes per dcp.load call."""
+    for batch in batches(tensors, budget):
+        state = {t.key: torch.empty(t.shape, dtype=t.dtype) for t in batch}
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.load(state, storage_reader=FileSystemReader(Path(path)), no_dist=True)
+        except Exception as e:  # noqa: BLE001 - DCP wraps the cause in a long per-rank report; keep its gist
+            gist = str(e).strip().splitlines()
+            raise CheckpointError(f"{path}: dcp.load could not read {batch[0].key!r}"
+                                  f"{f' (and {len(batch) - 1} more)' if len(batch) > 1 else ''}: "
+                                  f"{type(e).__name__}: {gist[-1] if gist else ''}; the DCP files are "
+                                  "incomplete or corrupt") from None
+        for t in batch:
+            yield t, state.pop(t.key)
