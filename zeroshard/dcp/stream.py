@@ -15,12 +15,25 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.dcp.layout import Tensor
 
 BATCH_BYTES = 256 * 2**20
 """Bytes read per dcp.load call: big enough that the metadata is read rarely, small next to a model."""
+
+
+def _gist(error: BaseException) -> str:
+    """The cause in one line: DCP wraps it in a per-rank report with tracebacks."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) and cause else cause  # (exception, stack summary)
+        if isinstance(cause, BaseException):
+            error = cause
+    first = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {first[0] if first else ''}"
 
 
 def batches(tensors: Sequence[Tensor], budget: int) -> Iterator[list[Tensor]]:
@@ -45,11 +58,11 @@ def read(path: str | os.PathLike, tensors: Sequence[Tensor], *,
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
                 dcp.load(state, storage_reader=FileSystemReader(Path(path)), no_dist=True)
-        except Exception as e:  # noqa: BLE001 - DCP wraps the cause in a long per-rank report; keep its gist
-            gist = str(e).strip().splitlines()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+            gist = _gist(e)
             raise CheckpointError(f"{path}: dcp.load could not read {batch[0].key!r}"
                                   f"{f' (and {len(batch) - 1} more)' if len(batch) > 1 else ''}: "
-                                  f"{type(e).__name__}: {gist[-1] if gist else ''}; the DCP files are "
+                                  f"{gist}; the DCP files are "
                                   "incomplete or corrupt") from None
         for t in batch:
             yield t, state.pop(t.key)
