@@ -1,4 +1,4 @@
-"""`zeroshard ckpt inspect|verify|export|reshard`: offline checkpoint tools (no process group).
+"""`zeroshard ckpt inspect|verify|export|reshard|import-dcp|export-dcp`: offline checkpoint tools (no process group).
 
   inspect DIR            what a checkpoint holds: step, world, stage, versions, sizes, state
   verify DIR...          checksums, sizes, headers and coverage; a root verifies every checkpoint in it
@@ -193,7 +193,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("ckpt", help="inspect, verify, export or reshard checkpoints (offline)",
+    p = sub.add_parser("ckpt", help="inspect, verify, export, reshard checkpoints; move them to and from DCP (offline)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = p.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     q = cmds.add_parser("inspect", help="summarise a checkpoint")
