@@ -1,8 +1,9 @@
 """Read DCP tensors a bounded batch at a time with DCP's own loader (no process group).
 
 Each batch is a state dict of freshly allocated tensors that ``dcp.load(..., no_dist=True)`` fills,
-so memory holds at most one batch (or one tensor, when a tensor is bigger than the batch), never
-the whole checkpoint. DCP reads its tensor records with ``torch.load(weights_only=True)``.
+so memory holds at most one batch (or one tensor, when a tensor is bigger than the batch) plus the
+record DCP is reading (it ``torch.load``s each saved chunk, ``weights_only=True``, before copying it
+in), never the whole checkpoint.
 """
 
 from __future__ import annotations
