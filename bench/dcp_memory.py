@@ -63,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, default=48)
     parser.add_argument("--mib", type=int, default=4, help="MiB per tensor")
+    parser.add_argument("--batch-mib", type=int, default=32, help="import's read batch")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*single process")
     side = int((args.mib * MIB // 4) ** 0.5)
@@ -73,8 +74,9 @@ def main() -> None:
         total = sum(t.numel() * t.element_size() for t in state.values())
         dcp.save({"model": state}, checkpoint_id=root / "src", no_dist=True)
         del state
-        print(f"DCP directory: {args.tensors} tensors of {side}x{side} fp32 = {total / MIB:.0f} MiB")
-        for name, fn in (("import-dcp", lambda: import_dcp(root / "src", root / "zs")),
+        print(f"DCP directory: {args.tensors} tensors of {side}x{side} fp32 = {total / MIB:.0f} MiB; "
+              f"import reads {args.batch_mib} MiB per dcp.load")
+        for name, fn in (("import-dcp", lambda: import_dcp(root / "src", root / "zs", batch_bytes=args.batch_mib * MIB)),
                          ("export-dcp", lambda: export_dcp(root / "zs", root / "back"))):
             r = measured(fn)
             print(f"  {name}: {r['seconds']:.1f} s, {total / MIB / r['seconds']:.0f} MiB/s; peak above start "

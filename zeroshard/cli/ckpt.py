@@ -167,7 +167,8 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     try:
         got = import_dcp(args.src, args.out, buffers=tuple(args.buffers),
                          optimizer=None if args.no_optimizer else args.optimizer, param_groups=args.param_groups,
-                         dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+                         dtype=parse_dtype(args.dtype), overwrite=args.overwrite,
+                         batch_bytes=int(args.batch_mb * 2**20))
     except (CheckpointError, ValueError) as e:
         return _err(str(e))
     print(f"wrote {got.path}: {len(got.params)} params, {len(got.buffers)} buffers, {_fmt_bytes(got.bytes)}; "
@@ -229,6 +230,7 @@ def add_parser(sub: Any) -> None:
     q.add_argument("--param-groups", type=int, default=2,
                    help="param groups of the zs.optimizer that will load it (default 2: decay, no decay)")
     q.add_argument("--dtype", default=None, help="cast floating params and state (e.g. fp32 masters from bf16)")
+    q.add_argument("--batch-mb", type=float, default=32.0, help="MiB read per dcp.load call (default 32)")
     q.add_argument("--overwrite", action="store_true")
     q.set_defaults(run=cmd_import_dcp)
     q = cmds.add_parser("export-dcp", help="a checkpoint -> a torch.distributed.checkpoint directory")

@@ -4,11 +4,13 @@ its names, as a tied weight has in FSDP2) and persistent buffer, and ``optim.sta
 for the optimizer state (elementwise tensors, and each param's scalar ``step`` as a 0-dim tensor).
 Optimizer param-group options are not written: the FSDP2 optimizer brings its own.
 
-``dcp.save`` takes the whole state dict at once. To keep it from holding the model in memory, the
-checkpoint's pieces are first streamed (one param at a time) into one consolidated safetensors file
-next to OUT, and the state dict handed to ``dcp.save(no_dist=True)`` is made of views of that file
-mapped into memory: their pages are file-backed and come and go with the page cache, and DCP copies
-one tensor at a time as it writes. The cost is disk: the temporary file is the size of the export.
+``dcp.save`` takes the whole state dict at once, and its file writer keeps every tensor it has
+written until the file is closed (copying any tensor that is a view into a larger storage). So each
+tensor is first streamed, one param at a time, from the checkpoint's pieces into a file of its own
+in a temporary folder next to OUT, and the state dict handed to ``dcp.save(no_dist=True)`` holds
+those files mapped into memory (``torch.from_file``), each its own storage: DCP copies nothing, and
+what it keeps are file-backed pages that the kernel can drop, not the process's own memory. The
+cost is disk: the temporary folder is the size of the export, and is removed at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,7 +29,7 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import PieceReader
 from zeroshard.checkpoint.save import commit
-from zeroshard.checkpoint.tensorfile import Entry, TensorFile, TensorFileWriter, parse_dtype
+from zeroshard.checkpoint.tensorfile import Entry, TensorFile, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
 
 
@@ -41,30 +42,30 @@ class ExportedDCP:
     largest_param_bytes: int
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One tensor of the export: where it goes in the state dict and where it comes from."""
+
+    entry: Entry
+    param: dict | None  # None for a buffer
+    kind: str  # "master", "optim.<name>", or the buffer's name
 
 
-def _entries(manifest: dict, where: str, optimizer: bool) -> list[tuple[Entry, dict | None, str]]:
-    """(entry, param or None for a buffer, piece kind) for everything the export writes, widest dtype
-    first so that every tensor of the consolidated file starts aligned to its element size."""
-    out: list[tuple[Entry, dict | None, str]] = []
+def _items(manifest: dict, where: str, optimizer: bool) -> list[_Item]:
+    out: list[_Item] = []
     for param in manifest["params"]:
         shape = tuple(param["shape"])
-        out.append((Entry(f"model/{param['fqn']}", parse_dtype(param["dtype"], where), shape), param, "master"))
+        out.append(_Item(Entry(f"model/{param['fqn']}", parse_dtype(param["dtype"], where), shape), param, "master"))
         for name in param["state"] if optimizer else []:
-            out.append((Entry(f"optim/{param['fqn']}/{name}", _state_dtype(manifest, where, param, name), shape),
-                        param, f"optim.{name}"))
+            dtype = _state_dtype(where, param, name)
+            out.append(_Item(Entry(f"optim/{param['fqn']}/{name}", dtype, shape), param, f"optim.{name}"))
     for buffer in manifest["buffers"]:
-        out.append((Entry(f"buffer/{buffer['name']}", parse_dtype(buffer["dtype"], where), tuple(buffer["shape"])),
-                    None, buffer["name"]))
-    return sorted(out, key=lambda e: -e[0].dtype.itemsize)
+        entry = Entry(f"buffer/{buffer['name']}", parse_dtype(buffer["dtype"], where), tuple(buffer["shape"]))
+        out.append(_Item(entry, None, buffer["name"]))
+    return out
 
 
-def _state_dtype(manifest: dict, where: str, param: dict, name: str) -> torch.dtype:
+def _state_dtype(where: str, param: dict, name: str) -> torch.dtype:
     if not param["pieces"]:
         return parse_dtype(param["dtype"], where)
     piece = param["pieces"][0]
@@ -75,50 +76,46 @@ def _state_dtype(manifest: dict, where: str, param: dict, name: str) -> torch.dt
         opened.close()
 
 
-def _consolidate(directory: Path, manifest: dict, entries: list, path: Path) -> int:
-    """Stream every param (and its state) whole into one safetensors file; returns the largest param's bytes."""
-    largest = max((e.nbytes for e, p, _ in entries if p is not None), default=0)
-    scratch = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]  # the writer hashes one while we read
+def _spill(directory: Path, manifest: dict, items: list[_Item], folder: Path) -> int:
+    """Write each item's values to ``folder/<i>``, one param at a time; returns the largest param's bytes."""
+    largest = max((i.entry.nbytes for i in items if i.param is not None), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8)
+    buffers = {b["name"]: b for b in manifest["buffers"]}
     reader = PieceReader(directory, manifest)
-    writer = TensorFileWriter(path, [e for e, _, _ in entries])
     try:
-        for turn, (entry, param, kind) in enumerate(entries):
-            if param is None:
-                buffer = next(b for b in manifest["buffers"] if b["name"] == kind)
-                writer.write(entry.name, reader.file(buffer["file"]).read(buffer["key"]))
-                continue
-            value = scratch[turn % 2][:entry.nbytes].view(entry.dtype)
-            reader.fill(param, kind, 0, value)
-            writer.write(entry.name, value)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
+        for index, item in enumerate(items):
+            if item.param is None:
+                b = buffers[item.kind]
+                value = reader.file(b["file"]).read(b["key"]).reshape(-1)
+            else:
+                value = scratch[:item.entry.nbytes].view(item.entry.dtype)
+                reader.fill(item.param, item.kind, 0, value)
+            with open(folder / str(index), "wb") as f:
+                f.write(memoryview(value.view(torch.uint8).numpy()))  # type: ignore[arg-type]  # ndarray is a buffer
     finally:
         reader.close()
     return largest
 
 
-def _mapped_state(path: Path, manifest: dict, entries: list, optimizer: bool) -> dict:
-    """The nested state dict dcp.save takes, every tensor a view of the mapped consolidated file."""
-    opened = TensorFile(path)  # only its header: where each tensor lies in the file
-    opened.close()
-    storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(str(path), False, path.stat().st_size))
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+def _mapped(path: Path, entry: Entry) -> torch.Tensor:
+    if entry.numel == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return torch.from_file(str(path), shared=False, size=entry.numel, dtype=entry.dtype).view(entry.shape)
+
+
+def _state_dict(folder: Path, manifest: dict, items: list[_Item], optimizer: bool) -> dict:
+    """The nested state dict dcp.save takes, in get_state_dict's layout."""
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for entry, param, _ in entries:
-        stored = opened.stored(entry.name)
-        value = whole[stored.begin:stored.end].view(entry.dtype).view(entry.shape)
-        kind, _, rest = entry.name.partition("/")
-        if kind == "optim":
-            fqn, _, name = rest.rpartition("/")
-            state.setdefault(fqn, {})[name] = value
-        elif kind == "model" and param is not None:
-            for alias in param["aliases"] or [param["fqn"]]:
+    for index, item in enumerate(items):
+        value = _mapped(folder / str(index), item.entry)
+        if item.param is None:
+            model[item.kind] = value
+        elif item.kind == "master":
+            for alias in item.param["aliases"] or [item.param["fqn"]]:
                 model[alias] = value
         else:
-            model[rest] = value
+            state.setdefault(item.param["fqn"], {})[item.kind.removeprefix("optim.")] = value
     if optimizer and manifest.get("optimizer"):
         for param in (p for p in manifest["params"] if p["state"]):
             group = param["param_group"] if param["param_group"] is not None else 0
@@ -138,15 +135,17 @@ def export_dcp(src: str | os.PathLike, out: str | os.PathLike, *, optimizer: boo
     out = Path(out)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; choose another output path or pass --overwrite")
-    entries = _entries(manifest, str(directory), optimizer)
+    items = _items(manifest, str(directory), optimizer)
     partial = out.parent / f".{out.name}.partial"
-    flat = out.parent / f".{out.name}.consolidated.safetensors"
-    if partial.exists():
-        shutil.rmtree(partial)
+    spill = out.parent / f".{out.name}.tensors"
+    for stale in (partial, spill):
+        if stale.exists():
+            shutil.rmtree(stale)
     partial.mkdir(parents=True)
+    spill.mkdir()
     try:
-        largest = _consolidate(directory, manifest, entries, flat)
-        state = _mapped_state(flat, manifest, entries, optimizer)
+        largest = _spill(directory, manifest, items, spill)
+        state = _state_dict(spill, manifest, items, optimizer)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=True)
@@ -156,8 +155,8 @@ def export_dcp(src: str | os.PathLike, out: str | os.PathLike, *, optimizer: boo
         shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
-        flat.unlink(missing_ok=True)
+        shutil.rmtree(spill, ignore_errors=True)
     model_keys = sum(len(p["aliases"] or [p["fqn"]]) for p in manifest["params"]) + len(manifest["buffers"])
-    optim_keys = sum(1 for e, _, _ in entries if e.name.startswith("optim/"))
+    optim_keys = sum(1 for i in items if i.param is not None and i.kind != "master")
     size = sum(f.stat().st_size for f in out.iterdir())
     return ExportedDCP(out, model_keys, optim_keys, size, largest)

@@ -91,7 +91,8 @@ def _tied(layout: DCPLayout, params: list[str], budget: int) -> dict[str, str]:
     digests: dict[str, str] = {}
     by_key = {layout.model[f].key: f for f in wanted}
     for t, value in stream.read(layout.path, [layout.model[f] for f in wanted], budget=budget):
-        digests[by_key[t.key]] = hashlib.sha256(value.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        raw = memoryview(value.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        digests[by_key[t.key]] = hashlib.sha256(raw).hexdigest()
     tied: dict[str, str] = {}
     for fqns in kinds.values():
         for i, alias in enumerate(fqns):
