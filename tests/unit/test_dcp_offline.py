@@ -115,3 +115,14 @@ def test_cli(tmp_path, capsys):
     assert cli(["ckpt", "import-dcp", str(tmp_path / "zs"), str(tmp_path / "x")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "already exists" in err[0] and "no .metadata file" in err[1]
+
+
+def test_export_of_a_corrupt_checkpoint_writes_nothing(tmp_path):
+    import_dcp(_save(tmp_path / "src", {"model": nn.Linear(3, 2).state_dict()}), tmp_path / "zs")
+    rank_file = next((tmp_path / "zs").glob("rank-*.safetensors"))
+    data = bytearray(rank_file.read_bytes())
+    data[-1] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupt: sha256"):
+        export_dcp(tmp_path / "zs", tmp_path / "back")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "zs"], "export left files behind"
