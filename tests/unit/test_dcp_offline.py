@@ -126,3 +126,17 @@ def test_export_of_a_corrupt_checkpoint_writes_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="is corrupt: sha256"):
         export_dcp(tmp_path / "zs", tmp_path / "back")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "zs"], "export left files behind"
+
+
+def test_flat_keys_saved_without_flattening(tmp_path):
+    """No planner_data paths: roots are read from the keys themselves."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    state = _adam_state(model)
+    flat = {f"model.{k}": v for k, v in model.state_dict().items()}
+    flat |= {f"optim.state.{fqn}.{n}": v for fqn, s in state.items() for n, v in s.items()}
+    dcp.save(flat, checkpoint_id=tmp_path / "src", planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    got = import_dcp(tmp_path / "src", tmp_path / "zs")
+    assert got.params == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert got.optimizer_state == ["exp_avg", "exp_avg_sq", "step"]

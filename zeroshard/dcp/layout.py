@@ -82,7 +82,12 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 def _path_of(metadata: Metadata, key: str) -> tuple[Any, ...]:
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     path = paths.get(key)
-    return tuple(path) if isinstance(path, (tuple, list)) and path else (key,)
+    if isinstance(path, (tuple, list)) and path:
+        return tuple(path)
+    # Saved without flattening (flat keys given by hand): take the root from the key itself; an
+    # optimizer key's rest ("state.<fqn>.<name>") is then resolved against the model's names.
+    root, _, rest = key.partition(".")
+    return (root, rest) if rest and root in MODEL_ROOTS + OPTIM_ROOTS else (key,)
 
 
 def read_layout(path: str | os.PathLike, *, buffers: tuple[str, ...] = ()) -> tuple[DCPLayout, set[str]]:
