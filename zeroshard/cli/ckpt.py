@@ -1,10 +1,12 @@
-"""`zeroshard ckpt inspect|verify|export|reshard`: offline checkpoint tools (no process group).
+"""`zeroshard ckpt inspect|verify|export|reshard|import-dcp|export-dcp`: offline checkpoint tools (no process group).
 
   inspect DIR            what a checkpoint holds: step, world, stage, versions, sizes, state
   verify DIR...          checksums, sizes, headers and coverage; a root verifies every checkpoint in it
   export DIR OUT         one safetensors file for the plain model, streamed one param at a time
   export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index)
   reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway)
+  import-dcp DCP_DIR OUT a torch.distributed.checkpoint directory (FSDP2's dcp.save) -> a checkpoint
+  export-dcp DIR OUT     a checkpoint -> a torch.distributed.checkpoint directory for dcp.load
 
 DIR may be a checkpoint directory or a root with a `latest` pointer. Exit status 1 on any problem,
 with the file or key named.
@@ -157,8 +159,42 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_dcp(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.dcp import import_dcp
+    from zeroshard.sharding.precision import parse_dtype
+
+    try:
+        got = import_dcp(args.src, args.out, buffers=tuple(args.buffers),
+                         optimizer=None if args.no_optimizer else args.optimizer, param_groups=args.param_groups,
+                         dtype=parse_dtype(args.dtype), overwrite=args.overwrite,
+                         batch_bytes=int(args.batch_mb * 2**20))
+    except (CheckpointError, ValueError) as e:
+        return _err(str(e))
+    print(f"wrote {got.path}: {len(got.params)} params, {len(got.buffers)} buffers, {_fmt_bytes(got.bytes)}; "
+          f"optimizer state {', '.join(got.optimizer_state) or '-'}; step {got.step}")
+    for alias, owner in got.tied.items():
+        print(f"  {alias} is tied to {owner}")
+    if got.ignored:
+        print(f"  not moved ({len(got.ignored)} keys): {', '.join(got.ignored[:4])}{' ...' if len(got.ignored) > 4 else ''}")
+    return 0
+
+
+def cmd_export_dcp(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.dcp import export_dcp
+
+    try:
+        got = export_dcp(args.dir, args.out, optimizer=not args.no_optimizer, overwrite=args.overwrite)
+    except (CheckpointError, ValueError) as e:
+        return _err(str(e))
+    print(f"wrote {got.path}: {got.model_keys} model keys, {got.optimizer_keys} optimizer state tensors, "
+          f"{_fmt_bytes(got.bytes)} (largest param {_fmt_bytes(got.largest_param_bytes)})")
+    return 0
+
+
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("ckpt", help="inspect, verify, export or reshard checkpoints (offline)",
+    p = sub.add_parser("ckpt", help="inspect, verify, export, reshard checkpoints; move them to and from DCP (offline)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = p.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     q = cmds.add_parser("inspect", help="summarise a checkpoint")
@@ -183,3 +219,23 @@ def add_parser(sub: Any) -> None:
     q.add_argument("-w", "--world", type=int, required=True, help="number of rank files to write")
     q.add_argument("--overwrite", action="store_true")
     q.set_defaults(run=cmd_reshard)
+    q = cmds.add_parser("import-dcp", help="a torch.distributed.checkpoint (FSDP2) directory -> a checkpoint")
+    q.add_argument("src", metavar="DCP_DIR")
+    q.add_argument("out", metavar="OUT")
+    q.add_argument("--buffers", nargs="*", default=[], metavar="GLOB",
+                   help="model tensors that are buffers, not params (e.g. '*.running_mean')")
+    q.add_argument("--optimizer", default="torch.optim.AdamW",
+                   help="the optimizer class the state belongs to (DCP does not record it; default AdamW)")
+    q.add_argument("--no-optimizer", action="store_true", help="leave the optimizer state behind")
+    q.add_argument("--param-groups", type=int, default=2,
+                   help="param groups of the zs.optimizer that will load it (default 2: decay, no decay)")
+    q.add_argument("--dtype", default=None, help="cast floating params and state (e.g. fp32 masters from bf16)")
+    q.add_argument("--batch-mb", type=float, default=32.0, help="MiB read per dcp.load call (default 32)")
+    q.add_argument("--overwrite", action="store_true")
+    q.set_defaults(run=cmd_import_dcp)
+    q = cmds.add_parser("export-dcp", help="a checkpoint -> a torch.distributed.checkpoint directory")
+    q.add_argument("dir")
+    q.add_argument("out", metavar="OUT")
+    q.add_argument("--no-optimizer", action="store_true", help="write the model only")
+    q.add_argument("--overwrite", action="store_true")
+    q.set_defaults(run=cmd_export_dcp)
