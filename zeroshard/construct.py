@@ -299,14 +299,14 @@ def record_build(build: Callable[[], nn.Module]) -> BuiltModel:
                 raise ValueError(f"build() left param {name!r} of {type(module).__name__} on the meta device; "
                                  "the build callable must build the model for real (drop zs.meta_init inside it)")
             if id(param) not in metas:
-                entry = recorder.entries.get(_storage_key(param)) or _Entry(param)
+                entry = recorder.entries.get(_storage_key(param)) or _Entry(param)  # untracked: held whole
                 meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                     requires_grad=param.requires_grad)
                 metas[id(param)], values[id(meta)] = meta, (entry, param.detach())
             setattr(module, name, metas[id(param)])
         for buf in module.buffers(recurse=False):
-            entry = recorder.entries.get(_storage_key(buf)) if not buf.is_meta else None
-            if entry is not None:  # a buffer that shares a param's storage keeps real values
-                entry.realise()
-                entry.recipe = None
+            shared = recorder.entries.get(_storage_key(buf)) if not buf.is_meta else None
+            if shared is not None:  # a buffer that shares a param's storage keeps real values
+                shared.realise()
+                shared.recipe = None
     return BuiltModel(model, values, recorder.peak_real_bytes)

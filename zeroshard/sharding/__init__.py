@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, cast
 
 from torch import nn
 
@@ -75,21 +75,21 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     fp32 scale per block (zeroshard/comm/quant.py); fp32 masters stay exact on their owner.
     """
     segment_length(checkpointing, 1)  # validate the policy before touching the model
-    built = _build(model, init_fn, skip_init) if not isinstance(model, nn.Module) else None
-    if built is not None:
-        model = built.model
     offload = OffloadPolicy(kind=offload) if isinstance(offload, str) else (offload or OffloadPolicy())
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
     policy = StagePolicy(stage)
     if comm is not None:
         comm.check_stage(stage)
-    if find_engine(model) is not None:
-        raise ValueError("this model is already sharded; build a fresh model to shard it again")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 (all-gathers in flight ahead of compute), got {prefetch}")
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    # A build function runs here, now that the arguments are checked.
+    built = None if isinstance(model, nn.Module) else _build(model, init_fn, skip_init)
+    model = built.model if built is not None else cast(nn.Module, model)
+    if find_engine(model) is not None:
+        raise ValueError("this model is already sharded; build a fresh model to shard it again")
     device = validate_params(model)
     mesh = get_mesh()
     if device.type not in (mesh.device.type, "meta"):
