@@ -44,14 +44,20 @@ _OVERWRITES = {
     "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "eye_", "dirac_", "sparse_",
     "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "bernoulli_",
 }
-# Ops that read shape, dtype or device only, or make a view: safe on a param whose storage is empty.
+# Ops that read only shape, dtype or device, never the storage: safe on a param whose storage is empty.
 _NO_DATA = {
     "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
-    "is_floating_point", "is_complex", "element_size", "untyped_storage", "__len__", "__hash__", "get_device",
-    "requires_grad_", "retain_grad", "register_hook", "view", "view_as", "t", "transpose", "permute", "narrow",
-    "select", "unsqueeze", "squeeze", "expand", "expand_as", "detach", "as_strided", "chunk", "split", "unbind",
-    "unflatten", "movedim", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "empty_like",
-    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "_is_view",
+    "is_floating_point", "is_complex", "element_size", "__len__", "__hash__", "get_device",
+    "requires_grad_", "retain_grad", "register_hook", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+}
+# Ops that make a view (torch checks a view against its storage's size, so the storage must be real).
+# The init code usually writes through the view next, so the param is kept real for it.
+_VIEWS = {
+    "view", "view_as", "t", "transpose", "permute", "narrow", "select", "unsqueeze", "squeeze", "expand",
+    "expand_as", "detach", "as_strided", "chunk", "split", "unbind", "unflatten", "movedim", "reshape", "flatten",
+    "__getitem__", "diagonal", "unfold", "view_as_real", "T.__get__", "mT.__get__", "H.__get__", "mH.__get__",
+    "real.__get__", "imag.__get__",
 }
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
@@ -181,6 +187,8 @@ class _Recorder(TorchFunctionMode):
             entry.realise()
         if target is None:
             result = func(*args, **kwargs)
+            if name in _VIEWS and len(reads) == 1:
+                self._make_current(next(iter(reads.values())))
         else:
             result = self._write(target, written, func, name, args, kwargs, others=[t for t in leaves if t is not written])
         for entry in reads.values():
@@ -190,14 +198,15 @@ class _Recorder(TorchFunctionMode):
 
     @staticmethod
     def _needs_no_data(name: str, args) -> bool:
-        if name in _NO_DATA or name.endswith(".__get__"):
-            return True
-        if name in ("reshape", "flatten", "contiguous") and args and args[0].is_contiguous():
-            return True  # a view of a contiguous tensor
-        if name == "__getitem__" and len(args) > 1:  # basic indexing is a view; advanced indexing copies
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            return all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in index)
-        return name.endswith(".__set__")
+        # Property getters (.data, .shape, .T, ...): .data is an alias that torch does not check
+        # against the storage, the others are metadata or are caught as views when used.
+        return name in _NO_DATA or (name.endswith((".__get__", ".__set__")) and name not in _VIEWS)
+
+    def _make_current(self, entry: _Entry) -> None:
+        if entry is not self.current:
+            if self.current is not None:
+                self.current.release()
+            self.current = entry
 
     @staticmethod
     def _written(name: str, args, kwargs) -> torch.Tensor | None:
@@ -210,10 +219,7 @@ class _Recorder(TorchFunctionMode):
         return None
 
     def _write(self, entry: _Entry, view: torch.Tensor, func, name: str, args, kwargs, others: list) -> Any:
-        if entry is not self.current:
-            if self.current is not None:
-                self.current.release()
-            self.current = entry
+        self._make_current(entry)
         overwrite = name in _OVERWRITES and _covers(view, entry.nbytes)
         if overwrite:
             entry.grow()  # the old values do not matter
@@ -230,6 +236,14 @@ class _Recorder(TorchFunctionMode):
         elif entry.recipe is not None:
             entry.recipe = entry.recipe + [op] if replayable else None
         return result
+
+    def restore(self) -> None:
+        """Give every param its values back after the build failed: a traceback's locals may be
+        printed, and printing a tensor whose storage is empty crashes the process."""
+        self.current = None
+        for entry in self.entries.values():
+            entry.realise()
+            entry.recipe = None
 
     def finish(self) -> None:
         if self.current is not None:
@@ -285,9 +299,12 @@ def record_build(build: Callable[[], nn.Module]) -> BuiltModel:
     try:
         with recorder:
             model = build()
+    except BaseException:
+        recorder.restore()
+        raise
     finally:
         handle.remove()
-        recorder.finish()
+    recorder.finish()
     if not isinstance(model, nn.Module):
         raise ValueError(f"the build callable returned {type(model).__name__}, not an nn.Module; "
                          "pass zs.shard a function that returns the model, e.g. lambda: MyModel(cfg)")
