@@ -280,6 +280,8 @@ class BuiltModel:
                 by_entry.setdefault(id(entry), []).append((group, index, view))
         self.values.clear()
         held = sum(e.nbytes for e in entries.values() if e.recipe is None)
+        # The generator states the recipes keep (5 KB per op on CPU), alive until their param loads.
+        recipe = sum(op.state.nbytes for e in entries.values() for op in e.recipe or [] if op.state is not None)
         largest = max((e.nbytes for e in entries.values()), default=0)
         with torch.no_grad():
             for key in list(entries):
@@ -289,7 +291,7 @@ class BuiltModel:
                     group.load_param_values(index, view)
                 entry.release()  # a param held whole is freed as its last reference goes here
         return {"path": "constructor", "peak_temp_bytes": max(largest, self.peak_real_bytes),
-                "held_whole_bytes": held}
+                "held_whole_bytes": held, "recipe_bytes": recipe}
 
 
 def record_build(build: Callable[[], nn.Module]) -> BuiltModel:
