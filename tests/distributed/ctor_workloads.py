@@ -132,7 +132,6 @@ def suite() -> dict:
         out[stage] = {"got": got, "rng_equal": rng_equal, "tied": model.lm_head.weight is model.wte.weight,
                       "init_stats": dict(get_engine(model).init_stats)}
     out["meta_default"] = _meta_default(expected)
-    out["transformers"] = _transformers_cases()
     torch.manual_seed(SEED)
     peak, model = peak_allocated(lambda: zs.shard(HFStyleLM, stage=3))
     engine = get_engine(model)
@@ -160,35 +159,3 @@ def _meta_default(expected: dict) -> str:
     got = zs.full_state_dict(model)
     return f"max diff {max((got[k] - expected[k]).abs().max().item() for k in expected):.3g}"
 
-
-def _transformers_configs():
-    import transformers as tf
-
-    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-    yield "llama", tf.LlamaConfig(**small, tie_word_embeddings=False)
-    yield "qwen2-tied", tf.Qwen2Config(**small, tie_word_embeddings=True)
-    yield "gpt2-conv1d", tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                                       bos_token_id=0, eos_token_id=0)
-
-
-def _transformers_cases() -> dict:
-    """Models written by transformers itself, built by ``from_config`` with no init_fn, at stage 3."""
-    try:
-        import transformers as tf
-    except ImportError:
-        return {}
-    out = {}
-    for name, cfg in _transformers_configs():
-        def build(cfg=cfg):
-            return tf.AutoModelForCausalLM.from_config(cfg)
-
-        torch.manual_seed(SEED)
-        expected = build().state_dict()
-        torch.manual_seed(SEED)
-        model = zs.shard(build, stage=3)
-        got = zs.full_state_dict(model)
-        embeddings, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        out[name] = {"equal": got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected),
-                     "tied": embeddings is head, "held_whole_bytes": get_engine(model).init_stats["held_whole_bytes"]}
-    return out

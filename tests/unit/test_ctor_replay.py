@@ -119,3 +119,31 @@ def test_a_failing_build_leaves_every_param_with_its_values():
     state = seen[0].state_dict()
     assert all(torch.equal(state[k], v) for k, v in expected.items())
     assert "tensor" in repr(seen[0].emb.weight)  # printable: every storage is whole again
+
+
+def _transformers_configs():
+    tf = pytest.importorskip("transformers")
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    return {"llama": tf.LlamaConfig(**small, tie_word_embeddings=False),
+            "qwen2-tied": tf.Qwen2Config(**small, tie_word_embeddings=True),
+            "gpt2-conv1d": tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                         bos_token_id=0, eos_token_id=0)}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gpt2-conv1d"])
+def test_models_written_by_transformers_need_no_init_fn(name):
+    """``from_config`` as written (nested post_init, Conv1D drawing without reset_parameters, a
+    head tied after its own draw) is bitwise at stage 3, and every param replays (none held whole)."""
+    tf = pytest.importorskip("transformers")
+    cfg = _transformers_configs()[name]
+    expected, rng = _plain(lambda: tf.AutoModelForCausalLM.from_config(cfg))
+    torch.manual_seed(11)
+    model = zs.shard(lambda: tf.AutoModelForCausalLM.from_config(cfg), stage=3)
+    assert torch.equal(torch.get_rng_state(), rng)
+    got = zs.full_state_dict(model)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert get_engine(model).init_stats["held_whole_bytes"] == 0
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert tied == cfg.tie_word_embeddings
