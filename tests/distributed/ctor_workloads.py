@@ -13,7 +13,7 @@ from zeroshard.profile.alloc import peak_allocated
 from zeroshard.sharding import get_engine
 
 SEED = 2024
-LR = 1e-2
+LR = 2e-3
 STEPS = 4
 BATCH, SEQ, VOCAB = 8, 16, 96
 
