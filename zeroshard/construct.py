@@ -47,7 +47,7 @@ _OVERWRITES = {
 # Ops that read only shape, dtype or device, never the storage: safe on a param whose storage is empty.
 _NO_DATA = {
     "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
-    "is_floating_point", "is_complex", "element_size", "__len__", "__hash__", "get_device",
+    "is_floating_point", "is_complex", "element_size", "__len__", "__hash__", "get_device", "untyped_storage",
     "requires_grad_", "retain_grad", "register_hook", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
 }
@@ -162,8 +162,12 @@ class _Recorder(TorchFunctionMode):
         self.peak_real_bytes = 0
 
     def track(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        # This hook runs inside the build, so its own tensor calls pass through the mode: look the
+        # storage up first, so that registering a tied param does not touch the tracked one.
         if param is not None and not param.is_meta:
-            self.entries.setdefault(_storage_key(param), _Entry(param))
+            key = _storage_key(param)
+            if key not in self.entries:
+                self.entries[key] = _Entry(param)
 
     def entry_of(self, value) -> _Entry | None:
         if isinstance(value, torch.Tensor) and not value.is_meta:
@@ -229,8 +233,9 @@ class _Recorder(TorchFunctionMode):
         generator = _generator_of(view.device, args, kwargs)
         op = _Op(func, args, kwargs, generator, generator.get_state() if generator is not None else None)
         result = func(*args, **kwargs)
-        # A recipe may refer only to this param's own storage: any other tensor could change later.
-        replayable = all(_storage_key(t) == _storage_key(view) for t in others)
+        # A recipe may refer only to this param's own storage (any other tensor could change later),
+        # and needs the generator the op drew from.
+        replayable = generator is not None and all(_storage_key(t) == _storage_key(view) for t in others)
         if overwrite:
             entry.recipe = [op] if replayable else None
         elif entry.recipe is not None:
