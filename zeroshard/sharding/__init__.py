@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, cast
 
 from torch import nn
 
@@ -37,7 +37,8 @@ def no_sync(model: nn.Module):
         engine.sync_grads = previous
 
 
-def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrecision | None = None,
+def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: UnitsArg = None,
+          mp: MixedPrecision | None = None,
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
           skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None,
@@ -59,6 +60,10 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     (``init_fn``, default ``model.init_weights()`` or every module's ``reset_parameters()``); see
     zeroshard/materialize.py. The values are bitwise those of a plain build under the same seed.
     ``skip_init=True`` leaves them at zero instead, for a checkpoint load that fills them next.
+    ``model`` may instead be a function that builds it (``lambda: MyModel(cfg)``): the constructor
+    runs for real, one param at a time, and each rank keeps only its slices, bitwise those of
+    ``MyModel(cfg)`` under the same seed, with no ``init_fn``; see zeroshard/construct.py. Use the
+    returned model.
 
     ``checkpointing`` recomputes block activations in backward: "none", "all", "every:K" or
     "sqrt" (segments of about √L blocks); see zeroshard/sharding/recompute.py.
@@ -76,12 +81,15 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     policy = StagePolicy(stage)
     if comm is not None:
         comm.check_stage(stage)
-    if find_engine(model) is not None:
-        raise ValueError("this model is already sharded; build a fresh model to shard it again")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 (all-gathers in flight ahead of compute), got {prefetch}")
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    # A build function runs here, now that the arguments are checked.
+    built = None if isinstance(model, nn.Module) else _build(model, init_fn, skip_init)
+    model = built.model if built is not None else cast(nn.Module, model)
+    if find_engine(model) is not None:
+        raise ValueError("this model is already sharded; build a fresh model to shard it again")
     device = validate_params(model)
     mesh = get_mesh()
     if device.type not in (mesh.device.type, "meta"):
@@ -96,7 +104,10 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     blocks = [spec.module for spec in specs if not spec.is_root]
     if segment_length(checkpointing, len(blocks)) is not None:
         engine.recompute = Recompute(model, blocks, checkpointing, engine if policy.shard_params else None)
-    if device.type == "meta":
+    if built is not None:
+        built.move_buffers(mesh.device)
+        engine.init_stats = built.load(engine)
+    elif device.type == "meta":
         from zeroshard.materialize import materialize
 
         engine.init_stats = materialize(model, engine, (lambda m: None) if skip_init else init_fn,
@@ -104,6 +115,18 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     else:
         engine.init_stats = {"path": "replicated", "peak_temp_bytes": 0}
     return model
+
+
+def _build(build, init_fn, skip_init: bool):
+    """Run a build callable under constructor replay (zeroshard/construct.py)."""
+    if not callable(build):
+        raise ValueError(f"zs.shard takes an nn.Module or a function that builds one, got {type(build).__name__}")
+    if init_fn is not None or skip_init:
+        raise ValueError("init_fn and skip_init apply to a model built on meta; with a build function the "
+                         "constructor itself is the init, so drop them (or pass a meta model instead)")
+    from zeroshard.construct import record_build
+
+    return record_build(build)
 
 
 __all__ = [
