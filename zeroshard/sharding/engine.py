@@ -66,7 +66,6 @@ def _tensors_in(output) -> list[torch.Tensor]:
     return []
 
 
-
 class Engine:
     """The runtime of one sharded model: its units, the hooks that drive them, and the reduction order.
 
