@@ -31,6 +31,8 @@ import torch
 
 from zeroshard.plan.result import COMPONENTS, MODEL_STATES, Components, Plan
 from zeroshard.plan.spec import STAGE_NAMES
+from zeroshard.sharding.events import EventKind
+from zeroshard.sharding.reduce import PieceReduction
 
 MEASURED = ("params", "grads", "master", "optimizer", "activations", "window", "buckets")
 
@@ -84,8 +86,6 @@ class _GradSampler:
     """
 
     def __init__(self, engine) -> None:
-        from zeroshard.sharding.events import EventKind
-
         self.engine = engine
         self.peak = 0
         self.handles = [p.register_post_accumulate_grad_hook(self.sample)
@@ -94,8 +94,6 @@ class _GradSampler:
             self.sample, kinds=(EventKind.GRADS_COLLECTED, EventKind.REDUCE_LAUNCHED)))
 
     def sample(self, *_: Any) -> None:
-        from zeroshard.sharding.reduce import PieceReduction
-
         transient, kept = [], set()
         for g in self.engine.trainable_groups:
             if g.grad_full is not None and not g.policy.transient_grads:
