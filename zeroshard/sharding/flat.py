@@ -353,7 +353,7 @@ class FlatGroup:
         self._report_launch(phase)
 
     def _report_launch(self, phase: str) -> None:
-        nbytes = sum(s.numel for s in self.layout.slots) * self.reduce_dtype.itemsize
+        nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
         self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
 
     def finish_reduce(self, phase: str = "backward") -> None:
