@@ -9,6 +9,7 @@ from zeroshard.offload import OffloadPolicy
 from zeroshard.plan import plan
 from zeroshard.sharding import (
     CommQuant,
+    EngineOptions,
     MixedPrecision,
     ShardedGradScaler,
     clip_grad_norm_,
@@ -25,7 +26,8 @@ from zeroshard.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CommQuant", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler", "build_pretrained",
+    "CheckpointError", "CommQuant", "EngineOptions", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler",
+    "build_pretrained",
     "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
     "load_pretrained", "meta_init", "no_sync", "optim_groups",
     "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "unsharded",

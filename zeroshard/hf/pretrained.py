@@ -164,5 +164,5 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
             unit.reshard()  # a unit gathered before the load holds stale values
     engine.sync_params()
     engine.zero_grad()
-    getattr(engine, "init_stats", {})["path"] = f"pretrained folder {path}"  # what train's summary reports
+    engine.values_loaded_from(f"pretrained folder {path}")  # what train's summary reports
     return {"bytes_held": held, "bytes_read": reader.bytes_read, "tensors": len(plan)}

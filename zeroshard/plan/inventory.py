@@ -1,7 +1,7 @@
 """What the runtime would allocate for a model, read from the model without allocating it.
 
 The planner does not re-derive the runtime's layout: it calls the same functions ``zs.shard`` calls
-(``plan_units`` for units and tied-weight ownership, ``_buckets`` for stage 0-2 reduction buckets,
+(``plan_units`` for units and tied-weight ownership, ``reduction_buckets`` for stage 0-2 reduction buckets,
 ``FlatLayout`` for alignment and padding), on a model whose params may live on the meta device.
 So padding, frozen params and tied weights are counted exactly as the runtime lays them out.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.sharding.engine import _buckets
+from zeroshard.sharding.engine import reduction_buckets
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.optim import decays
 from zeroshard.sharding.wrap import ParamRef, UnitSpec, UnitsArg, plan_units
@@ -161,7 +161,7 @@ class Inventory:
             return tuple(CommUnit(name=s.name, is_root=s.is_root, groups=_groups(s.name, s.refs, shards))
                          for s in order if s.refs)
         out = []
-        for bucket in _buckets(order, bucket_bytes):
+        for bucket in reduction_buckets(order, bucket_bytes):
             name = "+".join(s.name for s in bucket)
             refs = [r for s in bucket for r in s.refs]
             if refs:

@@ -9,11 +9,11 @@ plan describes. During step 2:
 - activations are the storages autograd saves for backward (``saved_tensors_hooks``), params excluded;
 - buckets are the full-size grads in flight during backward beyond the ones kept for the step
   (stages 2-3: per-param grads waiting for their unit and the flat buffers they are collected into;
-  cast copies fed to a reduction), sampled after every grad hook and at the two moments inside the
-  engine's hook where they peak (``_GradSampler``);
-- every reduction is reported finished only once the engine waits on it, so the step reaches the
-  bound the plan predicts instead of whatever the timing of that run allows
-  (``_reductions_finish_when_waited``);
+  cast copies fed to a reduction), sampled after every grad hook and at the engine's
+  grads_collected and reduce_launched events, where they peak (``_GradSampler``);
+- the engine runs with ``reap_when_done=False``: a reduction is finished only when the in-flight
+  cap or a read forces it, so the step reaches the bound the plan predicts instead of whatever the
+  timing of that run allows (see ``EngineOptions.reap_when_done``);
 - the window is the engine's own storage-based peak of gathered full params (stage 3);
 - the total is the peak of live storage over the whole step from torch's ``MemTracker`` on CPU, or
   ``torch.cuda.max_memory_allocated`` on CUDA. Workspace is what the total leaves unexplained.
@@ -31,6 +31,8 @@ import torch
 
 from zeroshard.plan.result import COMPONENTS, MODEL_STATES, Components, Plan
 from zeroshard.plan.spec import STAGE_NAMES
+from zeroshard.sharding.events import EventKind
+from zeroshard.sharding.reduce import PieceReduction
 
 MEASURED = ("params", "grads", "master", "optimizer", "activations", "window", "buckets")
 
@@ -78,9 +80,9 @@ class _GradSampler:
     leave, are the ``grads`` component.
 
     Sampled after every grad hook (this hook is registered after the engine's, so it runs after it),
-    and inside the engine's hook where the peaks are: when a unit's flat buffer has just been
-    allocated and every per-param grad is still alive (``collect_grads``), and when a reduction has
-    just been launched, before the engine reaps the previous one (``launch_reduce``).
+    and at the engine's events where the peaks are: grads_collected (a unit's flat buffer is filled
+    and every per-param grad is still alive) and reduce_launched (a reduction has just been issued,
+    before the engine reaps the previous one).
     """
 
     def __init__(self, engine) -> None:
@@ -88,9 +90,11 @@ class _GradSampler:
         self.peak = 0
         self.handles = [p.register_post_accumulate_grad_hook(self.sample)
                         for g in engine.trainable_groups for p in g.params]
+        self.handles.append(engine.events.subscribe(
+            self.sample, kinds=(EventKind.GRADS_COLLECTED, EventKind.REDUCE_LAUNCHED)))
 
-    def sample(self, *_: Any, held: tuple = ()) -> None:
-        transient, kept = list(held), set()
+    def sample(self, *_: Any) -> None:
+        transient, kept = [], set()
         for g in self.engine.trainable_groups:
             if g.grad_full is not None and not g.policy.transient_grads:
                 kept.add(g.grad_full.untyped_storage().data_ptr())
@@ -101,74 +105,23 @@ class _GradSampler:
                 transient.extend(p.grad for p in g.params or () if p.grad is not None)
             # A cast copy fed to the reduction is transient, unless it is also the reduction's output
             # (stage 0 all-reduces in place), which becomes the grads the step reads.
-            source, reduced = getattr(g, "_reduce_input", None), getattr(g, "_reduced", None)
-            if isinstance(source, list):  # gloo reduces the grads in place, piece by piece
-                transient.extend(piece for piece, _, _ in source)
-            elif source is not None and source is not reduced:
-                transient.append(source)
-            shard = _held_grad_shard(g)
+            flight, reduced = g.reducer.in_flight, None
+            if isinstance(flight, PieceReduction):  # gloo reduces the grads in place, piece by piece
+                transient.extend(piece.tensor for piece in flight.pieces)
+            elif flight is not None:
+                reduced = flight.output
+                if flight.source is not reduced:
+                    transient.append(flight.source)
+            shard = g.peek_grad_shard()
             if reduced is not None and g.policy.shard_optimizer and reduced is not shard and (
                     shard is not None or reduced.dtype != g.master_dtype):
                 transient.append(reduced)  # added into the existing shard, or cast to the master dtype, then dropped
         live = _storages(transient)
         self.peak = max(self.peak, sum(v for k, v in live.items() if k not in kept))
 
-    @contextlib.contextmanager
-    def inside_hooks(self):
-        """Also sample at the two moments inside the engine's grad hook (see the class docstring)."""
-        from zeroshard.sharding.flat import FlatGroup
-
-        collect, launch = FlatGroup.collect_grads, FlatGroup.launch_reduce
-
-        def collect_grads(group) -> None:
-            # Holding the per-param grads across the call keeps alive exactly what was alive when the
-            # flat buffer was allocated, so the sample after it sees that moment (and adds nothing to it).
-            held = tuple(p.grad for p in group.params or () if p.grad is not None) \
-                if group.policy.transient_grads else ()
-            collect(group)
-            self.sample(held=held)
-
-        def launch_reduce(group, *args, **kwargs) -> None:
-            launch(group, *args, **kwargs)
-            self.sample()
-
-        FlatGroup.collect_grads, FlatGroup.launch_reduce = collect_grads, launch_reduce
-        try:
-            yield
-        finally:
-            FlatGroup.collect_grads, FlatGroup.launch_reduce = collect, launch
-
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def _held_grad_shard(group):
-    """The group's grad shard as it stands, without finishing a pending reduction to read it (an
-    observer must not change when reductions finish)."""
-    state = vars(group)
-    return state["_grad_shard"] if "_grad_shard" in state else state.get("grad_shard")
-
-
-@contextlib.contextmanager
-def _reductions_finish_when_waited():
-    """Report a reduction done only once the engine waits on it.
-
-    The engine reaps (frees) a reduction's buffers as soon as it completes, which on gloo's worker
-    threads or NCCL's stream depends on timing: in one run a unit's flat grads are gone before the
-    next unit collects its own, in another they are not (seen here on rank 0, and not on rank 1, of
-    the same run). What the engine guarantees is the bound at ``max_inflight_reductions``: the plan
-    predicts that bound, and this makes the measured step reach it every time, as a link slower
-    than compute would. A reduction that finishes sooner only lowers the peak.
-    """
-    from zeroshard.sharding.flat import FlatGroup
-
-    done = FlatGroup.reduce_done
-    FlatGroup.reduce_done = property(lambda group: not group.reducing)
-    try:
-        yield
-    finally:
-        FlatGroup.reduce_done = done
 
 
 @contextlib.contextmanager
@@ -210,9 +163,15 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
 
     mesh = zs.get_mesh()
     torch.manual_seed(0)
-    extra = {} if req["accumulation"] == "sharded" else {"accumulation": req["accumulation"]}
-    model = zs.shard(GPT(cfg).to(mesh.device), stage=stage, mp=req["mp"], prefetch=req["prefetch"],
-                     reshard_after_forward=req["reshard_after_forward"], bucket_mb=req["bucket_mb"], **extra)
+    # reap_when_done=False: the engine reaps (frees) a reduction's buffers as soon as it completes,
+    # which on gloo's worker threads or NCCL's stream depends on timing (in one run a unit's flat
+    # grads are gone before the next unit collects its own, in another not; seen on rank 0 and not
+    # rank 1 of one run). The engine guarantees the bound at max_inflight_reductions, the plan
+    # predicts it, and this makes the measured step reach it every time, as a link slower than
+    # compute would. A reduction that finishes sooner only lowers the peak.
+    options = zs.EngineOptions(prefetch=req["prefetch"], reshard_after_forward=req["reshard_after_forward"],
+                               bucket_mb=req["bucket_mb"], accumulation=req["accumulation"], reap_when_done=False)
+    model = zs.shard(GPT(cfg).to(mesh.device), stage=stage, mp=req["mp"], options=options)
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
     gen = torch.Generator().manual_seed(1000 + mesh.rank)
@@ -251,7 +210,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         grads.update(_storages([t for g in groups for t in (g.grad_full, g.grad_shard)]))
 
     sampler = _GradSampler(engine)
-    with tracker, warnings.catch_warnings(), sampler.inside_hooks(), _reductions_finish_when_waited():
+    with tracker, warnings.catch_warnings():
         # MemTracker's grad hook can read param.grad after the engine has moved it into the flat
         # buffer (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
@@ -266,7 +225,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         "params": sum(params.values()), "grads": sum(grads.values()), "master": sum(master.values()),
         "optimizer": sum(state.values()), "activations": saved.get("peak", 0),
         "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
-        "total": int(peak()), "method": method, "max_inflight_reductions": engine.max_inflight_reductions,
+        "total": int(peak()), "method": method, "max_inflight_reductions": engine.options.max_inflight_reductions,
     }
     return out
 

@@ -40,6 +40,7 @@ class StepProfiler:
         memory, self.memory_source = tl.memory_reader(device)
         full = engine.live_full_bytes if engine is not None and hasattr(engine, "live_full_bytes") else None
         self.timeline = tl.Timeline(memory, full)
+        self._subscription: Any = None
         self.trace = TraceWriter(rank) if trace else None
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.steps: list[dict[str, Any]] = []
@@ -60,10 +61,22 @@ class StepProfiler:
             folder.mkdir(parents=True, exist_ok=True)
             self._file = (folder / f"rank-{self.rank}.jsonl").open("w")
         tl.activate(self.timeline)
+        events = getattr(self.engine, "events", None)
+        if events is not None:
+            # Memory is sampled where the runtime gathers or frees a unit: the steps of the chart.
+            from zeroshard.sharding.events import EventKind
+
+            self._subscription = events.subscribe(self._on_event, kinds=(EventKind.GATHER, EventKind.FREE))
         return self
+
+    def _on_event(self, event: Any) -> None:
+        self.timeline.sample(f"{event.kind.value} {event.unit}")
 
     def __exit__(self, *exc) -> Literal[False]:
         tl.activate(None)
+        if self._subscription is not None:
+            self._subscription.remove()
+            self._subscription = None
         if self._file is not None:
             self._file.close()
         if self._last is not None and self.run_dir is not None:

@@ -5,9 +5,10 @@ profiler is active, and two ``perf_counter`` calls plus a list append when one i
 are not recorded here: the ledger already stamps them (``wait_start``/``waited``), and the profiler
 attributes each wait to the span it fell in.
 
-Memory is sampled at span boundaries and when the runtime gathers or frees a unit (``event``, called
-from zeroshard/sharding/unit.py): the CUDA allocator's counter, or this process's RSS read from /proc
-with one ``pread``, plus the engine's full-parameter bytes. That is the "memory over a step" chart.
+Memory is sampled at span boundaries and when the runtime gathers or frees a unit (the step profiler
+subscribes to the engine's gather and free events): the CUDA allocator's counter, or this process's
+RSS read from /proc with one ``pread``, plus the engine's full-parameter bytes. That is the "memory
+over a step" chart.
 """
 
 from __future__ import annotations
@@ -100,9 +101,3 @@ def phase(name: str):
     timeline = _CURRENT
     return _NULL if timeline is None else _Span(timeline, name)
 
-
-def event(what: str, name: str) -> None:
-    """Sample memory at a runtime event (a unit gathered or freed); a no-op without a timeline."""
-    timeline = _CURRENT
-    if timeline is not None:
-        timeline.sample(f"{what} {name}")

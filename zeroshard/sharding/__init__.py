@@ -9,14 +9,15 @@ from torch import nn
 
 from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.quant import CommQuant
-from zeroshard.offload import OffloadPolicy, make_store
+from zeroshard.offload import OffloadPolicy
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, attach_engine, find_engine, get_engine
+from zeroshard.sharding.events import EngineEvent, EngineEvents, EventKind
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import optim_groups, optimizer
 from zeroshard.sharding.manifest import precision_manifest
+from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.precision import MixedPrecision
-from zeroshard.sharding.recompute import Recompute, segment_length
 from zeroshard.sharding.scaler import ShardedGradScaler
 from zeroshard.sharding.state import full_state_dict, unsharded
 from zeroshard.sharding.wrap import UnitsArg, plan_units, validate_params
@@ -42,7 +43,7 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
           skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None,
-          comm: CommQuant | None = None) -> nn.Module:
+          comm: CommQuant | None = None, options: EngineOptions | None = None) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -73,18 +74,23 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
 
     ``comm=CommQuant(weights=True)`` sends stage 3's weight all-gather as blockwise int8 plus one
     fp32 scale per block (zeroshard/comm/quant.py); fp32 masters stay exact on their owner.
+
+    ``options`` takes all of the engine's knobs as one ``EngineOptions`` instead (including the
+    reduction overlap ones that have no keyword here); then the keywords it covers must be left
+    at their defaults.
     """
-    segment_length(checkpointing, 1)  # validate the policy before touching the model
-    offload = OffloadPolicy(kind=offload) if isinstance(offload, str) else (offload or OffloadPolicy())
-    if accumulation not in ("sharded", "unsharded"):
-        raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
+    keywords = EngineOptions(prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
+                             accumulation=accumulation, checkpointing=checkpointing,
+                             offload=OffloadPolicy(kind=offload) if isinstance(offload, str) else offload or OffloadPolicy())
+    # (constructing it validated them, before the model is touched)
+    if options is None:
+        options = keywords
+    elif keywords != EngineOptions():
+        raise ValueError("zs.shard got options= and also engine keywords (prefetch, reshard_after_forward, bucket_mb, "
+                         "accumulation, checkpointing, offload); put them all in the EngineOptions")
     policy = StagePolicy(stage)
     if comm is not None:
         comm.check_stage(stage)
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0 (all-gathers in flight ahead of compute), got {prefetch}")
-    if bucket_mb <= 0:
-        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     # A build function runs here, now that the arguments are checked.
     built = None if isinstance(model, nn.Module) else _build(model, init_fn, skip_init)
     model = built.model if built is not None else cast(nn.Module, model)
@@ -96,24 +102,13 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
         model.to(mesh.device)
     specs = plan_units(model, units)
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
-                    prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                    bucket_bytes=int(bucket_mb * 2**20), accumulation=accumulation,
-                    store=make_store(offload, mesh.device, mesh.rank), comm=comm)
-    engine.offload = offload
+                    options=options, comm=comm)
     attach_engine(model, engine)
-    blocks = [spec.module for spec in specs if not spec.is_root]
-    if segment_length(checkpointing, len(blocks)) is not None:
-        engine.recompute = Recompute(model, blocks, checkpointing, engine if policy.shard_params else None)
     if built is not None:
         built.move_buffers(mesh.device)
-        engine.init_stats = built.load(engine)
+        engine.replay_constructor(built)
     elif device.type == "meta":
-        from zeroshard.materialize import materialize
-
-        engine.init_stats = materialize(model, engine, (lambda m: None) if skip_init else init_fn,
-                                        require_all=not skip_init)
-    else:
-        engine.init_stats = {"path": "replicated", "peak_temp_bytes": 0}
+        engine.materialize((lambda m: None) if skip_init else init_fn, require_all=not skip_init)
     return model
 
 
@@ -130,7 +125,7 @@ def _build(build, init_fn, skip_init: bool):
 
 
 __all__ = [
-    "CommQuant", "Engine", "ExecutionOrderError",
+    "CommQuant", "Engine", "EngineEvent", "EngineEvents", "EngineOptions", "EventKind", "ExecutionOrderError",
     "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
     "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

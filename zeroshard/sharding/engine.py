@@ -7,21 +7,25 @@ and the memory contract of each stage are explained in docs/runtime.md.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.quant import CommQuant
+from zeroshard.offload import make_store
+from zeroshard.sharding.events import EngineEvents
 from zeroshard.sharding.flat import FlatGroup, StagePolicy
+# The defaults live with the options; re-exported here, where the planner and simulator read them.
+from zeroshard.sharding.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.recompute import Recompute, segment_length
 from zeroshard.sharding.unit import Unit, UnitState
 from zeroshard.sharding.wrap import ParamRef, UnitSpec
 
-if TYPE_CHECKING:
-    from zeroshard.offload.policy import OffloadPolicy
-    from zeroshard.sharding.recompute import Recompute
+__all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "attach_engine",
+           "find_engine", "get_engine", "reduction_buckets"]
 
 
 class ExecutionOrderError(RuntimeError):
@@ -37,8 +41,9 @@ def _split_groups(name: str, refs: list[ParamRef], **kw) -> list[FlatGroup]:
             for (dtype, trainable), group_refs in keyed.items()]
 
 
-def _buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
-    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``."""
+def reduction_buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
+    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``:
+    the units of stages 0-2. The planner's inventory calls it too, so both bucket alike."""
     buckets, current, size = [], [], 0
     for spec in specs:
         current.append(spec)
@@ -61,15 +66,6 @@ def _tensors_in(output) -> list[torch.Tensor]:
     return []
 
 
-MAX_INFLIGHT_REDUCTIONS = 2
-"""Stages 2-3 finish the oldest reduction while more than this many are pending. Two, so that at the
-end of backward the last block's reduction is still running when the root's launches, and the
-optimizer can step the other units meanwhile (see optim.py). zeroshard.sim reads it too."""
-
-BACKWARD_PREFETCH_AT = 0.5
-"""Fraction of a unit's grads ready before its backward prefetch of earlier units is issued."""
-
-
 class Engine:
     """The runtime of one sharded model: its units, the hooks that drive them, and the reduction order.
 
@@ -81,38 +77,38 @@ class Engine:
     Reductions are finished (waited on, full grads freed) in that same order: when a grad shard is
     read (optimizer, clipping), at the next forward, when too many are in flight, and, without a
     replicate group, as soon as they are done (``_reap_finished`` says why hybrid waits).
+    Every knob is in ``options`` (an ``EngineOptions``); the engine owns what they call for: the
+    offload ``store``, the activation ``recompute`` and, once ``materialize`` or a load ran,
+    ``init_stats``. Observers subscribe to ``events`` (zeroshard/sharding/events.py).
     See docs/runtime.md for the lifecycle and memory contract of each stage.
     """
 
-    offload: OffloadPolicy  # set by zs.shard right after construction
-    init_stats: dict[str, Any]  # how the params were initialised (see zeroshard/materialize.py)
-
     def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
-                 mp: MixedPrecision, device: torch.device, prefetch: int, reshard_after_forward: bool,
-                 bucket_bytes: int, accumulation: str = "sharded", store=None, comm: CommQuant | None = None) -> None:
+                 mp: MixedPrecision, device: torch.device, options: EngineOptions | None = None,
+                 comm: CommQuant | None = None) -> None:
         self.model = model
         self.policy = policy
         self.mesh = mesh
         self.mp = mp
-        self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
-        self.accumulation = accumulation
-        self.bucket_bytes = bucket_bytes
+        self.options = options = options or EngineOptions()
         self.sync_grads = True
-        self.store = store
-        flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device, store=store)
+        self.events = EngineEvents()
+        self.store = make_store(options.offload, device, mesh.rank)
+        # How the params got their values: replicated from the model as built, unless materialize ran.
+        self.init_stats: dict[str, Any] = {"path": "replicated", "peak_temp_bytes": 0}
+        flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
         if policy.shard_params:
             self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, **flat_kw), is_root=s.is_root,
-                               sharded=True) for s in backward_order]
+                               sharded=True, events=self.events) for s in backward_order]
         else:
             self.units = []
-            for bucket in _buckets(backward_order, bucket_bytes):
+            for bucket in reduction_buckets(backward_order, options.bucket_bytes):
                 name = "+".join(s.name for s in bucket)
                 refs = [r for s in bucket for r in s.refs]
                 self.units.append(Unit(name, None, _split_groups(name, refs, **flat_kw),
-                                       is_root=any(s.is_root for s in bucket), sharded=False))
+                                       is_root=any(s.is_root for s in bucket), sharded=False, events=self.events))
                 for group in self.units[-1].groups:
                     group.register(unsharded=True)
         self.comm = comm or CommQuant()
@@ -133,11 +129,8 @@ class Engine:
         self._order_recorded = False
         self._position = 0
         self._prefetch_after_first_grad: Unit | None = None
-        self.backward_prefetch_at = BACKWARD_PREFETCH_AT
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
-        self.recompute: Recompute | None = None  # set by zeroshard.sharding.recompute when checkpointing is on
-        self.max_inflight_reductions = MAX_INFLIGHT_REDUCTIONS
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
         for unit in self.units:
@@ -150,6 +143,27 @@ class Engine:
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
+        blocks = [spec.module for spec in specs if not spec.is_root]
+        self.recompute: Recompute | None = None
+        if segment_length(options.checkpointing, len(blocks)) is not None:
+            self.recompute = Recompute(model, blocks, options.checkpointing, self if policy.shard_params else None)
+
+    def materialize(self, init_fn: Callable[[nn.Module], None] | None, *, require_all: bool = True) -> None:
+        """Give a model built on the meta device its values by replaying its init, shard by shard
+        (zeroshard/materialize.py); ``init_stats`` records how."""
+        from zeroshard.materialize import materialize  # it drives this engine: imported when used
+
+        self.init_stats = materialize(self.model, self, init_fn, require_all=require_all)
+
+    def replay_constructor(self, built: Any) -> None:
+        """Give this engine's shards the values a recorded build function produced, one param at a
+        time (zeroshard/construct.py); ``init_stats`` records how."""
+        self.init_stats = built.load(self)
+
+    def values_loaded_from(self, source: str) -> None:
+        """Record that the params' values came from ``source`` (a checkpoint or a pretrained folder)
+        rather than from an init, for the run summary."""
+        self.init_stats = {**self.init_stats, "path": source}
 
     # -- hook registration --------------------------------------------------------------------
     def _register_grad_hooks(self) -> None:
@@ -189,7 +203,7 @@ class Engine:
         unit.wait_unshard()
         self._track_memory()
         if tracking and self._order_recorded:
-            upcoming = self._forward_order[self._position:self._position + self.prefetch]
+            upcoming = self._forward_order[self._position:self._position + self.options.prefetch]
             for later in upcoming:
                 later.unshard("forward")
             self._track_memory()
@@ -222,7 +236,7 @@ class Engine:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(self._pre_backward, unit), mode="any")
-        if not grad_enabled or (self.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
+        if not grad_enabled or (self.options.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
             unit.reshard()
         if unit.is_root and grad_enabled and not self._order_recorded:
             self._order_recorded = True
@@ -232,7 +246,7 @@ class Engine:
         """Units that stay gathered from forward into backward (once the order is recorded): the
         last block of forward, which backward needs first, so resharding it would only gather it
         again at once. Holding it costs nothing at the peak, where backward holds it anyway."""
-        if not self._order_recorded or not self.reshard_after_forward:
+        if not self._order_recorded or not self.options.reshard_after_forward:
             return []
         blocks = [u for u in self._forward_order if not u.is_root]
         return blocks[-1:]
@@ -276,7 +290,7 @@ class Engine:
         """
         if self._order_recorded and unit in self._forward_order:
             index = self._forward_order.index(unit)
-            for earlier in self._forward_order[max(0, index - self.prefetch):index][::-1]:
+            for earlier in self._forward_order[max(0, index - self.options.prefetch):index][::-1]:
                 earlier.unshard("backward")
             self._track_memory()
 
@@ -289,7 +303,7 @@ class Engine:
         micro-step and accumulate into the 1/N grad shard unless ``accumulation="unsharded"``
         asked to trade full-grad memory for fewer reduce-scatters.
         """
-        return not self.sync_grads and (not self.policy.transient_grads or self.accumulation == "unsharded")
+        return not self.sync_grads and (not self.policy.transient_grads or self.options.accumulation == "unsharded")
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
         if not self._in_backward:
@@ -300,7 +314,7 @@ class Engine:
             torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001 (no public API)
                 self._finish_backward)
         ready = unit.mark_ready(group_index, param_index)
-        if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.backward_prefetch_at):
+        if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.options.backward_prefetch_at):
             self._prefetch_after_first_grad = None
             self._prefetch_backward(unit)
         if ready:
@@ -323,7 +337,7 @@ class Engine:
 
     def _reap_finished(self) -> None:
         """Finish reductions in order: those already done, and at stages 2-3 the oldest ones while
-        more than ``max_inflight_reductions`` are pending.
+        more than ``options.max_inflight_reductions`` are pending.
 
         Finishing frees a unit's full grad buffer. gloo reports an async reduce-scatter complete only
         once it is waited on, so without the cap every full grad of the step would stay alive until
@@ -333,11 +347,12 @@ class Engine:
         # happen at the same point of the program on every rank: a rank finishing early because its
         # reduce-scatter happened to be done would block while a replica waits on it for the next
         # all-gather (a cross-group deadlock). Then only the deterministic cap finishes here.
-        opportunistic = self.mesh.replicate_size == 1
+        # ``options.reap_when_done=False`` asks for that deterministic point always.
+        opportunistic = self.mesh.replicate_size == 1 and self.options.reap_when_done
         while self._next_reap < self._next_reduce:
             unit = self.reduce_order[self._next_reap]
             pending = self._next_reduce - self._next_reap
-            over_cap = self.policy.transient_grads and pending > self.max_inflight_reductions
+            over_cap = self.policy.transient_grads and pending > self.options.max_inflight_reductions
             if not ((opportunistic and unit.reduce_done) or over_cap):
                 break
             unit.finish_reduce()

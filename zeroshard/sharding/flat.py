@@ -17,19 +17,16 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import QuantizedGather, QuantizedReduce
+from zeroshard.comm.quant import QuantizedGather
+from zeroshard.sharding.events import EngineEvents, EventKind
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
+from zeroshard.sharding.reduce import GradReducer, ReduceTarget
 from zeroshard.sharding.wrap import ParamRef
 
 
-_Piece = tuple[torch.Tensor, int, list[tuple[int, int, int]]]
-"""A reduce piece: (tensor, owner shard rank, [(offset in tensor, offset in the owner's shard, length)])."""
 QUANTIZED_PHASES = ("forward", "backward", "recompute")
 """Gathers that feed compute may be quantized; others (state_dict's summon) must be exact."""
-
-SMALL_GRAD_NUMEL = 1 << 16
-"""Grads smaller than this (elements) are packed per owner for gloo's in-place reduce, not sent alone."""
 
 
 def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
@@ -79,12 +76,13 @@ class FlatGroup:
     the sharded master and grad shard, stage 2 frees full grads once reduced, stage 3 also frees
     ``full`` between uses and shows the modules 1-D shard params (``sharded_params``) meanwhile.
     The group owns its collectives: ``gather_full`` (all-gather into ``full``), ``launch_reduce`` /
-    ``finish_reduce`` (reduce-scatter or all-reduce of the grads, plus the replica all-reduce when
-    hybrid) and ``sync_params`` (all-gather of updated shards at stages 1-2).
+    ``finish_reduce`` (which grads to reduce and where the result goes; the collectives themselves
+    are its ``reducer``, a ``GradReducer``) and ``sync_params`` (all-gather of updated shards at
+    stages 1-2). It reports grads_collected, reduce_launched and reduce_done to ``events``.
     """
 
     def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, policy: StagePolicy, mesh: Mesh,
-                 mp: MixedPrecision, device: torch.device, store=None) -> None:
+                 mp: MixedPrecision, device: torch.device, store=None, events: EngineEvents | None = None) -> None:
         self.unit = unit
         self.refs = refs
         self.trainable = trainable
@@ -98,6 +96,7 @@ class FlatGroup:
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
         self.device = device
+        self.events = events or EngineEvents()
         # Block size when stage 3's weight all-gather is sent quantized (set by the engine), else None.
         self.weight_quant: int | None = None
         # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
@@ -137,9 +136,10 @@ class FlatGroup:
         self.grad_full: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
         self.before_grad_read: Callable[[], None] | None = None  # set by the engine: finish pending reductions, in order
-        self._reduced: torch.Tensor | None = None
-        self._reduce_input: torch.Tensor | list[_Piece] | None = None
-        self._pending: collectives.Pending | QuantizedReduce | None = None
+        self.reducer = GradReducer(ReduceTarget(unit=unit, layout=self.layout, shard_rank=self.shard_rank, lo=self.lo,
+                                                hi=self.hi, reduce_dtype=self.reduce_dtype,
+                                                master_dtype=self.master_dtype, device=device),
+                                   mesh=mesh, shard_optimizer=policy.shard_optimizer)
         self._grad_full_zero = True
         if trainable and not policy.transient_grads:
             self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
@@ -249,13 +249,18 @@ class FlatGroup:
         Reductions launched at the end of backward may still be running: reading waits for them,
         so the optimizer can step the units reduced first while the last ones finish.
         """
-        if self._pending is not None and self.before_grad_read is not None:
+        if self.reducer.reducing and self.before_grad_read is not None:
             self.before_grad_read()
         return self._grad_shard
 
     @grad_shard.setter
     def grad_shard(self, value: torch.Tensor | None) -> None:
         self._grad_shard = value
+
+    def peek_grad_shard(self) -> torch.Tensor | None:
+        """The grad shard as it stands, without finishing a pending reduction (for observers, which
+        must not change when reductions finish)."""
+        return self._grad_shard
 
     def attach_grad_views(self) -> None:
         grad_full = self.full_grads()
@@ -300,7 +305,12 @@ class FlatGroup:
                 view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
                 # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
                 view.copy_(param.grad) if fresh else view.add_(param.grad)
-                param.grad = None
+        # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
+        # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
+        # allocated while every one of them was alive.
+        self.events.emit(EventKind.GRADS_COLLECTED, self.unit, "backward", self.full_grads().nbytes)
+        for param in params:
+            param.grad = None
 
     def _zero_where_no_grad(self, params) -> None:
         """Zero the parts of a fresh grad buffer no grad will be copied into (padding, unused params),
@@ -315,109 +325,40 @@ class FlatGroup:
         if covered < self.layout.numel:
             self.full_grads()[covered:].zero_()
 
-    def _grad_pieces(self) -> list[_Piece] | None:
-        """This unit's grads as reduce pieces, when the backend reduces them where they lie (gloo);
-        else None. A piece is (tensor, owner shard rank, [(offset in tensor, offset in the owner's
-        shard, length)]). A large grad is cut at shard boundaries into views of itself; the small
-        ones (biases, norms) are packed into one buffer per owner, since every gloo op has a fixed
-        cost that would dominate tiny pieces."""
-        if not (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
-                and self.params is not None and collectives.reduce_scatter_lands_in_input("shard")):
-            return None
-        grads = [p.grad for p in self.created_params()]
-        if any(g is not None and (g.dtype != self.reduce_dtype or not g.is_contiguous()) for g in grads):
-            return None
-        per_shard = self.layout.shard_numel
-        large: list[tuple[torch.Tensor, int, list[tuple[int, int, int]]]] = []
-        small: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}  # owner -> (flat, start, shard offset, n)
-        for slot, grad in zip(self.layout.slots, grads):
-            # A param unused here may have grads on other ranks: every rank reduces the same pieces.
-            flat = (torch.zeros(slot.numel, dtype=self.reduce_dtype, device=self.device) if grad is None
-                    else grad.view(-1))
-            start = slot.offset
-            while start < slot.end:
-                owner = start // per_shard
-                stop = min(slot.end, (owner + 1) * per_shard)
-                a, n, shard_offset = start - slot.offset, stop - start, start - owner * per_shard
-                if slot.numel >= SMALL_GRAD_NUMEL:
-                    large.append((flat[a:a + n], owner, [(0, shard_offset, n)]))
-                else:
-                    small.setdefault(owner, []).append((flat, a, shard_offset, n))
-                start = stop
-        packed = []
-        for owner in sorted(small):
-            parts = small[owner]
-            buffer = torch.empty(sum(n for *_, n in parts), dtype=self.reduce_dtype, device=self.device)
-            spans, at = [], 0
-            for flat, a, shard_offset, n in parts:
-                buffer[at:at + n].copy_(flat[a:a + n])
-                spans.append((at, shard_offset, n))
-                at += n
-            packed.append((buffer, owner, spans))
-        return large + packed
+    def _reduces_in_place(self) -> bool:
+        """Whether this unit's grads are reduced where they lie (gloo at stages 2-3, grads not yet
+        collected): no flat copy, and no unit-sized buffer beside the grads at the moment the unit
+        completes (the step's late memory peak)."""
+        return (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
+                and self.params is not None and collectives.reduce_scatter_lands_in_input("shard"))
 
     def launch_reduce(self, phase: str = "backward") -> None:
         if self.grad_quant is not None and self.shards > 1:
             # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
             self.collect_grads()
-            assert self.grad_full is not None  # collect_grads made it
-            self._reduce_input = self.grad_full
-            self._reduced = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
-            self._pending = QuantizedReduce(self._reduced, self.grad_full, self.grad_quant, group="shard",
-                                            unit=self.unit, phase=phase)
+            self.reducer.launch_quantized(self.full_grads(), self.grad_quant, phase)
+            self._report_launch(phase)
             return
-        pieces = self._grad_pieces()
+        pieces = self.reducer.pieces([p.grad for p in self.created_params()]) if self._reduces_in_place() else None
         if pieces is not None:
-            # gloo: reduce each grad where it lies; no flat copy, and no unit-sized buffer beside
-            # the grads at the moment the unit completes (the step's late memory peak).
             for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce
-            self._reduce_input = pieces
-            self._reduced = None
-            self._pending = collectives.reduce_to_owners([(t, owner) for t, owner, _ in pieces],
-                                                         numel=self.layout.numel, group="shard", unit=self.unit,
-                                                         phase=phase, async_op=True)
+            self.reducer.launch_pieces(pieces, phase)
+            self._report_launch(phase)
             return
         self.collect_grads()
         grad_full = self.full_grads()
         source = grad_full if grad_full.dtype == self.reduce_dtype else grad_full.to(self.reduce_dtype)
-        self._reduce_input = source  # gloo reads it asynchronously; keep it alive until wait
-        if not self.policy.shard_optimizer:
-            self._reduced = source
-            self._pending = collectives.all_reduce(source, group="world", unit=self.unit, phase=phase, async_op=True)
-        else:
-            if collectives.reduce_scatter_lands_in_input("shard"):
-                # No second shard-sized buffer while it runs; finish_reduce copies the slice out.
-                self._reduced = source[self.lo:self.hi]
-            else:
-                self._reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=source.device)
-            self._pending = collectives.reduce_scatter(self._reduced, source, group="shard", unit=self.unit,
-                                                       phase=phase, async_op=True)
+        self.reducer.launch_whole(source, phase)
+        self._report_launch(phase)
+
+    def _report_launch(self, phase: str) -> None:
+        nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
+        self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
 
     def finish_reduce(self, phase: str = "backward") -> None:
         """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
-        assert self._pending is not None, "finish_reduce without launch_reduce"
-        self._pending.wait()
-        self._pending = None
-        reduced = self._reduced
-        if reduced is None:  # reduced piecewise: gather this rank's sums (padding stays zero)
-            reduced = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            assert isinstance(self._reduce_input, list), "a piecewise reduction keeps its pieces"
-            for piece, owner, spans in self._reduce_input:
-                if owner == self.shard_rank:
-                    for at, offset, n in spans:
-                        reduced[offset:offset + n].copy_(piece[at:at + n])
-            self._reduce_input = None
-        if self.policy.shard_optimizer and self.mesh.replicate_size > 1:
-            collectives.all_reduce(reduced, group="replicate", unit=self.unit, phase=phase)
-        if reduced.dtype != self.master_dtype:
-            reduced = reduced.to(self.master_dtype)
-        elif self.policy.shard_optimizer and isinstance(self._reduce_input, torch.Tensor) and \
-                reduced.data_ptr() == self._reduce_input[self.lo:].data_ptr():
-            reduced = reduced.clone()  # a view would keep the whole full-grad buffer alive
-        # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
-        if self.mesh.world > 1:
-            reduced.div_(self.mesh.world)
+        reduced = self.reducer.finish(phase)
         if self.store is not None:
             # The optimizer steps where the masters live; pinned memory lets this copy overlap.
             reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
@@ -425,7 +366,6 @@ class FlatGroup:
             self._grad_shard.add_(reduced)
         else:
             self._grad_shard = reduced
-        self._reduced = self._reduce_input = None
         if self.policy.transient_grads:
             self.grad_full = None
         elif self.policy.shard_optimizer:
@@ -434,14 +374,15 @@ class FlatGroup:
             # so that grad_shard accumulates exactly what it adds.
             self.full_grads().zero_()
             self._grad_full_zero = True
+        self.events.emit(EventKind.REDUCE_DONE, self.unit, phase, reduced.nbytes)
 
     @property
     def reducing(self) -> bool:
-        return self._pending is not None
+        return self.reducer.reducing
 
     @property
     def reduce_done(self) -> bool:
-        return self._pending is None or self._pending.is_done()
+        return self.reducer.done
 
     def zero_grad(self) -> None:
         self.grad_shard = None

@@ -39,9 +39,9 @@ def precision_manifest(model: nn.Module, optimizer=None) -> dict:
             state_dtypes.update(_name(t.dtype) for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     buffers = {_name(b.dtype) for b in model.buffers()}
     if engine.policy.transient_grads:
-        accumulation = _name(first.master_dtype) if engine.accumulation == "sharded" else _name(first.reduce_dtype)
-        kept_in = "1/N grad shard" if engine.accumulation == "sharded" else "full grad buffer"
-        accumulation_where = f"{engine.accumulation} ({kept_in})"
+        accumulation = _name(first.master_dtype) if engine.options.accumulation == "sharded" else _name(first.reduce_dtype)
+        kept_in = "1/N grad shard" if engine.options.accumulation == "sharded" else "full grad buffer"
+        accumulation_where = f"{engine.options.accumulation} ({kept_in})"
     else:
         accumulation, accumulation_where = _name(first.compute_dtype), "full grad buffer (local until the sync micro-step)"
     return {
@@ -58,7 +58,7 @@ def precision_manifest(model: nn.Module, optimizer=None) -> dict:
         "all_gather_dtype": _name(first.compute_dtype) if engine.policy.shard_optimizer and engine.mesh.shard_size > 1 else None,
         **_wire(engine),
         "units": [u.name for u in engine.units],
-        "bucket_mb": engine.bucket_bytes / 2**20 if not engine.policy.shard_params else None,
-        "prefetch": engine.prefetch if engine.policy.shard_params else None,
-        "reshard_after_forward": engine.reshard_after_forward if engine.policy.shard_params else None,
+        "bucket_mb": engine.options.bucket_bytes / 2**20 if not engine.policy.shard_params else None,
+        "prefetch": engine.options.prefetch if engine.policy.shard_params else None,
+        "reshard_after_forward": engine.options.reshard_after_forward if engine.policy.shard_params else None,
     }

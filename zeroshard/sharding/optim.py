@@ -17,6 +17,7 @@ from torch import nn
 
 from zeroshard.offload.stepper import SlicedStep
 from zeroshard.sharding.engine import Engine, find_engine, get_engine
+from zeroshard.sharding.events import EventKind
 from zeroshard.sharding.flat import FlatGroup
 
 # The optimizer runs on flat shard slices: one segment holds pieces of several params, and a param
@@ -92,6 +93,13 @@ class ShardedState:
     sliced_step: SlicedStep | None = None  # disk offload: the step runs slice by slice
     pipeline: _UnitPipeline | None = None  # on-device masters: the step runs unit by unit
 
+    def report_step(self) -> None:
+        """The ``step`` event: this rank's master values were updated (``bytes``: their size)."""
+        events = self.engine.events
+        if events.active:
+            nbytes = sum(g.shard.nbytes for g in self.engine.trainable_groups)
+            events.emit(EventKind.STEP, "", "step", nbytes)
+
 
 def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedState | None:
     """The sharding state of an optimizer built by ``zs.optimizer``; None for a plain torch one."""
@@ -121,14 +129,16 @@ def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
 
     def step(self, closure=None):
         state = self.zeroshard_state
+        loss = None
         if state.pipeline is None or closure is not None:
             state.segments.attach_grads()
             sliced = state.sliced_step
             loss = sliced(closure) if sliced is not None else _unhooked(optim_cls.step)(self, closure)
             state.engine.sync_params()
-            return loss
-        state.pipeline.run(self, _unhooked(optim_cls.step))
-        return None
+        else:
+            state.pipeline.run(self, _unhooked(optim_cls.step))
+        state.report_step()
+        return loss
 
     return type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "step": step})
 
@@ -260,7 +270,7 @@ def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param
     opt = _sharded_class(optim_cls)(torch_groups, **defaults)
     state = opt.zeroshard_state = ShardedState(engine, segment_map)
     if engine.store is not None and engine.store.kind == "disk":
-        max_numel = int(engine.offload.slice_mb * 2**20 / 4)
+        max_numel = int(engine.options.offload.slice_mb * 2**20 / 4)
         state.sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
     elif engine.store is None:
         state.pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))

@@ -6,7 +6,7 @@ import enum
 
 from zeroshard.comm import collectives
 from zeroshard.comm.quant import QuantizedGather
-from zeroshard.profile import timeline
+from zeroshard.sharding.events import EngineEvents, EventKind
 from zeroshard.sharding.flat import FlatGroup
 
 
@@ -26,10 +26,14 @@ class Unit:
     Grads: ``mark_ready`` counts the trainable params whose grad is complete; once all are, the
     engine launches the unit's reduction (``launch_reduce``), in its fixed order, and finishes it
     later (``finish_reduce``), leaving each group's averaged grad shard for the optimizer.
+    Gathers and frees are reported to ``events``.
     """
 
-    def __init__(self, name: str, module, groups: list[FlatGroup], *, is_root: bool, sharded: bool) -> None:
+    def __init__(self, name: str, module, groups: list[FlatGroup], *, is_root: bool, sharded: bool,
+                 events: EngineEvents | None = None) -> None:
         self.name = name
+        self.events = events or EngineEvents()
+        self._phase = ""  # of the latest gather: a free reports the phase whose use of the params it ends
         self.module = module
         self.groups = groups
         self.is_root = is_root
@@ -54,7 +58,9 @@ class Unit:
             return
         self._gathers = [p for p in (g.gather_full(phase) for g in self.groups) if p is not None]
         self.state = UnitState.GATHERING
-        timeline.event("gather", self.name)  # memory sample for the step profiler (no-op when off)
+        self._phase = phase
+        if self.events.active:
+            self.events.emit(EventKind.GATHER, self.name, phase, self.full_bytes())
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.UNSHARDED:
@@ -71,11 +77,12 @@ class Unit:
             return
         if self.state is UnitState.GATHERING:
             self.wait_unshard()
+        freed = self.full_bytes() if self.events.active else 0
         for group in self.groups:
             group.register(unsharded=False)
             group.free_full()
         self.state = UnitState.SHARDED
-        timeline.event("free", self.name)
+        self.events.emit(EventKind.FREE, self.name, self._phase, freed)
 
     def full_bytes(self) -> int:
         return sum(g.full_bytes() for g in self.groups)
