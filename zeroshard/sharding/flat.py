@@ -17,7 +17,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import QuantizedGather, QuantizedReduce
+from zeroshard.comm.quant import ErrorFeedback, QuantizedGather, QuantizedReduce
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import ParamRef
@@ -102,6 +102,7 @@ class FlatGroup:
         self.weight_quant: int | None = None
         # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
         self.grad_quant: int | None = None
+        self.grad_feedback: ErrorFeedback | None = None  # qgZ's carried rounding error, when enabled
 
         # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
         self.store = store if trainable else None
@@ -364,7 +365,7 @@ class FlatGroup:
             self._reduce_input = self.grad_full
             self._reduced = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
             self._pending = QuantizedReduce(self._reduced, self.grad_full, self.grad_quant, group="shard",
-                                            unit=self.unit, phase=phase)
+                                            unit=self.unit, phase=phase, feedback=self.grad_feedback)
             return
         pieces = self._grad_pieces()
         if pieces is not None:
