@@ -48,17 +48,20 @@ def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = 
     if flat.dim() != 1:
         raise ValueError(f"quantize takes a flat 1-D tensor, got shape {tuple(flat.shape)}")
     blocks = num_blocks(flat.numel(), block_size)
-    padded = torch.zeros(blocks * block_size, dtype=SCALE_DTYPE, device=flat.device)
-    padded[:flat.numel()].copy_(flat)
-    view = padded.view(blocks, block_size)
-    scales = view.abs().amax(dim=1) / QMAX
+    # One scratch buffer, worked in place: every fresh large temporary costs page faults, which on
+    # a CPU shared with compute cost more than the arithmetic.
+    work = torch.empty(blocks * block_size, dtype=SCALE_DTYPE, device=flat.device)
+    work[:flat.numel()].copy_(flat)
+    work[flat.numel():].zero_()
+    view = work.view(blocks, block_size)
+    scales = torch.linalg.vector_norm(view, ord=float("inf"), dim=1).div_(QMAX)  # absmax / 127, no |x| copy
     # An all-zero block has scale 0; divide by 1 there so it quantizes to zeros, not NaN.
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(view / safe.unsqueeze(1)).clamp_(-QMAX, QMAX).to(WIRE_DTYPE)
+    view.div_(safe.unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
     if out is None:
-        out = q.view(-1)
+        out = work.to(WIRE_DTYPE)
     else:
-        out.copy_(q.view(-1))
+        out.copy_(work)
     if scales_out is None:
         scales_out = scales
     else:
@@ -72,7 +75,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, *, dtype: torc
     blocks = scales.numel()
     if q.numel() != blocks * (q.numel() // max(blocks, 1)) or q.numel() < numel:
         raise ValueError(f"{q.numel()} quantized values do not split into {blocks} blocks covering {numel}")
-    values = q.view(blocks, -1).to(SCALE_DTYPE) * scales.view(blocks, 1).to(SCALE_DTYPE)
+    values = q.view(blocks, -1).to(SCALE_DTYPE).mul_(scales.view(blocks, 1))  # in place: one temporary
     return values.view(-1)[:numel].to(dtype)
 
 
