@@ -41,31 +41,36 @@ def wire_bytes(numel: int, block_size: int) -> int:
     return blocks * block_size * WIRE_DTYPE.itemsize + blocks * SCALE_DTYPE.itemsize
 
 
+CHUNK_ELEMENTS = 1 << 16
+"""Elements quantized per pass: a cache-sized fp32 scratch, reused. One whole-buffer temporary per
+call would page-fault in fresh memory every step, which on a CPU that also computes costs more than
+the arithmetic."""
+
+
 def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = None,
              scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat`` (1-D, any float dtype) -> (int8 values padded to whole blocks, one fp32 scale per block)."""
     check_block_size(block_size)
     if flat.dim() != 1:
         raise ValueError(f"quantize takes a flat 1-D tensor, got shape {tuple(flat.shape)}")
-    blocks = num_blocks(flat.numel(), block_size)
-    # One scratch buffer, worked in place: every fresh large temporary costs page faults, which on
-    # a CPU shared with compute cost more than the arithmetic.
-    work = torch.empty(blocks * block_size, dtype=SCALE_DTYPE, device=flat.device)
-    work[:flat.numel()].copy_(flat)
-    work[flat.numel():].zero_()
-    view = work.view(blocks, block_size)
-    scales = torch.linalg.vector_norm(view, ord=float("inf"), dim=1).div_(QMAX)  # absmax / 127, no |x| copy
-    # An all-zero block has scale 0; divide by 1 there so it quantizes to zeros, not NaN.
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    view.div_(safe.unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
-    if out is None:
-        out = work.to(WIRE_DTYPE)
-    else:
-        out.copy_(work)
-    if scales_out is None:
-        scales_out = scales
-    else:
-        scales_out.copy_(scales)
+    numel, blocks = flat.numel(), num_blocks(flat.numel(), block_size)
+    out = torch.empty(blocks * block_size, dtype=WIRE_DTYPE, device=flat.device) if out is None else out
+    scales_out = torch.empty(blocks, dtype=SCALE_DTYPE, device=flat.device) if scales_out is None else scales_out
+    per = max(1, CHUNK_ELEMENTS // block_size)  # blocks per pass
+    work = torch.empty(min(blocks, per) * block_size, dtype=SCALE_DTYPE, device=flat.device)
+    for first in range(0, blocks, per):
+        last = min(blocks, first + per)
+        lo, hi = first * block_size, min(last * block_size, numel)
+        chunk = work[:(last - first) * block_size]
+        chunk[:hi - lo].copy_(flat[lo:hi])
+        chunk[hi - lo:].zero_()  # the padding of the last block
+        view = chunk.view(-1, block_size)
+        scales = scales_out[first:last]
+        torch.linalg.vector_norm(view, ord=float("inf"), dim=1, out=scales)
+        scales.div_(QMAX)  # absmax / 127
+        # An all-zero block has scale 0; divide by 1 there so it quantizes to zeros, not NaN.
+        view.div_(torch.where(scales > 0, scales, 1.0).unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
+        out[first * block_size:last * block_size].copy_(chunk)
     return out, scales_out
 
 
