@@ -57,19 +57,22 @@ def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = 
     out = torch.empty(blocks * block_size, dtype=WIRE_DTYPE, device=flat.device) if out is None else out
     scales_out = torch.empty(blocks, dtype=SCALE_DTYPE, device=flat.device) if scales_out is None else scales_out
     per = max(1, CHUNK_ELEMENTS // block_size)  # blocks per pass
-    work = torch.empty(min(blocks, per) * block_size, dtype=SCALE_DTYPE, device=flat.device)
+    work = torch.empty(2, min(blocks, per) * block_size, dtype=SCALE_DTYPE, device=flat.device)
     for first in range(0, blocks, per):
         last = min(blocks, first + per)
         lo, hi = first * block_size, min(last * block_size, numel)
-        chunk = work[:(last - first) * block_size]
+        chunk, magnitude = work[0, :(last - first) * block_size], work[1, :(last - first) * block_size]
         chunk[:hi - lo].copy_(flat[lo:hi])
         chunk[hi - lo:].zero_()  # the padding of the last block
         view = chunk.view(-1, block_size)
         scales = scales_out[first:last]
-        torch.linalg.vector_norm(view, ord=float("inf"), dim=1, out=scales)
-        scales.div_(QMAX)  # absmax / 127
-        # An all-zero block has scale 0; divide by 1 there so it quantizes to zeros, not NaN.
-        view.div_(torch.where(scales > 0, scales, 1.0).unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
+        # absmax via |x| into scratch, then amax: ~10x faster on CPU than vector_norm(ord=inf).
+        torch.amax(torch.abs(chunk, out=magnitude).view(-1, block_size), dim=1, out=scales)
+        scales.div_(QMAX)
+        # Multiply by the reciprocal (cheaper than a broadcast divide); an all-zero block has scale 0
+        # and multiplies by 0, so it quantizes to zeros, not NaN.
+        inverse = torch.where(scales > 0, scales.reciprocal(), 0.0)
+        view.mul_(inverse.unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
         out[first * block_size:last * block_size].copy_(chunk)
     return out, scales_out
 
