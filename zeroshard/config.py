@@ -132,7 +132,9 @@ class TrainConfig:
     comm_quant: str = "none"
     """Quantized communication: 'none', or 'weights' (stage 3 all-gathers weights as blockwise int8
     plus fp32 scales; masters stay exact), 'grads' (stages 2-3 reduce grads as int8 pieces through an
-    all-to-all, summed in fp32 by the owner), or 'weights,grads'."""
+    all-to-all, summed in fp32 by the owner), 'grads+ef' (the same with error feedback: each rank
+    carries its rounding error into its next reduction, one fp32 value per grad element), or
+    weights with either, comma-separated ('weights,grads', 'weights,grads+ef')."""
 
     comm_quant_block: int = 256
     """Elements per quantization block (one fp32 scale each); a power of two."""
@@ -190,15 +192,16 @@ class TrainConfig:
     def _check_comm_quant(self) -> None:
         """The same rules as zeroshard.comm.quant.CommQuant, without importing torch."""
         parts = {p.strip() for p in self.comm_quant.split(",") if p.strip()} - {"none"}
-        if parts - {"weights", "grads"}:
-            raise ValueError(f"comm_quant={self.comm_quant!r} is invalid; use 'none', 'weights' or 'weights,grads'")
+        if parts - {"weights", "grads", "grads+ef"} or {"grads", "grads+ef"} <= parts:
+            raise ValueError(f"comm_quant={self.comm_quant!r} is invalid; use 'none', 'weights', 'grads', "
+                             "'grads+ef' (with error feedback) or weights with either, e.g. 'weights,grads+ef'")
         block = self.comm_quant_block
         if block <= 0 or block & (block - 1):
             raise ValueError(f"comm_quant_block={block} must be a positive power of two (e.g. 256)")
         if "weights" in parts and self.stage != 3:
             raise ValueError(f"comm_quant=weights needs stage 3 (weights are all-gathered only there); "
                              f"got stage {self.stage}: pass --stage 3 or drop weights")
-        if "grads" in parts and self.stage < 2:
+        if parts & {"grads", "grads+ef"} and self.stage < 2:
             raise ValueError(f"comm_quant=grads needs stage 2 or 3 (a sharded grad reduction); got stage "
                              f"{self.stage}: pass --stage 2 or 3 or drop grads")
 

@@ -7,7 +7,15 @@ import torch
 import workloads as w
 import zeroshard as zs
 from zeroshard.comm import collectives
-from zeroshard.comm.quant import dequantize, num_blocks, quantize, quantized_reduce_scatter, wire_bytes
+from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.quant import (
+    ErrorFeedback,
+    dequantize,
+    num_blocks,
+    quantize,
+    quantized_reduce_scatter,
+    wire_bytes,
+)
 from zeroshard.data import GlobalBatchSampler, collate
 from zeroshard.models import GPT
 from zeroshard.sharding import get_engine
@@ -53,6 +61,10 @@ def _one_step_bytes(comm) -> dict:
         "grad_fp32": sum(g.layout.numel * 4 for g in engine.groups if g.trainable),
         "groups": len(engine.groups),
         "manifest": zs.precision_manifest(model, opt),
+        "residual_bytes": sum(g.grad_feedback.residual.numel() * g.grad_feedback.residual.element_size()
+                              for g in engine.groups if g.grad_feedback is not None
+                              and g.grad_feedback.residual is not None),
+        "residual_formula": sum(g.layout.numel * 4 for g in engine.groups if g.grad_quant),
     }
 
 
@@ -129,7 +141,30 @@ def _quantized_reduce() -> dict:
     return {"within_bound": bool(torch.all((out - exact).abs() <= bound * (1 + 1e-5) + 1e-6)),
             "rms_rel": ((out - exact).norm() / exact.norm()).item(),
             "ops": sorted({r.op for r in records}), "bytes": sum(r.bytes for r in records),
-            "formula": size * wire_bytes(per, BLOCK)}
+            "formula": size * wire_bytes(per, BLOCK),
+            "drift": {name: _summed_drift(grads, fb) for name, fb in (("plain", None), ("ef", ErrorFeedback()))}}
+
+
+def _summed_drift(grads: torch.Tensor, feedback, steps: int = 100) -> dict:
+    """Reduce the same grads ``steps`` times; max |sum of the reduced - steps x the exact sum| on this
+    rank's shard. Small values sit below half a step of their block (one large value per block), so
+    plain rounding loses them every step; error feedback sends them once they add up."""
+    size, rank = collectives.group_size("shard"), get_mesh().shard_rank
+    g = grads * 1e-3
+    g[::BLOCK] = grads[::BLOCK].abs() + 10
+    everyone = torch.empty(size * g.numel())
+    collectives.all_gather(everyone, g, group="shard", phase="test")
+    per_sender = everyone.view(size, size, -1)[:, rank]  # what each sender holds of this rank's shard
+    want = per_sender.sum(dim=0)
+    # With feedback: each sender's last rounding error, at most half a step of its (corrected) block.
+    padded = torch.zeros(size, num_blocks(want.numel(), BLOCK) * BLOCK)
+    padded[:, :want.numel()] = per_sender
+    bound = (padded.view(size, -1, BLOCK).abs().amax(dim=2).amax(dim=0) / 127 / 2 * size * 1.01).max().item()
+    total, out = torch.zeros_like(want), torch.empty_like(want)
+    for _ in range(steps):
+        quantized_reduce_scatter(out, g, BLOCK, group="shard", phase="qgz-ef", feedback=feedback)
+        total += out
+    return {"drift": (total - steps * want).abs().max().item(), "bound": bound}
 
 
 def quant_suite() -> dict:
@@ -149,6 +184,9 @@ def quant_suite() -> dict:
         "fp32_step_bytes": fp32["step_bytes"], "qwz_step_bytes": qwz["step_bytes"],
         "both_losses": both["losses"], "fp32_s2_losses": fp32_s2["losses"], "qgz_s2_losses": qgz_s2["losses"],
         "ledger_qg": _one_step_bytes(zs.CommQuant(weights=True, grads=True, block_size=BLOCK)),
+        "ledger_ef": _one_step_bytes(zs.CommQuant(weights=True, grads=True, error_feedback=True, block_size=BLOCK)),
+        "ef_losses": w.sharded_run(3, w.STEPS, w.GLOBAL_BATCH, comm=zs.CommQuant(
+            weights=True, grads=True, error_feedback=True, block_size=BLOCK))["losses"],
         "param_diff": max((fp32["params"][k] - qwz["params"][k]).abs().max().item() for k in fp32["params"]),
         "consistency": _gather_consistency(model),
         "ledger_q": _one_step_bytes(comm),

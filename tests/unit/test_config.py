@@ -142,3 +142,11 @@ def test_comm_quant_validation() -> None:
     assert TrainConfig(stage=2, comm_quant="grads").stage == 2
     with pytest.raises(ValueError, match="grads needs stage 2 or 3"):
         TrainConfig(stage=1, comm_quant="grads")
+    assert TrainConfig(stage=3, comm_quant="weights,grads+ef").comm_quant == "weights,grads+ef"
+    with pytest.raises(ValueError, match="grads needs stage 2 or 3"):
+        TrainConfig(stage=0, comm_quant="grads+ef")
+    with pytest.raises(ValueError, match="comm_quant="):
+        TrainConfig(stage=3, comm_quant="grads,grads+ef")
+    for block in (0, -256, 3):
+        with pytest.raises(ValueError, match="power of two"):
+            TrainConfig(stage=3, comm_quant="grads", comm_quant_block=block)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroshard.comm.quant import CommQuant, check_block_size, dequantize, num_blocks, quantize, wire_bytes
+from zeroshard.comm.quant import (
+    CommQuant,
+    ErrorFeedback,
+    check_block_size,
+    dequantize,
+    num_blocks,
+    quantize,
+    quantized_reduce_scatter,
+    wire_bytes,
+)
 from zeroshard.models import GPT, GPTConfig
 
 
@@ -103,3 +112,69 @@ def test_threshold_and_root():
     assert not comm.quantizes(10**6, is_root=True)
     assert CommQuant(weights=True, quantize_root=True).quantizes(10**6, is_root=True)
     assert not CommQuant().quantizes(10**6, is_root=False)
+
+
+def test_parse_error_feedback():
+    assert CommQuant.parse("weights,grads+ef") == CommQuant(weights=True, grads=True, error_feedback=True)
+    assert CommQuant.parse("grads+ef").error_feedback and not CommQuant.parse("grads").error_feedback
+    with pytest.raises(ValueError, match="comm_quant"):
+        CommQuant.parse("grads,grads+ef")
+    with pytest.raises(ValueError, match="needs grads=True"):
+        CommQuant(weights=True, error_feedback=True)
+
+
+@pytest.fixture()
+def one_rank_world():
+    import zeroshard as zs
+
+    zs.init()
+    yield
+    zs.shutdown()
+
+
+def _drift(steps: int, feedback: ErrorFeedback | None, block: int = 64) -> tuple[list[float], float]:
+    """Reduce the same slowly varying grad ``steps`` times; per step, the max |sum applied - sum true|.
+
+    Each block has one large value and many small ones below half a quantization step, the
+    case where rounding loses the same thing every step (Adam-era grads: a few outliers per block)."""
+    gen = torch.Generator().manual_seed(0)
+    numel = 4 * block + 7  # a padded last block
+    base = torch.full((numel,), 0.003)
+    base[::block] = 1.0
+    applied, true = torch.zeros(numel), torch.zeros(numel)
+    worst = []
+    out = torch.empty(numel)
+    for _ in range(steps):
+        grad = base * (1 + 0.05 * torch.rand(numel, generator=gen))
+        quantized_reduce_scatter(out, grad, block, feedback=feedback)
+        applied += out
+        true += grad
+        worst.append((applied - true).abs().max().item())
+    half_step = 1.05 * 1.0 / 127 / 2 * 1.01  # the largest block absmax (<= 1.05 plus the carried error) / 127 / 2
+    return worst, half_step
+
+
+def test_error_feedback_keeps_the_summed_update_on_track(one_rank_world):
+    steps = 60
+    plain, half_step = _drift(steps, None)
+    feedback = ErrorFeedback()
+    fed, _ = _drift(steps, feedback)
+    print(f"|sum applied - sum true| after {steps} steps: without error feedback {plain[-1]:.4f}, "
+          f"with {fed[-1]:.5f} (half step {half_step:.5f})")
+    # With feedback the summed error is only the last step's rounding: bounded, never growing.
+    assert max(fed) <= half_step
+    # Without it the same values are lost every step: the error grows linearly with the step count.
+    assert plain[-1] > 0.9 * steps * 0.003 and plain[-1] > 20 * half_step
+    assert plain[steps // 2] < plain[-1]
+    assert feedback.residual is not None and feedback.residual.numel() == 4 * 64 + 7
+    assert ErrorFeedback.bytes_for(4 * 64 + 7) == feedback.residual.numel() * feedback.residual.element_size()
+
+
+def test_error_feedback_drops_an_overflowed_step(one_rank_world):
+    feedback = ErrorFeedback()
+    out = torch.empty(128)
+    quantized_reduce_scatter(out, torch.full((128,), 0.3), 64, feedback=feedback)
+    bad = torch.ones(128)
+    bad[5] = float("inf")
+    quantized_reduce_scatter(out, bad, 64, feedback=feedback)
+    assert feedback.residual is not None and torch.all(feedback.residual == 0)  # not inf/nan forever

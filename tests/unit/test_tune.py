@@ -29,11 +29,12 @@ def test_default_grid_varies_each_knob_only_where_the_runtime_reads_it() -> None
     for c in grid:
         if c.stage == 3:
             assert c.bucket_mb is None and c.prefetch in (1, 2) and c.reshard_after_forward in (True, False)
-            assert set(c.train_keys()) == {"stage", "checkpointing", "prefetch", "reshard_after_forward"}
+            assert set(c.train_keys()) == {"stage", "checkpointing", "prefetch", "reshard_after_forward", "comm_quant"}
         else:
             assert c.prefetch is None and c.reshard_after_forward is None and c.bucket_mb in (5.0, 25.0)
-            assert set(c.train_keys()) == {"stage", "checkpointing", "bucket_mb"}
+            assert set(c.train_keys()) == {"stage", "checkpointing", "bucket_mb", "comm_quant"}
     assert len({c.name for c in grid}) == len(grid)
+    assert {c.comm_quant for c in grid} == {"none"}  # quantized comm is tried only when asked
 
 
 def test_flags_narrow_the_grid_and_repeats_collapse() -> None:
@@ -163,3 +164,19 @@ def test_cli_says_when_nothing_fits(capsys: pytest.CaptureFixture[str], tmp_path
     err = capsys.readouterr().err
     assert "no candidate fits 1.0 MB per rank: the smallest, stage 3" in err
     assert not out.exists()
+
+
+def test_comm_quant_axis_only_where_the_stage_accepts_it():
+    grid = candidates(axes(stages="0,2,3", checkpointing="none", bucket_mb="25", prefetch="1", reshard="true",
+                           comm_quant="none,weights/grads+ef,grads"))
+    by_stage: dict[int, list[str]] = {}
+    for c in grid:
+        by_stage.setdefault(c.stage, []).append(c.comm_quant)
+        TrainConfig(**c.train_keys())  # every candidate is a config the runtime accepts
+    assert by_stage == {0: ["none"], 2: ["none", "grads"], 3: ["none", "weights,grads+ef", "grads"]}
+    assert "comm weights,grads+ef" in [c for c in grid if c.comm_quant == "weights,grads+ef"][0].name
+    assert axes(comm_quant="none,weights,grads").comm_quant == ("none", "weights", "grads")  # three settings
+    with pytest.raises(ValueError, match="--comm-quant"):
+        axes(comm_quant="weight")
+    with pytest.raises(ValueError, match="--comm-quant"):
+        axes(comm_quant="grads/grads+ef")

@@ -62,11 +62,12 @@ def sharded_step(model: nn.Module, opt):
     return step
 
 
-def ours(cfg: GPTConfig, seed: int, dtype: torch.dtype, stage: int) -> Candidate:
+def ours(cfg: GPTConfig, seed: int, dtype: torch.dtype, stage: int, comm: zs.CommQuant | None = None) -> Candidate:
     mp = None if dtype == torch.float32 else zs.MixedPrecision(param_dtype=dtype)
-    model = zs.shard(_build(cfg, seed), stage=stage, mp=mp)
+    model = zs.shard(_build(cfg, seed), stage=stage, mp=mp, comm=comm)
     opt = zs.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1, foreach=True)
-    return Candidate(f"zeroshard stage {stage}", model, opt, sharded_step(model, opt), ours=True)
+    name = f"zeroshard stage {stage}" + (" qwZ+qgZ" if comm is not None and comm.enabled else "")
+    return Candidate(name, model, opt, sharded_step(model, opt), ours=True)
 
 
 def torch_ddp(cfg: GPTConfig, seed: int, dtype: torch.dtype) -> Candidate:

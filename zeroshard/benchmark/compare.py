@@ -36,11 +36,14 @@ class BenchSpec:
     warmup: int = 2
     seed: int = 0
     only: tuple[str, ...] = ()
-    """Run names to keep (floor, stage0..stage3, ddp, fsdp2, fsdp2-noreshard); empty keeps all. The ratio
+    """Run names to keep (floor, stage0..stage3, stage3-quant, ddp, fsdp2, fsdp2-noreshard); empty keeps all
+    but stage3-quant. The ratio
     columns need the floor, FSDP2 and torch DDP rows, so those always run."""
 
 
-RUN_KEYS = ("floor", "stage0", "stage1", "stage2", "stage3", "ddp", "fsdp2", "fsdp2-noreshard")
+RUN_KEYS = ("floor", "stage0", "stage1", "stage2", "stage3", "stage3-quant", "ddp", "fsdp2", "fsdp2-noreshard")
+# stage3-quant: stage 3 with int8 weight all-gather and grad reduction (qwZ+qgZ); runs only when asked.
+_ON_REQUEST = ("stage3-quant",)
 _ALWAYS = ("floor", "ddp", "fsdp2")
 
 
@@ -53,11 +56,12 @@ def _candidates(spec: BenchSpec, cfg: GPTConfig):
         raise ValueError(f"unknown bench runs {sorted(unknown)}; choose from {', '.join(RUN_KEYS)}")
     makers = {"floor": lambda: c.floor(cfg, spec.seed, dtype),
               **{f"stage{s}": functools.partial(c.ours, cfg, spec.seed, dtype, s) for s in (0, 1, 2, 3)},
+              "stage3-quant": lambda: c.ours(cfg, spec.seed, dtype, 3, zs.CommQuant(weights=True, grads=True)),
               "ddp": lambda: c.torch_ddp(cfg, spec.seed, dtype),
               "fsdp2": lambda: c.fsdp2(cfg, spec.seed, dtype, True),
               "fsdp2-noreshard": lambda: c.fsdp2(cfg, spec.seed, dtype, False)}
     for key in RUN_KEYS:
-        if not spec.only or key in spec.only or key in _ALWAYS:
+        if key in spec.only or key in _ALWAYS or not (spec.only or key in _ON_REQUEST):
             yield makers[key]
 
 

@@ -93,6 +93,7 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
                   seq=args.seq, accum=args.accum, checkpointing=args.checkpointing, prefetch=args.prefetch,
                   bucket_mb=args.bucket_mb, headroom=args.headroom, accounting=args.accounting,
+                  comm_quant=args.comm_quant, comm_quant_block=args.comm_quant_block,
                   device="cpu" if args.measure else args.device)
     return target, kwargs
 
@@ -196,6 +197,9 @@ def add_parser(sub: Any) -> None:
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
     run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
     run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")
+    run_.add_argument("--comm-quant", default="none", help="quantized communication as in train: weights, grads, "
+                      "grads+ef or weights,grads[+ef] (int8 + fp32 block scales on the wire; default: none)")
+    run_.add_argument("--comm-quant-block", type=int, default=256, help="elements per quantization block (default: 256)")
     run_.add_argument("--headroom", type=float, default=0.10, help="allocator headroom fraction (default: 0.10)")
     run_.add_argument("--accounting", choices=("runtime", "textbook"),
                       help="runtime (zeroshard's real buffers; default for --model) or textbook (default for --params)")

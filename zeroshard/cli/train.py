@@ -179,7 +179,9 @@ def summary_table(s: dict[str, Any]) -> Table:
                                       f"({p['weight_wire_quantized_groups']} groups)")]
           if p.get("weight_wire_dtype") else []),
         *([("grad reduce wire", f"{p['grad_wire_dtype']} pieces via all-to-all, block {p['grad_wire_block_size']} "
-                                f"({p['grad_wire_quantized_groups']} groups)")]
+                                f"({p['grad_wire_quantized_groups']} groups)"
+                                + (f", error feedback {p['grad_error_feedback_bytes'] / 2**20:.1f} MiB/rank"
+                                   if p.get("grad_error_feedback") else ""))]
           if p.get("grad_wire_dtype") else []),
         ("units", f"{len(p['units'])}"),
         ("init path", s["init_path"]),

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         base = _base_config(args)
         axes = parse_axes(stages=args.stages, prefetch=args.grid_prefetch, bucket_mb=args.grid_bucket_mb,
-                          checkpointing=args.grid_checkpointing, reshard=args.reshard)
+                          checkpointing=args.grid_checkpointing, reshard=args.reshard,
+                          comm_quant=args.grid_comm_quant)
         budget = parse_bytes(args.device_mem) if args.device_mem else None
         # Built now so that a bad --steps/--rounds/--warmup fails before any planning.
         spec = MeasureSpec(base=base, candidates=(), steps=args.tune_steps, rounds=args.rounds,
@@ -177,6 +178,9 @@ def add_parser(sub: Any) -> None:
                       default=DEFAULT_AXES["checkpointing"], help="none, all, sqrt, every:K (default: %(default)s)")
     grid.add_argument("--reshard", metavar="LIST", default=DEFAULT_AXES["reshard"],
                       help="reshard_after_forward values, true/false (default: %(default)s)")
+    grid.add_argument("--comm-quant", dest="grid_comm_quant", metavar="LIST", default=DEFAULT_AXES["comm_quant"],
+                      help="quantized communication settings, '/' joining parts of one: none, weights, grads, "
+                           "grads+ef, weights/grads (kept only at stages that accept them; default: %(default)s)")
     m = p.add_argument_group("measurement")
     m.add_argument("--device-mem", metavar="SIZE",
                    help="per-rank memory budget (2GB, 512MB, 24GiB); the planner prunes what would not fit")

@@ -6,6 +6,11 @@ It trains the same model on the same data and global batch three ways:
   (c) stage 0 (our DDP) on `nproc` ranks (reused from (b) when the stage is 0),
 then compares per-step losses and the final parameters. It exits non-zero when a difference
 exceeds its tolerance, so it can gate CI.
+
+With lossy communication (`--comm-quant`: int8 weights and/or grads on the wire) the distributed
+run is *meant* to differ from the single process by the rounding of what it sends, so verify
+switches to its lossy-communication tolerances (`LOSSY_COMM_TOLERANCES`, docs/quantized_comm.md)
+and runs the stage-0 reference with exact communication.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
     result: dict[str, Any] = {
         "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "steps": cfg.steps,
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
-        "tol": tol, "loss_tol": loss_tol,
+        "tol": tol, "loss_tol": loss_tol, "comm_quant": cfg.comm_quant,
+        "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else "exact communication",
         "max_abs_param_diff_vs_single": p_single,
         "max_abs_loss_diff_vs_single": max(loss_diffs),
         "max_abs_param_diff_vs_stage0": p_stage0,
@@ -75,18 +81,32 @@ def print_report(result: dict, console: Console) -> None:
     final.add_row("params vs stage 0", f"{result['max_abs_param_diff_vs_stage0']:.3e}", f"{result['tol']:.0e}")
     final.add_row("loss vs single process", f"{result['max_abs_loss_diff_vs_single']:.3e}", f"{result['loss_tol']:.0e}")
     console.print(final)
+    if result.get("comm_quant", "none") != "none":
+        console.print(f"tolerance mode: lossy communication (comm_quant={result['comm_quant']}); the "
+                      "distributed run rounds what it sends to int8 (docs/quantized_comm.md)")
     if result["mismatched_param_names"]:
         console.print(f"[red]parameter names differ between runs: {result['mismatched_param_names']}")
     console.print("[bold green]PASSED" if result["passed"] else "[bold red]FAILED: a tolerance was exceeded")
 
 
-def default_tolerances(mp: str) -> tuple[float, float]:
+LOSSY_COMM_TOLERANCES = (5e-2, 5e-2)
+"""(param, loss) with quantized communication. int8 with one scale per block rounds each value sent
+by up to half a step (absmax/254 of its block), and training compounds it: on tiny over 20 steps the
+measured worst loss difference is 7.4e-3 and the worst param difference 1.2e-2 (qwZ+qgZ, block
+256). These bounds leave about 4x margin and still catch a broken path (a wrong scale or piece
+moves the loss by tenths at the first step)."""
+
+
+def default_tolerances(mp: str, comm_quant: str = "none") -> tuple[float, float]:
     """(param, loss) tolerances against the fp32 single process.
 
     In fp32 only summation order differs, so 1e-5 holds. With bf16/fp16 compute the run is
     *meant* to differ from fp32 by the rounding of the compute dtype; 2e-2 is the loss bound the
     project holds mixed precision to. Stage 3 vs our stage 0 stays exact at two ranks either way.
+    Quantized communication is lossier still: ``LOSSY_COMM_TOLERANCES``.
     """
+    if comm_quant != "none":
+        return LOSSY_COMM_TOLERANCES
     return (1e-5, 1e-5) if mp == "fp32" else (2e-2, 2e-2)
 
 
@@ -109,12 +129,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         ref = reference_train(cfg)
         dist = _distributed(cfg)
-        stage0 = dist if cfg.stage == 0 else _distributed(dataclasses.replace(cfg, stage=0))
+        # The stage-0 reference communicates exactly (stage 0 cannot quantize: it all-reduces).
+        stage0 = dist if cfg.stage == 0 else _distributed(dataclasses.replace(cfg, stage=0, comm_quant="none"))
     except WorkerError as e:
         return fail("verify", one_line(e))
     except ValueError as e:
         return fail("verify", str(e))
-    tol, loss_tol = default_tolerances(cfg.mp)
+    tol, loss_tol = default_tolerances(cfg.mp, cfg.comm_quant)
     result = compare(cfg, ref, dist, stage0, tol=args.tol if args.tol is not None else tol,
                      loss_tol=args.loss_tol if args.loss_tol is not None else loss_tol)
     if args.json:
@@ -131,8 +152,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--tol", type=float, default=None,
-                   help="max abs parameter difference (default 1e-5 in fp32, 2e-2 with --mp bf16/fp16)")
+                   help="max abs parameter difference (default 1e-5 in fp32, 2e-2 with --mp bf16/fp16, "
+                        "5e-2 with --comm-quant)")
     p.add_argument("--loss-tol", type=float, default=None,
-                   help="max abs per-step loss difference (default 1e-5 in fp32, 2e-2 with --mp bf16/fp16)")
+                   help="max abs per-step loss difference (default 1e-5 in fp32, 2e-2 with --mp bf16/fp16, "
+                        "5e-2 with --comm-quant)")
     add_config_flags(p, skip=("run_dir", "log_every"), defaults=VERIFY_DEFAULTS)
     p.set_defaults(run=run)

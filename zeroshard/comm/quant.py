@@ -18,6 +18,8 @@ from zeroshard.comm import collectives
 from zeroshard.comm.mesh import get_mesh
 
 QMAX = 127
+SPEC_PARTS = ("weights", "grads", "grads+ef")
+SPEC_HELP = "'none', 'weights', 'grads', 'grads+ef' or 'weights,grads' / 'weights,grads+ef'"
 SCALE_DTYPE = torch.float32
 WIRE_DTYPE = torch.int8
 
@@ -39,28 +41,39 @@ def wire_bytes(numel: int, block_size: int) -> int:
     return blocks * block_size * WIRE_DTYPE.itemsize + blocks * SCALE_DTYPE.itemsize
 
 
+CHUNK_ELEMENTS = 1 << 16
+"""Elements quantized per pass: a cache-sized fp32 scratch, reused. One whole-buffer temporary per
+call would page-fault in fresh memory every step, which on a CPU that also computes costs more than
+the arithmetic."""
+
+
 def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = None,
              scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat`` (1-D, any float dtype) -> (int8 values padded to whole blocks, one fp32 scale per block)."""
     check_block_size(block_size)
     if flat.dim() != 1:
         raise ValueError(f"quantize takes a flat 1-D tensor, got shape {tuple(flat.shape)}")
-    blocks = num_blocks(flat.numel(), block_size)
-    padded = torch.zeros(blocks * block_size, dtype=SCALE_DTYPE, device=flat.device)
-    padded[:flat.numel()].copy_(flat)
-    view = padded.view(blocks, block_size)
-    scales = view.abs().amax(dim=1) / QMAX
-    # An all-zero block has scale 0; divide by 1 there so it quantizes to zeros, not NaN.
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(view / safe.unsqueeze(1)).clamp_(-QMAX, QMAX).to(WIRE_DTYPE)
-    if out is None:
-        out = q.view(-1)
-    else:
-        out.copy_(q.view(-1))
-    if scales_out is None:
-        scales_out = scales
-    else:
-        scales_out.copy_(scales)
+    numel, blocks = flat.numel(), num_blocks(flat.numel(), block_size)
+    out = torch.empty(blocks * block_size, dtype=WIRE_DTYPE, device=flat.device) if out is None else out
+    scales_out = torch.empty(blocks, dtype=SCALE_DTYPE, device=flat.device) if scales_out is None else scales_out
+    per = max(1, CHUNK_ELEMENTS // block_size)  # blocks per pass
+    work = torch.empty(2, min(blocks, per) * block_size, dtype=SCALE_DTYPE, device=flat.device)
+    for first in range(0, blocks, per):
+        last = min(blocks, first + per)
+        lo, hi = first * block_size, min(last * block_size, numel)
+        chunk, magnitude = work[0, :(last - first) * block_size], work[1, :(last - first) * block_size]
+        chunk[:hi - lo].copy_(flat[lo:hi])
+        chunk[hi - lo:].zero_()  # the padding of the last block
+        view = chunk.view(-1, block_size)
+        scales = scales_out[first:last]
+        # absmax via |x| into scratch, then amax: ~10x faster on CPU than vector_norm(ord=inf).
+        torch.amax(torch.abs(chunk, out=magnitude).view(-1, block_size), dim=1, out=scales)
+        scales.div_(QMAX)
+        # Multiply by the reciprocal (cheaper than a broadcast divide); an all-zero block has scale 0
+        # and multiplies by 0, so it quantizes to zeros, not NaN.
+        inverse = torch.where(scales > 0, scales.reciprocal(), 0.0)
+        view.mul_(inverse.unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
+        out[first * block_size:last * block_size].copy_(chunk)
     return out, scales_out
 
 
@@ -70,7 +83,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, *, dtype: torc
     blocks = scales.numel()
     if q.numel() != blocks * (q.numel() // max(blocks, 1)) or q.numel() < numel:
         raise ValueError(f"{q.numel()} quantized values do not split into {blocks} blocks covering {numel}")
-    values = q.view(blocks, -1).to(SCALE_DTYPE) * scales.view(blocks, 1).to(SCALE_DTYPE)
+    values = q.view(blocks, -1).to(SCALE_DTYPE).mul_(scales.view(blocks, 1))  # in place: one temporary
     return values.view(-1)[:numel].to(dtype)
 
 
@@ -87,20 +100,27 @@ class CommQuant:
     block_size: int = 256
     min_numel: int = 1 << 14
     quantize_root: bool = False
+    error_feedback: bool = False
+    """qgZ only: carry each rank's rounding error of its local grad into its next reduction
+    (``ErrorFeedback``), at one persistent fp32 value per quantized grad element."""
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         if self.min_numel < 0:
             raise ValueError(f"CommQuant min_numel must be >= 0, got {self.min_numel}")
+        if self.error_feedback and not self.grads:
+            raise ValueError("CommQuant(error_feedback=True) corrects quantized grads; it needs grads=True "
+                             "(comm_quant 'grads+ef')")
 
     @classmethod
     def parse(cls, spec: str | None, block_size: int = 256) -> CommQuant:
-        """'none', 'weights', 'grads' or 'weights,grads' (the CLI/TOML form)."""
+        """'none', 'weights', 'grads', 'grads+ef' (grads with error feedback), or weights with either,
+        comma-separated (the CLI/TOML form)."""
         parts = {p.strip() for p in (spec or "none").split(",") if p.strip()} - {"none"}
-        unknown = parts - {"weights", "grads"}
-        if unknown:
-            raise ValueError(f"comm_quant={spec!r} is invalid; use 'none', 'weights', 'grads' or 'weights,grads'")
-        return cls(weights="weights" in parts, grads="grads" in parts, block_size=block_size)
+        if parts - set(SPEC_PARTS) or {"grads", "grads+ef"} <= parts:
+            raise ValueError(f"comm_quant={spec!r} is invalid; use {SPEC_HELP}")
+        return cls(weights="weights" in parts, grads=bool(parts & {"grads", "grads+ef"}), block_size=block_size,
+                   error_feedback="grads+ef" in parts)
 
     @property
     def enabled(self) -> bool:
@@ -182,6 +202,44 @@ class QuantizedGather(_WirePair):
 
 
 
+class ErrorFeedback:
+    """qgZ's error feedback: this rank's rounding error of its local grad, added to its next one.
+
+    Sending ``q(g)`` loses ``e = g - q(g)``; without feedback the losses of successive steps add
+    up, and when they are correlated (a grad that changes slowly, small values under a large
+    block absmax) they bias the update. With feedback a rank sends ``q(g + e_prev)`` and keeps the
+    new error, so the sum over steps of what it sent differs from the sum of its true grads by the
+    last error alone. One fp32 value per element of the group's padded flat grad, for the whole
+    run; not checkpointed (a resumed run starts from zero error, one step's rounding).
+    """
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+
+    @staticmethod
+    def bytes_for(numel: int) -> int:
+        """Persistent bytes of the residual of a flat grad of ``numel`` elements."""
+        return numel * SCALE_DTYPE.itemsize
+
+    def corrected(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus the carried error, in fp32, held in the residual buffer itself."""
+        flat = grad.detach().reshape(-1)
+        if self.residual is None or self.residual.numel() != flat.numel():
+            self.residual = flat.to(SCALE_DTYPE, copy=True)
+        else:
+            self.residual.add_(flat)
+        return self.residual
+
+    def keep_error(self, pieces: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """After ``pieces`` (a view of the residual) were quantized to ``q``/``scales``: keep what was lost."""
+        if not bool(torch.isfinite(scales).all()):
+            # An overflowed grad (fp16 loss scaling skips this step) must not poison later ones.
+            pieces.zero_()
+            return
+        for i in range(pieces.shape[0]):
+            pieces[i].sub_(dequantize(q[i], scales[i], pieces.shape[1]))
+
+
 class QuantizedReduce(_WirePair):
     """qgZ's reduction: the sum over the group of ``input`` (1-D, group size x ``output``), of which this
     rank keeps its slice in ``output`` (fp32 accumulation), with every piece sent as int8 + scales.
@@ -189,10 +247,11 @@ class QuantizedReduce(_WirePair):
     A reduce-scatter cannot add int8 values on the wire, so each rank quantizes the piece every
     other rank owns, an all-to-all delivers them, and ``wait`` dequantizes and sums in fp32 on the
     owner. The error per element is at most the sum over senders of each one's half-step there.
+    With ``feedback`` this rank sends its grad plus its previous rounding error (``ErrorFeedback``).
     """
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
-                 unit: str = "", phase: str = "") -> None:
+                 unit: str = "", phase: str = "", feedback: ErrorFeedback | None = None) -> None:
         size = collectives.group_size(group)
         self.output, self.per = output, output.numel()
         if input.numel() != self.per * size:
@@ -201,9 +260,11 @@ class QuantizedReduce(_WirePair):
         blocks = num_blocks(self.per, block_size)
         q_send = torch.empty(size, blocks * block_size, dtype=WIRE_DTYPE, device=input.device)
         s_send = torch.empty(size, blocks, dtype=SCALE_DTYPE, device=input.device)
-        pieces = input.detach().view(size, self.per)
+        pieces = (input.detach() if feedback is None else feedback.corrected(input)).view(size, self.per)
         for owner in range(size):
             quantize(pieces[owner], block_size, out=q_send[owner], scales_out=s_send[owner])
+        if feedback is not None:
+            feedback.keep_error(pieces, q_send, s_send)
         self.q, self.scales = torch.empty_like(q_send), torch.empty_like(s_send)
         self._sent: tuple[torch.Tensor, ...] = (q_send, s_send)  # gloo reads them asynchronously
         self._pending = [
@@ -222,6 +283,6 @@ class QuantizedReduce(_WirePair):
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
-                             unit: str = "", phase: str = "") -> None:
+                             unit: str = "", phase: str = "", feedback: ErrorFeedback | None = None) -> None:
     """Blocking ``QuantizedReduce``."""
-    QuantizedReduce(output, input, block_size, group=group, unit=unit, phase=phase).wait()
+    QuantizedReduce(output, input, block_size, group=group, unit=unit, phase=phase, feedback=feedback).wait()

@@ -11,7 +11,7 @@ from torch import nn
 from zeroshard.plan.activations import gpt_activations
 from zeroshard.plan.inventory import Inventory, meta_gpt
 from zeroshard.plan.memory import Estimator, variants
-from zeroshard.plan.result import Plan
+from zeroshard.plan.result import LayoutPlan, Plan
 from zeroshard.plan.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import UnitsArg
@@ -61,7 +61,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          shard_size: int | None = None, prefetch: int = 1, reshard_after_forward: bool = True,
          bucket_mb: float = 25.0, headroom: float = 0.10, accounting: str | None = None,
          accumulation: str = "sharded", units: UnitsArg = None, device: str = "cuda",
-         gpus_per_node: int | None = None) -> Plan:
+         gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -92,7 +92,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     checkpointing=Checkpointing.parse(checkpointing), offload=offload, shard_size=shard_size,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                     headroom=headroom, accounting=accounting or ("textbook" if analytic else "runtime"),
-                    accumulation=accumulation)
+                    accumulation=accumulation, comm_quant=comm_quant, comm_quant_block=comm_quant_block)
     notes = []
     activations = None
     if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
@@ -115,6 +115,30 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu")
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
+    if spec.comm_quant != "none":
+        layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes)
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),
                 activations=activations, layouts=layouts, notes=tuple(notes))
+
+
+def _with_comm_quant(layouts: dict[str, LayoutPlan], spec: PlanSpec, inventory: Inventory | None, params: int,
+                     notes: list[str]) -> dict[str, LayoutPlan]:
+    """Every layout with the quantized traffic and error-feedback residual the runtime would have there."""
+    from zeroshard.comm.quant import CommQuant
+    from zeroshard.plan import quant
+
+    comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block)
+    dtype = next(iter(inventory.dtypes)) if inventory else torch.float32
+    sizes = dict(compute_bytes=torch.empty(0, dtype=spec.mp.compute_dtype(dtype)).element_size(),
+                 reduce_bytes=torch.empty(0, dtype=spec.mp.reduction_dtype(dtype)).element_size())
+    out = {}
+    for name, layout in layouts.items():
+        groups = (quant.groups_of(inventory, stage=layout.stage, shards=layout.shard_size,
+                                  bucket_bytes=int(spec.bucket_mb * 2**20)) if inventory is not None
+                  else quant.analytic_groups(params, layout.shard_size))
+        out[name] = quant.apply(layout, comm, groups, **sizes)
+    notes.append(f"comm_quant={spec.comm_quant}: int8 + one fp32 scale per {comm.block_size} elements on the wire "
+                 "where the runtime quantizes (weights at stage 3, grads at stages 2-3)"
+                 + ("; grads include error feedback's fp32 residual" if comm.error_feedback else ""))
+    return out

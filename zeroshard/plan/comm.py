@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

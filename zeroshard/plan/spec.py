@@ -148,6 +148,9 @@ class PlanSpec:
     accumulation: str = "sharded"
     """Stages 2-3 with accum > 1: "sharded" reduce-scatters every micro-step into the 1/N grad shard;
     "unsharded" keeps full grads across micro-steps (as ``zs.shard(accumulation=)``)."""
+    comm_quant: str = "none"
+    """Quantized communication as ``--comm-quant`` spells it (zeroshard/plan/quant.py plans it)."""
+    comm_quant_block: int = 256
 
     def __post_init__(self) -> None:
         _positive_int("world", self.world)
@@ -175,6 +178,14 @@ class PlanSpec:
             raise ValueError(f"accounting must be 'runtime' or 'textbook', got {self.accounting!r}")
         if self.accumulation not in ("sharded", "unsharded"):
             raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {self.accumulation!r}")
+        self._check_comm_quant()
+
+    def _check_comm_quant(self) -> None:
+        from zeroshard.comm.quant import CommQuant
+
+        comm = CommQuant.parse(self.comm_quant, self.comm_quant_block)  # bad spec or block: a clear error
+        if self.stage is not None:
+            comm.check_stage(self.stage)
 
     @property
     def micro_batch(self) -> int:
@@ -200,6 +211,7 @@ class PlanSpec:
             "reshard_after_forward": self.reshard_after_forward, "headroom": self.headroom,
             "accounting": self.accounting, "accumulation": self.accumulation, "optimizer": self.optimizer.__name__,
             "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
+            "comm_quant": self.comm_quant, "comm_quant_block": self.comm_quant_block,
         }
 
 

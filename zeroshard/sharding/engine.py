@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import CommQuant
+from zeroshard.comm.quant import CommQuant, ErrorFeedback
 from zeroshard.offload import make_store
 from zeroshard.sharding.events import EngineEvents
 from zeroshard.sharding.flat import FlatGroup, StagePolicy
@@ -119,6 +119,7 @@ class Engine:
                 if policy.transient_grads and group.trainable and \
                         self.comm.quantizes_grads(group.layout.numel):
                     group.grad_quant = self.comm.block_size
+                    group.grad_feedback = ErrorFeedback() if self.comm.error_feedback else None
         # Reductions launch strictly in this order on every rank, so a grad that is late on one
         # rank (an unused param) delays the collectives instead of reordering them.
         self.reduce_order = list(self.units)

@@ -17,7 +17,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import QuantizedGather
+from zeroshard.comm.quant import ErrorFeedback, QuantizedGather
 from zeroshard.sharding.events import EngineEvents, EventKind
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
@@ -101,6 +101,7 @@ class FlatGroup:
         self.weight_quant: int | None = None
         # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
         self.grad_quant: int | None = None
+        self.grad_feedback: ErrorFeedback | None = None  # qgZ's carried rounding error, when enabled
 
         # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
         self.store = store if trainable else None
@@ -336,7 +337,7 @@ class FlatGroup:
         if self.grad_quant is not None and self.shards > 1:
             # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
             self.collect_grads()
-            self.reducer.launch_quantized(self.full_grads(), self.grad_quant, phase)
+            self.reducer.launch_quantized(self.full_grads(), self.grad_quant, phase, feedback=self.grad_feedback)
             self._report_launch(phase)
             return
         pieces = self.reducer.pieces([p.grad for p in self.created_params()]) if self._reduces_in_place() else None

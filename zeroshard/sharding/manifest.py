@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroshard.comm.quant import SCALE_DTYPE
+from zeroshard.comm.quant import SCALE_DTYPE, ErrorFeedback
 from zeroshard.sharding.engine import get_engine
 
 
@@ -25,6 +25,10 @@ def _wire(engine) -> dict:
         "grad_wire_dtype": "int8" if grads else None,
         "grad_wire_block_size": engine.comm.block_size if grads else None,
         "grad_wire_quantized_groups": len(grads),
+        # Error feedback's persistent per-rank residual: one fp32 value per quantized grad element.
+        "grad_error_feedback": engine.comm.error_feedback and bool(grads),
+        "grad_error_feedback_bytes": sum(ErrorFeedback.bytes_for(g.layout.numel) for g in grads
+                                         if g.grad_feedback is not None),
     }
 
 

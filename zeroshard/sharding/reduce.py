@@ -20,7 +20,7 @@ import torch
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import QuantizedReduce
+from zeroshard.comm.quant import ErrorFeedback, QuantizedReduce
 from zeroshard.sharding.layout import FlatLayout
 
 SMALL_GRAD_NUMEL = 1 << 16
@@ -98,11 +98,14 @@ class GradReducer:
         return self.in_flight is None or self.in_flight.pending.is_done()
 
     # -- launch --------------------------------------------------------------------------------
-    def launch_quantized(self, grad_full: torch.Tensor, block_size: int, phase: str) -> None:
-        """qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner."""
+    def launch_quantized(self, grad_full: torch.Tensor, block_size: int, phase: str, *,
+                         feedback: ErrorFeedback | None = None) -> None:
+        """qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner; ``feedback`` carries
+        this rank's rounding error into its next reduction."""
         t = self.target
         reduced = torch.empty(t.layout.shard_numel, dtype=torch.float32, device=t.device)
-        pending = QuantizedReduce(reduced, grad_full, block_size, group="shard", unit=t.unit, phase=phase)
+        pending = QuantizedReduce(reduced, grad_full, block_size, group="shard", unit=t.unit, phase=phase,
+                                  feedback=feedback)
         self.in_flight = WholeReduction(grad_full, reduced, pending)
 
     def launch_whole(self, source: torch.Tensor, phase: str) -> None:

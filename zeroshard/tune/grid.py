@@ -1,7 +1,9 @@
-"""The candidates `zeroshard tune` tries: stage x prefetch x reshard x bucket size x checkpointing.
+"""The candidates `zeroshard tune` tries: stage x prefetch x reshard x bucket size x checkpointing
+x quantized communication.
 
 Each knob only enters the grid where the runtime reads it (prefetch and reshard_after_forward at
-stage 3, bucket_mb at stages 0-2), so no two candidates differ only in a setting that does nothing.
+stage 3, bucket_mb at stages 0-2, comm_quant where the runtime accepts it: weights at stage 3, grads at
+stages 2-3), so no two candidates differ only in a setting that does nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from zeroshard.config import STAGES
 T = TypeVar("T")
 
 DEFAULT_AXES = {"stages": "0,1,2,3", "prefetch": "1,2", "bucket_mb": "5,25", "checkpointing": "none,sqrt",
-                "reshard": "true,false"}
+                "reshard": "true,false", "comm_quant": "none"}
 _EXAMPLES = {"--" + axis.replace("_", "-"): text for axis, text in DEFAULT_AXES.items()}
 LAYOUT = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 """The planner's name for each stage's layout."""
@@ -30,6 +32,8 @@ class Candidate:
     """Stage 3 only."""
     reshard_after_forward: bool | None = None
     """Stage 3 only."""
+    comm_quant: str = "none"
+    """Quantized communication (TrainConfig.comm_quant), only where the stage accepts it."""
 
     @property
     def name(self) -> str:
@@ -37,11 +41,13 @@ class Candidate:
             knobs = f"prefetch {self.prefetch}, {'reshard' if self.reshard_after_forward else 'no reshard'}"
         else:
             knobs = f"bucket {self.bucket_mb:g} MB"
-        return f"stage {self.stage}, {knobs}, ckpt {self.checkpointing}"
+        comm = "" if self.comm_quant == "none" else f", comm {self.comm_quant}"
+        return f"stage {self.stage}, {knobs}, ckpt {self.checkpointing}{comm}"
 
     def train_keys(self) -> dict[str, Any]:
         """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
-        keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing}
+        keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing,
+                                "comm_quant": self.comm_quant}
         if self.stage == 3:
             keys.update(prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward)
         else:
@@ -56,6 +62,7 @@ class Axes:
     bucket_mb: tuple[float, ...]
     checkpointing: tuple[str, ...]
     reshard: tuple[bool, ...]
+    comm_quant: tuple[str, ...] = ("none",)
 
 
 def _split(flag: str, text: str, convert: Callable[[str], T]) -> tuple[T, ...]:
@@ -106,23 +113,48 @@ def _bool(part: str) -> bool:
     return value
 
 
-def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str) -> Axes:
+_COMM_PARTS = ("weights", "grads", "grads+ef")
+
+
+def _comm_quant(part: str) -> str:
+    """One --comm-quant value: none, or '+'-free parts joined by '/' (the list itself is comma-separated),
+    e.g. none,weights/grads,weights/grads+ef."""
+    parts = part.split("/")
+    if part != "none" and (any(p not in _COMM_PARTS for p in parts) or len(set(parts)) != len(parts)
+                           or {"grads", "grads+ef"} <= set(parts)):
+        raise ValueError(f"--comm-quant: {part!r} is not a setting; use none, weights, grads, grads+ef, or "
+                         "weights/grads (a '/' joins what one candidate quantizes), e.g. none,weights/grads")
+    return ",".join(parts)
+
+
+def comm_quant_applies(comm_quant: str, stage: int) -> bool:
+    """What the runtime accepts: quantized weights at stage 3, quantized grads at stages 2-3."""
+    parts = set(comm_quant.split(",")) - {"none"}
+    return not ("weights" in parts and stage != 3) and not (parts & {"grads", "grads+ef"} and stage < 2)
+
+
+def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str,
+               comm_quant: str = "none") -> Axes:
     """Comma-separated flag values to typed axes; a bad value raises ValueError naming its flag."""
     return Axes(stages=_split("--stages", stages, _stage), prefetch=_split("--prefetch", prefetch, _prefetch),
                 bucket_mb=_split("--bucket-mb", bucket_mb, _bucket),
                 checkpointing=_split("--checkpointing", checkpointing, _policy),
-                reshard=_split("--reshard", reshard, _bool))
+                reshard=_split("--reshard", reshard, _bool),
+                comm_quant=_split("--comm-quant", comm_quant, _comm_quant))
 
 
 def candidates(axes: Axes) -> list[Candidate]:
     out: list[Candidate] = []
     for stage in axes.stages:
+        comms = [q for q in axes.comm_quant if comm_quant_applies(q, stage)]
         for ckpt in axes.checkpointing:
-            if stage == 3:
-                out += [Candidate(stage=3, checkpointing=ckpt, prefetch=p, reshard_after_forward=r)
-                        for p in axes.prefetch for r in axes.reshard]
-            else:
-                out += [Candidate(stage=stage, checkpointing=ckpt, bucket_mb=b) for b in axes.bucket_mb]
+            for comm in comms:
+                if stage == 3:
+                    out += [Candidate(stage=3, checkpointing=ckpt, prefetch=p, reshard_after_forward=r,
+                                      comm_quant=comm) for p in axes.prefetch for r in axes.reshard]
+                else:
+                    out += [Candidate(stage=stage, checkpointing=ckpt, bucket_mb=b, comm_quant=comm)
+                            for b in axes.bucket_mb]
     return out
 
 

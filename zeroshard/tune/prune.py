@@ -54,7 +54,8 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
         # One plan covers every stage; only the knobs that change some layout make a new one.
         knobs: dict[str, Any] = dict(checkpointing=c.checkpointing, prefetch=1 if c.prefetch is None else c.prefetch,
                      reshard_after_forward=True if c.reshard_after_forward is None else c.reshard_after_forward,
-                     bucket_mb=base.bucket_mb if c.bucket_mb is None else c.bucket_mb)
+                     bucket_mb=base.bucket_mb if c.bucket_mb is None else c.bucket_mb,
+                     comm_quant=c.comm_quant, comm_quant_block=base.comm_quant_block)
         key = tuple(sorted(knobs.items()))
         if key not in plans:
             plans[key] = plan(gpt, world=base.nproc, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
