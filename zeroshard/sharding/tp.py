@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from zeroshard.comm import collectives, dtensor_ledger
 from zeroshard.comm.mesh import get_mesh
@@ -138,7 +138,14 @@ def llama_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[s
                         "num_key_value_heads": cfg.num_key_value_heads,
                         "intermediate_size": cfg.intermediate_size}, "Llama")
     col, row = ColwiseParallel(), RowwiseParallel()
-    plan = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row,
+    # The attention's (and the MLP's) input becomes one replicated DTensor before its column-wise
+    # projections: their input grads then add up as one Partial DTensor and are all-reduced once
+    # per module, not once per projection (q, k, v: three).
+    shared_input = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                      desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    plan = {"self_attn": shared_input, "self_attn.q_proj": col, "self_attn.k_proj": col,
+            "self_attn.v_proj": col, "self_attn.o_proj": row,
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
     return list(model.model.layers), plan, {}  # type: ignore[attr-defined]
 
