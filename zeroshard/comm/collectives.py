@@ -2,8 +2,8 @@
 
 Every call is stamped into the rank's :class:`~zeroshard.comm.ledger.Ledger` with the unit and
 phase it served, so byte counts, profiles and desync reports all come from one place. Groups are
-named by their role on the mesh ("world", "shard", "replicate", "tp", and "dp" = replicate × shard) rather than passed as handles, so
-the ledger can say which one a collective ran on.
+named by their role on the mesh ("world", "shard", "replicate", "tp", and "dp" = replicate × shard)
+rather than passed as handles, so the ledger can say which one a collective ran on.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import get_mesh
 
-_F = torch.ops._c10d_functional
+_F = torch.ops._c10d_functional  # noqa: SLF001 (the functional collectives' op namespace; no public alias)
 # op -> (ledger op name, does the ledger count the output (all-gather) rather than the input)
 _WATCHED = {
     _F.all_reduce.default: ("all_reduce", False),

@@ -205,6 +205,25 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     return _MESH
 
 
+def _build_groups(world: int, rank: int, shard_size: int):
+    if shard_size == world:
+        return dist.group.WORLD, None
+    # new_group is collective over the whole world, so every rank creates every group in the
+    # same order and keeps only its own.
+    shard_group = replicate_group = None
+    for start in range(0, world, shard_size):
+        ranks = list(range(start, start + shard_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            shard_group = group
+    for offset in range(shard_size):
+        ranks = list(range(offset, world, shard_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            replicate_group = group
+    return shard_group, replicate_group
+
+
 def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
     """The ("replicate", "shard", "tp") DeviceMesh and its groups, plus the data-parallel group
     (every rank with the same tp index), which reduces a stage-0 gradient and broadcasts init values."""

@@ -20,10 +20,11 @@ is [q_r; k_r; v_r], and ``canonical``/``to_local`` convert between that and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, overload
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
@@ -38,7 +39,7 @@ CHUNKS_ATTR = "_zeroshard_tp_chunks"
 class TPSpec:
     """How one param is laid out across the tp dim."""
 
-    mesh: object  # the 1-D tp DeviceMesh
+    mesh: DeviceMesh  # the 1-D tp DeviceMesh
     placements: tuple[Placement, ...]
     shape: torch.Size  # global
     stride: tuple[int, ...]  # global
@@ -59,7 +60,7 @@ class TPSpec:
     def describe(self) -> dict:
         """The placement as the checkpoint manifest records it."""
         return {"placement": "shard" if self.shard_dim is not None else "replicate", "dim": self.shard_dim,
-                "chunks": self.chunks, "tp": self.mesh.size()}  # type: ignore[attr-defined]
+                "chunks": self.chunks, "tp": self.mesh.size()}
 
 
 def spec_of(param: torch.Tensor) -> TPSpec | None:
@@ -69,13 +70,17 @@ def spec_of(param: torch.Tensor) -> TPSpec | None:
                   stride=param.stride(), chunks=getattr(param, CHUNKS_ATTR, 1))
 
 
-def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a param or its grad); a plain tensor as it is."""
     if isinstance(tensor, DTensor):
         return tensor.to_local()
     return tensor
 
 
+@overload
+def local_grad(grad: torch.Tensor, spec: TPSpec | None) -> torch.Tensor: ...
+@overload
+def local_grad(grad: None, spec: TPSpec | None) -> None: ...
 def local_grad(grad: torch.Tensor | None, spec: TPSpec | None) -> torch.Tensor | None:
     """This rank's part of a param's grad, in the param's own placement (a grad DTensor may arrive
     in another, e.g. Partial: it is redistributed first, which DTensor does with a tp collective)."""
@@ -124,16 +129,17 @@ def _check_divides(tp: int, sizes: dict[str, int], what: str) -> None:
 
 def gpt_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
     """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise."""
-    cfg = model.cfg  # type: ignore[attr-defined]
+    cfg: Any = model.cfg
     _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
     plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
             "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
-    return list(model.blocks), plan, {"attn.qkv": 3}  # type: ignore[attr-defined]
+    blocks: Any = model.blocks
+    return list(blocks), plan, {"attn.qkv": 3}
 
 
 def llama_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
     """HF Llama: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (as transformers' own plan)."""
-    cfg = model.config  # type: ignore[attr-defined]
+    cfg: Any = model.config
     _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
                         "num_key_value_heads": cfg.num_key_value_heads,
                         "intermediate_size": cfg.intermediate_size}, "Llama")
@@ -147,7 +153,8 @@ def llama_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[s
             "self_attn.v_proj": col, "self_attn.o_proj": row,
             "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
-    return list(model.model.layers), plan, {}  # type: ignore[attr-defined]
+    decoder: Any = model.model
+    return list(decoder.layers), plan, {}
 
 
 PLANS: dict[str, Callable[[nn.Module, int], tuple[list[nn.Module], dict, dict[str, int]]]] = {
