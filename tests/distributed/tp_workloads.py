@@ -152,3 +152,54 @@ def suite() -> dict:
             out["params"][(name, stage)] = zs.full_state_dict(run.model)
     out["errors"] = _errors()
     return out
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+CKPT_STEPS = 3
+SAVED_STAGE = 2
+
+
+def _save(run, path: str) -> None:
+    zs.save(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler, step=CKPT_STEPS)
+
+
+def _load(run, path: str) -> None:
+    zs.load(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler)
+
+
+def ckpt_save_suite(root: str) -> dict:
+    """(2 shard, 2 tp): CKPT_STEPS steps, save, then the continuous run's next step."""
+    zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
+    run = tp_run("gpt", SAVED_STAGE)
+    _train(run, CKPT_STEPS)
+    _save(run, f"{root}/tp")
+    saved = zs.full_state_dict(run.model)
+    _train(run, 1)
+    return {"saved": saved, "continuous": zs.full_state_dict(run.model)}
+
+
+def ckpt_resume(root: str, stage: int) -> dict:
+    """Load the (2, 2) checkpoint into this mesh without TP, run the next step."""
+    run = tp_run("gpt", stage, parallel=False)
+    _load(run, f"{root}/tp")
+    loaded = zs.full_state_dict(run.model)
+    _train(run, 1)
+    return {"loaded": loaded, "next": zs.full_state_dict(run.model)}
+
+
+def ckpt_resume_suite(root: str) -> dict:
+    """(4 shard, 1 tp) resume, then a save there loaded back at (2, 2) (tp parts cut from whole params)."""
+    zs.init(shard_size=4)
+    out = ckpt_resume(root, 3)
+    run = tp_run("gpt", 1, parallel=False)
+    _load(run, f"{root}/tp")
+    _save(run, f"{root}/dp4")
+    return out
+
+
+def ckpt_back_to_tp_suite(root: str) -> dict:
+    """(1 shard, 2 tp) on 2 ranks: the (4, 1) checkpoint loads as tp parts."""
+    zs.init(tp=2)
+    run = tp_run("gpt", 1)
+    _load(run, f"{root}/dp4")
+    return {"loaded": zs.full_state_dict(run.model)}

@@ -52,7 +52,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; choose another output path or pass overwrite=True")
     entries, largest = [], 0
-    for param in manifest["params"]:
+    params = full_params(manifest)
+    for param in params:
         saved = parse_dtype(param["dtype"], str(directory))
         largest = max(largest, _numel(param["shape"]) * saved.itemsize)
         for alias in param["aliases"]:
@@ -68,7 +69,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     # the working set at exactly two params (fresh allocations would let the heap grow instead).
     scratch = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     try:
-        for turn, param in enumerate(manifest["params"]):
+        for turn, param in enumerate(params):
             saved = parse_dtype(param["dtype"], str(directory))
             value = scratch[turn % 2][:_numel(param["shape"]) * saved.itemsize].view(saved)
             reader.fill(param, "master", 0, value)
@@ -90,6 +91,24 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     return ExportStats(out, len(entries), size, largest)
 
 
+def full_params(manifest: dict) -> list[dict]:
+    """The manifest's params as whole tensors: a tensor-parallel param's parts (one per tp rank)
+    become one view that ``PieceReader.fill`` joins into the full tensor."""
+    out, seen = [], set()
+    for param in manifest["params"]:
+        placement = param.get("tp")
+        if placement is None:
+            out.append(param)
+        elif placement["of"] not in seen:
+            seen.add(placement["of"])
+            parts = sorted((p for p in manifest["params"] if p.get("tp", {}).get("of") == placement["of"]),
+                           key=lambda p: p["tp"]["rank"])
+            out.append({"view": True, "fqn": placement["of"], "aliases": placement["aliases"],
+                        "shape": placement["full_shape"], "dtype": param["dtype"], "state": param["state"],
+                        "sources": parts, "target": None, "tp_rank": 0})
+    return out
+
+
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overwrite: bool = False) -> Path:
     """Rewrite a checkpoint as ``world`` rank files, each holding the 1/world shard of every flat group
     that a stage-1..3 run on ``world`` ranks owns. Any checkpoint loads at any world size anyway;
@@ -98,6 +117,10 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overw
         raise CheckpointError(f"world must be >= 1, got {world}")
     directory = resolve(src)
     manifest = verify(directory)
+    if manifest["mesh"].get("tp_size", 1) > 1:
+        raise CheckpointError(f"{directory} was saved with tensor parallelism (tp={manifest['mesh']['tp_size']}); "
+                              "offline resharding writes data-parallel layouts only. zs.load reads it at any "
+                              "(dp, tp) layout directly, or export it to full tensors first")
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} already exists; choose another destination or pass overwrite=True")
