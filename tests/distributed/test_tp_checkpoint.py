@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import tp_workloads as w
 import zeroshard as zs
-from zeroshard.checkpoint.export import export
+from zeroshard.checkpoint.export import export, reshard
 from zeroshard.launch import spawn
 
 
@@ -74,3 +74,13 @@ def test_export_gives_full_tensors(root, saved, tmp_path):
     full = load_file(str(tmp_path / "full.safetensors"))
     assert _diff(full, saved["saved"]) == 0
     assert full["blocks.0.attn.qkv.weight"].shape == torch.Size([192, 64])
+
+
+def test_reshard_joins_tp_parts_and_plain_load_reads_either(root, saved, tmp_path):
+    resharded = reshard(root / "tp", tmp_path / "dp4", 4)
+    manifest = json.loads((resharded / "manifest.json").read_text())
+    assert not any("tp" in p for p in manifest["params"]) and len(manifest["ranks"]) == 4
+    for source in (root / "tp", resharded):
+        model = w.build("gpt", w.dataset().vocab_size)
+        zs.load(source, model, rng=False)
+        assert _diff({k: v.detach() for k, v in model.state_dict().items()}, saved["saved"]) == 0

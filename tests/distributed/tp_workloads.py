@@ -35,7 +35,7 @@ tiny Llama, whose grads match the single process to fp32 precision (about 1e-6 r
 turns that into 1.9e-5 of param difference after one step (measured). eps=1e-6 bounds that gain."""
 
 
-def _data():
+def dataset():
     return build_dataset(seq_len=SEQ_LEN, num_samples=256, seed=SEED)
 
 
@@ -49,7 +49,7 @@ def build(name: str, vocab_size: int) -> torch.nn.Module:
 
 def reference_run(name: str, steps: int = STEPS) -> dict:
     """Plain single-process PyTorch on the same model and batches: the numerical ground truth."""
-    data = _data()
+    data = dataset()
     model = build(name, data.vocab_size)
     opt = torch.optim.AdamW(zs.optim_groups(model, WEIGHT_DECAY), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS[name])
     sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=1, rank=0, seed=SEED)
@@ -64,7 +64,7 @@ def reference_run(name: str, steps: int = STEPS) -> dict:
 
 def tp_run(name: str, stage: int, *, parallel: bool = True, **shard_kwargs):
     """A `zeroshard.step.Run` of ``name`` on this mesh, tensor-parallel when ``parallel``."""
-    data = _data()
+    data = dataset()
     model = build(name, data.vocab_size)
     if parallel:
         tensor_parallel(model)

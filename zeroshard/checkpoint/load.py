@@ -65,7 +65,7 @@ class PieceReader:
         self.parts: dict[str, list[dict]] = {}
         for param in manifest["params"]:
             if "tp" in param:
-                for name in [param["tp"]["of"], *param["tp"]["aliases"]]:
+                for name in {param["tp"]["of"], *param["tp"]["aliases"]}:
                     self.parts.setdefault(name, []).append(param)
         for parts in self.parts.values():
             parts.sort(key=lambda p: p["tp"]["rank"])
