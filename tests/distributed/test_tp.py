@@ -9,9 +9,20 @@ import zeroshard as zs
 from zeroshard.launch import spawn
 
 
+# One spawned world-4 group per model (each well inside the per-test timeout on a loaded machine).
+pytestmark = pytest.mark.timeout(600)
+_RUNS: dict[str, list] = {}
+
+
+def _suite(name: str) -> list:
+    if name not in _RUNS:
+        _RUNS[name] = spawn(w.suite, 4, ((name,),), timeout_s=900)
+    return _RUNS[name]
+
+
 @pytest.fixture(scope="module")
 def suite():
-    return spawn(w.suite, 4, timeout_s=900)
+    return _suite("gpt")
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +32,8 @@ def references():
 
 @pytest.mark.parametrize("name", w.MODELS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_tp_matches_single_process(suite, references, name, stage):
+def test_tp_matches_single_process(references, name, stage):
+    suite = _suite(name)
     got, ref = suite[0]["params"][(name, stage)], references[name]
     assert set(got) == set(ref)
     diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
@@ -39,8 +51,8 @@ def test_mesh_is_named_with_tp_innermost(suite):
 
 @pytest.mark.parametrize("name", w.MODELS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_ledger_bytes_per_dim_equal_theory(suite, name, stage):
-    led = suite[0]["ledger"][(name, stage)]
+def test_ledger_bytes_per_dim_equal_theory(name, stage):
+    led = _suite(name)[0]["ledger"][(name, stage)]
     by, act, layers, padded = led["by_key"], led["activation_bytes"], led["layers"], led["padded_bytes"]
     # TP: per block one all-reduce of the (batch/dp, seq, hidden) activation after each row-wise
     # linear in forward, and one of the input grad of each column-wise group in backward.

@@ -13,6 +13,8 @@ import zeroshard as zs
 from zeroshard.checkpoint.export import export, reshard
 from zeroshard.launch import spawn
 
+pytestmark = pytest.mark.timeout(600)  # a spawned gloo group per layout; slow on a loaded 2-core machine
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
