@@ -22,6 +22,7 @@ from zeroshard.sharding import (
     shard,
     unsharded,
 )
+from zeroshard.sharding.tp import tensor_parallel
 
 __version__ = "0.1.0"
 
@@ -30,5 +31,5 @@ __all__ = [
     "build_pretrained",
     "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
     "load_pretrained", "meta_init", "no_sync", "optim_groups",
-    "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "unsharded",
+    "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "tensor_parallel", "unsharded",
 ]

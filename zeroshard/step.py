@@ -149,7 +149,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     `model` replaces the model `cfg` names (a test's own module, built before sharding);
     `dataset` replaces the one `cfg` describes; `shard_overrides` go to `zs.shard`.
     """
-    check_batch_split(cfg.batch, mesh.world, cfg.accum)
+    check_batch_split(cfg.batch, mesh.dp_size, cfg.accum)
     dataset = build_data(cfg) if dataset is None else dataset
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
@@ -157,7 +157,8 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
-    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.world, rank=mesh.rank, seed=cfg.seed)
+    # Tensor-parallel ranks (zs.init(tp=N)) share a batch: data is split over the data-parallel ranks only.
+    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
     return Run(
         cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
         dataset=dataset, sampler=sampler, model_cfg=getattr(model, "cfg", None), num_params=num_params,
@@ -170,7 +171,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
 def global_token_count(targets: torch.Tensor) -> torch.Tensor:
     """Tokens that carry a loss (targets != -100) in the whole global batch, on every rank."""
     count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-    all_reduce(count, op="sum", phase=METRICS_PHASE)
+    all_reduce(count, op="sum", group=zs.get_mesh().dp_name, phase=METRICS_PHASE)
     return count
 
 
@@ -185,7 +186,7 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     Only the last micro-step synchronises; the others run under `zs.no_sync`.
     """
     count = global_token_count(y)
-    norm = zs.get_mesh().world / count
+    norm = zs.get_mesh().dp_size / count
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     pairs = list(zip(x.chunk(accum), y.chunk(accum)))
     for index, (xm, ym) in enumerate(pairs):

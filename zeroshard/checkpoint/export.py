@@ -52,7 +52,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; choose another output path or pass overwrite=True")
     entries, largest = [], 0
-    for param in manifest["params"]:
+    params = full_params(manifest)
+    for param in params:
         saved = parse_dtype(param["dtype"], str(directory))
         largest = max(largest, _numel(param["shape"]) * saved.itemsize)
         for alias in param["aliases"]:
@@ -68,7 +69,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     # the working set at exactly two params (fresh allocations would let the heap grow instead).
     scratch = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     try:
-        for turn, param in enumerate(manifest["params"]):
+        for turn, param in enumerate(params):
             saved = parse_dtype(param["dtype"], str(directory))
             value = scratch[turn % 2][:_numel(param["shape"]) * saved.itemsize].view(saved)
             reader.fill(param, "master", 0, value)
@@ -90,14 +91,36 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     return ExportStats(out, len(entries), size, largest)
 
 
+def full_params(manifest: dict) -> list[dict]:
+    """The manifest's params as whole tensors: a tensor-parallel param's parts (one per tp rank)
+    become one view that ``PieceReader.fill`` joins into the full tensor."""
+    out, seen = [], set()
+    for param in manifest["params"]:
+        placement = param.get("tp")
+        if placement is None:
+            out.append(param)
+        elif placement["of"] not in seen:
+            seen.add(placement["of"])
+            parts = sorted((p for p in manifest["params"] if p.get("tp", {}).get("of") == placement["of"]),
+                           key=lambda p: p["tp"]["rank"])
+            out.append({"view": True, "fqn": placement["of"], "aliases": placement["aliases"],
+                        "shape": placement["full_shape"], "dtype": param["dtype"], "state": param["state"],
+                        "sources": parts, "target": None, "tp_rank": 0})
+    return out
+
+
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overwrite: bool = False) -> Path:
     """Rewrite a checkpoint as ``world`` rank files, each holding the 1/world shard of every flat group
     that a stage-1..3 run on ``world`` ranks owns. Any checkpoint loads at any world size anyway;
-    this makes each rank of the new world read exactly one file."""
+    this makes each rank of the new world read exactly one file. A tensor-parallel checkpoint
+    becomes this data-parallel layout (its parts joined into whole params)."""
     if world < 1:
         raise CheckpointError(f"world must be >= 1, got {world}")
     directory = resolve(src)
     manifest = verify(directory)
+    # A tensor-parallel checkpoint's parts are joined into whole params: the result is the
+    # data-parallel (world, tp=1) layout, which zs.load then reads at any (dp, tp) layout.
+    whole = {p["fqn"]: p for p in full_params(manifest)}
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} already exists; choose another destination or pass overwrite=True")
@@ -106,7 +129,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overw
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     reader = PieceReader(directory, manifest)
-    params = {p["fqn"]: p for p in manifest["params"]}
+    params = whole
     pieces: dict[str, list[dict]] = {fqn: [] for fqn in params}
     files: dict[str, dict] = {}
     try:
@@ -141,7 +164,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overw
     new.pop("manifest_sha256", None)
     new.update(
         world=world, mesh={"world": world, "shard_size": world, "replicate_size": 1, "resharded_offline": True},
-        params=[dict(p, pieces=pieces[p["fqn"]]) for p in manifest["params"]],
+        params=[dict(_plain(p), pieces=pieces[p["fqn"]]) for p in params.values()],
         buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
         resharded_from={"path": str(directory), "world": manifest["world"]},
@@ -152,7 +175,18 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overw
     return dst
 
 
+def _plain(param: dict) -> dict:
+    """A manifest entry for a whole param (a joined tensor-parallel view loses its parts)."""
+    if "view" not in param:
+        return param
+    first = param["sources"][0]
+    return {"fqn": param["fqn"], "aliases": param["aliases"], "shape": param["shape"], "dtype": param["dtype"],
+            "trainable": first["trainable"], "param_group": first["param_group"], "state": param["state"]}
+
+
 def _stored_dtype(reader: PieceReader, param: dict, kind: str, start: int) -> torch.dtype:
+    if "view" in param:
+        param, start = param["sources"][0], 0
     piece = reader.pieces(param, start, start + 1)[0]
     key = fmt.piece_key(kind, param["fqn"], piece["start"], piece["stop"])
     return reader.file(piece["file"]).stored(key).dtype

@@ -14,6 +14,7 @@ are values read into place and published to the compute params.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import json
 import os
@@ -31,6 +32,7 @@ from zeroshard.checkpoint.tensorfile import TensorFile, dtype_name
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.comm import collectives
 from zeroshard.sharding.engine import find_engine
+from zeroshard.sharding import tp
 from zeroshard.sharding.optim import user_class
 
 
@@ -59,6 +61,15 @@ class PieceReader:
             self.by_name[param["fqn"]] = param
         self._starts = {p["fqn"]: [piece["start"] for piece in p["pieces"]] for p in manifest["params"]}
         self._open: dict[str, TensorFile] = {}
+        # Tensor-parallel params are saved as one part per tp rank; by every name of the whole param.
+        self.parts: dict[str, list[dict]] = {}
+        for param in manifest["params"]:
+            if "tp" in param:
+                for name in {param["tp"]["of"], *param["tp"]["aliases"]}:
+                    self.parts.setdefault(name, []).append(param)
+        for parts in self.parts.values():
+            parts.sort(key=lambda p: p["tp"]["rank"])
+        self._views: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
 
     def pieces(self, param: dict, start: int, stop: int) -> list[dict]:
         starts = self._starts[param["fqn"]]
@@ -66,7 +77,30 @@ class PieceReader:
         return [p for p in param["pieces"][first:] if p["start"] < stop and p["stop"] > start]
 
     def files(self, param: dict, start: int, stop: int) -> set[str]:
+        if "view" in param:
+            return {p["file"] for source in param["sources"] for p in source["pieces"]}
         return {p["file"] for p in self.pieces(param, start, stop)}
+
+    def _whole(self, param: dict, kind: str) -> torch.Tensor:
+        """All of one saved param's ``kind``, in its saved shape."""
+        stored = self.file(param["pieces"][0]["file"]).stored(fmt.piece_key(
+            kind, param["fqn"], param["pieces"][0]["start"], param["pieces"][0]["stop"])).dtype
+        out = torch.empty(param["shape"], dtype=stored)
+        self.fill(param, kind, 0, out.view(-1))
+        return out
+
+    def _view_values(self, view: dict, kind: str) -> torch.Tensor:
+        """A view's ``kind`` as this rank holds it now: the saved parts joined into the full tensor,
+        then cut to the target's tp part. Kept for a few params, as a param is read in several pieces."""
+        key = (view["fqn"], kind, view["tp_rank"], json.dumps(view["target"]))
+        if key not in self._views:
+            sources = [self._whole(p, kind) for p in view["sources"]]
+            full = sources[0] if "tp" not in view["sources"][0] else tp.canonical(sources, view["sources"][0]["tp"])
+            local = tp.to_local(full, view["target"], view["tp_rank"]) if view["target"] else full
+            self._views[key] = local.contiguous().view(-1)
+            while len(self._views) > 4:
+                self._views.popitem(last=False)
+        return self._views[key]
 
     def file(self, name: str) -> TensorFile:
         if name not in self._open:
@@ -76,6 +110,9 @@ class PieceReader:
 
     def fill(self, param: dict, kind: str, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D) with elements ``[start, start + out.numel())`` of ``param``'s ``kind``."""
+        if "view" in param:
+            out.copy_(self._view_values(param, kind)[start:start + out.numel()])
+            return
         stop = start + out.numel()
         covered = start
         for piece in self.pieces(param, start, stop):
@@ -88,6 +125,7 @@ class PieceReader:
                                   f"of param {param['fqn']!r}")
 
     def close(self) -> None:
+        self._views.clear()
         for opened in self._open.values():
             opened.close()
         self._open.clear()
@@ -132,6 +170,36 @@ class Plan:
                                   f"{self.where}; build the model in the saved dtype")
         return param
 
+    def resolve(self, names: list[str], shape: torch.Size, dtype: torch.dtype, spec=None, tp_rank: int = 0) -> dict:
+        """The saved param to read for a model param (``spec``: its tensor-parallel layout, if any).
+
+        When the saved and the current tensor-parallel layouts differ, a *view* joins the saved
+        parts (or the whole param) into the full tensor and cuts this rank's part from it, so any
+        (dp, tp) layout loads any other.
+        """
+        parts = next((self.reader.parts[n] for n in names if n in self.reader.parts), None)
+        target = spec.describe() if spec is not None and spec.shard_dim is not None else None
+        if parts is None and target is None:
+            return self.lookup(names, shape, dtype)
+        full_shape = list(spec.shape) if target is not None else list(shape)
+        if parts is None:
+            sources = [self.lookup(names, torch.Size(full_shape), dtype)]
+        else:
+            sources = parts
+            saved = parts[0]["tp"]
+            if saved["full_shape"] != full_shape:
+                raise CheckpointError(f"param {names[0]!r} has shape {full_shape} in the model but "
+                                      f"{saved['full_shape']} in {self.where}; the checkpoint was saved from a "
+                                      "different model config")
+            if len(parts) != saved["tp"]:
+                raise CheckpointError(f"{self.where} has {len(parts)} of the {saved['tp']} tp parts of {names[0]!r}")
+            if target is not None and saved["dim"] == target["dim"] and saved["chunks"] == target["chunks"] and \
+                    saved["tp"] == target["tp"]:
+                return self.lookup([parts[tp_rank]["fqn"]], shape, dtype)  # the same layout: read the part as saved
+        return {"view": True, "fqn": names[0], "sources": sources, "target": target, "tp_rank": tp_rank,
+                "state": sources[0]["state"], "param_group": sources[0]["param_group"],
+                "used": [p["fqn"] for p in sources]}
+
     def check_all_used(self, used: set[str]) -> None:
         unused = [p["fqn"] for p in self.manifest["params"] if p["fqn"] not in used]
         if unused:
@@ -143,10 +211,13 @@ class Plan:
         used = set()
         for group in engine.groups:
             for i, slot, a, b in owned_slots(group.layout, group.lo, group.hi):
-                param = self.lookup(group.refs[i].aliases, slot.shape, group.master_dtype)
+                param = self._param_of(group, i)
                 self.read(param, "master", a - slot.offset, group.shard[a - group.lo:b - group.lo])
-            for slot, ref in zip(group.layout.slots, group.refs):
-                used.add(self.lookup(ref.aliases, slot.shape, group.master_dtype)["fqn"])
+            for i in range(len(group.layout.slots)):
+                param = self._param_of(group, i)
+                used.update(param.get("used", [param["fqn"]]))
+        if engine.mesh.tp_size > 1:  # other tp ranks read the other parts
+            used.update(p["fqn"] for parts in self.reader.parts.values() for p in parts)
         self.check_all_used(used)
 
     def optimizer(self, optimizer) -> None:
@@ -193,7 +264,8 @@ class Plan:
 
     def _param_of(self, group, index: int) -> dict:
         slot = group.layout.slots[index]
-        return self.lookup(group.refs[index].aliases, slot.shape, group.master_dtype)
+        return self.resolve(group.refs[index].aliases, slot.shape, group.master_dtype, group.tp_specs[index],
+                            group.mesh.tp_rank)
 
     # -- plain model ---------------------------------------------------------------------------
     def plain(self, model: nn.Module) -> None:
@@ -203,8 +275,8 @@ class Plan:
             aliases_of.setdefault(id(value), []).append(name)
         for name, value in model.named_parameters():
             aliases = aliases_of[id(value)]
-            param = self.lookup(aliases, value.shape, value.dtype)
-            used.add(param["fqn"])
+            param = self.resolve(aliases, value.shape, value.dtype)
+            used.update(param.get("used", [param["fqn"]]))
             if not value.is_contiguous():
                 raise CheckpointError(f"param {name!r} is not contiguous; call .contiguous() on it before loading")
             self.read(param, "master", 0, value.detach().view(-1))

@@ -37,7 +37,26 @@ def writer_range(group: FlatGroup, rank: int, world: int) -> tuple[int, int]:
     ``rank // shards`` is the replica index (rank = replica * shard_size + shard_rank).
     """
     replicas = world // group.shards
+    if group.mesh.tp_size > 1:
+        # Tensor parallel: the ranks with this rank's tp index are the data-parallel ones that hold
+        # copies of its values (ranks of one tp group hold different parts; see saved_name).
+        del rank
+        replicas = group.mesh.dp_size // group.shards
+        return split_range(group.lo, group.hi, replicas, group.mesh.dp_rank // group.shards)
     return split_range(group.lo, group.hi, replicas, rank // group.shards)
+
+
+TP_PART = "#tp"
+"""A tensor-parallel param is saved as one manifest param per tp rank, named ``fqn#tp<rank>``."""
+
+
+def saved_name(group: FlatGroup, index: int) -> str | None:
+    """The manifest name this rank saves slot ``index`` under, or None when another tp rank saves it
+    (a param every tp rank holds whole is written by tp rank 0 only)."""
+    slot, spec = group.layout.slots[index], group.tp_specs[index]
+    if spec is not None and spec.shard_dim is not None:
+        return f"{slot.fqn}{TP_PART}{group.mesh.tp_rank}"
+    return slot.fqn if group.mesh.tp_rank == 0 else None
 
 
 def owned_slots(layout: FlatLayout, a: int, b: int) -> Iterator[tuple[int, Slot, int, int]]:

@@ -30,8 +30,8 @@ from torch import nn
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.pieces import (SegmentIndex, ordered_refs, owned_slots, persistent_buffers, split_state,
-                                         writer_range)
+from zeroshard.checkpoint.pieces import (TP_PART, SegmentIndex, ordered_refs, owned_slots, persistent_buffers,
+                                         saved_name, split_state, writer_range)
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, dtype_name
 from zeroshard import faults
 from zeroshard.comm import collectives
@@ -134,9 +134,12 @@ def write_rank_file(directory: Path, model: nn.Module, engine: Engine, optimizer
 
     for group in engine.groups:
         lo = group.lo
-        for _, slot, a, b in owned_slots(group.layout, *writer_range(group, rank, world)):
+        for slot_index, slot, a, b in owned_slots(group.layout, *writer_range(group, rank, world)):
+            fqn = saved_name(group, slot_index)
+            if fqn is None:
+                continue
             start, stop = a - slot.offset, b - slot.offset
-            add(fmt.piece_key("master", slot.fqn, start, stop), group.shard[a - lo:b - lo])
+            add(fmt.piece_key("master", fqn, start, stop), group.shard[a - lo:b - lo])
             kinds, index = [], None
             if segments is not None and group.trainable:
                 segment = segments.find(group, a, b)
@@ -145,10 +148,10 @@ def write_rank_file(directory: Path, model: nn.Module, engine: Engine, optimizer
                 tensors, values_0d = split_state(state, segment.stop - segment.start, f"param {slot.fqn!r}")
                 rel = a - lo - segment.start
                 for name in sorted(tensors):
-                    add(fmt.piece_key(f"optim.{name}", slot.fqn, start, stop), tensors[name][rel:rel + b - a])
+                    add(fmt.piece_key(f"optim.{name}", fqn, start, stop), tensors[name][rel:rel + b - a])
                     kinds.append(name)
                 _merge_scalars(scalars.setdefault(index, {}), values_0d, index)
-            pieces.append([slot.fqn, start, stop, kinds, index])
+            pieces.append([fqn, start, stop, kinds, index])
     buffers = []
     if rank == 0:
         for name, buffer in persistent_buffers(model):
@@ -197,16 +200,23 @@ def build_manifest(model: nn.Module, engine: Engine, optimizer, reports: list[di
             index_of[fqn] = index
     params = []
     for group, i in ordered_refs(model, engine.groups):
-        slot, ref = group.layout.slots[i], group.refs[i]
-        states = kinds.get(slot.fqn, {()})
-        if len(states) != 1:
-            raise CheckpointError(f"ranks saved different optimizer state for param {slot.fqn!r}: {sorted(states)}")
-        params.append({
-            "fqn": slot.fqn, "aliases": list(ref.aliases), "shape": list(slot.shape),
-            "dtype": dtype_name(group.master_dtype), "trainable": group.trainable,
-            "param_group": index_of.get(slot.fqn), "state": list(next(iter(states))),
-            "pieces": sorted(pieces.get(slot.fqn, []), key=lambda p: p["start"]),
-        })
+        slot, ref, spec = group.layout.slots[i], group.refs[i], group.tp_specs[i]
+        # A tensor-parallel param: one entry per tp rank's part, each recording the placement.
+        parts: list[tuple[str, list[str], dict | None]] = \
+            [(slot.fqn, list(ref.aliases), None)] if spec is None or spec.shard_dim is None else \
+            [(f"{slot.fqn}{TP_PART}{r}", [], dict(spec.describe(), of=slot.fqn, rank=r, aliases=list(ref.aliases),
+                                                  full_shape=list(spec.shape))) for r in range(spec.mesh.size())]
+        for fqn, aliases, placement in parts:
+            states = kinds.get(fqn, {()})
+            if len(states) != 1:
+                raise CheckpointError(f"ranks saved different optimizer state for param {fqn!r}: {sorted(states)}")
+            params.append({
+                "fqn": fqn, "aliases": aliases, "shape": list(slot.shape),
+                "dtype": dtype_name(group.master_dtype), "trainable": group.trainable,
+                "param_group": index_of.get(fqn), "state": list(next(iter(states))),
+                "pieces": sorted(pieces.get(fqn, []), key=lambda p: p["start"]),
+                **({"tp": placement} if placement is not None else {}),
+            })
     manifest = {
         "format": fmt.FORMAT, "version": fmt.VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

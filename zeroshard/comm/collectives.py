@@ -2,8 +2,8 @@
 
 Every call is stamped into the rank's :class:`~zeroshard.comm.ledger.Ledger` with the unit and
 phase it served, so byte counts, profiles and desync reports all come from one place. Groups are
-named by their role on the mesh ("world", "shard", "replicate") rather than passed as handles, so
-the ledger can say which one a collective ran on.
+named by their role on the mesh ("world", "shard", "replicate", "tp", and "dp" = replicate × shard)
+rather than passed as handles, so the ledger can say which one a collective ran on.
 """
 
 from __future__ import annotations
@@ -70,12 +70,26 @@ def _group(name: str):
         if mesh.replicate_group is None:
             raise RuntimeError("no replicate group: the mesh has replicate size 1")
         return mesh.replicate_group
-    raise ValueError(f"unknown group {name!r}; expected 'world', 'shard' or 'replicate'")
+    if name == "tp":
+        return mesh.tp_group  # None without a tp dim, where group_size("tp") == 1 keeps callers away
+    if name == "dp":
+        return mesh.dp_group or mesh.world_group  # without a tp dim the data-parallel ranks are the world
+    raise ValueError(f"unknown group {name!r}; expected 'world', 'shard', 'replicate', 'tp' or 'dp'")
 
 
 def group_size(name: str) -> int:
     mesh = get_mesh()
-    return {"world": mesh.world, "shard": mesh.shard_size, "replicate": mesh.replicate_size}[name]
+    return {"world": mesh.world, "shard": mesh.shard_size, "replicate": mesh.replicate_size, "tp": mesh.tp_size,
+            "dp": mesh.dp_size}[name]
+
+
+def record_observed(op: str, *, numel: int, dtype: torch.dtype, elem_size: int, group: str, unit: str = "",
+                    phase: str = "") -> None:
+    """Stamp a collective that torch issued itself (DTensor's tensor-parallel all-reduces, seen by
+    zeroshard/comm/dtensor_ledger.py) into the ledger, so byte counts cover every dim."""
+    record = _LEDGER.open(group=group, op=op, numel=numel, dtype=dtype, elem_size=elem_size, unit=unit, phase=phase)
+    _LEDGER.started(record)
+    _LEDGER.complete(record)
 
 
 def _issue(op: str, full: torch.Tensor, group: str, unit: str, phase: str, call, async_op: bool, after=None):
@@ -255,7 +269,8 @@ def _fan_out_gather(output: torch.Tensor, input: torch.Tensor, group: str):
 
 
 def broadcast(tensor: torch.Tensor, *, src: int = 0, group: str = "world", unit: str = "", phase: str = "") -> None:
-    call = lambda pg: dist.broadcast(tensor, src=src, group=pg, async_op=True)  # noqa: E731
+    """``src`` is a rank of ``group`` (the same as the global rank for "world")."""
+    call = lambda pg: dist.broadcast(tensor, src=dist.get_global_rank(pg, src), group=pg, async_op=True)  # noqa: E731
     _issue("broadcast", tensor, group, unit, phase, call, False)
 
 

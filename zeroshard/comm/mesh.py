@@ -1,9 +1,12 @@
-"""The process group and the 2-D data-parallel mesh (replicate × shard).
+"""The process group and the named mesh: replicate × shard (data parallel) × tp (tensor parallel).
 
-Ranks are laid out replicate-major: rank = replicate_index * shard_size + shard_index, so a shard
-group is a run of consecutive ranks. Under torchrun consecutive ranks share a node, which keeps the
-all-gather / reduce-scatter traffic on the fast intra-node links and sends only the all-reduce of
-the already-reduced shards across nodes.
+Ranks are laid out replicate-major with ``tp`` innermost:
+rank = (replicate_index * shard_size + shard_index) * tp + tp_index. So a TP group is a run of
+consecutive ranks and, without TP, a shard group is too. Under torchrun consecutive ranks share a
+node: TP's per-layer all-reduces (on the critical path) stay on the fastest links, then ZeRO's
+all-gather / reduce-scatter, and only the all-reduce of already-reduced shards crosses replicas.
+With ``tp > 1`` the mesh is a torch ``DeviceMesh`` named ("replicate", "shard", "tp"), whose "tp"
+sub-mesh is what ``parallelize_module`` takes (zeroshard/sharding/tp.py). docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -26,24 +29,56 @@ class Mesh:
     world_group: object = dataclasses.field(repr=False)
     shard_group: object = dataclasses.field(repr=False)
     replicate_group: object | None = dataclasses.field(repr=False)
+    tp_size: int = 1
+    tp_group: object | None = dataclasses.field(default=None, repr=False)
+    dp_group: object | None = dataclasses.field(default=None, repr=False)
+    """Every rank with this rank's tp index (replicate × shard); the world when tp is 1."""
+    device_mesh: object | None = dataclasses.field(default=None, repr=False)
+    """The torch DeviceMesh ("replicate", "shard", "tp") when tp > 1."""
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many ranks see different batches (world / tp)."""
+        return self.world // self.tp_size
 
     @property
     def replicate_size(self) -> int:
-        return self.world // self.shard_size
+        return self.dp_size // self.shard_size
 
     @property
     def shard_rank(self) -> int:
-        return self.rank % self.shard_size
+        return (self.rank // self.tp_size) % self.shard_size
 
     @property
     def replicate_rank(self) -> int:
-        return self.rank // self.shard_size
+        return self.rank // (self.shard_size * self.tp_size)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def dp_name(self) -> str:
+        """The collectives group spanning the data-parallel ranks: "world" without TP, else "dp"."""
+        return "world" if self.tp_size == 1 else "dp"
+
+    @property
+    def tp_mesh(self):
+        """The 1-D "tp" DeviceMesh that ``parallelize_module`` takes."""
+        if self.device_mesh is None:
+            raise RuntimeError("this mesh has no tp dim: call zs.init(tp=N) with N > 1 to use tensor parallelism")
+        return self.device_mesh["tp"]  # type: ignore[index]
 
     def describe(self) -> dict:
         return {
             "world": self.world,
             "shard_size": self.shard_size,
             "replicate_size": self.replicate_size,
+            "tp_size": self.tp_size,
             "backend": self.backend,
             "device": str(self.device),
         }
@@ -76,16 +111,45 @@ def _resolve_shard_size(shard_size: int | str | None, world: int) -> int:
     return shard_size
 
 
-def init(*, backend: str | None = None, shard_size: int | str | None = None, timeout_s: float = 600.0) -> Mesh:
+MESH_DIMS = ("replicate", "shard", "tp")
+"""Mesh dim names, outermost first; ``tp`` is innermost (consecutive ranks)."""
+
+
+def _from_mesh_shape(mesh_shape, names, world: int) -> tuple[int | None, int]:
+    """(shard_size, tp) from a named shape such as ``mesh_shape=(2, 2), names=("shard", "tp")``."""
+    shape, names = tuple(mesh_shape), tuple(names or MESH_DIMS[-len(tuple(mesh_shape)):])
+    if len(shape) != len(names) or len(set(names)) != len(names) or \
+            [n for n in MESH_DIMS if n in names] != list(names):
+        raise ValueError(f"names {names} must be distinct dims out of {MESH_DIMS}, in that order, one per entry of "
+                         f"mesh_shape {shape}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in shape):
+        raise ValueError(f"mesh_shape {shape} must hold positive ints")
+    product = 1
+    for n in shape:
+        product *= n
+    if product != world:
+        raise ValueError(f"mesh_shape {shape} covers {product} ranks but the world has {world}; make the product "
+                         f"of mesh_shape equal the world size (WORLD_SIZE / --nproc)")
+    dims = dict(zip(names, shape))
+    tp = dims.get("tp", 1)
+    shard = dims.get("shard", world // tp // dims.get("replicate", 1))
+    return shard, tp
+
+
+def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1,
+         mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
+         timeout_s: float = 600.0) -> Mesh:
     """Join (or create) the default process group from the environment and build the mesh.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun and our launcher set them. With
     no RANK in the environment it starts a one-process world, so library code runs unchanged in a
     plain ``python`` session. Calling it again returns the existing mesh.
 
-    ``shard_size=k`` makes a hybrid mesh of world/k replicas × k shards (ZeRO stages 1-3 shard
-    inside a group of k consecutive ranks and all-reduce across replicas); ``"node"`` takes k from
-    LOCAL_WORLD_SIZE.
+    ``shard_size=k`` makes a hybrid mesh of replicas × k shards (ZeRO stages 1-3 shard inside a
+    group of k ranks and all-reduce across replicas); ``"node"`` takes k from LOCAL_WORLD_SIZE.
+    ``tp=t`` adds an innermost tensor-parallel dim of t consecutive ranks: the data-parallel ranks
+    (replicate × shard) are then world / t. ``mesh_shape=(2, 2), names=("shard", "tp")`` says the
+    same by name; the product must be the world size. See docs/tensor_parallel.md.
     """
     global _MESH
     if _MESH is not None:
@@ -104,13 +168,28 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tim
             # worker to the subprocesses it starts.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
-    shard_size = _resolve_shard_size(shard_size, world)
-    if shard_size < 1 or world % shard_size != 0:
+    if mesh_shape is not None:
+        if shard_size is not None or tp != 1:
+            raise ValueError("pass either mesh_shape/names or shard_size/tp, not both")
+        shard_size, tp = _from_mesh_shape(mesh_shape, names, world)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp != 0:
+        raise ValueError(f"tp={tp!r} does not divide world size {world}; pick a divisor of {world} (tp=1 is no "
+                         "tensor parallelism)")
+    dp = world // tp
+    if shard_size == "node" and tp > 1:  # a node's ranks hold tp-groups of tp ranks each
+        shard_size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp)
+    shard_size = _resolve_shard_size(shard_size, dp)
+    if shard_size < 1 or dp % shard_size != 0:
         raise ValueError(
-            f"shard_size={shard_size} does not divide world size {world}; pick a divisor of {world} "
-            "(shard_size == world is plain full sharding)"
+            f"shard_size={shard_size} does not divide the {dp} data-parallel ranks (world {world} / tp {tp}); pick "
+            f"a divisor of {dp} (shard_size == {dp} is plain full sharding)"
         )
-    shard_group, replicate_group = _build_groups(world, rank, shard_size)
+    if tp == 1:
+        shard_group, replicate_group = _build_groups(world, rank, shard_size)
+        groups: dict = {}
+    else:
+        groups = _build_tp_mesh(world, rank, shard_size, tp)
+        shard_group, replicate_group = groups.pop("shard_group"), groups.pop("replicate_group")
     _MESH = Mesh(
         rank=rank,
         world=world,
@@ -120,6 +199,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tim
         world_group=dist.group.WORLD,
         shard_group=shard_group,
         replicate_group=replicate_group,
+        tp_size=tp,
+        **groups,
     )
     return _MESH
 
@@ -143,6 +224,29 @@ def _build_groups(world: int, rank: int, shard_size: int):
     return shard_group, replicate_group
 
 
+def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
+    """The ("replicate", "shard", "tp") DeviceMesh and its groups, plus the data-parallel group
+    (every rank with the same tp index), which reduces a stage-0 gradient and broadcasts init values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    replicate = world // tp // shard_size
+    device_mesh = init_device_mesh(device_type, (replicate, shard_size, tp), mesh_dim_names=MESH_DIMS)
+    dp_group = None
+    for offset in range(tp):
+        ranks = list(range(offset, world, tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    return {
+        "device_mesh": device_mesh,
+        "tp_group": device_mesh.get_group("tp"),
+        "shard_group": device_mesh.get_group("shard"),
+        "replicate_group": device_mesh.get_group("replicate") if replicate > 1 else None,
+        "dp_group": dp_group,
+    }
+
+
 def get_mesh() -> Mesh:
     if _MESH is None:
         raise RuntimeError("zeroshard is not initialised: call zs.init() first (every rank)")
@@ -152,6 +256,9 @@ def get_mesh() -> Mesh:
 def shutdown() -> None:
     """Tear down the process group so a process can exit (or re-init) cleanly."""
     global _MESH
+    from zeroshard.comm import dtensor_ledger  # here: it imports the collectives, which import this module
+
+    dtensor_ledger.stop()
     _MESH = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -118,13 +118,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        # (B, T, C) -> (B, nh, T, hd): heads become a batch dimension for SDPA.
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        qkv = self.qkv(x)
+        # Under tensor parallelism qkv holds only this rank's heads (width C / tp; see
+        # zeroshard/sharding/tp.py), so the head count is read from the width, not the config.
+        width = qkv.shape[-1] // 3
+        heads = width // (C // self.n_head)
+        q, k, v = qkv.split(width, dim=2)  # 3 x (B, T, width)
+        # (B, T, width) -> (B, nh, T, hd): heads become a batch dimension for SDPA.
+        q = q.view(B, T, heads, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, heads, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, heads, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, width)  # (B, T, width)
         return self.proj(y)
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.sharding.engine import get_engine
+from zeroshard.sharding.tp import tp_sharded_ranges
 
 
 def grad_norm(model: nn.Module) -> torch.Tensor:
@@ -15,17 +16,27 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     Squares are summed in float64: an fp32 square is exact in fp64, so the total barely depends on
     how the elements are split across ranks, and the fp32 result is the same for DDP and every
     ZeRO stage. Replicas (hybrid sharding) hold identical shards, so only the shard group is summed;
-    a tied param has one storage and is counted once.
+    a tied param has one storage and is counted once. Under tensor parallelism the squares of
+    tp-sharded params are also summed over the tp dim; replicated params (norms) count once.
     """
     engine = get_engine(model)
     device = engine.mesh.device
-    total = torch.zeros(1, dtype=torch.float64, device=device)
+    # [all squares, squares of tensor-parallel-sharded params]: a tp-sharded param's parts differ
+    # across tp ranks and are summed over tp too; a replicated one is counted once.
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for group in engine.trainable_groups:
         if group.grad_shard is not None:
-            total += group.grad_shard.double().square().sum()
+            squares = group.grad_shard.double().square()
+            total[0] += squares.sum()
+            for start, stop in tp_sharded_ranges(group):
+                total[1] += squares[start:stop].sum()
     if engine.policy.shard_optimizer and engine.mesh.shard_size > 1:
         collectives.all_reduce(total, group="shard", phase="clip")
-    return total.sqrt().to(torch.float32).squeeze(0)
+    if engine.mesh.tp_size > 1:
+        tp_part = total[1:].clone()
+        collectives.all_reduce(tp_part, group="tp", phase="clip")
+        total[0] += tp_part[0] - total[1]
+    return total[0].sqrt().to(torch.float32)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.quant import ErrorFeedback, QuantizedGather
+from zeroshard.sharding import tp
 from zeroshard.sharding.events import EngineEvents, EventKind
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
@@ -90,7 +91,9 @@ class FlatGroup:
         self.mesh = mesh
         self.shards = mesh.shard_size if policy.shard_optimizer else 1
         self.shard_rank = mesh.shard_rank if policy.shard_optimizer else 0
-        self.layout = FlatLayout([(r.fqn, r.param.shape) for r in refs], self.shards)
+        # A tensor-parallel (DTensor) param is flattened as its tp-local part (FSDP2's 2-D composition).
+        self.tp_specs = [tp.spec_of(r.param) for r in refs]
+        self.layout = FlatLayout([(r.fqn, tp.local_shape(r.param)) for r in refs], self.shards)
         self.master_dtype = refs[0].param.dtype
         self.compute_dtype = mp.compute_dtype(self.master_dtype)
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
@@ -151,10 +154,11 @@ class FlatGroup:
         whole = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device)
         with torch.no_grad():
             for slot, ref in zip(self.layout.slots, self.refs):
-                whole[slot.offset:slot.end].copy_(ref.param.detach().reshape(-1))
-        # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins.
-        if self.mesh.world > 1:
-            collectives.broadcast(whole, src=0, phase="init", unit=self.unit)
+                whole[slot.offset:slot.end].copy_(tp.local(ref.param.detach()).reshape(-1))
+        # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins (among
+        # the ranks that hold the same tp part).
+        if self.mesh.dp_size > 1:
+            collectives.broadcast(whole, src=0, group=self.mesh.dp_name, phase="init", unit=self.unit)
         return whole
 
     def _offload_master(self, values: torch.Tensor) -> torch.Tensor:
@@ -164,7 +168,8 @@ class FlatGroup:
         return master
 
     def _create_params(self) -> None:
-        self.params = [self._make_param(_alias(self.full, s.offset, s.shape)) for s in self.layout.slots]
+        self.params = [self._make_param(_alias(self.full, s.offset, s.shape), i)
+                       for i, s in enumerate(self.layout.slots)]
         if self.on_params_created is not None:
             self.on_params_created(self)
 
@@ -181,8 +186,14 @@ class FlatGroup:
             if start < stop:
                 self.shard[start - self.lo:stop - self.lo].copy_(flat[start - slot.offset:stop - slot.offset])
 
-    def _make_param(self, data: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(data, requires_grad=self.trainable)
+    def _make_param(self, data: torch.Tensor, index: int | None = None) -> nn.Parameter:
+        spec = self.tp_specs[index] if index is not None else None
+        return nn.Parameter(data if spec is None else spec.wrap(data), requires_grad=self.trainable)
+
+    def _as_grad(self, view: torch.Tensor, index: int) -> torch.Tensor:
+        """A grad view of the flat buffer, as a DTensor for a tensor-parallel param."""
+        spec = self.tp_specs[index]
+        return view if spec is None else spec.wrap(view)
 
     def _make_sharded_params(self) -> list[nn.Parameter]:
         """Per param, the 1-D part of its values this rank owns (empty if none): what the module
@@ -265,8 +276,8 @@ class FlatGroup:
 
     def attach_grad_views(self) -> None:
         grad_full = self.full_grads()
-        for slot, param in zip(self.layout.slots, self.created_params()):
-            param.grad = grad_full[slot.offset:slot.end].view(slot.shape)
+        for index, (slot, param) in enumerate(zip(self.layout.slots, self.created_params())):
+            param.grad = self._as_grad(grad_full[slot.offset:slot.end].view(slot.shape), index)
 
     def take_grad(self, index: int) -> None:
         """Param ``index``'s grad for this backward is complete.
@@ -281,14 +292,14 @@ class FlatGroup:
             return
         param, slot = self.created_params()[index], self.layout.slots[index]
         view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
-        grad = param.grad
+        grad = tp.local_grad(param.grad, self.tp_specs[index])
         if grad is None or grad.data_ptr() == view.data_ptr():
             return
         with torch.no_grad():
             # A foreign grad here means someone reset param.grad (e.g. model.zero_grad()), so it is
             # the whole gradient, not an increment.
             view.copy_(grad)
-            param.grad = view
+            param.grad = self._as_grad(view, index)
 
     def collect_grads(self) -> None:
         """Stages 2-3: move the params' grads into the flat buffer, in ``reduce_dtype``, and free them."""
@@ -300,12 +311,13 @@ class FlatGroup:
             self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
             self._zero_where_no_grad(params)
         with torch.no_grad():
-            for slot, param in zip(self.layout.slots, params):
+            for slot, param, spec in zip(self.layout.slots, params, self.tp_specs):
                 if param.grad is None:
                     continue
                 view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
+                grad = tp.local_grad(param.grad, spec)
                 # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
-                view.copy_(param.grad) if fresh else view.add_(param.grad)
+                view.copy_(grad) if fresh else view.add_(grad)
         # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
         # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
         # allocated while every one of them was alive.
@@ -340,7 +352,8 @@ class FlatGroup:
             self.reducer.launch_quantized(self.full_grads(), self.grad_quant, phase, feedback=self.grad_feedback)
             self._report_launch(phase)
             return
-        pieces = self.reducer.pieces([p.grad for p in self.created_params()]) if self._reduces_in_place() else None
+        grads = [tp.local_grad(p.grad, spec) for p, spec in zip(self.created_params(), self.tp_specs)]
+        pieces = self.reducer.pieces(grads) if self._reduces_in_place() else None
         if pieces is not None:
             for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce

@@ -78,7 +78,7 @@ class GradReducer:
 
     ``launch_whole`` / ``launch_quantized`` / ``launch_pieces`` issue the collective (async) and
     keep it as ``in_flight``; ``finish`` waits, adds the replica all-reduce when the mesh is
-    hybrid, casts to the master dtype and divides by the world, returning a tensor the caller owns.
+    hybrid, casts to the master dtype and divides by the data-parallel world, returning a tensor the caller owns.
     ``shard_optimizer`` says whether ranks keep a shard (reduce-scatter) or everything (all-reduce).
     """
 
@@ -112,7 +112,8 @@ class GradReducer:
         """All-reduce (no sharded optimizer) or reduce-scatter ``source``, the flat grads in the reduce dtype."""
         t = self.target
         if not self.shard_optimizer:
-            pending = collectives.all_reduce(source, group="world", unit=t.unit, phase=phase, async_op=True)
+            pending = collectives.all_reduce(source, group=self.mesh.dp_name, unit=t.unit, phase=phase,
+                                             async_op=True)
             assert pending is not None  # async_op=True always returns a handle
             self.in_flight = WholeReduction(source, source, pending)
             return
@@ -194,7 +195,8 @@ class GradReducer:
         elif self.shard_optimizer and isinstance(flight, WholeReduction) and \
                 reduced.data_ptr() == flight.source[t.lo:].data_ptr():
             reduced = reduced.clone()  # a view would keep the whole full-grad buffer alive
-        # Sum, then divide once by the whole world: the same arithmetic at every stage and mesh shape.
-        if self.mesh.world > 1:
-            reduced.div_(self.mesh.world)
+        # Sum, then divide once by the data-parallel world (tp ranks hold different parts, not
+        # replicas): the same arithmetic at every stage and mesh shape.
+        if self.mesh.dp_size > 1:
+            reduced.div_(self.mesh.dp_size)
         return reduced

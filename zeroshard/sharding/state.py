@@ -9,6 +9,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.sharding.engine import get_engine
+from zeroshard.sharding import tp
 from zeroshard.sharding.flat import FlatGroup
 
 
@@ -27,8 +28,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for group in engine.groups:
         whole = _gather_master(group)
-        for slot, ref in zip(group.layout.slots, group.refs):
-            value = whole[slot.offset:slot.end].view(slot.shape).detach().clone()
+        for slot, ref, spec in zip(group.layout.slots, group.refs, group.tp_specs):
+            # A tensor-parallel param is gathered over tp too, into the model's own layout.
+            value = tp.full_value(whole[slot.offset:slot.end].view(slot.shape), spec, unit=group.unit).detach().clone()
             for alias in ref.aliases:
                 out[alias] = value
     for module_name, module in model.named_modules():

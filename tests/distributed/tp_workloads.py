@@ -1,0 +1,205 @@
+"""Workers for the tensor-parallel tests: world 4 = 2 shard x 2 tp, the built-in GPT and HF Llama.
+
+Module level so spawned ranks can import it; one process group runs every case.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the configs are built in code
+
+import torch
+
+import zeroshard as zs
+from zeroshard import step
+from zeroshard.config import TrainConfig
+from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.models import GPT, GPTConfig
+from zeroshard.models.adapter import mean_loss
+from zeroshard.models.hf import build_hf_model
+from zeroshard.sharding import get_engine
+from zeroshard.sharding.tp import tensor_parallel
+
+SEED = 1234
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+CLIP = 1.0
+STEPS = 10
+GLOBAL_BATCH = 8
+SEQ_LEN = 32
+MODELS = ("gpt", "llama")
+ADAM_EPS = {"gpt": 1e-8, "llama": 1e-6}
+"""Adam's first steps amplify rounding noise in grad elements near zero by up to lr / eps: for the
+tiny Llama, whose grads match the single process to fp32 precision (about 1e-6 relative), eps=1e-8
+turns that into 1.9e-5 of param difference after one step (measured). eps=1e-6 bounds that gain."""
+
+
+def dataset():
+    return build_dataset(seq_len=SEQ_LEN, num_samples=256, seed=SEED)
+
+
+def build(name: str, vocab_size: int) -> torch.nn.Module:
+    if name == "gpt":
+        torch.manual_seed(SEED)
+        return GPT(GPTConfig.named("tiny", seq_len=SEQ_LEN, vocab_size=vocab_size))
+    return build_hf_model("hf:llama-tiny", vocab_size=vocab_size, seq_len=SEQ_LEN, seed=SEED,
+                          device=torch.device("cpu"))
+
+
+def reference_run(name: str, steps: int = STEPS) -> dict:
+    """Plain single-process PyTorch on the same model and batches: the numerical ground truth."""
+    data = dataset()
+    model = build(name, data.vocab_size)
+    opt = torch.optim.AdamW(zs.optim_groups(model, WEIGHT_DECAY), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS[name])
+    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=1, rank=0, seed=SEED)
+    for _ in range(steps):
+        x, y = collate(data, sampler.next_indices())
+        mean_loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tp_run(name: str, stage: int, *, parallel: bool = True, **shard_kwargs):
+    """A `zeroshard.step.Run` of ``name`` on this mesh, tensor-parallel when ``parallel``."""
+    data = dataset()
+    model = build(name, data.vocab_size)
+    if parallel:
+        tensor_parallel(model)
+    cfg = TrainConfig(stage=stage, nproc=zs.get_mesh().world, batch=GLOBAL_BATCH, seq_len=SEQ_LEN, lr=LR, min_lr=LR,
+                      warmup=0, weight_decay=WEIGHT_DECAY, clip=CLIP, seed=SEED)
+    run = step.build(cfg, zs.get_mesh(), model=model, dataset=data, **shard_kwargs)
+    for group in run.opt.param_groups:
+        group["eps"] = ADAM_EPS[name]
+    return run
+
+
+def _train(run, steps: int) -> None:
+    for _ in range(steps):
+        x, y = collate(run.dataset, run.sampler.next_indices())
+        step.step(run, x, y)
+
+
+def _bytes_by_key(records) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        if r.phase == step.METRICS_PHASE:
+            continue
+        key = f"{r.op}:{r.group}:{r.phase}"
+        out[key] = out.get(key, 0) + r.bytes
+    return out
+
+
+def _ledger_facts(run, records) -> dict:
+    """One step's bytes per (op, dim, phase), plus the sizes the theory needs."""
+    engine = get_engine(run.model)
+    mesh = zs.get_mesh()
+    per_rank_batch = GLOBAL_BATCH // mesh.dp_size
+    cfg = run.model.cfg if isinstance(run.model, GPT) else run.model.config
+    width = cfg.n_embd if isinstance(run.model, GPT) else cfg.hidden_size
+    layers = cfg.n_layer if isinstance(run.model, GPT) else cfg.num_hidden_layers
+    return {
+        "by_key": _bytes_by_key(records),
+        "activation_bytes": per_rank_batch * SEQ_LEN * width * 4,
+        "layers": layers,
+        "padded_bytes": sum(g.layout.numel * 4 for g in engine.groups),
+        "shard_bytes": sum(g.layout.shard_numel * 4 for g in engine.groups),
+        "root_bytes": sum(g.layout.numel * 4 for u in engine.units if u.is_root for g in u.groups),
+        "kept_bytes": sum(g.layout.numel * 4 for u in engine.kept_for_backward() for g in u.groups),
+    }
+
+
+def _errors() -> dict[str, str]:
+    """The one-line errors for a TP degree that does not divide the heads or the hidden size."""
+    import types
+
+    from transformers import LlamaConfig
+
+    from zeroshard.sharding.tp import gpt_plan, llama_plan
+
+    out = {}
+    try:
+        gpt_plan(GPT(GPTConfig(n_layer=1, n_head=3, n_embd=48, vocab_size=64)), 2)
+    except ValueError as exc:
+        out["heads"] = str(exc)
+    llama = types.SimpleNamespace(config=LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                                                     intermediate_size=91))
+    try:
+        llama_plan(llama, 4)  # type: ignore[arg-type]
+    except ValueError as exc:
+        out["kv_heads"] = str(exc)
+    try:
+        llama_plan(llama, 2)  # type: ignore[arg-type]
+    except ValueError as exc:
+        out["hidden"] = str(exc)
+    return out
+
+
+def suite(models: tuple[str, ...] = MODELS) -> dict:
+    """Every model x stage for STEPS steps; the last step's ledger is checked against theory."""
+    mesh = zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
+    out: dict = {"mesh": mesh.describe(), "params": {}, "ledger": {}}
+    ledger = zs.ledger()
+    for name in models:
+        for stage in (0, 1, 2, 3):
+            run = tp_run(name, stage)
+            _train(run, STEPS - 1)
+            start = ledger.next_seq
+            _train(run, 1)
+            out["ledger"][(name, stage)] = _ledger_facts(run, ledger.since(start))
+            out["params"][(name, stage)] = zs.full_state_dict(run.model)
+    out["errors"] = _errors()
+    return out
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+CKPT_STEPS = 3
+SAVED_STAGE = 2
+
+
+def _save(run, path: str) -> None:
+    zs.save(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler, step=CKPT_STEPS)
+
+
+def _load(run, path: str) -> None:
+    zs.load(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler)
+
+
+def ckpt_save_suite(root: str) -> dict:
+    """(2 shard, 2 tp): CKPT_STEPS steps, save, then the continuous run's next step."""
+    zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
+    run = tp_run("gpt", SAVED_STAGE)
+    _train(run, CKPT_STEPS)
+    _save(run, f"{root}/tp")
+    saved = zs.full_state_dict(run.model)
+    _train(run, 1)
+    return {"saved": saved, "continuous": zs.full_state_dict(run.model)}
+
+
+def ckpt_resume(root: str, stage: int) -> dict:
+    """Load the (2, 2) checkpoint into this mesh without TP, run the next step."""
+    run = tp_run("gpt", stage, parallel=False)
+    _load(run, f"{root}/tp")
+    loaded = zs.full_state_dict(run.model)
+    _train(run, 1)
+    return {"loaded": loaded, "next": zs.full_state_dict(run.model)}
+
+
+def ckpt_resume_suite(root: str) -> dict:
+    """(4 shard, 1 tp) resume, then a save there loaded back at (2, 2) (tp parts cut from whole params)."""
+    zs.init(shard_size=4)
+    out = ckpt_resume(root, 3)
+    run = tp_run("gpt", 1, parallel=False)
+    _load(run, f"{root}/tp")
+    _save(run, f"{root}/dp4")
+    return out
+
+
+def ckpt_back_to_tp_suite(root: str) -> dict:
+    """(1 shard, 2 tp) on 2 ranks: the (4, 1) checkpoint loads as tp parts."""
+    zs.init(tp=2)
+    run = tp_run("gpt", 1)
+    _load(run, f"{root}/dp4")
+    return {"loaded": zs.full_state_dict(run.model)}

@@ -1,0 +1,218 @@
+"""Tensor parallelism through torch's own API, and what ZeRO needs to know about its params.
+
+``tensor_parallel(model)`` applies ``torch.distributed.tensor.parallel.parallelize_module`` with
+Megatron-style ColwiseParallel / RowwiseParallel to every block on the mesh's "tp" dim: the
+attention's input projections and the MLP's first linear are split by output rows, the output
+projections by input columns, so each block costs one all-reduce in forward (after each row-wise
+linear) and one in backward (the grad of each column-wise group's input). Embeddings, norms and
+the head stay replicated. No TP code of our own runs: the layers' weights become DTensors.
+
+``zs.shard`` then flattens each DTensor param's *local* tensor and shards it across the "shard"
+dim, the same composition as FSDP2's 2-D mode; when its params are rebuilt, the local views are
+wrapped back into DTensors with the same placements (``TPSpec.wrap``). See docs/tensor_parallel.md.
+
+A fused projection (the built-in GPT's ``qkv``: q, k and v stacked by rows) must give each rank
+its own heads of all three. ``chunks=3`` records that the param is three row blocks each sharded
+across tp: the rows are reordered before distribution so that rank r's contiguous Shard(0) slice
+is [q_r; k_r; v_r], and ``canonical``/``to_local`` convert between that and the model's own layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+
+from zeroshard.comm import collectives, dtensor_ledger
+from zeroshard.comm.mesh import get_mesh
+
+CHUNKS_ATTR = "_zeroshard_tp_chunks"
+"""On a TP param: how many equal row blocks of it are sharded separately (fused qkv: 3)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TPSpec:
+    """How one param is laid out across the tp dim."""
+
+    mesh: DeviceMesh  # the 1-D tp DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size  # global
+    stride: tuple[int, ...]  # global
+    chunks: int = 1
+
+    @property
+    def shard_dim(self) -> int | None:
+        """The dim split across tp ranks, or None for a replicated param."""
+        placement = self.placements[0]
+        return placement.dim if isinstance(placement, Shard) else None
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's part, e.g. a view of a flat buffer) as a DTensor with this spec."""
+        with torch.no_grad():
+            return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                      stride=self.stride)
+
+    def describe(self) -> dict:
+        """The placement as the checkpoint manifest records it."""
+        return {"placement": "shard" if self.shard_dim is not None else "replicate", "dim": self.shard_dim,
+                "chunks": self.chunks, "tp": self.mesh.size()}
+
+
+def spec_of(param: torch.Tensor) -> TPSpec | None:
+    if not isinstance(param, DTensor):
+        return None
+    return TPSpec(mesh=param.device_mesh, placements=tuple(param.placements), shape=param.shape,
+                  stride=param.stride(), chunks=getattr(param, CHUNKS_ATTR, 1))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a param or its grad); a plain tensor as it is."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    return tensor
+
+
+@overload
+def local_grad(grad: torch.Tensor, spec: TPSpec | None) -> torch.Tensor: ...
+@overload
+def local_grad(grad: None, spec: TPSpec | None) -> None: ...
+def local_grad(grad: torch.Tensor | None, spec: TPSpec | None) -> torch.Tensor | None:
+    """This rank's part of a param's grad, in the param's own placement (a grad DTensor may arrive
+    in another, e.g. Partial: it is redistributed first, which DTensor does with a tp collective)."""
+    if isinstance(grad, DTensor):
+        if spec is not None and tuple(grad.placements) != spec.placements:
+            grad = grad.redistribute(placements=spec.placements)
+        return grad.to_local()
+    return grad
+
+
+def local_shape(param: torch.Tensor) -> torch.Size:
+    return param.to_local().shape if isinstance(param, DTensor) else param.shape
+
+
+# -- canonical (model) layout <-> tp-local -----------------------------------------------------
+def to_local(full: torch.Tensor, describe: dict, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s part of a full tensor in the model's own layout (a manifest entry's placement)."""
+    dim, tp, chunks = describe.get("dim"), describe.get("tp", 1), describe.get("chunks", 1)
+    if dim is None or tp == 1:
+        return full
+    blocks = full.chunk(chunks, dim=dim)
+    return torch.cat([b.chunk(tp, dim=dim)[tp_rank] for b in blocks], dim=dim)
+
+
+def canonical(locals_in_tp_order: list[torch.Tensor], describe: dict) -> torch.Tensor:
+    """The full tensor in the model's own layout from every tp rank's part."""
+    dim, chunks = describe.get("dim"), describe.get("chunks", 1)
+    if dim is None or len(locals_in_tp_order) == 1:
+        return locals_in_tp_order[0]
+    per_rank = [t.chunk(chunks, dim=dim) for t in locals_in_tp_order]
+    return torch.cat([torch.cat([parts[c] for parts in per_rank], dim=dim) for c in range(chunks)], dim=dim)
+
+
+def _interleave(tensor: torch.Tensor, chunks: int, tp: int) -> torch.Tensor:
+    """Rows reordered so that the contiguous tp-slice r is [block_0 slice r; block_1 slice r; ...]."""
+    return torch.cat([to_local(tensor, {"dim": 0, "tp": tp, "chunks": chunks}, r) for r in range(tp)], dim=0)
+
+
+# -- plans -------------------------------------------------------------------------------------
+def _check_divides(tp: int, sizes: dict[str, int], what: str) -> None:
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={size} of this {what}; pick a tp that divides "
+                             f"{name} (each tp rank holds {name}/tp of it)")
+
+
+def gpt_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
+    """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise."""
+    cfg: Any = model.cfg
+    _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    blocks: Any = model.blocks
+    return list(blocks), plan, {"attn.qkv": 3}
+
+
+def llama_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
+    """HF Llama: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (as transformers' own plan)."""
+    cfg: Any = model.config
+    _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
+                        "num_key_value_heads": cfg.num_key_value_heads,
+                        "intermediate_size": cfg.intermediate_size}, "Llama")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    # The attention's (and the MLP's) input becomes one replicated DTensor before its column-wise
+    # projections: their input grads then add up as one Partial DTensor and are all-reduced once
+    # per module, not once per projection (q, k, v: three).
+    shared_input = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                      desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    plan = {"self_attn": shared_input, "self_attn.q_proj": col, "self_attn.k_proj": col,
+            "self_attn.v_proj": col, "self_attn.o_proj": row,
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+    decoder: Any = model.model
+    return list(decoder.layers), plan, {}
+
+
+PLANS: dict[str, Callable[[nn.Module, int], tuple[list[nn.Module], dict, dict[str, int]]]] = {
+    "GPT": gpt_plan, "LlamaForCausalLM": llama_plan,
+}
+
+
+def tensor_parallel(model: nn.Module, plan: Callable | None = None) -> nn.Module:
+    """Split ``model``'s blocks across the mesh's "tp" dim (``zs.init(tp=N)``), in place; then ``zs.shard`` it.
+
+    ``plan(model, tp)`` returns (blocks, {submodule name: ParallelStyle}, {name: chunks}); the
+    built-in GPT and HF ``LlamaForCausalLM`` have one. Call it on every rank, on a model built the
+    same way on each (same seed), before ``zs.shard``.
+    """
+    mesh = get_mesh()
+    if mesh.tp_size == 1:
+        raise ValueError("the mesh has no tp dim; call zs.init(tp=N) (or mesh_shape=..., names=(..., 'tp')) first")
+    if plan is None:
+        name = type(model).__name__
+        if name not in PLANS:
+            raise ValueError(f"no tensor-parallel plan for {name}; pass plan=fn(model, tp) -> (blocks, "
+                             f"{{submodule: ColwiseParallel()/RowwiseParallel()}}, {{submodule: chunks}})")
+        plan = PLANS[name]
+    blocks, styles, fused = plan(model, mesh.tp_size)
+    tp_mesh = mesh.tp_mesh
+    for block in blocks:
+        for name, chunks in fused.items():
+            linear = block.get_submodule(name)
+            with torch.no_grad():
+                for param in linear.parameters(recurse=False):
+                    param.copy_(_interleave(param, chunks, mesh.tp_size))
+        parallelize_module(block, tp_mesh, styles)
+        for name, chunks in fused.items():
+            for param in block.get_submodule(name).parameters(recurse=False):
+                setattr(param, CHUNKS_ATTR, chunks)
+    dtensor_ledger.start()
+    return model
+
+
+def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phase: str = "state_dict") -> torch.Tensor:
+    """A param's full tensor in the model's own layout from this rank's tp part (a collective over
+    "tp" for a tp-sharded param; the value itself otherwise)."""
+    if spec is None or spec.shard_dim is None:
+        return value
+    dim, size = spec.shard_dim, collectives.group_size("tp")
+    moved = value.movedim(dim, 0).contiguous()
+    out = torch.empty((size, *moved.shape), dtype=value.dtype, device=value.device)
+    collectives.all_gather(out.view(-1), moved.view(-1), group="tp", unit=unit, phase=phase)
+    return canonical([part.movedim(0, dim) for part in out.unbind(0)], spec.describe())
+
+
+def tp_sharded_ranges(group) -> list[tuple[int, int]]:
+    """[start, stop) ranges of ``group.grad_shard`` (a FlatGroup's shard) that hold tp-sharded params."""
+    if not any(spec is not None and spec.shard_dim is not None for spec in group.tp_specs):
+        return []
+    out = []
+    for piece in group.layout.pieces(group.shard_rank):
+        spec = group.tp_specs[piece.slot_index]
+        if spec is not None and spec.shard_dim is not None:
+            out.append((piece.start - group.lo, piece.stop - group.lo))
+    return out
