@@ -64,9 +64,9 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             value = value.get(key) if isinstance(value, dict) else None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[name] = float(value)
-    for key in record.get("extra", ()):
-        value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    known = {path[0] for path in SCALARS.values()} | {"step", "tokens"}
+    for key, value in record.items():  # the loop's own numbers, passed to Observer.step by name
+        if key not in known and isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"train/{key}"] = float(value)
     return out
 
