@@ -53,6 +53,9 @@ def ledger_dir(run_dir: str | Path) -> Path:
 
 def describe(record: CollectiveRecord) -> str:
     unit = record.unit or "-"
+    if record.phase == "user":  # recorded by zeroshard.observe: the loop's own torch.distributed call
+        return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}), "
+                "the training loop's own torch.distributed call")
     return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}) "
             f"of unit {unit} in phase {record.phase or '-'}")
 
