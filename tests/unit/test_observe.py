@@ -132,6 +132,15 @@ def test_a_failure_inside_the_block_dumps_with_every_thread_stack_and_propagates
     assert all(t["thread"] != "zeroshard-watchdog" for t in header["stacks"])
 
 
+def test_one_observer_at_a_time(tmp_path: Path):
+    with zs.observe(tmp_path / "a", profile=False):
+        with pytest.raises(RuntimeError, match="already active in this process"):
+            with zs.observe(tmp_path / "b", profile=False):
+                pass
+    with zs.observe(tmp_path / "c", profile=False):  # the first one's exit made room
+        pass
+
+
 def _dump(rank: int, reason: str, records: list[dict], stacks: list[dict] | None = None) -> tuple[dict, list[dict]]:
     header = {"rank": rank, "world": 2, "reason": reason, "message": "", "next_seq": len(records),
               "in_flight": [r["seq"] for r in records if r["state"] != "completed"]}

@@ -37,8 +37,10 @@ from zeroshard.comm.watchdog import Diagnostics
 from zeroshard.observe.loggers import Sink, check_installed, open_sinks, parse_log
 from zeroshard.observe.usercalls import UserCollectives
 
-RECORD_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens", "tokens_per_s", "loss_scale")
-"""A metrics.jsonl record's fields, in order; then the loop's own scalars, then ``profile``."""
+DEFAULT_HANG_TIMEOUT_S = 300.0
+"""Half of zs.init's default process-group timeout (600 s), so the watchdog speaks before gloo does."""
+
+_ACTIVE: list[Observer] = []
 
 
 def default_run_dir() -> Path:
@@ -67,7 +69,7 @@ class Observer:
     """See the module docstring; build it with `zeroshard.observe` (``zs.observe``)."""
 
     def __init__(self, run_dir: str | Path | None = None, *, model: torch.nn.Module | None = None,
-                 hang_timeout_s: float = 600.0, profile: bool = True, trace: bool = False,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, profile: bool = True, trace: bool = False,
                  log: str | Iterable[str] | None = None, desync_check: int = 0, peak_flops: float | None = None,
                  batch: int = 0, tokens_per_step: int = 0, config: dict[str, Any] | None = None,
                  record_user_collectives: bool = True) -> None:
@@ -100,6 +102,9 @@ class Observer:
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> Observer:
+        if _ACTIVE:
+            raise RuntimeError(f"zs.observe is already active in this process (run dir {_ACTIVE[0].run_dir}); "
+                               "one observer per run: use the one you have")
         try:
             mesh = get_mesh()
         except RuntimeError as e:
@@ -113,12 +118,17 @@ class Observer:
         self._diagnostics = Diagnostics(collectives.get_ledger(), run_dir=self.run_dir, rank=self.rank,
                                         world=self.world, hang_timeout_s=self.hang_timeout_s, header=self._header)
         self._diagnostics.__enter__()
-        if self.user_calls is not None:
-            self.user_calls.__enter__()
-        if self.rank == 0:
-            self._sinks = open_sinks(self.log, self.run_dir, self.config)
-        if self.model is not None:
-            self.attach(self.model)
+        _ACTIVE.append(self)
+        try:
+            if self.user_calls is not None:
+                self.user_calls.__enter__()
+            if self.rank == 0:
+                self._sinks = open_sinks(self.log, self.run_dir, self.config)
+            if self.model is not None:
+                self.attach(self.model)
+        except BaseException as e:  # __exit__ will not run: stop what already started, dump, re-raise
+            self._close(e)
+            raise
         return self
 
     def _header(self) -> dict[str, Any]:
@@ -167,6 +177,8 @@ class Observer:
         return False
 
     def _close(self, exc: BaseException | None) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self._metrics is not None:
             self._metrics.close()
         for sink in self._sinks:
