@@ -77,6 +77,13 @@ def test_doc_example_writes_metrics_and_tensorboard_scalars_equal_to_them(health
             # TensorBoard keeps float32.
             assert board[tag][m["step"]] == pytest.approx(value, rel=2e-7, abs=1e-30), (tag, m["step"])
     assert all(m["profile"]["comm_bytes"] > 0 and m["profile"]["mfu"] > 0 for m in metrics)
+    # obs.phase marked the parts: the breakdown has them, and they add up to the step.
+    for m in metrics:
+        p = m["profile"]
+        assert p["forward_s"] > 0 and p["backward_s"] > 0 and p["optimizer_s"] > 0
+        parts = sum(p[k] for k in ("data_s", "forward_s", "ag_wait_s", "backward_s", "rs_wait_s", "optimizer_s",
+                                   "param_sync_s", "checkpoint_s", "other_s"))
+        assert parts == pytest.approx(p["step_s"], rel=1e-6)
 
 
 def test_wandb_offline_run_holds_the_same_names(healthy):

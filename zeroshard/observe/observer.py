@@ -36,6 +36,7 @@ from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.watchdog import Diagnostics
 from zeroshard.observe.loggers import Sink, check_installed, open_sinks, parse_log
 from zeroshard.observe.usercalls import UserCollectives
+from zeroshard.profile.timeline import phase as tl_phase
 
 DEFAULT_HANG_TIMEOUT_S = 300.0
 """Half of zs.init's default process-group timeout (600 s), so the watchdog speaks before gloo does."""
@@ -123,6 +124,7 @@ class Observer:
             if self.user_calls is not None:
                 self.user_calls.__enter__()
             if self.rank == 0:
+                self._write_config(mesh)
                 self._sinks = open_sinks(self.log, self.run_dir, self.config)
             if self.model is not None:
                 self.attach(self.model)
@@ -130,6 +132,25 @@ class Observer:
             self._close(e)
             raise
         return self
+
+    def _write_config(self, mesh: Any) -> None:
+        """RUN_DIR/config.json for `zeroshard report` (titles) and for the record; a `zeroshard train` run
+        writes its own, fuller one over it."""
+        path = self.run_dir / "config.json"
+        if path.exists():
+            return
+        payload = {"world": mesh.world, "backend": mesh.backend, "torch": torch.__version__,
+                   "observe": {"hang_timeout_s": self.hang_timeout_s, "profile": self.profile, "trace": self.trace,
+                               "log": list(self.log), "desync_check": self.desync_check},
+                   "config": self.config}
+        path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+    @staticmethod
+    def phase(name: str) -> Any:
+        """``with obs.phase("forward"):`` marks a part of the step for the profiler's breakdown: "data",
+        "forward", "backward", "optimizer" or "checkpoint" (collective waits inside forward and
+        backward become all-gather and reduce wait). Unmarked time is "other"."""
+        return tl_phase(name)
 
     def _header(self) -> dict[str, Any]:
         """Extra ledger-dump fields: where the loop's own collectives were made."""
