@@ -42,7 +42,7 @@ def load(run_dir: str | Path) -> dict[int, tuple[dict, list[dict]]]:
     if not folder.is_dir():
         raise FileNotFoundError(
             f"{folder} does not exist: no rank left a ledger. Ledgers are written by `zeroshard train` "
-            "(or zeroshard.comm.watchdog.Diagnostics) when a run finishes, fails or hangs; check RUN_DIR")
+            "(or a loop inside zs.observe) when a run finishes, fails or hangs; check RUN_DIR")
     ranks: dict[int, tuple[dict, list[dict]]] = {}
     for path in sorted(folder.glob("rank-*.jsonl")):
         header, records = read_dump(path)

@@ -1,6 +1,6 @@
 """Hang watchdog and failure dumps: every live rank leaves its ledger behind, and the job ends.
 
-`Diagnostics` wraps a run on each rank (``zeroshard train`` does it for you):
+`Diagnostics` wraps a run on each rank (``zs.observe`` enters it, for ``zeroshard train`` and for your own loop):
 
 - it mirrors the ledger into a crash-safe ring file (zeroshard/comm/ring.py);
 - a daemon thread (`Watchdog`) polls the ledger; once the training thread has been blocked on a
