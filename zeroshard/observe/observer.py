@@ -112,8 +112,15 @@ class Observer:
             raise RuntimeError(f"zs.observe needs the process group: call zs.init() first ({e})") from None
         self.rank, self.world, self.device = mesh.rank, mesh.world, mesh.device
         # Rank 0 names the run dir (a timestamp by default); every rank dumps its ledger there.
-        wanted = str(self.requested_dir if self.requested_dir is not None else default_run_dir())
-        self.run_dir = Path(collectives.all_gather_object(wanted, phase="init")[0])
+        wanted = Path(self.requested_dir if self.requested_dir is not None else default_run_dir())
+        if self.rank == 0:
+            # Before the watchdog starts: starting a logger can take seconds (wandb.init), and the
+            # peers, waiting in the all-gather below meanwhile, must not count that as a hang.
+            self.run_dir = wanted
+            wanted.mkdir(parents=True, exist_ok=True)
+            self._write_config(mesh)
+            self._sinks = open_sinks(self.log, self.run_dir, self.config)
+        self.run_dir = Path(collectives.all_gather_object(str(wanted), phase="init")[0])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.user_calls = UserCollectives() if self.record_user_collectives else None
         self._diagnostics = Diagnostics(collectives.get_ledger(), run_dir=self.run_dir, rank=self.rank,
@@ -123,9 +130,6 @@ class Observer:
         try:
             if self.user_calls is not None:
                 self.user_calls.__enter__()
-            if self.rank == 0:
-                self._write_config(mesh)
-                self._sinks = open_sinks(self.log, self.run_dir, self.config)
             if self.model is not None:
                 self.attach(self.model)
         except BaseException as e:  # __exit__ will not run: stop what already started, dump, re-raise
