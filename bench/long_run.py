@@ -66,7 +66,7 @@ def _rank(cfg: TrainConfig, every: int, ledger_capacity: int | None) -> dict:
     run = setup(cfg, mesh)
     sampler = RssSampler(every)
     start = time.perf_counter()
-    run_loop(run, sampler, metrics_file=None)  # every rank samples: the reporter is not rank-0 only here
+    run_loop(run, sampler)  # every rank samples: the reporter is not rank-0 only here
     seconds = time.perf_counter() - start
     out = {"rank": mesh.rank, "rss": sampler.samples, "ledger_len": sampler.ledger_len, "seconds": seconds,
            "final_loss": sampler.last_loss,

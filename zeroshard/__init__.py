@@ -5,6 +5,7 @@ from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
 from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
 from zeroshard.materialize import meta_init
+from zeroshard.observe import Observer, observe
 from zeroshard.offload import OffloadPolicy
 from zeroshard.plan import plan
 from zeroshard.sharding import (
@@ -30,6 +31,6 @@ __all__ = [
     "CheckpointError", "CommQuant", "EngineOptions", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler",
     "build_pretrained",
     "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
-    "load_pretrained", "meta_init", "no_sync", "optim_groups",
+    "load_pretrained", "meta_init", "no_sync", "Observer", "observe", "optim_groups",
     "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "tensor_parallel", "unsharded",
 ]

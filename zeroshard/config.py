@@ -167,6 +167,10 @@ class TrainConfig:
     """Write a Chrome/Perfetto trace per rank to RUN_DIR/trace/rank-R.json (compute and
     collective lanes)."""
 
+    log: str = "none"
+    """Experiment loggers that get metrics.jsonl's scalars: 'tensorboard' (RUN_DIR/tensorboard),
+    'wandb', both comma-separated, or 'none' (`pip install 'zeroshard[log]'`)."""
+
     peak_flops: float | None = None
     """Peak FLOP/s of one rank's device, for MFU; None measures it with a short matmul at start
     (pass the datasheet figure to compare against that instead)."""
@@ -252,6 +256,9 @@ class TrainConfig:
             raise ValueError(f"desync_check={self.desync_check} must be >= 0 (0 disables it)")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ValueError(f"peak_flops={self.peak_flops} must be > 0 FLOP/s, or unset to measure it")
+        from zeroshard.observe.loggers import parse_log
+
+        parse_log(self.log)
         check_checkpointing(self)
         check_batch_split(self.batch, self.nproc, self.accum)
         if self.data is None and self.num_samples < self.batch:

@@ -8,18 +8,15 @@ steps over the GLOBAL batch, of which each rank takes its contiguous slice.
 `reference_train(cfg)` is the plain single-process PyTorch loop that `zeroshard verify`
 compares against: no zeroshard runtime, the same model, data, schedule and clipping.
 
-Rank 0 reports through a `Reporter` (the CLI supplies a rich one) and writes
-`RUN_DIR/metrics.jsonl` (one object per step, flushed as it goes, so a crashed run keeps its
-history) and `RUN_DIR/config.json`.
+The run's instruments (hang watchdog and ledger dumps, profiler, desync check, metrics.jsonl,
+loggers, summary) come from `zs.observe`, the same entry a user's own loop takes. Rank 0 reports
+through a `Reporter` (the CLI supplies a rich one) and also writes `RUN_DIR/config.json`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +26,9 @@ import torch
 
 import zeroshard as zs
 from zeroshard import faults as fault_points
-from zeroshard.comm import desync
-from zeroshard.comm.collectives import all_gather_object, all_reduce
-from zeroshard.comm.watchdog import Diagnostics, process_group_timeout
-from zeroshard.checkpoint.training import maybe_save, open_metrics, resume
+from zeroshard.comm.collectives import all_reduce
+from zeroshard.comm.watchdog import process_group_timeout
+from zeroshard.checkpoint.training import maybe_save, resume
 from zeroshard.config import TrainConfig
 from zeroshard.data import GlobalBatchSampler, collate
 from zeroshard.models import adapter
@@ -42,7 +38,8 @@ from zeroshard.step import (  # noqa: F401 - re-exported: callers import the run
     BETAS, IGNORE_INDEX, METRICS_PHASE, META_INIT_THRESHOLD, Run, build_data, build_model, lr_at, make_scheduler,
     mixed_precision, use_meta_init,
 )
-from zeroshard.profile import step as step_profile
+from zeroshard.observe import Observer
+from zeroshard.observe.observer import default_run_dir
 from zeroshard.profile.timeline import phase
 
 
@@ -129,26 +126,20 @@ def average_token_loss(run: Run, loss_sum: torch.Tensor, y: torch.Tensor) -> flo
     return float(totals[0] / totals[1])
 
 
-def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Path | None = None,
-             start: int = 0) -> None:
-    """Steps `start` .. `cfg.steps - 1` (0-based); `start` > 0 after a resume."""
+def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: int = 0) -> None:
+    """Steps `start` .. `cfg.steps - 1` (0-based); `start` > 0 after a resume. `obs` (entered and
+    attached) records each step; without one the steps only reach `reporter`."""
     for step in range(start, run.cfg.steps):
         zs.ledger().step = step + 1  # stamped on every collective of the step, for the doctor
-        if run.profiler is not None:
-            run.profiler.begin(step)
         rec = train_step(run, step)
-        if run.profiler is not None:
-            rec.profile = run.profiler.end(step)
+        if obs is not None:
+            fields = {k: v for k, v in rec.__dict__.items() if k not in ("step", "profile")}
+            rec.profile = obs.step(**fields)["profile"]
+            if step == start and obs.rank == 0:
+                # After the first step, so the optimizer's lazily created state shows its real dtypes.
+                write_manifest(obs.run_dir, run)
         run.records.append(rec)
-        if step == start and run_dir is not None:
-            # After the first step, so the optimizer's lazily created state shows its real dtypes.
-            write_manifest(run_dir, run)
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(rec.__dict__) + "\n")
-            metrics_file.flush()
         reporter.step(rec)
-        if run.cfg.desync_check and (step + 1) % run.cfg.desync_check == 0:
-            run.metric_bytes += desync.check(step + 1)
         with phase("checkpoint"):
             maybe_save(run, step + 1)
 
@@ -157,29 +148,7 @@ def run_loop(run: Run, reporter: Reporter, metrics_file: Any | None, run_dir: Pa
 
 
 def resolve_run_dir(cfg: TrainConfig) -> Path:
-    if cfg.run_dir is not None:
-        return Path(cfg.run_dir)
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    path, n = base, 1
-    while path.exists():  # two runs started in the same second must not share a directory
-        path, n = base.with_name(f"{base.name}-{n}"), n + 1
-    return path
-
-
-def peak_rss_mb() -> float:
-    # ru_maxrss is KiB on Linux and bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
-
-
-def comm_bytes_per_step(run: Run, bytes_before: int) -> float:
-    """Bytes this rank put into training collectives per step, our metric all-reduces excluded.
-
-    Taken from the ledger's running total rather than its records, which are a ring buffer
-    that a long run overflows.
-    """
-    total = zs.ledger().total_bytes() - bytes_before - run.metric_bytes
-    return total / len(run.records)
+    return Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir()
 
 
 def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
@@ -198,32 +167,17 @@ def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
     }
 
 
-def summarize(run: Run, info: dict[str, Any], bytes_before: int) -> dict[str, Any]:
-    """Figures measured on this run; collective (every rank must call it)."""
-    recs = run.records
-    # The first step pays for lazy allocation and warm-up; leave it out of the timing if we can.
-    timed = recs[1:] if len(recs) > 1 else recs
-    mean_dt = sum(r.step_time_s for r in timed) / len(timed)
-    tokens = sum(r.tokens for r in timed)
-    # One batch's loss is noisy; the mean over the last tenth of the run is what to hold
-    # against the entropy floor.
-    tail = recs[-max(1, len(recs) // 10):]
+def summarize(run: Run, info: dict[str, Any], obs: Observer) -> dict[str, Any]:
+    """Figures measured on this run; collective (every rank must call it). The observer's summary
+    (timing, comm bytes per step with our metric all-reduces excluded, peak RSS, profile) plus what
+    only a `TrainConfig` run knows."""
     return {
+        **obs.summary(exclude_bytes=run.metric_bytes),
         **info,
-        "final_loss": recs[-1].loss,
-        "first_loss": recs[0].loss,
-        "tail_mean_loss": sum(r.loss for r in tail) / len(tail),
-        "tail_steps": len(tail),
-        "tokens_per_s": tokens / sum(r.step_time_s for r in timed),
-        "mean_step_time_s": mean_dt,
-        "timed_steps": len(timed),
-        "comm_bytes_per_step": comm_bytes_per_step(run, bytes_before),
-        "peak_rss_mb": max_across_ranks(run, peak_rss_mb()),
         "accum": run.cfg.accum,
         "precision": zs.precision_manifest(run.model, run.opt),
         "init_path": get_engine(run.model).init_stats["path"],
         "skipped_steps": 0 if run.scaler is None else run.scaler.skipped_steps,
-        "profile": None if run.profiler is None else run.profiler.summary(),
     }
 
 
@@ -249,30 +203,28 @@ def write_config(run_dir: Path, run: Run, info: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
-def train(cfg: TrainConfig, mesh: Any, reporter: Reporter | None = None) -> dict[str, Any]:
-    """Run training on an initialised mesh; returns the summary (same figures on every rank)."""
+def observer_for(cfg: TrainConfig) -> Observer:
+    """The `zs.observe` entry that a `TrainConfig` run trains inside."""
+    return zs.observe(resolve_run_dir(cfg), hang_timeout_s=cfg.hang_timeout_s, profile=cfg.profile, trace=cfg.trace,
+                      log=cfg.log, desync_check=cfg.desync_check, peak_flops=cfg.peak_flops, batch=cfg.batch,
+                      tokens_per_step=cfg.batch * cfg.seq_len, config=cfg.to_dict())
+
+
+def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None = None) -> dict[str, Any]:
+    """Run training on an initialised mesh inside an entered `obs`; returns the summary (same
+    figures on every rank). Building and resuming run under the watchdog too."""
     run = setup(cfg, mesh)
     start = resume(run)  # 0 unless cfg.resume found a checkpoint
     is_main = mesh.rank == 0
     reporter = reporter if (reporter is not None and is_main) else NullReporter()
-    run_dir = resolve_run_dir(cfg) if is_main else None
-    info = run_info(run, run_dir)
-    metrics_file = None
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_config(run_dir, run, info)
-        metrics_file = open_metrics(run_dir / "metrics.jsonl", start)
-    bytes_before = zs.ledger().total_bytes()
-    # Every rank writes its own profile (and trace) files, so it needs the run dir too.
-    run.profiler = step_profile.for_run(run, cfg.run_dir or run_dir)
+    info = run_info(run, obs.run_dir if is_main else None)
+    if is_main:
+        write_config(obs.run_dir, run, info)
+    obs.attach(run.model, start_step=start)
+    run.profiler = obs.profiler
     reporter.start(info)
-    with run.profiler or contextlib.nullcontext():
-        try:
-            run_loop(run, reporter, metrics_file, run_dir, start)
-        finally:
-            if metrics_file is not None:
-                metrics_file.close()
-        summary = summarize(run, info, bytes_before)
+    run_loop(run, reporter, obs, start)
+    summary = summarize(run, info, obs)
     reporter.finish(summary)
     return summary
 
@@ -285,12 +237,8 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     """
     # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
     mesh = zs.init(timeout_s=process_group_timeout(cfg.hang_timeout_s), shard_size=cfg.shard_size)
-    # Rank 0 names the run dir (a timestamp by default); every rank dumps its ledger there.
-    run_dir = all_gather_object(str(resolve_run_dir(cfg)), phase="init")[0]
-    cfg = dataclasses.replace(cfg, run_dir=run_dir)
-    with Diagnostics(zs.ledger(), run_dir=run_dir, rank=mesh.rank, world=mesh.world,
-                     hang_timeout_s=cfg.hang_timeout_s):
-        summary = train(cfg, mesh, reporter)
+    with observer_for(cfg) as obs:  # rank 0 names the run dir; every rank dumps its ledger there
+        summary = train(dataclasses.replace(cfg, run_dir=str(obs.run_dir)), mesh, obs, reporter)
     zs.shutdown()
     return summary
 

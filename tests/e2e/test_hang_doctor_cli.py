@@ -122,7 +122,8 @@ def test_desync_check_catches_a_silent_dtype_mismatch(tmp_path: Path):
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     run_dir = tmp_path_factory.mktemp("profiled") / "run"
-    proc = run_cli([*STAGE3, "--steps", "6", "--trace", "--desync-check", "2", "--run-dir", str(run_dir)])
+    proc = run_cli([*STAGE3, "--steps", "6", "--trace", "--desync-check", "2", "--log", "tensorboard",
+                    "--run-dir", str(run_dir)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, run_dir
 
@@ -146,6 +147,20 @@ def test_profile_breakdown_and_overlap_in_metrics_and_summary(profiled):
         assert len((run_dir / "profile" / f"rank-{rank}.jsonl").read_text().splitlines()) == 6
     report = analyse(load(run_dir))
     assert report["verdict"] == "ok"
+
+
+def test_train_log_tensorboard_scalars_equal_metrics(profiled):
+    from test_observe import tensorboard_scalars
+
+    from zeroshard.observe.loggers import scalars
+
+    _, run_dir = profiled
+    board = tensorboard_scalars(run_dir)
+    metrics = read_metrics(run_dir)
+    assert {"train/loss", "train/grad_norm", "perf/mfu", "comm/bytes", "comm/exposed_s"} <= set(board)
+    for m in metrics:
+        for tag, value in scalars(m).items():
+            assert board[tag][m["step"]] == pytest.approx(value, rel=2e-7, abs=1e-30), (tag, m["step"])
 
 
 def test_trace_has_both_lanes_per_rank(profiled):

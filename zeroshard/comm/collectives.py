@@ -294,3 +294,31 @@ def all_gather_object(obj, *, group: str = "world", phase: str = "") -> list:
     record.waited = time.perf_counter() - record.wait_start
     _LEDGER.complete(record)
     return out
+
+
+USER_PHASE = "user"
+"""Phase of a collective that code outside zeroshard issued through torch.distributed (zeroshard.observe)."""
+
+
+def external(op: str, tensor: torch.Tensor | None, group: str, call, *, async_op: bool):
+    """Record a torch.distributed call that code outside zeroshard made, then make it (``call()``).
+
+    ``zeroshard.observe`` routes the user's own collectives here while it is active, so the ledger
+    holds the process group's whole sequence and the doctor can name a collective only some ranks
+    ran. A blocking call is waited on from the start (the watchdog sees a hang in it); an async one
+    is closed by its work's completion callback when the backend has one.
+    """
+    numel = 0 if tensor is None else tensor.numel()
+    dtype = "object" if tensor is None else tensor.dtype
+    elem = 0 if tensor is None else tensor.element_size()
+    record = _LEDGER.open(group=group, op=op, numel=numel, dtype=dtype, elem_size=elem, unit="", phase=USER_PHASE)
+    if async_op:
+        work = call()
+        _LEDGER.started(record, work)
+        return work
+    _LEDGER.started(record)
+    record.wait_start = started = time.perf_counter()
+    result = call()  # on an exception the record stays open: the dump shows it in flight
+    record.waited = time.perf_counter() - started
+    _LEDGER.complete(record)
+    return result

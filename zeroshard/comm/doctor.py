@@ -11,6 +11,11 @@ numel, dtype, group, unit, phase; see docs/diagnostics.md). Three kinds of findi
 - **died**: a rank raised (its dump says what) or left no dump at all (killed: SIGKILL, the OOM
   killer, gloo's abort on a size mismatch); its last entries come from its dump or its ring file.
 
+A mismatch where some rank's entry is the loop's own torch.distributed call (phase "user", recorded
+by zeroshard.observe) is a **user collective**: the finding names that call and the line that made it.
+Where each rank was is reported too: waiting in one of zeroshard's collectives, in its own
+collective, or blocked outside them; a dump made on a failure holds every thread's Python stack.
+
 The analysis is pure: it takes ``{rank: (header, records)}`` so the desync check can run it on
 ledgers gathered in memory, and ``zeroshard doctor`` on the files.
 """
@@ -23,6 +28,8 @@ from typing import Any
 
 FIELDS = ("op", "numel", "dtype", "group", "unit", "phase")
 LAST_ENTRIES = 4
+USER_PHASE = "user"  # zeroshard.comm.collectives.USER_PHASE (not imported: the doctor needs no torch)
+STACK_LINES = 24
 
 
 def load(run_dir: str | Path) -> dict[int, tuple[dict, list[dict]]]:
@@ -35,7 +42,7 @@ def load(run_dir: str | Path) -> dict[int, tuple[dict, list[dict]]]:
     if not folder.is_dir():
         raise FileNotFoundError(
             f"{folder} does not exist: no rank left a ledger. Ledgers are written by `zeroshard train` "
-            "(or zeroshard.comm.watchdog.Diagnostics) when a run finishes, fails or hangs; check RUN_DIR")
+            "(or a loop inside zs.observe) when a run finishes, fails or hangs; check RUN_DIR")
     ranks: dict[int, tuple[dict, list[dict]]] = {}
     for path in sorted(folder.glob("rank-*.jsonl")):
         header, records = read_dump(path)
@@ -88,7 +95,7 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
     first_seq = {r: min(by_seq[r], default=next_seq[r]) for r in ranks}
     report: dict[str, Any] = {
         "world": world, "ranks": {}, "missing_ranks": [r for r in range(world) if r not in ranks],
-        "mismatch": None, "never_entered": None, "died": [], "hang": [],
+        "mismatch": None, "never_entered": None, "died": [], "hang": [], "user_collective": None,
         "at": None,  # the collective the verdict names: seq, op, unit, phase, step, and the ranks at fault
     }
     for r, (header, records) in sorted(ranks.items()):
@@ -98,6 +105,7 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
             "next_seq": next_seq[r], "first_seq": first_seq[r],
             "in_flight": header.get("in_flight", []),
             "last": [entry_text(rec) for rec in records[-LAST_ENTRIES:]],
+            "blocked": blocked_at(header, records),
         }
         if header.get("reason") == "error":
             report["died"].append({"rank": r, "how": "raised", "message": header.get("message", ""),
@@ -133,8 +141,41 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
         report["at"] = {**(_where(entry) if entry else {"seq": k}), "ranks": absent}
     if report["mismatch"] is not None:
         report["at"] = report["mismatch"]["at"]
+        report["user_collective"] = _user_collective(report["mismatch"]["seq"], ranks, by_seq, report["ranks"])
+        if report["user_collective"] is not None:
+            report["at"] = report["user_collective"]["at"]
     report["verdict"], report["summary"] = _verdict(report)
     return report
+
+
+def blocked_at(header: dict, records: list[dict]) -> dict[str, Any] | None:
+    """Where this rank's training thread was when it dumped: the collective it was waiting in (one of
+    zeroshard's, or the loop's own), or none (blocked outside collectives); with its thread's stack."""
+    stacks = header.get("stacks")
+    if header.get("reason") in (None, "finished", "ring", "desync") and not stacks:
+        return None
+    waiting = [r for r in records if r.get("state") != "completed" and r.get("wait_start") is not None]
+    main = next((t for t in stacks or [] if t.get("main")), None)
+    out: dict[str, Any] = {"kind": "outside", "entry": None, "where": None,
+                           "thread": main["thread"] if main else None, "stack": main["stack"] if main else []}
+    if waiting:
+        record = waiting[-1]
+        user = record.get("phase") == USER_PHASE
+        out.update(kind="user" if user else "zeroshard", entry=_where(record),
+                   where=header.get("user_calls", {}).get(str(record["seq"])) if user else None)
+    return out
+
+
+def _user_collective(seq: int, ranks: dict, by_seq: dict, infos: dict) -> dict[str, Any] | None:
+    """At a mismatch: the ranks whose entry is the loop's own call, and what the others run there."""
+    users = sorted(r for r in ranks if by_seq[r][seq].get("phase") == USER_PHASE)
+    if not users or len(users) == len(ranks):
+        return None
+    where = {r: ranks[r][0].get("user_calls", {}).get(str(seq)) for r in users}
+    others = {r: _where(by_seq[r][seq]) for r in sorted(ranks) if r not in users}
+    first = by_seq[users[0]][seq]
+    return {"ranks": users, "op": first["op"], "step": first.get("step"), "where": where, "others": others,
+            "at": {**_where(first), "ranks": users}}
 
 
 def _mismatch(seq: int, entries: dict[int, dict], prints: dict[int, tuple], by_seq: dict) -> dict:
@@ -183,6 +224,8 @@ def _verdict(report: dict) -> tuple[str, str]:
     died = report["died"]
     dead = "; ".join(f"rank {d['rank']} {d['how']}: {_short(d['message'])}" for d in died)
     tail = f". {dead}" if died else ""
+    if report.get("user_collective") is not None:
+        return "user_collective", _user_text(report["mismatch"]["seq"], report["user_collective"]) + tail
     if report["mismatch"] is not None:
         m = report["mismatch"]
         if m["skipped"] is not None:
@@ -222,6 +265,33 @@ def _verdict(report: dict) -> tuple[str, str]:
     return "ok", f"no divergence: collectives #{lo}..#{hi - 1} match on all {len(report['ranks'])} ranks"
 
 
+def _user_text(seq: int, u: dict) -> str:
+    who = ", ".join(str(r) for r in u["ranks"])
+    made = "; ".join(f"rank {r} at {w or 'an unrecorded line'}" for r, w in u["where"].items())
+    others = "; ".join(f"rank {r} is in {o['op']} of unit {o['unit'] or '-'} in phase {o['phase'] or '-'} "
+                       f"(step {o['step']})" for r, o in u["others"].items())
+    return (f"collective #{seq}: rank{'s' if len(u['ranks']) > 1 else ''} {who} made its own torch.distributed "
+            f"{u['op']} (step {u['step']}; {made}) that the other ranks did not; there {others}")
+
+
+def _blocked_lines(r: int, b: dict) -> list[str]:
+    entry = b["entry"]
+    if b["kind"] == "zeroshard":
+        head = (f"rank {r}: waiting in collective #{entry['seq']} {entry['op']} of unit {entry['unit'] or '-'} "
+                f"in phase {entry['phase'] or '-'} (step {entry['step']})")
+    elif b["kind"] == "user":
+        head = (f"rank {r}: blocked outside zeroshard's collectives, in its own torch.distributed {entry['op']} "
+                f"(collective #{entry['seq']}, step {entry['step']}) made at {b['where'] or 'an unrecorded line'}")
+    else:
+        head = f"rank {r}: blocked outside zeroshard's collectives (in none of them)"
+    lines = [head]
+    if b["stack"]:
+        lines.append(f"  Python stack of its thread {b['thread']} (most recent call last):")
+        for text in b["stack"][-STACK_LINES:]:
+            lines += [f"  {part}" for part in text.splitlines()]
+    return lines
+
+
 def render(report: dict, run_dir: str | Path | None = None) -> list[str]:
     """Human-readable lines for a report from :func:`analyse`."""
     lines = [f"zeroshard doctor: {run_dir or ''} ({report['world']} ranks)".replace(":  (", ": ("),
@@ -237,6 +307,11 @@ def render(report: dict, run_dir: str | Path | None = None) -> list[str]:
     n = report["never_entered"]
     if n is not None:
         lines.append(f"collective #{n['seq']} as entered by rank {n['entered'][0]}: {n['entry']}")
+    blocked = [(r, info["blocked"]) for r, info in report["ranks"].items() if info.get("blocked")]
+    if blocked:
+        lines.append("where each rank was:")
+        for r, b in blocked:
+            lines += [f"  {line}" for line in _blocked_lines(r, b)]
     for r, info in report["ranks"].items():
         lines.append(f"last entries of rank {r}:")
         lines += [f"  {text}" for text in info["last"]]

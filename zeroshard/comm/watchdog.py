@@ -1,6 +1,6 @@
 """Hang watchdog and failure dumps: every live rank leaves its ledger behind, and the job ends.
 
-`Diagnostics` wraps a run on each rank (``zeroshard train`` does it for you):
+`Diagnostics` wraps a run on each rank (``zs.observe`` enters it, for ``zeroshard train`` and for your own loop):
 
 - it mirrors the ledger into a crash-safe ring file (zeroshard/comm/ring.py);
 - a daemon thread (`Watchdog`) polls the ledger; once the training thread has been blocked on a
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from zeroshard.comm.ledger import CollectiveRecord, Ledger
+from zeroshard.comm.stacks import WATCHDOG_THREAD, thread_stacks
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -52,6 +53,9 @@ def ledger_dir(run_dir: str | Path) -> Path:
 
 def describe(record: CollectiveRecord) -> str:
     unit = record.unit or "-"
+    if record.phase == "user":  # recorded by zeroshard.observe: the loop's own torch.distributed call
+        return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}), "
+                "the training loop's own torch.distributed call")
     return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}) "
             f"of unit {unit} in phase {record.phase or '-'}")
 
@@ -127,7 +131,8 @@ class Diagnostics:
     """Ring mirror, watchdog and failure dumps for one rank's run (a context manager)."""
 
     def __init__(self, ledger: Ledger, *, run_dir: str | Path, rank: int, world: int, hang_timeout_s: float,
-                 poll_s: float | None = None, ring_capacity: int = 8192) -> None:
+                 poll_s: float | None = None, ring_capacity: int = 8192,
+                 header: Callable[[], dict[str, Any]] | None = None) -> None:
         if hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={hang_timeout_s} must be > 0")
         self.ledger = ledger
@@ -138,6 +143,8 @@ class Diagnostics:
         # Time a failing rank gives its peers to dump before it goes (and the launcher kills them).
         self.grace_s = min(5.0, max(1.0, hang_timeout_s))
         self.ring_capacity = ring_capacity
+        self.header = header
+        """More fields for the dump's header (zeroshard.observe adds where the user's collectives came from)."""
         self.dump_path = ledger_dir(run_dir) / f"rank-{rank}.jsonl"
         self.channel: PeerChannel | None = None
         self._dumped = False
@@ -156,7 +163,7 @@ class Diagnostics:
             mirror.write(record)
         self._mirror = self.ledger.mirror = mirror
         self.channel = PeerChannel(self.rank, self.world)
-        self._thread = threading.Thread(target=self._watch, name="zeroshard-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=WATCHDOG_THREAD, daemon=True)
         self._thread.start()
         return self
 
@@ -180,10 +187,14 @@ class Diagnostics:
             if self._dumped:
                 return None
             self._dumped = True
+            extra: dict[str, Any] = {"hang_timeout_s": self.hang_timeout_s}
+            if reason != "finished":  # where every thread was: the blocked one may be outside our collectives
+                extra["stacks"] = thread_stacks()
+            if self.header is not None:
+                extra.update(self.header())
             try:
                 return self.ledger.dump(self.dump_path, rank=self.rank, world=self.world, reason=reason,
-                                        message=message, details=details,
-                                        extra={"hang_timeout_s": self.hang_timeout_s})
+                                        message=message, details=details, extra=extra)
             except OSError as e:  # a full or read-only disk must not stop the watchdog (the ring remains)
                 print(f"zeroshard: rank {self.rank} could not write {self.dump_path}: {e}", file=sys.stderr, flush=True)
                 return None

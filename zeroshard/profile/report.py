@@ -66,8 +66,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
 
 def _title(config: dict) -> str:
     train = config.get("train", {})
-    if not train:
-        return ""
+    if not train:  # a zs.observe run around a user's own loop
+        return f"world {config['world']}" if "world" in config else ""
     return (f"{train.get('model')} stage {train.get('stage')}, world {config.get('world')}, "
             f"batch {train.get('batch')}x{train.get('seq_len')}")
 

@@ -106,8 +106,9 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def end(self, step: int) -> dict[str, Any]:
-        """After step ``step`` (0-based): its profile (also kept, and written to the rank's file)."""
+    def end(self, step: int, tokens: int | None = None) -> dict[str, Any]:
+        """After step ``step`` (0-based): its profile (also kept, and written to the rank's file).
+        ``tokens``: the global batch's tokens this step, when they differ from ``tokens_per_step``."""
         now = time.perf_counter()
         self.ledger.poll()
         records = self.ledger.since(self._window_seq)
@@ -121,7 +122,8 @@ class StepProfiler:
         prof.update(comm_stats(records))
         prof.update(self._memory(samples))
         prof["samples_per_s"] = self.batch / step_s
-        prof["tokens_per_s"] = self.tokens_per_step / step_s
+        prof["tokens"] = self.tokens_per_step if tokens is None else tokens
+        prof["tokens_per_s"] = prof["tokens"] / step_s
         if self.flops is not None:
             prof["mfu"] = utilisation(self.flops["model"], prof["tokens_per_s"], self.world, self.peak_flops)
             prof["hfu"] = utilisation(self.flops["hardware"], prof["tokens_per_s"], self.world, self.peak_flops)
@@ -186,7 +188,7 @@ class StepProfiler:
             "mem_peak_mb": max((s["mem_peak_mb"] for s in self.steps), default=0.0),
             "mem_source": self.memory_source,
             "samples_per_s": self.batch * len(steps) / max(1e-12, sum(times)),
-            "tokens_per_s": self.tokens_per_step * len(steps) / max(1e-12, sum(times)),
+            "tokens_per_s": sum(s["tokens"] for s in steps) / max(1e-12, sum(times)),
             "peak_flops": self.peak_flops,
             "checkpoint_after_last_s": checkpoint_after_last_s,
         }
@@ -199,18 +201,27 @@ class StepProfiler:
 
 def for_run(run: Any, run_dir: str | Path | None) -> StepProfiler | None:
     """The profiler for a `zeroshard.step.Run` (None when ``cfg.profile`` is off)."""
-    from zeroshard.profile.flops import calibrate_peak_flops, gpt_flops
-    from zeroshard.sharding import get_engine
-
     cfg = run.cfg
     if not cfg.profile:
         return None
-    engine = get_engine(run.model)
-    flops = gpt_flops(run.model_cfg, recompute=engine.recompute is not None)
-    peak = cfg.peak_flops
+    return for_model(run.model, run.mesh, batch=cfg.batch, tokens_per_step=cfg.batch * cfg.seq_len,
+                     peak_flops=cfg.peak_flops, trace=cfg.trace, run_dir=run_dir)
+
+
+def for_model(model: Any, mesh: Any, *, batch: int = 0, tokens_per_step: int = 0, peak_flops: float | None = None,
+              trace: bool = False, run_dir: str | Path | None = None) -> StepProfiler:
+    """The profiler for a model on ``mesh`` (None: no per-unit memory and no MFU). MFU needs a zeroshard
+    GPT (its FLOPs per token); the peak is measured with a short matmul unless ``peak_flops`` is given."""
+    from zeroshard.profile.flops import calibrate_peak_flops, gpt_flops
+    from zeroshard.sharding import get_engine
+
+    engine = get_engine(model) if model is not None else None
+    recompute = engine is not None and engine.recompute is not None
+    flops = gpt_flops(getattr(model, "cfg", None), recompute=recompute)
+    peak = peak_flops
     if peak is None and flops is not None:
-        compute_dtype = engine.mp.param_dtype or torch.float32
-        peak = calibrate_peak_flops(run.mesh.device, compute_dtype)
-    return StepProfiler(rank=run.mesh.rank, world=run.mesh.world, device=run.mesh.device, batch=cfg.batch,
-                        tokens_per_step=cfg.batch * cfg.seq_len, engine=engine, flops=flops, peak_flops=peak,
-                        trace=cfg.trace, run_dir=run_dir)
+        compute_dtype = (engine.mp.param_dtype if engine is not None else None) or torch.float32
+        peak = calibrate_peak_flops(mesh.device, compute_dtype)
+    return StepProfiler(rank=mesh.rank, world=mesh.world, device=mesh.device, batch=batch,
+                        tokens_per_step=tokens_per_step, engine=engine, flops=flops, peak_flops=peak,
+                        trace=trace, run_dir=run_dir)
