@@ -105,15 +105,16 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                      "workspace is the optimizer's scratch")
     else:
         notes.append("activations not estimated: the formula covers zeroshard's GPT only")
-    if spec.checkpointing.policy != "none":
-        notes.append("activation checkpointing is planned only: the runtime does not implement it yet")
     if spec.offload != "none":
-        notes.append("offload is planned only: the runtime does not implement it yet")
+        notes.append(f"{spec.offload} offload keeps masters, optimizer state and the reduced grads off the device "
+                     f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"
+                     + ("; on a CPU run host and device are one memory" if device == "cpu" else ""))
     foreach = kwargs.get("foreach")
     estimator = Estimator(spec, inventory=None if spec.accounting == "textbook" else inventory, psi=psi,
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
-                          gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu")
+                          gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
+                          host_is_device=device == "cpu")
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),

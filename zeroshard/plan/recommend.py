@@ -10,7 +10,7 @@ resort when nothing fits cheaply:
    *activations* are its largest term, enable sqrt checkpointing on the cheaper layout instead
    (one extra forward beats ZeRO-3's 1.5x communication, and raising the stage does not divide
    activations at all);
-3. offload (optimizer, then params);
+3. cpu offload (``zs.shard(offload="cpu")``: masters and optimizer state in host memory);
 4. nothing: say how many ranks ZeRO-3 would need.
 """
 
@@ -157,22 +157,19 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
         return Recommendation(layout=plain.layout, checkpointing=str(base.spec.checkpointing), offload="none",
                               fits=True, reason=reason, device_mem=mem, candidates=tuple(cands), plan=base)
 
-    # 3. Offload, optimizer state first (params offload costs a host round trip every forward).
+    # 3. Offload: masters, optimizer state and the reduced grads to host memory, the step on the CPU.
     smallest = min(cands, key=lambda c: c.total_bytes)
     head = (f"nothing fits in {gb(mem)} on the device: the smallest, {pretty(smallest.layout)}, needs "
             f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
     tried = list(cands)
-    # A bare parameter count has no unit sizes, so params offload (which leaves only the all-gather
-    # window on the device) cannot be planned honestly there.
-    offloads = ("optimizer",) if base.mode == "analytic" else ("optimizer", "params")
-    for offload in offloads:
+    for offload in ("cpu",):
         off_plan = plan_with(offload=offload)
         off = _candidates(off_plan, net, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
         tried += off
         fit = next((c for c in off if c.fits), None)
         if fit is not None:
             host = off_plan[fit.layout].host_bytes
-            reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with {offload} offload fits with "
+            reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with cpu offload fits with "
                       f"{gb(mem - fit.total_bytes)} headroom, moving {gb(host)} per rank to host memory")
             return Recommendation(layout=fit.layout, checkpointing=str(base.spec.checkpointing), offload=offload,
                                   fits=True, reason=reason, device_mem=mem, candidates=tuple(tried), plan=off_plan)

@@ -1,5 +1,6 @@
 """What the planner is asked: the inputs of one plan, validated once, plus the small parsers
-(``80GB``, ``every:4``) the CLI and the library share.
+(``80GB``, ``7e9``) the CLI and the library share; checkpointing policies and offload kinds are the
+runtime's own.
 
 Every problem raises ``ValueError`` naming the field and the fix, so a bad flag never reaches the
 arithmetic.
@@ -14,10 +15,15 @@ from typing import Any
 
 import torch
 
+from zeroshard.offload.policy import OFFLOAD_KINDS
+from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.precision import MixedPrecision, parse_dtype
+from zeroshard.sharding.recompute import segment_bounds, segment_length
 
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-OFFLOADS = ("none", "optimizer", "params")
+OFFLOADS = OFFLOAD_KINDS
+"""The runtime's offload kinds: none, cpu (masters and optimizer state in host memory, the step on
+the CPU), disk (the same in files, stepped slice by slice)."""
 ACCOUNTINGS = ("runtime", "textbook")
 _SIZE_UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -57,32 +63,30 @@ def parse_count(text: str | int | float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpointing:
-    """Activation checkpointing policy over the transformer blocks.
+    """Activation checkpointing of the blocks, as the runtime does it (zeroshard/sharding/recompute.py).
 
-    ``none`` keeps every block's activations; ``all`` (= ``every:1``) keeps only block inputs and
-    recomputes one block at a time; ``every:k`` checkpoints every k-th block; ``sqrt`` keeps about
-    √L segment boundaries and recomputes one segment of about √L blocks, which trades one extra
-    forward for activation memory of about 2√L blocks instead of L.
+    The policy string is the runtime's and so is its meaning: ``segments`` are the runtime's own
+    (``segment_bounds``), each a run of consecutive blocks that keeps only its input and is rebuilt
+    whole in backward. ``every:K`` is segments of K blocks, ``all`` = ``every:1``, ``sqrt`` about
+    √L segments of about √L blocks.
     """
 
-    policy: str
-    every: int = 0
+    policy: str = "none"
 
     @classmethod
     def parse(cls, text: str | Checkpointing | None) -> Checkpointing:
         if isinstance(text, Checkpointing):
             return text
-        value = (text or "none").strip().lower()
-        if value in ("none", "all", "sqrt"):
-            return cls(value, 1 if value == "all" else 0)
-        match = re.fullmatch(r"every:([0-9]+)", value)
-        if match and int(match.group(1)) >= 1:
-            k = int(match.group(1))
-            return cls("all", 1) if k == 1 else cls("every", k)
-        raise ValueError(f"unknown checkpointing policy {text!r}; use none, all, every:K (K >= 1) or sqrt")
+        value = "none" if text is None else str(text)
+        segment_length(value, 1)  # the runtime's parser: what it refuses, the plan refuses
+        return cls(value)
+
+    def segments(self, blocks: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` block ranges recomputed together; empty without checkpointing."""
+        return segment_bounds(self.policy, blocks)
 
     def __str__(self) -> str:
-        return f"every:{self.every}" if self.policy == "every" else self.policy
+        return self.policy
 
 
 def resolve_optimizer(optimizer: Any) -> type:
@@ -154,13 +158,13 @@ class PlanSpec:
         _positive_int("batch", self.batch)
         _positive_int("seq", self.seq)
         _positive_int("accum", self.accum)
-        if self.stage is not None and self.stage not in STAGE_NAMES:
-            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
+        if self.stage is not None:
+            StagePolicy(self.stage)  # the runtime's own check
         if self.batch % (self.world * self.accum):
             raise ValueError(f"global batch {self.batch} does not split over world {self.world} × accum {self.accum}; "
                              f"use a multiple of {self.world * self.accum}")
         if self.offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)} (as zs.shard), got {self.offload!r}")
         if self.shard_size is not None:
             _positive_int("shard_size", self.shard_size)
             if self.world % self.shard_size:
