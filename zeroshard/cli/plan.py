@@ -7,7 +7,8 @@ on arithmetic rather than on "a higher stage is better".
   zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured
 
 A model is built on the meta device: planning allocates nothing. --measure runs one real step per
-stage on gloo CPU ranks and prints predicted against measured bytes per component.
+stage on gloo CPU ranks (with the same --checkpointing and --offload) and prints predicted against
+measured bytes per component.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rich.table import Table
 
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
+from zeroshard.offload.policy import OFFLOAD_KINDS
 
 
 def _unit(largest: int) -> tuple[float, str, int]:
@@ -76,7 +78,11 @@ def measure_table(checks) -> Table:
     table.add_section()
     table.add_row("model states", *[x for c in checks for x in (
         fmt(c.predicted.model_states), fmt(sum(c.measured[k] for k in ("params", "grads", "master", "optimizer"))))])
-    table.add_row("allocated peak", *[x for c in checks for x in (fmt(c.predicted.allocated), fmt(c.measured_total))])
+    if any(c.predicted_host or c.measured_host for c in checks):
+        table.add_row("host (offload)", *[x for c in checks for x in (fmt(c.predicted_host), fmt(c.measured_host))])
+    # With offload on CPU the measured peak holds host and device (one memory), and so does the prediction.
+    table.add_row("peak", *[x for c in checks for x in (fmt(c.predicted_peak or c.predicted.allocated),
+                                                          fmt(c.measured_total))])
     table.add_row("error: model states", *[x for c in checks for x in ("", f"{c.model_state_error:.1%}")])
     table.add_row("error: total", *[x for c in checks for x in ("", f"{c.total_error:.1%}")])
     return table
@@ -189,10 +195,11 @@ def add_parser(sub: Any) -> None:
     run_.add_argument("--optimizer", default="adamw", help="torch.optim name or module:Class (default: adamw); "
                       "its state size is found by running it")
     run_.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")
-    run_.add_argument("--checkpointing", default="none", help="activation checkpointing: none, all, every:K, sqrt "
-                      "(planned only until the runtime implements it); op and full for Llama shapes with --time")
-    run_.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
-                      help="also plan offload variants (planned only)")
+    run_.add_argument("--checkpointing", default="none", help="activation checkpointing as zs.shard does it: none, "
+                      "all, every:K (segments of K blocks), sqrt; op and full for Llama shapes with --time")
+    run_.add_argument("--offload", choices=OFFLOAD_KINDS, default="none",
+                      help="also plan offload variants: masters and optimizer state in host memory (cpu) or files "
+                           "(disk), as zs.shard(offload=)")
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
     run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
     run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")

@@ -55,6 +55,11 @@ class Transient:
     late_grads: int = 0
     """Part of the grads that the reductions create during backward (reduced copies and shards),
     so it is not there yet when backward starts."""
+    host_late: int = 0
+    """Offloaded: the host grads the reductions create during backward (absent at its start)."""
+    during_combined: int = 0
+    """Offloaded: ``during`` with the host grads counted as they are created, over device and host
+    states together (what one memory holds on a CPU run)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +188,11 @@ class Estimator:
         overlap = states_total + activations + t.window + t.buckets + workspace - allocated
         device = Components(**states, activations=activations, window=t.window, buckets=t.buckets,
                             workspace=workspace, headroom=int(round(self.spec.headroom * allocated)), overlap=overlap)
+        # Device and host together at the worst moment: what a CPU run, where they are one memory, measures.
+        host_total = sum(host.values())
+        during = t.during_combined if v.offload != "none" else t.during
+        combined = max(phases[0] + host_total - t.host_late, states_total + host_total + during,
+                       phases[2] + host_total)
         dtype = next(iter(self.master_dtypes))
         collectives = comm.step_collectives(
             stage=v.stage, world=self.spec.world, shards=v.shards, padded=padded, root_padded=root_padded,
@@ -191,7 +201,7 @@ class Estimator:
             gpus_per_node=self.gpus_per_node)
         return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.world // v.shards,
                           offload=v.offload, checkpointing=str(self.spec.checkpointing), device=device,
-                          host_bytes=sum(host.values()), host=host, collectives=collectives)
+                          host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives)
 
     @property
     def _bucket_bytes(self) -> int:
@@ -216,14 +226,17 @@ class Estimator:
             dev["params"] += (S * _size(m) if own else 0) if v.policy.shard_params else P * _size(c)
             moved["master"] += 0 if own else S * _size(m)  # stage 0: one shard = the whole buffer
             if g.trainable:
-                kept, late = self._grads(v, g)
+                kept, made = self._grads(v, g)
                 dev["grads"] += kept
-                moved["grads"] += late
-                late_of[id(g)] = 0 if off else late
+                moved["grads"] += made
+                late_of[id(g)] = made
         moved["optimizer"] = self._optimizer(groups, v)
-        late = [sum(late_of[id(g)] for g in u.groups) for u in units]
+        created = [sum(late_of[id(g)] for g in u.groups) for u in units]
+        late = [0] * len(units) if off else created  # device grads the reductions create
         window = self._window(units) if v.policy.shard_params else 0
         buckets, during, early, running = self._backward(units, v, late)
+        # Offloaded, the reductions create host grads instead: the same moments over both memories.
+        during_combined = self._backward(units, v, created)[1] if off else during
         if off:
             # No per-unit pipeline: the host step runs once every reduction has finished, in one
             # call over every segment. On a CPU run it lands in the same memory as the rest.
@@ -232,8 +245,13 @@ class Estimator:
         else:
             scratch = self._unit_scratch(units, v)
         step = max((s + sum(b for i, b in running if i > j) for j, s in enumerate(scratch)), default=0)
+        # Stages 0-1 reduce on the last micro-step only; 2-3 accumulating in shards have the host
+        # shard from the first micro-step on, so the last micro-step's backward starts with it.
+        unsharded = self.spec.accum == 1 or self.spec.accumulation == "unsharded"
+        host_late = host["grads"] if off and (unsharded or not v.policy.transient_grads) else 0
         transient = Transient(buckets=buckets, during=during, early=early, window=window,
-                              scratch=max(scratch, default=0), step=step, late_grads=sum(late))
+                              scratch=max(scratch, default=0), step=step, late_grads=sum(late), host_late=host_late,
+                              during_combined=during_combined)
         return dev, (host if off else {}), transient
 
     def _grads(self, v: Variant, g) -> tuple[int, int]:
@@ -454,9 +472,13 @@ class Estimator:
             return root + sum(blocks)
         live = 1 + self.spec.prefetch
         window = max((sum(blocks[i:i + live]) for i in range(len(blocks))), default=0)
-        # Rebuilding a checkpoint segment needs all of its units at once; the engine has already
-        # gathered its last unit and prefetched the ``prefetch`` before it for their backward.
         for a, b in self.spec.checkpointing.segments(len(blocks)):
+            # Forward: a segment runs inside its first unit's call, so that unit stays gathered
+            # while the last one runs and prefetches the ``prefetch`` after it.
+            ahead = blocks[b - 1:b - 1 + live]
+            window = max(window, sum(ahead) + (blocks[a] if a < b - 1 else 0))
+            # Backward: rebuilding needs all of its units at once; the engine has already gathered
+            # its last unit and prefetched the ``prefetch`` before it.
             window = max(window, sum(blocks[max(0, min(a, b - live)):b]))
         return root + window
 

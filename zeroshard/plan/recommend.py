@@ -166,7 +166,10 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
         off_plan = plan_with(offload=offload)
         off = _candidates(off_plan, net, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
         tried += off
-        fit = next((c for c in off if c.fits), None)
+        # Among equally cheap ones, the one that moves the least to the host (DDP would move every master).
+        floor = min((c.comm_seconds for c in off if c.comm_seconds > 0), default=1.0)
+        fit = min((c for c in off if c.fits), default=None,
+                  key=lambda c: (round(c.comm_seconds / floor, 2), off_plan[c.layout].host_bytes))
         if fit is not None:
             host = off_plan[fit.layout].host_bytes
             reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with cpu offload fits with "

@@ -85,6 +85,9 @@ class LayoutPlan:
     collectives: tuple[Collective, ...]
     host: dict[str, int] = dataclasses.field(default_factory=dict)
     """``host_bytes`` by component (master, optimizer, grads); empty without offload."""
+    combined_peak: int = 0
+    """Device and host bytes together at the step's worst moment (the allocated peak without
+    offload): what a CPU run measures, where host and device are one memory."""
 
     @property
     def comm_bytes(self) -> int:
@@ -94,6 +97,7 @@ class LayoutPlan:
         out: dict[str, Any] = {f"{k}_bytes": v for k, v in self.device.as_dict().items()}
         out.update(overlap_bytes=self.device.overlap, model_states_bytes=self.device.model_states,
                    allocated_bytes=self.device.allocated, total_bytes=self.device.total, host_bytes=self.host_bytes,
+                   combined_peak_bytes=self.combined_peak,
                    comm_bytes=self.comm_bytes,
                    stage=self.stage, shard_size=self.shard_size, replicas=self.replicas, offload=self.offload,
                    checkpointing=self.checkpointing, host={f"{k}_bytes": v for k, v in self.host.items()},
