@@ -36,7 +36,8 @@ def plan_table(p) -> Table:
     div, unit, digits = _unit(max(p[n].device.total for n in names))
     spec = p.spec
     what = (f"{p.model.name}: {p.params / 1e6:,.1f}M params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)")
-    table = Table(title=f"{what}, per-rank {unit}, world {spec.world}",
+    where = f"world {spec.world}" + (f" = {spec.dp} data-parallel x tp {spec.tp}" if spec.tp > 1 else "")
+    table = Table(title=f"{what}, per-rank {unit}, {where}",
                   caption=f"micro-batch {spec.micro_batch} x seq {spec.seq}, accum {spec.accum}, "
                           f"{spec.optimizer.__name__}, {spec.accounting} accounting; decimal units"
                           + (f"; {p.model.tied} tied param(s) counted once" if p.model and p.model.tied else ""))
@@ -99,7 +100,8 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
                   seq=args.seq, accum=args.accum, checkpointing=args.checkpointing, prefetch=args.prefetch,
                   bucket_mb=args.bucket_mb, headroom=args.headroom, accounting=args.accounting,
-                  device="cpu" if args.measure else args.device)
+                  device="cpu" if args.measure else args.device, tp=args.tp,
+                  sequence_parallel=args.sequence_parallel)
     return target, kwargs
 
 
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if rec:
         pick = rec.layout or "nothing fits"
         extra = "" if rec.checkpointing == "none" else f" + {rec.checkpointing} checkpointing"
+        extra += f" with tp {rec.tp}" if rec.tp > 1 else ""
         console.print(f"[bold]recommendation:[/bold] {pick}{extra} - {rec.reason}")
     if checks:
         console.print(measure_table(checks))
@@ -184,7 +187,11 @@ def add_parser(sub: Any) -> None:
                       "device (Llama shapes: --time only)")
     what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
     run_ = p.add_argument_group("the run")
-    run_.add_argument("--world", type=int, help="data-parallel ranks (required unless --time --sweep)")
+    run_.add_argument("--world", type=int, help="ranks in all: data-parallel x --tp (required unless --time --sweep)")
+    run_.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: consecutive ranks each block is "
+                      "split over (Megatron column/row split of zeroshard's GPT; default: 1)")
+    run_.add_argument("--sequence-parallel", action="store_true", help="with --tp: also split the norms' and "
+                      "residual's activations along the sequence")
     run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
                       "the one measured by --measure); every stage is planned")
     run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")

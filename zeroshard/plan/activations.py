@@ -50,15 +50,22 @@ class ActivationEstimate:
         return self.saved + self.recompute
 
 
-def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing) -> ActivationEstimate:
+def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing,
+                    tp: int = 1, sequence_parallel: bool = False) -> ActivationEstimate:
+    """Per rank. Under tensor parallelism (Megatron's split, zeroshard.plan.tp) the tensors inside
+    the split linears are divided by ``tp``: qkv, the attention output, fc and GELU (4·C + 2·hidden
+    per token) and the heads' log-sum-exp; the block input, the norms' outputs and the residual
+    (4·C) stay whole on every tp rank unless ``sequence_parallel`` splits them along the sequence
+    too (Megatron's accounting; the embeddings and the head are not split)."""
     C, L, V, h = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
     hidden = cfg.mlp_ratio * C
     tokens = micro_batch * seq
     c = compute_bytes
+    whole = 1 if not sequence_parallel else tp  # divides what the layer split leaves whole
     # 8·C outside the MLP plus its two hidden-size tensors: 16·C for the usual 4× MLP.
-    per_layer = tokens * ((8 * C + 2 * hidden) * c + 4 * c + 4 * h)
+    per_layer = tokens * ((4 * C * c + 4 * c) // whole + (4 * C + 2 * hidden) * c // tp + 4 * h // tp)
     root = tokens * (2 * C * c + 2 * c + 4 * V + 16) + seq * 8 + 4
-    boundary = tokens * C * c  # what a checkpointed block keeps: its input
+    boundary = tokens * C * c // whole  # what a checkpointed block keeps: its input
 
     segments = tuple(policy.segments(L))
     if not segments:
@@ -70,6 +77,6 @@ def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, poli
     # At backward's start the fp32 log-prob gradient and the logits gradient coexist; inside a block
     # the MLP's hidden-size gradients dominate (GELU's input and output grads, plus the residual).
     head = tokens * V * 4 * 2 + (tokens * V * c if c != 4 else 0)
-    block = tokens * (2 * hidden + 3 * C + 2 * C) * c
+    block = tokens * (2 * hidden // tp + 5 * C // whole) * c
     return ActivationEstimate(saved=saved + root, recompute=recompute, workspace=max(head, block),
                               per_layer=per_layer, root=root, boundary=boundary, head=head, block=block, segments=segments)

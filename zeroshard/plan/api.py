@@ -13,6 +13,7 @@ from zeroshard.plan.inventory import Inventory, meta_gpt
 from zeroshard.plan.memory import Estimator, variants
 from zeroshard.plan.result import Plan
 from zeroshard.plan.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
+from zeroshard.plan.tp import TensorParallel, layer_collectives
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import UnitsArg
 
@@ -61,7 +62,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          shard_size: int | None = None, prefetch: int = 1, reshard_after_forward: bool = True,
          bucket_mb: float = 25.0, headroom: float = 0.10, accounting: str | None = None,
          accumulation: str = "sharded", units: UnitsArg = None, device: str = "cuda",
-         gpus_per_node: int | None = None) -> Plan:
+         gpus_per_node: int | None = None, tp: int = 1, sequence_parallel: bool = False) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -70,7 +71,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
     which sets its scratch. Reductions complete asynchronously on both backends (NCCL's stream,
     gloo's worker threads), so the grad buffers in flight are planned the same way for both: the
-    bound the engine's cap on in-flight reductions guarantees. See docs/planner.md.
+    bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
+    blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
+    parallel); see zeroshard/plan/tp.py and docs/planner.md.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -80,26 +83,39 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                          "or use accounting='textbook' with a bare parameter count")
     optim_cls = resolve_optimizer(optimizer)
     kwargs = dict(optimizer_kwargs or {})
+    split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
     inventory, cfg = None, None
+    notes = []
     if analytic:
         psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
+        if tp > 1:  # no layers to tell split params from replicated ones
+            psi //= tp
+            notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
     else:
         model, name, cfg, seq = _resolve_model(model_or_config, seq)
-        inventory = Inventory(model, name=name, units=units, gpt=cfg)
+        if tp > 1 and cfg is None:
+            raise ValueError(f"tp={tp} is planned for zeroshard's GPT (its Megatron split of attention and MLP); "
+                             "plan a preset or a GPTConfig, or tp=1")
+        if cfg is not None:
+            split.check_gpt(cfg)
+        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split)
         psi, frozen = inventory.facts.trainable, inventory.facts.frozen
     spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
-                    optimizer_kwargs=kwargs, batch=batch or world * accum, seq=seq, accum=accum,
+                    optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,
                     checkpointing=Checkpointing.parse(checkpointing), offload=offload, shard_size=shard_size,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                     headroom=headroom, accounting=accounting or ("textbook" if analytic else "runtime"),
-                    accumulation=accumulation)
-    notes = []
+                    accumulation=accumulation, tp=tp, sequence_parallel=sequence_parallel)
     activations = None
+    tp_comm: tuple = ()
     if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
         compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
-        activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq,
-                                      compute_bytes=torch.empty(0, dtype=compute).element_size(),
-                                      policy=spec.checkpointing)
+        c = torch.empty(0, dtype=compute).element_size()
+        activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
+                                      policy=spec.checkpointing, tp=tp, sequence_parallel=sequence_parallel)
+        tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
+                                    micro_steps=spec.accum, gpus_per_node=gpus_per_node,
+                                    rebuilt_layers=cfg.n_layer if activations.segments else 0)
     elif analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
                      "workspace is the optimizer's scratch")
@@ -114,7 +130,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
-                          host_is_device=device == "cpu")
+                          host_is_device=device == "cpu", tp_collectives=tp_comm)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),

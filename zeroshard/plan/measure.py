@@ -283,20 +283,13 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
     tracker, peak, method = _peak_tracker(mesh.device, externals)
     saved: dict[str, int] = {}  # "peak": the most activation bytes one micro-step saved
-    grads: dict[int, int] = {}
-    host_grads: dict[int, int] = {}
+    states: dict[str, int] = {}
 
     def read_grads() -> None:
         # Read after the optimizer step, when every reduction has finished: were one still pending (an
         # engine may leave the last ones to the step), reading its shard would wait for it and change
         # the step being measured. The step frees no grads; zeroing them comes after this.
-        if not offloaded:
-            grads.update(_storages([t for g in groups for t in (g.grad_full, g.grad_shard)]))
-            return
-        # Offloaded, the reduced shards are the host's (unless one is the device buffer itself:
-        # stage 0 on CPU, where the copy to the host is a no-op).
-        grads.update(_storages([g.grad_full for g in groups]))
-        host_grads.update({k: v for k, v in _storages([g.grad_shard for g in groups]).items() if k not in grads})
+        states.update(model_state_bytes(model, opt))
 
     sampler = _GradSampler(engine)
     with tracker, warnings.catch_warnings(), sampler.inside_hooks(), _reductions_finish_when_waited():
@@ -305,20 +298,44 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(saved, tracker), before_zero_grad=read_grads)
     sampler.close()
-    full = _storages([g.full for g in groups]) if stage < 3 else {}
-    own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) \
-        if stage == 3 and not offloaded else {}
-    params = {**full, **own}
-    master = {k: v for k, v in _storages([g.shard for g in groups]).items() if k not in params}
-    state = _storages([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
-    host = {"master": sum(master.values()), "optimizer": sum(state.values()), "grads": sum(host_grads.values())}
+    host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
-        "params": sum(params.values()), "grads": sum(grads.values()),
-        "master": 0 if offloaded else host["master"], "optimizer": 0 if offloaded else host["optimizer"],
-        "host": host if offloaded else {}, "activations": saved.get("peak", 0),
+        **{k: states[k] for k in MODEL_STATES}, "host": host if offloaded else {}, "activations": saved.get("peak", 0),
         "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
         "total": int(peak()), "method": method, "max_inflight_reductions": engine.max_inflight_reductions,
     }
+    return out
+
+
+def model_state_bytes(model, opt) -> dict[str, int]:
+    """This rank's model-state bytes of a ``zs.shard`` model and its ``zs.optimizer``, read from the
+    storages (each once): ``params``, ``grads``, ``master`` and ``optimizer`` on the device, and
+    ``host_master``, ``host_optimizer``, ``host_grads`` when offloaded. What the plan's model states
+    predict (``plan[layout].device``, ``.host``); call it after the optimizer step and before
+    ``zero_grad`` (``one_step(before_zero_grad=)``), while the grads still exist. Under tensor
+    parallelism the buffers hold each param's tp-local part, so the same reading checks a (shard, tp)
+    plan."""
+    from zeroshard.sharding import get_engine
+
+    engine = get_engine(model)
+    groups, offloaded = engine.groups, engine.store is not None
+    full = _storages([g.full for g in groups]) if not engine.policy.shard_params else {}
+    # Stage 3 keeps only the shard, which is the param when the dtypes agree and it is not offloaded.
+    own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) \
+        if engine.policy.shard_params and not offloaded else {}
+    params = {**full, **own}
+    master = {k: v for k, v in _storages([g.shard for g in groups]).items() if k not in params}
+    state = _storages([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+    device_grads = _storages([g.grad_full for g in groups] + ([] if offloaded else [g.grad_shard for g in groups]))
+    # Offloaded, the reduced shards are the host's (unless one is the device buffer itself: stage 0
+    # on CPU, where the copy to the host is a no-op).
+    host_grads = {k: v for k, v in _storages([g.grad_shard for g in groups]).items() if k not in device_grads} \
+        if offloaded else {}
+    out = {"params": sum(params.values()), "grads": sum(device_grads.values()),
+           "master": 0 if offloaded else sum(master.values()), "optimizer": 0 if offloaded else sum(state.values())}
+    if offloaded:
+        out.update(host_master=sum(master.values()), host_optimizer=sum(state.values()),
+                   host_grads=sum(host_grads.values()))
     return out
 
 
@@ -349,6 +366,9 @@ def request(plan: Plan, stages: tuple[int, ...]) -> dict:
     spec = plan.spec
     if plan.model is None or plan.model.gpt is None:
         raise ValueError("--measure runs zeroshard's GPT; plan a preset (--model small) or a GPTConfig")
+    if spec.tp > 1:
+        raise ValueError("--measure runs data parallelism only; check a tp plan's model states with "
+                         "zeroshard.plan.measure.model_state_bytes on a tensor-parallel run")
     if spec.offload != "none" and spec.hybrid:
         raise ValueError("--measure checks offload over the whole world; drop --shard-size or --offload")
     if spec.offload == "disk":

@@ -99,12 +99,12 @@ class Variant:
 
 
 def variants(spec: PlanSpec) -> list[Variant]:
-    """DDP and ZeRO-1/2/3 over the whole world, plus hybrid and offload variants when asked."""
-    out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.world) for s in range(4)]
+    """DDP and ZeRO-1/2/3 over every data-parallel rank, plus hybrid and offload variants when asked."""
+    out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.dp) for s in range(4)]
     if spec.hybrid and spec.shard_size is not None:  # hybrid means a shard size below the world
         out += [Variant(name=f"{STAGE_NAMES[s]}_hybrid", stage=s, shards=spec.shard_size) for s in (1, 2, 3)]
     if spec.offload != "none":  # zs.shard offloads at every stage
-        out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=1 if s == 0 else spec.world,
+        out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=1 if s == 0 else spec.dp,
                         offload=spec.offload) for s in range(4)]
     return out
 
@@ -125,7 +125,8 @@ class Estimator:
     def __init__(self, spec: PlanSpec, *, inventory: Inventory | None = None, psi: int = 0, frozen: int = 0,
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS,
-                 reduce_in_place: bool = False, host_is_device: bool = False) -> None:
+                 reduce_in_place: bool = False, host_is_device: bool = False,
+                 tp_collectives: tuple[comm.Collective, ...] = ()) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.spec = spec
@@ -137,6 +138,7 @@ class Estimator:
         # .to(master device)), so a reduced grad may stay the device buffer, and the host step's
         # scratch lands in the same memory as everything else.
         self.host_is_device = host_is_device
+        self.tp_collectives = tp_collectives  # per step, the same for every layout (zeroshard.plan.tp)
         self.gpus_per_node = gpus_per_node
         self.inventory = inventory
         self.psi, self.frozen = psi, frozen
@@ -194,12 +196,14 @@ class Estimator:
         combined = max(phases[0] + host_total - t.host_late, states_total + host_total + during,
                        phases[2] + host_total)
         dtype = next(iter(self.master_dtypes))
+        # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
+        dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // self.spec.tp)
         collectives = comm.step_collectives(
-            stage=v.stage, world=self.spec.world, shards=v.shards, padded=padded, root_padded=root_padded,
+            stage=v.stage, world=self.spec.dp, shards=v.shards, padded=padded, root_padded=root_padded,
             compute_bytes=_size(self.compute(dtype)), reduce_bytes=_size(self.reduce(dtype)), accum=self.spec.accum,
             accumulation=self.spec.accumulation, reshard_after_forward=self.spec.reshard_after_forward,
-            gpus_per_node=self.gpus_per_node)
-        return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.world // v.shards,
+            gpus_per_node=dp_per_node) + self.tp_collectives
+        return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.dp // v.shards,
                           offload=v.offload, checkpointing=str(self.spec.checkpointing), device=device,
                           host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives)
 
@@ -487,8 +491,9 @@ class Estimator:
         or added into the flat buffer."""
         if self.inventory is None:
             return 0
-        refs = [r for s in self.inventory.specs for r in s.refs if r.param.requires_grad]
-        return max((r.param.numel() * _size(self.compute(r.param.dtype)) for r in refs), default=0)
+        inv = self.inventory
+        refs = [r for s in inv.specs for r in s.refs if r.param.requires_grad]
+        return max((inv.local_numel(r) * _size(self.compute(r.param.dtype)) for r in refs), default=0)
 
     # -- textbook accounting ------------------------------------------------------------------
     def _textbook(self, v: Variant) -> tuple[dict[str, int], Transient, int, int]:

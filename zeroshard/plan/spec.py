@@ -128,7 +128,10 @@ def resolve_mp(mp: MixedPrecision | str | None, *, analytic: bool) -> MixedPreci
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSpec:
-    """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``."""
+    """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``.
+
+    ``world`` counts every rank: ``tp`` consecutive ranks split each layer (tensor parallelism) and
+    the ``world / tp`` data-parallel ranks (``dp``) shard and replicate as the stage says."""
 
     world: int
     stage: int | None = None
@@ -152,23 +155,35 @@ class PlanSpec:
     accumulation: str = "sharded"
     """Stages 2-3 with accum > 1: "sharded" reduce-scatters every micro-step into the 1/N grad shard;
     "unsharded" keeps full grads across micro-steps (as ``zs.shard(accumulation=)``)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks one layer is split over (Megatron's column/row split)."""
+    sequence_parallel: bool = False
+    """With tp > 1: also split the norms' and residual's activations along the sequence."""
 
     def __post_init__(self) -> None:
         _positive_int("world", self.world)
         _positive_int("batch", self.batch)
         _positive_int("seq", self.seq)
         _positive_int("accum", self.accum)
+        _positive_int("tp", self.tp)
+        if self.world % self.tp:
+            raise ValueError(f"tp {self.tp} does not divide world {self.world}; the world is data-parallel ranks × tp, "
+                             "so pick a tp that divides it")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the sequence over the tp ranks; it needs tp > 1")
         if self.stage is not None:
             StagePolicy(self.stage)  # the runtime's own check
-        if self.batch % (self.world * self.accum):
-            raise ValueError(f"global batch {self.batch} does not split over world {self.world} × accum {self.accum}; "
-                             f"use a multiple of {self.world * self.accum}")
+        if self.batch % (self.dp * self.accum):
+            where = f"world {self.world}" if self.tp == 1 else f"{self.dp} data-parallel ranks"
+            raise ValueError(f"global batch {self.batch} does not split over {where} × accum {self.accum}; "
+                             f"use a multiple of {self.dp * self.accum}")
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)} (as zs.shard), got {self.offload!r}")
         if self.shard_size is not None:
             _positive_int("shard_size", self.shard_size)
-            if self.world % self.shard_size:
-                raise ValueError(f"shard_size {self.shard_size} does not divide world {self.world}; pick a divisor")
+            if self.dp % self.shard_size:
+                raise ValueError(f"shard_size {self.shard_size} does not divide the {self.dp} data-parallel ranks; "
+                                 "pick a divisor")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (all-gathers in flight ahead of compute), got {self.prefetch!r}")
         if not self.bucket_mb > 0:
@@ -181,9 +196,14 @@ class PlanSpec:
             raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {self.accumulation!r}")
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that see different batches, and shard and reduce together."""
+        return self.world // self.tp
+
+    @property
     def micro_batch(self) -> int:
-        """Sequences per rank per micro-step: what activations scale with."""
-        return self.batch // (self.world * self.accum)
+        """Sequences per rank per micro-step: what activations scale with (a tp group shares them)."""
+        return self.batch // (self.dp * self.accum)
 
     @property
     def tokens(self) -> int:
@@ -191,7 +211,7 @@ class PlanSpec:
 
     @property
     def hybrid(self) -> bool:
-        return self.shard_size is not None and self.shard_size < self.world
+        return self.shard_size is not None and self.shard_size < self.dp
 
     def describe(self) -> dict[str, Any]:
         def name(d: torch.dtype | None) -> str | None:
@@ -204,6 +224,7 @@ class PlanSpec:
             "reshard_after_forward": self.reshard_after_forward, "headroom": self.headroom,
             "accounting": self.accounting, "accumulation": self.accumulation, "optimizer": self.optimizer.__name__,
             "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
+            "tp": self.tp, "dp": self.dp, "sequence_parallel": self.sequence_parallel,
         }
 
 
