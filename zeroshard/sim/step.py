@@ -10,7 +10,12 @@ The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch
   engine's ``MAX_INFLIGHT_REDUCTIONS`` are pending, so compute can stall on communication;
 - hybrid layouts all-reduce each reduced shard across replicas when the reduction is finished,
   which the engine does synchronously (a blocking call on the compute timeline);
-- stages 1-2 all-gather the updated params after the optimizer step.
+- stages 1-2 all-gather the updated params after the optimizer step;
+- with accumulation (``Workload.accum`` micro-steps), as inside ``zs.no_sync``: every micro-step
+  runs its forward and backward, stage 3 gathering every unit again (the root too: backward's end
+  reshards everything); stages 0-1 reduce only in the last micro-step (their full grads accumulate
+  locally), stages 2-3 in every one (into the grad shard). A micro-step's last reductions are left
+  running into the next micro-step's forward and finished at its backward's first grad.
 
 Collectives share one communication timeline in launch order (they compete for the same links).
 Anything on it that compute had to wait for is exposed; the rest is hidden.
@@ -149,40 +154,59 @@ def _buckets(sizes: list[float], bucket_bytes: float) -> list[float]:
 
 
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
-    """One step of ``w`` on ``layout`` over ``hw``."""
+    """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
     d = _durations(w, hw)
     pol, s = layout.policy, w.shape
     comm = _Timeline(hw, layout)
-    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
-    block_param = s.block_params * layout.param_bytes
-    # Forward: the root (embeddings) first, then each block, gathered k ahead at stage 3.
-    t = comm.launch("all_gather", s.root_params * layout.param_bytes, group, 0.0) if pol.shard_params else 0.0
-    ready = [0.0] * L
-    if pol.shard_params:
-        for i in range(min(k, L)):
-            ready[i] = comm.launch("all_gather", block_param, group, 0.0)
-    for i in range(L):
-        start = max(t, ready[i])
-        if pol.shard_params and i + k < L:
-            ready[i + k] = comm.launch("all_gather", block_param, group, start)
-        t = start + d.block_fwd
-    t += d.root_fwd + d.root_bwd
-    t = _backward(w, layout, d, comm, t)
-    compute = L * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd
+    t, carried = 0.0, []
+    for micro in range(w.accum):
+        t = _forward(w, layout, d, comm, t)
+        t += d.root_fwd + d.root_bwd
+        last = micro == w.accum - 1
+        t, carried = _backward(w, layout, d, comm, t, carried=carried,
+                               reduce=last or pol.transient_grads, finish=last)
+    compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
+    group = layout.shard_group
     optimizer = s.params / (group if pol.shard_optimizer else 1) * ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
     t += optimizer
     if pol.shard_optimizer and not pol.shard_params:
         t = comm.launch("all_gather", s.params * layout.param_bytes, group, t)
     exposed = max(0.0, t - compute - optimizer)
-    tokens = w.tokens
-    breakdown = dict(d.parts) | {"optimizer": optimizer, "exposed comm": exposed}
+    tokens = w.tokens * w.accum
+    breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown)
 
 
-def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float) -> float:
-    """Blocks in reverse with their gathers and reductions; returns when the last reduction is done."""
+def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float) -> float:
+    """One micro-step's forward from ``t``: the root (embeddings) first, then each block, gathered
+    ``prefetch`` ahead at stage 3."""
+    pol, s = layout.policy, w.shape
+    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
+    block_param = s.block_params * layout.param_bytes
+    start_at = t
+    if pol.shard_params:
+        t = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at)
+    ready = [start_at] * L
+    if pol.shard_params:
+        for i in range(min(k, L)):
+            ready[i] = comm.launch("all_gather", block_param, group, start_at)
+    for i in range(L):
+        start = max(t, ready[i])
+        if pol.shard_params and i + k < L:
+            ready[i + k] = comm.launch("all_gather", block_param, group, start)
+        t = start + d.block_fwd
+    return t
+
+
+def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float, *,
+              carried: list[tuple[float, float]] | None = None, reduce: bool = True,
+              finish: bool = True) -> tuple[float, list[tuple[float, float]]]:
+    """Blocks in reverse with their gathers and, when ``reduce``, their reductions. The ``carried``
+    reductions of the previous micro-step are finished at the first grad. With ``finish`` the step
+    waits for the last reductions (the optimizer reads every shard); otherwise they are returned
+    still running. Returns (time, reductions still running)."""
     pol, s = layout.policy, w.shape
     group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
     block_param, block_grad = s.block_params * layout.param_bytes, s.block_params * layout.reduce_bytes
@@ -198,8 +222,8 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
     reduce_group = group if pol.shard_optimizer else layout.world  # DDP all-reduces over everyone
     spans_replicas = layout.world > comm.hw.gpus_per_node
-    pending: list[tuple[float, float]] = []  # (reduce done, replica all-reduce bytes)
-    next_unit = 0
+    pending: list[tuple[float, float]] = list(carried or [])  # (reduce done, replica all-reduce bytes)
+    next_unit = 0 if reduce else len(units)
     # The replicate group is its own process group (its own stream), but the engine waits on it.
     across = _Timeline(comm.hw, layout)
 
@@ -210,6 +234,8 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
             now = across.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas)
         return now
 
+    while pending:  # the previous micro-step's, finished at this backward's first grad
+        t = finish_oldest(t)
     for step, i in enumerate(range(L - 1, -1, -1)):
         start = max(t, ready[i])
         j = i - k
@@ -223,11 +249,11 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
             t = finish_oldest(t)
     for u in range(next_unit, len(units)):  # the root's reduction
         pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
-    while pending:
+    while pending and finish:
         t = finish_oldest(t)
     comm.busy += across.busy
     comm.wire += across.wire
-    return t
+    return t, pending
 
 
 def _bucket_ends(sizes: list[float], units: list[float]) -> list[int]:
