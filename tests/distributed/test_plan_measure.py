@@ -58,7 +58,9 @@ def result(planned, spawned):
     for c in out:  # the table for the log (pytest -s)
         print(f"{c.layout}: model states {c.predicted.model_states} vs "
               f"{sum(c.measured[k] for k in ('params', 'grads', 'master', 'optimizer'))}, "
-              f"allocated {c.predicted.allocated} vs {c.measured_total} ({c.total_error:.1%})")
+              f"allocated {c.predicted.allocated} vs {c.measured_total} ({c.total_error:.1%}); " +
+              ", ".join(f"{k} {getattr(c.predicted, k)} vs {c.measured[k]}" for k in MEASURED) +
+              f", workspace-overlap {c.predicted.workspace - c.predicted.overlap} vs {c.measured['workspace']}")
     return {c.layout: c for c in out}
 
 

@@ -203,3 +203,26 @@ def test_accumulation_replays_what_no_sync_does(stage):
     assert rg.tokens_per_s_per_gpu == pytest.approx(G * one.tokens / rg.step_s)
     with pytest.raises(ValueError, match="accum"):
         _small_workload(accum=0)
+
+
+def test_tp_splits_compute_and_puts_its_all_reduces_on_the_critical_path():
+    """tp=2 on 8 GPUs: the matmuls and attention of each block halve; each block adds 2 all-reduces
+    of tokens x hidden activations in forward and 2 in backward, on the intra-node link, blocking;
+    ZeRO runs over the 4 data-parallel ranks with half of each block's params."""
+    from zeroshard.sim.network import collective_seconds
+
+    w = _small_workload()
+    s, tp = w.shape, 2
+    plain = simulate(w, H100, Layout(world=4, stage=3))
+    split = simulate(w, H100, Layout(world=8, stage=3, tp=tp))
+    L, d1 = s.n_layer, w.block_gemm_flops / (H100.peak_flops * H100.gemm_efficiency)
+    assert plain.compute_s - split.compute_s == pytest.approx(
+        3 * L * (d1 + w.block_attention_flops / (H100.peak_flops * H100.attention_efficiency)) / tp)
+    one = collective_seconds("all_reduce", w.tokens * s.hidden * w.compute_bytes, tp, H100, spans=False)
+    assert split.exposed_comm_s >= 4 * L * one  # the tp all-reduces cannot hide
+    assert split.tokens_per_s_per_gpu == pytest.approx(w.tokens / tp / split.step_s)
+    tp_wire = 4 * L * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, tp)
+    zero = split.wire_bytes - tp_wire  # ZeRO's share: half of every block, the whole root, same dp group
+    assert plain.wire_bytes / 2 < zero < plain.wire_bytes
+    with pytest.raises(ValueError, match="tp 3"):
+        Layout(world=8, stage=3, tp=3)
