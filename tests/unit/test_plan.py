@@ -13,9 +13,9 @@ from zeroshard.models import GPT, GPTConfig
 from zeroshard.plan import COMPONENTS, Network, plan, probe
 from zeroshard.plan.activations import gpt_activations
 from zeroshard.plan.inventory import Inventory
-from zeroshard.plan.memory import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.plan.recommend import recommend
 from zeroshard.plan.spec import Checkpointing, parse_bytes, parse_count
+from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.layout import FlatLayout
 
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3")

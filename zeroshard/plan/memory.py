@@ -25,7 +25,8 @@ from zeroshard.plan.inventory import CommUnit, Inventory
 from zeroshard.plan.optim_probe import OptimStateCost, probe
 from zeroshard.plan.result import Components, LayoutPlan
 from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
-from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS  # the engine's cap, imported: one value, not two copies
+# The engine's constants, imported: one value, not two copies.
+from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
 
@@ -348,10 +349,12 @@ class Estimator:
             window = 0
             if v.policy.shard_params:
                 # Its grads complete before it is resharded. Its backward prefetched the next
-                # ``prefetch`` units; the root stays gathered until backward ends. Without
+                # ``prefetch`` units (issued once BACKWARD_PREFETCH_AT of its grads are ready, so by
+                # its last one); the root stays gathered until backward ends. Without
                 # reshard_after_forward, every unit not yet through backward is still gathered.
                 k = next((j for j, b in enumerate(blocks) if b is u), len(blocks))
-                ahead = blocks[k:] if not spec.reshard_after_forward else blocks[k:k + 1 + spec.prefetch]
+                prefetched = spec.prefetch if BACKWARD_PREFETCH_AT <= 1 else 0
+                ahead = blocks[k:] if not spec.reshard_after_forward else blocks[k:k + 1 + prefetched]
                 window = root + sum(b.full_bytes(compute_map) for b in ahead)
             per_param = flat = reduced = cast = 0
             for g in u.groups:
