@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.plan.activations import gpt_activations
+from zeroshard.plan.activations import ActivationEstimate, gpt_activations
+from zeroshard.plan.comm import Collective
 from zeroshard.plan.inventory import Inventory, meta_gpt
 from zeroshard.plan.memory import Estimator, variants
 from zeroshard.plan.result import Plan
@@ -54,6 +55,19 @@ def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, st
         return model_or_config, type(model_or_config).__name__, cfg, seq
     raise ValueError(f"cannot plan {type(model_or_config).__name__}: pass an nn.Module, a GPTConfig, a preset name "
                      "(tiny, small, medium) or a parameter count such as 7e9")
+
+
+def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: TensorParallel,
+                            gpus_per_node: int | None) -> tuple[ActivationEstimate, tuple[Collective, ...]]:
+    """Our GPT's activations per rank and its tp collectives per step (none at tp=1)."""
+    compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
+    c = torch.empty(0, dtype=compute).element_size()
+    activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
+                                  policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel)
+    tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
+                                micro_steps=spec.accum, gpus_per_node=gpus_per_node,
+                                rebuilt_layers=cfg.n_layer if activations.segments else 0)
+    return activations, tp_comm
 
 
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
@@ -106,16 +120,10 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                     headroom=headroom, accounting=accounting or ("textbook" if analytic else "runtime"),
                     accumulation=accumulation, tp=tp, sequence_parallel=sequence_parallel)
-    activations = None
-    tp_comm: tuple = ()
+    activations: ActivationEstimate | None = None
+    tp_comm: tuple[Collective, ...] = ()
     if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
-        compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
-        c = torch.empty(0, dtype=compute).element_size()
-        activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
-                                      policy=spec.checkpointing, tp=tp, sequence_parallel=sequence_parallel)
-        tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
-                                    micro_steps=spec.accum, gpus_per_node=gpus_per_node,
-                                    rebuilt_layers=cfg.n_layer if activations.segments else 0)
+        activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
     elif analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
                      "workspace is the optimizer's scratch")
