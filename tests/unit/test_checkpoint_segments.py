@@ -81,3 +81,14 @@ def test_a_policy_the_runtime_refuses_is_refused_everywhere(text):
         parse_axes(**{**DEFAULT_AXES, "checkpointing": text})
     with pytest.raises(ValueError, match="checkpointing"):
         TrainConfig(model="tiny", checkpointing=text)
+
+
+def test_tune_prunes_an_offloaded_run_with_the_offload_layout():
+    """A base config with offload="cpu" is pruned with the plan's offload figures (masters and
+    optimizer state off the device), not with the plain layout's."""
+    grid = candidates(parse_axes(**{**DEFAULT_AXES, "stages": "1", "bucket_mb": "25", "checkpointing": "none"}))
+    plain = predict(grid, TrainConfig(model="tiny", nproc=2, batch=2, seq_len=16))
+    off = predict(grid, TrainConfig(model="tiny", nproc=2, batch=2, seq_len=16, offload="cpu"))
+    # Off the device: at least the optimizer state (the plain zero1 layout's, tiny's AdamW moments).
+    moved = plan("tiny", world=2, batch=2, seq=16, device="cpu")["zero1"].device.optimizer
+    assert plain[grid[0]].allocated - off[grid[0]].allocated >= moved
