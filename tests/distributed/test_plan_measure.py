@@ -115,6 +115,7 @@ def test_offloaded_bytes_and_kept_inputs_are_as_planned(matrix, matrix_plans, ke
     activations kept for backward are the saved tensors plus each checkpoint segment's input."""
     saved = matrix_plans[key].activations.saved
     for name, check in matrix[key].items():
+        assert check.predicted_kept == saved
         assert check.measured_host == pytest.approx(check.predicted_host, rel=0.02), name
         assert (check.measured_host > 0) == (key[1] != "none"), name
         assert check.measured["activations"] == pytest.approx(saved, rel=0.02), name

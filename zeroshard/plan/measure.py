@@ -57,6 +57,9 @@ class ComponentCheck:
     predicted_host: int = 0
     measured_host: int = 0
     """Offloaded: masters, optimizer state and reduced grads off the device (0 otherwise)."""
+    predicted_kept: int = 0
+    """Activations kept for backward (``ActivationEstimate.saved``), what ``measured["activations"]``
+    reads; the plan's ``activations`` also counts the segment a checkpointed backward rebuilds."""
 
     @property
     def model_state_error(self) -> float:
@@ -411,5 +414,6 @@ def checks(plan: Plan, per_rank: list[dict]) -> list[ComponentCheck]:
                                   measured={k: worst[k] for k in COMPONENTS if k in worst},
                                   measured_total=worst["total"], method=method,
                                   predicted_peak=layout.combined_peak if both else layout.device.allocated,
-                                  predicted_host=layout.host_bytes, measured_host=host))
+                                  predicted_host=layout.host_bytes, measured_host=host,
+                                  predicted_kept=plan.activations.saved if plan.activations else 0))
     return out
