@@ -219,14 +219,18 @@ class TrainConfig:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
         if self.shard_size is not None and (self.shard_size < 1 or self.nproc % self.shard_size):
             raise ValueError(f"shard_size={self.shard_size} must divide nproc={self.nproc}")
-        if self.offload not in ("none", "cpu", "disk"):
+        from zeroshard.offload.policy import OFFLOAD_KINDS
+        from zeroshard.sharding.recompute import segment_length
+
+        if self.offload not in OFFLOAD_KINDS:
             raise ValueError(f"offload={self.offload!r} is invalid; use 'none', 'cpu' or 'disk'")
         if self.offload == "disk" and not self.offload_dir:
             raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
-        policy = self.checkpointing
-        if not (policy in ("none", "all", "sqrt") or (policy.startswith("every:") and policy[6:].isdigit()
-                                                      and int(policy[6:]) >= 1)):
-            raise ValueError(f"checkpointing={policy!r} is invalid; use none, all, every:K (K >= 1) or sqrt")
+        try:  # the runtime's own parser, so a policy the config accepts is one zs.shard runs
+            segment_length(self.checkpointing, 1)
+        except ValueError:
+            raise ValueError(f"checkpointing={self.checkpointing!r} is invalid; use none, all, every:K (K >= 1) "
+                             "or sqrt") from None
         self._check_comm_quant()
         if self.init not in ("auto", "meta", "full"):
             raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")

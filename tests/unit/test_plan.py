@@ -13,9 +13,9 @@ from zeroshard.models import GPT, GPTConfig
 from zeroshard.plan import COMPONENTS, Network, plan, probe
 from zeroshard.plan.activations import gpt_activations
 from zeroshard.plan.inventory import Inventory
-from zeroshard.plan.memory import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.plan.recommend import recommend
 from zeroshard.plan.spec import Checkpointing, parse_bytes, parse_count
+from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.layout import FlatLayout
 
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3")
@@ -242,19 +242,25 @@ def test_checkpointing_policies_shrink_activations_in_order():
                                         policy=Checkpointing.parse(policy)).total
     assert sizes["none"] > sizes["every:3"] > sizes["every:2"] > sizes["all"]
     assert sizes["sqrt"] < sizes["none"] / 2
-    assert str(Checkpointing.parse("every:1")) == "all"
+    same = gpt_activations(cfg, micro_batch=4, seq=512, compute_bytes=2, policy=Checkpointing.parse("every:1"))
+    assert same.total == sizes["all"]
     with pytest.raises(ValueError, match="every:K"):
         Checkpointing.parse("half")
 
 
 # -- variants, validation -------------------------------------------------------------------------
 def test_hybrid_and_offload_variants_appear_when_asked():
-    p = plan("small", world=8, shard_size=4, offload="optimizer")
-    assert {"zero1_hybrid", "zero2_hybrid", "zero3_hybrid", "zero3_offload"} <= set(p.layouts)
+    p = plan("small", world=8, shard_size=4, offload="cpu")
+    assert {"zero1_hybrid", "zero2_hybrid", "zero3_hybrid", "ddp_offload", "zero3_offload"} <= set(p.layouts)
     assert p["zero3_hybrid"].device.optimizer > p["zero3"].device.optimizer  # sharded over 4, not 8
     off = p["zero3_offload"]
-    assert off.device.optimizer == 0 and off.device.master == 0 and off.host_bytes > 0
-    assert "offload" in off.planned_only and any("planned only" in n for n in p.notes)
+    assert off.offload == "cpu" and off.device.optimizer == 0 and off.device.master == 0
+    # zs.shard(offload="cpu") at stage 3: the fp32 shard lives on the host, so no param stays on the device.
+    assert off.device.params == 0 and off.host["master"] == p["zero3"].device.params
+    assert off.host["optimizer"] == p["zero3"].device.optimizer and off.host["grads"] == p["zero3"].device.grads
+    assert off.host_bytes == sum(off.host.values())
+    with pytest.raises(ValueError, match="none, cpu, disk"):
+        plan("small", world=8, offload="optimizer")  # the runtime's kinds, nothing else
 
 
 def test_stage3_communicates_about_one_and_a_half_times_ddp():
@@ -305,7 +311,7 @@ def test_recommender_prefers_checkpointing_when_activations_dominate():
 
 def test_recommender_says_when_nothing_fits_without_offload():
     rec = recommend(7e9, world=2, device_mem="40GB")
-    assert rec.offload == "optimizer" and rec.layout.endswith("_offload")
+    assert rec.offload == "cpu" and rec.layout.endswith("_offload")
     assert rec.reason.startswith("nothing fits in 40.0 GB on the device")
 
 

@@ -182,3 +182,47 @@ def test_stage_zero_exposes_the_last_all_reduce_on_a_slow_network():
     slow = dataclasses.replace(H100, inter_bandwidth=H100.inter_bandwidth / 100)
     r = simulate(w, slow, Layout(world=16, stage=0))
     assert r.exposed_comm_s > 0 and r.step_s > r.compute_s + r.optimizer_s
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_replays_what_no_sync_does(stage):
+    """G micro-steps: every forward/backward runs G times; stage 3 gathers every unit (the root
+    too) in each micro-step; stages 0-1 reduce once, in the last micro-step, and stages 2-3 in every
+    one (into the grad shard); the update and stages 1-2's param all-gather happen once."""
+    G, world = 4, 8
+    one, acc = _small_workload(), _small_workload(accum=G)
+    lay = Layout(world=world, stage=stage, param_bytes=2, reduce_bytes=2, bucket_mb=1e9)
+    r1, rg = simulate(one, H100, lay), simulate(acc, H100, lay)
+    assert rg.compute_s == pytest.approx(G * r1.compute_s) and rg.optimizer_s == pytest.approx(r1.optimizer_s)
+    s = one.shape
+    grads = wire_bytes("reduce_scatter" if stage else "all_reduce", s.params * 2, world)
+    # What the G - 1 earlier micro-steps add: nothing at stages 0-1, the reduce-scatter at stage 2,
+    # everything (gathers and reduce-scatter) at stage 3.
+    repeated = {0: 0.0, 1: 0.0, 2: grads, 3: r1.wire_bytes}[stage]
+    assert rg.wire_bytes == pytest.approx(r1.wire_bytes + (G - 1) * repeated)
+    assert rg.tokens_per_s_per_gpu == pytest.approx(G * one.tokens / rg.step_s)
+    with pytest.raises(ValueError, match="accum"):
+        _small_workload(accum=0)
+
+
+def test_tp_splits_compute_and_puts_its_all_reduces_on_the_critical_path():
+    """tp=2 on 8 GPUs: the matmuls and attention of each block halve; each block adds 2 all-reduces
+    of tokens x hidden activations in forward and 2 in backward, on the intra-node link, blocking;
+    ZeRO runs over the 4 data-parallel ranks with half of each block's params."""
+    from zeroshard.sim.network import collective_seconds
+
+    w = _small_workload()
+    s, tp = w.shape, 2
+    plain = simulate(w, H100, Layout(world=4, stage=3))
+    split = simulate(w, H100, Layout(world=8, stage=3, tp=tp))
+    L, d1 = s.n_layer, w.block_gemm_flops / (H100.peak_flops * H100.gemm_efficiency)
+    assert plain.compute_s - split.compute_s == pytest.approx(
+        3 * L * (d1 + w.block_attention_flops / (H100.peak_flops * H100.attention_efficiency)) / tp)
+    one = collective_seconds("all_reduce", w.tokens * s.hidden * w.compute_bytes, tp, H100, spans=False)
+    assert split.exposed_comm_s >= 4 * L * one  # the tp all-reduces cannot hide
+    assert split.tokens_per_s_per_gpu == pytest.approx(w.tokens / tp / split.step_s)
+    tp_wire = 4 * L * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, tp)
+    zero = split.wire_bytes - tp_wire  # ZeRO's share: half of every block, the whole root, same dp group
+    assert plain.wire_bytes / 2 < zero < plain.wire_bytes
+    with pytest.raises(ValueError, match="tp 3"):
+        Layout(world=8, stage=3, tp=3)

@@ -7,7 +7,8 @@ on arithmetic rather than on "a higher stage is better".
   zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured
 
 A model is built on the meta device: planning allocates nothing. --measure runs one real step per
-stage on gloo CPU ranks and prints predicted against measured bytes per component.
+stage on gloo CPU ranks (with the same --checkpointing and --offload) and prints predicted against
+measured bytes per component.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rich.table import Table
 
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
+from zeroshard.offload.policy import OFFLOAD_KINDS
 
 
 def _unit(largest: int) -> tuple[float, str, int]:
@@ -34,7 +36,8 @@ def plan_table(p) -> Table:
     div, unit, digits = _unit(max(p[n].device.total for n in names))
     spec = p.spec
     what = (f"{p.model.name}: {p.params / 1e6:,.1f}M params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)")
-    table = Table(title=f"{what}, per-rank {unit}, world {spec.world}",
+    where = f"world {spec.world}" + (f" = {spec.dp} data-parallel x tp {spec.tp}" if spec.tp > 1 else "")
+    table = Table(title=f"{what}, per-rank {unit}, {where}",
                   caption=f"micro-batch {spec.micro_batch} x seq {spec.seq}, accum {spec.accum}, "
                           f"{spec.optimizer.__name__}, {spec.accounting} accounting; decimal units"
                           + (f"; {p.model.tied} tied param(s) counted once" if p.model and p.model.tied else ""))
@@ -69,6 +72,10 @@ def measure_table(checks) -> Table:
         table.add_column("meas", justify="right")
     fmt = lambda v: f"{v / div:,.{digits}f}"  # noqa: E731
     for comp in MEASURED:
+        if comp == "activations":  # what is kept for backward; a checkpointed rebuild is in the residual
+            table.add_row("activations (kept)", *[x for c in checks for x in (fmt(c.predicted_kept),
+                                                                            fmt(c.measured[comp]))])
+            continue
         table.add_row(comp, *[x for c in checks for x in (fmt(getattr(c.predicted, comp)), fmt(c.measured[comp]))])
     # What the measured peak leaves unexplained by the terms above, against the same for the plan.
     table.add_row("workspace - overlap", *[x for c in checks for x in (
@@ -76,7 +83,11 @@ def measure_table(checks) -> Table:
     table.add_section()
     table.add_row("model states", *[x for c in checks for x in (
         fmt(c.predicted.model_states), fmt(sum(c.measured[k] for k in ("params", "grads", "master", "optimizer"))))])
-    table.add_row("allocated peak", *[x for c in checks for x in (fmt(c.predicted.allocated), fmt(c.measured_total))])
+    if any(c.predicted_host or c.measured_host for c in checks):
+        table.add_row("host (offload)", *[x for c in checks for x in (fmt(c.predicted_host), fmt(c.measured_host))])
+    # With offload on CPU the measured peak holds host and device (one memory), and so does the prediction.
+    table.add_row("peak", *[x for c in checks for x in (fmt(c.predicted_peak or c.predicted.allocated),
+                                                          fmt(c.measured_total))])
     table.add_row("error: model states", *[x for c in checks for x in ("", f"{c.model_state_error:.1%}")])
     table.add_row("error: total", *[x for c in checks for x in ("", f"{c.total_error:.1%}")])
     return table
@@ -94,7 +105,8 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
                   seq=args.seq, accum=args.accum, checkpointing=args.checkpointing, prefetch=args.prefetch,
                   bucket_mb=args.bucket_mb, headroom=args.headroom, accounting=args.accounting,
                   comm_quant=args.comm_quant, comm_quant_block=args.comm_quant_block,
-                  device="cpu" if args.measure else args.device)
+                  device="cpu" if args.measure else args.device, tp=args.tp,
+                  sequence_parallel=args.sequence_parallel)
     return target, kwargs
 
 
@@ -153,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if rec:
         pick = rec.layout or "nothing fits"
         extra = "" if rec.checkpointing == "none" else f" + {rec.checkpointing} checkpointing"
+        extra += f" with tp {rec.tp}" if rec.tp > 1 else ""
         console.print(f"[bold]recommendation:[/bold] {pick}{extra} - {rec.reason}")
     if checks:
         console.print(measure_table(checks))
@@ -179,7 +192,11 @@ def add_parser(sub: Any) -> None:
                       "device (Llama shapes: --time only)")
     what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
     run_ = p.add_argument_group("the run")
-    run_.add_argument("--world", type=int, help="data-parallel ranks (required unless --time --sweep)")
+    run_.add_argument("--world", type=int, help="ranks in all: data-parallel x --tp (required unless --time --sweep)")
+    run_.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: consecutive ranks each block is "
+                      "split over (Megatron column/row split of zeroshard's GPT; default: 1)")
+    run_.add_argument("--sequence-parallel", action="store_true", help="with --tp: also split the norms' and "
+                      "residual's activations along the sequence")
     run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
                       "the one measured by --measure); every stage is planned")
     run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")
@@ -190,10 +207,11 @@ def add_parser(sub: Any) -> None:
     run_.add_argument("--optimizer", default="adamw", help="torch.optim name or module:Class (default: adamw); "
                       "its state size is found by running it")
     run_.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")
-    run_.add_argument("--checkpointing", default="none", help="activation checkpointing: none, all, every:K, sqrt "
-                      "(planned only until the runtime implements it); op and full for Llama shapes with --time")
-    run_.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
-                      help="also plan offload variants (planned only)")
+    run_.add_argument("--checkpointing", default="none", help="activation checkpointing as zs.shard does it: none, "
+                      "all, every:K (segments of K blocks), sqrt; op and full for Llama shapes with --time")
+    run_.add_argument("--offload", choices=OFFLOAD_KINDS, default="none",
+                      help="also plan offload variants: masters and optimizer state in host memory (cpu) or files "
+                           "(disk), as zs.shard(offload=)")
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
     run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
     run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")

@@ -6,6 +6,10 @@ import dataclasses
 from pathlib import Path
 
 
+OFFLOAD_KINDS = ("none", "cpu", "disk")
+"""Where fp32 masters and optimizer state live: with the params, in host memory, or in files."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadPolicy:
     kind: str = "none"
@@ -18,7 +22,7 @@ class OffloadPolicy:
     """For kind="disk": optimizer step granularity; one slice of masters and state is resident."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "cpu", "disk"):
+        if self.kind not in OFFLOAD_KINDS:
             raise ValueError(f"offload must be 'none', 'cpu' or 'disk', got {self.kind!r}")
         if self.kind == "disk" and not self.directory:
             raise ValueError("offload='disk' needs a directory for its files: pass offload_dir / --offload-dir")

@@ -13,15 +13,15 @@ count is exact), with C = n_embd, c = bytes of the compute dtype, h = heads:
   targets (int64, 16). Per sequence position: the position ids (8).
 
 ZeRO does not divide any of this by N: it shards model states, while activations scale with the
-micro-batch each rank runs. Checkpointing keeps only block inputs
-(C·c per token) for checkpointed blocks and recomputes one block (or one √L segment) at a time in
-backward; the runtime does not implement it yet, so those rows are planned-only.
+micro-batch each rank runs. Checkpointing follows the runtime's segments (``Checkpointing.segments``,
+which are ``zeroshard.sharding.recompute.segment_bounds``): each segment keeps only its input
+(C·c per token) and backward rebuilds one whole segment at a time, so the longest segment's blocks
+are alive again while it is rebuilt.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from zeroshard.plan.spec import Checkpointing
 
@@ -36,36 +36,47 @@ class ActivationEstimate:
     """Backward temporaries alive at the peak: activation gradients, the logits' gradient."""
     per_layer: int
     root: int
+    boundary: int = 0
+    """What a checkpoint segment keeps for backward: its input."""
+    head: int = 0
+    """Backward temporaries at the loss head: the log-probs' and logits' gradients."""
+    block: int = 0
+    """Backward temporaries inside one block: the MLP's hidden-size gradients and the residual's."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """The runtime's checkpoint segments, ``[start, stop)`` block ranges (empty: none)."""
 
     @property
     def total(self) -> int:
         return self.saved + self.recompute
 
 
-def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing) -> ActivationEstimate:
+def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing,
+                    tp: int = 1, sequence_parallel: bool = False) -> ActivationEstimate:
+    """Per rank. Under tensor parallelism (Megatron's split, zeroshard.plan.tp) the tensors inside
+    the split linears are divided by ``tp``: qkv, the attention output, fc and GELU (4·C + 2·hidden
+    per token) and the heads' log-sum-exp; the block input, the norms' outputs and the residual
+    (4·C) stay whole on every tp rank unless ``sequence_parallel`` splits them along the sequence
+    too (Megatron's accounting; the embeddings and the head are not split)."""
     C, L, V, h = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
     hidden = cfg.mlp_ratio * C
     tokens = micro_batch * seq
     c = compute_bytes
+    whole = 1 if not sequence_parallel else tp  # divides what the layer split leaves whole
     # 8·C outside the MLP plus its two hidden-size tensors: 16·C for the usual 4× MLP.
-    per_layer = tokens * ((8 * C + 2 * hidden) * c + 4 * c + 4 * h)
+    per_layer = tokens * ((4 * C * c + 4 * c) // whole + (4 * C + 2 * hidden) * c // tp + 4 * h // tp)
     root = tokens * (2 * C * c + 2 * c + 4 * V + 16) + seq * 8 + 4
-    boundary = tokens * C * c  # what a checkpointed block keeps: its input
+    boundary = tokens * C * c // whole  # what a checkpointed block keeps: its input
 
-    if policy.policy == "none":
+    segments = tuple(policy.segments(L))
+    if not segments:
         saved, recompute = L * per_layer, 0
-    elif policy.policy in ("all", "every"):
-        checkpointed = math.ceil(L / policy.every)
-        saved = (L - checkpointed) * per_layer + checkpointed * boundary
-        recompute = per_layer
-    else:  # sqrt: ~√L segments, one segment of ~√L blocks recomputed at a time
-        segment = math.isqrt(L - 1) + 1  # ceil(√L)
-        segments = math.ceil(L / segment)
-        saved, recompute = segments * boundary, segment * per_layer
+    else:
+        saved = len(segments) * boundary
+        recompute = max(b - a for a, b in segments) * per_layer
 
     # At backward's start the fp32 log-prob gradient and the logits gradient coexist; inside a block
     # the MLP's hidden-size gradients dominate (GELU's input and output grads, plus the residual).
     head = tokens * V * 4 * 2 + (tokens * V * c if c != 4 else 0)
-    block = tokens * (2 * hidden + 3 * C + 2 * C) * c
+    block = tokens * (2 * hidden // tp + 5 * C // whole) * c
     return ActivationEstimate(saved=saved + root, recompute=recompute, workspace=max(head, block),
-                              per_layer=per_layer, root=root)
+                              per_layer=per_layer, root=root, boundary=boundary, head=head, block=block, segments=segments)

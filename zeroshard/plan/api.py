@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.plan.activations import gpt_activations
+from zeroshard.plan.activations import ActivationEstimate, gpt_activations
+from zeroshard.plan.comm import Collective
 from zeroshard.plan.inventory import Inventory, meta_gpt
 from zeroshard.plan.memory import Estimator, variants
 from zeroshard.plan.result import LayoutPlan, Plan
 from zeroshard.plan.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
+from zeroshard.plan.tp import TensorParallel, layer_collectives
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import UnitsArg
 
@@ -55,13 +57,27 @@ def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, st
                      "(tiny, small, medium) or a parameter count such as 7e9")
 
 
+def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: TensorParallel,
+                            gpus_per_node: int | None) -> tuple[ActivationEstimate, tuple[Collective, ...]]:
+    """Our GPT's activations per rank and its tp collectives per step (none at tp=1)."""
+    compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
+    c = torch.empty(0, dtype=compute).element_size()
+    activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
+                                  policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel)
+    tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
+                                micro_steps=spec.accum, gpus_per_node=gpus_per_node,
+                                rebuilt_layers=cfg.n_layer if activations.segments else 0)
+    return activations, tp_comm
+
+
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
          optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
          seq: int | None = None, accum: int = 1, checkpointing: str = "none", offload: str = "none",
          shard_size: int | None = None, prefetch: int = 1, reshard_after_forward: bool = True,
          bucket_mb: float = 25.0, headroom: float = 0.10, accounting: str | None = None,
          accumulation: str = "sharded", units: UnitsArg = None, device: str = "cuda",
-         gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256) -> Plan:
+         gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
+         tp: int = 1, sequence_parallel: bool = False) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -70,7 +86,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
     which sets its scratch. Reductions complete asynchronously on both backends (NCCL's stream,
     gloo's worker threads), so the grad buffers in flight are planned the same way for both: the
-    bound the engine's cap on in-flight reductions guarantees. See docs/planner.md.
+    bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
+    blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
+    parallel); see zeroshard/plan/tp.py and docs/planner.md.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -80,40 +98,49 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                          "or use accounting='textbook' with a bare parameter count")
     optim_cls = resolve_optimizer(optimizer)
     kwargs = dict(optimizer_kwargs or {})
+    split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
     inventory, cfg = None, None
+    notes = []
     if analytic:
         psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
+        if tp > 1:  # no layers to tell split params from replicated ones
+            psi //= tp
+            notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
     else:
         model, name, cfg, seq = _resolve_model(model_or_config, seq)
-        inventory = Inventory(model, name=name, units=units, gpt=cfg)
+        if tp > 1 and cfg is None:
+            raise ValueError(f"tp={tp} is planned for zeroshard's GPT (its Megatron split of attention and MLP); "
+                             "plan a preset or a GPTConfig, or tp=1")
+        if cfg is not None:
+            split.check_gpt(cfg)
+        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split)
         psi, frozen = inventory.facts.trainable, inventory.facts.frozen
     spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
-                    optimizer_kwargs=kwargs, batch=batch or world * accum, seq=seq, accum=accum,
+                    optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,
                     checkpointing=Checkpointing.parse(checkpointing), offload=offload, shard_size=shard_size,
                     prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                     headroom=headroom, accounting=accounting or ("textbook" if analytic else "runtime"),
-                    accumulation=accumulation, comm_quant=comm_quant, comm_quant_block=comm_quant_block)
-    notes = []
-    activations = None
+                    accumulation=accumulation, comm_quant=comm_quant, comm_quant_block=comm_quant_block,
+                    tp=tp, sequence_parallel=sequence_parallel)
+    activations: ActivationEstimate | None = None
+    tp_comm: tuple[Collective, ...] = ()
     if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
-        compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
-        activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq,
-                                      compute_bytes=torch.empty(0, dtype=compute).element_size(),
-                                      policy=spec.checkpointing)
+        activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
     elif analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
                      "workspace is the optimizer's scratch")
     else:
         notes.append("activations not estimated: the formula covers zeroshard's GPT only")
-    if spec.checkpointing.policy != "none":
-        notes.append("activation checkpointing is planned only: the runtime does not implement it yet")
     if spec.offload != "none":
-        notes.append("offload is planned only: the runtime does not implement it yet")
+        notes.append(f"{spec.offload} offload keeps masters, optimizer state and the reduced grads off the device "
+                     f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"
+                     + ("; on a CPU run host and device are one memory" if device == "cpu" else ""))
     foreach = kwargs.get("foreach")
     estimator = Estimator(spec, inventory=None if spec.accounting == "textbook" else inventory, psi=psi,
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
-                          gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu")
+                          gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
+                          host_is_device=device == "cpu", tp_collectives=tp_comm)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     if spec.comm_quant != "none":
         layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes)

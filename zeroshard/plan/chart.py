@@ -71,10 +71,7 @@ def plot(plan: Plan, path: str | Path, *, device_mem: int | None = None, title: 
     ax.set_title(title or f"{what}: per-rank memory, world {spec.world}, micro-batch {spec.micro_batch} x seq {spec.seq}",
                  fontsize=11)
     ax.set_ylabel(f"bytes per rank ({unit}, decimal)")
-    planned = [n + ("*" if plan[n].planned_only else "") for n in names]
-    ax.set_xticks(range(len(names)), planned)
-    if any(plan[n].planned_only for n in names):
-        ax.set_xlabel("* planned only: uses a feature the runtime does not implement yet", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
     ax.set_ylim(0, max(bottoms + [t / div for t in totals] + [(device_mem or 0) / div]) * 1.12)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)

@@ -20,7 +20,8 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 class Collective:
     op: str
     group: str
-    """``world``, ``shard`` (the ranks a buffer is sharded over) or ``replicate`` (hybrid)."""
+    """``world`` (every data-parallel rank), ``shard`` (the ranks a buffer is sharded over),
+    ``replicate`` (hybrid) or ``tp`` (the ranks one layer is split over)."""
     size: int
     """Ranks in the group."""
     buffer_bytes: int

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.plan.tp import TensorParallel
 from zeroshard.sharding.engine import reduction_buckets
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.optim import decays
@@ -110,14 +111,15 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype, device="meta").element_size()
 
 
-def _groups(name: str, refs: list[ParamRef], shards: int) -> tuple[GroupShape, ...]:
-    # Same split as the engine: one buffer per (dtype, trainable), in first-seen order.
+def _groups(name: str, refs: list[ParamRef], shards: int, tp: TensorParallel) -> tuple[GroupShape, ...]:
+    # Same split as the engine: one buffer per (dtype, trainable), in first-seen order, of each
+    # param's tp-local part (what zs.shard flattens under tensor parallelism).
     keyed: dict[tuple[torch.dtype, bool], list[ParamRef]] = {}
     for ref in refs:
         keyed.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
     out = []
     for (dtype, trainable), group_refs in keyed.items():
-        layout = FlatLayout([(r.fqn, r.param.shape) for r in group_refs], shards)
+        layout = FlatLayout([(r.fqn, tp.local_shape(r.fqn, r.param.shape)) for r in group_refs], shards)
         out.append(GroupShape(unit=name, dtype=dtype, trainable=trainable, layout=layout,
                               decay=tuple(decays(r.fqn, r.param.shape) for r in group_refs)))
     return tuple(out)
@@ -126,7 +128,9 @@ def _groups(name: str, refs: list[ParamRef], shards: int) -> tuple[GroupShape, .
 class Inventory:
     """The units of one model, and the comm units the runtime builds for each stage and shard count."""
 
-    def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: GPTConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: GPTConfig | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        self.tp = tp or TensorParallel()
         self.specs: list[UnitSpec] = plan_units(model, units)
         refs = [r for s in self.specs for r in s.refs]
         dtypes: dict[str, int] = {}
@@ -143,6 +147,10 @@ class Inventory:
                                 gpt=gpt)
         self._cache: dict[tuple, tuple[CommUnit, ...]] = {}
 
+    def local_numel(self, ref: ParamRef) -> int:
+        """Elements of this rank's tp part of a param (all of it without tensor parallelism)."""
+        return self.tp.local_shape(ref.fqn, ref.param.shape).numel()
+
     @property
     def dtypes(self) -> set[torch.dtype]:
         return {r.param.dtype for s in self.specs for r in s.refs}
@@ -158,14 +166,15 @@ class Inventory:
         # The engine lists blocks in reverse module order, then the root: roughly backward order.
         order = [s for s in reversed(self.specs) if not s.is_root] + [s for s in self.specs if s.is_root]
         if stage == 3:
-            return tuple(CommUnit(name=s.name, is_root=s.is_root, groups=_groups(s.name, s.refs, shards))
+            return tuple(CommUnit(name=s.name, is_root=s.is_root, groups=_groups(s.name, s.refs, shards, self.tp))
                          for s in order if s.refs)
         out = []
         for bucket in reduction_buckets(order, bucket_bytes):
             name = "+".join(s.name for s in bucket)
             refs = [r for s in bucket for r in s.refs]
             if refs:
-                out.append(CommUnit(name=name, is_root=any(s.is_root for s in bucket), groups=_groups(name, refs, shards)))
+                out.append(CommUnit(name=name, is_root=any(s.is_root for s in bucket),
+                                    groups=_groups(name, refs, shards, self.tp)))
         return tuple(out)
 
 

@@ -6,7 +6,10 @@ plan describes. During step 2:
 
 - params, master, grads and optimizer state are read from the storages themselves
   (``untyped_storage().nbytes()``, each storage once), not from bookkeeping;
-- activations are the storages autograd saves for backward (``saved_tensors_hooks``), params excluded;
+- activations are the storages autograd saves for backward (``saved_tensors_hooks``), params excluded,
+  plus the block inputs still alive when forward returns: a checkpoint segment keeps its input
+  outside autograd's saved tensors, to rebuild from (``_kept_block_inputs``). What a segment
+  rebuilds in backward is not told apart: it is in the total, and so in the residual;
 - buckets are the full-size grads in flight during backward beyond the ones kept for the step
   (stages 2-3: per-param grads waiting for their unit and the flat buffers they are collected into;
   cast copies fed to a reduction), sampled after every grad hook and at the engine's
@@ -17,6 +20,9 @@ plan describes. During step 2:
 - the window is the engine's own storage-based peak of gathered full params (stage 3);
 - the total is the peak of live storage over the whole step from torch's ``MemTracker`` on CPU, or
   ``torch.cuda.max_memory_allocated`` on CUDA. Workspace is what the total leaves unexplained.
+- offloaded (``offload="cpu"``), the masters, the optimizer state and the reduced grad shards are
+  host bytes, reported apart. On CPU host and device are one memory, so the total holds both and is
+  compared with the plan's ``combined_peak``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import dataclasses
 import gc
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -46,6 +53,15 @@ class ComponentCheck:
     measured terms), which compares with the plan's workspace less its overlap."""
     measured_total: int
     method: str
+    predicted_peak: int = 0
+    """The plan's figure the measured total compares with: the allocated peak, or device and host
+    together where the measurement counts both (offload on CPU)."""
+    predicted_host: int = 0
+    measured_host: int = 0
+    """Offloaded: masters, optimizer state and reduced grads off the device (0 otherwise)."""
+    predicted_kept: int = 0
+    """Activations kept for backward (``ActivationEstimate.saved``), what ``measured["activations"]``
+    reads; the plan's ``activations`` also counts the segment a checkpointed backward rebuilds."""
 
     @property
     def model_state_error(self) -> float:
@@ -55,7 +71,8 @@ class ComponentCheck:
     @property
     def total_error(self) -> float:
         """Against the allocated peak: CPU storage accounting has no allocator to need headroom."""
-        return abs(self.predicted.allocated - self.measured_total) / max(self.measured_total, 1)
+        predicted = self.predicted_peak or self.predicted.allocated
+        return abs(predicted - self.measured_total) / max(self.measured_total, 1)
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -139,6 +156,30 @@ def _saved_activations(engine, sink: dict[int, int]):
         yield
 
 
+@contextlib.contextmanager
+def _kept_block_inputs(model, sink: dict[int, int]):
+    """The block inputs still alive when the model's forward returns: what checkpoint segments keep
+    to rebuild from (outside autograd's saved tensors). Without checkpointing each is also saved by
+    the block's first norm, so the union with the saved storages is unchanged."""
+    inputs: list[weakref.ref] = []
+
+    def remember(module, args) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            inputs.append(weakref.ref(args[0]))
+
+    def collect(module, args, output) -> None:
+        sink.update(_storages([t for t in (r() for r in inputs) if t is not None]))
+        inputs.clear()
+
+    handles = [block.register_forward_pre_hook(remember) for block in model.blocks]
+    handles.append(model.register_forward_hook(collect))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _peak_tracker(device: torch.device, externals: list):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -169,8 +210,11 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     # rank 1 of one run). The engine guarantees the bound at max_inflight_reductions, the plan
     # predicts it, and this makes the measured step reach it every time, as a link slower than
     # compute would. A reduction that finishes sooner only lowers the peak.
+    offloaded = req["offload"] != "none"
     options = zs.EngineOptions(prefetch=req["prefetch"], reshard_after_forward=req["reshard_after_forward"],
-                               bucket_mb=req["bucket_mb"], accumulation=req["accumulation"], reap_when_done=False)
+                               bucket_mb=req["bucket_mb"], accumulation=req["accumulation"],
+                               checkpointing=req["checkpointing"], offload=zs.OffloadPolicy(kind=req["offload"]),
+                               reap_when_done=False)
     model = zs.shard(GPT(cfg).to(mesh.device), stage=stage, mp=req["mp"], options=options)
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
@@ -186,7 +230,8 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
             if index and hasattr(tracker, "reset_mod_stats"):
                 tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; peaks stay
             saved: dict[int, int] = {}
-            with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext():
+            with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext(), \
+                    _kept_block_inputs(model, saved) if activations is not None else contextlib.nullcontext():
                 yield
             if activations is not None:  # per micro-step: each backward frees what its forward saved
                 activations["peak"] = max(activations.get("peak", 0), sum(saved.values()))
@@ -201,13 +246,13 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
     tracker, peak, method = _peak_tracker(mesh.device, externals)
     saved: dict[str, int] = {}  # "peak": the most activation bytes one micro-step saved
-    grads: dict[int, int] = {}
+    states: dict[str, int] = {}
 
     def read_grads() -> None:
         # Read after the optimizer step, when every reduction has finished: were one still pending (an
         # engine may leave the last ones to the step), reading its shard would wait for it and change
         # the step being measured. The step frees no grads; zeroing them comes after this.
-        grads.update(_storages([t for g in groups for t in (g.grad_full, g.grad_shard)]))
+        states.update(model_state_bytes(model, opt))
 
     sampler = _GradSampler(engine)
     with tracker, warnings.catch_warnings():
@@ -216,17 +261,44 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(saved, tracker), before_zero_grad=read_grads)
     sampler.close()
-    full = _storages([g.full for g in groups]) if stage < 3 else {}
-    own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) if stage == 3 else {}
-    params = {**full, **own}
-    master = {k: v for k, v in _storages([g.shard for g in groups]).items() if k not in params}
-    state = _storages([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+    host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
-        "params": sum(params.values()), "grads": sum(grads.values()), "master": sum(master.values()),
-        "optimizer": sum(state.values()), "activations": saved.get("peak", 0),
+        **{k: states[k] for k in MODEL_STATES}, "host": host if offloaded else {}, "activations": saved.get("peak", 0),
         "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
         "total": int(peak()), "method": method, "max_inflight_reductions": engine.options.max_inflight_reductions,
     }
+    return out
+
+
+def model_state_bytes(model, opt) -> dict[str, int]:
+    """This rank's model-state bytes of a ``zs.shard`` model and its ``zs.optimizer``, read from the
+    storages (each once): ``params``, ``grads``, ``master`` and ``optimizer`` on the device, and
+    ``host_master``, ``host_optimizer``, ``host_grads`` when offloaded. What the plan's model states
+    predict (``plan[layout].device``, ``.host``); call it after the optimizer step and before
+    ``zero_grad`` (``one_step(before_zero_grad=)``), while the grads still exist. Under tensor
+    parallelism the buffers hold each param's tp-local part, so the same reading checks a (shard, tp)
+    plan."""
+    from zeroshard.sharding import get_engine
+
+    engine = get_engine(model)
+    groups, offloaded = engine.groups, engine.store is not None
+    full = _storages([g.full for g in groups]) if not engine.policy.shard_params else {}
+    # Stage 3 keeps only the shard, which is the param when the dtypes agree and it is not offloaded.
+    own = _storages([g.shard for g in groups if g.compute_dtype == g.master_dtype]) \
+        if engine.policy.shard_params and not offloaded else {}
+    params = {**full, **own}
+    master = {k: v for k, v in _storages([g.shard for g in groups]).items() if k not in params}
+    state = _storages([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+    device_grads = _storages([g.grad_full for g in groups] + ([] if offloaded else [g.grad_shard for g in groups]))
+    # Offloaded, the reduced shards are the host's (unless one is the device buffer itself: stage 0
+    # on CPU, where the copy to the host is a no-op).
+    host_grads = {k: v for k, v in _storages([g.grad_shard for g in groups]).items() if k not in device_grads} \
+        if offloaded else {}
+    out = {"params": sum(params.values()), "grads": sum(device_grads.values()),
+           "master": 0 if offloaded else sum(master.values()), "optimizer": 0 if offloaded else sum(state.values())}
+    if offloaded:
+        out.update(host_master=sum(master.values()), host_optimizer=sum(state.values()),
+                   host_grads=sum(host_grads.values()))
     return out
 
 
@@ -244,16 +316,27 @@ def measure_worker(req: dict) -> dict:
     return out
 
 
+def measure_many_worker(reqs: list[dict]) -> list[dict]:
+    """Several plans in one world (one spawn): ``measure_worker`` for each request, in order.
+    They must agree on ``shard_size``, the one thing the world is built with."""
+    if len({r["shard_size"] for r in reqs}) > 1:
+        raise ValueError("measure_many_worker: every request must have the same shard_size")
+    return [measure_worker(r) for r in reqs]
+
+
 def request(plan: Plan, stages: tuple[int, ...]) -> dict:
     """What the workers need, as plain picklable data; refuses what the runtime cannot run."""
     spec = plan.spec
     if plan.model is None or plan.model.gpt is None:
         raise ValueError("--measure runs zeroshard's GPT; plan a preset (--model small) or a GPTConfig")
-    if spec.checkpointing.policy != "none":
-        raise ValueError("activation checkpointing is planned only (the runtime does not implement it yet); "
-                         "measure with checkpointing none")
-    if spec.offload != "none":
-        raise ValueError("offload is planned only (the runtime does not implement it yet); measure with offload none")
+    if spec.tp > 1:
+        raise ValueError("--measure runs data parallelism only; check a tp plan's model states with "
+                         "zeroshard.plan.measure.model_state_bytes on a tensor-parallel run")
+    if spec.offload != "none" and spec.hybrid:
+        raise ValueError("--measure checks offload over the whole world; drop --shard-size or --offload")
+    if spec.offload == "disk":
+        raise ValueError("--measure runs offload 'cpu' (or none): disk offload keeps its bytes in memory-mapped "
+                         "files, which storage accounting cannot tell from memory")
     if spec.accounting != "runtime":
         raise ValueError("measurement checks the runtime accounting; plan with accounting='runtime'")
     return {
@@ -261,7 +344,7 @@ def request(plan: Plan, stages: tuple[int, ...]) -> dict:
         "optimizer_kwargs": dict(spec.optimizer_kwargs), "prefetch": spec.prefetch,
         "reshard_after_forward": spec.reshard_after_forward, "bucket_mb": spec.bucket_mb,
         "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
-        "accumulation": spec.accumulation,
+        "accumulation": spec.accumulation, "checkpointing": str(spec.checkpointing), "offload": spec.offload,
     }
 
 
@@ -275,11 +358,22 @@ def measure(plan: Plan, stages: tuple[int, ...] = (0, 1, 2, 3), *, timeout_s: fl
 
 def checks(plan: Plan, per_rank: list[dict]) -> list[ComponentCheck]:
     out = []
+    offloaded = plan.spec.offload != "none"
     for stage in per_rank[0]:
-        name = STAGE_NAMES[stage] + ("_hybrid" if plan.spec.hybrid and stage > 0 else "")
+        name = STAGE_NAMES[stage] + ("_hybrid" if plan.spec.hybrid and stage > 0 else "") + \
+            ("_offload" if offloaded else "")
         worst = {k: max(r[stage][k] for r in per_rank) for k in (*MEASURED, "total")}
         worst["workspace"] = worst["total"] - sum(worst[k] for k in MEASURED)
-        out.append(ComponentCheck(layout=name, predicted=plan[name].device,
+        host = max(sum(r[stage]["host"].values()) for r in per_rank)
+        layout, method = plan[name], per_rank[0][stage]["method"]
+        # On CPU the host is the same memory, so the measured total holds the offloaded bytes too.
+        both = offloaded and not method.startswith("cuda")
+        if both:
+            worst["workspace"] -= host
+        out.append(ComponentCheck(layout=name, predicted=layout.device,
                                   measured={k: worst[k] for k in COMPONENTS if k in worst},
-                                  measured_total=worst["total"], method=per_rank[0][stage]["method"]))
+                                  measured_total=worst["total"], method=method,
+                                  predicted_peak=layout.combined_peak if both else layout.device.allocated,
+                                  predicted_host=layout.host_bytes, measured_host=host,
+                                  predicted_kept=plan.activations.saved if plan.activations else 0))
     return out

@@ -25,10 +25,10 @@ from zeroshard.plan.inventory import CommUnit, Inventory
 from zeroshard.plan.optim_probe import OptimStateCost, probe
 from zeroshard.plan.result import Components, LayoutPlan
 from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
-from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS  # the engine's cap, imported: one value, not two copies
+# The engine's constants, imported: one value, not two copies.
+from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
+from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
-
-
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -56,6 +56,11 @@ class Transient:
     late_grads: int = 0
     """Part of the grads that the reductions create during backward (reduced copies and shards),
     so it is not there yet when backward starts."""
+    host_late: int = 0
+    """Offloaded: the host grads the reductions create during backward (absent at its start)."""
+    during_combined: int = 0
+    """Offloaded: ``during`` with the host grads counted as they are created, over device and host
+    states together (what one memory holds on a CPU run)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +70,7 @@ class _UnitGrads:
     late: int = 0
     """Grads its reduction creates (the reduced copy or shard), kept for the step."""
     activations: int = 0
-    """Saved activations its backward frees: gone by the time its last grad arrives."""
+    """Saved (and rebuilt) activations still alive when its last grad arrives."""
     window: int = 0
     """Stage 3: full params gathered while its grads complete (itself, the units prefetched, the root)."""
     per_param: int = 0
@@ -81,37 +86,38 @@ class _UnitGrads:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Variant:
-    """One layout to plan: a stage, how many ranks shard each buffer, and what is offloaded."""
+    """One layout to plan: a stage, how many ranks shard each buffer, and where masters and
+    optimizer state live (the runtime's offload kind: none, cpu or disk)."""
 
     name: str
     stage: int
     shards: int
     offload: str = "none"
 
+    @property
+    def policy(self) -> StagePolicy:
+        return StagePolicy(self.stage)
+
 
 def variants(spec: PlanSpec) -> list[Variant]:
-    """DDP and ZeRO-1/2/3 over the whole world, plus hybrid and offload variants when asked."""
-    out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.world) for s in range(4)]
+    """DDP and ZeRO-1/2/3 over every data-parallel rank, plus hybrid and offload variants when asked."""
+    out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.dp) for s in range(4)]
     if spec.hybrid and spec.shard_size is not None:  # hybrid means a shard size below the world
         out += [Variant(name=f"{STAGE_NAMES[s]}_hybrid", stage=s, shards=spec.shard_size) for s in (1, 2, 3)]
-    if spec.offload == "optimizer":
-        out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=spec.world, offload="optimizer")
-                for s in (1, 2, 3)]
-    elif spec.offload == "params":
-        out.append(Variant(name="zero3_offload", stage=3, shards=spec.world, offload="params"))
+    if spec.offload != "none":  # zs.shard offloads at every stage
+        out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=1 if s == 0 else spec.dp,
+                        offload=spec.offload) for s in range(4)]
     return out
 
 
-def _offload(states: dict[str, int], offload: str, stage: int, sharded_grads: int) -> tuple[dict[str, int], int]:
-    """Move what offload moves to the host. Optimizer offload takes the master, the optimizer state
-    and the fp32 grad shard the host step reads; params offload (stage 3) also takes the param shard."""
-    if offload == "none":
-        return states, 0
-    moved = {"master": states["master"], "optimizer": states["optimizer"], "grads": sharded_grads}
-    if offload == "params" and stage == 3:
-        moved["params"] = states["params"]
-    out = {k: v - moved.get(k, 0) for k, v in states.items()}
-    return out, sum(moved.values())
+def _textbook_offload(states: dict[str, int], v: Variant) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host) of the textbook table: offload moves the master and optimizer state, and from
+    stage 2 the grad shard the host step reads."""
+    if v.offload == "none":
+        return states, {}
+    host = {"master": states["master"], "optimizer": states["optimizer"],
+            "grads": states["grads"] if v.policy.transient_grads else 0}
+    return {k: value - host.get(k, 0) for k, value in states.items()}, host
 
 
 class Estimator:
@@ -120,7 +126,8 @@ class Estimator:
     def __init__(self, spec: PlanSpec, *, inventory: Inventory | None = None, psi: int = 0, frozen: int = 0,
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS,
-                 reduce_in_place: bool = False) -> None:
+                 reduce_in_place: bool = False, host_is_device: bool = False,
+                 tp_collectives: tuple[comm.Collective, ...] = ()) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.spec = spec
@@ -128,6 +135,11 @@ class Estimator:
         # gloo reduces stage 2-3 grads where autograd left them (collectives.reduce_to_owners), with
         # no flat buffer, when they are already in the reduce dtype; NCCL collects them first.
         self.reduce_in_place = reduce_in_place
+        # On a CPU run, "host" is the device's own memory: copies to the host are no-ops (the runtime's
+        # .to(master device)), so a reduced grad may stay the device buffer, and the host step's
+        # scratch lands in the same memory as everything else.
+        self.host_is_device = host_is_device
+        self.tp_collectives = tp_collectives  # per step, the same for every layout (zeroshard.plan.tp)
         self.gpus_per_node = gpus_per_node
         self.inventory = inventory
         self.psi, self.frozen = psi, frozen
@@ -146,18 +158,22 @@ class Estimator:
     def layout(self, v: Variant) -> LayoutPlan:
         if self.inventory is None:
             states, t, padded, root_padded = self._textbook(v)
+            states, host = _textbook_offload(states, v)
+            if v.offload != "none":  # the step runs on the host, scratch too
+                t = dataclasses.replace(t, scratch=0, step=0)
         else:
             units = self.inventory.comm_units(stage=v.stage, shards=v.shards, bucket_bytes=self._bucket_bytes)
-            states, t = self._runtime_states(v, units)
+            states, host, t = self._runtime_states(v, units)
             padded = sum(g.numel for u in units for g in u.groups)
             root_padded = sum(g.numel for u in units if u.is_root for g in u.groups)
-        sharded_grads = states["grads"] if v.stage >= 2 else self._grad_shard_bytes(v)
-        states, host = _offload(states, v.offload, v.stage, sharded_grads)
-        if v.offload != "none":
-            # The optimizer step runs on the host, scratch too, once every reduction has finished.
-            t = dataclasses.replace(t, scratch=0, step=0)
         activations = self.act.total if self.act else 0
-        backward_ws = (self.act.workspace if self.act else 0) + self._largest_param_grad()
+        largest_grad = self._largest_param_grad()
+        backward_ws = (self.act.workspace if self.act else 0) + largest_grad
+        # At backward's start: every saved activation and, at the larger of the two moments, the
+        # loss head's gradients or the first segment rebuilt with one block's gradients (recompute
+        # is 0 without checkpointing, when this is saved + workspace).
+        start = (self.act.saved + max(self.act.head, self.act.recompute + self.act.block) if self.act else 0) \
+            + largest_grad
         # Each component is reported at its own peak; the step's peak is the largest of three moments:
         # backward's start (every saved activation, the window, backward temporaries, but not yet
         # the grads the reductions create), backward's worst later moment (``Transient.during``: at
@@ -167,7 +183,7 @@ class Estimator:
         # optimizer.step (a unit's scratch, next to the reductions still running; ``_step``). What
         # the components over-count together is the overlap.
         states_total = sum(states.values())
-        phases = (states_total - t.late_grads + activations + t.window + t.early + backward_ws,
+        phases = (states_total - t.late_grads + start + t.window + t.early,
                   states_total + t.during,
                   states_total + t.step)
         workspace = max(backward_ws, t.scratch)
@@ -175,71 +191,98 @@ class Estimator:
         overlap = states_total + activations + t.window + t.buckets + workspace - allocated
         device = Components(**states, activations=activations, window=t.window, buckets=t.buckets,
                             workspace=workspace, headroom=int(round(self.spec.headroom * allocated)), overlap=overlap)
+        # Device and host together at the worst moment: what a CPU run, where they are one memory, measures.
+        host_total = sum(host.values())
+        during = t.during_combined if v.offload != "none" else t.during
+        combined = max(phases[0] + host_total - t.host_late, states_total + host_total + during,
+                       phases[2] + host_total)
         dtype = next(iter(self.master_dtypes))
+        # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
+        dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // self.spec.tp)
         collectives = comm.step_collectives(
-            stage=v.stage, world=self.spec.world, shards=v.shards, padded=padded, root_padded=root_padded,
+            stage=v.stage, world=self.spec.dp, shards=v.shards, padded=padded, root_padded=root_padded,
             compute_bytes=_size(self.compute(dtype)), reduce_bytes=_size(self.reduce(dtype)), accum=self.spec.accum,
             accumulation=self.spec.accumulation, reshard_after_forward=self.spec.reshard_after_forward,
-            gpus_per_node=self.gpus_per_node)
-        planned = tuple(x for x, on in (("offload", v.offload != "none"),
-                                        ("checkpointing", self.spec.checkpointing.policy != "none")) if on)
-        return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.world // v.shards,
+            gpus_per_node=dp_per_node) + self.tp_collectives
+        return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.dp // v.shards,
                           offload=v.offload, checkpointing=str(self.spec.checkpointing), device=device,
-                          host_bytes=host, collectives=collectives, planned_only=planned)
+                          host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives)
 
     @property
     def _bucket_bytes(self) -> int:
         return int(self.spec.bucket_mb * 2**20)  # as zs.shard converts bucket_mb
 
     # -- runtime accounting -------------------------------------------------------------------
-    def _runtime_states(self, v: Variant, units: tuple[CommUnit, ...]) -> tuple[dict[str, int], Transient]:
-        spec = self.spec
-        params = grads = master = 0
+    def _runtime_states(self, v: Variant, units: tuple[CommUnit, ...]
+                        ) -> tuple[dict[str, int], dict[str, int], Transient]:
+        """(device states, host states, transients). Offloaded (``zs.shard(offload=)``), the fp32
+        masters, the optimizer state and the reduced grads the host step reads live on the host."""
+        dev = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
+        host = dict(dev)
+        off = v.offload != "none"
+        moved = host if off else dev
         groups = [g for u in units for g in u.groups]
         late_of = {id(g): 0 for g in groups}
         for g in groups:
-            m, c, r = g.dtype, self.compute(g.dtype), self.reduce(g.dtype)
+            m, c = g.dtype, self.compute(g.dtype)
             P, S = g.numel, g.shard_numel
-            aliased = c == m
-            if v.stage < 3:
-                params += P * _size(c)
-                master += 0 if aliased else S * _size(m)  # stage 0: one shard = the whole buffer
-            else:
-                params += S * _size(m) if aliased else 0  # the fp32 shard *is* the param between uses
-                master += 0 if aliased else S * _size(m)
-            if not g.trainable:
-                continue
-            if v.stage == 0:
-                # The all-reduce runs on the grad buffer in place only if no cast is needed; otherwise
-                # the reduced copy (in the master dtype) is a second full buffer.
-                copy = 0 if c == r == m else P * _size(m)
-                grads += P * _size(c) + copy
-                late_of[id(g)] = copy
-            elif v.stage == 1:
-                grads += P * _size(c) + S * _size(m)
-                late_of[id(g)] = S * _size(m)
-            else:
-                grads += S * _size(m)
-                unsharded = spec.accum > 1 and spec.accumulation == "unsharded"
-                # Accumulating in shards, the shard already holds earlier micro-steps when backward
-                # starts; accumulating unsharded, the first reduction is the last micro-step's.
-                late_of[id(g)] = S * _size(m) if spec.accum == 1 or unsharded else 0
-        optimizer = self._optimizer(groups, v)
-        late = [sum(late_of[id(g)] for g in u.groups) for u in units]
-        if v.offload != "none":
-            late = [0] * len(units)  # the grad shards the reductions make are the ones moved to the host
-        window = self._window(units) if v.stage == 3 else 0
+            # The master is the param itself when the dtypes agree, unless offload keeps it on the host.
+            own = c == m and not off
+            dev["params"] += (S * _size(m) if own else 0) if v.policy.shard_params else P * _size(c)
+            moved["master"] += 0 if own else S * _size(m)  # stage 0: one shard = the whole buffer
+            if g.trainable:
+                kept, made = self._grads(v, g)
+                dev["grads"] += kept
+                moved["grads"] += made
+                late_of[id(g)] = made
+        moved["optimizer"] = self._optimizer(groups, v)
+        created = [sum(late_of[id(g)] for g in u.groups) for u in units]
+        late = [0] * len(units) if off else created  # device grads the reductions create
+        window = self._window(units) if v.policy.shard_params else 0
         buckets, during, early, running = self._backward(units, v, late)
-        scratch = self._unit_scratch(units, v)
+        # Offloaded, the reductions create host grads instead: the same moments over both memories.
+        during_combined = self._backward(units, v, created)[1] if off else during
+        if off:
+            # No per-unit pipeline: the host step runs once every reduction has finished, in one
+            # call over every segment. On a CPU run it lands in the same memory as the rest.
+            scratch = [self._call_scratch(list(units), v)] if self.host_is_device else [0]
+            running = []
+        else:
+            scratch = self._unit_scratch(units, v)
         step = max((s + sum(b for i, b in running if i > j) for j, s in enumerate(scratch)), default=0)
+        # Stages 0-1 reduce on the last micro-step only; 2-3 accumulating in shards have the host
+        # shard from the first micro-step on, so the last micro-step's backward starts with it.
+        unsharded = self.spec.accum == 1 or self.spec.accumulation == "unsharded"
+        host_late = host["grads"] if off and (unsharded or not v.policy.transient_grads) else 0
         transient = Transient(buckets=buckets, during=during, early=early, window=window,
-                              scratch=max(scratch, default=0), step=step, late_grads=sum(late))
-        return {"params": params, "grads": grads, "master": master, "optimizer": optimizer}, transient
+                              scratch=max(scratch, default=0), step=step, late_grads=sum(late), host_late=host_late,
+                              during_combined=during_combined)
+        return dev, (host if off else {}), transient
+
+    def _grads(self, v: Variant, g) -> tuple[int, int]:
+        """(grads kept from backward to the step, and the part of them its reduction creates)."""
+        m, c, r = g.dtype, self.compute(g.dtype), self.reduce(g.dtype)
+        P, S = g.numel, g.shard_numel
+        off = v.offload != "none"
+        if not v.policy.shard_optimizer:
+            # The all-reduce runs on the grad buffer in place only if no cast is needed; otherwise
+            # the reduced copy (in the master dtype) is a second full buffer. Offloaded, the copy
+            # to the host is always a second buffer, except on a CPU run, where it is a no-op.
+            same = c == r == m
+            copy = 0 if same and (not off or self.host_is_device) else P * _size(m)
+            return P * _size(c), copy
+        if not v.policy.transient_grads:
+            return P * _size(c), S * _size(m)
+        unsharded = self.spec.accum > 1 and self.spec.accumulation == "unsharded"
+        # Accumulating in shards, the shard already holds earlier micro-steps when backward
+        # starts (none of it is late); accumulating unsharded, the first reduction is the last micro-step's.
+        late = S * _size(m) if self.spec.accum == 1 or unsharded or off else 0
+        return S * _size(m) - late, late
 
     def _optimizer(self, groups, v: Variant) -> int:
         """Optimizer bytes on the worst rank (the buffer tail makes the last ranks lighter)."""
         trainable = [g for g in groups if g.trainable]
-        shards = v.shards if v.stage >= 1 else 1
+        shards = v.shards if v.policy.shard_optimizer else 1
         best_rank, best = 0, -1.0
         for rank in range(shards):
             value = sum(self.costs[g.dtype].per_element * g.optimizer_numel(rank) for g in trainable)
@@ -253,18 +296,9 @@ class Estimator:
 
         zs.optimizer steps one unit at a time, in reduction order: one call of the torch class over
         that unit's segments, one loop per torch param group (decaying or not), whose temporaries
-        die with it. A foreach loop (torch's default on CUDA) materialises one temporary per
-        element (the second moment's sqrt). The per-tensor loop (the CPU default) makes two per
-        segment (that sqrt, then the denominator it is divided into) while the previous segment's
-        denominator is still bound to the loop's variable. A fused kernel needs none.
+        die with it. Consecutive units share one call until it has PIPELINE_MIN_NUMEL shard
+        elements; the call runs once the last of them is reduced, so its scratch is charged at that unit.
         """
-        trainable = [g for u in units for g in u.groups if g.trainable]
-        per_element = max(self.costs[g.dtype].per_element for g in trainable)
-        if per_element == 0 or self.spec.optimizer_kwargs.get("fused"):
-            return [0] * len(units)  # no state to take a temporary of, or a fused kernel
-        elem = max(_size(g.dtype) for g in trainable)
-        # Consecutive units share one call until it has PIPELINE_MIN_NUMEL shard elements; the call
-        # runs once the last of them is reduced, so its scratch is charged at that unit.
         calls, current, numel = [], [], 0
         for i, u in enumerate(units):
             current.append(i)
@@ -274,68 +308,101 @@ class Estimator:
                 current, numel = [], 0
         out = [0] * len(units)
         for call in calls:
-            worst = 0
-            for rank in range(v.shards if v.stage >= 1 else 1):
-                loops: dict[bool, list[int]] = {}
-                for g in (g for i in call for g in units[i].groups):
-                    if g.trainable:
-                        for decay, numel in g.segment_numels(rank):
-                            loops.setdefault(decay, []).append(numel)
-                for seg in loops.values():
-                    need = sum(seg) if self.foreach else max(p + 2 * c for p, c in zip([0] + seg, seg))
-                    worst = max(worst, need)
-            out[call[-1]] = worst * elem
+            out[call[-1]] = self._call_scratch([units[i] for i in call], v)
         return out
+
+    def _call_scratch(self, units: list[CommUnit], v: Variant) -> int:
+        """Temporaries of one call of the torch class over ``units``' segments, on the worst rank.
+
+        A foreach loop (torch's default on CUDA) materialises one temporary per element (the second
+        moment's sqrt). The per-tensor loop (the CPU default) makes two per segment (that sqrt, then
+        the denominator it is divided into) while the previous segment's denominator is still bound
+        to the loop's variable. A fused kernel needs none.
+        """
+        trainable = [g for u in units for g in u.groups if g.trainable]
+        if not trainable:
+            return 0
+        per_element = max(self.costs[g.dtype].per_element for g in trainable)
+        if per_element == 0 or self.spec.optimizer_kwargs.get("fused"):
+            return 0  # no state to take a temporary of, or a fused kernel
+        elem = max(_size(g.dtype) for g in trainable)
+        worst = 0
+        for rank in range(v.shards if v.policy.shard_optimizer else 1):
+            loops: dict[bool, list[int]] = {}
+            for g in trainable:
+                for decay, numel in g.segment_numels(rank):
+                    loops.setdefault(decay, []).append(numel)
+            for seg in loops.values():
+                need = sum(seg) if self.foreach else max(p + 2 * c for p, c in zip([0] + seg, seg))
+                worst = max(worst, need)
+        return worst * elem
 
     def _unit_grads(self, units: tuple[CommUnit, ...], v: Variant, late: list[int]) -> list[_UnitGrads]:
         spec = self.spec
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
-        activations = self._unit_activations(units)
+        activations = self._alive_activations(units)
         root = sum(u.full_bytes(compute_map) for u in units if u.is_root)
         blocks = [u for u in units if not u.is_root]  # reduction order
         unsharded = spec.accum > 1 and spec.accumulation == "unsharded"
         out = []
         for i, u in enumerate(units):
             window = 0
-            if v.stage == 3:
+            if v.policy.shard_params:
                 # Its grads complete before it is resharded. Its backward prefetched the next
-                # ``prefetch`` units; the root stays gathered until backward ends. Without
+                # ``prefetch`` units (issued once BACKWARD_PREFETCH_AT of its grads are ready, so by
+                # its last one); the root stays gathered until backward ends. Without
                 # reshard_after_forward, every unit not yet through backward is still gathered.
                 k = next((j for j, b in enumerate(blocks) if b is u), len(blocks))
-                ahead = blocks[k:] if not spec.reshard_after_forward else blocks[k:k + 1 + spec.prefetch]
+                prefetched = spec.prefetch if BACKWARD_PREFETCH_AT <= 1 else 0
+                ahead = blocks[k:] if not spec.reshard_after_forward else blocks[k:k + 1 + prefetched]
                 window = root + sum(b.full_bytes(compute_map) for b in ahead)
             per_param = flat = reduced = cast = 0
             for g in u.groups:
                 if not g.trainable:
                     continue
                 c, r, m = self.compute(g.dtype), self.reduce(g.dtype), g.dtype
-                if v.stage >= 2 and self.reduce_in_place and c == r and not unsharded:
+                if v.policy.transient_grads and self.reduce_in_place and c == r and not unsharded:
                     # The per-param grads are what the reduction holds in flight: no collection.
                     flat += g.layout.param_numel * _size(c)
                     second = spec.accum > 1 or r != m
                     reduced += g.shard_numel * _size(r) if second else 0
-                elif v.stage >= 2:
+                elif v.policy.transient_grads:
                     per_param += g.layout.param_numel * _size(c)
                     flat += g.numel * _size(r)
                     second = (spec.accum > 1 and not unsharded) or r != m
                     reduced += g.shard_numel * _size(r) if second else 0
-                elif v.stage == 1:
+                elif v.policy.shard_optimizer:
                     cast += g.numel * _size(r) if c != r else 0
                     reduced += g.shard_numel * _size(r) if r != m else 0
             out.append(_UnitGrads(late=late[i], activations=activations[i], window=window, per_param=per_param,
                                   flat=flat, reduced=reduced, cast=cast))
         return out
 
-    def _unit_activations(self, units: tuple[CommUnit, ...]) -> list[int]:
-        """Per unit, the saved activations its backward frees. Our GPT saves ``per_layer`` per block
-        and ``root`` in the embeddings and head; with checkpointing none is counted as freed (the
-        estimate is not per block), so every moment keeps them all."""
-        if self.act is None or self.spec.checkpointing.policy != "none":
+    def _alive_activations(self, units: tuple[CommUnit, ...]) -> list[int]:
+        """Per unit, in reduction order, the activations still alive at its last grad.
+
+        Our GPT saves ``per_layer`` per block and ``root`` in the embeddings and head (kept to the
+        end: the embedding's grads come last). At a unit whose first block is k, blocks k and later
+        are through backward. Without checkpointing blocks 0..k-1 still hold theirs; with it, each
+        segment starting at or before k still holds its input (``boundary``), and k's own segment
+        [a, b) has rebuilt blocks a..k-1 that are not through backward yet.
+        """
+        if self.act is None:
             return [0] * len(units)
+        firsts = [min((int(s.fqn.split(".")[1]) for g in u.groups for s in g.layout.slots
+                       if s.fqn.startswith("blocks.")), default=None) for u in units]
+        depth = 1 + max((k for k in firsts if k is not None), default=-1)
+        segments = self.spec.checkpointing.segments(depth)
         out = []
-        for u in units:
-            names = {s.fqn.split(".")[1] for g in u.groups for s in g.layout.slots if s.fqn.startswith("blocks.")}
-            out.append(len(names) * self.act.per_layer + (self.act.root if u.is_root else 0))
+        for u, k in zip(units, firsts):
+            if k is None or u.is_root:  # the root: reduced last, when every block is through backward
+                out.append(0)
+            elif not segments:
+                out.append(self.act.root + k * self.act.per_layer)
+            else:
+                index = next(i for i, (a, b) in enumerate(segments) if a <= k < b)
+                out.append(self.act.root + (index + 1) * self.act.boundary
+                           + (k - segments[index][0]) * self.act.per_layer)
         return out
 
     def _backward(self, units: tuple[CommUnit, ...], v: Variant,
@@ -369,17 +436,16 @@ class Estimator:
         """
         grads = self._unit_grads(units, v, late)
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
-        carried = v.stage >= 2 and self.spec.accum > 1 and self.spec.accumulation == "unsharded"
+        carried = v.policy.transient_grads and self.spec.accum > 1 and self.spec.accumulation == "unsharded"
         early = sum(g.flat for g in grads) if carried else 0
         moments: list[tuple[int, int]] = [(early, 0)]  # (grad memory in flight, everything above the states)
         pending = sum(late)  # grads the reductions have not created yet
-        activations = self.act.total if self.act else 0  # saved, not yet freed by backward
         ahead = early  # carried flat buffers not yet reduced
         reducing: list[tuple[int, int]] = []  # stages 2-3: (unit, bytes) launched and unreaped, oldest first
         held: list[tuple[int, int]] = []  # stages 0-1: (unit, casts), all unreaped in the bound
         for i, g in enumerate(grads):
-            activations = max(0, activations - g.activations)
-            if v.stage >= 2:
+            activations = g.activations
+            if v.policy.transient_grads:
                 if carried:  # an earlier micro-step: no reduction, no shard yet
                     moments.append((early + g.per_param, early + g.per_param - sum(late) + activations + g.window))
                 flat = ahead if carried else g.flat
@@ -399,9 +465,9 @@ class Estimator:
                 moments.append((inflight, inflight - pending + activations))
         # Backward's end: the reductions still running stay; stage 3's root is still gathered
         # (every unit is resharded as backward ends).
-        running = reducing if v.stage >= 2 else held
+        running = reducing if v.policy.transient_grads else held
         end = sum(b for _, b in running)
-        root = sum(u.full_bytes(compute_map) for u in units if u.is_root) if v.stage == 3 else 0
+        root = sum(u.full_bytes(compute_map) for u in units if u.is_root) if v.policy.shard_params else 0
         moments.append((end, end + root))
         return max(m[0] for m in moments), max(m[1] for m in moments), early, running
 
@@ -412,22 +478,25 @@ class Estimator:
         if not self.spec.reshard_after_forward:
             return root + sum(blocks)
         live = 1 + self.spec.prefetch
-        return root + max((sum(blocks[i:i + live]) for i in range(len(blocks))), default=0)
-
-    def _grad_shard_bytes(self, v: Variant) -> int:
-        """Stage 1's fp32 reduced-grad shard: what optimizer offload would move besides the states."""
-        if v.stage != 1 or self.inventory is None:
-            return 0
-        units = self.inventory.comm_units(stage=1, shards=v.shards, bucket_bytes=self._bucket_bytes)
-        return sum(g.shard_numel * _size(g.dtype) for u in units for g in u.groups if g.trainable)
+        window = max((sum(blocks[i:i + live]) for i in range(len(blocks))), default=0)
+        for a, b in self.spec.checkpointing.segments(len(blocks)):
+            # Forward: a segment runs inside its first unit's call, so that unit stays gathered
+            # while the last one runs and prefetches the ``prefetch`` after it.
+            ahead = blocks[b - 1:b - 1 + live]
+            window = max(window, sum(ahead) + (blocks[a] if a < b - 1 else 0))
+            # Backward: rebuilding needs all of its units at once; the engine has already gathered
+            # its last unit and prefetched the ``prefetch`` before it.
+            window = max(window, sum(blocks[max(0, min(a, b - live)):b]))
+        return root + window
 
     def _largest_param_grad(self) -> int:
         """Stages 0-3 all see autograd produce one param's grad as a fresh tensor before it is moved
         or added into the flat buffer."""
         if self.inventory is None:
             return 0
-        refs = [r for s in self.inventory.specs for r in s.refs if r.param.requires_grad]
-        return max((r.param.numel() * _size(self.compute(r.param.dtype)) for r in refs), default=0)
+        inv = self.inventory
+        refs = [r for s in inv.specs for r in s.refs if r.param.requires_grad]
+        return max((inv.local_numel(r) * _size(self.compute(r.param.dtype)) for r in refs), default=0)
 
     # -- textbook accounting ------------------------------------------------------------------
     def _textbook(self, v: Variant) -> tuple[dict[str, int], Transient, int, int]:
@@ -437,10 +506,10 @@ class Estimator:
         psi, frozen, n = self.psi, self.frozen, v.shards
         cost: OptimStateCost = self.costs[m]
         states = {
-            "params": int((psi + frozen) * _size(c) / (n if v.stage == 3 else 1)),
-            "grads": int(psi * _size(r) / (n if v.stage >= 2 else 1)),
-            "master": 0 if c == m else int(psi * _size(m) / (n if v.stage >= 1 else 1)),
-            "optimizer": int(cost.per_element * psi / (n if v.stage >= 1 else 1)),
+            "params": int((psi + frozen) * _size(c) / (n if v.policy.shard_params else 1)),
+            "grads": int(psi * _size(r) / (n if v.policy.transient_grads else 1)),
+            "master": 0 if c == m else int(psi * _size(m) / (n if v.policy.shard_optimizer else 1)),
+            "optimizer": int(cost.per_element * psi / (n if v.policy.shard_optimizer else 1)),
         }
         # Without units only the bucket size is known: two buckets in flight at stage 2.
         buckets = 2 * min(self._bucket_bytes, psi * _size(r)) if v.stage == 2 else 0

@@ -10,8 +10,12 @@ resort when nothing fits cheaply:
    *activations* are its largest term, enable sqrt checkpointing on the cheaper layout instead
    (one extra forward beats ZeRO-3's 1.5x communication, and raising the stage does not divide
    activations at all);
-3. offload (optimizer, then params);
-4. nothing: say how many ranks ZeRO-3 would need.
+3. tensor parallelism, when the largest layer's full params and working buffers (stage 3's
+   gathered window, grad buffers in flight and workspace: ``layer_floor``) exceed the device even
+   at ZeRO-3: sharding never splits a layer while it computes, so more ranks cannot help, while a
+   tp split divides it;
+4. cpu offload (``zs.shard(offload="cpu")``: masters and optimizer state in host memory);
+5. nothing: say how many ranks ZeRO-3 would need.
 """
 
 from __future__ import annotations
@@ -61,9 +65,11 @@ class Recommendation:
     candidates: tuple[Candidate, ...]
     plan: Plan
     """The plan the chosen layout comes from (with the recommended checkpointing and offload)."""
+    tp: int = 1
+    """The tensor-parallel degree the chosen layout needs (1: none)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout, "checkpointing": self.checkpointing, "offload": self.offload,
+        return {"layout": self.layout, "checkpointing": self.checkpointing, "offload": self.offload, "tp": self.tp,
                 "fits": self.fits, "reason": self.reason, "device_mem_bytes": self.device_mem,
                 "candidates": [dataclasses.asdict(c) for c in self.candidates]}
 
@@ -121,7 +127,9 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
     for key in ("offload", "shard_size", "gpus_per_node"):
         plan_kwargs.pop(key, None)
     ckpt = plan_kwargs.pop("checkpointing", "none")
-    hybrid = net.gpus_per_node if world > net.gpus_per_node and world % net.gpus_per_node == 0 else None
+    tp = plan_kwargs.get("tp", 1)
+    dp, dp_per_node = world // tp, max(1, net.gpus_per_node // tp)
+    hybrid = dp_per_node if dp > dp_per_node and dp % dp_per_node == 0 else None
 
     def plan_with(**extra: Any) -> Plan:
         return make_plan(model_or_config, gpus_per_node=net.gpus_per_node, shard_size=hybrid,
@@ -157,22 +165,27 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
         return Recommendation(layout=plain.layout, checkpointing=str(base.spec.checkpointing), offload="none",
                               fits=True, reason=reason, device_mem=mem, candidates=tuple(cands), plan=base)
 
-    # 3. Offload, optimizer state first (params offload costs a host round trip every forward).
     smallest = min(cands, key=lambda c: c.total_bytes)
     head = (f"nothing fits in {gb(mem)} on the device: the smallest, {pretty(smallest.layout)}, needs "
             f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
+    # 3. A layer too large for the device even fully sharded: split it.
+    split = _tensor_parallel(model_or_config, base, net, mem, plan_kwargs, ckpt, head)
+    if split is not None:
+        return split
+
+    # 4. Offload: masters, optimizer state and the reduced grads to host memory, the step on the CPU.
     tried = list(cands)
-    # A bare parameter count has no unit sizes, so params offload (which leaves only the all-gather
-    # window on the device) cannot be planned honestly there.
-    offloads = ("optimizer",) if base.mode == "analytic" else ("optimizer", "params")
-    for offload in offloads:
+    for offload in ("cpu",):
         off_plan = plan_with(offload=offload)
         off = _candidates(off_plan, net, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
         tried += off
-        fit = next((c for c in off if c.fits), None)
+        # Among equally cheap ones, the one that moves the least to the host (DDP would move every master).
+        floor = min((c.comm_seconds for c in off if c.comm_seconds > 0), default=1.0)
+        fit = min((c for c in off if c.fits), default=None,
+                  key=lambda c: (round(c.comm_seconds / floor, 2), off_plan[c.layout].host_bytes))
         if fit is not None:
             host = off_plan[fit.layout].host_bytes
-            reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with {offload} offload fits with "
+            reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with cpu offload fits with "
                       f"{gb(mem - fit.total_bytes)} headroom, moving {gb(host)} per rank to host memory")
             return Recommendation(layout=fit.layout, checkpointing=str(base.spec.checkpointing), offload=offload,
                                   fits=True, reason=reason, device_mem=mem, candidates=tuple(tried), plan=off_plan)
@@ -186,6 +199,41 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
     return Recommendation(layout=None, checkpointing=str(base.spec.checkpointing), offload="none", fits=False,
                           reason=head + ", even with offload" + more, device_mem=mem, candidates=tuple(tried),
                           plan=base)
+
+
+def layer_floor(p: Plan) -> int:
+    """What the largest layers need at ZeRO-3 besides the model states (which more ranks divide) and
+    the activations (which a smaller micro-batch or checkpointing divides): the gathered full params,
+    the grad buffers in flight, the workspace, with the plan's headroom. More ranks never shrink it."""
+    z3 = p["zero3"].device
+    return z3.total - z3.model_states - z3.activations
+
+
+def _tensor_parallel(model_or_config: Any, base: Plan, net: Network, mem: int, kwargs: dict, ckpt: str,
+                     head: str) -> Recommendation | None:
+    """The smallest tp (within a node, dividing the world) whose cheapest fitting layout fits, when
+    the largest layer's working set alone exceeds the device at ZeRO-3; None otherwise."""
+    floor, world, current = layer_floor(base), kwargs["world"], kwargs.get("tp", 1)
+    if base.mode == "analytic" or floor <= mem:
+        return None
+    for tp in (t for t in (2, 4, 8, 16, 32, 64) if current < t <= net.gpus_per_node and world % t == 0):
+        dp, per_node = world // tp, max(1, net.gpus_per_node // tp)
+        hybrid = per_node if dp > per_node and dp % per_node == 0 else None
+        try:
+            p = make_plan(model_or_config, **dict(kwargs, tp=tp), checkpointing=ckpt,
+                          gpus_per_node=net.gpus_per_node, shard_size=hybrid)
+        except ValueError:  # this tp does not divide the heads or the hidden size, or the batch
+            continue
+        fits = [c for c in _candidates(p, net, mem, [n for n in p.layouts if not n.endswith("_offload")]) if c.fits]
+        if fits:
+            pick = fits[0]
+            reason = (f"{head}; the largest layer's full params and working buffers need {gb(floor)} even at "
+                      f"ZeRO-3, and sharding never splits a layer while it computes: tensor parallelism over "
+                      f"{tp} ranks of a node splits each block, and {pretty(pick.layout)} with tp={tp} fits with "
+                      f"{gb(mem - pick.total_bytes)} headroom")
+            return Recommendation(layout=pick.layout, checkpointing=ckpt, offload="none", fits=True, reason=reason,
+                                  device_mem=mem, candidates=tuple(fits), plan=p, tp=tp)
+    return None
 
 
 def _ranks_needed(model_or_config: Any, mem: int, kwargs: dict, world: int) -> int | None:

@@ -81,10 +81,13 @@ class LayoutPlan:
     checkpointing: str
     device: Components
     host_bytes: int
-    """Bytes moved to host memory by offload (per rank)."""
+    """Bytes offload keeps off the device (per rank): in host memory (cpu) or in files (disk)."""
     collectives: tuple[Collective, ...]
-    planned_only: tuple[str, ...] = ()
-    """Features this layout assumes that the runtime does not implement yet."""
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
+    """``host_bytes`` by component (master, optimizer, grads); empty without offload."""
+    combined_peak: int = 0
+    """Device and host bytes together at the step's worst moment (the allocated peak without
+    offload): what a CPU run measures, where host and device are one memory."""
 
     @property
     def comm_bytes(self) -> int:
@@ -94,9 +97,10 @@ class LayoutPlan:
         out: dict[str, Any] = {f"{k}_bytes": v for k, v in self.device.as_dict().items()}
         out.update(overlap_bytes=self.device.overlap, model_states_bytes=self.device.model_states,
                    allocated_bytes=self.device.allocated, total_bytes=self.device.total, host_bytes=self.host_bytes,
+                   combined_peak_bytes=self.combined_peak,
                    comm_bytes=self.comm_bytes,
                    stage=self.stage, shard_size=self.shard_size, replicas=self.replicas, offload=self.offload,
-                   checkpointing=self.checkpointing, planned_only=list(self.planned_only),
+                   checkpointing=self.checkpointing, host={f"{k}_bytes": v for k, v in self.host.items()},
                    collectives=[dataclasses.asdict(c) | {"wire_bytes": c.wire_bytes} for c in self.collectives])
         return out
 

@@ -1,5 +1,6 @@
 """What the planner is asked: the inputs of one plan, validated once, plus the small parsers
-(``80GB``, ``every:4``) the CLI and the library share.
+(``80GB``, ``7e9``) the CLI and the library share; checkpointing policies and offload kinds are the
+runtime's own.
 
 Every problem raises ``ValueError`` naming the field and the fix, so a bad flag never reaches the
 arithmetic.
@@ -14,10 +15,15 @@ from typing import Any
 
 import torch
 
+from zeroshard.offload.policy import OFFLOAD_KINDS
+from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.precision import MixedPrecision, parse_dtype
+from zeroshard.sharding.recompute import segment_bounds, segment_length
 
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-OFFLOADS = ("none", "optimizer", "params")
+OFFLOADS = OFFLOAD_KINDS
+"""The runtime's offload kinds: none, cpu (masters and optimizer state in host memory, the step on
+the CPU), disk (the same in files, stepped slice by slice)."""
 ACCOUNTINGS = ("runtime", "textbook")
 _SIZE_UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -57,32 +63,30 @@ def parse_count(text: str | int | float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpointing:
-    """Activation checkpointing policy over the transformer blocks.
+    """Activation checkpointing of the blocks, as the runtime does it (zeroshard/sharding/recompute.py).
 
-    ``none`` keeps every block's activations; ``all`` (= ``every:1``) keeps only block inputs and
-    recomputes one block at a time; ``every:k`` checkpoints every k-th block; ``sqrt`` keeps about
-    √L segment boundaries and recomputes one segment of about √L blocks, which trades one extra
-    forward for activation memory of about 2√L blocks instead of L.
+    The policy string is the runtime's and so is its meaning: ``segments`` are the runtime's own
+    (``segment_bounds``), each a run of consecutive blocks that keeps only its input and is rebuilt
+    whole in backward. ``every:K`` is segments of K blocks, ``all`` = ``every:1``, ``sqrt`` about
+    √L segments of about √L blocks.
     """
 
-    policy: str
-    every: int = 0
+    policy: str = "none"
 
     @classmethod
     def parse(cls, text: str | Checkpointing | None) -> Checkpointing:
         if isinstance(text, Checkpointing):
             return text
-        value = (text or "none").strip().lower()
-        if value in ("none", "all", "sqrt"):
-            return cls(value, 1 if value == "all" else 0)
-        match = re.fullmatch(r"every:([0-9]+)", value)
-        if match and int(match.group(1)) >= 1:
-            k = int(match.group(1))
-            return cls("all", 1) if k == 1 else cls("every", k)
-        raise ValueError(f"unknown checkpointing policy {text!r}; use none, all, every:K (K >= 1) or sqrt")
+        value = "none" if text is None else str(text)
+        segment_length(value, 1)  # the runtime's parser: what it refuses, the plan refuses
+        return cls(value)
+
+    def segments(self, blocks: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` block ranges recomputed together; empty without checkpointing."""
+        return segment_bounds(self.policy, blocks)
 
     def __str__(self) -> str:
-        return f"every:{self.every}" if self.policy == "every" else self.policy
+        return self.policy
 
 
 def resolve_optimizer(optimizer: Any) -> type:
@@ -124,7 +128,10 @@ def resolve_mp(mp: MixedPrecision | str | None, *, analytic: bool) -> MixedPreci
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSpec:
-    """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``."""
+    """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``.
+
+    ``world`` counts every rank: ``tp`` consecutive ranks split each layer (tensor parallelism) and
+    the ``world / tp`` data-parallel ranks (``dp``) shard and replicate as the stage says."""
 
     world: int
     stage: int | None = None
@@ -151,23 +158,35 @@ class PlanSpec:
     comm_quant: str = "none"
     """Quantized communication as ``--comm-quant`` spells it (zeroshard/plan/quant.py plans it)."""
     comm_quant_block: int = 256
+    tp: int = 1
+    """Tensor-parallel degree: ranks one layer is split over (Megatron's column/row split)."""
+    sequence_parallel: bool = False
+    """With tp > 1: also split the norms' and residual's activations along the sequence."""
 
     def __post_init__(self) -> None:
         _positive_int("world", self.world)
         _positive_int("batch", self.batch)
         _positive_int("seq", self.seq)
         _positive_int("accum", self.accum)
-        if self.stage is not None and self.stage not in STAGE_NAMES:
-            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
-        if self.batch % (self.world * self.accum):
-            raise ValueError(f"global batch {self.batch} does not split over world {self.world} × accum {self.accum}; "
-                             f"use a multiple of {self.world * self.accum}")
+        _positive_int("tp", self.tp)
+        if self.world % self.tp:
+            raise ValueError(f"tp {self.tp} does not divide world {self.world}; the world is data-parallel ranks × tp, "
+                             "so pick a tp that divides it")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the sequence over the tp ranks; it needs tp > 1")
+        if self.stage is not None:
+            StagePolicy(self.stage)  # the runtime's own check
+        if self.batch % (self.dp * self.accum):
+            where = f"world {self.world}" if self.tp == 1 else f"{self.dp} data-parallel ranks"
+            raise ValueError(f"global batch {self.batch} does not split over {where} × accum {self.accum}; "
+                             f"use a multiple of {self.dp * self.accum}")
         if self.offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)} (as zs.shard), got {self.offload!r}")
         if self.shard_size is not None:
             _positive_int("shard_size", self.shard_size)
-            if self.world % self.shard_size:
-                raise ValueError(f"shard_size {self.shard_size} does not divide world {self.world}; pick a divisor")
+            if self.dp % self.shard_size:
+                raise ValueError(f"shard_size {self.shard_size} does not divide the {self.dp} data-parallel ranks; "
+                                 "pick a divisor")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (all-gathers in flight ahead of compute), got {self.prefetch!r}")
         if not self.bucket_mb > 0:
@@ -188,9 +207,14 @@ class PlanSpec:
             comm.check_stage(self.stage)
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that see different batches, and shard and reduce together."""
+        return self.world // self.tp
+
+    @property
     def micro_batch(self) -> int:
-        """Sequences per rank per micro-step: what activations scale with."""
-        return self.batch // (self.world * self.accum)
+        """Sequences per rank per micro-step: what activations scale with (a tp group shares them)."""
+        return self.batch // (self.dp * self.accum)
 
     @property
     def tokens(self) -> int:
@@ -198,7 +222,7 @@ class PlanSpec:
 
     @property
     def hybrid(self) -> bool:
-        return self.shard_size is not None and self.shard_size < self.world
+        return self.shard_size is not None and self.shard_size < self.dp
 
     def describe(self) -> dict[str, Any]:
         def name(d: torch.dtype | None) -> str | None:
@@ -212,6 +236,7 @@ class PlanSpec:
             "accounting": self.accounting, "accumulation": self.accumulation, "optimizer": self.optimizer.__name__,
             "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
             "comm_quant": self.comm_quant, "comm_quant_block": self.comm_quant_block,
+            "tp": self.tp, "dp": self.dp, "sequence_parallel": self.sequence_parallel,
         }
 
 

@@ -48,6 +48,16 @@ def segment_length(policy: str, units: int) -> int | None:
     raise ValueError(f"checkpointing policy {policy!r} is unknown; use none, all, every:K (K >= 1) or sqrt")
 
 
+def segment_bounds(policy: str, units: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each checkpoint segment over ``units`` consecutive blocks, in forward order.
+
+    The one place a policy's meaning lives: ``Recompute`` wraps exactly these segments, and the
+    planner (zeroshard.plan) and ``zeroshard tune`` (through the planner) count the same ones.
+    """
+    length = segment_length(policy, units)
+    return [] if length is None else [(i, min(i + length, units)) for i in range(0, units, length)]
+
+
 class _Segment:
     def __init__(self, recompute: "Recompute", modules: list[nn.Module]) -> None:
         self.recompute = recompute
@@ -133,9 +143,7 @@ class Recompute:
         self.policy = policy
         self.engine = engine
         self._names = {id(m): n for n, m in model.named_modules()}
-        length = segment_length(policy, len(blocks))
-        self.segments = [] if length is None else [
-            _Segment(self, blocks[i:i + length]) for i in range(0, len(blocks), length)]
+        self.segments = [_Segment(self, blocks[a:b]) for a, b in segment_bounds(policy, len(blocks))]
         self._member_of: dict[int, _Segment] = {id(m): seg for seg in self.segments for m in seg.modules[1:]}
         self._serving: set[int] = set()
         for segment in self.segments:

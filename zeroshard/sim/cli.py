@@ -39,10 +39,11 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
 
     if args.model is None:
         raise ValueError("--time needs --model (a zeroshard preset or one of " + ", ".join(SHAPES) + ")")
-    mb = args.micro_batch or (max(1, args.batch // world) if args.batch else 1)
+    accum = getattr(args, "accum", 1) or 1  # plan's --accum: micro-steps per optimizer step
+    mb = args.micro_batch or (max(1, args.batch // (world * accum)) if args.batch else 1)
     if args.model in SHAPES:
         w = Workload(shape=SHAPES[args.model], micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
-                     checkpointing=args.checkpointing)
+                     checkpointing=args.checkpointing, accum=accum)
         return w, None
     from zeroshard.models import GPTConfig
 
@@ -51,7 +52,7 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
                          "none, all, every:K or sqrt")
     cfg = GPTConfig.named(args.model)
     w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
-                 checkpointing=args.checkpointing)
+                 checkpointing=args.checkpointing, accum=accum)
     return w, lambda layout: gpt_peak_bytes(args.model, w, layout)
 
 

@@ -16,25 +16,25 @@ from zeroshard.sim.workload import Workload
 
 
 def _layout_name(layout: Layout) -> str:
-    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
+    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.dp
     return STAGE_NAMES[layout.stage] + ("_hybrid" if hybrid else "")
 
 
 def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     """Bytes per rank at the step's peak, with the planner's allocator headroom."""
-    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
-    p = plan(w.shape.params, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq,
-             batch=w.micro_batch * layout.world, shard_size=layout.shard_group if hybrid else None,
+    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.dp
+    p = plan(w.shape.params, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, tp=layout.tp,
+             batch=w.micro_batch * layout.dp, shard_size=layout.shard_group if hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom, accounting="textbook")
     device = p[_layout_name(layout)].device
     s = w.shape
     window = 0.0
     if layout.policy.shard_params:
         # The root stays gathered; a block being computed plus ``prefetch`` gathered ahead.
-        window = (s.root_params + (1 + layout.prefetch) * s.block_params) * layout.param_bytes
+        window = (s.root_params + (1 + layout.prefetch) * s.block_params / layout.tp) * layout.param_bytes
     inflight = 0.0
     if layout.policy.transient_grads:
-        inflight = (MAX_INFLIGHT_REDUCTIONS + 1) * s.block_params * layout.reduce_bytes
+        inflight = (MAX_INFLIGHT_REDUCTIONS + 1) * s.block_params / layout.tp * layout.reduce_bytes
     backward = w.activation_peak_bytes() + window + inflight
     # Optimizer scratch and the backward peak happen at different moments: the larger one counts.
     allocated = device.model_states + max(backward, device.workspace)
@@ -43,8 +43,9 @@ def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
 
 def gpt_peak_bytes(name: str, w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     """zeroshard's own GPT preset, planned whole by the runtime-accounting estimator."""
-    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.world
-    p = plan(name, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, batch=w.micro_batch * layout.world,
+    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.dp
+    p = plan(name, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, batch=w.micro_batch * layout.dp,
+             tp=layout.tp,
              checkpointing=w.checkpointing, shard_size=layout.shard_group if hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom,
              reshard_after_forward=layout.reshard_after_forward)

@@ -10,7 +10,18 @@ The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch
   engine's ``MAX_INFLIGHT_REDUCTIONS`` are pending, so compute can stall on communication;
 - hybrid layouts all-reduce each reduced shard across replicas when the reduction is finished,
   which the engine does synchronously (a blocking call on the compute timeline);
-- stages 1-2 all-gather the updated params after the optimizer step.
+- stages 1-2 all-gather the updated params after the optimizer step;
+- with accumulation (``Workload.accum`` micro-steps), as inside ``zs.no_sync``: every micro-step
+  runs its forward and backward, stage 3 gathering every unit again (the root too: backward's end
+  reshards everything); stages 0-1 reduce only in the last micro-step (their full grads accumulate
+  locally), stages 2-3 in every one (into the grad shard). A micro-step's last reductions are left
+  running into the next micro-step's forward and finished at its backward's first grad;
+- with a tp mesh dim (``Layout.tp``), each block's matmuls and attention are split over tp
+  consecutive ranks of a node (Megatron's column/row split; elementwise work is taken as whole,
+  a bound), ZeRO shards each rank's tp-local block params over the data-parallel ranks (every
+  tp-th rank), and every block's forward ends its attention and its MLP with an all-reduce of
+  the activations on the intra-node link, as does its backward (and a rebuild with checkpointing):
+  on the critical path, since the next op needs the sum.
 
 Collectives share one communication timeline in launch order (they compete for the same links).
 Anything on it that compute had to wait for is exposed; the rest is hidden.
@@ -43,14 +54,24 @@ class Layout:
     bucket_mb: float = 25.0
     param_bytes: int = 2
     reduce_bytes: int = 4
+    tp: int = 1
+    """Tensor-parallel degree: consecutive ranks (within a node) each block is split over. ``world``
+    counts every rank; ``world / tp`` are data parallel."""
 
     def __post_init__(self) -> None:
         StagePolicy(self.stage)  # validates
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
+        if self.tp < 1 or self.world % self.tp:
+            raise ValueError(f"tp {self.tp} must be a positive divisor of world {self.world}")
         s = self.shard_group
-        if self.world % s:
+        if self.dp % s:
             raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that shard and reduce together."""
+        return self.world // self.tp
 
     @property
     def policy(self) -> StagePolicy:
@@ -60,11 +81,11 @@ class Layout:
     def shard_group(self) -> int:
         if not self.policy.shard_optimizer:
             return 1
-        return self.world if self.shards is None else self.shards
+        return self.dp if self.shards is None else self.shards
 
     @property
     def replicas(self) -> int:
-        return self.world // self.shard_group
+        return self.dp // self.shard_group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +123,8 @@ class _Timeline:
 
     def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None) -> float:
         """Start ``op`` when both the stream and its input are ready; returns when it ends."""
+        if spans is None and self.layout.tp > 1:  # a data-parallel group takes every tp-th rank
+            spans = group * self.layout.tp > self.hw.gpus_per_node
         seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans)
         self.free_at = max(self.free_at, at) + seconds
         self.busy += seconds
@@ -116,12 +139,17 @@ class _Durations:
     root_fwd: float
     root_bwd: float
     parts: dict[str, float]
+    tp_fwd: float = 0.0
+    """Seconds of a block's tp all-reduces in forward (blocking: the next op needs their sum)."""
+    tp_bwd: float = 0.0
+    """The same in backward: its two, and a rebuild's two with checkpointing."""
 
 
-def _durations(w: Workload, hw: Hardware) -> _Durations:
-    """Seconds per unit: matmuls and attention at their efficiencies, the rest at HBM speed."""
+def _durations(w: Workload, hw: Hardware, tp: int = 1) -> _Durations:
+    """Seconds per unit: matmuls and attention at their efficiencies (split over ``tp`` ranks),
+    the rest at HBM speed."""
     gemm, attn = hw.peak_flops * hw.gemm_efficiency, hw.peak_flops * hw.attention_efficiency
-    g_f, a_f = w.block_gemm_flops / gemm, w.block_attention_flops / attn
+    g_f, a_f = w.block_gemm_flops / gemm / tp, w.block_attention_flops / attn / tp
     e_f = w.block_elementwise_bytes / hw.hbm_bandwidth
     frac_g, frac_a = w.recompute_fraction()
     # Any checkpointing replays the block's elementwise ops (they are never on a save list).
@@ -131,8 +159,13 @@ def _durations(w: Workload, hw: Hardware) -> _Durations:
     L = w.shape.n_layer
     parts = {"matmul": 3 * (L * g_f + root_g), "attention": 3 * L * a_f, "memory-bound": 3 * (L * e_f + root_e),
              "recompute": L * recompute}
+    tp_fwd = tp_bwd = 0.0
+    if tp > 1:  # two all-reduces of the block's activations per pass, inside a node
+        one = collective_seconds("all_reduce", w.tokens * w.shape.hidden * w.compute_bytes, tp, hw, spans=False)
+        tp_fwd, tp_bwd = 2 * one, 2 * one * (2 if w.checkpointing != "none" else 1)
     return _Durations(block_fwd=g_f + a_f + e_f, block_bwd=2 * (g_f + a_f + e_f) + recompute,
-                      root_fwd=root_g + root_e, root_bwd=2 * (root_g + root_e), parts=parts)
+                      root_fwd=root_g + root_e, root_bwd=2 * (root_g + root_e), parts=parts, tp_fwd=tp_fwd,
+                      tp_bwd=tp_bwd)
 
 
 def _buckets(sizes: list[float], bucket_bytes: float) -> list[float]:
@@ -149,43 +182,74 @@ def _buckets(sizes: list[float], bucket_bytes: float) -> list[float]:
 
 
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
-    """One step of ``w`` on ``layout`` over ``hw``."""
-    d = _durations(w, hw)
+    """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
+    d = _durations(w, hw, layout.tp)
     pol, s = layout.policy, w.shape
     comm = _Timeline(hw, layout)
-    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
-    block_param = s.block_params * layout.param_bytes
-    # Forward: the root (embeddings) first, then each block, gathered k ahead at stage 3.
-    t = comm.launch("all_gather", s.root_params * layout.param_bytes, group, 0.0) if pol.shard_params else 0.0
-    ready = [0.0] * L
-    if pol.shard_params:
-        for i in range(min(k, L)):
-            ready[i] = comm.launch("all_gather", block_param, group, 0.0)
-    for i in range(L):
-        start = max(t, ready[i])
-        if pol.shard_params and i + k < L:
-            ready[i + k] = comm.launch("all_gather", block_param, group, start)
-        t = start + d.block_fwd
-    t += d.root_fwd + d.root_bwd
-    t = _backward(w, layout, d, comm, t)
-    compute = L * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd
-    optimizer = s.params / (group if pol.shard_optimizer else 1) * ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
+    t = 0.0
+    carried: list[tuple[float, float]] = []  # reductions left running into the next micro-step
+    for micro in range(w.accum):
+        t = _forward(w, layout, d, comm, t)
+        t += d.root_fwd + d.root_bwd
+        last = micro == w.accum - 1
+        t, carried = _backward(w, layout, d, comm, t, carried=carried,
+                               reduce=last or pol.transient_grads, finish=last)
+    compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
+    group = layout.shard_group
+    params = _local_params(w, layout)
+    optimizer = params / (group if pol.shard_optimizer else 1) * ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
     t += optimizer
     if pol.shard_optimizer and not pol.shard_params:
-        t = comm.launch("all_gather", s.params * layout.param_bytes, group, t)
+        t = comm.launch("all_gather", params * layout.param_bytes, group, t)
+    if layout.tp > 1:  # on the critical path, so all exposed
+        tp_ops = w.accum * s.n_layer * 2 * (1 + (2 if w.checkpointing != "none" else 1))
+        comm.busy += w.accum * s.n_layer * (d.tp_fwd + d.tp_bwd)
+        comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
     exposed = max(0.0, t - compute - optimizer)
-    tokens = w.tokens
-    breakdown = dict(d.parts) | {"optimizer": optimizer, "exposed comm": exposed}
+    tokens = w.tokens * w.accum / layout.tp  # a tp group shares its micro-batch
+    breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown)
 
 
-def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float) -> float:
-    """Blocks in reverse with their gathers and reductions; returns when the last reduction is done."""
+def _local_params(w: Workload, layout: Layout) -> float:
+    """Params each rank's ZeRO buffers hold: its tp part of every block (taken as wholly split), the root."""
+    return w.shape.root_params + w.shape.n_layer * w.shape.block_params / layout.tp
+
+
+def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float) -> float:
+    """One micro-step's forward from ``t``: the root (embeddings) first, then each block, gathered
+    ``prefetch`` ahead at stage 3."""
     pol, s = layout.policy, w.shape
     group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
-    block_param, block_grad = s.block_params * layout.param_bytes, s.block_params * layout.reduce_bytes
+    block_param = s.block_params / layout.tp * layout.param_bytes
+    start_at = t
+    if pol.shard_params:
+        t = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at)
+    ready = [start_at] * L
+    if pol.shard_params:
+        for i in range(min(k, L)):
+            ready[i] = comm.launch("all_gather", block_param, group, start_at)
+    for i in range(L):
+        start = max(t, ready[i])
+        if pol.shard_params and i + k < L:
+            ready[i + k] = comm.launch("all_gather", block_param, group, start)
+        t = start + d.block_fwd + d.tp_fwd
+    return t
+
+
+def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float, *,
+              carried: list[tuple[float, float]] | None = None, reduce: bool = True,
+              finish: bool = True) -> tuple[float, list[tuple[float, float]]]:
+    """Blocks in reverse with their gathers and, when ``reduce``, their reductions. The ``carried``
+    reductions of the previous micro-step are finished at the first grad. With ``finish`` the step
+    waits for the last reductions (the optimizer reads every shard); otherwise they are returned
+    still running. Returns (time, reductions still running)."""
+    pol, s = layout.policy, w.shape
+    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
+    block_param = s.block_params / layout.tp * layout.param_bytes
+    block_grad = s.block_params / layout.tp * layout.reduce_bytes
     regather = pol.shard_params and layout.reshard_after_forward
     ready = [t] * L
     if regather:
@@ -196,10 +260,10 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     units = sizes if pol.shard_params else _buckets(sizes, layout.bucket_mb * 1e6)
     owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
-    reduce_group = group if pol.shard_optimizer else layout.world  # DDP all-reduces over everyone
+    reduce_group = group if pol.shard_optimizer else layout.dp  # DDP all-reduces over every data-parallel rank
     spans_replicas = layout.world > comm.hw.gpus_per_node
-    pending: list[tuple[float, float]] = []  # (reduce done, replica all-reduce bytes)
-    next_unit = 0
+    pending: list[tuple[float, float]] = list(carried or [])  # (reduce done, replica all-reduce bytes)
+    next_unit = 0 if reduce else len(units)
     # The replicate group is its own process group (its own stream), but the engine waits on it.
     across = _Timeline(comm.hw, layout)
 
@@ -210,12 +274,14 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
             now = across.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas)
         return now
 
+    while pending:  # the previous micro-step's, finished at this backward's first grad
+        t = finish_oldest(t)
     for step, i in enumerate(range(L - 1, -1, -1)):
         start = max(t, ready[i])
         j = i - k
         if regather and j >= 0:  # issued once this unit's grads are partly ready, as the engine does
             ready[j] = comm.launch("all_gather", block_param, group, start + BACKWARD_PREFETCH_AT * d.block_bwd)
-        t = start + d.block_bwd
+        t = start + d.block_bwd + d.tp_bwd
         while next_unit < len(units) and owner[next_unit] <= step:
             pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
             next_unit += 1
@@ -223,11 +289,11 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
             t = finish_oldest(t)
     for u in range(next_unit, len(units)):  # the root's reduction
         pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
-    while pending:
+    while pending and finish:
         t = finish_oldest(t)
     comm.busy += across.busy
     comm.wire += across.wire
-    return t
+    return t, pending
 
 
 def _bucket_ends(sizes: list[float], units: list[float]) -> list[int]:

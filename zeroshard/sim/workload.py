@@ -86,8 +86,12 @@ class Workload:
     seq: int
     checkpointing: str = "none"
     compute_bytes: int = 2
+    accum: int = 1
+    """Micro-steps per optimizer step (gradient accumulation); ``tokens`` is one micro-step's."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.accum, bool) or not isinstance(self.accum, int) or self.accum < 1:
+            raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {self.accum!r}")
         if self.checkpointing not in TORCHTITAN_POLICIES:
             segment_length(self.checkpointing, self.shape.n_layer)  # raises on an unknown policy
 

@@ -100,9 +100,12 @@ def _bucket(part: str) -> float:
 
 
 def _policy(part: str) -> str:
-    every = part.startswith("every:") and part[6:].isdigit() and int(part[6:]) >= 1
-    if part not in ("none", "all", "sqrt") and not every:
-        raise ValueError(f"--checkpointing: {part!r} is not a policy; use none, all, sqrt or every:K (K >= 1)")
+    from zeroshard.sharding.recompute import segment_length
+
+    try:  # the runtime's parser: every:K means segments of K blocks, in train, plan and tune alike
+        segment_length(part, 1)
+    except ValueError:
+        raise ValueError(f"--checkpointing: {part!r} is not a policy; use none, all, sqrt or every:K (K >= 1)") from None
     return part
 
 

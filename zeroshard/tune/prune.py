@@ -59,9 +59,11 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
         key = tuple(sorted(knobs.items()))
         if key not in plans:
             plans[key] = plan(gpt, world=base.nproc, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
-                              accumulation=base.accumulation, device=device, optimizer="adamw",
+                              accumulation=base.accumulation, device=device, optimizer="adamw", offload=base.offload,
                               optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True}, **knobs)
-        layout = plans[key][LAYOUT[c.stage]].device  # type: ignore[index]
+        # The run offloads as the base config says, so its layout is the plan's offload variant.
+        name = LAYOUT[c.stage] + ("_offload" if base.offload != "none" else "")
+        layout = plans[key][name].device  # type: ignore[index]
         out[c] = Prediction(total=layout.total, allocated=layout.allocated)
     return out
 

@@ -1,0 +1,92 @@
+"""Tensor parallelism in the plan: which params a Megatron-style split divides, and what it costs.
+
+The built-in GPT's plan splits each block: ``attn.qkv`` and ``mlp.fc`` column-wise (weight rows
+and bias across the tp ranks), ``attn.proj`` and ``mlp.proj`` row-wise (weight columns; the bias
+is replicated, added once after the all-reduce). Norms, embeddings and the head stay replicated.
+ZeRO then shards each rank's tp-local tensors across the data-parallel ranks, so per-rank params,
+grads and optimizer state divide by tp × shard for the split params and by shard alone for the
+replicated ones.
+
+Per layer and micro-step, Megatron's accounting (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", 2022, section 4): two all-reduces of the block's
+activations (tokens × n_embd) in forward, after each row-wise linear, and two in backward, for the
+grads of each column-wise linear's input. With sequence parallelism each all-reduce becomes an
+all-gather plus a reduce-scatter of the same buffer: the same bytes on the wire, and the norms'
+and residual's activations are split across the tp ranks too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from zeroshard.plan.comm import Collective
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+GPT_TP_PLAN = {"attn.qkv": COLWISE, "attn.proj": ROWWISE, "mlp.fc": COLWISE, "mlp.proj": ROWWISE}
+"""Submodule of each block -> style, as zeroshard's GPT is split (Megatron's MLP and attention)."""
+
+ALL_REDUCES_PER_LAYER = 2
+"""Per block and direction: one after the attention's row-wise linear, one after the MLP's."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorParallel:
+    """The tp degree of a plan and where it splits. ``tp=1`` splits nothing."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    styles: tuple[tuple[str, str], ...] = tuple(GPT_TP_PLAN.items())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be a positive int (ranks one layer is split over), got {self.tp!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence parallelism splits the sequence over the tp ranks; it needs tp > 1")
+
+    def split_dim(self, fqn: str, ndim: int) -> int | None:
+        """The dim of param ``fqn`` divided across the tp ranks, or None where it is replicated."""
+        if self.tp == 1:
+            return None
+        module, _, leaf = fqn.rpartition(".")
+        for name, style in self.styles:
+            if module == name or module.endswith("." + name):
+                if style == COLWISE:
+                    return 0  # output features: the weight's rows and the bias
+                return 1 if leaf == "weight" and ndim == 2 else None  # input features; the bias is whole
+        return None
+
+    def local_shape(self, fqn: str, shape: torch.Size) -> torch.Size:
+        """This rank's part of a param of ``shape`` (what ZeRO flattens and shards)."""
+        dim = self.split_dim(fqn, len(shape))
+        if dim is None:
+            return torch.Size(shape)
+        out = list(shape)
+        out[dim] //= self.tp
+        return torch.Size(out)
+
+    def check_gpt(self, cfg) -> None:
+        """The split must be even: heads (attention) and the MLP's hidden size (its two linears)."""
+        for name, size in (("n_head", cfg.n_head), ("the MLP hidden size", cfg.mlp_ratio * cfg.n_embd)):
+            if size % self.tp:
+                raise ValueError(f"tp={self.tp} does not divide {name} ({size}); pick a tp that divides both "
+                                 f"n_head ({cfg.n_head}) and the MLP hidden size ({cfg.mlp_ratio * cfg.n_embd})")
+
+
+def layer_collectives(tp: TensorParallel, *, layers: int, tokens: int, width: int, compute_bytes: int,
+                      micro_steps: int, rebuilt_layers: int = 0, gpus_per_node: int | None = None
+                      ) -> tuple[Collective, ...]:
+    """TP collectives of one optimizer step: per layer and micro-step, 2 in forward and 2 in backward
+    over a buffer of ``tokens × width`` activations; a checkpointed layer's rebuild runs its forward's
+    2 again. With sequence parallelism each is an all-gather plus a reduce-scatter of that buffer."""
+    if tp.tp == 1:
+        return ()
+    buffer = tokens * width * compute_bytes
+    count = ALL_REDUCES_PER_LAYER * (2 * layers + rebuilt_layers) * micro_steps
+    spans = gpus_per_node is not None and tp.tp > gpus_per_node
+    if not tp.sequence_parallel:
+        return (Collective(op="all_reduce", group="tp", size=tp.tp, buffer_bytes=buffer, count=count,
+                           spans_nodes=spans),)
+    return tuple(Collective(op=op, group="tp", size=tp.tp, buffer_bytes=buffer, count=count, spans_nodes=spans)
+                 for op in ("all_gather", "reduce_scatter"))
