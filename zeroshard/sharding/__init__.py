@@ -11,6 +11,7 @@ from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.quant import CommQuant
 from zeroshard.offload import OffloadPolicy, make_store
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
+from zeroshard.sharding.compiled import CompileArg, CompileError, compile_forwards, compile_options
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, attach_engine, find_engine, get_engine
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import optim_groups, optimizer
@@ -41,7 +42,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
           skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None,
-          comm: CommQuant | None = None) -> nn.Module:
+          comm: CommQuant | None = None, compile: CompileArg = None) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -68,8 +69,13 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
 
     ``comm=CommQuant(weights=True)`` sends stage 3's weight all-gather as blockwise int8 plus one
     fp32 scale per block (zeroshard/comm/quant.py); fp32 masters stay exact on their owner.
+
+    ``compile`` runs each block's forward through ``torch.compile`` (the root's when there are no
+    blocks), with the runtime's hooks outside the graphs: True (inductor), a backend name such as
+    ``"aot_eager"``, or a dict of torch.compile arguments. See docs/compile.md.
     """
     segment_length(checkpointing, 1)  # validate the policy before touching the model
+    compile_kwargs = compile_options(compile)
     offload = OffloadPolicy(kind=offload) if isinstance(offload, str) else (offload or OffloadPolicy())
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")
@@ -94,6 +100,9 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     engine.offload = offload
     attach_engine(model, engine)
     blocks = [spec.module for spec in specs if not spec.is_root]
+    if compile_kwargs is not None:
+        # Before checkpointing is installed, so that a checkpointed unit wraps its compiled forward.
+        compile_forwards(blocks or [model], compile_kwargs)
     if segment_length(checkpointing, len(blocks)) is not None:
         engine.recompute = Recompute(model, blocks, checkpointing, engine if policy.shard_params else None)
     if device.type == "meta":
@@ -107,7 +116,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
 
 
 __all__ = [
-    "CommQuant", "Engine", "ExecutionOrderError",
+    "CommQuant", "CompileError", "Engine", "ExecutionOrderError",
     "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
     "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

@@ -14,6 +14,7 @@ from torch import nn
 
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.quant import CommQuant
+from zeroshard.sharding.compiled import eager_hook
 from zeroshard.sharding.flat import FlatGroup, StagePolicy
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.unit import Unit, UnitState
@@ -146,7 +147,7 @@ class Engine:
         self._hooks = []
         # Reductions left running after a backward finish at the next forward at the latest, so
         # they never add their full grads to that forward's activations (gradient accumulation).
-        self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.finish_reductions()))
+        self._hooks.append(model.register_forward_pre_hook(eager_hook(lambda module, args: self.finish_reductions())))
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
@@ -170,8 +171,8 @@ class Engine:
 
     def _register_forward_hooks(self) -> None:
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(functools.partial(self._pre_forward, unit))))
+            self._hooks.append(unit.module.register_forward_hook(eager_hook(functools.partial(self._post_forward, unit))))
 
     # -- stage 3 forward ----------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
