@@ -60,7 +60,7 @@ def compile_options(arg: CompileArg) -> dict[str, Any] | None:
 
 
 def _check_backend(name: str) -> None:
-    known = set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"}
+    known = set(torch.compiler.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"}
     if name not in known:
         raise CompileError(f"compile backend {name!r} is not registered with torch.compile; use one of "
                            f"{sorted(known)}")
