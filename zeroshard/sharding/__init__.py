@@ -11,7 +11,8 @@ from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.quant import CommQuant
 from zeroshard.offload import OffloadPolicy, make_store
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
-from zeroshard.sharding.compiled import CompileArg, CompileError, compile_forwards, compile_options
+from zeroshard.sharding.compiled import (CompileArg, CompileError, compile_forwards, compile_options,
+                                         refuse_compiled_wrapper)
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, attach_engine, find_engine, get_engine
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import optim_groups, optimizer
@@ -76,6 +77,7 @@ def shard(model: nn.Module, *, stage: int, units: UnitsArg = None, mp: MixedPrec
     """
     segment_length(checkpointing, 1)  # validate the policy before touching the model
     compile_kwargs = compile_options(compile)
+    refuse_compiled_wrapper(model)
     offload = OffloadPolicy(kind=offload) if isinstance(offload, str) else (offload or OffloadPolicy())
     if accumulation not in ("sharded", "unsharded"):
         raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {accumulation!r}")

@@ -66,6 +66,14 @@ def _check_backend(name: str) -> None:
                            f"{sorted(known)}")
 
 
+def refuse_compiled_wrapper(model: nn.Module) -> None:
+    """``torch.compile(model)`` returns a wrapper whose params are named ``_orig_mod.*``; sharding it
+    would give every unit, checkpoint key and ledger entry that prefix."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # noqa: SLF001 (no public name for the type)
+        raise CompileError("zs.shard got a torch.compile wrapper; shard the model itself, then compile it "
+                           "(model.compile() after zs.shard, or zs.shard(model, ..., compile=True))")
+
+
 def compile_forwards(modules: list[nn.Module], options: dict[str, Any]) -> None:
     """Replace each module's ``forward`` with a compiled one; its hooks stay outside the graph.
 
