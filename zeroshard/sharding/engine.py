@@ -14,7 +14,7 @@ from torch import nn
 
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.quant import CommQuant
-from zeroshard.sharding.compiled import eager_hook
+from zeroshard.sharding.compiled import eager_hook, refuse_traced
 from zeroshard.sharding.flat import FlatGroup, StagePolicy
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.unit import Unit, UnitState
@@ -293,6 +293,9 @@ class Engine:
         return not self.sync_grads and (not self.policy.transient_grads or self.accumulation == "unsharded")
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
+        if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
+            refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
+                          "torch._dynamo.config.compiled_autograd off and compile the forward (zs.shard(compile=True))")
         if not self._in_backward:
             self.finish_reductions()  # the previous backward's, if nobody has read them yet
             self._in_backward = True
