@@ -125,8 +125,8 @@ def compile_suite() -> dict:
         "checkpointed": lambda: _pair(_config(stage=3, checkpointing="every:2"), compile=BACKEND),
         "llama": lambda: _pair(_config(model="hf:llama-tiny", stage=3), compile=BACKEND),
         ("whole", 3): lambda: _pair(_config(stage=3), whole=True),
-        "breaks": lambda: {"tiny": graph_breaks(_config(stage=3), whole=False),
-                           "hf:llama-tiny": graph_breaks(_config(model="hf:llama-tiny", stage=3), whole=False)},
+        # A Llama decoder layer's breaks show in its run's graph count (one graph for all four).
+        "breaks": lambda: {"tiny": graph_breaks(_config(stage=3), whole=False)},
         "refused": refused,
     })
     out: dict = {"seconds": {}}

@@ -11,8 +11,9 @@ pytest.importorskip("transformers")
 import compile_workloads as cw  # noqa: E402
 from zeroshard.launch import spawn  # noqa: E402
 
-# Under contention (several spawned suites on 2 cores) compiling takes minutes, not seconds.
-pytestmark = pytest.mark.timeout(600)
+# The spawned suite took 9.7 min with six other suites on the 2 shared cores (load ~35); dynamo
+# and AOTAutograd are CPU-bound, so contention hits them hardest.
+pytestmark = pytest.mark.timeout(900)
 
 LOSS_TOL = 1e-5
 BLOCK_GRAPH_BREAKS = 0
@@ -46,6 +47,8 @@ def test_checkpointed_segments_wrap_the_compiled_forward(world2):
 
 def test_hf_llama_blocks_compile(world2):
     _check(world2[0]["llama"], "hf:llama-tiny stage 3")
+    # Four decoder layers, one graph: a graph break inside the layer would add at least one more.
+    assert world2[0]["llama"]["graphs"][-1] == 1
 
 
 def test_whole_model_compiled_after_shard(world2):
@@ -54,10 +57,9 @@ def test_whole_model_compiled_after_shard(world2):
     _check(world2[0][("whole", 3)], "model.compile() after zs.shard, stage 3")
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf:llama-tiny"])
-def test_graph_breaks_per_block(world2, name):
-    breaks = world2[0]["breaks"][name]
-    print(f"{name}: torch._dynamo.explain {breaks}")
+def test_graph_breaks_per_block(world2):
+    breaks = world2[0]["breaks"]["tiny"]
+    print(f"tiny GPT Block: torch._dynamo.explain {breaks}")
     assert breaks["block"] == BLOCK_GRAPH_BREAKS, breaks["block_reasons"]
     assert breaks["block_graphs"] == 1
 
