@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 import compile_workloads as cw  # noqa: E402
 from zeroshard.launch import spawn  # noqa: E402
 
-# The spawned suite took 9.7 min with six other suites on the 2 shared cores (load ~35); dynamo
-# and AOTAutograd are CPU-bound, so contention hits them hardest.
+# The spawned suite takes 83 s on the 2 shared cores at load ~8 but took 9.7 min at load ~35 (six
+# other suites); dynamo and AOTAutograd are CPU-bound, so contention hits them hardest.
 pytestmark = pytest.mark.timeout(900)
 
 LOSS_TOL = 1e-5
