@@ -27,6 +27,8 @@ HF_PREFIX = "hf:"
 HF_MODEL_NAMES = ("hf:gpt2-tiny", "hf:llama-tiny")
 """Hugging Face models built from small configs in code (zeroshard/models/hf.py); need the `hf` extra."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
+"""torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
 STAGES = (0, 1, 2, 3)
 
 
@@ -139,6 +141,13 @@ class TrainConfig:
     comm_quant_block: int = 256
     """Elements per quantization block (one fp32 scale each); a power of two."""
 
+    compile: bool = False
+    """torch.compile each block's forward (zs.shard's compile=); the runtime's hooks stay eager.
+    See docs/compile.md."""
+
+    compile_backend: str = "inductor"
+    """Backend for `compile`: inductor (needs a C++ compiler on CPU), aot_eager, eager or cudagraphs."""
+
     init: str = "auto"
     """How the model is initialised: 'meta' builds it on the meta device and materialises only
     this rank's shards (bitwise the same values), 'full' builds it whole on every rank, 'auto'
@@ -232,6 +241,8 @@ class TrainConfig:
             raise ValueError(f"checkpointing={self.checkpointing!r} is invalid; use none, all, every:K (K >= 1) "
                              "or sqrt") from None
         self._check_comm_quant()
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend={self.compile_backend!r} is invalid; use one of {COMPILE_BACKENDS}")
         if self.init not in ("auto", "meta", "full"):
             raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")
         if self.accumulation not in ("sharded", "unsharded"):

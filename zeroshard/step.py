@@ -136,7 +136,8 @@ def shard_model(cfg: TrainConfig, model: torch.nn.Module, **overrides: Any) -> t
     kwargs = dict(stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
                   reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
                   checkpointing=cfg.checkpointing, offload=offload,
-                  comm=zs.CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block), **adapter.shard_kwargs(model))
+                  comm=zs.CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block),
+                  compile=cfg.compile_backend if cfg.compile else None, **adapter.shard_kwargs(model))
     zs.shard(model, **{**kwargs, **overrides})
     adapter.after_shard(model)  # a pretrained folder: each rank reads only its shard of the weights
     return model

@@ -11,6 +11,8 @@ from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.quant import CommQuant
 from zeroshard.offload import OffloadPolicy
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
+from zeroshard.sharding.compiled import (CompileArg, CompileError, compile_forwards, compile_options,
+                                         refuse_compiled_wrapper)
 from zeroshard.sharding.engine import Engine, ExecutionOrderError, attach_engine, find_engine, get_engine
 from zeroshard.sharding.events import EngineEvent, EngineEvents, EventKind
 from zeroshard.sharding.flat import StagePolicy
@@ -43,7 +45,8 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
           skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None,
-          comm: CommQuant | None = None, options: EngineOptions | None = None) -> nn.Module:
+          comm: CommQuant | None = None, options: EngineOptions | None = None,
+          compile: CompileArg = None) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -78,6 +81,10 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     ``options`` takes all of the engine's knobs as one ``EngineOptions`` instead (including the
     reduction overlap ones that have no keyword here); then the keywords it covers must be left
     at their defaults.
+
+    ``compile`` runs each block's forward through ``torch.compile`` (the root's when there are no
+    blocks), with the runtime's hooks outside the graphs: True (inductor), a backend name such as
+    ``"aot_eager"``, or a dict of torch.compile arguments. See docs/compile.md.
     """
     keywords = EngineOptions(prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                              accumulation=accumulation, checkpointing=checkpointing,
@@ -88,12 +95,14 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     elif keywords != EngineOptions():
         raise ValueError("zs.shard got options= and also engine keywords (prefetch, reshard_after_forward, bucket_mb, "
                          "accumulation, checkpointing, offload); put them all in the EngineOptions")
+    compile_kwargs = compile_options(compile)
     policy = StagePolicy(stage)
     if comm is not None:
         comm.check_stage(stage)
     # A build function runs here, now that the arguments are checked.
     built = None if isinstance(model, nn.Module) else _build(model, init_fn, skip_init)
     model = built.model if built is not None else cast(nn.Module, model)
+    refuse_compiled_wrapper(model)
     if find_engine(model) is not None:
         raise ValueError("this model is already sharded; build a fresh model to shard it again")
     device = validate_params(model)
@@ -101,6 +110,10 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     if device.type not in (mesh.device.type, "meta"):
         model.to(mesh.device)
     specs = plan_units(model, units)
+    if compile_kwargs is not None:
+        # Before the engine installs activation checkpointing, so that a checkpointed unit wraps
+        # its compiled forward.
+        compile_forwards([spec.module for spec in specs if not spec.is_root] or [model], compile_kwargs)
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
                     options=options, comm=comm)
     attach_engine(model, engine)
@@ -125,7 +138,8 @@ def _build(build, init_fn, skip_init: bool):
 
 
 __all__ = [
-    "CommQuant", "Engine", "EngineEvent", "EngineEvents", "EngineOptions", "EventKind", "ExecutionOrderError",
+    "CommQuant", "CompileError", "Engine", "EngineEvent", "EngineEvents", "EngineOptions", "EventKind",
+    "ExecutionOrderError",
     "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
     "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

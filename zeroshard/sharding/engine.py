@@ -15,6 +15,7 @@ from torch import nn
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.quant import CommQuant, ErrorFeedback
 from zeroshard.offload import make_store
+from zeroshard.sharding.compiled import eager_hook, refuse_traced
 from zeroshard.sharding.events import EngineEvents
 from zeroshard.sharding.flat import FlatGroup, StagePolicy
 # The defaults live with the options; re-exported here, where the planner and simulator read them.
@@ -140,7 +141,7 @@ class Engine:
         self._hooks = []
         # Reductions left running after a backward finish at the next forward at the latest, so
         # they never add their full grads to that forward's activations (gradient accumulation).
-        self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.finish_reductions()))
+        self._hooks.append(model.register_forward_pre_hook(eager_hook(lambda module, args: self.finish_reductions())))
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
@@ -185,8 +186,8 @@ class Engine:
 
     def _register_forward_hooks(self) -> None:
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(functools.partial(self._pre_forward, unit))))
+            self._hooks.append(unit.module.register_forward_hook(eager_hook(functools.partial(self._post_forward, unit))))
 
     # -- stage 3 forward ----------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
@@ -307,6 +308,9 @@ class Engine:
         return not self.sync_grads and (not self.policy.transient_grads or self.options.accumulation == "unsharded")
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
+        if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
+            refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
+                          "torch._dynamo.config.compiled_autograd off and compile the forward (zs.shard(compile=True))")
         if not self._in_backward:
             self.finish_reductions()  # the previous backward's, if nobody has read them yet
             self._in_backward = True

@@ -29,6 +29,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from zeroshard.sharding.compiled import refuse_traced
+
 
 def segment_length(policy: str, units: int) -> int | None:
     """Units per segment for a policy string, or None for no checkpointing."""
@@ -72,6 +74,12 @@ class _Segment:
             module.forward = self._member_forward(module)
 
     def run(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # Traced, the segment's state changes inside checkpoint's graph are refused and dynamo
+            # would run the whole frame eagerly without a word; say so instead.
+            refuse_traced(f"unit {self.recompute.name(self.modules[0])} is checkpointed and was reached from a "
+                          "torch.compile'd frame; compile through zs.shard(..., compile=...) instead, which "
+                          "checkpoints the compiled forward")
         # Without grad there is no backward and so nothing to recompute: run the units as they are.
         checkpointed = torch.is_grad_enabled()
         self.recomputing = False
