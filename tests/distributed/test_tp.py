@@ -86,3 +86,22 @@ def test_mesh_shape_must_cover_the_world():
             zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
     finally:
         zs.shutdown()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_planner_model_states_at_2x2_within_ten_percent(stage):
+    """The planner's per-rank params, grads, masters and optimizer state at (shard 2, tp 2) against
+    the storages a tensor-parallel run holds (zeroshard/plan/tp.py splits what the runtime splits)."""
+    from zeroshard.models import GPTConfig
+
+    measured = _suite("gpt")[0]["model_states"][("gpt", stage)]
+    cfg = GPTConfig.named("tiny", seq_len=w.SEQ_LEN, vocab_size=w.dataset().vocab_size)
+    plan = zs.plan(cfg, world=4, tp=2, stage=stage, batch=w.GLOBAL_BATCH, seq=w.SEQ_LEN, device="cpu")
+    layout = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
+    predicted = plan[layout].device
+    for part in ("params", "grads", "master", "optimizer"):
+        print(f"stage {stage} {part}: planned {getattr(predicted, part):,} measured {measured[part]:,}")
+    total = sum(measured[p] for p in ("params", "grads", "master", "optimizer"))
+    error = abs(predicted.model_states - total) / total
+    print(f"stage {stage}: model states planned {predicted.model_states:,} measured {total:,} ({error:.1%})")
+    assert error <= 0.10

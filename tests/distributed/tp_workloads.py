@@ -18,6 +18,7 @@ from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.models.adapter import mean_loss
 from zeroshard.models.hf import build_hf_model
+from zeroshard.plan.measure import model_state_bytes
 from zeroshard.sharding import get_engine
 from zeroshard.sharding.tp import tensor_parallel
 
@@ -140,15 +141,19 @@ def _errors() -> dict[str, str]:
 def suite(models: tuple[str, ...] = MODELS) -> dict:
     """Every model x stage for STEPS steps; the last step's ledger is checked against theory."""
     mesh = zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
-    out: dict = {"mesh": mesh.describe(), "params": {}, "ledger": {}}
+    out: dict = {"mesh": mesh.describe(), "params": {}, "ledger": {}, "model_states": {}}
     ledger = zs.ledger()
     for name in models:
         for stage in (0, 1, 2, 3):
             run = tp_run(name, stage)
             _train(run, STEPS - 1)
             start = ledger.next_seq
-            _train(run, 1)
+            states: dict[str, int] = {}
+            x, y = collate(run.dataset, run.sampler.next_indices())
+            # Model states read while the step's grads still exist: what the planner predicts.
+            step.step(run, x, y, before_zero_grad=lambda: states.update(model_state_bytes(run.model, run.opt)))
             out["ledger"][(name, stage)] = _ledger_facts(run, ledger.since(start))
+            out["model_states"][(name, stage)] = states
             out["params"][(name, stage)] = zs.full_state_dict(run.model)
     out["errors"] = _errors()
     return out

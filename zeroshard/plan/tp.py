@@ -21,11 +21,14 @@ import dataclasses
 
 import torch
 
+from torch.distributed.tensor.parallel import ColwiseParallel
+
 from zeroshard.plan.comm import Collective
+from zeroshard.sharding.tp import GPT_TP_STYLES
 
 COLWISE, ROWWISE = "colwise", "rowwise"
-GPT_TP_PLAN = {"attn.qkv": COLWISE, "attn.proj": ROWWISE, "mlp.fc": COLWISE, "mlp.proj": ROWWISE}
-"""Submodule of each block -> style, as zeroshard's GPT is split (Megatron's MLP and attention)."""
+GPT_TP_PLAN = {name: COLWISE if style is ColwiseParallel else ROWWISE for name, style in GPT_TP_STYLES.items()}
+"""Submodule of each block -> style: the runtime's own split of zeroshard's GPT (Megatron's MLP and attention)."""
 
 ALL_REDUCES_PER_LAYER = 2
 """Per block and direction: one after the attention's row-wise linear, one after the MLP's."""

@@ -127,12 +127,16 @@ def _check_divides(tp: int, sizes: dict[str, int], what: str) -> None:
                              f"{name} (each tp rank holds {name}/tp of it)")
 
 
+GPT_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
+    "attn.qkv": ColwiseParallel, "attn.proj": RowwiseParallel, "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel}
+"""Submodule of each GPT block -> its split; the planner (zeroshard/plan/tp.py) reads the same table."""
+
+
 def gpt_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
     """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise."""
     cfg: Any = model.cfg
     _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    plan = {name: style() for name, style in GPT_TP_STYLES.items()}
     blocks: Any = model.blocks
     return list(blocks), plan, {"attn.qkv": 3}
 
