@@ -24,29 +24,24 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
+from procstatus import status_bytes  # bench/ sibling: python puts the script's folder on sys.path
 from zeroshard.dcp import export_dcp, import_dcp
 
 MIB = 2**20
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
 
 def measured(fn: Callable[[], Any]) -> dict:
     """Run fn; peak RssAnon / RssFile above the start, and seconds."""
     gc.collect()
-    base = {k: _vm(k) for k in ("RssAnon", "RssFile")}
+    base = {k: status_bytes(k) for k in ("RssAnon", "RssFile")}
     peak = dict(base)
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             for k in peak:
-                peak[k] = max(peak[k], _vm(k))
+                peak[k] = max(peak[k], status_bytes(k))
             time.sleep(0.002)
 
     thread = threading.Thread(target=sample, daemon=True)

@@ -28,17 +28,12 @@ from pathlib import Path
 import torch
 
 import zeroshard as zs
+from procstatus import status_bytes  # bench/ sibling: python puts the script's folder on sys.path
 from zeroshard.launch import spawn
 from zeroshard.sharding import get_engine
 
 MIB = 2**20
 
-
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _reset_peak_rss() -> bool:
@@ -59,13 +54,13 @@ class _Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.anon, self.file = max(self.anon, _vm("RssAnon")), max(self.file, _vm("RssFile"))
+            self.anon, self.file = max(self.anon, status_bytes("RssAnon")), max(self.file, status_bytes("RssFile"))
             time.sleep(0.002)
 
     def stop(self) -> None:
         self.done.set()
         self.join()
-        self.anon, self.file = max(self.anon, _vm("RssAnon")), max(self.file, _vm("RssFile"))
+        self.anon, self.file = max(self.anon, status_bytes("RssAnon")), max(self.file, status_bytes("RssFile"))
 
 
 def make_folder(root: Path, layers: int, hidden: int, vocab: int, shard_size: str) -> dict:
@@ -97,7 +92,7 @@ def _rank(path: str) -> dict:
     shard = sum(g.shard.untyped_storage().nbytes() for g in engine.groups)
     largest_slot = max(s.numel * g.shard.element_size() for g in engine.groups for s in g.layout.slots)
     zs.comm.collectives.barrier(phase="bench")
-    before = {k: _vm(k) for k in ("VmRSS", "RssAnon", "RssFile")}
+    before = {k: status_bytes(k) for k in ("VmRSS", "RssAnon", "RssFile")}
     reset = _reset_peak_rss()
     sampler = _Sampler()
     sampler.start()
@@ -105,7 +100,7 @@ def _rank(path: str) -> dict:
     stats = zs.load_pretrained(model, path)
     seconds = time.perf_counter() - start
     sampler.stop()
-    hwm = _vm("VmHWM")
+    hwm = status_bytes("VmHWM")
     return {"rank": zs.get_mesh().rank, "seconds": seconds, "read": stats["bytes_read"], "held": stats["bytes_held"],
             "shard": shard, "largest_slot": largest_slot, "before": before, "anon": sampler.anon - before["RssAnon"],
             "file": sampler.file - before["RssFile"], "hwm": hwm - before["VmRSS"] if reset else None}

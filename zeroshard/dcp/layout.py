@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,7 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
