@@ -352,8 +352,10 @@ class FlatGroup:
             self.reducer.launch_quantized(self.full_grads(), self.grad_quant, phase, feedback=self.grad_feedback)
             self._report_launch(phase)
             return
-        grads = [tp.local_grad(p.grad, spec) for p, spec in zip(self.created_params(), self.tp_specs)]
-        pieces = self.reducer.pieces(grads) if self._reduces_in_place() else None
+        pieces = None
+        if self._reduces_in_place():  # (never for a unit that did not run: its params were not created)
+            pieces = self.reducer.pieces([tp.local_grad(p.grad, spec)
+                                          for p, spec in zip(self.created_params(), self.tp_specs)])
         if pieces is not None:
             for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce
