@@ -24,6 +24,7 @@ ALLOWED = {
     ("zeroshard/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
     ("bench/activation_memory.py", "measure"): "a warm-up backward before measuring activations",
     ("bench/gpu_overhead.py", "main"): "a matmul backward that creates cuBLAS's workspace",
+    ("bench/observe_overhead.py", "loop_steps"): "a user's own plain loop, the one zs.observe is measured on",
 }
 
 OPTIMIZER_NAMES = ("opt", "optim", "optimizer")

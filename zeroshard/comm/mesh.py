@@ -136,6 +136,16 @@ def _from_mesh_shape(mesh_shape, names, world: int) -> tuple[int | None, int]:
     return shard, tp
 
 
+def _check_existing_shape(mesh: Mesh, tp: int, mesh_shape, names) -> None:
+    """A second ``init`` that names a tensor-parallel shape must ask for the mesh that exists:
+    returning another one silently would run a different layout than the caller wrote."""
+    if mesh_shape is not None:
+        _, tp = _from_mesh_shape(mesh_shape, names, mesh.world)  # a shape that misses the world: its own error
+    if tp != mesh.tp_size:
+        raise ValueError(f"the mesh already exists with tp={mesh.tp_size}; call zs.shutdown() before zs.init() "
+                         f"with tp={tp}")
+
+
 def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1,
          mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
          timeout_s: float = 600.0) -> Mesh:
@@ -153,6 +163,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     """
     global _MESH
     if _MESH is not None:
+        if mesh_shape is not None or tp != 1:
+            _check_existing_shape(_MESH, tp, mesh_shape, names)
         return _MESH
     backend = backend or default_backend()
     if not dist.is_initialized():
