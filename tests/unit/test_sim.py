@@ -237,7 +237,7 @@ def _calibrated(contention: float = 0.0):
     from zeroshard.sim.hardware import Hardware
     from zeroshard.sim.measured import MeasuredCompute, MeasuredLink
 
-    links = tuple(MeasuredLink(op=op, world=2, alpha_s=1e-4, bandwidth=1e9)
+    links = tuple(MeasuredLink(op=op, group=2, world=2, alpha_s=1e-4, bandwidth=1e9)
                   for op in ("all_gather", "reduce_scatter", "all_reduce"))
     compute = (MeasuredCompute(model="tiny", vocab=16, micro_batch=1, seq=64, world=2, block_forward_s=1e-3,
                                block_backward_s=2e-3, root_forward_s=5e-4, root_backward_s=1e-3,
@@ -317,3 +317,23 @@ def test_fit_of_a_measured_link_gives_it_back_and_plan_time_reads_the_toml(tmp_p
     assert out["hardware"] == "host" and out["rows"][0]["compute_s"] == pytest.approx(4 * 3e-3 + 1.5e-3)
     assert cli(["plan", "--time", "--hw", str(f), "--model", "tiny", "--world", "2", "--json"]) == 1
     assert "measured on tiny (vocab 16)" in capsys.readouterr().err
+
+
+def test_a_collective_takes_the_fit_measured_under_its_load():
+    """A hybrid step's groups of 2 run while 4 ranks share the host: their fit, not the 2-rank world's."""
+    from zeroshard.sim.measured import MeasuredLink, pick_link
+
+    alone = MeasuredLink(op="all_gather", group=2, world=2, alpha_s=1e-4, bandwidth=2e9)
+    loaded = MeasuredLink(op="all_gather", group=2, world=4, alpha_s=2e-4, bandwidth=1e9)
+    whole = MeasuredLink(op="all_gather", group=4, world=4, alpha_s=3e-4, bandwidth=1e9)
+    links = (alone, loaded, whole)
+    assert pick_link(links, "all_gather", 2) is alone
+    assert pick_link(links, "all_gather", 2, world=4) is loaded
+    assert pick_link(links, "all_gather", 8, world=8) is whole
+    assert pick_link(links, "all_reduce", 2) is None
+    hw = dataclasses.replace(_calibrated(), links=links)
+    assert simulate(_tiny(), hw, Layout(world=4, stage=3, shards=2, param_bytes=4)).comm_s > \
+        simulate(_tiny(), dataclasses.replace(hw, links=(alone, whole)), Layout(world=4, stage=3, shards=2,
+                                                                                param_bytes=4)).comm_s
+    with pytest.raises(ValueError, match="group <= world"):
+        MeasuredLink(op="all_gather", group=4, world=2, alpha_s=0.0, bandwidth=1e9)

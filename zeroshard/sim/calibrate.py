@@ -56,17 +56,17 @@ def time_rank(op: str, sizes: tuple[int, ...], repeats: int) -> list[tuple[float
     return _time_op(op, sizes, repeats, mesh.world)
 
 
-def _issue(op: str, full, shard, async_op: bool = False):
+def _issue(op: str, full, shard, async_op: bool = False, group: str = "world"):
     from zeroshard.comm import collectives
 
     if op == "all_gather":
-        return collectives.all_gather(full, shard, phase="calibrate", async_op=async_op)
+        return collectives.all_gather(full, shard, group=group, phase="calibrate", async_op=async_op)
     if op == "reduce_scatter":
-        return collectives.reduce_scatter(shard, full, phase="calibrate", async_op=async_op)
-    return collectives.all_reduce(full, phase="calibrate", async_op=async_op)
+        return collectives.reduce_scatter(shard, full, group=group, phase="calibrate", async_op=async_op)
+    return collectives.all_reduce(full, group=group, phase="calibrate", async_op=async_op)
 
 
-def _time_op(op: str, sizes: tuple[int, ...], repeats: int, p: int) -> list[tuple[float, float]]:
+def _time_op(op: str, sizes: tuple[int, ...], repeats: int, p: int, group: str = "world") -> list[tuple[float, float]]:
     import torch
 
     from zeroshard.comm import collectives
@@ -80,7 +80,7 @@ def _time_op(op: str, sizes: tuple[int, ...], repeats: int, p: int) -> list[tupl
         for _ in range(repeats + 1):  # the first call pays connection setup
             collectives.barrier(phase="calibrate")
             start = time.perf_counter()
-            _issue(op, full, shard)
+            _issue(op, full, shard, group=group)
             times.append(time.perf_counter() - start)
         out.append((float(numel * 4), statistics.median(times[1:])))
     return out
@@ -187,14 +187,25 @@ def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, re
     return statistics.fmean(shares)
 
 
+def world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tuple[int, ...],
                   repeats: int) -> dict:
     """Spawn target: every figure ``calibrate_hardware`` needs from one world size."""
     import zeroshard as zs
 
-    mesh = zs.init()
+    # From 4 ranks on, also the collectives of a hybrid step: groups of 2 that run all at once.
+    sub = 2 if world_size() >= 4 and world_size() % 2 == 0 else None
+    mesh = zs.init(shard_size=sub)
     p = mesh.world
-    points = {op: _time_op(op, sizes, repeats, p) for op in OPS}
+    points = [(op, p, _time_op(op, sizes, repeats, p)) for op in OPS]
+    if sub:
+        points += [(op, sub, _time_op(op, sizes, repeats, sub, "shard")) for op in ("all_gather", "reduce_scatter")]
+        points.append(("all_reduce", p // sub, _time_op("all_reduce", sizes, repeats, p // sub, "replicate")))
     unit = _unit_times(model, vocab, micro_batch, seq, repeats)
     contention = _contention(unit["block_forward_s"] + unit["block_backward_s"], model, vocab, micro_batch, seq,
                              repeats, p)
@@ -219,17 +230,18 @@ def calibrate_hardware(worlds: tuple[int, ...], model: str, vocab: int, micro_ba
     for world in worlds:
         ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
         # A collective lasts as long as its slowest rank; so does a unit of a step.
-        for op in OPS:
-            pts = [(n, max(r["points"][op][i][1] for r in ranks)) for i, (n, _) in enumerate(ranks[0]["points"][op])]
-            alpha, bw = fit(pts, op, world)
-            links.append(MeasuredLink(op=op, world=world, alpha_s=alpha, bandwidth=bw))
-            raw[f"{op}@{world}"] = pts
+        for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
+            pts = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
+            alpha, bw = fit(pts, op, group)
+            links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
+            raw[f"{op} over {group} of {world}"] = pts
         unit = {k: max(r["unit"][k] for r in ranks) for k in ("block_forward_s", "block_backward_s",
                                                             "root_forward_s", "root_backward_s",
                                                             "optimizer_s_per_param")}
         compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
                                        contention=statistics.fmean(r["contention"] for r in ranks), **unit))
-    first, last = compute[0], links[-3]  # the smallest world's compute, the largest's all-gather
+    first = compute[0]  # the smallest world's compute, the largest world's all-gather
+    last = [m for m in links if m.op == "all_gather" and m.group == m.world][-1]
     block_flops = 6.0 * ranks[0]["unit"]["block_params"] * micro_batch * seq
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hw = Hardware(name=name, peak_flops=block_flops / (first.block_forward_s + first.block_backward_s),

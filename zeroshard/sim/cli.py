@@ -107,7 +107,7 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
         print(json.dumps({"hardware": str(out), "points": raw}, indent=1))
         return 0
     for m in hw.links:
-        print(f"{m.op:15s} world {m.world}: alpha {m.alpha_s * 1e6:8.1f} us/step, bus bandwidth "
+        print(f"{m.op:15s} over {m.group} of {m.world} ranks: alpha {m.alpha_s * 1e6:8.1f} us/step, bus bandwidth "
               f"{m.bandwidth / 1e9:6.3f} GB/s")
     for c in hw.compute:
         print(f"{model} world {c.world}: block fwd {c.block_forward_s * 1e3:.2f} ms, bwd {c.block_backward_s * 1e3:.2f} "

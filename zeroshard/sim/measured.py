@@ -18,7 +18,10 @@ from typing import Any
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeasuredLink:
     op: str
+    group: int
+    """Ranks in the collective."""
     world: int
+    """Ranks running on the host meanwhile (every group of that size at once, as in a hybrid step)."""
     alpha_s: float
     """Seconds per ring step."""
     bandwidth: float
@@ -29,8 +32,8 @@ class MeasuredLink:
 
         if self.op not in OPS:
             raise ValueError(f"measured link: op {self.op!r} is not one of {', '.join(OPS)}")
-        if self.world < 2 or self.alpha_s < 0 or not self.bandwidth > 0:
-            raise ValueError(f"measured link {self.op}: needs world >= 2, alpha_s >= 0 and bandwidth > 0")
+        if self.group < 2 or self.world < self.group or self.alpha_s < 0 or not self.bandwidth > 0:
+            raise ValueError(f"measured link {self.op}: needs 2 <= group <= world, alpha_s >= 0 and bandwidth > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,10 +66,12 @@ class MeasuredCompute:
         return self.micro_batch * self.seq
 
 
-def pick_link(links: tuple[MeasuredLink, ...], op: str, p: int) -> MeasuredLink | None:
-    """The fit of ``op`` at ``p`` ranks, else at the nearest measured group size (None without one)."""
+def pick_link(links: tuple[MeasuredLink, ...], op: str, p: int, world: int | None = None) -> MeasuredLink | None:
+    """The fit of ``op`` over ``p`` ranks while ``world`` run (default ``p``), else the nearest
+    measured group size, then world size (None without any fit of ``op``)."""
+    world = p if world is None else world
     mine = [m for m in links if m.op == op]
-    return min(mine, key=lambda m: (abs(m.world - p), -m.world)) if mine else None
+    return min(mine, key=lambda m: (abs(m.group - p), abs(m.world - world), -m.world)) if mine else None
 
 
 def pick_compute(entries: tuple[MeasuredCompute, ...], model: str, vocab: int, world: int) -> MeasuredCompute:

@@ -126,7 +126,7 @@ class _Timeline:
         """Start ``op`` when both the stream and its input are ready; returns when it ends."""
         if spans is None and self.layout.tp > 1:  # a data-parallel group takes every tp-th rank
             spans = group * self.layout.tp > self.hw.gpus_per_node
-        seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans)
+        seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans, world=self.layout.world)
         self.free_at = max(self.free_at, at) + seconds
         self.busy += seconds
         self.wire += wire_bytes(op, nbytes, group)
