@@ -6,7 +6,7 @@
 Without ``--hw`` (or with a file that does not exist yet) it calibrates first, exactly as
 ``zeroshard plan --calibrate`` does (zeroshard/sim/calibrate.py), and writes the file. Then for
 each world size it spawns one gloo group per mesh shape and runs, one after another, stages 0-3
-(and at world 4 stage 3 hybrid over shard groups of 2), each built and stepped by
+(and at world 4 stages 2 and 3 hybrid: 2 replicas of shard groups of 2), each built and stepped by
 zeroshard/step.py (``build`` and ``step``, the training step itself): ``--warmup`` untimed steps,
 then ``--steps`` timed ones, each after a barrier; a step lasts as long as its slowest rank and the
 figure is the median. The prediction is ``zeroshard.sim.simulate`` of the same layout on the
@@ -67,7 +67,7 @@ def configs(args: argparse.Namespace) -> list[tuple[str, list[TrainConfig]]]:
                            clip=0.0, num_samples=max(64, args.micro_batch * world), steps=1000, warmup=0)
         groups.append((f"world {world}", [dataclasses.replace(base, stage=s) for s in (0, 1, 2, 3)]))
         if world == 4:
-            groups.append(("hybrid", [dataclasses.replace(base, stage=3, shard_size=2)]))
+            groups.append(("hybrid", [dataclasses.replace(base, stage=s, shard_size=2) for s in (2, 3)]))
     return groups
 
 

@@ -229,13 +229,15 @@ def calibrate_hardware(worlds: tuple[int, ...], model: str, vocab: int, micro_ba
     links, compute, raw = [], [], {}
     for world in worlds:
         ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
-        # A collective lasts as long as its slowest rank; so does a unit of a step.
+        # A collective lasts as long as its slowest rank.
         for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
             pts = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
             alpha, bw = fit(pts, op, group)
             links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
             raw[f"{op} over {group} of {world}"] = pts
-        unit = {k: max(r["unit"][k] for r in ranks) for k in ("block_forward_s", "block_backward_s",
+        # Units: the mean over ranks. With more ranks than cores the OS shares them out unevenly
+        # over one short unit but evenly over a step's many, so the slowest rank's unit overstates.
+        unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in ("block_forward_s", "block_backward_s",
                                                             "root_forward_s", "root_backward_s",
                                                             "optimizer_s_per_param")}
         compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
