@@ -241,7 +241,8 @@ def _calibrated(contention: float = 0.0):
                   for op in ("all_gather", "reduce_scatter", "all_reduce"))
     compute = (MeasuredCompute(model="tiny", vocab=16, micro_batch=1, seq=64, world=2, block_forward_s=1e-3,
                                block_backward_s=2e-3, root_forward_s=5e-4, root_backward_s=1e-3,
-                               optimizer_s_per_param=1e-8, contention=contention),)
+                               optimizer_s_per_param=1e-8, contention_all_gather=contention,
+                               contention_reduce_scatter=contention, contention_all_reduce=contention),)
     return Hardware(name="host", peak_flops=1e10, hbm_bytes=8e9, hbm_bandwidth=1e10, gpus_per_node=4,
                     intra_bandwidth=1e9, inter_bandwidth=1e9, links=links, compute=compute)
 
@@ -284,10 +285,10 @@ def test_calibrated_ddp_step_is_the_documented_sum():
 
 def test_contention_charges_hidden_communication_to_the_step():
     layout = Layout(world=2, stage=3, param_bytes=4)
-    free, shared = simulate(_tiny(), _calibrated(0.0), layout), simulate(_tiny(), _calibrated(0.5), layout)
+    free, shared = simulate(_tiny(), _calibrated(0.0), layout), simulate(_tiny(), _calibrated(1.5), layout)
     assert free.hidden_comm_s > 0
-    assert shared.step_s == pytest.approx(free.step_s + 0.5 * free.hidden_comm_s)
-    assert shared.breakdown["comm contention"] == pytest.approx(0.5 * free.hidden_comm_s)
+    assert shared.step_s == pytest.approx(free.step_s + 1.5 * free.hidden_comm_s)
+    assert shared.breakdown["comm contention"] == pytest.approx(1.5 * free.hidden_comm_s)
 
 
 def test_calibrated_hardware_refuses_another_model():

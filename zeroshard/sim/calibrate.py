@@ -159,10 +159,11 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
     return out
 
 
-def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, repeats: int, p: int) -> float:
-    """Share of an in-flight collective's time that also stalls compute: a block's forward and
-    backward (``c`` seconds alone) run while a block-sized reduce-scatter and all-gather are in
-    flight (``m`` alone) take ``both``; perfect overlap is max(c, m), none is c + m."""
+def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, repeats: int,
+                p: int) -> dict[str, float]:
+    """Per collective: seconds a block's forward and backward (``c`` s alone) is slowed per second
+    of a block-sized collective (``m`` s alone) in flight under it: (both - c) / m, where ``both``
+    is the two together. 0 is free overlap, 1 is running one after the other; above 1 they thrash."""
     import torch
 
     from zeroshard.models.gpt import Block, GPTConfig
@@ -172,8 +173,8 @@ def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, re
     x = torch.randn(micro_batch, seq, cfg.n_embd)
     block_numel = sum(q.numel() for q in block.parameters())  # its fp32 grads, or its fp32 params
     numel = max(p, block_numel // p * p)
-    shares = []
-    for op in ("reduce_scatter", "all_gather"):
+    out = {}
+    for op in OPS:
         full, shard = torch.zeros(numel), torch.ones(numel // p)
         m = _median_times(lambda: _issue(op, full, shard), repeats)
 
@@ -183,8 +184,8 @@ def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, re
             pending.wait()
 
         both = _median_times(overlapped, repeats)
-        shares.append(min(1.0, max(0.0, (both - max(c, m)) / min(c, m))))
-    return statistics.fmean(shares)
+        out[f"contention_{op}"] = max(0.0, both - c) / m
+    return out
 
 
 def world_size() -> int:
@@ -240,8 +241,9 @@ def calibrate_hardware(worlds: tuple[int, ...], model: str, vocab: int, micro_ba
         unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in ("block_forward_s", "block_backward_s",
                                                             "root_forward_s", "root_backward_s",
                                                             "optimizer_s_per_param")}
+        shares = {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]}
         compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
-                                       contention=statistics.fmean(r["contention"] for r in ranks), **unit))
+                                       **shares, **unit))
     first = compute[0]  # the smallest world's compute, the largest world's all-gather
     last = [m for m in links if m.op == "all_gather" and m.group == m.world][-1]
     block_flops = 6.0 * ranks[0]["unit"]["block_params"] * micro_batch * seq

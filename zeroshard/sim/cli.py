@@ -112,7 +112,8 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
     for c in hw.compute:
         print(f"{model} world {c.world}: block fwd {c.block_forward_s * 1e3:.2f} ms, bwd {c.block_backward_s * 1e3:.2f} "
               f"ms; root fwd {c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms; AdamW "
-              f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention {c.contention:.2f}")
+              f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention all_gather {c.contention_all_gather:.2f}, "
+              f"reduce_scatter {c.contention_reduce_scatter:.2f}, all_reduce {c.contention_all_reduce:.2f}")
     print(f"hardware written to {out}")
     return 0
 

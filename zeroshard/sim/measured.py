@@ -50,16 +50,21 @@ class MeasuredCompute:
     root_backward_s: float
     optimizer_s_per_param: float
     """One AdamW step, seconds per local parameter."""
-    contention: float = 0.0
-    """Share of in-flight communication time that also stalls compute at this world size (see
-    ``Hardware.contention``), measured with the rest."""
+    contention_all_gather: float = 0.0
+    """Seconds a block's compute is slowed per second of this collective in flight under it, at this
+    world size (see ``Hardware.contention``), measured with the rest; one figure per collective."""
+    contention_reduce_scatter: float = 0.0
+    contention_all_reduce: float = 0.0
 
     def __post_init__(self) -> None:
         times = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
         if any(getattr(self, f) < 0 for f in times) or min(self.micro_batch, self.seq, self.world) < 1:
             raise ValueError(f"measured compute for {self.model!r}: times must be >= 0, sizes positive")
-        if not 0 <= self.contention <= 1:
-            raise ValueError(f"measured compute for {self.model!r}: contention must be in [0, 1]")
+        if min(self.contention_all_gather, self.contention_reduce_scatter, self.contention_all_reduce) < 0:
+            raise ValueError(f"measured compute for {self.model!r}: contention must be >= 0")
+
+    def contention(self, op: str) -> float:
+        return float(getattr(self, f"contention_{op}"))
 
     @property
     def tokens(self) -> int:

@@ -121,6 +121,7 @@ class _Timeline:
         self.free_at = 0.0
         self.busy = 0.0
         self.wire = 0.0
+        self.by_op: dict[str, float] = {}
 
     def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None) -> float:
         """Start ``op`` when both the stream and its input are ready; returns when it ends."""
@@ -129,6 +130,7 @@ class _Timeline:
         seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans, world=self.layout.world)
         self.free_at = max(self.free_at, at) + seconds
         self.busy += seconds
+        self.by_op[op] = self.by_op.get(op, 0.0) + seconds
         self.wire += wire_bytes(op, nbytes, group)
         return self.free_at
 
@@ -225,8 +227,7 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
         comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
     exposed = max(0.0, t - compute - optimizer)
     # Communication that runs under compute still takes the measured share of the cores from it.
-    contention = pick_compute(hw.compute, s.name, s.vocab, layout.world).contention if hw.compute else hw.contention
-    stolen = contention * max(0.0, comm.busy - exposed)
+    stolen = _contention_seconds(w, hw, layout, comm, exposed)
     t += stolen
     tokens = w.tokens * w.accum / layout.tp  # a tp group shares its micro-batch
     breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
@@ -235,6 +236,18 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown)
+
+
+def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, comm: _Timeline, exposed: float) -> float:
+    """What communication under compute costs it: each collective's hidden seconds (its share of
+    the hidden time) times its measured contention, or ``hw.contention`` without measurements."""
+    if comm.busy <= 0:
+        return 0.0
+    hidden = max(0.0, comm.busy - exposed) / comm.busy
+    if not hw.compute:
+        return hw.contention * hidden * comm.busy
+    c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, layout.world)
+    return hidden * sum(c.contention(op) * seconds for op, seconds in comm.by_op.items())
 
 
 def _optimizer_s_per_param(w: Workload, hw: Hardware, world: int) -> float:
@@ -323,6 +336,8 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     while pending and finish:
         t = finish_oldest(t)
     comm.busy += across.busy
+    for op, seconds in across.by_op.items():
+        comm.by_op[op] = comm.by_op.get(op, 0.0) + seconds
     comm.wire += across.wire
     return t, pending
 
