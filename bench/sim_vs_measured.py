@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def main() -> None:
                          "compute_s": pred.compute_s, "optimizer_s": pred.optimizer_s,
                          "exposed_comm_s": pred.exposed_comm_s,
                          "contention_s": pred.breakdown.get("comm contention", 0.0)})
-        print(f"{label}: measured", flush=True)
+        print(f"{label}: measured", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
