@@ -75,8 +75,11 @@ def run_time(args: argparse.Namespace) -> list:
     rows = []
     for world in worlds:
         w, memory = _workload(args, world)
+        # --mp fp32 (as zeroshard train runs by default, and as a CPU calibration measured): fp32
+        # params on the wire; otherwise the bf16 the simulator assumes for GPU runs.
+        param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
         rows += evaluate(w, hw, layouts_for(world, stages, shard_sizes, prefetch=args.prefetch,
-                                            bucket_mb=args.bucket_mb), memory)
+                                            bucket_mb=args.bucket_mb, param_bytes=param_bytes), memory)
     return [w, hw, rows]
 
 
