@@ -226,3 +226,115 @@ def test_tp_splits_compute_and_puts_its_all_reduces_on_the_critical_path():
     assert plain.wire_bytes / 2 < zero < plain.wire_bytes
     with pytest.raises(ValueError, match="tp 3"):
         Layout(world=8, stage=3, tp=3)
+
+
+# --------------------------------------------------------------------------- a calibrated host
+
+
+def _calibrated(contention: float = 0.0):
+    """A host as ``plan --calibrate`` stores it: fitted gloo links at world 2 and measured units of
+    tiny (vocab 16, micro-batch 1 x seq 64)."""
+    from zeroshard.sim.hardware import Hardware
+    from zeroshard.sim.measured import MeasuredCompute, MeasuredLink
+
+    links = tuple(MeasuredLink(op=op, group=2, world=2, alpha_s=1e-4, bandwidth=1e9)
+                  for op in ("all_gather", "reduce_scatter", "all_reduce"))
+    compute = (MeasuredCompute(model="tiny", vocab=16, micro_batch=1, seq=64, world=2, block_forward_s=1e-3,
+                               block_backward_s=2e-3, root_forward_s=5e-4, root_backward_s=1e-3,
+                               optimizer_s_per_param=1e-8, contention_all_gather=contention,
+                               contention_reduce_scatter=contention, contention_all_reduce=contention),)
+    return Hardware(name="host", peak_flops=1e10, hbm_bytes=8e9, hbm_bandwidth=1e10, gpus_per_node=4,
+                    intra_bandwidth=1e9, inter_bandwidth=1e9, links=links, compute=compute)
+
+
+def _tiny(micro_batch: int = 1) -> Workload:
+    from zeroshard.models import GPTConfig
+    from zeroshard.sim.workload import gpt_shape
+
+    return Workload(shape=gpt_shape(GPTConfig.named("tiny", vocab_size=16, seq_len=64), "tiny"),
+                    micro_batch=micro_batch, seq=64)
+
+
+def test_calibrated_hardware_round_trips_through_toml(tmp_path):
+    from zeroshard.sim.measured import to_toml
+
+    hw = _calibrated(contention=0.25)
+    f = tmp_path / "host.toml"
+    f.write_text(to_toml(hw, "a comment\nover two lines"))
+    assert load_hardware(str(f)) == hw
+    f.write_text(to_toml(hw).replace("alpha_s", "alpha"))
+    with pytest.raises(ValueError, match="malformed"):
+        load_hardware(str(f))
+
+
+def test_calibrated_ddp_step_is_the_documented_sum():
+    """Stage 0 at world 2, tiny in one bucket: forward, root, backward from the measured units,
+    then the bucket's all-reduce (exposed: nothing is left to compute), then AdamW on every param."""
+    hw, w = _calibrated(), _tiny()
+    r = simulate(w, hw, Layout(world=2, stage=0, param_bytes=4))
+    L, params = w.shape.n_layer, w.shape.params
+    compute = L * 3e-3 + 1.5e-3
+    all_reduce = 2 * 1e-4 + params * 4 / 1e9  # 2(p-1) alpha + 2(p-1)/p * n / bw at p = 2
+    assert r.compute_s == pytest.approx(compute)
+    assert r.step_s == pytest.approx(compute + all_reduce + params * 1e-8)
+    assert r.exposed_comm_s == pytest.approx(all_reduce)
+    # Twice the tokens: the units scale with them (the optimizer does not).
+    r2 = simulate(_tiny(2), hw, Layout(world=2, stage=0, param_bytes=4))
+    assert r2.compute_s == pytest.approx(2 * compute)
+
+
+def test_contention_charges_hidden_communication_to_the_step():
+    layout = Layout(world=2, stage=3, param_bytes=4)
+    free, shared = simulate(_tiny(), _calibrated(0.0), layout), simulate(_tiny(), _calibrated(1.5), layout)
+    assert free.hidden_comm_s > 0
+    assert shared.step_s == pytest.approx(free.step_s + 1.5 * free.hidden_comm_s)
+    assert shared.breakdown["comm contention"] == pytest.approx(1.5 * free.hidden_comm_s)
+
+
+def test_calibrated_hardware_refuses_another_model():
+    w = Workload(shape=SHAPES["llama3-8b"], micro_batch=1, seq=128)
+    with pytest.raises(ValueError, match="plan --calibrate --model llama3-8b"):
+        simulate(w, _calibrated(), Layout(world=2, stage=0))
+
+
+def test_fit_of_a_measured_link_gives_it_back_and_plan_time_reads_the_toml(tmp_path, capsys):
+    """What calibration fits is what the replay charges: timings generated from a stored link fit
+    back to it, for each collective; and ``plan --time --hw`` takes the stored file."""
+    import json
+
+    from zeroshard.cli.main import main as cli
+    from zeroshard.sim.calibrate import fit
+    from zeroshard.sim.measured import to_toml
+
+    hw = _calibrated()
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        points = [(n, collective_seconds(op, n, 2, hw)) for n in (4e3, 2e6, 3.2e7)]
+        assert fit(points, op, 2) == pytest.approx((1e-4, 1e9))
+    f = tmp_path / "host.toml"
+    f.write_text(to_toml(hw))
+    assert cli(["plan", "--time", "--hw", str(f), "--model", "tiny", "--vocab-size", "16", "--seq", "64",
+                "--micro-batch", "1", "--world", "2", "--stage", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "host" and out["rows"][0]["compute_s"] == pytest.approx(4 * 3e-3 + 1.5e-3)
+    assert cli(["plan", "--time", "--hw", str(f), "--model", "tiny", "--world", "2", "--json"]) == 1
+    assert "measured on tiny (vocab 16)" in capsys.readouterr().err
+
+
+def test_a_collective_takes_the_fit_measured_under_its_load():
+    """A hybrid step's groups of 2 run while 4 ranks share the host: their fit, not the 2-rank world's."""
+    from zeroshard.sim.measured import MeasuredLink, pick_link
+
+    alone = MeasuredLink(op="all_gather", group=2, world=2, alpha_s=1e-4, bandwidth=2e9)
+    loaded = MeasuredLink(op="all_gather", group=2, world=4, alpha_s=2e-4, bandwidth=1e9)
+    whole = MeasuredLink(op="all_gather", group=4, world=4, alpha_s=3e-4, bandwidth=1e9)
+    links = (alone, loaded, whole)
+    assert pick_link(links, "all_gather", 2) is alone
+    assert pick_link(links, "all_gather", 2, world=4) is loaded
+    assert pick_link(links, "all_gather", 8, world=8) is whole
+    assert pick_link(links, "all_reduce", 2) is None
+    hw = dataclasses.replace(_calibrated(), links=links)
+    assert simulate(_tiny(), hw, Layout(world=4, stage=3, shards=2, param_bytes=4)).comm_s > \
+        simulate(_tiny(), dataclasses.replace(hw, links=(alone, whole)), Layout(world=4, stage=3, shards=2,
+                                                                                param_bytes=4)).comm_s
+    with pytest.raises(ValueError, match="group <= world"):
+        MeasuredLink(op="all_gather", group=4, world=2, alpha_s=0.0, bandwidth=1e9)

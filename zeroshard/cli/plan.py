@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.plan import Network, plan
     from zeroshard.plan.recommend import recommend
 
-    if args.time:  # the step-time simulator (zeroshard.sim) instead of the memory tables
+    if args.time or args.calibrate:  # the step-time simulator (zeroshard.sim) instead of the memory tables
         from zeroshard.sim.cli import print_time
 
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from zeroshard.sim.hardware import PRESETS, load_hardware
@@ -19,8 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch", type=int, help="sequences per rank per step (default: --batch / world, or 1)")
     g.add_argument("--sweep", metavar="N,N,...", help="world sizes to sweep instead of --world")
     g.add_argument("--shard-sizes", metavar="S,S,...", help="hybrid shard-group sizes to include (with --time)")
-    g.add_argument("--calibrate", choices=("all_gather", "reduce_scatter", "all_reduce"),
-                   help="time this collective on --world gloo ranks here and fit alpha and bandwidth (with --time)")
+    g.add_argument("--calibrate", nargs="?", const="all", choices=("all", "all_gather", "reduce_scatter", "all_reduce"),
+                   help="alone: fit every collective the step uses and time --model's units on gloo ranks here "
+                        "(at --world, or each of --sweep; default 2,4) and write a hardware TOML for --hw; "
+                        "with a collective's name: fit only that one at --world and print it")
+    g.add_argument("--hw-out", metavar="FILE.toml", default=None,
+                   help="with --calibrate: where the hardware TOML goes (default: ~/.cache/zeroshard/local.toml)")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -50,7 +55,7 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
     if args.checkpointing in TORCHTITAN_POLICIES:
         raise ValueError(f"--checkpointing {args.checkpointing} is for the Llama shapes; zeroshard's GPT takes "
                          "none, all, every:K or sqrt")
-    cfg = GPTConfig.named(args.model)
+    cfg = GPTConfig.named(args.model, **({"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}))
     w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
                  checkpointing=args.checkpointing, accum=accum)
     return w, lambda layout: gpt_peak_bytes(args.model, w, layout)
@@ -70,14 +75,57 @@ def run_time(args: argparse.Namespace) -> list:
     rows = []
     for world in worlds:
         w, memory = _workload(args, world)
+        # --mp fp32 (as zeroshard train runs by default, and as a CPU calibration measured): fp32
+        # params on the wire; otherwise the bf16 the simulator assumes for GPU runs.
+        param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
         rows += evaluate(w, hw, layouts_for(world, stages, shard_sizes, prefetch=args.prefetch,
-                                            bucket_mb=args.bucket_mb), memory)
+                                            bucket_mb=args.bucket_mb, param_bytes=param_bytes), memory)
     return [w, hw, rows]
+
+
+DEFAULT_HW_OUT = Path("~/.cache/zeroshard/local.toml")
+
+
+def calibrate_to_toml(args: argparse.Namespace) -> int:
+    """``plan --calibrate``: every collective and --model's units at each world size, stored as TOML."""
+    from zeroshard.config import TrainConfig
+    from zeroshard.models import GPTConfig
+    from zeroshard.sim.calibrate import calibrate_hardware
+    from zeroshard.sim.measured import to_toml
+
+    model = args.model or "small"
+    if model not in GPTConfig.names():
+        raise ValueError(f"--calibrate times a zeroshard GPT's units; --model must be one of "
+                         f"{', '.join(GPTConfig.names())}, got {model!r}")
+    worlds = _ints(args.sweep, "--sweep") if args.sweep else ((args.world,) if args.world else (2, 4))
+    vocab = args.vocab_size or TrainConfig().vocab_size
+    seq = args.seq or GPTConfig.named(model).seq_len
+    out = Path(args.hw_out).expanduser() if args.hw_out else DEFAULT_HW_OUT.expanduser()
+    hw, raw = calibrate_hardware(worlds, model, vocab, args.micro_batch or 1, seq, name=out.stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_toml(hw, f"zeroshard plan --calibrate: {model}, vocab {vocab}, micro-batch "
+                               f"{args.micro_batch or 1} x seq {seq}, worlds {', '.join(map(str, worlds))}\n"
+                               "measured on this host with gloo; use it with zeroshard plan --time --hw FILE"))
+    if args.json:
+        print(json.dumps({"hardware": str(out), "points": raw}, indent=1))
+        return 0
+    for m in hw.links:
+        print(f"{m.op:15s} over {m.group} of {m.world} ranks: alpha {m.alpha_s * 1e6:8.1f} us/step, bus bandwidth "
+              f"{m.bandwidth / 1e9:6.3f} GB/s")
+    for c in hw.compute:
+        print(f"{model} world {c.world}: block fwd {c.block_forward_s * 1e3:.2f} ms, bwd {c.block_backward_s * 1e3:.2f} "
+              f"ms; root fwd {c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms; AdamW "
+              f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention all_gather {c.contention_all_gather:.2f}, "
+              f"reduce_scatter {c.contention_reduce_scatter:.2f}, all_reduce {c.contention_all_reduce:.2f}")
+    print(f"hardware written to {out}")
+    return 0
 
 
 def print_calibration(args: argparse.Namespace) -> int:
     from zeroshard.sim.calibrate import calibrate
 
+    if args.calibrate == "all":
+        return calibrate_to_toml(args)
     if not args.world or args.world < 2:
         raise ValueError("--calibrate needs --world N with N >= 2 local gloo ranks")
     result = calibrate(args.world, args.calibrate)

@@ -12,6 +12,8 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
+from zeroshard.sim.measured import MeasuredCompute, MeasuredLink
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
@@ -34,6 +36,15 @@ class Hardware:
     attention_efficiency: float = 0.35
     """Fraction of peak for FlashAttention-2 (FlashAttention-3 paper, Shah et al. 2024: FA2 reaches
     about 35% of H100 peak)."""
+    links: tuple[MeasuredLink, ...] = ()
+    """Fitted alpha-beta per collective and group size (``zeroshard plan --calibrate``); where one
+    exists for a collective it replaces the intra-node link model for it."""
+    compute: tuple[MeasuredCompute, ...] = ()
+    """Measured seconds per unit; where one exists the FLOP model is not used for that model."""
+    contention: float = 0.0
+    """Seconds compute is slowed per second of communication running under it: 0 on a GPU (copy
+    engines, NCCL's own SMs aside); measured per collective (``MeasuredCompute``) on a CPU host,
+    where gloo's threads and the ranks' compute share the same cores and can exceed 1."""
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth"):
@@ -44,6 +55,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)!r}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be a positive int")
+        if not self.contention >= 0:
+            raise ValueError(f"hardware {self.name!r}: contention must be >= 0, got {self.contention!r}")
 
 
 _GB = 1e9
@@ -81,6 +94,12 @@ def load_hardware(name_or_path: str) -> Hardware:
     with path.open("rb") as f:
         table = tomllib.load(f)
     base = table.pop("base", None)
+    try:  # arrays of tables become the measured entries
+        for key, cls in (("links", MeasuredLink), ("compute", MeasuredCompute)):
+            if key in table:
+                table[key] = tuple(cls(**entry) for entry in table[key])
+    except TypeError as e:
+        raise ValueError(f"{path}: a [[links]] or [[compute]] entry is malformed: {e}") from None
     fields = {f.name for f in dataclasses.fields(Hardware)}
     unknown = set(table) - fields
     if unknown:

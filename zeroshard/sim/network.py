@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from zeroshard.sim.hardware import Hardware
+from zeroshard.sim.measured import pick_link
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = ("ring", "tree")
@@ -65,12 +66,19 @@ def algorithm_seconds(op: str, algorithm: str, nbytes: float, p: int, hw: Hardwa
 
 
 def collective_seconds(op: str, nbytes: float, p: int, hw: Hardware, algorithm: str | None = None,
-                       spans: bool | None = None) -> float:
+                       spans: bool | None = None, world: int | None = None) -> float:
     """Seconds for one collective; ``algorithm=None`` picks the faster, as NCCL's tuner does.
 
     NCCL implements all-gather and reduce-scatter with rings only, so the tree is offered only for
-    all-reduce unless asked for explicitly.
+    all-reduce unless asked for explicitly. A collective the hardware has a measured fit for
+    (``Hardware.links``, inside a node) costs what the fit says: the same ring formula with the
+    fitted alpha and bandwidth, which is the form ``sim/calibrate.py`` fits. ``world``: ranks
+    running meanwhile (default ``p``), which picks the fit taken under the same load.
     """
+    measured = pick_link(hw.links, op, p, world) if algorithm is None and hw.links else None
+    if measured is not None and p > 1 and nbytes > 0 and not (p > hw.gpus_per_node if spans is None else spans):
+        steps = (2 if op == "all_reduce" else 1) * (p - 1)
+        return steps * measured.alpha_s + bus_factor(op, p) * nbytes / measured.bandwidth
     if algorithm is not None:
         return algorithm_seconds(op, algorithm, nbytes, p, hw, spans)
     choices = ALGORITHMS if op == "all_reduce" else ("ring",)

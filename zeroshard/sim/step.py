@@ -35,6 +35,7 @@ from typing import Any
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sim.hardware import Hardware
+from zeroshard.sim.measured import pick_compute
 from zeroshard.sim.network import collective_seconds, wire_bytes
 from zeroshard.sim.workload import Workload
 
@@ -120,14 +121,16 @@ class _Timeline:
         self.free_at = 0.0
         self.busy = 0.0
         self.wire = 0.0
+        self.by_op: dict[str, float] = {}
 
     def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None) -> float:
         """Start ``op`` when both the stream and its input are ready; returns when it ends."""
         if spans is None and self.layout.tp > 1:  # a data-parallel group takes every tp-th rank
             spans = group * self.layout.tp > self.hw.gpus_per_node
-        seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans)
+        seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans, world=self.layout.world)
         self.free_at = max(self.free_at, at) + seconds
         self.busy += seconds
+        self.by_op[op] = self.by_op.get(op, 0.0) + seconds
         self.wire += wire_bytes(op, nbytes, group)
         return self.free_at
 
@@ -145,9 +148,26 @@ class _Durations:
     """The same in backward: its two, and a rebuild's two with checkpointing."""
 
 
-def _durations(w: Workload, hw: Hardware, tp: int = 1) -> _Durations:
-    """Seconds per unit: matmuls and attention at their efficiencies (split over ``tp`` ranks),
-    the rest at HBM speed."""
+def _measured_durations(w: Workload, hw: Hardware, world: int) -> _Durations:
+    """Seconds per unit from ``hw.compute`` (timed on this model), scaled by tokens when the
+    workload's micro-batch differs from the timed one. The parts split as the timing did."""
+    c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, world)
+    scale = w.tokens / c.tokens
+    bf, bb = c.block_forward_s * scale, c.block_backward_s * scale
+    rf, rb = c.root_forward_s * scale, c.root_backward_s * scale
+    if w.checkpointing != "none":  # a checkpointed block runs its forward again in backward
+        bb += bf * w.recompute_fraction()[0]
+    L = w.shape.n_layer
+    parts = {"blocks (measured)": L * (bf + c.block_backward_s * scale), "root (measured)": rf + rb,
+             "recompute": L * (bb - c.block_backward_s * scale)}
+    return _Durations(block_fwd=bf, block_bwd=bb, root_fwd=rf, root_bwd=rb, parts=parts)
+
+
+def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1) -> _Durations:
+    """Seconds per unit: measured ones when ``hw`` has them, else matmuls and attention at their
+    efficiencies (split over ``tp`` ranks), the rest at HBM speed."""
+    if hw.compute and tp == 1:
+        return _measured_durations(w, hw, world)
     gemm, attn = hw.peak_flops * hw.gemm_efficiency, hw.peak_flops * hw.attention_efficiency
     g_f, a_f = w.block_gemm_flops / gemm / tp, w.block_attention_flops / attn / tp
     e_f = w.block_elementwise_bytes / hw.hbm_bandwidth
@@ -183,7 +203,7 @@ def _buckets(sizes: list[float], bucket_bytes: float) -> list[float]:
 
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
-    d = _durations(w, hw, layout.tp)
+    d = _durations(w, hw, layout.tp, layout.world)
     pol, s = layout.policy, w.shape
     comm = _Timeline(hw, layout)
     t = 0.0
@@ -197,7 +217,7 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
     group = layout.shard_group
     params = _local_params(w, layout)
-    optimizer = params / (group if pol.shard_optimizer else 1) * ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
+    optimizer = params / (group if pol.shard_optimizer else 1) * _optimizer_s_per_param(w, hw, layout.world)
     t += optimizer
     if pol.shard_optimizer and not pol.shard_params:
         t = comm.launch("all_gather", params * layout.param_bytes, group, t)
@@ -206,11 +226,35 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
         comm.busy += w.accum * s.n_layer * (d.tp_fwd + d.tp_bwd)
         comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
     exposed = max(0.0, t - compute - optimizer)
+    # Communication that runs under compute still takes the measured share of the cores from it.
+    stolen = _contention_seconds(w, hw, layout, comm, exposed)
+    t += stolen
     tokens = w.tokens * w.accum / layout.tp  # a tp group shares its micro-batch
     breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
+    if stolen:
+        breakdown["comm contention"] = stolen
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown)
+
+
+def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, comm: _Timeline, exposed: float) -> float:
+    """What communication under compute costs it: each collective's hidden seconds (its share of
+    the hidden time) times its measured contention, or ``hw.contention`` without measurements."""
+    if comm.busy <= 0:
+        return 0.0
+    hidden = max(0.0, comm.busy - exposed) / comm.busy
+    if not hw.compute:
+        return hw.contention * hidden * comm.busy
+    c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, layout.world)
+    return hidden * sum(c.contention(op) * seconds for op, seconds in comm.by_op.items())
+
+
+def _optimizer_s_per_param(w: Workload, hw: Hardware, world: int) -> float:
+    """Measured AdamW seconds per param when ``hw`` has them for this model, else bytes over HBM bandwidth."""
+    if hw.compute:
+        return pick_compute(hw.compute, w.shape.name, w.shape.vocab, world).optimizer_s_per_param
+    return ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
 
 
 def _local_params(w: Workload, layout: Layout) -> float:
@@ -292,6 +336,8 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     while pending and finish:
         t = finish_oldest(t)
     comm.busy += across.busy
+    for op, seconds in across.by_op.items():
+        comm.by_op[op] = comm.by_op.get(op, 0.0) + seconds
     comm.wire += across.wire
     return t, pending
 

@@ -1,0 +1,116 @@
+"""Measured figures a hardware description may carry: per-collective alpha-beta fits and per-unit
+compute times, as ``zeroshard plan --calibrate`` stores them, and the TOML that holds them.
+
+A measured link replaces the preset's link model for its collective and group size: the ring cost
+``steps * alpha + bus_factor * n / bandwidth`` with the fitted alpha and bandwidth. A measured
+compute entry replaces the FLOP and byte model for the model it was timed on: seconds per block
+forward and backward, for the root unit (embeddings, final norm, head, loss), and the optimizer's
+seconds per local parameter. Entries are kept per world size, because on a CPU host the ranks
+share its cores: a block timed while ``world`` ranks run at once is what a step of ``world`` sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredLink:
+    op: str
+    group: int
+    """Ranks in the collective."""
+    world: int
+    """Ranks running on the host meanwhile (every group of that size at once, as in a hybrid step)."""
+    alpha_s: float
+    """Seconds per ring step."""
+    bandwidth: float
+    """Bus bandwidth, bytes/s (nccl-tests' accounting, see ``sim/network.py``)."""
+
+    def __post_init__(self) -> None:
+        from zeroshard.sim.network import OPS
+
+        if self.op not in OPS:
+            raise ValueError(f"measured link: op {self.op!r} is not one of {', '.join(OPS)}")
+        if self.group < 2 or self.world < self.group or self.alpha_s < 0 or not self.bandwidth > 0:
+            raise ValueError(f"measured link {self.op}: needs 2 <= group <= world, alpha_s >= 0 and bandwidth > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredCompute:
+    model: str
+    vocab: int
+    micro_batch: int
+    seq: int
+    world: int
+    """Ranks that ran at once while this was timed."""
+    block_forward_s: float
+    block_backward_s: float
+    root_forward_s: float
+    root_backward_s: float
+    optimizer_s_per_param: float
+    """One AdamW step, seconds per local parameter."""
+    contention_all_gather: float = 0.0
+    """Seconds a block's compute is slowed per second of this collective in flight under it, at this
+    world size (see ``Hardware.contention``), measured with the rest; one figure per collective."""
+    contention_reduce_scatter: float = 0.0
+    contention_all_reduce: float = 0.0
+
+    def __post_init__(self) -> None:
+        times = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
+        if any(getattr(self, f) < 0 for f in times) or min(self.micro_batch, self.seq, self.world) < 1:
+            raise ValueError(f"measured compute for {self.model!r}: times must be >= 0, sizes positive")
+        if min(self.contention_all_gather, self.contention_reduce_scatter, self.contention_all_reduce) < 0:
+            raise ValueError(f"measured compute for {self.model!r}: contention must be >= 0")
+
+    def contention(self, op: str) -> float:
+        return float(getattr(self, f"contention_{op}"))
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq
+
+
+def pick_link(links: tuple[MeasuredLink, ...], op: str, p: int, world: int | None = None) -> MeasuredLink | None:
+    """The fit of ``op`` over ``p`` ranks while ``world`` run (default ``p``), else the nearest
+    measured group size, then world size (None without any fit of ``op``)."""
+    world = p if world is None else world
+    mine = [m for m in links if m.op == op]
+    return min(mine, key=lambda m: (abs(m.group - p), abs(m.world - world), -m.world)) if mine else None
+
+
+def pick_compute(entries: tuple[MeasuredCompute, ...], model: str, vocab: int, world: int) -> MeasuredCompute:
+    """The entry timed on ``model`` at ``world`` ranks, else at the nearest world. Raises when the
+    hardware holds compute times for other models only (the FLOP model would silently take over)."""
+    mine = [c for c in entries if c.model == model and c.vocab == vocab]
+    if not mine:
+        have = ", ".join(sorted({f"{c.model} (vocab {c.vocab})" for c in entries}))
+        raise ValueError(f"this hardware's compute was measured on {have}, not {model} (vocab {vocab}); "
+                         f"plan that model (and --vocab-size), or run zeroshard plan --calibrate --model {model} "
+                         f"--vocab-size {vocab}")
+    return min(mine, key=lambda c: (abs(c.world - world), -c.world))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(hw: Any, comment: str = "") -> str:
+    """The TOML ``load_hardware`` reads back into an equal ``Hardware``."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    tables = []
+    for f in dataclasses.fields(hw):
+        value = getattr(hw, f.name)
+        if f.name == "name":
+            continue
+        if isinstance(value, tuple):
+            for entry in value:
+                tables.append(f"\n[[{f.name}]]")
+                tables += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(entry).items()]
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines + tables) + "\n"
