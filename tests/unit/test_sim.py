@@ -52,15 +52,16 @@ def _small_workload(**kw) -> Workload:
 @pytest.mark.parametrize("world", [2, 4, 8, 16, 64, 512])
 def test_zero3_moves_one_and_a_half_times_ddp(world):
     """ZeRO paper, section 7: stage 3 sends 3(n-1)/n of the params, DDP's all-reduce 2(n-1)/n."""
-    # Params and grads in the same dtype; the root resharded like the rest would make it exactly 1.5,
-    # so compare block volumes: the root is gathered once (it stays gathered in backward).
+    # Params and grads in the same dtype; every unit resharded after forward would make it exactly
+    # 1.5. The engine saves two backward gathers: the root stays gathered all step, and the last
+    # block of forward stays gathered into backward (Engine.kept_for_backward); add them back.
     w = _small_workload()
     same = dict(param_bytes=2, reduce_bytes=2, bucket_mb=1e9)
     ddp = simulate(w, H100, Layout(world=world, stage=0, **same))
     z3 = simulate(w, H100, Layout(world=world, stage=3, **same))
     s = w.shape
-    root_regather = wire_bytes("all_gather", s.root_params * 2, world)  # what the engine saves
-    assert (z3.wire_bytes + root_regather) / ddp.wire_bytes == pytest.approx(1.5)
+    saved = wire_bytes("all_gather", (s.root_params + s.block_params) * 2, world)  # what the engine saves
+    assert (z3.wire_bytes + saved) / ddp.wire_bytes == pytest.approx(1.5)
 
 
 def test_prefetch_hides_gathers_and_cap_bounds_overlap():

@@ -12,7 +12,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from zeroshard.sim.measured import MeasuredCompute, MeasuredLink
+from zeroshard.sim.measured import MeasuredCompute, MeasuredConcurrency, MeasuredLink
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,10 @@ class Hardware:
     exists for a collective it replaces the intra-node link model for it."""
     compute: tuple[MeasuredCompute, ...] = ()
     """Measured seconds per unit; where one exists the FLOP model is not used for that model."""
+    concurrency: tuple[MeasuredConcurrency, ...] = ()
+    """How collectives in flight at once share the backend, per world size (``plan --calibrate``).
+    Without it each process group's collectives run one at a time in launch order, as on one NCCL
+    stream; with it every collective in flight shares one pool (gloo's threads on a CPU host)."""
     contention: float = 0.0
     """Seconds compute is slowed per second of communication running under it: 0 on a GPU (copy
     engines, NCCL's own SMs aside); measured per collective (``MeasuredCompute``) on a CPU host,
@@ -95,11 +99,12 @@ def load_hardware(name_or_path: str) -> Hardware:
         table = tomllib.load(f)
     base = table.pop("base", None)
     try:  # arrays of tables become the measured entries
-        for key, cls in (("links", MeasuredLink), ("compute", MeasuredCompute)):
+        for key, cls in (("links", MeasuredLink), ("compute", MeasuredCompute),
+                         ("concurrency", MeasuredConcurrency)):
             if key in table:
                 table[key] = tuple(cls(**entry) for entry in table[key])
     except TypeError as e:
-        raise ValueError(f"{path}: a [[links]] or [[compute]] entry is malformed: {e}") from None
+        raise ValueError(f"{path}: a [[links]], [[compute]] or [[concurrency]] entry is malformed: {e}") from None
     fields = {f.name for f in dataclasses.fields(Hardware)}
     unknown = set(table) - fields
     if unknown:

@@ -71,12 +71,46 @@ class MeasuredCompute:
         return self.micro_batch * self.seq
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredConcurrency:
+    """How collectives in flight together share this host's backend, at one world size.
+
+    ``two`` is the wall time of two collectives launched at once (the kinds a step overlaps: a
+    prefetched all-gather and a reduce-scatter; at world >= 4 also a shard group's reduce-scatter
+    and the replicate group's all-reduce) over the time of the same two run one after the other;
+    ``three`` the same for three (a gather and two reduce pieces, the in-flight cap's worth). 1 is a
+    link shared fairly (what a single stream's one-at-a-time order also costs); below 1 they run
+    partly in parallel (spare cores or links); above 1 they thrash. The replay gives each of k
+    collectives in flight 1 / (k * factor(k)) of its solo speed."""
+
+    world: int
+    """Ranks running on the host while this was timed."""
+    two: float
+    three: float
+
+    def __post_init__(self) -> None:
+        if self.world < 2 or not (self.two > 0 and self.three > 0):
+            raise ValueError("measured concurrency: needs world >= 2 and positive factors")
+
+    def factor(self, k: int) -> float:
+        """Wall time of ``k`` collectives in flight together over their serial time (at least 1/k:
+        none runs faster than alone); the three-way figure stands for more."""
+        if k <= 1:
+            return 1.0
+        return max(1.0 / k, self.two if k == 2 else self.three)
+
+
 def pick_link(links: tuple[MeasuredLink, ...], op: str, p: int, world: int | None = None) -> MeasuredLink | None:
     """The fit of ``op`` over ``p`` ranks while ``world`` run (default ``p``), else the nearest
     measured group size, then world size (None without any fit of ``op``)."""
     world = p if world is None else world
     mine = [m for m in links if m.op == op]
     return min(mine, key=lambda m: (abs(m.group - p), abs(m.world - world), -m.world)) if mine else None
+
+
+def pick_concurrency(entries: tuple[MeasuredConcurrency, ...], world: int) -> MeasuredConcurrency | None:
+    """The figure measured at ``world`` ranks, else at the nearest world (None when none is stored)."""
+    return min(entries, key=lambda c: (abs(c.world - world), -c.world)) if entries else None
 
 
 def pick_compute(entries: tuple[MeasuredCompute, ...], model: str, vocab: int, world: int) -> MeasuredCompute:

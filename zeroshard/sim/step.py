@@ -23,19 +23,24 @@ The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch
   the activations on the intra-node link, as does its backward (and a rebuild with checkpointing):
   on the critical path, since the next op needs the sum.
 
-Collectives share one communication timeline in launch order (they compete for the same links).
-Anything on it that compute had to wait for is exposed; the rest is hidden.
+Collectives of one process group share one stream in launch order (they compete for the same
+links), as on one NCCL stream; with a measured concurrency figure (``Hardware.concurrency``, gloo
+on a CPU host) every collective in flight shares one pool instead (see ``_Link``). Anything compute
+had to wait for is exposed; collective work done while compute ran is hidden, and on a host where
+both share the cores it costs compute its measured contention.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.flat import StagePolicy
+from zeroshard.sharding.options import EngineOptions
 from zeroshard.sim.hardware import Hardware
-from zeroshard.sim.measured import pick_compute
+from zeroshard.sim.measured import pick_compute, pick_concurrency
 from zeroshard.sim.network import collective_seconds, wire_bytes
 from zeroshard.sim.workload import Workload
 
@@ -44,15 +49,19 @@ ADAMW_BYTES_PER_PARAM = 34
 compute-dtype copy of the param (read 4, write 2)."""
 
 
+_ENGINE = EngineOptions()
+"""The runtime's schedule defaults (prefetch window, resharding, bucket size), read, not restated."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
     world: int
     stage: int
     shards: int | None = None
     """Ranks each buffer is sharded over (hybrid when smaller than world); default world."""
-    prefetch: int = 1
-    reshard_after_forward: bool = True
-    bucket_mb: float = 25.0
+    prefetch: int = _ENGINE.prefetch
+    reshard_after_forward: bool = _ENGINE.reshard_after_forward
+    bucket_mb: float = _ENGINE.bucket_mb
     param_bytes: int = 2
     reduce_bytes: int = 4
     tp: int = 1
@@ -101,38 +110,132 @@ class StepResult:
     wire_bytes: float
     """Bytes each rank sends per step (ring volumes)."""
     breakdown: dict[str, float]
-
-    @property
-    def hidden_comm_s(self) -> float:
-        return max(0.0, self.comm_s - self.exposed_comm_s)
+    hidden_comm_s: float = 0.0
+    """Seconds of collective work done while compute ran (from the replay's timeline)."""
 
     def dominant(self) -> str:
         return max(self.breakdown, key=lambda k: self.breakdown[k])
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"hidden_comm_s": self.hidden_comm_s, "dominant": self.dominant()}
+        return dataclasses.asdict(self) | {"dominant": self.dominant()}
 
 
-class _Timeline:
-    """The communication stream: collectives run one at a time, in launch order."""
+@dataclasses.dataclass(eq=False)
+class _Op:
+    """One collective on the replay's communication timeline."""
+
+    op: str
+    at: float
+    """When the program launched it."""
+    work: float
+    """Seconds it takes alone."""
+    stream: str
+    end: float | None = None
+
+
+class _Link:
+    """The host's communication, and the compute spans it may run under.
+
+    Without a measured concurrency figure each stream (the shard group's, the replicate group's)
+    runs its collectives one at a time in launch order, as one NCCL stream does. With one
+    (``Hardware.concurrency``: gloo's worker threads on a CPU host) every collective in flight,
+    of any group, shares one pool: k at once each progress at 1 / (k * factor(k)) of their solo
+    speed. Their ends then depend on later launches, so the pool is solved again whenever one is
+    asked for after a launch; the replay only asks when compute waits, and compute launches
+    nothing while it waits, so an end it was given never changes afterwards.
+    """
 
     def __init__(self, hw: Hardware, layout: Layout) -> None:
         self.hw, self.layout = hw, layout
-        self.free_at = 0.0
+        self.shared = pick_concurrency(hw.concurrency, layout.world)
+        self.ops: list[_Op] = []
+        self.free_at: dict[str, float] = {}
+        self.compute_spans: list[tuple[float, float]] = []
         self.busy = 0.0
         self.wire = 0.0
         self.by_op: dict[str, float] = {}
+        self._segments: list[tuple[float, float, list[_Op], float]] = []
+        self._dirty = False
 
-    def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None) -> float:
-        """Start ``op`` when both the stream and its input are ready; returns when it ends."""
+    def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None,
+               stream: str = "shard") -> _Op:
+        """Launch ``op`` at ``at``; ``when`` gives its end."""
         if spans is None and self.layout.tp > 1:  # a data-parallel group takes every tp-th rank
             spans = group * self.layout.tp > self.hw.gpus_per_node
         seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans, world=self.layout.world)
-        self.free_at = max(self.free_at, at) + seconds
+        item = _Op(op, at, seconds, stream)
+        if self.shared is None:
+            start = max(self.free_at.get(stream, 0.0), at)
+            item.end = self.free_at[stream] = start + seconds
+            self._segments.append((start, item.end, [item], 1.0))
+        self._dirty = self.shared is not None
+        self.ops.append(item)
         self.busy += seconds
         self.by_op[op] = self.by_op.get(op, 0.0) + seconds
         self.wire += wire_bytes(op, nbytes, group)
-        return self.free_at
+        return item
+
+    def when(self, item: _Op | float) -> float:
+        """The end of a launched collective (a plain time is returned as is)."""
+        if isinstance(item, float):
+            return item
+        if self._dirty:
+            self._solve()
+        assert item.end is not None
+        return item.end
+
+    def compute(self, start: float, seconds: float) -> float:
+        """Record compute running from ``start``; returns its end."""
+        if seconds > 0:
+            self.compute_spans.append((start, start + seconds))
+        return start + seconds
+
+    def _solve(self) -> None:
+        """Processor sharing over every collective launched so far."""
+        assert self.shared is not None
+        shared, todo = self.shared, sorted(self.ops, key=lambda o: o.at)
+        self._segments = []
+        left = {id(o): o.work for o in todo}
+        active: list[_Op] = []
+        t, i = (todo[0].at if todo else 0.0), 0
+        while i < len(todo) or active:
+            while i < len(todo) and todo[i].at <= t:
+                active.append(todo[i])
+                i += 1
+            if not active:
+                t = todo[i].at
+                continue
+            rate = 1.0 / (len(active) * shared.factor(len(active)))
+            nxt = min(t + min(left[id(o)] for o in active) / rate, todo[i].at if i < len(todo) else float("inf"))
+            self._segments.append((t, nxt, list(active), rate))
+            for o in active:
+                left[id(o)] -= (nxt - t) * rate
+            t = nxt
+            for o in [o for o in active if left[id(o)] <= 1e-12 * max(1.0, o.work)]:
+                o.end = t
+                active.remove(o)
+        self._dirty = False
+
+    def under_compute(self) -> dict[str, float]:
+        """Per op kind, the solo seconds of collective work done while compute ran."""
+        if self._dirty:
+            self._solve()
+        spans, out = sorted(self.compute_spans), {}
+        for t0, t1, items, rate in self._segments:
+            seconds = _overlap(t0, t1, spans) * rate
+            for o in items:
+                out[o.op] = out.get(o.op, 0.0) + seconds
+        return out
+
+
+def _overlap(t0: float, t1: float, spans: list[tuple[float, float]]) -> float:
+    """Seconds of [t0, t1] covered by the sorted, disjoint ``spans``."""
+    total = 0.0
+    for a, b in spans[max(0, bisect.bisect_right(spans, (t0, t0)) - 1):]:
+        if a >= t1:
+            break
+        total += max(0.0, min(b, t1) - max(a, t0))
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,12 +308,12 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
     d = _durations(w, hw, layout.tp, layout.world)
     pol, s = layout.policy, w.shape
-    comm = _Timeline(hw, layout)
+    comm = _Link(hw, layout)
     t = 0.0
-    carried: list[tuple[float, float]] = []  # reductions left running into the next micro-step
+    carried: list[tuple[_Op, float]] = []  # reductions left running into the next micro-step
     for micro in range(w.accum):
         t = _forward(w, layout, d, comm, t)
-        t += d.root_fwd + d.root_bwd
+        t = comm.compute(t, d.root_fwd + d.root_bwd)
         last = micro == w.accum - 1
         t, carried = _backward(w, layout, d, comm, t, carried=carried,
                                reduce=last or pol.transient_grads, finish=last)
@@ -218,16 +321,17 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     group = layout.shard_group
     params = _local_params(w, layout)
     optimizer = params / (group if pol.shard_optimizer else 1) * _optimizer_s_per_param(w, hw, layout.world)
-    t += optimizer
+    t = comm.compute(t, optimizer)
     if pol.shard_optimizer and not pol.shard_params:
-        t = comm.launch("all_gather", params * layout.param_bytes, group, t)
+        t = comm.when(comm.launch("all_gather", params * layout.param_bytes, group, t))
     if layout.tp > 1:  # on the critical path, so all exposed
         tp_ops = w.accum * s.n_layer * 2 * (1 + (2 if w.checkpointing != "none" else 1))
         comm.busy += w.accum * s.n_layer * (d.tp_fwd + d.tp_bwd)
         comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
     exposed = max(0.0, t - compute - optimizer)
     # Communication that runs under compute still takes the measured share of the cores from it.
-    stolen = _contention_seconds(w, hw, layout, comm, exposed)
+    under = comm.under_compute()
+    stolen = _contention_seconds(w, hw, layout, under)
     t += stolen
     tokens = w.tokens * w.accum / layout.tp  # a tp group shares its micro-batch
     breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
@@ -235,19 +339,16 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
         breakdown["comm contention"] = stolen
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
-                      wire_bytes=comm.wire, breakdown=breakdown)
+                      wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()))
 
 
-def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, comm: _Timeline, exposed: float) -> float:
-    """What communication under compute costs it: each collective's hidden seconds (its share of
-    the hidden time) times its measured contention, or ``hw.contention`` without measurements."""
-    if comm.busy <= 0:
-        return 0.0
-    hidden = max(0.0, comm.busy - exposed) / comm.busy
+def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, under: dict[str, float]) -> float:
+    """What communication under compute costs it: each collective's seconds under compute (from
+    the replay's own timeline) times its measured contention, or ``hw.contention`` without them."""
     if not hw.compute:
-        return hw.contention * hidden * comm.busy
+        return hw.contention * sum(under.values())
     c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, layout.world)
-    return hidden * sum(c.contention(op) * seconds for op, seconds in comm.by_op.items())
+    return sum(c.contention(op) * seconds for op, seconds in under.items())
 
 
 def _optimizer_s_per_param(w: Workload, hw: Hardware, world: int) -> float:
@@ -262,30 +363,30 @@ def _local_params(w: Workload, layout: Layout) -> float:
     return w.shape.root_params + w.shape.n_layer * w.shape.block_params / layout.tp
 
 
-def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float) -> float:
+def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float) -> float:
     """One micro-step's forward from ``t``: the root (embeddings) first, then each block, gathered
     ``prefetch`` ahead at stage 3."""
     pol, s = layout.policy, w.shape
     group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
     block_param = s.block_params / layout.tp * layout.param_bytes
     start_at = t
-    if pol.shard_params:
-        t = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at)
-    ready = [start_at] * L
+    root = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at) if pol.shard_params else t
+    ready: list[_Op | float] = [start_at] * L
     if pol.shard_params:
         for i in range(min(k, L)):
             ready[i] = comm.launch("all_gather", block_param, group, start_at)
+    t = comm.when(root)
     for i in range(L):
-        start = max(t, ready[i])
+        start = max(t, comm.when(ready[i]))
         if pol.shard_params and i + k < L:
             ready[i + k] = comm.launch("all_gather", block_param, group, start)
-        t = start + d.block_fwd + d.tp_fwd
+        t = comm.compute(start, d.block_fwd) + d.tp_fwd
     return t
 
 
-def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: float, *,
-              carried: list[tuple[float, float]] | None = None, reduce: bool = True,
-              finish: bool = True) -> tuple[float, list[tuple[float, float]]]:
+def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float, *,
+              carried: list[tuple[_Op, float]] | None = None, reduce: bool = True,
+              finish: bool = True) -> tuple[float, list[tuple[_Op, float]]]:
     """Blocks in reverse with their gathers and, when ``reduce``, their reductions. The ``carried``
     reductions of the previous micro-step are finished at the first grad. With ``finish`` the step
     waits for the last reductions (the optimizer reads every shard); otherwise they are returned
@@ -295,37 +396,37 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
     block_param = s.block_params / layout.tp * layout.param_bytes
     block_grad = s.block_params / layout.tp * layout.reduce_bytes
     regather = pol.shard_params and layout.reshard_after_forward
-    ready = [t] * L
-    if regather:
-        for j in range(min(k, L)):
+    ready: list[_Op | float] = [t] * L
+    if regather:  # the last block of forward stays gathered into backward (Engine.kept_for_backward)
+        for j in range(1, min(k, L)):
             ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
     # Reductions: per block at stage 3, per bucket otherwise (the root last, in backward order).
     sizes = [float(block_grad)] * L + [float(s.root_params * layout.reduce_bytes)]
-    units = sizes if pol.shard_params else _buckets(sizes, layout.bucket_mb * 1e6)
+    units = sizes if pol.shard_params else _buckets(sizes, EngineOptions(bucket_mb=layout.bucket_mb).bucket_bytes)
     owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
     reduce_group = group if pol.shard_optimizer else layout.dp  # DDP all-reduces over every data-parallel rank
     spans_replicas = layout.world > comm.hw.gpus_per_node
-    pending: list[tuple[float, float]] = list(carried or [])  # (reduce done, replica all-reduce bytes)
+    pending: list[tuple[_Op, float]] = list(carried or [])  # (reduction, replica all-reduce bytes)
     next_unit = 0 if reduce else len(units)
-    # The replicate group is its own process group (its own stream), but the engine waits on it.
-    across = _Timeline(comm.hw, layout)
 
     def finish_oldest(now: float) -> float:
         done, nbytes = pending.pop(0)
-        now = max(now, done)
+        now = max(now, comm.when(done))
         if layout.replicas > 1 and pol.shard_optimizer:  # blocking all-reduce across replicas
-            now = across.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas)
+            # The replicate group is its own process group (its own stream), but the engine waits on it.
+            now = comm.when(comm.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas,
+                                        stream="replicate"))
         return now
 
     while pending:  # the previous micro-step's, finished at this backward's first grad
         t = finish_oldest(t)
     for step, i in enumerate(range(L - 1, -1, -1)):
-        start = max(t, ready[i])
+        start = max(t, comm.when(ready[i]))
         j = i - k
         if regather and j >= 0:  # issued once this unit's grads are partly ready, as the engine does
             ready[j] = comm.launch("all_gather", block_param, group, start + BACKWARD_PREFETCH_AT * d.block_bwd)
-        t = start + d.block_bwd + d.tp_bwd
+        t = comm.compute(start, d.block_bwd) + d.tp_bwd
         while next_unit < len(units) and owner[next_unit] <= step:
             pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
             next_unit += 1
@@ -335,10 +436,6 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Timeline, t: fl
         pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
     while pending and finish:
         t = finish_oldest(t)
-    comm.busy += across.busy
-    for op, seconds in across.by_op.items():
-        comm.by_op[op] = comm.by_op.get(op, 0.0) + seconds
-    comm.wire += across.wire
     return t, pending
 
 
