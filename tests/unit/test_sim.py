@@ -339,3 +339,84 @@ def test_a_collective_takes_the_fit_measured_under_its_load():
                                                                                 param_bytes=4)).comm_s
     with pytest.raises(ValueError, match="group <= world"):
         MeasuredLink(op="all_gather", group=4, world=2, alpha_s=0.0, bandwidth=1e9)
+
+
+# --------------------------------------------------------------------------- collectives in flight together
+
+
+def _shared(two: float, three: float, world: int = 2, group: int = 2):
+    from zeroshard.sim.measured import MeasuredConcurrency
+
+    return dataclasses.replace(_calibrated(), concurrency=(MeasuredConcurrency(world=world, group=group, two=two,
+                                                                               three=three),))
+
+
+def test_collectives_in_flight_together_take_the_calibrated_factor_of_their_serial_time():
+    from zeroshard.sim.step import CommLink
+
+    layout, n = Layout(world=2, stage=3, param_bytes=4), 8e6
+    one = collective_seconds("all_gather", n, 2, _calibrated())
+    for k, factor in ((2, 1.4), (3, 0.8)):
+        link = CommLink(_shared(two=1.4, three=0.8), layout)
+        ops = [link.launch("all_gather", n, 2, at=0.0) for _ in range(k)]
+        assert [link.when(o) for o in ops] == pytest.approx([k * factor * one] * k)
+    # A fair share (factor 1): the second, launched halfway through the first, shares the link from
+    # then on; the pair still ends when the two run back to back would.
+    link = CommLink(_shared(two=1.0, three=1.0), layout)
+    first, second = link.launch("all_gather", n, 2, at=0.0), link.launch("all_gather", n, 2, at=one / 2)
+    assert (link.when(first), link.when(second)) == pytest.approx((1.5 * one, 2 * one))
+    # Without a measured figure each stream runs one at a time, as one NCCL stream does.
+    fifo = CommLink(_calibrated(), layout)
+    a, b = fifo.launch("all_gather", n, 2, at=0.0), fifo.launch("all_gather", n, 2, at=0.0)
+    assert (fifo.when(a), fifo.when(b)) == pytest.approx((one, 2 * one))
+
+
+def test_a_step_without_overlapping_collectives_is_unchanged_by_concurrency():
+    """Stage 0, tiny in one bucket: a single all-reduce, never in flight with another."""
+    layout = Layout(world=2, stage=0, param_bytes=4)
+    alone = simulate(_tiny(), _calibrated(), layout)
+    for two, three in ((0.6, 0.7), (1.0, 1.0), (2.0, 3.0)):
+        assert simulate(_tiny(), _shared(two, three), layout).step_s == pytest.approx(alone.step_s)
+
+
+def test_concurrency_slows_a_step_whose_collectives_overlap():
+    """Stage 3 prefetches a gather while reductions run: thrashing (factor > 1) costs time, a
+    figure below 1 (spare cores) saves it, and the comm volume does not change."""
+    layout = Layout(world=2, stage=3, param_bytes=4)
+    fair, thrash, spare = (simulate(_tiny(), _shared(f, f), layout) for f in (1.0, 2.0, 0.6))
+    assert spare.step_s < fair.step_s < thrash.step_s
+    assert spare.wire_bytes == fair.wire_bytes == thrash.wire_bytes
+
+
+def test_concurrency_is_picked_by_world_and_shard_group_and_round_trips(tmp_path):
+    from zeroshard.sim.measured import MeasuredConcurrency, pick_concurrency, to_toml
+
+    full = MeasuredConcurrency(world=4, group=4, two=1.1, three=1.2)
+    hybrid = MeasuredConcurrency(world=4, group=2, two=2.0, three=1.5)
+    pair = MeasuredConcurrency(world=2, group=2, two=0.9, three=0.95)
+    entries = (full, hybrid, pair)
+    assert pick_concurrency(entries, 4) is full
+    assert pick_concurrency(entries, 4, 2) is hybrid
+    assert pick_concurrency(entries, 2) is pair
+    assert pick_concurrency((), 2) is None
+    assert hybrid.factor(1) == 1.0 and hybrid.factor(2) == 2.0 and hybrid.factor(5) == 1.5
+    assert MeasuredConcurrency(world=2, group=2, two=0.1, three=0.1).factor(2) == 0.5  # never faster than alone
+    hw = dataclasses.replace(_calibrated(), concurrency=entries)
+    f = tmp_path / "host.toml"
+    f.write_text(to_toml(hw))
+    assert load_hardware(str(f)) == hw
+    with pytest.raises(ValueError, match="group <= world"):
+        MeasuredConcurrency(world=2, group=4, two=1.0, three=1.0)
+
+
+def test_hidden_comm_is_collective_work_under_compute_on_the_timeline():
+    """Stage 3: what the timeline puts under compute is hidden; with the stream's total it makes
+    no more than the comm, and the contention charge is exactly its measured share of it."""
+    layout = Layout(world=2, stage=3, param_bytes=4)
+    for hw in (_calibrated(), _shared(1.3, 1.6)):
+        r = simulate(_tiny(), hw, layout)
+        assert 0 < r.hidden_comm_s <= r.comm_s + 1e-12
+        loaded = dataclasses.replace(hw, compute=tuple(dataclasses.replace(c, contention_all_gather=0.5,
+                                                                           contention_reduce_scatter=0.5)
+                                                       for c in hw.compute))
+        assert simulate(_tiny(), loaded, layout).breakdown["comm contention"] == pytest.approx(0.5 * r.hidden_comm_s)

@@ -9,9 +9,10 @@ bytes from the ring formulas in ``network``.
 ``calibrate_hardware`` does that for every collective the replay uses, at each world size, and on
 the same ranks times one block's forward and backward, the model's root unit (the whole model's
 forward and backward less its blocks), an AdamW step per parameter, and the contention between
-compute and communication: a collective launched async and a block's forward and backward run
-while it is in flight, against each alone. All ranks time at once, so on a host whose ranks
-share its cores every figure is the one a step at that world size sees.
+compute and communication (blocks' forward and backward timed with a collective in flight under
+them, against alone), and how collectives in flight together share the backend (the mixes a step
+overlaps, launched at once, against one after the other). All ranks time at once, so on a host
+whose ranks share its cores every figure is the one a step at that world size sees.
 """
 
 from __future__ import annotations
@@ -159,11 +160,18 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
     return out
 
 
-def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, repeats: int,
-                p: int) -> dict[str, float]:
-    """Per collective: seconds a block's forward and backward (``c`` s alone) is slowed per second
-    of a block-sized collective (``m`` s alone) in flight under it: (both - c) / m, where ``both``
-    is the two together. 0 is free overlap, 1 is running one after the other; above 1 they thrash."""
+def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int, p: int) -> dict[str, float]:
+    """Per collective: seconds of compute lost per second of a block-sized collective (``m`` s
+    alone) run under it, the charge the replay makes for each second of collective work its
+    timeline puts under compute.
+
+    The compute is as many blocks' forward and backward as outlast the collective twice over, so
+    the collective runs wholly under it as in a step, and only the compute is timed (``c`` alone,
+    ``c2`` with the collective launched just before): (c2 - c) / m. Were the collective still
+    running when compute ended, only the share of its life under compute counts. 0 is free
+    overlap, 1 is the two taking turns; above 1 they thrash."""
+    import math
+
     import torch
 
     from zeroshard.models.gpt import Block, GPTConfig
@@ -173,18 +181,67 @@ def _contention(c: float, model: str, vocab: int, micro_batch: int, seq: int, re
     x = torch.randn(micro_batch, seq, cfg.n_embd)
     block_numel = sum(q.numel() for q in block.parameters())  # its fp32 grads, or its fp32 params
     numel = max(p, block_numel // p * p)
+    one = _median_times(lambda: block(x.detach().requires_grad_(True)).sum().backward(), repeats)
     out = {}
     for op in OPS:
         full, shard = torch.zeros(numel), torch.ones(numel // p)
         m = _median_times(lambda: _issue(op, full, shard), repeats)
+        n = max(1, math.ceil(2 * m / max(one, 1e-9)))
 
-        def overlapped() -> None:
+        def blocks() -> None:
+            for _ in range(n):
+                block(x.detach().requires_grad_(True)).sum().backward()
+
+        c = _median_times(blocks, repeats)
+        lost = []
+        for _ in range(repeats + 1):
+            from zeroshard.comm import collectives
+
+            collectives.barrier(phase="calibrate")
+            start = time.perf_counter()
             pending = _issue(op, full, shard, async_op=True)
-            block(x.detach().requires_grad_(True)).sum().backward()
+            blocks()
+            c2 = time.perf_counter() - start
+            done = pending.is_done()
             pending.wait()
+            both = time.perf_counter() - start
+            under = m if done else m * c2 / both
+            lost.append(max(0.0, c2 - c) / under)
+        out[f"contention_{op}"] = statistics.median(lost[1:])
+    return out
 
-        both = _median_times(overlapped, repeats)
-        out[f"contention_{op}"] = max(0.0, both - c) / m
+
+def _concurrency(repeats: int, p: int, sub: int | None, numel: int) -> dict[int, dict[str, float]]:
+    """Per shard-group size, collectives of ``numel`` fp32 elements (one block: a stage-3 unit's
+    gather or reduction) launched together against one after the other (see
+    ``MeasuredConcurrency``): the pairs a step overlaps, a prefetched gather with a reduction (in a
+    hybrid mesh a shard group's reduction with the replicate group's all-reduce), and three, the
+    in-flight cap's worth. Returns each one's and each mix's median seconds."""
+    import torch
+
+    from zeroshard.comm import collectives
+
+    def make(op: str, group: str):
+        g = collectives.group_size(group)
+        n = max(g, numel // g * g)
+        return op, torch.zeros(n), torch.ones(n // g), group
+
+    def timed(ops) -> float:
+        def run() -> None:
+            for pending in [_issue(op, f, sh, async_op=True, group=g) for op, f, sh, g in ops]:
+                pending.wait()
+        return _median_times(run, repeats)
+
+    out: dict[int, dict[str, float]] = {}
+    shapes = [(p, "world", "world", ("reduce_scatter", "world"))]
+    if sub:
+        shapes.append((sub, "shard", "shard", ("all_reduce", "replicate")))
+    for group, g_ag, g_rs, third in shapes:
+        ag, rs, other = make("all_gather", g_ag), make("reduce_scatter", g_rs), make(*third)
+        two, three = ([ag, rs], [ag, rs, other]) if sub is None or group != sub else ([rs, other], [ag, rs, other])
+        solo = {"ag": timed([ag]), "rs": timed([rs]), "other": timed([other])}
+        serial_two = solo["ag"] + solo["rs"] if two[0] is ag else solo["rs"] + solo["other"]
+        out[group] = {"two": timed(two) / serial_two, "three": timed(three) / sum(solo.values())}
     return out
 
 
@@ -208,50 +265,80 @@ def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tup
         points += [(op, sub, _time_op(op, sizes, repeats, sub, "shard")) for op in ("all_gather", "reduce_scatter")]
         points.append(("all_reduce", p // sub, _time_op("all_reduce", sizes, repeats, p // sub, "replicate")))
     unit = _unit_times(model, vocab, micro_batch, seq, repeats)
-    contention = _contention(unit["block_forward_s"] + unit["block_backward_s"], model, vocab, micro_batch, seq,
-                             repeats, p)
+    contention = _contention(model, vocab, micro_batch, seq, repeats, p)
+    concurrency = _concurrency(repeats, p, sub, int(unit["block_params"]))
     zs.shutdown()
-    return {"points": points, "unit": unit, "contention": contention}
+    return {"points": points, "unit": unit, "contention": contention, "concurrency": concurrency}
+
+
+UNIT_KEYS = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
+
+
+def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: int, *,
+                    sizes: tuple[int, ...] = STEP_SIZES, repeats: int = 5) -> dict:
+    """One calibration at ``world`` ranks (one spawned gloo group), reduced over its ranks: a
+    collective's time is its slowest rank's; units, contention and concurrency are the mean over
+    ranks (with more ranks than cores the OS shares them out unevenly over one short unit but
+    evenly over a step's many, so the slowest rank's unit overstates)."""
+    from zeroshard.launch import spawn
+
+    ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
+    points = {}
+    for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
+        points[(op, group)] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
+    keys = UNIT_KEYS + ("block_params",)
+    return {"points": points, "unit": {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys},
+            "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},
+            "concurrency": {g: {k: statistics.fmean(r["concurrency"][g][k] for r in ranks) for k in ("two", "three")}
+                            for g in ranks[0]["concurrency"]}}
+
+
+def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_batch: int, seq: int, *,
+                  name: str = "local"):
+    """A ``Hardware`` from ``calibrate_world`` results, several per world taken at different times
+    (each figure is the median over them: a load spike in one round does not set it), and the raw
+    timings (for a report)."""
+    import os
+
+    from zeroshard.sim.hardware import Hardware
+    from zeroshard.sim.measured import MeasuredCompute, MeasuredConcurrency, MeasuredLink
+    from zeroshard.sim.step import ADAMW_BYTES_PER_PARAM
+
+    med = statistics.median
+    links, compute, concurrency, raw = [], [], [], {}
+    for world, runs in rounds.items():
+        for (op, group), first in runs[0]["points"].items():
+            pts = [(n, med(r["points"][(op, group)][i][1] for r in runs)) for i, (n, _) in enumerate(first)]
+            alpha, bw = fit(pts, op, group)
+            links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
+            raw[f"{op} over {group} of {world}"] = pts
+        unit = {k: med(r["unit"][k] for r in runs) for k in UNIT_KEYS}
+        shares = {k: med(r["contention"][k] for r in runs) for k in runs[0]["contention"]}
+        compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
+                                       **shares, **unit))
+        for group in runs[0]["concurrency"]:
+            factors = {k: med(r["concurrency"][group][k] for r in runs) for k in ("two", "three")}
+            concurrency.append(MeasuredConcurrency(world=world, group=int(group), **factors))
+    worlds = tuple(rounds)
+    first_c = compute[0]  # the smallest world's compute, the largest world's all-gather
+    last = [m for m in links if m.op == "all_gather" and m.group == m.world][-1]
+    block_flops = 6.0 * rounds[worlds[0]][0]["unit"]["block_params"] * micro_batch * seq
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = Hardware(name=name, peak_flops=block_flops / (first_c.block_forward_s + first_c.block_backward_s),
+                  hbm_bytes=float(mem // max(worlds)),
+                  hbm_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
+                  gpus_per_node=max(worlds), intra_bandwidth=last.bandwidth, inter_bandwidth=last.bandwidth,
+                  intra_latency=last.alpha_s, inter_latency=last.alpha_s, gemm_efficiency=1.0,
+                  links=tuple(links), compute=tuple(compute), concurrency=tuple(concurrency))
+    return hw, raw
 
 
 def calibrate_hardware(worlds: tuple[int, ...], model: str, vocab: int, micro_batch: int, seq: int, *,
                        sizes: tuple[int, ...] = STEP_SIZES, repeats: int = 5, name: str = "local"):
     """A ``Hardware`` for this host with a fitted link per collective and world size and per-unit
-    compute times of ``model``, and the raw timings (for a report)."""
-    import os
-
-    from zeroshard.launch import spawn
-    from zeroshard.sim.hardware import Hardware
-    from zeroshard.sim.measured import MeasuredCompute, MeasuredLink
-    from zeroshard.sim.step import ADAMW_BYTES_PER_PARAM
-
+    compute times of ``model``, how collectives in flight together share the backend, and the raw
+    timings (for a report)."""
     if not worlds or min(worlds) < 2:
         raise ValueError("calibration needs world sizes >= 2, e.g. --sweep 2,4")
-    links, compute, raw = [], [], {}
-    for world in worlds:
-        ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
-        # A collective lasts as long as its slowest rank.
-        for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
-            pts = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
-            alpha, bw = fit(pts, op, group)
-            links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
-            raw[f"{op} over {group} of {world}"] = pts
-        # Units: the mean over ranks. With more ranks than cores the OS shares them out unevenly
-        # over one short unit but evenly over a step's many, so the slowest rank's unit overstates.
-        unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in ("block_forward_s", "block_backward_s",
-                                                            "root_forward_s", "root_backward_s",
-                                                            "optimizer_s_per_param")}
-        shares = {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]}
-        compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
-                                       **shares, **unit))
-    first = compute[0]  # the smallest world's compute, the largest world's all-gather
-    last = [m for m in links if m.op == "all_gather" and m.group == m.world][-1]
-    block_flops = 6.0 * ranks[0]["unit"]["block_params"] * micro_batch * seq
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    hw = Hardware(name=name, peak_flops=block_flops / (first.block_forward_s + first.block_backward_s),
-                  hbm_bytes=float(mem // max(worlds)),
-                  hbm_bandwidth=ADAMW_BYTES_PER_PARAM / max(first.optimizer_s_per_param, 1e-15),
-                  gpus_per_node=max(worlds), intra_bandwidth=last.bandwidth, inter_bandwidth=last.bandwidth,
-                  intra_latency=last.alpha_s, inter_latency=last.alpha_s, gemm_efficiency=1.0,
-                  links=tuple(links), compute=tuple(compute))
-    return hw, raw
+    rounds = {w: [calibrate_world(w, model, vocab, micro_batch, seq, sizes=sizes, repeats=repeats)] for w in worlds}
+    return hardware_from(rounds, model, vocab, micro_batch, seq, name=name)

@@ -117,6 +117,9 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
               f"ms; root fwd {c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms; AdamW "
               f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention all_gather {c.contention_all_gather:.2f}, "
               f"reduce_scatter {c.contention_reduce_scatter:.2f}, all_reduce {c.contention_all_reduce:.2f}")
+    for k in hw.concurrency:
+        print(f"world {k.world}, shard groups of {k.group}: collectives in flight together take {k.two:.2f} (two) "
+              f"and {k.three:.2f} (three) times their serial time")
     print(f"hardware written to {out}")
     return 0
 

@@ -85,12 +85,15 @@ class MeasuredConcurrency:
 
     world: int
     """Ranks running on the host while this was timed."""
+    group: int
+    """Ranks in the shard group the collectives ran over (smaller than world for a hybrid mesh,
+    whose mixes pair a shard group's collectives with the replicate group's all-reduce)."""
     two: float
     three: float
 
     def __post_init__(self) -> None:
-        if self.world < 2 or not (self.two > 0 and self.three > 0):
-            raise ValueError("measured concurrency: needs world >= 2 and positive factors")
+        if not 2 <= self.group <= self.world or not (self.two > 0 and self.three > 0):
+            raise ValueError("measured concurrency: needs 2 <= group <= world and positive factors")
 
     def factor(self, k: int) -> float:
         """Wall time of ``k`` collectives in flight together over their serial time (at least 1/k:
@@ -108,9 +111,12 @@ def pick_link(links: tuple[MeasuredLink, ...], op: str, p: int, world: int | Non
     return min(mine, key=lambda m: (abs(m.group - p), abs(m.world - world), -m.world)) if mine else None
 
 
-def pick_concurrency(entries: tuple[MeasuredConcurrency, ...], world: int) -> MeasuredConcurrency | None:
-    """The figure measured at ``world`` ranks, else at the nearest world (None when none is stored)."""
-    return min(entries, key=lambda c: (abs(c.world - world), -c.world)) if entries else None
+def pick_concurrency(entries: tuple[MeasuredConcurrency, ...], world: int,
+                     group: int | None = None) -> MeasuredConcurrency | None:
+    """The figure measured at ``world`` ranks over shard groups of ``group`` (default ``world``),
+    else the nearest world, then group (None when none is stored)."""
+    group = world if group is None else group
+    return min(entries, key=lambda c: (abs(c.world - world), abs(c.group - group), -c.world)) if entries else None
 
 
 def pick_compute(entries: tuple[MeasuredCompute, ...], model: str, vocab: int, world: int) -> MeasuredCompute:

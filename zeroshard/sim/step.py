@@ -25,7 +25,7 @@ The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch
 
 Collectives of one process group share one stream in launch order (they compete for the same
 links), as on one NCCL stream; with a measured concurrency figure (``Hardware.concurrency``, gloo
-on a CPU host) every collective in flight shares one pool instead (see ``_Link``). Anything compute
+on a CPU host) every collective in flight shares one pool instead (see ``CommLink``). Anything compute
 had to wait for is exposed; collective work done while compute ran is hidden, and on a host where
 both share the cores it costs compute its measured contention.
 """
@@ -121,7 +121,7 @@ class StepResult:
 
 
 @dataclasses.dataclass(eq=False)
-class _Op:
+class Collective:
     """One collective on the replay's communication timeline."""
 
     op: str
@@ -133,7 +133,7 @@ class _Op:
     end: float | None = None
 
 
-class _Link:
+class CommLink:
     """The host's communication, and the compute spans it may run under.
 
     Without a measured concurrency figure each stream (the shard group's, the replicate group's)
@@ -147,23 +147,24 @@ class _Link:
 
     def __init__(self, hw: Hardware, layout: Layout) -> None:
         self.hw, self.layout = hw, layout
-        self.shared = pick_concurrency(hw.concurrency, layout.world)
-        self.ops: list[_Op] = []
+        group = layout.shard_group if layout.shard_group > 1 else layout.dp  # DDP reduces over every rank
+        self.shared = pick_concurrency(hw.concurrency, layout.world, group)
+        self.ops: list[Collective] = []
         self.free_at: dict[str, float] = {}
         self.compute_spans: list[tuple[float, float]] = []
         self.busy = 0.0
         self.wire = 0.0
         self.by_op: dict[str, float] = {}
-        self._segments: list[tuple[float, float, list[_Op], float]] = []
+        self._segments: list[tuple[float, float, list[Collective], float]] = []
         self._dirty = False
 
     def launch(self, op: str, nbytes: float, group: int, at: float, spans: bool | None = None,
-               stream: str = "shard") -> _Op:
+               stream: str = "shard") -> Collective:
         """Launch ``op`` at ``at``; ``when`` gives its end."""
         if spans is None and self.layout.tp > 1:  # a data-parallel group takes every tp-th rank
             spans = group * self.layout.tp > self.hw.gpus_per_node
         seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans, world=self.layout.world)
-        item = _Op(op, at, seconds, stream)
+        item = Collective(op, at, seconds, stream)
         if self.shared is None:
             start = max(self.free_at.get(stream, 0.0), at)
             item.end = self.free_at[stream] = start + seconds
@@ -175,7 +176,7 @@ class _Link:
         self.wire += wire_bytes(op, nbytes, group)
         return item
 
-    def when(self, item: _Op | float) -> float:
+    def when(self, item: Collective | float) -> float:
         """The end of a launched collective (a plain time is returned as is)."""
         if isinstance(item, float):
             return item
@@ -196,7 +197,7 @@ class _Link:
         shared, todo = self.shared, sorted(self.ops, key=lambda o: o.at)
         self._segments = []
         left = {id(o): o.work for o in todo}
-        active: list[_Op] = []
+        active: list[Collective] = []
         t, i = (todo[0].at if todo else 0.0), 0
         while i < len(todo) or active:
             while i < len(todo) and todo[i].at <= t:
@@ -220,7 +221,7 @@ class _Link:
         """Per op kind, the solo seconds of collective work done while compute ran."""
         if self._dirty:
             self._solve()
-        spans, out = sorted(self.compute_spans), {}
+        spans, out = sorted(self.compute_spans), dict[str, float]()
         for t0, t1, items, rate in self._segments:
             seconds = _overlap(t0, t1, spans) * rate
             for o in items:
@@ -308,9 +309,9 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
     d = _durations(w, hw, layout.tp, layout.world)
     pol, s = layout.policy, w.shape
-    comm = _Link(hw, layout)
+    comm = CommLink(hw, layout)
     t = 0.0
-    carried: list[tuple[_Op, float]] = []  # reductions left running into the next micro-step
+    carried: list[tuple[Collective, float]] = []  # reductions left running into the next micro-step
     for micro in range(w.accum):
         t = _forward(w, layout, d, comm, t)
         t = comm.compute(t, d.root_fwd + d.root_bwd)
@@ -363,7 +364,7 @@ def _local_params(w: Workload, layout: Layout) -> float:
     return w.shape.root_params + w.shape.n_layer * w.shape.block_params / layout.tp
 
 
-def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float) -> float:
+def _forward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: float) -> float:
     """One micro-step's forward from ``t``: the root (embeddings) first, then each block, gathered
     ``prefetch`` ahead at stage 3."""
     pol, s = layout.policy, w.shape
@@ -371,7 +372,7 @@ def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float) 
     block_param = s.block_params / layout.tp * layout.param_bytes
     start_at = t
     root = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at) if pol.shard_params else t
-    ready: list[_Op | float] = [start_at] * L
+    ready: list[Collective | float] = [start_at] * L
     if pol.shard_params:
         for i in range(min(k, L)):
             ready[i] = comm.launch("all_gather", block_param, group, start_at)
@@ -384,9 +385,9 @@ def _forward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float) 
     return t
 
 
-def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float, *,
-              carried: list[tuple[_Op, float]] | None = None, reduce: bool = True,
-              finish: bool = True) -> tuple[float, list[tuple[_Op, float]]]:
+def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: float, *,
+              carried: list[tuple[Collective, float]] | None = None, reduce: bool = True,
+              finish: bool = True) -> tuple[float, list[tuple[Collective, float]]]:
     """Blocks in reverse with their gathers and, when ``reduce``, their reductions. The ``carried``
     reductions of the previous micro-step are finished at the first grad. With ``finish`` the step
     waits for the last reductions (the optimizer reads every shard); otherwise they are returned
@@ -396,7 +397,7 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float,
     block_param = s.block_params / layout.tp * layout.param_bytes
     block_grad = s.block_params / layout.tp * layout.reduce_bytes
     regather = pol.shard_params and layout.reshard_after_forward
-    ready: list[_Op | float] = [t] * L
+    ready: list[Collective | float] = [t] * L
     if regather:  # the last block of forward stays gathered into backward (Engine.kept_for_backward)
         for j in range(1, min(k, L)):
             ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
@@ -407,7 +408,7 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: _Link, t: float,
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
     reduce_group = group if pol.shard_optimizer else layout.dp  # DDP all-reduces over every data-parallel rank
     spans_replicas = layout.world > comm.hw.gpus_per_node
-    pending: list[tuple[_Op, float]] = list(carried or [])  # (reduction, replica all-reduce bytes)
+    pending: list[tuple[Collective, float]] = list(carried or [])  # (reduction, replica all-reduce bytes)
     next_unit = 0 if reduce else len(units)
 
     def finish_oldest(now: float) -> float:
