@@ -141,11 +141,11 @@ def rows_for(args: argparse.Namespace, hw, steps: dict[str, list[list[float]]]) 
     return rows
 
 
-def table(args: argparse.Namespace, rows: list[dict], hw, load: str, minutes: float) -> str:
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def table(args: argparse.Namespace, rows: list[dict], hw, run: dict) -> str:
+    when, load, minutes = run["when"], run["load"], run["minutes"]
     conc = "; ".join(f"world {k.world} groups of {k.group}: {k.two:.2f} / {k.three:.2f}" for k in hw.concurrency)
     lines = [f"`{args.model}`, micro-batch {args.micro_batch} x seq {args.seq} per rank, fp32, AdamW, clipping off, "
-             f"gloo on this host ({os.cpu_count()} cores); {when}, load average {load}; {args.rounds} rounds x "
+             f"gloo on this host ({os.cpu_count()} cores); {when}; load average (1, 5, 15 min) {load}; {args.rounds} rounds x "
              f"{args.steps} steps per config ({args.warmup} warm-up), {minutes:.1f} min in all.",
              f"Concurrency (two / three in flight, over serial): {conc}.", "",
              "| config | predicted s | measured s (median) | error | spread (rounds) | step range | compute "
@@ -174,6 +174,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hw-out", default="local.toml", help="where the calibrated hardware TOML goes")
     parser.add_argument("--append", action="append", default=[], metavar="FILE.md",
                         help="also append the table, with the command and load, to this file (repeatable)")
+    parser.add_argument("--raw-out", default="sim_vs_measured.json", metavar="FILE.json",
+                        help="every calibration and step time measured, to rebuild the table with --from-raw")
+    parser.add_argument("--from-raw", metavar="FILE.json", help="rebuild the table from a --raw-out file, "
+                        "measuring nothing (e.g. after changing the replay)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or min(args.worlds) < 2:
@@ -187,7 +191,16 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(argv)
     started = time.perf_counter()
-    calib, steps = run_rounds(args)
+    if args.from_raw:
+        raw = json.loads(Path(args.from_raw).read_text())
+        calib, steps = {int(w): runs for w, runs in raw.pop("calibration").items()}, raw.pop("steps")
+    else:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        calib, steps = run_rounds(args)
+        end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        raw = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "load": f"{load} at the start, {end} at the end", "minutes": (time.perf_counter() - started) / 60}
+        Path(args.raw_out).write_text(json.dumps(raw | {"calibration": calib, "steps": steps}))
     hw, _ = hardware_from(calib, args.model, TrainConfig().vocab_size, args.micro_batch, args.seq,
                           name=Path(args.hw_out).stem)
     Path(args.hw_out).write_text(to_toml(hw, f"written by bench/sim_vs_measured.py: median of {args.rounds} rounds"))
@@ -195,8 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = table(args, rows, hw, load, (time.perf_counter() - started) / 60)
+    text = table(args, rows, hw, raw)
     print("\n" + text)
     command = "bench/sim_vs_measured.py " + " ".join(a for a in sys.argv[1:] if not a.endswith(".md")
                                                      and a != "--append")

@@ -18,6 +18,7 @@ whose ranks share its cores every figure is the one a step at that world size se
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 from zeroshard.sim.network import bus_factor
@@ -285,7 +286,7 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
     points = {}
     for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
-        points[(op, group)] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
+        points[f"{op}:{group}"] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
     keys = UNIT_KEYS + ("block_params",)
     return {"points": points, "unit": {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys},
             "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},
@@ -307,11 +308,16 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
     med = statistics.median
     links, compute, concurrency, raw = [], [], [], {}
     for world, runs in rounds.items():
-        for (op, group), first in runs[0]["points"].items():
-            pts = [(n, med(r["points"][(op, group)][i][1] for r in runs)) for i, (n, _) in enumerate(first)]
-            alpha, bw = fit(pts, op, group)
-            links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
+        for key, first in runs[0]["points"].items():
+            op, group = key.split(":")[0], int(key.split(":")[1])
+            pts = [(n, med(r["points"][key][i][1] for r in runs)) for i, (n, _) in enumerate(first)]
             raw[f"{op} over {group} of {world}"] = pts
+            try:
+                alpha, bw = fit(pts, op, group)
+            except ValueError as e:  # a load spike flattened it: the nearest other fit stands in
+                print(f"calibration: no fit for {op} over {group} of {world} ranks ({e})", file=sys.stderr)
+                continue
+            links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
         unit = {k: med(r["unit"][k] for r in runs) for k in UNIT_KEYS}
         shares = {k: med(r["contention"][k] for r in runs) for k in runs[0]["contention"]}
         compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
@@ -321,7 +327,9 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
             concurrency.append(MeasuredConcurrency(world=world, group=int(group), **factors))
     worlds = tuple(rounds)
     first_c = compute[0]  # the smallest world's compute, the largest world's all-gather
-    last = [m for m in links if m.op == "all_gather" and m.group == m.world][-1]
+    if not links:
+        raise ValueError("no collective's timings grew with size; calibrate again on a quieter host")
+    last = ([m for m in links if m.op == "all_gather" and m.group == m.world] or links)[-1]
     block_flops = 6.0 * rounds[worlds[0]][0]["unit"]["block_params"] * micro_batch * seq
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hw = Hardware(name=name, peak_flops=block_flops / (first_c.block_forward_s + first_c.block_backward_s),
