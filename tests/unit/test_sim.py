@@ -420,3 +420,28 @@ def test_hidden_comm_is_collective_work_under_compute_on_the_timeline():
                                                                            contention_reduce_scatter=0.5)
                                                        for c in hw.compute))
         assert simulate(_tiny(), loaded, layout).breakdown["comm contention"] == pytest.approx(0.5 * r.hidden_comm_s)
+
+
+def test_hardware_from_rounds_takes_the_median_of_each_figure():
+    """Calibrations repeated over rounds (bench/sim_vs_measured.py): each figure is the median of
+    the rounds', so one round under a load spike does not set it; a link fit is what it was."""
+    from zeroshard.sim.calibrate import STEP_SIZES, UNIT_KEYS, hardware_from
+
+    link = _calibrated()
+
+    def one_round(slow: float) -> dict:
+        points = {f"{op}:2": [(float(n), slow * collective_seconds(op, n, 2, link)) for n in STEP_SIZES]
+                  for op in ("all_gather", "reduce_scatter", "all_reduce")}
+        unit = dict.fromkeys(UNIT_KEYS, 1e-3 * slow) | {"block_params": 1e5}
+        return {"points": points, "unit": unit, "contention": {"contention_all_gather": 0.2 * slow},
+                "concurrency": {2: {"two": 1.1 * slow, "three": 1.3 * slow}}}
+
+    hw, raw = hardware_from({2: [one_round(1.0), one_round(5.0), one_round(1.0)]}, "tiny", 16, 1, 64)
+    assert [(m.op, m.group, m.world) for m in hw.links] == [(op, 2, 2) for op in
+                                                            ("all_gather", "reduce_scatter", "all_reduce")]
+    assert all((m.alpha_s, m.bandwidth) == pytest.approx((1e-4, 1e9)) for m in hw.links)
+    (c,) = hw.compute
+    assert c.block_forward_s == pytest.approx(1e-3) and c.contention_all_gather == pytest.approx(0.2)
+    (k,) = hw.concurrency
+    assert (k.world, k.group, k.two, k.three) == (2, 2, pytest.approx(1.1), pytest.approx(1.3))
+    assert len(raw) == 3
