@@ -26,7 +26,7 @@ ALLOWED = {
     ("bench/gpu_overhead.py", "main"): "a matmul backward that creates cuBLAS's workspace",
     ("zeroshard/sim/calibrate.py", "block_bwd"): "times one block's backward for the simulator, no step",
     ("zeroshard/sim/calibrate.py", "model_bwd"): "times the model's backward for the simulator, no step",
-    ("zeroshard/sim/calibrate.py", "overlapped"): "times a block's backward under a collective, no step",
+    ("zeroshard/sim/calibrate.py", "run_blocks"): "times blocks' backward (under a collective), no step",
     ("bench/observe_overhead.py", "loop_steps"): "a user's own plain loop, the one zs.observe is measured on",
 }
 

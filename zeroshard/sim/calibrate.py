@@ -182,18 +182,18 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
     x = torch.randn(micro_batch, seq, cfg.n_embd)
     block_numel = sum(q.numel() for q in block.parameters())  # its fp32 grads, or its fp32 params
     numel = max(p, block_numel // p * p)
-    one = _median_times(lambda: block(x.detach().requires_grad_(True)).sum().backward(), repeats)
+
+    def run_blocks(k: int) -> None:
+        for _ in range(k):
+            block(x.detach().requires_grad_(True)).sum().backward()
+
+    one = _median_times(lambda: run_blocks(1), repeats)
     out = {}
     for op in OPS:
         full, shard = torch.zeros(numel), torch.ones(numel // p)
         m = _median_times(lambda: _issue(op, full, shard), repeats)
         n = max(1, math.ceil(2 * m / max(one, 1e-9)))
-
-        def blocks() -> None:
-            for _ in range(n):
-                block(x.detach().requires_grad_(True)).sum().backward()
-
-        c = _median_times(blocks, repeats)
+        c = _median_times(lambda: run_blocks(n), repeats)  # noqa: B023 (called before n changes)
         lost = []
         for _ in range(repeats + 1):
             from zeroshard.comm import collectives
@@ -201,7 +201,7 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
             collectives.barrier(phase="calibrate")
             start = time.perf_counter()
             pending = _issue(op, full, shard, async_op=True)
-            blocks()
+            run_blocks(n)
             c2 = time.perf_counter() - start
             done = pending.is_done()
             pending.wait()
