@@ -98,8 +98,9 @@ def predict(cfg: TrainConfig, hw, micro_batch: int):
     return simulate(w, hw, layout)
 
 
-def run_rounds(args: argparse.Namespace) -> tuple[dict, dict]:
-    """Every round's calibrations (per world) and step times (per config label, per round)."""
+def run_rounds(args: argparse.Namespace, save) -> tuple[dict, dict]:
+    """Every round's calibrations (per world) and step times (per config label, per round);
+    ``save(calib, steps)`` after each round, so a run cut short keeps what it measured."""
     from zeroshard.sim.calibrate import calibrate_world
 
     vocab = TrainConfig().vocab_size
@@ -118,6 +119,7 @@ def run_rounds(args: argparse.Namespace) -> tuple[dict, dict]:
                     steps.setdefault(label(cfg), []).append(slowest)
             print(f"round {r + 1}/{args.rounds}, world {world}: calibrated in {t1 - t0:.0f} s, measured in "
                   f"{time.perf_counter() - t1:.0f} s", file=sys.stderr, flush=True)
+        save(calib, steps)
     return calib, steps
 
 
@@ -192,15 +194,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     started = time.perf_counter()
     if args.from_raw:
-        raw = json.loads(Path(args.from_raw).read_text())
+        raw: dict = json.loads(Path(args.from_raw).read_text())
         calib, steps = {int(w): runs for w, runs in raw.pop("calibration").items()}, raw.pop("steps")
     else:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        calib, steps = run_rounds(args)
-        end = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        raw = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "load": f"{load} at the start, {end} at the end", "minutes": (time.perf_counter() - started) / 60}
-        Path(args.raw_out).write_text(json.dumps(raw | {"calibration": calib, "steps": steps}))
+        raw = {}
+
+        def save(calib: dict, steps: dict) -> None:
+            end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            raw.update({"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                        "load": f"{load} at the start, {end} at the end",
+                        "minutes": (time.perf_counter() - started) / 60})
+            Path(args.raw_out).write_text(json.dumps(raw | {"calibration": calib, "steps": steps}))
+
+        calib, steps = run_rounds(args, save)
     hw, _ = hardware_from(calib, args.model, TrainConfig().vocab_size, args.micro_batch, args.seq,
                           name=Path(args.hw_out).stem)
     Path(args.hw_out).write_text(to_toml(hw, f"written by bench/sim_vs_measured.py: median of {args.rounds} rounds"))
