@@ -128,6 +128,8 @@ def rows_for(args: argparse.Namespace, hw, steps: dict[str, list[list[float]]]) 
     for world in args.worlds:
         for cfgs in configs(args, world):
             for cfg in cfgs:
+                if label(cfg) not in steps:  # a run cut short, rebuilt with --from-raw
+                    continue
                 rounds = steps[label(cfg)]
                 every = [t for r in rounds for t in r]
                 measured = statistics.median(every)
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if args.from_raw:
         raw: dict = json.loads(Path(args.from_raw).read_text())
-        calib, steps = {int(w): runs for w, runs in raw.pop("calibration").items()}, raw.pop("steps")
+        calib = {int(w): runs for w, runs in raw.pop("calibration").items() if runs}
+        steps = raw.pop("steps")
     else:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         raw = {}
