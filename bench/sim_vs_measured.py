@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(argv)
     started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else argv
+    kept = [a for i, a in enumerate(argv) if a != "--append" and not (i and argv[i - 1] == "--append")]
+    command = " ".join(["bench/sim_vs_measured.py", *kept])
     if args.from_raw:
         raw: dict = json.loads(Path(args.from_raw).read_text())
         calib = {int(w): runs for w, runs in raw.pop("calibration").items() if runs}
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def save(calib: dict, steps: dict) -> None:
             end = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            raw.update({"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            raw.update({"command": command,
+                        "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                         "load": f"{load} at the start, {end} at the end",
                         "minutes": (time.perf_counter() - started) / 60})
             Path(args.raw_out).write_text(json.dumps(raw | {"calibration": calib, "steps": steps}))
@@ -220,11 +224,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     text = table(args, rows, hw, raw)
     print("\n" + text)
-    command = "bench/sim_vs_measured.py " + " ".join(a for a in sys.argv[1:] if not a.endswith(".md")
-                                                     and a != "--append")
+    heading = raw.get("command", command) + (f" (table rebuilt by {command})" if args.from_raw else "")
     for path in args.append:
         with open(path, "a") as f:
-            f.write(f"\n### `{command.strip()}`\n\n{text}\n")
+            f.write(f"\n### `{heading}`\n\n{text}\n")
 
 
 if __name__ == "__main__":
