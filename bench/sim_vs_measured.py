@@ -13,7 +13,8 @@ on a shared host hits every row and the calibration alike instead of one row.
 
 Each step is zeroshard/step.py's own (``build`` and ``step``, the training step itself), after a
 barrier, ``--warmup`` untimed first; a step lasts as long as its slowest rank. The calibrated
-hardware is the median of the rounds' figures (written to ``--hw-out``); the measured figure is the
+hardware is the median of the rounds' figures (written to ``--hw-out``, every timing to
+``--raw-out``, both under runs/ by default); the measured figure is the
 median of every timed step of every round; "spread" is the range of the rounds' medians over that
 median (how far the row moved between rounds) and "step range" that of all its steps. Clipping is
 off in both (the simulator has no clipping term); fp32 throughout, as ``zeroshard train``'s default.
@@ -175,10 +176,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per config per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per config per round")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration timing per round")
-    parser.add_argument("--hw-out", default="local.toml", help="where the calibrated hardware TOML goes")
+    parser.add_argument("--hw-out", default="runs/sim_vs_measured/local.toml", help="where the calibrated hardware TOML goes")
     parser.add_argument("--append", action="append", default=[], metavar="FILE.md",
                         help="also append the table, with the command and load, to this file (repeatable)")
-    parser.add_argument("--raw-out", default="sim_vs_measured.json", metavar="FILE.json",
+    parser.add_argument("--raw-out", default="runs/sim_vs_measured/raw.json", metavar="FILE.json",
                         help="every calibration and step time measured, to rebuild the table with --from-raw")
     parser.add_argument("--from-raw", metavar="FILE.json", help="rebuild the table from a --raw-out file, "
                         "measuring nothing (e.g. after changing the replay)")
@@ -212,11 +213,13 @@ def main(argv: list[str] | None = None) -> None:
                         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                         "load": f"{load} at the start, {end} at the end",
                         "minutes": (time.perf_counter() - started) / 60})
+            Path(args.raw_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.raw_out).write_text(json.dumps(raw | {"calibration": calib, "steps": steps}))
 
         calib, steps = run_rounds(args, save)
     hw, _ = hardware_from(calib, args.model, TrainConfig().vocab_size, args.micro_batch, args.seq,
                           name=Path(args.hw_out).stem)
+    Path(args.hw_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.hw_out).write_text(to_toml(hw, f"written by bench/sim_vs_measured.py: median of {args.rounds} rounds"))
     rows = rows_for(args, hw, steps)
     if args.json:
