@@ -175,6 +175,7 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
 
     import torch
 
+    from zeroshard.comm import collectives
     from zeroshard.models.gpt import Block, GPTConfig
 
     cfg = GPTConfig.named(model, vocab_size=vocab, seq_len=seq)
@@ -193,11 +194,9 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
         full, shard = torch.zeros(numel), torch.ones(numel // p)
         m = _median_times(lambda: _issue(op, full, shard), repeats)
         n = max(1, math.ceil(2 * m / max(one, 1e-9)))
-        c = _median_times(lambda: run_blocks(n), repeats)  # noqa: B023 (called before n changes)
+        c = _median_times(lambda: run_blocks(n), repeats)
         lost = []
         for _ in range(repeats + 1):
-            from zeroshard.comm import collectives
-
             collectives.barrier(phase="calibrate")
             start = time.perf_counter()
             pending = _issue(op, full, shard, async_op=True)
