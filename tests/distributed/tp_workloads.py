@@ -208,43 +208,68 @@ def _save(run, path: str) -> None:
     zs.save(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler, step=CKPT_STEPS)
 
 
-def _load(run, path: str) -> None:
-    zs.load(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler)
+def _load(run, path: str):
+    return zs.load(path, run.model, run.opt, scheduler=run.scheduler, sampler=run.sampler)
 
 
-def ckpt_save_suite(root: str) -> dict:
-    """(2 shard, 2 tp): CKPT_STEPS steps, save, then the continuous run's next step."""
+def _rejoin(world: int | None = None, **mesh) -> bool:
+    """Leave this process group and join a new one with another mesh, on a fresh port, so that one
+    spawned group visits several layouts; ranks >= ``world`` leave. Whether this rank is in it."""
+    import torch.distributed as dist
+
+    from zeroshard.launch import free_port
+
+    port = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)  # also a barrier: rank 0 has finished what came before
+    zs.shutdown()
+    os.environ["MASTER_PORT"] = str(port[0])
+    if world is not None:
+        if int(os.environ["RANK"]) >= world:
+            return False
+        os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    zs.init(**mesh)
+    return True
+
+
+def ckpt_resume(root: str, source: str, stage: int, *, parallel: bool = False) -> dict:
+    """Load checkpoint ``source`` into this mesh, run the next step."""
+    run = tp_run("gpt", stage, parallel=parallel)
+    loaded = _load(run, f"{root}/{source}")
+    params = zs.full_state_dict(run.model)
+    _train(run, 1)
+    return {"loaded": params, "next": zs.full_state_dict(run.model), "files": loaded.files_read}
+
+
+def _reshard_offline(root: str) -> None:
+    """What ``zeroshard ckpt reshard`` does, on rank 0 with no process group in use."""
+    from zeroshard.checkpoint.export import reshard
+
+    reshard(f"{root}/tp", f"{root}/r41", 4)
+    reshard(f"{root}/tp", f"{root}/r12", 2, tp=2)
+    reshard(f"{root}/r41", f"{root}/rt12", 2, tp=2, tp_plan="gpt")  # (2,2) -> (4,1) -> (1,2)
+
+
+def ckpt_suite(root: str) -> dict | None:
+    """Save at (2 shard, 2 tp) and reshard offline; resume at (4, 1) from the checkpoint and from its
+    (4, 1) reshard, save there; then on 2 ranks at (1, 2) load that save and the (1, 2) reshards."""
     zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
     run = tp_run("gpt", SAVED_STAGE)
     _train(run, CKPT_STEPS)
     _save(run, f"{root}/tp")
-    saved = zs.full_state_dict(run.model)
+    out: dict = {"saved": zs.full_state_dict(run.model)}
     _train(run, 1)
-    return {"saved": saved, "continuous": zs.full_state_dict(run.model)}
-
-
-def ckpt_resume(root: str, stage: int) -> dict:
-    """Load the (2, 2) checkpoint into this mesh without TP, run the next step."""
-    run = tp_run("gpt", stage, parallel=False)
-    _load(run, f"{root}/tp")
-    loaded = zs.full_state_dict(run.model)
-    _train(run, 1)
-    return {"loaded": loaded, "next": zs.full_state_dict(run.model)}
-
-
-def ckpt_resume_suite(root: str) -> dict:
-    """(4 shard, 1 tp) resume, then a save there loaded back at (2, 2) (tp parts cut from whole params)."""
-    zs.init(shard_size=4)
-    out = ckpt_resume(root, 3)
+    out["continuous"] = zs.full_state_dict(run.model)
+    if zs.get_mesh().rank == 0:
+        _reshard_offline(root)
+    _rejoin(shard_size=4)
+    out["4x1"] = ckpt_resume(root, "tp", 3)
+    out["r41"] = ckpt_resume(root, "r41", SAVED_STAGE)  # the saved units: one file per rank
     run = tp_run("gpt", 1, parallel=False)
     _load(run, f"{root}/tp")
     _save(run, f"{root}/dp4")
+    if not _rejoin(world=2, tp=2):
+        return None
+    out["dp4 at 1x2"] = ckpt_resume(root, "dp4", 1, parallel=True)
+    out["r12"] = ckpt_resume(root, "r12", SAVED_STAGE, parallel=True)
+    out["rt12"] = ckpt_resume(root, "rt12", SAVED_STAGE, parallel=True)
     return out
-
-
-def ckpt_back_to_tp_suite(root: str) -> dict:
-    """(1 shard, 2 tp) on 2 ranks: the (4, 1) checkpoint loads as tp parts."""
-    zs.init(tp=2)
-    run = tp_run("gpt", 1)
-    _load(run, f"{root}/dp4")
-    return {"loaded": zs.full_state_dict(run.model)}

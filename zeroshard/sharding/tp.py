@@ -135,6 +135,39 @@ GPT_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
 """Submodule of each GPT block -> its split; the planner (zeroshard/plan/tp.py) reads the same table."""
 
 
+LLAMA_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
+    "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel, "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel}
+"""Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
+
+NAMED_PLANS: dict[str, tuple[str, dict[str, type[ColwiseParallel] | type[RowwiseParallel]], dict[str, int]]] = {
+    "gpt": ("blocks", GPT_TP_STYLES, {"attn.qkv": 3}), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
+"""The ready plans by name, as offline tools see them: (blocks' prefix, styles, fused chunks).
+``ckpt reshard --tp-plan`` reads the placements of a checkpoint saved without TP from here."""
+
+
+def placement_by_name(plan: str, fqn: str, ndim: int, tp: int) -> dict | None:
+    """Param ``fqn``'s placement (as ``TPSpec.describe``) under ready plan ``plan`` at degree ``tp``,
+    or None where that plan keeps it whole: column-wise splits the weight's rows and the bias,
+    row-wise the weight's columns (the bias is replicated)."""
+    if plan not in NAMED_PLANS:
+        raise ValueError(f"unknown tensor-parallel plan {plan!r}; use one of {', '.join(NAMED_PLANS)}")
+    prefix, styles, fused = NAMED_PLANS[plan]
+    head, _, rest = fqn.partition(prefix + ".")
+    index, _, inside = rest.partition(".")
+    if head or not index.isdigit():
+        return None
+    module, _, leaf = inside.rpartition(".")
+    style = styles.get(module)
+    if style is None or tp == 1:
+        return None
+    dim = 0 if style is ColwiseParallel else (1 if leaf == "weight" and ndim == 2 else None)
+    if dim is None:
+        return None
+    return {"placement": "shard", "dim": dim, "chunks": fused.get(module, 1), "tp": tp}
+
+
 def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
              ) -> tuple[list[nn.Module], dict, dict[str, int]]:
     """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise; with
@@ -162,14 +195,14 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
                         "intermediate_size": cfg.intermediate_size}, "Llama")
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between the modules
     col, row = ColwiseParallel(), RowwiseParallel(output_layouts=stream)
+    plan: dict[str, ParallelStyle] = {name: col if style is ColwiseParallel else row
+                                      for name, style in LLAMA_TP_STYLES.items()}
     # The attention's (and the MLP's) input becomes one replicated DTensor before its column-wise
     # projections: their input grads then add up as one Partial DTensor and are reduced once per
     # module, not once per projection (q, k, v: three). Under SP this is where the all-gather runs.
-    plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row,
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
+                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    plan["mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
     if sequence_parallel:
         plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
     decoder: Any = model.model
