@@ -81,3 +81,23 @@ def test_cli_reshard_of_a_checkpoint_without_tp_to_tp2_and_back(tmp_path, capsys
     export(back, tmp_path / "b.safetensors")
     a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensor_parallel_refuses_meta_and_already_sharded_models():
+    """TP needs the single-process weights to cut from: a meta model, or one that zs.shard already
+    built by constructor replay, is refused with the order that works."""
+    import zeroshard as zs
+    from zeroshard.models import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, seq_len=8)
+    zs.init()
+    try:
+        with torch.device("meta"):
+            meta = GPT(cfg)
+        with pytest.raises(ValueError, match="params on the meta device; build the model for real .* then zs.shard$"):
+            zs.tensor_parallel(meta)
+        sharded = zs.shard(lambda: GPT(cfg), stage=3)
+        with pytest.raises(ValueError, match=r"already sharded .* call zs.tensor_parallel\(model\), then zs.shard"):
+            zs.tensor_parallel(sharded)
+    finally:
+        zs.shutdown()

@@ -225,12 +225,10 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
     ``SequenceParallel``), and the first block's input is cut / the last block's output gathered.
     A custom plan is then called as ``plan(model, tp, sequence_parallel=True)``.
     """
+    _check_real_and_unsharded(model)
     mesh = get_mesh()
     if mesh.tp_size == 1:
         raise ValueError("the mesh has no tp dim; call zs.init(tp=N) (or mesh_shape=..., names=(..., 'tp')) first")
-    if _meta_params(model):
-        raise ValueError("tensor_parallel needs the model's real weights, but it has params on the meta device; "
-                         "build the model for real (same seed on every rank), call tensor_parallel, then zs.shard")
     if plan is None:
         name = type(model).__name__
         if name not in PLANS:
@@ -261,8 +259,22 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
     return model
 
 
-def _meta_params(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+def _check_real_and_unsharded(model: nn.Module) -> None:
+    """TP cuts each rank's part out of the full, single-process weights, so they must exist here.
+
+    A meta model has none yet, and ``zs.shard`` materializes (or, given a constructor, replays)
+    weights into flat buffers of the *unsplit* shapes: splitting afterwards would need every
+    initializer replayed per tp part. Both are refused rather than started from other weights.
+    """
+    from zeroshard.sharding.engine import find_engine  # the engine imports this module
+
+    if find_engine(model) is not None:
+        raise ValueError("tensor_parallel must run before zs.shard, but this model is already sharded (zs.shard with "
+                         "a constructor builds and shards in one call); build the model for real, call "
+                         "zs.tensor_parallel(model), then zs.shard(model)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("tensor_parallel needs the model's real weights, but it has params on the meta device; "
+                         "build the model for real (same seed on every rank), call zs.tensor_parallel, then zs.shard")
 
 
 def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phase: str = "state_dict") -> torch.Tensor:
