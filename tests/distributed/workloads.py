@@ -248,3 +248,9 @@ def activation_memory(n_layer: int, policy: str, n_embd: int = 64, batch: int = 
     x = torch.randint(0, cfg.vocab_size, (batch, seq))
     model(x, x).backward()  # warm-up: lazily created buffers are not activations
     return activation_bytes(model, lambda: model(x, x), mesh.device)
+
+
+def activation_memory_suite(depths: tuple[int, ...], policies: tuple[str, ...]) -> dict:
+    """`activation_memory` for every (depth, policy), one after the other in this one process:
+    each case builds a fresh model and its own tracker, so it measures the same as a process alone."""
+    return {(n_layer, policy): activation_memory(n_layer, policy) for n_layer in depths for policy in policies}
