@@ -192,6 +192,12 @@ def ledger_suite() -> dict:
     return out
 
 
+def comm_memory_suite() -> dict:
+    """`ledger_suite` then `memory_suite` in one process group (each case builds its own model and
+    reads the ledger from its own start), so test_comm_memory.py pays for one gloo world."""
+    return {"ledger": ledger_suite(), "memory": memory_suite()}
+
+
 def hybrid_suite(shard_size: int = 2) -> dict:
     """World 4 as 2 replicas x 2 shards: parity runs, plus one step's bytes per (op, group, phase)."""
     from zeroshard.sharding import get_engine
