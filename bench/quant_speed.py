@@ -53,10 +53,15 @@ def codec_costs(block: int = 256, numel: int = 1 << 22, repeats: int = 11) -> di
     start = time.perf_counter()
     q, s = quantize(flat, block)  # compiles here when it can
     first_call = time.perf_counter() - start
+    other = flat[:numel // 3 + 5]
+    start = time.perf_counter()
+    quantize(other, block)  # another group size: dynamic shapes, so no recompile (a fraction of a second)
+    other_size = time.perf_counter() - start
     quantize_eager(flat, block, q_eager, s_eager)
     return {
         "codec": codec_name(),
         "first_call_s": first_call,
+        "other_size_s": other_size,
         "bitwise_equal": bool(torch.equal(q, q_eager) and torch.equal(s, s_eager)),
         "quantize_eager_ns": _median_ns(lambda: quantize_eager(flat, block, q_eager, s_eager), numel, repeats),
         "quantize_ns": _median_ns(lambda: quantize(flat, block, out=q, scales_out=s), numel, repeats),
@@ -78,7 +83,8 @@ def codec_report(costs: dict, worlds: list[int]) -> str:
     per_step = ", ".join(f"world {w}: {codec_ms_per_step(costs, w, quantize_key='quantize_eager_ns'):.0f} eager -> "
                          f"{codec_ms_per_step(costs, w):.0f} ms/step" for w in worlds)
     return (f"int8 codec, one thread, B=256, 4M fp32 elements: quantize eager {costs['quantize_eager_ns']:.2f} ns/elem, "
-            f"as run {costs['quantize_ns']:.2f} ns/elem ({costs['codec']}; first call {costs['first_call_s']:.1f} s; "
+            f"as run {costs['quantize_ns']:.2f} ns/elem ({costs['codec']}; first call {costs['first_call_s']:.1f} s, "
+            f"then another size {costs['other_size_s'] * 1e3:.0f} ms; "
             f"bitwise equal to eager: {costs['bitwise_equal']}); dequantize {costs['dequantize_ns']:.2f} ns/elem. "
             f"Codec CPU time for small, upper bound: {per_step}\n")
 
