@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode  # no public equivalent
 
 QMAX = 127
 COMPILE_MIN_NUMEL = 1 << 18
@@ -57,6 +58,10 @@ class Codec:
         self.kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self.failed: str | None = None
         self.compiled_calls = 0
+        self.eager_calls = 0
+        """Large calls that went eager anyway: under a TorchDispatchMode (torch's MemTracker, a
+        FlopCounter) dynamo does not run compiled code, and a compiled call there would make it skip
+        the kernel for the rest of the process; those calls alone go eager."""
 
     def mode(self) -> str:
         mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -70,12 +75,18 @@ class Codec:
     def run(self, x: torch.Tensor, out: torch.Tensor, scales_out: torch.Tensor) -> bool:
         """Quantize ``x`` into ``out`` / ``scales_out`` with the compiled kernel; False when it cannot (then
         the caller goes eager)."""
+        if is_in_torch_dispatch_mode():
+            self.eager_calls += 1
+            return False
         try:
             if self.kernel is None:
                 self.kernel = torch.compile(quantize_blocks_into, dynamic=True, fullgraph=True)
             with torch.no_grad():
                 self.kernel(x, out, scales_out)
         except Exception as exc:  # noqa: BLE001 - any backend failure means: stay eager, say why
+            if self.compiled_calls:
+                self.eager_calls += 1
+                return False
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             warnings.warn(f"int8 codec: torch.compile of the quantize kernel failed ({self.failed}); "
                           f"quantizing eagerly (same bits, slower)", RuntimeWarning, stacklevel=3)
@@ -100,7 +111,9 @@ def codec_name() -> str:
     if _CODEC.failed is not None:
         return f"eager (compile failed: {_CODEC.failed})"
     if _CODEC.compiled_calls:
-        return f"inductor (compiled, {_CODEC.compiled_calls} calls; eager below {COMPILE_MIN_NUMEL} elements)"
+        declined = f", {_CODEC.eager_calls} under a dispatch mode ran eager" if _CODEC.eager_calls else ""
+        return (f"inductor (compiled, {_CODEC.compiled_calls} calls{declined}; "
+                f"eager below {COMPILE_MIN_NUMEL} elements)")
     if torch.cuda.is_available() or shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++"):
         return f"inductor on first use of >= {COMPILE_MIN_NUMEL} elements (eager below)"
     return "eager (no C++ compiler found for inductor)"
