@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--comm", default="weights,grads;weights,grads+ef",
                         help="';'-separated --comm-quant values to compare with fp32")
+    parser.add_argument("--small-comm", default=None, help="the --comm values for small (default: --comm)")
     parser.add_argument("--tiny-steps", type=int, default=800)
     parser.add_argument("--small-steps", type=int, default=300)
     parser.add_argument("--small-batch", type=int, default=DEMO["batch"], help="global batch for small")
@@ -133,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/quant_convergence"))
     parser.add_argument("--png", type=Path, default=Path("bench/quant_convergence.png"))
     args = parser.parse_args(argv)
-    specs = [c.strip() for c in args.comm.split(";") if c.strip()]
+    specs = {m: [c.strip() for c in (args.small_comm if m == "small" and args.small_comm else args.comm).split(";")
+                 if c.strip()] for m in args.models.split(",")}
     steps = {"tiny": args.tiny_steps, "small": args.small_steps}
     settings = {"tiny": {}, "small": {"batch": args.small_batch, "lr": args.small_lr, "warmup": args.small_warmup}}
-    found = [compare(m, steps.get(m, args.small_steps), {**DEMO, **settings.get(m, settings["small"])}, specs,
+    found = [compare(m, steps.get(m, args.small_steps), {**DEMO, **settings.get(m, settings["small"])}, specs[m],
                      args.out, args.which) for m in args.models.split(",")]
     results = [r for r in found if r is not None]
     if not results:
