@@ -6,7 +6,8 @@ what the stage keeps (the 1/N shard at stage 3) and then *replays the model's ow
 meta model under a ``TorchFunctionMode``. Every in-place call that writes a param (``normal_``,
 ``nn.init.trunc_normal_``, ``p.data.zero_()``, ...) is re-run on a temporary full-size real tensor
 of that one param, with the same generator, shape and dtype a single-process build would use; the
-rank then keeps its slice and drops the tensor. Because the replay consumes the global RNG in the
+rank then keeps its slice and drops the tensor (for a tensor-parallel DTensor param the full
+tensor is cut to this tp rank's part first, see ``FlatGroup.load_param_values``). Because the replay consumes the global RNG in the
 same order and amounts as ``torch.manual_seed(s); Model()``, the global tensors are bitwise equal
 to the single-process init at every world size and stage.
 

@@ -12,6 +12,8 @@ With ``sequence_parallel`` the stream between them is split along the sequence i
 ``zs.shard`` then flattens each DTensor param's *local* tensor and shards it across the "shard"
 dim, the same composition as FSDP2's 2-D mode; when its params are rebuilt, the local views are
 wrapped back into DTensors with the same placements (``TPSpec.wrap``). See docs/tensor_parallel.md.
+A meta model may be parallelised too: ``zs.shard`` then replays each param at full size and keeps
+this rank's part of it (``to_local``), bitwise the plain build's (docs/init.md).
 
 A fused projection (the built-in GPT's ``qkv``: q, k and v stacked by rows) must give each rank
 its own heads of all three. ``chunks=3`` records that the param is three row blocks each sharded
