@@ -7,9 +7,9 @@ meta model under a ``TorchFunctionMode``. Every in-place call that writes a para
 ``nn.init.trunc_normal_``, ``p.data.zero_()``, ...) is re-run on a temporary full-size real tensor
 of that one param, with the same generator, shape and dtype a single-process build would use; the
 rank then keeps its slice and drops the tensor (for a tensor-parallel DTensor param the full
-tensor is cut to this tp rank's part first, see ``FlatGroup.load_param_values``). Because the replay consumes the global RNG in the
-same order and amounts as ``torch.manual_seed(s); Model()``, the global tensors are bitwise equal
-to the single-process init at every world size and stage.
+tensor is cut to this tp rank's part first, see ``FlatGroup.load_param_values``). Because the
+replay consumes the global RNG in the same order and amounts as ``torch.manual_seed(s); Model()``,
+the global tensors are bitwise equal to the single-process init at every world size and stage.
 
 Cost: every rank generates every param once (the same compute as a plain init), but holds at most
 its shards plus one full param. The init code to replay is ``model.init_weights()`` when the model
