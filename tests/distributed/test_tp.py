@@ -1,12 +1,14 @@
 """Tensor parallelism composed with ZeRO: world 4 = 2 shard x 2 tp, against one process.
 
 One spawned world-4 group runs every case (tp_workloads.CASES: GPT and Llama, stages 0-3, with
-and without sequence parallelism); the tests below read its results.
+and without sequence parallelism; tp_workloads.META_CASES: the same built on the meta device);
+the tests below read its results.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tp_workloads as w
 import zeroshard as zs
@@ -25,7 +27,7 @@ def suite():
 @pytest.fixture(scope="module")
 def references():
     return {(name, steps): w.reference_run(name, steps) for name in w.MODELS
-            for steps in sorted({c[3] for c in w.CASES if c[0] == name})}
+            for steps in sorted({c[3] for c in w.CASES if c[0] == name} | {w.META_STEPS})}
 
 
 @pytest.mark.parametrize("key", PARITY)
@@ -41,6 +43,28 @@ def test_tp_matches_single_process(suite, references, key):
     # Every rank ends with the same full model (tp parts reassembled, shards gathered).
     for other in suite[1:]:
         assert all((other["params"][key][k] - got[k]).abs().max().item() == 0 for k in got)
+
+
+@pytest.mark.parametrize("key", w.META_CASES, ids=[f"{n}-stage{s}" for n, s in w.META_CASES])
+def test_meta_build_then_tp_then_shard_starts_from_the_single_process_weights(suite, references, key):
+    """Built on meta, parallelised there, materialised by zs.shard: every rank's tp part of every
+    param is cut from the replayed full param, so the gathered weights are bitwise a plain
+    ``torch.manual_seed(s); Model(cfg)``; training from them stays within the TP tolerance."""
+    name, stage = key
+    got = suite[0]["meta"][key]
+    plain = w.reference_run(name, 0)
+    assert set(got["built"]) == set(plain)
+    assert all(torch.equal(got["built"][k], plain[k]) for k in plain)
+    assert got["init_stats"]["path"] == "meta"
+    # One full param at a time: the largest one, not its tp part.
+    assert got["init_stats"]["peak_temp_bytes"] == max(v.numel() * v.element_size() for v in plain.values())
+    ref = references[(name, w.META_STEPS)]
+    diff = max((got["trained"][k] - ref[k]).abs().max().item() for k in ref)
+    print(f"{name} meta-built 2 shard x 2 tp stage {stage}, {w.META_STEPS} steps: max abs param diff vs one process "
+          f"{diff:.2e}")
+    assert diff <= 1e-5
+    for other in suite[1:]:
+        assert all(torch.equal(other["meta"][key]["built"][k], got["built"][k]) for k in plain)
 
 
 def test_mesh_is_named_with_tp_innermost(suite):

@@ -5,7 +5,9 @@ Module level so spawned ranks can import it; one process group runs every case.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the configs are built in code
 
@@ -40,12 +42,15 @@ def dataset():
     return build_dataset(seq_len=SEQ_LEN, num_samples=256, seed=SEED)
 
 
-def build(name: str, vocab_size: int) -> torch.nn.Module:
+def build(name: str, vocab_size: int, *, meta: bool = False) -> torch.nn.Module:
+    """The model as one process builds it; ``meta``: the same build with its params on the meta
+    device, for ``zs.shard`` to materialise (the GPT's ``init_weights``, Llama's ``hf.init_weights``)."""
     if name == "gpt":
         torch.manual_seed(SEED)
-        return GPT(GPTConfig.named("tiny", seq_len=SEQ_LEN, vocab_size=vocab_size))
+        with zs.meta_init() if meta else contextlib.nullcontext():
+            return GPT(GPTConfig.named("tiny", seq_len=SEQ_LEN, vocab_size=vocab_size))
     return build_hf_model("hf:llama-tiny", vocab_size=vocab_size, seq_len=SEQ_LEN, seed=SEED,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), meta=meta)
 
 
 def reference_run(name: str, steps: int = STEPS) -> dict:
@@ -63,10 +68,12 @@ def reference_run(name: str, steps: int = STEPS) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def tp_run(name: str, stage: int, *, parallel: bool = True, sequence_parallel: bool = False, **shard_kwargs):
-    """A `zeroshard.step.Run` of ``name`` on this mesh, tensor-parallel when ``parallel``."""
+def tp_run(name: str, stage: int, *, parallel: bool = True, sequence_parallel: bool = False, meta: bool = False,
+           **shard_kwargs):
+    """A `zeroshard.step.Run` of ``name`` on this mesh, tensor-parallel when ``parallel``; built on
+    the meta device (parallelised there, materialised by ``zs.shard``) when ``meta``."""
     data = dataset()
-    model = build(name, data.vocab_size)
+    model = build(name, data.vocab_size, meta=meta)
     if parallel:
         tensor_parallel(model, sequence_parallel=sequence_parallel)
     cfg = TrainConfig(stage=stage, nproc=zs.get_mesh().world, batch=GLOBAL_BATCH, seq_len=SEQ_LEN, lr=LR, min_lr=LR,
@@ -102,7 +109,7 @@ def _ledger_facts(name: str, run, records) -> dict:
     engine = get_engine(run.model)
     mesh = zs.get_mesh()
     per_rank_batch = GLOBAL_BATCH // mesh.dp_size
-    cfg = run.model.cfg if isinstance(run.model, GPT) else run.model.config
+    cfg: Any = run.model.cfg if isinstance(run.model, GPT) else run.model.config
     width = cfg.n_embd if isinstance(run.model, GPT) else cfg.hidden_size
     layers = cfg.n_layer if isinstance(run.model, GPT) else cfg.num_hidden_layers
     plain = build(name, run.dataset.vocab_size)  # the model's own param names and sizes
@@ -176,6 +183,24 @@ CASES = tuple((name, stage, sp, steps) for name in MODELS for stage, sp, steps i
 sequence parallelism (stages 1 and 3) in fewer steps. One spawned group runs all of them."""
 
 
+META_CASES = (("gpt", 1), ("gpt", 3), ("llama", 3))
+"""(model, stage) built on meta -> zs.tensor_parallel -> zs.shard: stage 1 keeps the full tp-local
+buffers, stage 3 only the shard; both fill them from the replayed full params."""
+META_STEPS = 2
+
+
+def _meta_cases() -> dict:
+    """Each META_CASES build's params right after zs.shard, and after META_STEPS steps."""
+    out = {}
+    for name, stage in META_CASES:
+        run = tp_run(name, stage, meta=True)
+        built = zs.full_state_dict(run.model)
+        _train(run, META_STEPS)
+        out[(name, stage)] = {"built": built, "trained": zs.full_state_dict(run.model),
+                              "init_stats": dict(get_engine(run.model).init_stats)}
+    return out
+
+
 def suite() -> dict:
     """Every case of CASES; each case's last step is checked against theory in the ledger."""
     mesh = zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
@@ -195,6 +220,7 @@ def suite() -> dict:
         out["ledger"][key] = _ledger_facts(name, run, ledger.since(start))
         out["model_states"][key] = states
         out["params"][key] = zs.full_state_dict(run.model)
+    out["meta"] = _meta_cases()
     out["errors"] = _errors()
     return out
 

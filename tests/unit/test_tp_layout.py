@@ -83,21 +83,35 @@ def test_cli_reshard_of_a_checkpoint_without_tp_to_tp2_and_back(tmp_path, capsys
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_tensor_parallel_refuses_meta_and_already_sharded_models():
-    """TP needs the single-process weights to cut from: a meta model, or one that zs.shard already
-    built by constructor replay, is refused with the order that works."""
+def test_tensor_parallel_takes_a_meta_model_and_refuses_an_already_sharded_one():
+    """A meta model passes TP's order check (zs.shard materialises its tp parts); a model zs.shard
+    already built by constructor replay, or a build function returning a TP model, is refused with
+    the order that works."""
     import zeroshard as zs
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
     from zeroshard.models import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, seq_len=8)
     zs.init()
     try:
-        with torch.device("meta"):
+        with zs.meta_init():
             meta = GPT(cfg)
-        with pytest.raises(ValueError, match="params on the meta device; build the model for real .* then zs.shard$"):
+        with pytest.raises(ValueError, match="the mesh has no tp dim"):  # past the order check: world 1 has no tp
             zs.tensor_parallel(meta)
         sharded = zs.shard(lambda: GPT(cfg), stage=3)
-        with pytest.raises(ValueError, match=r"already sharded .* call zs.tensor_parallel\(model\), then zs.shard"):
+        with pytest.raises(ValueError, match=r"already sharded .* zs.meta_init\(\), call zs.tensor_parallel\(model\), "
+                                             r"then zs.shard\(model\)$"):
             zs.tensor_parallel(sharded)
+
+        def tp_build():
+            model = GPT(cfg)
+            fc = model.blocks[0].mlp.fc
+            fc.weight = torch.nn.Parameter(distribute_tensor(fc.weight.detach(), init_device_mesh("cpu", (1,)), [Replicate()]))
+            return model
+
+        with pytest.raises(ValueError, match=r"returned a tensor-parallel model; build it under zs.meta_init\(\)"):
+            zs.shard(tp_build, stage=3)
     finally:
         zs.shutdown()

@@ -12,6 +12,8 @@ With ``sequence_parallel`` the stream between them is split along the sequence i
 ``zs.shard`` then flattens each DTensor param's *local* tensor and shards it across the "shard"
 dim, the same composition as FSDP2's 2-D mode; when its params are rebuilt, the local views are
 wrapped back into DTensors with the same placements (``TPSpec.wrap``). See docs/tensor_parallel.md.
+A meta model may be parallelised too: ``zs.shard`` then replays each param at full size and keeps
+this rank's part of it (``to_local``), bitwise the plain build's (docs/init.md).
 
 A fused projection (the built-in GPT's ``qkv``: q, k and v stacked by rows) must give each rank
 its own heads of all three. ``chunks=3`` records that the param is three row blocks each sharded
@@ -218,14 +220,16 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
 
     ``plan(model, tp)`` returns (blocks, {submodule name: ParallelStyle}, {name: chunks}); the
     built-in GPT and HF ``LlamaForCausalLM`` have one. Call it on every rank, on a model built the
-    same way on each (same seed), before ``zs.shard``.
+    same way on each (same seed), before ``zs.shard``. The model may be on the meta device
+    (``zs.meta_init()``): ``zs.shard`` then replays its init at full size, one param at a time, and
+    keeps each rank's tp part, bitwise the plain build's.
 
     ``sequence_parallel``: the residual stream between and inside the blocks is split along the
     sequence (dim 1) across the tp ranks, the norms run on their part of it (torch's
     ``SequenceParallel``), and the first block's input is cut / the last block's output gathered.
     A custom plan is then called as ``plan(model, tp, sequence_parallel=True)``.
     """
-    _check_real_and_unsharded(model)
+    _check_unsharded(model)
     mesh = get_mesh()
     if mesh.tp_size == 1:
         raise ValueError("the mesh has no tp dim; call zs.init(tp=N) (or mesh_shape=..., names=(..., 'tp')) first")
@@ -243,7 +247,8 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
             linear = block.get_submodule(name)
             with torch.no_grad():
                 for param in linear.parameters(recurse=False):
-                    param.copy_(_interleave(param, chunks, mesh.tp_size))
+                    if not param.is_meta:  # a meta param's values are cut in this layout when zs.shard makes them
+                        param.copy_(_interleave(param, chunks, mesh.tp_size))
         parallelize_module(block, tp_mesh, styles)
         for name, chunks in fused.items():
             for param in block.get_submodule(name).parameters(recurse=False):
@@ -259,22 +264,19 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
     return model
 
 
-def _check_real_and_unsharded(model: nn.Module) -> None:
-    """TP cuts each rank's part out of the full, single-process weights, so they must exist here.
+def _check_unsharded(model: nn.Module) -> None:
+    """TP must change the params' layout before ``zs.shard`` flattens them.
 
-    A meta model has none yet, and ``zs.shard`` materializes (or, given a constructor, replays)
-    weights into flat buffers of the *unsplit* shapes: splitting afterwards would need every
-    initializer replayed per tp part. Both are refused rather than started from other weights.
+    A model built for real or on meta is fine (on meta, ``zs.shard`` replays the init at each
+    param's full shape and keeps this rank's tp part: docs/init.md). A model ``zs.shard`` already
+    built, e.g. by constructor replay, has its flat buffers laid out unsplit and is refused.
     """
     from zeroshard.sharding.engine import find_engine  # the engine imports this module
 
     if find_engine(model) is not None:
         raise ValueError("tensor_parallel must run before zs.shard, but this model is already sharded (zs.shard with "
-                         "a constructor builds and shards in one call); build the model for real, call "
-                         "zs.tensor_parallel(model), then zs.shard(model)")
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("tensor_parallel needs the model's real weights, but it has params on the meta device; "
-                         "build the model for real (same seed on every rank), call zs.tensor_parallel, then zs.shard")
+                         "a constructor builds and shards in one call); build the model for real or under "
+                         "zs.meta_init(), call zs.tensor_parallel(model), then zs.shard(model)")
 
 
 def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phase: str = "state_dict") -> torch.Tensor:
