@@ -6,9 +6,10 @@ what the stage keeps (the 1/N shard at stage 3) and then *replays the model's ow
 meta model under a ``TorchFunctionMode``. Every in-place call that writes a param (``normal_``,
 ``nn.init.trunc_normal_``, ``p.data.zero_()``, ...) is re-run on a temporary full-size real tensor
 of that one param, with the same generator, shape and dtype a single-process build would use; the
-rank then keeps its slice and drops the tensor. Because the replay consumes the global RNG in the
-same order and amounts as ``torch.manual_seed(s); Model()``, the global tensors are bitwise equal
-to the single-process init at every world size and stage.
+rank then keeps its slice and drops the tensor (for a tensor-parallel DTensor param the full
+tensor is cut to this tp rank's part first, see ``FlatGroup.load_param_values``). Because the
+replay consumes the global RNG in the same order and amounts as ``torch.manual_seed(s); Model()``,
+the global tensors are bitwise equal to the single-process init at every world size and stage.
 
 Cost: every rank generates every param once (the same compute as a plain init), but holds at most
 its shards plus one full param. The init code to replay is ``model.init_weights()`` when the model
@@ -26,6 +27,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -174,20 +176,29 @@ def _route_meta_shortcuts(replay: _InitReplay):
             setattr(nn.init, name, original)
 
 
+def _whole_meta(param: nn.Parameter) -> nn.Parameter:
+    """The param the init code writes: a tensor-parallel (DTensor) param is replayed at its full
+    shape, as a plain build draws it; ``load_param_values`` then keeps this tp rank's part."""
+    if not isinstance(param, DTensor):
+        return param
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+
+
 def materialize(model: nn.Module, engine: Engine, init_fn: Callable[[nn.Module], None] | None,
                 require_all: bool = True) -> dict:
     """Fill the engine's buffers by replaying ``init_fn`` (see the note above); return stats."""
     targets: dict[int, _Target] = {}
+    whole = {id(ref.param): _whole_meta(ref.param) for group in engine.groups for ref in group.refs}
     for group in engine.groups:
         for index, ref in enumerate(group.refs):
-            key = _storage_key(ref.param)
-            target = targets.setdefault(key, _Target(ref.fqn, ref.param, []))
+            meta = whole[id(ref.param)]
+            target = targets.setdefault(_storage_key(meta), _Target(ref.fqn, meta, []))
             target.sinks.append((group, index))
     # The replay needs the meta params registered on the modules, where the init code finds them.
     for group in engine.groups:
         for ref in group.refs:
             for module, attr in ref.places:
-                module._parameters[attr] = ref.param  # noqa: SLF001 (swaps a registered param; torch has no public API)
+                module._parameters[attr] = whole[id(ref.param)]  # noqa: SLF001 (swaps a registered param; torch has no public API)
     replay = _InitReplay(targets, engine.mesh.device)
     with replay, _route_meta_shortcuts(replay), torch.no_grad():
         (init_fn or default_init_fn)(model)

@@ -117,6 +117,18 @@ def make_checkpoint(path: str, model_name: str) -> dict:
     return {"model_bytes": sum(sizes), "largest_param_bytes": max(sizes)}
 
 
+def resume_world_and(root: str, cases: list[tuple[int, int]], also: dict[str, str]) -> dict:
+    """`resume_world`, then in the same process group the cases named in ``also``: ``corrupt`` (a
+    damaged copy) runs `error_world`, ``small`` (a path) runs `make_checkpoint` of small. A gloo world
+    costs seconds per process here, so each resize world also serves the tests that need one."""
+    out = {"resume": resume_world(root, cases)}
+    if "corrupt" in also:
+        out["errors"] = error_world(root, also["corrupt"])
+    if "small" in also:
+        out["small"] = make_checkpoint(also["small"], "small")
+    return out
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):

@@ -93,3 +93,10 @@ def init_memory(model_name: str, stage: int = 3) -> dict:
     plain_peak, _ = peak_allocated(plain)
     return {"meta_peak": meta_peak, "plain_peak": plain_peak, "shard_bytes": shard_bytes,
             "largest_param_bytes": largest_param, "model_bytes": model_bytes}
+
+
+def world2_suite() -> dict:
+    """`init_memory("small")` then `equality_suite()` in one process group, so the module pays for one
+    world-2 spawn. The memory case runs first, in a process that has built nothing yet, as it would alone."""
+    init = init_memory("small")
+    return {"init_memory": init, "equality": equality_suite()}

@@ -156,3 +156,9 @@ def manifest_bf16_stage3() -> dict:
     model(x, y).backward()
     opt.step()
     return zs.precision_manifest(model, opt)
+
+
+def semantics_suite() -> dict:
+    """Every case above in one process group (each builds its own model, optimizer and scaler), so
+    test_semantics.py pays for one gloo world."""
+    return {"accumulation": accumulation_suite(), "fp16": fp16_overflow_suite(), "manifest": manifest_bf16_stage3()}

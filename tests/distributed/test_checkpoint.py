@@ -1,6 +1,8 @@
 """Sharded checkpoints: bitwise resume, resize 4 -> 2 and 4 -> 1, corruption, path safety, export.
 
-One world-4 spawn saves at every stage; each resume is a fresh spawn (a new process group).
+One world-4 spawn saves at every stage; each resume is a fresh spawn (a new process group). The
+world-2 resume also checks the errors every rank must raise, and the world-1 resume also writes the
+checkpoint of the export memory test, so the module starts four gloo worlds.
 The kill -9 mid-save case runs through the CLI in tests/e2e/test_ckpt_cli.py.
 """
 
@@ -40,11 +42,35 @@ def resumed_same_world(saved):
     return spawn(cw.resume_world, 4, args=(str(root), [(s, s) for s in cw.SAVED_STAGES]), timeout_s=300)[0]
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=lambda w: f"world{w}")
-def resized(request, saved):
+@pytest.fixture(scope="module")
+def corrupt_stage0(saved, tmp_path_factory) -> Path:
+    """A copy of the stage-0 checkpoint with a byte of rank 0's file flipped."""
     root, _ = saved
-    world = request.param
-    return world, spawn(cw.resume_world, world, args=(str(root), RESIZE_CASES[world]), timeout_s=300)[0]
+    bad = _copy(root, tmp_path_factory.mktemp("corrupt"), "corrupt-for-world")
+    target = bad / fmt.rank_file(0)
+    data = bytearray(target.read_bytes())
+    data[-5] ^= 0xFF
+    target.write_bytes(data)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def resized2(saved, corrupt_stage0):
+    root, _ = saved
+    return spawn(cw.resume_world_and, 2, args=(str(root), RESIZE_CASES[2], {"corrupt": str(corrupt_stage0)}),
+                 timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("export") / "small"
+
+
+@pytest.fixture(scope="module")
+def resized1(saved, small_source):
+    root, _ = saved
+    return spawn(cw.resume_world_and, 1, args=(str(root), RESIZE_CASES[1], {"small": str(small_source)}),
+                 timeout_s=300)[0]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -63,9 +89,10 @@ def test_resume_same_world_is_bitwise(saved, resumed_same_world, stage):
     assert first["consumed"] + second["consumed"] == a["consumed"], "data order must continue exactly"
 
 
-def test_resize_next_update_and_data_order(saved, resized):
+@pytest.mark.parametrize("world", [2, 1], ids=lambda w: f"world{w}")
+def test_resize_next_update_and_data_order(request, saved, world):
     _, results = saved
-    world, cases = resized
+    cases = request.getfixturevalue(f"resized{world}")["resume"]
     for (saved_stage, stage), run in cases.items():
         a = results[("continuous", saved_stage)]
         update = max_diff(a["after_first"], run["after_first"])
@@ -163,24 +190,18 @@ def test_manifest_path_escaping_the_directory_is_refused(saved, tmp_path):
             call()
 
 
-def test_errors_reach_every_rank_and_name_the_cause(saved, tmp_path):
-    root, _ = saved
-    bad = _copy(root, tmp_path, "corrupt-for-world")
-    target = bad / fmt.rank_file(0)
-    data = bytearray(target.read_bytes())
-    data[-5] ^= 0xFF
-    target.write_bytes(data)
-    errors = spawn(cw.error_world, 2, args=(str(root), str(bad)), timeout_s=300)[0]
+def test_errors_reach_every_rank_and_name_the_cause(resized2):
+    errors = resized2["errors"]
     assert "shape" in errors["shape"] and "n_embd" not in errors["shape"] and "different model" in errors["shape"]
     assert fmt.rank_file(0) in errors["corrupt"] and "corrupt" in errors["corrupt"]
     assert "already exists" in errors["exists"] and "overwrite=True" in errors["exists"]
 
 
-def test_export_streams_one_param_at_a_time(tmp_path):
+def test_export_streams_one_param_at_a_time(resized1, small_source, tmp_path):
     """Peak memory of a full export is about the largest param, not the model."""
     here = Path(__file__).parent
-    src, out = tmp_path / "small", tmp_path / "small.safetensors"
-    model = spawn(cw.make_checkpoint, 1, args=(str(src), "small"), timeout_s=300)[0]
+    src, out = small_source, tmp_path / "small.safetensors"
+    model = resized1["small"]
     code = (f"import json, sys; sys.path.insert(0, {str(here)!r}); import ckpt_workloads as cw; "
             f"print(json.dumps(cw.export_peak({str(src)!r}, {str(out)!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

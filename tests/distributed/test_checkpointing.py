@@ -35,8 +35,8 @@ def test_stage3_segments_regather_for_recompute_and_the_ledger_shows_it(runs):
 
 def test_sqrt_keeps_o_sqrt_l_activations():
     depths = (4, 16)
-    results = {(L, p): spawn(w.activation_memory, 1, args=(L, p), timeout_s=300)[0]
-               for L in depths for p in ("none", "all", "sqrt")}
+    # One world-1 process measures every case (a fresh model and tracker each): a spawn costs seconds.
+    results = spawn(w.activation_memory_suite, 1, args=(depths, ("none", "all", "sqrt")), timeout_s=300)[0]
     for (L, p), r in sorted(results.items()):
         print(f"L={L:2d} {p:>5}: activations kept after forward {r['kept_after_forward'] / 2**10:7.0f} KiB, "
               f"peak {r['peak'] / 2**10:7.0f} KiB")

@@ -8,11 +8,20 @@ import semantics_workloads as sw
 from zeroshard.launch import spawn
 
 WORLD = 2
+# The module's one spawn runs every case; on a loaded two-core machine it can outlast the default
+# per-test timeout, which the first test pays for.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def accumulation():
-    return spawn(sw.accumulation_suite, WORLD, timeout_s=420)[0]
+def ranks():
+    # One spawn for the module: a gloo world costs seconds per process here.
+    return spawn(sw.semantics_suite, WORLD, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def accumulation(ranks):
+    return ranks[0]["accumulation"]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -61,8 +70,8 @@ def test_global_grad_norm_matches_single_process(accumulation):
 
 
 @pytest.fixture(scope="module")
-def fp16():
-    return spawn(sw.fp16_overflow_suite, WORLD, timeout_s=300)
+def fp16(ranks):
+    return [r["fp16"] for r in ranks]
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -84,8 +93,8 @@ def test_stage0_replicas_stay_identical_after_skip(fp16):
     assert all((a[k] == b[k]).all() for k in a)
 
 
-def test_precision_manifest_of_bf16_stage3():
-    manifest = spawn(sw.manifest_bf16_stage3, WORLD, timeout_s=120)[0]
+def test_precision_manifest_of_bf16_stage3(ranks):
+    manifest = ranks[0]["manifest"]
     print(manifest)
     assert manifest["param_compute_dtype"] == "bfloat16"
     assert manifest["all_gather_dtype"] == "bfloat16"

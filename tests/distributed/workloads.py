@@ -192,6 +192,12 @@ def ledger_suite() -> dict:
     return out
 
 
+def comm_memory_suite() -> dict:
+    """`ledger_suite` then `memory_suite` in one process group (each case builds its own model and
+    reads the ledger from its own start), so test_comm_memory.py pays for one gloo world."""
+    return {"ledger": ledger_suite(), "memory": memory_suite()}
+
+
 def hybrid_suite(shard_size: int = 2) -> dict:
     """World 4 as 2 replicas x 2 shards: parity runs, plus one step's bytes per (op, group, phase)."""
     from zeroshard.sharding import get_engine
@@ -248,3 +254,9 @@ def activation_memory(n_layer: int, policy: str, n_embd: int = 64, batch: int = 
     x = torch.randint(0, cfg.vocab_size, (batch, seq))
     model(x, x).backward()  # warm-up: lazily created buffers are not activations
     return activation_bytes(model, lambda: model(x, x), mesh.device)
+
+
+def activation_memory_suite(depths: tuple[int, ...], policies: tuple[str, ...]) -> dict:
+    """`activation_memory` for every (depth, policy), one after the other in this one process:
+    each case builds a fresh model and its own tracker, so it measures the same as a process alone."""
+    return {(n_layer, policy): activation_memory(n_layer, policy) for n_layer in depths for policy in policies}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_cli import FAST, read_metrics, run_cli
+from test_cli import FAST, read_metrics, run_cli, run_main
 
 TRAIN = ["train", *FAST, "--nproc", "2", "--steps", "6", "--warmup", "2", "--save-every", "2"]
 
 
-def test_kill9_mid_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tmp_path: Path) -> None:
+def test_kill9_mid_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tmp_path: Path, capsys) -> None:
     ckpt, run_dir = tmp_path / "ck", tmp_path / "run"
     args = [*TRAIN, "--ckpt-dir", str(ckpt), "--run-dir", str(run_dir)]
     # Rank 1 SIGKILLs itself halfway through writing its file for the step-4 checkpoint.
@@ -39,7 +39,8 @@ def test_kill9_mid_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tmp_pa
     # Steps 3 and 4 ran twice, before the kill and after the resume: bitwise the same losses.
     assert [after[2]["loss"], after[3]["loss"]] == [before[3], before[4]]
 
-    info = run_cli(["ckpt", "inspect", "--json", str(ckpt)])
+    # Offline: in this process (an interpreter start less); `ckpt verify` above runs as a subprocess.
+    info = run_main(["ckpt", "inspect", "--json", str(ckpt)], capsys)
     assert info.returncode == 0, info.stderr
     summary = json.loads(info.stdout)
     assert summary["step"] == 6 and summary["world"] == 2 and summary["sampler"]["step"] == 6 % (256 // 8)

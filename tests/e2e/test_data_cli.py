@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from test_cli import read_metrics, run_cli
+from test_cli import read_metrics, run_cli, run_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_data_tokens import make_tokenizer  # noqa: E402
@@ -19,11 +19,12 @@ TRAIN = ["train", "--model", "tiny", "--batch", "8", "--seq-len", "32", "--nproc
          "--steps", "20", "--lr", "3e-3", "--warmup", "3"]
 
 
-def test_prepare_docs_then_train_loss_falls_and_resume_repeats_nothing(tmp_path: Path) -> None:
+def test_prepare_docs_then_train_loss_falls_and_resume_repeats_nothing(tmp_path: Path, capsys) -> None:
     make_tokenizer(tmp_path / "tok", DOCS, vocab=512)
     out = tmp_path / "tokens"
-    prep = run_cli(["data", "prepare", *map(str, DOCS), "--tokenizer", str(tmp_path / "tok"),
-                    "--out", str(out)])
+    # Spawns no rank: in this process (an interpreter start less); the trains below are subprocesses.
+    prep = run_main(["data", "prepare", *map(str, DOCS), "--tokenizer", str(tmp_path / "tok"), "--out", str(out)],
+                    capsys)
     assert prep.returncode == 0, prep.stdout + prep.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 512 and len(meta["files"]) == len(DOCS)

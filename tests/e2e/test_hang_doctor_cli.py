@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import FAST, read_metrics, run_cli
+from test_cli import FAST, read_metrics, run_cli, run_main
 
 from zeroshard.comm.doctor import analyse, load
 from zeroshard.comm.ledger import read_dump
@@ -50,9 +50,11 @@ def run_fault(tmp_path: Path, fault: str, extra: list[str] = ()) -> tuple[subpro
     return proc, run_dir
 
 
-def doctor(run_dir: Path) -> tuple[dict, str]:
-    """`zeroshard doctor RUN_DIR` as a user runs it, and the same report as data."""
-    proc = run_cli(["doctor", str(run_dir)])
+def doctor(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict, str]:
+    """`zeroshard doctor RUN_DIR`'s text and exit code, and the same report as data. In this process
+    (an interpreter start less); test_desync_check_catches_a_silent_dtype_mismatch runs the doctor
+    as a subprocess, as a user does."""
+    proc = run_main(["doctor", str(run_dir)], capsys)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # 1: it found a problem
     print(proc.stdout)
     return analyse(load(run_dir)), proc.stdout
@@ -62,21 +64,21 @@ def seq_of(records: list[dict], op: str, unit: str, phase: str, step: int) -> in
     return next(r["seq"] for r in records if (r["op"], r["unit"], r["phase"], r["step"]) == (op, unit, phase, step))
 
 
-def test_rank_skipping_a_unit_hangs_then_doctor_names_the_skipped_gather(tmp_path: Path):
+def test_rank_skipping_a_unit_hangs_then_doctor_names_the_skipped_gather(tmp_path: Path, capsys):
     proc, run_dir = run_fault(tmp_path, "kind=skip-unit,rank=1,step=1,unit=blocks.2")
     assert "hang: collective #" in proc.stderr and f"zeroshard doctor {run_dir}" in proc.stderr
     header0, records0 = read_dump(run_dir / "ledger" / "rank-0.jsonl")
     header1, _ = read_dump(run_dir / "ledger" / "rank-1.jsonl")
     assert {header0["reason"], header1["reason"]} == {"hang", "peer"}  # both live ranks dumped
     expected = seq_of(records0, "all_gather", "blocks.2", "forward", 1)
-    report, text = doctor(run_dir)
+    report, text = doctor(run_dir, capsys)
     assert report["verdict"] == "mismatch"
     assert report["at"] == {"seq": expected, "op": "all_gather", "unit": "blocks.2", "phase": "forward", "step": 1,
                             "ranks": [1]}
     assert f"collective #{expected}: rank 1 never entered all_gather of unit blocks.2 in phase forward" in text
 
 
-def test_rank_raising_before_a_collective_is_named_with_the_collective_it_never_entered(tmp_path: Path):
+def test_rank_raising_before_a_collective_is_named_with_the_collective_it_never_entered(tmp_path: Path, capsys):
     proc, run_dir = run_fault(tmp_path, "kind=raise,rank=1,step=1,unit=blocks.2")
     assert "rank 1 failed: RuntimeError: injected fault" in proc.stderr
     header0, records0 = read_dump(run_dir / "ledger" / "rank-0.jsonl")
@@ -85,7 +87,7 @@ def test_rank_raising_before_a_collective_is_named_with_the_collective_it_never_
     assert header0["reason"] == "peer"  # the survivor dumped before the launcher stopped it
     expected = seq_of(records0, "all_gather", "blocks.2", "forward", 1)
     assert records1[-1]["seq"] == expected - 1
-    report, text = doctor(run_dir)
+    report, text = doctor(run_dir, capsys)
     assert report["verdict"] == "never_entered"
     assert report["at"]["seq"] == expected and report["at"]["unit"] == "blocks.2"
     assert report["at"]["phase"] == "forward" and report["at"]["ranks"] == [1]
@@ -93,7 +95,7 @@ def test_rank_raising_before_a_collective_is_named_with_the_collective_it_never_
     assert f"rank 1 never entered collective #{expected} (all_gather of unit blocks.2 in phase forward" in text
 
 
-def test_mismatched_shape_is_named_even_though_gloo_aborts_a_rank(tmp_path: Path):
+def test_mismatched_shape_is_named_even_though_gloo_aborts_a_rank(tmp_path: Path, capsys):
     proc, run_dir = run_fault(tmp_path, "kind=bad-shape,rank=1,step=1,unit=blocks.2")
     # gloo abort()s the rank that receives more bytes than it posted: no dump, only its ring.
     assert not (run_dir / "ledger" / "rank-0.jsonl").exists()
@@ -101,7 +103,7 @@ def test_mismatched_shape_is_named_even_though_gloo_aborts_a_rank(tmp_path: Path
     _, records1 = read_dump(run_dir / "ledger" / "rank-1.jsonl")
     expected = seq_of(records1, "all_reduce", "blocks.2", "forward", 1)
     assert seq_of(ring0, "all_reduce", "blocks.2", "forward", 1) == expected
-    report, text = doctor(run_dir)
+    report, text = doctor(run_dir, capsys)
     assert report["verdict"] == "mismatch" and report["mismatch"]["fields"] == ["numel"]
     assert report["at"]["seq"] == expected and report["at"]["unit"] == "blocks.2" and report["at"]["phase"] == "forward"
     assert f"collective #{expected} (all_reduce of unit blocks.2 in phase forward, step 1): numel: rank 0 8, rank 1 16" in text

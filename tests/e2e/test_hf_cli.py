@@ -11,12 +11,12 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from test_cli import FAST, read_metrics, run_cli  # noqa: E402
+from test_cli import FAST, read_metrics, run_cli, run_main  # noqa: E402
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}  # the configs are built in code; nothing may be fetched
 
 
-def test_train_hf_gpt2_at_stage3_from_meta_and_export_loads_into_plain_hf_model(tmp_path: Path) -> None:
+def test_train_hf_gpt2_at_stage3_from_meta_and_export_loads_into_plain_hf_model(tmp_path: Path, capsys) -> None:
     import torch
 
     from zeroshard.models.hf import build_hf_model
@@ -34,7 +34,7 @@ def test_train_hf_gpt2_at_stage3_from_meta_and_export_loads_into_plain_hf_model(
     assert config["model"]["name"] == "hf:gpt2-tiny" and config["model"]["hf_config"]["model_type"] == "gpt2"
 
     out = tmp_path / "full.safetensors"
-    exported = run_cli(["ckpt", "export", str(ckpt), str(out)])
+    exported = run_main(["ckpt", "export", str(ckpt), str(out)], capsys)  # offline, no ranks: in this process
     assert exported.returncode == 0, exported.stdout + exported.stderr
     plain = build_hf_model("hf:gpt2-tiny", vocab_size=config["model"]["hf_config"]["vocab_size"], seq_len=32,
                            seed=0, device=torch.device("cpu"))

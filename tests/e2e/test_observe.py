@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import FAST, read_metrics, run_cli
+from test_cli import FAST, read_metrics, run_main
 
 from zeroshard.comm.doctor import analyse, load
 from zeroshard.comm.ledger import read_dump
@@ -95,14 +95,14 @@ def test_wandb_offline_run_holds_the_same_names(healthy):
         assert tag.encode() in data, tag
 
 
-def test_summary_report_pngs_and_doctor_ok(healthy):
+def test_summary_report_pngs_and_doctor_ok(healthy, capsys):
     _, run_dir = healthy
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world"] == 2
     prof = summary["profile"]
     assert 0 < prof["step_p50_s"] <= prof["step_p99_s"] and prof["straggler_rank"] in (0, 1)
     assert prof["mfu"] > 0 and prof["overlap"] is not None
-    proc = run_cli(["report", str(run_dir)])
+    proc = run_main(["report", str(run_dir)], capsys)  # in this process; test_hang_doctor_cli runs it as a subprocess
     assert proc.returncode == 0, proc.stderr
     paths = [Path(line) for line in proc.stdout.split()]
     assert [p.name for p in paths] == ["loss.png", "step_time.png", "memory.png"]
@@ -112,7 +112,7 @@ def test_summary_report_pngs_and_doctor_ok(healthy):
     assert report["verdict"] == "ok", report["summary"]
 
 
-def test_rank_zero_only_all_reduce_ends_within_the_hang_timeout_and_doctor_names_both_ranks(tmp_path: Path):
+def test_rank_zero_only_all_reduce_ends_within_the_hang_timeout_and_doctor_names_both_ranks(tmp_path: Path, capsys):
     run_dir = tmp_path / "run"
     script = ROOT / "tests" / "e2e" / "observe_loop.py"
     started = time.monotonic()
@@ -131,7 +131,7 @@ def test_rank_zero_only_all_reduce_ends_within_the_hang_timeout_and_doctor_names
     assert fired["perf_counter"] - stuck["wait_start"] < HANG_S + 1.5
     print(f"wall {wall:.1f}s; blocked -> dump {fired['perf_counter'] - stuck['wait_start']:.2f}s")
 
-    proc = run_cli(["doctor", str(run_dir)])
+    proc = run_main(["doctor", str(run_dir)], capsys)  # in this process: an interpreter start less
     assert proc.returncode == 1, proc.stdout + proc.stderr
     print(proc.stdout)
     text = proc.stdout
@@ -153,8 +153,10 @@ def test_rank_zero_only_all_reduce_ends_within_the_hang_timeout_and_doctor_names
     assert any("log_loss" in line for line in report["ranks"][0]["blocked"]["stack"])
 
 
-def test_train_log_errors_are_one_line(tmp_path: Path):
-    proc = run_cli(["train", *FAST, "--steps", "1", "--log", "tensorbord", "--run-dir", str(tmp_path / "a")])
+def test_train_log_errors_are_one_line(tmp_path: Path, capsys):
+    # An unknown logger is refused before launch: in this process. A missing package needs a
+    # subprocess with that package shadowed.
+    proc = run_main(["train", *FAST, "--steps", "1", "--log", "tensorbord", "--run-dir", str(tmp_path / "a")], capsys)
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("zeroshard train: error: unknown logger 'tensorbord': choose from tensorboard, "
                                    "wandb (comma-separated)")

@@ -214,7 +214,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
-def test_cli_writes_toml_that_train_reads(tmp_path):
+def _main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (the `main` the console script calls): an interpreter start
+    less, seconds on a loaded machine. test_cli_writes_toml_that_train_reads runs it as a subprocess."""
+    from zeroshard.cli.main import main
+
+    capsys.readouterr()
+    rc = main(["config", "from-deepspeed", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
+def test_cli_writes_toml_that_train_reads(tmp_path, capsys):
     src = tmp_path / "ds_config.json"
     src.write_text(json.dumps(ZERO2_FP16_OFFLOAD))
     out = tmp_path / "run.toml"
@@ -223,18 +234,18 @@ def test_cli_writes_toml_that_train_reads(tmp_path):
     assert "note: fp16.hysteresis=2" in done.stderr and f"zeroshard train --config {out}" in done.stderr
     assert config_from_sources(out, {}).stage == 2
     assert load_toml(out) == from_deepspeed(ZERO2_FP16_OFFLOAD, world=4).values
-    printed = _cli(str(src), "--world", "4")
+    printed = _main(capsys, str(src), "--world", "4")
     assert printed.returncode == 0 and printed.stdout == out.read_text()
 
 
-def test_cli_refuses_by_name_and_strict_refuses_notes(tmp_path):
+def test_cli_refuses_by_name_and_strict_refuses_notes(tmp_path, capsys):
     src = tmp_path / "ds_config.json"
     src.write_text(json.dumps(_with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=True)))
-    done = _cli(str(src), "--world", "4")
+    done = _main(capsys, str(src), "--world", "4")
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("zeroshard config: error: DeepSpeed key zero_optimization.zero_quantized_weights=True")
     src.write_text(json.dumps(ZERO2_FP16_OFFLOAD))
-    strict = _cli(str(src), "--world", "4", "--strict")
+    strict = _main(capsys, str(src), "--world", "4", "--strict")
     assert strict.returncode == 1 and "--strict: fp16.loss_scale_window=1000" in strict.stderr
-    missing = _cli(str(tmp_path / "nope.json"))
+    missing = _main(capsys, str(tmp_path / "nope.json"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr

@@ -64,11 +64,13 @@ def test_activations_per_rank_under_tp_and_sequence_parallel(sp):
     p = plan(CFG, world=2 * tp, tp=tp, seq=64, sequence_parallel=sp, device="cpu")
     acts = p.activations
     assert acts is not None
-    # Whole on every tp rank: block input, ln1 and ln2 outputs, residual (4C) and the norms' stats;
-    # split: qkv (3C), attention output (C), fc and GELU outputs (4C each), SDPA's log-sum-exp.
-    whole = 4 * C * c + 4 * c
+    # Whole on every tp rank: block input and residual (2C) and the norms' stats, split along the
+    # sequence by SP; ln1's and ln2's outputs (2C), whole either way (the column-wise linears keep
+    # them, all-gathered under SP); split: qkv (3C), attention output (C), fc and GELU outputs
+    # (4C each), SDPA's log-sum-exp.
+    stream = 2 * C * c + 4 * c
     split = 12 * C * c // tp + 4 * HEADS // tp
-    assert acts.per_layer == tokens * ((whole // tp if sp else whole) + split)
+    assert acts.per_layer == tokens * ((stream // tp if sp else stream) + 2 * C * c + split)
     single = plan(CFG, world=2, seq=64, device="cpu").activations
     assert single is not None and single.per_layer == tokens * (16 * C * c + 4 * c + 4 * HEADS)
     assert acts.root == single.root  # embeddings and head are not split
@@ -81,10 +83,17 @@ def test_tp_communication_per_layer(sp):
     tp_ops = [c for c in p["zero2"].collectives if c.group == "tp"]
     buffer = tokens * C * FP32
     # Two per layer in forward (after each row-wise linear), two in backward, per micro-step.
-    assert {c.op for c in tp_ops} == ({"all_gather", "reduce_scatter"} if sp else {"all_reduce"})
-    assert all(c.buffer_bytes == buffer and c.count == 2 * 2 * L and c.size == tp for c in tp_ops)
-    # A ring all-reduce sends 2(n-1)/n of the buffer; an all-gather plus a reduce-scatter the same.
-    assert sum(c.wire_bytes for c in tp_ops) == 2 * (tp - 1) * buffer // tp * 2 * 2 * L
+    count = {c.op: c.count for c in tp_ops if c.buffer_bytes == buffer}
+    assert count == ({"all_gather": 2 * 2 * L + 2, "reduce_scatter": 2 * 2 * L} if sp else {"all_reduce": 2 * 2 * L})
+    assert all(c.size == tp for c in tp_ops)
+    if not sp:
+        # A ring all-reduce sends 2(n-1)/n of the buffer; an all-gather plus a reduce-scatter the same.
+        assert sum(c.wire_bytes for c in tp_ops) == 2 * (tp - 1) * buffer // tp * 2 * 2 * L
+    else:
+        # The stream is gathered after the last block (and its grad before the first); the norms'
+        # weights and biases (4 vectors of C per layer) all-reduce their partial grads.
+        norms = next(c for c in tp_ops if c.buffer_bytes != buffer)
+        assert (norms.op, norms.buffer_bytes, norms.count) == ("all_reduce", C * FP32, 4 * L)
     ckpt = plan(CFG, world=2 * tp, tp=tp, seq=64, checkpointing="sqrt", device="cpu")
     rebuilt = [c for c in ckpt["zero2"].collectives if c.group == "tp"]
     assert rebuilt[0].count == 2 * (2 * L + L)  # each rebuilt block runs its forward's two again

@@ -18,10 +18,11 @@ import torch
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import PieceReader, saved_rng
-from zeroshard.checkpoint.pieces import owned_slots
+from zeroshard.checkpoint.pieces import TP_PART, owned_slots
 from zeroshard.checkpoint.save import commit
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
+from zeroshard.sharding import tp as tp_layout
 from zeroshard.sharding.layout import FlatLayout
 
 
@@ -109,18 +110,25 @@ def full_params(manifest: dict) -> list[dict]:
     return out
 
 
-def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overwrite: bool = False) -> Path:
-    """Rewrite a checkpoint as ``world`` rank files, each holding the 1/world shard of every flat group
-    that a stage-1..3 run on ``world`` ranks owns. Any checkpoint loads at any world size anyway;
-    this makes each rank of the new world read exactly one file. A tensor-parallel checkpoint
-    becomes this data-parallel layout (its parts joined into whole params)."""
-    if world < 1:
-        raise CheckpointError(f"world must be >= 1, got {world}")
+def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: int = 1, tp_plan: str | None = None,
+            overwrite: bool = False) -> Path:
+    """Rewrite a checkpoint as ``world`` rank files laid out as (world / tp data-parallel, tp): each
+    rank file holds the 1/dp shard of every flat group that a stage-1..3 run with that rank's tp
+    index owns. Any checkpoint loads at any layout anyway; this makes each rank of a run with the
+    saved flat groups (the same stage and bucketing) read its own file, plus tp rank 0's for the
+    params every tp rank holds whole (written once, as a save writes them).
+
+    A tp-sharded param keeps its saved dim and chunks at the new degree; a checkpoint saved without
+    TP has no placements, so going to tp > 1 takes them from ready plan ``tp_plan`` ("gpt", "llama").
+    The values go through the reader ``zs.load`` uses (saved parts joined, this rank's part cut)."""
+    if world < 1 or tp < 1 or world % tp:
+        raise CheckpointError(f"world {world} with tp {tp}: both must be >= 1 and tp must divide world "
+                              "(world = data-parallel ranks x tp)")
     directory = resolve(src)
     manifest = verify(directory)
-    # A tensor-parallel checkpoint's parts are joined into whole params: the result is the
-    # data-parallel (world, tp=1) layout, which zs.load then reads at any (dp, tp) layout.
     whole = {p["fqn"]: p for p in full_params(manifest)}
+    saved_tp = any("tp" in p for p in manifest["params"])
+    targets = {fqn: _target(p, tp, tp_plan, saved_tp, directory) for fqn, p in whole.items()}
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} already exists; choose another destination or pass overwrite=True")
@@ -129,30 +137,20 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overw
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     reader = PieceReader(directory, manifest)
-    params = whole
-    pieces: dict[str, list[dict]] = {fqn: [] for fqn in params}
+    pieces: dict[str, list[dict]] = {}
     files: dict[str, dict] = {}
     try:
         for rank in range(world):
             name = fmt.rank_file(rank)
-            jobs: list[tuple[Entry, dict, str, int]] = []
-            for group in manifest["groups"]:
-                layout = FlatLayout([(f, torch.Size(params[f]["shape"])) for f in group["params"]], world)
-                for _, slot, a, b in owned_slots(layout, *layout.shard_range(rank)):
-                    param, start, stop = params[slot.fqn], a - slot.offset, b - slot.offset
-                    pieces[slot.fqn].append({"file": name, "start": start, "stop": stop})
-                    for kind in ["master"] + [f"optim.{s}" for s in param["state"]]:
-                        jobs.append((Entry(fmt.piece_key(kind, slot.fqn, start, stop),
-                                           _stored_dtype(reader, param, kind, start), (stop - start,)),
-                                     param, kind, start))
+            jobs = _rank_jobs(manifest, whole, targets, reader, rank, world // tp, tp, name, pieces)
             buffers = manifest["buffers"] if rank == 0 else []
             meta = {fmt.RANK_META_KEY: json.dumps({"rank": rank, "world": world, "rng": saved_rng(reader, rank)})}
             entries = [job[0] for job in jobs] + [
                 Entry(b["key"], parse_dtype(b["dtype"], str(directory)), tuple(b["shape"])) for b in buffers]
             writer = TensorFileWriter(partial / name, entries, meta)
-            for entry, param, kind, start in jobs:
+            for entry, view, kind, start in jobs:
                 value = torch.empty(entry.numel, dtype=entry.dtype)
-                reader.fill(param, kind, start, value)
+                reader.fill(view, kind, start, value)
                 writer.write(entry.name, value)
             for b in buffers:
                 writer.write(b["key"], reader.file(b["file"]).read(b["key"]))
@@ -163,16 +161,100 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, overw
     new = dict(manifest)
     new.pop("manifest_sha256", None)
     new.update(
-        world=world, mesh={"world": world, "shard_size": world, "replicate_size": 1, "resharded_offline": True},
-        params=[dict(_plain(p), pieces=pieces[p["fqn"]]) for p in params.values()],
+        world=world, mesh={"world": world, "shard_size": world // tp, "replicate_size": 1, "tp_size": tp,
+                           "resharded_offline": True},
+        params=[entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces)],
         buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
-        resharded_from={"path": str(directory), "world": manifest["world"]},
+        resharded_from={"path": str(directory), "world": manifest["world"],
+                        "tp": manifest["mesh"].get("tp_size", 1)},
     )
     fmt.check_coverage(new, partial)
     fmt.write_manifest(partial, new)
     commit(partial, dst, overwrite=overwrite, latest=False)
     return dst
+
+
+def _target(param: dict, tp: int, tp_plan: str | None, saved_tp: bool, directory: Path) -> dict | None:
+    """A whole param's placement at degree ``tp`` (None: whole on every tp rank)."""
+    if tp == 1:
+        return None
+    if "view" in param:  # saved tp-sharded: the same dim and chunks at the new degree
+        saved = param["sources"][0]["tp"]
+        target: dict | None = {"placement": "shard", "dim": saved["dim"], "chunks": saved["chunks"], "tp": tp}
+    elif saved_tp:  # saved whole by a tensor-parallel run: replicated in its plan
+        return None
+    elif tp_plan is None:
+        raise CheckpointError(f"{directory} was saved without tensor parallelism, so it records no tp placements; "
+                              f"pass the model's plan (--tp-plan {' or '.join(tp_layout.NAMED_PLANS)}) or --tp 1")
+    else:
+        try:
+            target = tp_layout.placement_by_name(tp_plan, param["fqn"], len(param["shape"]), tp)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    if target is None:
+        return None
+    size = param["shape"][target["dim"]]
+    if size % (target["chunks"] * tp):
+        raise CheckpointError(f"tp {tp} does not split dim {target['dim']} ({size}) of param {param['fqn']!r} into "
+                              f"{target['chunks']} x {tp} equal parts; pick a tp that divides it")
+    return target
+
+
+def _local_shape(param: dict, target: dict | None, tp: int) -> list[int]:
+    shape = list(param["shape"])
+    if target is not None:
+        shape[target["dim"]] //= tp
+    return shape
+
+
+def _source(param: dict, target: dict | None, tp_rank: int) -> dict:
+    """What ``PieceReader.fill`` reads for tp rank ``tp_rank``'s part: the view ``zs.load`` builds
+    (saved parts or the whole param, joined then cut), or the saved whole param itself."""
+    if target is None and "view" not in param:
+        return param
+    sources = param["sources"] if "view" in param else [param]
+    return {"view": True, "fqn": param["fqn"], "sources": sources, "target": target, "tp_rank": tp_rank,
+            "state": param["state"]}
+
+
+def _part_name(fqn: str, target: dict | None, tp_rank: int) -> str:
+    return fqn if target is None else f"{fqn}{TP_PART}{tp_rank}"
+
+
+def _rank_jobs(manifest: dict, whole: dict[str, dict], targets: dict[str, dict | None], reader: PieceReader,
+               rank: int, dp: int, tp: int, file: str, pieces: dict[str, list[dict]]
+               ) -> list[tuple[Entry, dict, str, int]]:
+    """(entry, source, kind, start) for everything rank ``rank`` of (dp, tp) writes; records its pieces.
+    Its flat groups are laid out from the tp-local shapes, as the runtime lays them out; a param
+    whole on every tp rank is written by tp rank 0 only (as ``pieces.saved_name``)."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+    jobs = []
+    for group in manifest["groups"]:
+        layout = FlatLayout([(f, torch.Size(_local_shape(whole[f], targets[f], tp))) for f in group["params"]], dp)
+        for _, slot, a, b in owned_slots(layout, *layout.shard_range(dp_rank)):
+            param, target = whole[slot.fqn], targets[slot.fqn]
+            if target is None and tp_rank:
+                continue
+            name, start, stop = _part_name(slot.fqn, target, tp_rank), a - slot.offset, b - slot.offset
+            pieces.setdefault(name, []).append({"file": file, "start": start, "stop": stop})
+            source = _source(param, target, tp_rank)
+            for kind in ["master"] + [f"optim.{s}" for s in param["state"]]:
+                jobs.append((Entry(fmt.piece_key(kind, name, start, stop), _stored_dtype(reader, param, kind, start),
+                                   (stop - start,)), source, kind, start))
+    return jobs
+
+
+def _entries(param: dict, target: dict | None, tp: int, pieces: dict[str, list[dict]]) -> list[dict]:
+    """The new manifest's entries for one whole param: itself, or one part per tp rank with its placement."""
+    plain = _plain(param)
+    if target is None:
+        return [dict(plain, pieces=pieces.get(param["fqn"], []))]
+    shape = _local_shape(param, target, tp)
+    return [dict(plain, fqn=_part_name(param["fqn"], target, r), aliases=[], shape=shape,
+                 pieces=pieces.get(_part_name(param["fqn"], target, r), []),
+                 tp=dict(target, of=param["fqn"], rank=r, aliases=list(plain["aliases"]), full_shape=param["shape"]))
+            for r in range(tp)]
 
 
 def _plain(param: dict) -> dict:

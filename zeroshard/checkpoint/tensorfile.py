@@ -56,13 +56,11 @@ def parse_dtype(name: str, where: str) -> torch.dtype:
     return dtype
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One tensor of a file: its name, dtype and shape (known before any data is written)."""
+class Sized:
+    """Element and byte counts of anything with a ``shape`` and a ``dtype``."""
 
-    name: str
-    dtype: torch.dtype
     shape: tuple[int, ...]
+    dtype: torch.dtype
 
     @property
     def numel(self) -> int:
@@ -71,6 +69,15 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry(Sized):
+    """One tensor of a file: its name, dtype and shape (known before any data is written)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:

@@ -4,7 +4,8 @@
   verify DIR...          checksums, sizes, headers and coverage; a root verifies every checkpoint in it
   export DIR OUT         one safetensors file for the plain model, streamed one param at a time
   export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index)
-  reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway)
+  reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway);
+                         --tp T lays them out as (M/T, T) tensor-parallel ranks
   import-dcp DCP_DIR OUT a torch.distributed.checkpoint directory (FSDP2's dcp.save) -> a checkpoint
   export-dcp DIR OUT     a checkpoint -> a torch.distributed.checkpoint directory for dcp.load
 
@@ -152,10 +153,10 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, reshard
 
     try:
-        out = reshard(args.src, args.dst, args.world, overwrite=args.overwrite)
+        out = reshard(args.src, args.dst, args.world, tp=args.tp, tp_plan=args.tp_plan, overwrite=args.overwrite)
     except CheckpointError as e:
         return _err(str(e))
-    print(f"wrote {out}: {args.world} rank files")
+    print(f"wrote {out}: {args.world} rank files ({args.world // args.tp} data-parallel x {args.tp} tp)")
     return 0
 
 
@@ -217,6 +218,9 @@ def add_parser(sub: Any) -> None:
     q.add_argument("src")
     q.add_argument("dst")
     q.add_argument("-w", "--world", type=int, required=True, help="number of rank files to write")
+    q.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the new layout (world = dp x tp)")
+    q.add_argument("--tp-plan", choices=("gpt", "llama"), default=None,
+                   help="the model's ready TP plan, for a checkpoint saved without TP going to --tp > 1")
     q.add_argument("--overwrite", action="store_true")
     q.set_defaults(run=cmd_reshard)
     q = cmds.add_parser("import-dcp", help="a torch.distributed.checkpoint (FSDP2) directory -> a checkpoint")

@@ -17,6 +17,7 @@ from zeroshard.cli import report as report_cmd
 from zeroshard.cli import train as train_cmd
 from zeroshard.cli import tune as tune_cmd
 from zeroshard.cli import verify as verify_cmd
+from zeroshard.launch import prepare_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    code = int(args.run(args))
+    if argv is None:  # the command line, not a caller in the same process that goes on afterwards
+        prepare_exit()
+    return code
 
 
 if __name__ == "__main__":

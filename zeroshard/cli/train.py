@@ -183,6 +183,7 @@ def summary_table(s: dict[str, Any]) -> Table:
                                 + (f", error feedback {p['grad_error_feedback_bytes'] / 2**20:.1f} MiB/rank"
                                    if p.get("grad_error_feedback") else ""))]
           if p.get("grad_wire_dtype") else []),
+        *([("int8 codec", p["wire_codec"])] if p.get("wire_codec") else []),
         ("units", f"{len(p['units'])}"),
         ("init path", s["init_path"]),
     ]

@@ -16,8 +16,8 @@ import torch
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.quant_kernel import QMAX, compiled_quantize
 
-QMAX = 127
 SPEC_PARTS = ("weights", "grads", "grads+ef")
 SPEC_HELP = "'none', 'weights', 'grads', 'grads+ef' or 'weights,grads' / 'weights,grads+ef'"
 SCALE_DTYPE = torch.float32
@@ -49,13 +49,31 @@ the arithmetic."""
 
 def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = None,
              scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat`` (1-D, any float dtype) -> (int8 values padded to whole blocks, one fp32 scale per block)."""
+    """``flat`` (1-D, any float dtype) -> (int8 values padded to whole blocks, one fp32 scale per block).
+
+    Large inputs go through the fused compiled kernel (``quant_kernel``; bitwise the same values),
+    the rest and the padded last block through the eager chunked loop."""
     check_block_size(block_size)
     if flat.dim() != 1:
         raise ValueError(f"quantize takes a flat 1-D tensor, got shape {tuple(flat.shape)}")
     numel, blocks = flat.numel(), num_blocks(flat.numel(), block_size)
     out = torch.empty(blocks * block_size, dtype=WIRE_DTYPE, device=flat.device) if out is None else out
     scales_out = torch.empty(blocks, dtype=SCALE_DTYPE, device=flat.device) if scales_out is None else scales_out
+    whole = numel // block_size
+    # Detached: same memory, but not views of the whole buffers. Otherwise the compiled kernel guards on
+    # the sizes of the tensors they view, and the first call's coincidences cost a recompile.
+    if not whole or not compiled_quantize(flat[:whole * block_size].view(whole, block_size).detach(),
+                                          out[:whole * block_size].view(whole, block_size).detach(),
+                                          scales_out[:whole].detach()):
+        whole = 0
+    if whole < blocks:
+        quantize_eager(flat[whole * block_size:], block_size, out[whole * block_size:], scales_out[whole:])
+    return out, scales_out
+
+
+def quantize_eager(flat: torch.Tensor, block_size: int, out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    """The eager codec: ``quant_kernel.quantize_blocks``'s ops, a cache-sized chunk at a time, in place."""
+    numel, blocks = flat.numel(), num_blocks(flat.numel(), block_size)
     per = max(1, CHUNK_ELEMENTS // block_size)  # blocks per pass
     work = torch.empty(2, min(blocks, per) * block_size, dtype=SCALE_DTYPE, device=flat.device)
     for first in range(0, blocks, per):
@@ -74,7 +92,6 @@ def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = 
         inverse = torch.where(scales > 0, scales.reciprocal(), 0.0)
         view.mul_(inverse.unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
         out[first * block_size:last * block_size].copy_(chunk)
-    return out, scales_out
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, *, dtype: torch.dtype = torch.float32
@@ -83,8 +100,29 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, *, dtype: torc
     blocks = scales.numel()
     if q.numel() != blocks * (q.numel() // max(blocks, 1)) or q.numel() < numel:
         raise ValueError(f"{q.numel()} quantized values do not split into {blocks} blocks covering {numel}")
-    values = q.view(blocks, -1).to(SCALE_DTYPE).mul_(scales.view(blocks, 1))  # in place: one temporary
-    return values.view(-1)[:numel].to(dtype)
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    dequantize_into(out, q, scales)
+    return out
+
+
+def dequantize_into(target: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """``target`` (1-D, contiguous) = the first ``target.numel()`` dequantized values, in its dtype.
+
+    For an fp32 target: convert int8 into it, then scale in place (two passes at memory speed, no
+    temporary; a mixed int8 x fp32 multiply takes torch's slow casting path, ~10x slower on CPU).
+    Other dtypes go through one fp32 temporary. Same bits either way."""
+    block = q.numel() // scales.numel()
+    numel = target.numel()
+    whole = numel // block
+    if whole:
+        values, per_block = q[:whole * block].view(whole, block), scales[:whole].unsqueeze(1)
+        view = target[:whole * block].view(whole, block)
+        if target.dtype == SCALE_DTYPE:
+            view.copy_(values).mul_(per_block)
+        else:
+            view.copy_(values.to(SCALE_DTYPE).mul_(per_block))
+    if whole * block < numel:  # a partial last block
+        target[whole * block:].copy_(q[whole * block:numel].to(SCALE_DTYPE) * scales[whole])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +234,7 @@ class QuantizedGather(_WirePair):
         target = self.full.view(self.shards, self.shard_numel)
         with torch.no_grad():
             for rank in range(self.shards):
-                target[rank].copy_(dequantize(q[rank], scales[rank], self.shard_numel, dtype=self.full.dtype))
+                dequantize_into(target[rank], q[rank], scales[rank])
         # Free the wire buffers now, not when this object goes away.
         self._pending, self.q, self.scales = None, torch.empty(0), torch.empty(0)
 
@@ -274,11 +312,17 @@ class QuantizedReduce(_WirePair):
     def wait(self) -> None:
         if not self._wait_wire():
             return
-        total = torch.zeros(self.per, dtype=torch.float32, device=self.output.device)
-        for sender in range(self.q.shape[0]):
-            total += dequantize(self.q[sender], self.scales[sender], self.per)
+        # Sum in fp32, senders in rank order: the first lands in place, the rest through one scratch.
+        total = self.output if self.output.dtype == SCALE_DTYPE and self.output.is_contiguous() \
+            else torch.empty(self.per, dtype=SCALE_DTYPE, device=self.output.device)
         with torch.no_grad():
-            self.output.copy_(total)
+            dequantize_into(total, self.q[0], self.scales[0])
+            scratch = torch.empty_like(total) if self.q.shape[0] > 1 else total
+            for sender in range(1, self.q.shape[0]):
+                dequantize_into(scratch, self.q[sender], self.scales[sender])
+                total += scratch
+            if total is not self.output:
+                self.output.copy_(total)
         self._pending, self._sent = None, ()
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.tensorfile import Sized
 
 MODEL_ROOTS = ("model",)
 OPTIM_ROOTS = ("optim", "optimizer")
@@ -30,20 +30,12 @@ METADATA_FILE = ".metadata"
 
 
 @dataclasses.dataclass(frozen=True)
-class Tensor:
+class Tensor(Sized):
     """One DCP tensor: its flattened key, full shape and dtype."""
 
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclasses.dataclass

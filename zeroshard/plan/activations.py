@@ -55,15 +55,20 @@ def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, poli
     """Per rank. Under tensor parallelism (Megatron's split, zeroshard.plan.tp) the tensors inside
     the split linears are divided by ``tp``: qkv, the attention output, fc and GELU (4·C + 2·hidden
     per token) and the heads' log-sum-exp; the block input, the norms' outputs and the residual
-    (4·C) stay whole on every tp rank unless ``sequence_parallel`` splits them along the sequence
-    too (Megatron's accounting; the embeddings and the head are not split)."""
+    (4·C) stay whole on every tp rank. ``sequence_parallel`` splits the block input, the residual
+    and the norms' statistics along the sequence; the norms' outputs stay whole, because torch's
+    DTensor autograd keeps the all-gathered input of each column-wise linear for its weight grad
+    (Megatron gathers it again in backward instead). Measured against ``saved_tensors_hooks`` on
+    the tensor-parallel runtime (tests/distributed/test_tp.py). The embeddings and head are not split."""
     C, L, V, h = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
     hidden = cfg.mlp_ratio * C
     tokens = micro_batch * seq
     c = compute_bytes
     whole = 1 if not sequence_parallel else tp  # divides what the layer split leaves whole
-    # 8·C outside the MLP plus its two hidden-size tensors: 16·C for the usual 4× MLP.
-    per_layer = tokens * ((4 * C * c + 4 * c) // whole + (4 * C + 2 * hidden) * c // tp + 4 * h // tp)
+    # Block input and residual (2·C) plus the norms' stats split by SP; the norms' outputs (2·C)
+    # whole either way; 8·C outside the MLP plus its two hidden-size tensors: 16·C for a 4× MLP.
+    outside = (2 * C * c + 4 * c) // whole + 2 * C * c
+    per_layer = tokens * (outside + (4 * C + 2 * hidden) * c // tp + 4 * h // tp)
     root = tokens * (2 * C * c + 2 * c + 4 * V + 16) + seq * 8 + 4
     boundary = tokens * C * c // whole  # what a checkpointed block keeps: its input
 

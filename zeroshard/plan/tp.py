@@ -11,8 +11,9 @@ Per layer and micro-step, Megatron's accounting (Korthikanti et al., "Reducing A
 Recomputation in Large Transformer Models", 2022, section 4): two all-reduces of the block's
 activations (tokens × n_embd) in forward, after each row-wise linear, and two in backward, for the
 grads of each column-wise linear's input. With sequence parallelism each all-reduce becomes an
-all-gather plus a reduce-scatter of the same buffer: the same bytes on the wire, and the norms'
-and residual's activations are split across the tp ranks too.
+all-gather plus a reduce-scatter of the same buffer: the same bytes on the wire, and the block
+input's and residual's activations are split across the tp ranks too; the norms' weight grads
+then need a (small) all-reduce each, and the stream is gathered once after the last block.
 """
 
 from __future__ import annotations
@@ -78,11 +79,16 @@ class TensorParallel:
 
 
 def layer_collectives(tp: TensorParallel, *, layers: int, tokens: int, width: int, compute_bytes: int,
-                      micro_steps: int, rebuilt_layers: int = 0, gpus_per_node: int | None = None
-                      ) -> tuple[Collective, ...]:
+                      micro_steps: int, rebuilt_layers: int = 0, norm_vectors: int = 2,
+                      gpus_per_node: int | None = None) -> tuple[Collective, ...]:
     """TP collectives of one optimizer step: per layer and micro-step, 2 in forward and 2 in backward
     over a buffer of ``tokens × width`` activations; a checkpointed layer's rebuild runs its forward's
-    2 again. With sequence parallelism each is an all-gather plus a reduce-scatter of that buffer."""
+    2 again. With sequence parallelism each is an all-gather plus a reduce-scatter of that buffer,
+    as the runtime (zeroshard.sharding.tp) runs it: the last block's output is all-gathered once more
+    for the final norm and head (its grad is cut, no comm), the first block's input grad
+    all-gathered once in backward (its input is cut, no comm), and each of the ``norm_vectors``
+    per layer (the norms' weights and biases, ``width`` each) gets a grad that is a partial sum
+    over its ranks' sequence parts: one all-reduce each, per micro-step."""
     if tp.tp == 1:
         return ()
     buffer = tokens * width * compute_bytes
@@ -91,5 +97,8 @@ def layer_collectives(tp: TensorParallel, *, layers: int, tokens: int, width: in
     if not tp.sequence_parallel:
         return (Collective(op="all_reduce", group="tp", size=tp.tp, buffer_bytes=buffer, count=count,
                            spans_nodes=spans),)
-    return tuple(Collective(op=op, group="tp", size=tp.tp, buffer_bytes=buffer, count=count, spans_nodes=spans)
-                 for op in ("all_gather", "reduce_scatter"))
+    return (Collective(op="all_gather", group="tp", size=tp.tp, buffer_bytes=buffer, count=count + 2 * micro_steps,
+                       spans_nodes=spans),
+            Collective(op="reduce_scatter", group="tp", size=tp.tp, buffer_bytes=buffer, count=count, spans_nodes=spans),
+            Collective(op="all_reduce", group="tp", size=tp.tp, buffer_bytes=width * compute_bytes,
+                       count=norm_vectors * layers * micro_steps, spans_nodes=spans))

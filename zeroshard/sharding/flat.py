@@ -174,8 +174,12 @@ class FlatGroup:
             self.on_params_created(self)
 
     def load_param_values(self, index: int, values: torch.Tensor) -> None:
-        """Write param ``index``'s full values into whatever of it this rank holds."""
+        """Write param ``index``'s full values (the model's own layout) into whatever of it this rank
+        holds: for a tensor-parallel param, this tp rank's part of them first."""
         slot = self.layout.slots[index]
+        spec = self.tp_specs[index]
+        if spec is not None and spec.shard_dim is not None:
+            values = tp.to_local(values.detach(), spec.describe(), self.mesh.tp_rank)
         flat = values.detach().reshape(-1)
         with torch.no_grad():
             if not self.policy.shard_params:

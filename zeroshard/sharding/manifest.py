@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm.quant import SCALE_DTYPE, ErrorFeedback
+from zeroshard.comm.quant_kernel import codec_name
 from zeroshard.sharding.engine import get_engine
 
 
@@ -25,6 +26,8 @@ def _wire(engine) -> dict:
         "grad_wire_dtype": "int8" if grads else None,
         "grad_wire_block_size": engine.comm.block_size if grads else None,
         "grad_wire_quantized_groups": len(grads),
+        # How quantize runs in this process: the compiled fused kernel, or eager and why.
+        "wire_codec": codec_name() if quantized or grads else None,
         # Error feedback's persistent per-rank residual: one fp32 value per quantized grad element.
         "grad_error_feedback": engine.comm.error_feedback and bool(grads),
         "grad_error_feedback_bytes": sum(ErrorFeedback.bytes_for(g.layout.numel) for g in grads

@@ -6,10 +6,14 @@ attention's input projections and the MLP's first linear are split by output row
 projections by input columns, so each block costs one all-reduce in forward (after each row-wise
 linear) and one in backward (the grad of each column-wise group's input). Embeddings, norms and
 the head stay replicated. No TP code of our own runs: the layers' weights become DTensors.
+With ``sequence_parallel`` the stream between them is split along the sequence instead (torch's
+``SequenceParallel`` on the norms): each all-reduce becomes a reduce-scatter plus an all-gather.
 
 ``zs.shard`` then flattens each DTensor param's *local* tensor and shards it across the "shard"
 dim, the same composition as FSDP2's 2-D mode; when its params are rebuilt, the local views are
 wrapped back into DTensors with the same placements (``TPSpec.wrap``). See docs/tensor_parallel.md.
+A meta model may be parallelised too: ``zs.shard`` then replays each param at full size and keeps
+this rank's part of it (``to_local``), bitwise the plain build's (docs/init.md).
 
 A fused projection (the built-in GPT's ``qkv``: q, k and v stacked by rows) must give each rank
 its own heads of all three. ``chunks=3`` records that the param is three row blocks each sharded
@@ -26,7 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module)
 
 from zeroshard.comm import collectives, dtensor_ledger
 from zeroshard.comm.mesh import get_mesh
@@ -132,47 +137,99 @@ GPT_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
 """Submodule of each GPT block -> its split; the planner (zeroshard/plan/tp.py) reads the same table."""
 
 
-def gpt_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
-    """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise."""
+LLAMA_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
+    "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel, "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel}
+"""Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
+
+NAMED_PLANS: dict[str, tuple[str, dict[str, type[ColwiseParallel] | type[RowwiseParallel]], dict[str, int]]] = {
+    "gpt": ("blocks", GPT_TP_STYLES, {"attn.qkv": 3}), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
+"""The ready plans by name, as offline tools see them: (blocks' prefix, styles, fused chunks).
+``ckpt reshard --tp-plan`` reads the placements of a checkpoint saved without TP from here."""
+
+
+def placement_by_name(plan: str, fqn: str, ndim: int, tp: int) -> dict | None:
+    """Param ``fqn``'s placement (as ``TPSpec.describe``) under ready plan ``plan`` at degree ``tp``,
+    or None where that plan keeps it whole: column-wise splits the weight's rows and the bias,
+    row-wise the weight's columns (the bias is replicated)."""
+    if plan not in NAMED_PLANS:
+        raise ValueError(f"unknown tensor-parallel plan {plan!r}; use one of {', '.join(NAMED_PLANS)}")
+    prefix, styles, fused = NAMED_PLANS[plan]
+    head, _, rest = fqn.partition(prefix + ".")
+    index, _, inside = rest.partition(".")
+    if head or not index.isdigit():
+        return None
+    module, _, leaf = inside.rpartition(".")
+    style = styles.get(module)
+    if style is None or tp == 1:
+        return None
+    dim = 0 if style is ColwiseParallel else (1 if leaf == "weight" and ndim == 2 else None)
+    if dim is None:
+        return None
+    return {"placement": "shard", "dim": dim, "chunks": fused.get(module, 1), "tp": tp}
+
+
+def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
+             ) -> tuple[list[nn.Module], dict, dict[str, int]]:
+    """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise; with
+    ``sequence_parallel`` the norms run on Shard(1) (the sequence dim) and the splits take and give it."""
     cfg: Any = model.cfg
     _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
-    plan = {name: style() for name, style in GPT_TP_STYLES.items()}
+    plan: dict[str, ParallelStyle] = {name: style() for name, style in GPT_TP_STYLES.items()}
+    if sequence_parallel:
+        # The residual stream stays split by sequence: each column-wise linear all-gathers its
+        # input, each row-wise linear reduce-scatters its output (Megatron-SP).
+        plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                "attn.qkv": ColwiseParallel(input_layouts=Shard(1)), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp.fc": ColwiseParallel(input_layouts=Shard(1)), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
     blocks: Any = model.blocks
     return list(blocks), plan, {"attn.qkv": 3}
 
 
-def llama_plan(model: nn.Module, tp: int) -> tuple[list[nn.Module], dict, dict[str, int]]:
-    """HF Llama: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (as transformers' own plan)."""
+def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
+               ) -> tuple[list[nn.Module], dict, dict[str, int]]:
+    """HF Llama: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (as transformers' own
+    plan); with ``sequence_parallel`` the two RMSNorms run on Shard(1), as torchtitan's plan."""
     cfg: Any = model.config
     _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
                         "num_key_value_heads": cfg.num_key_value_heads,
                         "intermediate_size": cfg.intermediate_size}, "Llama")
-    col, row = ColwiseParallel(), RowwiseParallel()
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between the modules
+    col, row = ColwiseParallel(), RowwiseParallel(output_layouts=stream)
+    plan: dict[str, ParallelStyle] = {name: col if style is ColwiseParallel else row
+                                      for name, style in LLAMA_TP_STYLES.items()}
     # The attention's (and the MLP's) input becomes one replicated DTensor before its column-wise
-    # projections: their input grads then add up as one Partial DTensor and are all-reduced once
-    # per module, not once per projection (q, k, v: three).
-    shared_input = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                      desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    plan = {"self_attn": shared_input, "self_attn.q_proj": col, "self_attn.k_proj": col,
-            "self_attn.v_proj": col, "self_attn.o_proj": row,
-            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+    # projections: their input grads then add up as one Partial DTensor and are reduced once per
+    # module, not once per projection (q, k, v: three). Under SP this is where the all-gather runs.
+    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
+                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    plan["mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+    if sequence_parallel:
+        plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
     decoder: Any = model.model
     return list(decoder.layers), plan, {}
 
 
-PLANS: dict[str, Callable[[nn.Module, int], tuple[list[nn.Module], dict, dict[str, int]]]] = {
-    "GPT": gpt_plan, "LlamaForCausalLM": llama_plan,
-}
+PlanFn = Callable[..., tuple[list[nn.Module], dict, dict[str, int]]]
+PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
 
 
-def tensor_parallel(model: nn.Module, plan: Callable | None = None) -> nn.Module:
+def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model``'s blocks across the mesh's "tp" dim (``zs.init(tp=N)``), in place; then ``zs.shard`` it.
 
     ``plan(model, tp)`` returns (blocks, {submodule name: ParallelStyle}, {name: chunks}); the
     built-in GPT and HF ``LlamaForCausalLM`` have one. Call it on every rank, on a model built the
-    same way on each (same seed), before ``zs.shard``.
+    same way on each (same seed), before ``zs.shard``. The model may be on the meta device
+    (``zs.meta_init()``): ``zs.shard`` then replays its init at full size, one param at a time, and
+    keeps each rank's tp part, bitwise the plain build's.
+
+    ``sequence_parallel``: the residual stream between and inside the blocks is split along the
+    sequence (dim 1) across the tp ranks, the norms run on their part of it (torch's
+    ``SequenceParallel``), and the first block's input is cut / the last block's output gathered.
+    A custom plan is then called as ``plan(model, tp, sequence_parallel=True)``.
     """
+    _check_unsharded(model)
     mesh = get_mesh()
     if mesh.tp_size == 1:
         raise ValueError("the mesh has no tp dim; call zs.init(tp=N) (or mesh_shape=..., names=(..., 'tp')) first")
@@ -182,20 +239,44 @@ def tensor_parallel(model: nn.Module, plan: Callable | None = None) -> nn.Module
             raise ValueError(f"no tensor-parallel plan for {name}; pass plan=fn(model, tp) -> (blocks, "
                              f"{{submodule: ColwiseParallel()/RowwiseParallel()}}, {{submodule: chunks}})")
         plan = PLANS[name]
-    blocks, styles, fused = plan(model, mesh.tp_size)
+    blocks, styles, fused = plan(model, mesh.tp_size, sequence_parallel=True) if sequence_parallel else \
+        plan(model, mesh.tp_size)
     tp_mesh = mesh.tp_mesh
     for block in blocks:
         for name, chunks in fused.items():
             linear = block.get_submodule(name)
             with torch.no_grad():
                 for param in linear.parameters(recurse=False):
-                    param.copy_(_interleave(param, chunks, mesh.tp_size))
+                    if not param.is_meta:  # a meta param's values are cut in this layout when zs.shard makes them
+                        param.copy_(_interleave(param, chunks, mesh.tp_size))
         parallelize_module(block, tp_mesh, styles)
         for name, chunks in fused.items():
             for param in block.get_submodule(name).parameters(recurse=False):
                 setattr(param, CHUNKS_ATTR, chunks)
+    if sequence_parallel and blocks:
+        # Between the blocks the stream stays split: cut the first block's (replicated) input, which
+        # needs no communication, and all-gather the last block's output for the final norm and head.
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+        parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     dtensor_ledger.start()
     return model
+
+
+def _check_unsharded(model: nn.Module) -> None:
+    """TP must change the params' layout before ``zs.shard`` flattens them.
+
+    A model built for real or on meta is fine (on meta, ``zs.shard`` replays the init at each
+    param's full shape and keeps this rank's tp part: docs/init.md). A model ``zs.shard`` already
+    built, e.g. by constructor replay, has its flat buffers laid out unsplit and is refused.
+    """
+    from zeroshard.sharding.engine import find_engine  # the engine imports this module
+
+    if find_engine(model) is not None:
+        raise ValueError("tensor_parallel must run before zs.shard, but this model is already sharded (zs.shard with "
+                         "a constructor builds and shards in one call); build the model for real or under "
+                         "zs.meta_init(), call zs.tensor_parallel(model), then zs.shard(model)")
 
 
 def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phase: str = "state_dict") -> torch.Tensor:
