@@ -16,7 +16,7 @@ import torch
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import get_mesh
-from zeroshard.comm.quant_kernel import QMAX, compiled_quantize
+from zeroshard.comm.quant_kernel import compiled_quantize, quantize_blocks_into
 
 SPEC_PARTS = ("weights", "grads", "grads+ef")
 SPEC_HELP = "'none', 'weights', 'grads', 'grads+ef' or 'weights,grads' / 'weights,grads+ef'"
@@ -72,26 +72,18 @@ def quantize(flat: torch.Tensor, block_size: int, *, out: torch.Tensor | None = 
 
 
 def quantize_eager(flat: torch.Tensor, block_size: int, out: torch.Tensor, scales_out: torch.Tensor) -> None:
-    """The eager codec: ``quant_kernel.quantize_blocks``'s ops, a cache-sized chunk at a time, in place."""
+    """The eager codec: ``quant_kernel.quantize_blocks_into`` itself (the compiled kernel's ops, so the
+    same bits), a cache-sized chunk at a time; a partial last block is padded with zeros."""
     numel, blocks = flat.numel(), num_blocks(flat.numel(), block_size)
     per = max(1, CHUNK_ELEMENTS // block_size)  # blocks per pass
-    work = torch.empty(2, min(blocks, per) * block_size, dtype=SCALE_DTYPE, device=flat.device)
     for first in range(0, blocks, per):
         last = min(blocks, first + per)
         lo, hi = first * block_size, min(last * block_size, numel)
-        chunk, magnitude = work[0, :(last - first) * block_size], work[1, :(last - first) * block_size]
-        chunk[:hi - lo].copy_(flat[lo:hi])
-        chunk[hi - lo:].zero_()  # the padding of the last block
-        view = chunk.view(-1, block_size)
-        scales = scales_out[first:last]
-        # absmax via |x| into scratch, then amax: ~10x faster on CPU than vector_norm(ord=inf).
-        torch.amax(torch.abs(chunk, out=magnitude).view(-1, block_size), dim=1, out=scales)
-        scales.div_(QMAX)
-        # Multiply by the reciprocal (cheaper than a broadcast divide); an all-zero block has scale 0
-        # and multiplies by 0, so it quantizes to zeros, not NaN.
-        inverse = torch.where(scales > 0, scales.reciprocal(), 0.0)
-        view.mul_(inverse.unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
-        out[first * block_size:last * block_size].copy_(chunk)
+        chunk = flat[lo:hi]
+        if hi - lo < (last - first) * block_size:
+            chunk = torch.cat([chunk, chunk.new_zeros((last - first) * block_size - (hi - lo))])
+        quantize_blocks_into(chunk.reshape(-1, block_size), out[lo:last * block_size].view(-1, block_size),
+                             scales_out[first:last])
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, *, dtype: torch.dtype = torch.float32
