@@ -137,6 +137,9 @@ GPT_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
 """Submodule of each GPT block -> its split; the planner (zeroshard/plan/tp.py) reads the same table."""
 
 
+GPT_FUSED = {"attn.qkv": 3}
+"""The GPT's fused projections: q, k and v stacked by rows in one linear, each split on its own."""
+
 LLAMA_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
     "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
     "self_attn.o_proj": RowwiseParallel, "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel,
@@ -144,7 +147,7 @@ LLAMA_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
 """Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
 
 NAMED_PLANS: dict[str, tuple[str, dict[str, type[ColwiseParallel] | type[RowwiseParallel]], dict[str, int]]] = {
-    "gpt": ("blocks", GPT_TP_STYLES, {"attn.qkv": 3}), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
+    "gpt": ("blocks", GPT_TP_STYLES, GPT_FUSED), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
 """The ready plans by name, as offline tools see them: (blocks' prefix, styles, fused chunks).
 ``ckpt reshard --tp-plan`` reads the placements of a checkpoint saved without TP from here."""
 
@@ -184,7 +187,7 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
                 "attn.qkv": ColwiseParallel(input_layouts=Shard(1)), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
                 "mlp.fc": ColwiseParallel(input_layouts=Shard(1)), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
     blocks: Any = model.blocks
-    return list(blocks), plan, {"attn.qkv": 3}
+    return list(blocks), plan, dict(GPT_FUSED)
 
 
 def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
