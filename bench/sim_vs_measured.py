@@ -55,8 +55,8 @@ def measure_rank(cfgs: list[TrainConfig], steps: int, warmup: int) -> list[list[
         batches.append((torch.randint(0, cfg.vocab_size, shape, generator=gen),
                         torch.randint(0, cfg.vocab_size, shape, generator=gen)))
         runs.append(step.build(cfg, mesh))
-    for run, (x, y) in zip(runs, batches):
-        for _ in range(warmup):
+    for _ in range(warmup):  # in turn, as the timed steps run
+        for run, (x, y) in zip(runs, batches):
             step.step(run, x, y)
     out: list[list[float]] = [[] for _ in cfgs]
     for _ in range(steps):
@@ -174,7 +174,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3, help="calibrate-then-measure rounds, interleaved")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per config per round")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per config per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per config per round (with one, "
+                        "the first timed step of stages 1-3 ran up to 2x the rest in every round)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration timing per round")
     parser.add_argument("--hw-out", default="runs/sim_vs_measured/local.toml", help="where the calibrated hardware TOML goes")
     parser.add_argument("--append", action="append", default=[], metavar="FILE.md",

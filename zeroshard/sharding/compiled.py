@@ -10,6 +10,8 @@ block and no recompiles. docs/compile.md lists what is supported and what is ref
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any, Callable, Mapping, TypeVar, Union
 
 import torch
@@ -32,11 +34,24 @@ def eager_hook(fn: F) -> F:
     return torch.compiler.disable(fn, recursive=True)
 
 
-@torch.compiler.disable
 def refuse_traced(what: str) -> None:
     """Raise from inside a frame dynamo is tracing: as a disabled function this call is a graph
-    break, so it runs eagerly and the user gets this error instead of a silent fallback to eager."""
-    raise CompileError(what)
+    break, so it runs eagerly and the user gets this error instead of a silent fallback to eager.
+
+    Wrapped when called, not at import: ``torch.compiler.disable`` imports dynamo, a second or
+    more of every process's start (each rank, each ``zeroshard`` command) that runs nothing
+    compiled. A frame dynamo is tracing has dynamo imported already."""
+    if "torch._dynamo" not in sys.modules:
+        raise CompileError(what)
+    _disabled_raise()(what)
+
+
+@functools.cache
+def _disabled_raise() -> Callable[[str], None]:
+    def raise_error(what: str) -> None:
+        raise CompileError(what)
+
+    return torch.compiler.disable(raise_error)
 
 
 def compile_options(arg: CompileArg) -> dict[str, Any] | None:
@@ -69,7 +84,8 @@ def _check_backend(name: str) -> None:
 def refuse_compiled_wrapper(model: nn.Module) -> None:
     """``torch.compile(model)`` returns a wrapper whose params are named ``_orig_mod.*``; sharding it
     would give every unit, checkpoint key and ledger entry that prefix."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # noqa: SLF001 (no public name for the type)
+    dynamo = sys.modules.get("torch._dynamo")  # a wrapper exists only once dynamo is imported
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
         raise CompileError("zs.shard got a torch.compile wrapper; shard the model itself, then compile it "
                            "(model.compile() after zs.shard, or zs.shard(model, ..., compile=True))")
 

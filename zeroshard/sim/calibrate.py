@@ -161,14 +161,22 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
     return out
 
 
+CONTENTION_BLOCKS = 4
+"""Blocks' worth of fp32 elements the contention probe moves per collective: about one of the
+runtime's default 25 MB buckets at ``small``, so its cost under compute stands well clear of the
+timer's and the scheduler's jitter (one block's worth did not: repeated rounds gave 0.1 to 2.1)."""
+
+
 def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int, p: int) -> dict[str, float]:
-    """Per collective: seconds of compute lost per second of a block-sized collective (``m`` s
-    alone) run under it, the charge the replay makes for each second of collective work its
-    timeline puts under compute.
+    """Per collective: seconds of compute lost per second of collective (``m`` s alone) run under
+    it, the charge the replay makes for each second of collective work its timeline puts under
+    compute.
 
     The compute is as many blocks' forward and backward as outlast the collective twice over, so
-    the collective runs wholly under it as in a step, and only the compute is timed (``c`` alone,
-    ``c2`` with the collective launched just before): (c2 - c) / m. Were the collective still
+    the collective runs wholly under it as in a step, and only the compute is timed. Each repeat
+    times it alone (``c``) and then with the collective launched just before it (``c2``), back to
+    back, and the figure is the median over repeats of (c2 - c) / m: pairing the two cancels a
+    drift in the host's load that medians taken apart would keep. Were the collective still
     running when compute ended, only the share of its life under compute counts. 0 is free
     overlap, 1 is the two taking turns; above 1 they thrash."""
     import math
@@ -182,7 +190,8 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
     block = Block(cfg)
     x = torch.randn(micro_batch, seq, cfg.n_embd)
     block_numel = sum(q.numel() for q in block.parameters())  # its fp32 grads, or its fp32 params
-    numel = max(p, block_numel // p * p)
+    numel = max(p, CONTENTION_BLOCKS * block_numel // p * p)
+    pairs = max(repeats, 5)
 
     def run_blocks(k: int) -> None:
         for _ in range(k):
@@ -194,9 +203,9 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
         full, shard = torch.zeros(numel), torch.ones(numel // p)
         m = _median_times(lambda: _issue(op, full, shard), repeats)
         n = max(1, math.ceil(2 * m / max(one, 1e-9)))
-        c = _median_times(lambda: run_blocks(n), repeats)
         lost = []
-        for _ in range(repeats + 1):
+        for _ in range(pairs + 1):  # the first pair pays first-touch costs
+            c = _once(lambda: run_blocks(n))
             collectives.barrier(phase="calibrate")
             start = time.perf_counter()
             pending = _issue(op, full, shard, async_op=True)
