@@ -445,3 +445,56 @@ def test_hardware_from_rounds_takes_the_median_of_each_figure():
     (k,) = hw.concurrency
     assert (k.world, k.group, k.two, k.three) == (2, 2, pytest.approx(1.1), pytest.approx(1.3))
     assert len(raw) == 3
+
+
+def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block():
+    """Sharded params (stage 3, hybrid too) wait on a gather before each block, which every rank must
+    have launched, so a block takes its slowest rank's time; stages 0-2 meet a few times a step and
+    keep the ranks' mean. A file without the slowest figure (written before it was measured) keeps
+    the mean everywhere and still round-trips."""
+    import tempfile
+    from pathlib import Path
+
+    from zeroshard.sim.measured import to_toml
+
+    base = _calibrated()
+    (c,) = base.compute
+    slow = dataclasses.replace(base, compute=(dataclasses.replace(c, block_forward_slowest_s=1.5e-3,
+                                                                  block_backward_slowest_s=2.5e-3),))
+    L = _tiny().shape.n_layer
+    for stage in (0, 1, 2, 3):
+        layout = Layout(world=2, stage=stage, param_bytes=4)
+        mean, slowest = simulate(_tiny(), base, layout), simulate(_tiny(), slow, layout)
+        extra = L * (0.5e-3 + 0.5e-3) if stage == 3 else 0.0
+        assert slowest.compute_s == pytest.approx(mean.compute_s + extra)
+    hybrid = Layout(world=4, stage=3, shards=2, param_bytes=4)
+    assert simulate(_tiny(), slow, hybrid).compute_s == pytest.approx(simulate(_tiny(), base, hybrid).compute_s + L * 1e-3)
+    with tempfile.TemporaryDirectory() as d:
+        for hw in (base, slow):
+            f = Path(d) / "host.toml"
+            f.write_text(to_toml(hw))
+            assert load_hardware(str(f)) == dataclasses.replace(hw, name="host")
+
+
+def test_the_slowest_rank_figure_is_the_median_over_repeats_of_each_repeats_slowest():
+    from zeroshard.sim.calibrate import _slowest
+
+    ranks = [{"unit": {"block_forward_reps": [1.0, 5.0, 1.0]}}, {"unit": {"block_forward_reps": [2.0, 1.0, 3.0]}}]
+    # per repeat the slower rank: 2, 5, 3; their median 3 (a rank's own median would give 1 and 2)
+    assert _slowest(ranks, "block_forward_reps") == 3.0
+
+
+def test_simulated_buckets_follow_the_engines_rule():
+    """One bucketing rule (zeroshard.sharding.engine.merge_in_order) for the engine, the planner and
+    the replay: consecutive units until a bucket reaches the size, the rest in a last one."""
+    from zeroshard.sharding.engine import merge_in_order
+
+    assert merge_in_order([10, 10, 10, 3], float, 15) == [[10, 10], [10, 3]]
+    assert merge_in_order([20, 1], float, 15) == [[20], [1]]
+    w = _tiny()
+    per_block = w.shape.block_params * 4 / 2**20  # MiB of fp32 params per block
+    two_blocks = simulate(w, _calibrated(), Layout(world=2, stage=0, param_bytes=4, bucket_mb=1.5 * per_block))
+    one_bucket = simulate(w, _calibrated(), Layout(world=2, stage=0, param_bytes=4))
+    # the same bytes either way; more buckets pay more latency
+    assert two_blocks.wire_bytes == pytest.approx(one_bucket.wire_bytes)
+    assert two_blocks.comm_s > one_bucket.comm_s

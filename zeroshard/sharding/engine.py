@@ -7,7 +7,7 @@ and the memory contract of each stage are explained in docs/runtime.md.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
@@ -43,15 +43,27 @@ def _split_groups(name: str, refs: list[ParamRef], **kw) -> list[FlatGroup]:
 
 
 def reduction_buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
-    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``:
-    the units of stages 0-2. The planner's inventory calls it too, so both bucket alike."""
-    buckets, current, size = [], [], 0
-    for spec in specs:
-        current.append(spec)
-        size += sum(r.param.numel() * r.param.element_size() for r in spec.refs)
+    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``
+    of params: the units of stages 0-2. The planner's inventory calls it too, so both bucket alike."""
+    return merge_in_order(specs, lambda spec: sum(r.param.numel() * r.param.element_size() for r in spec.refs),
+                          bucket_bytes)
+
+
+T = TypeVar("T")
+
+
+def merge_in_order(items: list[T], nbytes: Callable[[T], float], bucket_bytes: float) -> list[list[T]]:
+    """Consecutive items merged until a bucket reaches ``bucket_bytes`` (the last may be smaller):
+    the bucketing rule itself, which the step simulator also replays on sizes alone."""
+    buckets: list[list[T]] = []
+    current: list[T] = []
+    size = 0.0
+    for item in items:
+        current.append(item)
+        size += nbytes(item)
         if size >= bucket_bytes:
             buckets.append(current)
-            current, size = [], 0
+            current, size = [], 0.0
     if current:
         buckets.append(current)
     return buckets

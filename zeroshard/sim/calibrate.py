@@ -143,13 +143,15 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
         held.pop("loss").backward()
         model.zero_grad(set_to_none=True)
 
-    out = {}
+    out: dict = {}
     for name, fwd, bwd in (("block", block_fwd, block_bwd), ("model", model_fwd, model_bwd)):
         f, b = [], []
         for _ in range(repeats + 1):  # forward and backward alternate, as in a step
             f.append(_once(fwd))
             b.append(_once(bwd))
         out[f"{name}_forward_s"], out[f"{name}_backward_s"] = statistics.median(f[1:]), statistics.median(b[1:])
+        if name == "block":  # every repeat, for the slowest rank's figure (``calibrate_world``)
+            out["block_forward_reps"], out["block_backward_reps"] = f[1:], b[1:]
     flat = torch.nn.Parameter(torch.zeros(sum(p.numel() for p in block.parameters())))
     flat.grad = torch.randn_like(flat)
     opt = torch.optim.AdamW([flat], lr=1e-4, betas=BETAS, weight_decay=0.1)
@@ -281,6 +283,14 @@ def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tup
 
 
 UNIT_KEYS = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
+SLOWEST_KEYS = ("block_forward_slowest_s", "block_backward_slowest_s")
+
+
+def _slowest(ranks: list[dict], reps_key: str) -> float:
+    """Median over repeats of the slowest rank's time: every repeat started on all ranks at once
+    (after a barrier), so this is how long a unit takes when every rank must finish it before any
+    goes on, as a gather per unit makes them."""
+    return statistics.median(max(times) for times in zip(*(r["unit"][reps_key] for r in ranks)))
 
 
 def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: int, *,
@@ -288,7 +298,8 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     """One calibration at ``world`` ranks (one spawned gloo group), reduced over its ranks: a
     collective's time is its slowest rank's; units, contention and concurrency are the mean over
     ranks (with more ranks than cores the OS shares them out unevenly over one short unit but
-    evenly over a step's many, so the slowest rank's unit overstates)."""
+    evenly over a step's many, so the slowest rank's unit overstates a step that syncs seldom),
+    and a block's forward and backward also the slowest rank's (a step that syncs every block)."""
     from zeroshard.launch import spawn
 
     ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
@@ -296,7 +307,9 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
         points[f"{op}:{group}"] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
     keys = UNIT_KEYS + ("block_params",)
-    return {"points": points, "unit": {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys},
+    unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys}
+    unit.update({k: _slowest(ranks, k.replace("slowest_s", "reps")) for k in SLOWEST_KEYS})
+    return {"points": points, "unit": unit,
             "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},
             "concurrency": {g: {k: statistics.fmean(r["concurrency"][g][k] for r in ranks) for k in ("two", "three")}
                             for g in ranks[0]["concurrency"]}}
@@ -327,6 +340,7 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
                 continue
             links.append(MeasuredLink(op=op, group=group, world=world, alpha_s=alpha, bandwidth=bw))
         unit = {k: med(r["unit"][k] for r in runs) for k in UNIT_KEYS}
+        unit.update({k: med(r["unit"][k] for r in runs) for k in SLOWEST_KEYS if all(k in r["unit"] for r in runs)})
         shares = {k: med(r["contention"][k] for r in runs) for k in runs[0]["contention"]}
         compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
                                        **shares, **unit))

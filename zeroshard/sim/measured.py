@@ -50,6 +50,11 @@ class MeasuredCompute:
     root_backward_s: float
     optimizer_s_per_param: float
     """One AdamW step, seconds per local parameter."""
+    block_forward_slowest_s: float | None = None
+    """A block's forward on the slowest rank, every rank starting it at once (median over repeats);
+    None where not measured (the mean then stands in). With more ranks than cores the OS shares them
+    unevenly over one block, so a schedule that waits on a gather before every block pays this."""
+    block_backward_slowest_s: float | None = None
     contention_all_gather: float = 0.0
     """Seconds a block's compute is slowed per second of this collective in flight under it, at this
     world size (see ``Hardware.contention``), measured with the rest; one figure per collective."""
@@ -58,7 +63,9 @@ class MeasuredCompute:
 
     def __post_init__(self) -> None:
         times = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
-        if any(getattr(self, f) < 0 for f in times) or min(self.micro_batch, self.seq, self.world) < 1:
+        slowest = (self.block_forward_slowest_s, self.block_backward_slowest_s)
+        if any(getattr(self, f) < 0 for f in times) or any(t is not None and t < 0 for t in slowest) \
+                or min(self.micro_batch, self.seq, self.world) < 1:
             raise ValueError(f"measured compute for {self.model!r}: times must be >= 0, sizes positive")
         if min(self.contention_all_gather, self.contention_reduce_scatter, self.contention_all_reduce) < 0:
             raise ValueError(f"measured compute for {self.model!r}: contention must be >= 0")
@@ -150,7 +157,8 @@ def to_toml(hw: Any, comment: str = "") -> str:
         if isinstance(value, tuple):
             for entry in value:
                 tables.append(f"\n[[{f.name}]]")
-                tables += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(entry).items()]
+                # TOML has no null: a field left unmeasured is left out and reads back as its default.
+                tables += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(entry).items() if v is not None]
         else:
             lines.append(f"{f.name} = {_toml_value(value)}")
     return "\n".join(lines + tables) + "\n"

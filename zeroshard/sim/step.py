@@ -36,7 +36,7 @@ import bisect
 import dataclasses
 from typing import Any
 
-from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
+from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sim.hardware import Hardware
@@ -252,26 +252,34 @@ class _Durations:
     """The same in backward: its two, and a rebuild's two with checkpointing."""
 
 
-def _measured_durations(w: Workload, hw: Hardware, world: int) -> _Durations:
+def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: bool) -> _Durations:
     """Seconds per unit from ``hw.compute`` (timed on this model), scaled by tokens when the
-    workload's micro-batch differs from the timed one. The parts split as the timing did."""
+    workload's micro-batch differs from the timed one. The parts split as the timing did.
+
+    With ``synced_per_unit`` (params sharded: every block waits on its own gather, which every
+    rank of the group must have launched) a block takes its slowest rank's time where that was
+    measured; otherwise ranks meet a few times a step and the mean over ranks stands."""
     c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, world)
     scale = w.tokens / c.tokens
-    bf, bb = c.block_forward_s * scale, c.block_backward_s * scale
+    fwd, bwd = c.block_forward_s, c.block_backward_s
+    if synced_per_unit:
+        fwd = c.block_forward_slowest_s if c.block_forward_slowest_s is not None else fwd
+        bwd = c.block_backward_slowest_s if c.block_backward_slowest_s is not None else bwd
+    bf, bb = fwd * scale, bwd * scale
     rf, rb = c.root_forward_s * scale, c.root_backward_s * scale
     if w.checkpointing != "none":  # a checkpointed block runs its forward again in backward
         bb += bf * w.recompute_fraction()[0]
     L = w.shape.n_layer
-    parts = {"blocks (measured)": L * (bf + c.block_backward_s * scale), "root (measured)": rf + rb,
-             "recompute": L * (bb - c.block_backward_s * scale)}
+    parts = {"blocks (measured)": L * (bf + bwd * scale), "root (measured)": rf + rb,
+             "recompute": L * (bb - bwd * scale)}
     return _Durations(block_fwd=bf, block_bwd=bb, root_fwd=rf, root_bwd=rb, parts=parts)
 
 
-def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1) -> _Durations:
+def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_per_unit: bool = False) -> _Durations:
     """Seconds per unit: measured ones when ``hw`` has them, else matmuls and attention at their
     efficiencies (split over ``tp`` ranks), the rest at HBM speed."""
     if hw.compute and tp == 1:
-        return _measured_durations(w, hw, world)
+        return _measured_durations(w, hw, world, synced_per_unit)
     gemm, attn = hw.peak_flops * hw.gemm_efficiency, hw.peak_flops * hw.attention_efficiency
     g_f, a_f = w.block_gemm_flops / gemm / tp, w.block_attention_flops / attn / tp
     e_f = w.block_elementwise_bytes / hw.hbm_bandwidth
@@ -292,22 +300,9 @@ def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1) -> _Durat
                       tp_bwd=tp_bwd)
 
 
-def _buckets(sizes: list[float], bucket_bytes: float) -> list[float]:
-    """Consecutive units merged until a bucket reaches ``bucket_bytes``, as the engine merges them."""
-    out, current = [], 0.0
-    for size in sizes:
-        current += size
-        if current >= bucket_bytes:
-            out.append(current)
-            current = 0.0
-    if current:
-        out.append(current)
-    return out
-
-
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
-    d = _durations(w, hw, layout.tp, layout.world)
+    d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params)
     pol, s = layout.policy, w.shape
     comm = CommLink(hw, layout)
     t = 0.0
@@ -403,7 +398,12 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: flo
             ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
     # Reductions: per block at stage 3, per bucket otherwise (the root last, in backward order).
     sizes = [float(block_grad)] * L + [float(s.root_params * layout.reduce_bytes)]
-    units = sizes if pol.shard_params else _buckets(sizes, EngineOptions(bucket_mb=layout.bucket_mb).bucket_bytes)
+    if pol.shard_params:
+        units = sizes
+    else:  # the engine's buckets, which it fills by fp32 param bytes (reduce_bytes is the wire's)
+        buckets = merge_in_order(list(range(L + 1)), lambda u: sizes[u] / layout.reduce_bytes * 4,
+                                 EngineOptions(bucket_mb=layout.bucket_mb).bucket_bytes)
+        units = [sum(sizes[u] for u in bucket) for bucket in buckets]
     owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
     reduce_group = group if pol.shard_optimizer else layout.dp  # DDP all-reduces over every data-parallel rank
