@@ -176,7 +176,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per config per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per config per round (with one, "
                         "the first timed step of stages 1-3 ran up to 2x the rest in every round)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per calibration timing per round")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats per calibration timing per round")
     parser.add_argument("--hw-out", default="runs/sim_vs_measured/local.toml", help="where the calibrated hardware TOML goes")
     parser.add_argument("--append", action="append", default=[], metavar="FILE.md",
                         help="also append the table, with the command and load, to this file (repeatable)")
