@@ -131,6 +131,9 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
     held: dict[str, torch.Tensor] = {}
 
     def block_fwd() -> None:
+        # Fresh grads each backward, as model_bwd leaves them: root = model - L * block then compares
+        # like with like (accumulating into kept grads adds a pass over them to every block).
+        block.zero_grad(set_to_none=True)
         held["y"] = block(x.detach().requires_grad_(True))
 
     def block_bwd() -> None:
