@@ -22,7 +22,7 @@ def test_calibrate_writes_a_hardware_file_that_plan_time_replays(tmp_path, capsy
     out = tmp_path / "host.toml"
     assert cli(["plan", "--calibrate", "--world", "2", "--model", "tiny", "--seq", str(SEQ), "--hw-out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert f"hardware written to {out}" in printed
+    assert f"hardware written to {out}" in printed and "slowest rank" in printed
 
     hw = load_hardware(str(out))
     assert sorted((m.op, m.group, m.world) for m in hw.links) == [
@@ -31,6 +31,11 @@ def test_calibrate_writes_a_hardware_file_that_plan_time_replays(tmp_path, capsy
     (c,) = hw.compute
     assert (c.model, c.vocab, c.micro_batch, c.seq, c.world) == ("tiny", 16, 1, SEQ, 2)
     assert c.block_forward_s > 0 and c.block_backward_s > 0 and c.optimizer_s_per_param > 0
+    assert c.block_forward_slowest_s is not None and c.block_backward_slowest_s is not None
+    # Per repeat the slowest rank is at least each rank, and a median keeps order, so the slowest
+    # rank's median is at least every rank's median and hence their mean.
+    assert c.block_forward_slowest_s >= c.block_forward_s * (1 - 1e-12)
+    assert c.block_backward_slowest_s >= c.block_backward_s * (1 - 1e-12)
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
         assert math.isfinite(c.contention(op)) and c.contention(op) >= 0
     (k,) = hw.concurrency
