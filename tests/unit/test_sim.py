@@ -447,14 +447,11 @@ def test_hardware_from_rounds_takes_the_median_of_each_figure():
     assert len(raw) == 3
 
 
-def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block():
+def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_path):
     """Sharded params (stage 3, hybrid too) wait on a gather before each block, which every rank must
     have launched, so a block takes its slowest rank's time; stages 0-2 meet a few times a step and
     keep the ranks' mean. A file without the slowest figure (written before it was measured) keeps
     the mean everywhere and still round-trips."""
-    import tempfile
-    from pathlib import Path
-
     from zeroshard.sim.measured import to_toml
 
     base = _calibrated()
@@ -469,11 +466,10 @@ def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block():
         assert slowest.compute_s == pytest.approx(mean.compute_s + extra)
     hybrid = Layout(world=4, stage=3, shards=2, param_bytes=4)
     assert simulate(_tiny(), slow, hybrid).compute_s == pytest.approx(simulate(_tiny(), base, hybrid).compute_s + L * 1e-3)
-    with tempfile.TemporaryDirectory() as d:
-        for hw in (base, slow):
-            f = Path(d) / "host.toml"
-            f.write_text(to_toml(hw))
-            assert load_hardware(str(f)) == dataclasses.replace(hw, name="host")
+    for hw in (base, slow):
+        f = tmp_path / "host.toml"
+        f.write_text(to_toml(hw))
+        assert load_hardware(str(f)) == dataclasses.replace(hw, name="host")
 
 
 def test_the_slowest_rank_figure_is_the_median_over_repeats_of_each_repeats_slowest():
