@@ -108,11 +108,13 @@ def test_ledger_bytes_per_dim_equal_theory(suite, key):
     assert led["by_key"] == theory
 
 
-def test_tp_degree_that_does_not_divide_is_one_clear_line(suite):
+def test_tp_degree_or_sp_length_that_does_not_divide_is_one_clear_line(suite):
     errors = suite[0]["errors"]
     assert "tp=2 does not divide n_head=3" in errors["heads"]
     assert "tp=4 does not divide num_key_value_heads=2" in errors["kv_heads"]
     assert "tp=2 does not divide intermediate_size=91" in errors["hidden"]
+    for name in ("gpt", "llama"):  # sequence parallelism on a length tp does not divide
+        assert f"length is {w.SEQ_LEN - 1}; pad or crop sequences to a multiple of 2" in errors[f"sp_{name}"]
     assert all("\n" not in e for e in errors.values())
 
 

@@ -171,6 +171,15 @@ def _errors() -> dict[str, str]:
         llama_plan(llama, 2)  # type: ignore[arg-type]
     except ValueError as exc:
         out["hidden"] = str(exc)
+    # Sequence parallelism with a length tp does not divide: refused before any collective (gloo
+    # would abort the process on the mismatched sizes). Plain TP models, no engine: nothing to undo.
+    for name in MODELS:
+        model = tensor_parallel(build(name, vocab_size=dataset().vocab_size), sequence_parallel=True)
+        ids = torch.zeros(2, SEQ_LEN - 1, dtype=torch.long)
+        try:
+            model(ids, ids) if name == "gpt" else model(input_ids=ids)
+        except ValueError as exc:
+            out[f"sp_{name}"] = str(exc)
     return out
 
 

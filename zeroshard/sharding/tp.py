@@ -257,6 +257,9 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
             for param in block.get_submodule(name).parameters(recurse=False):
                 setattr(param, CHUNKS_ATTR, chunks)
     if sequence_parallel and blocks:
+        # Before torch's input hook: an uneven cut would reach gloo as mismatched sizes and abort
+        # the process (NCCL would hang) instead of a Python error.
+        blocks[0].register_forward_pre_hook(_sequence_divides(mesh.tp_size), with_kwargs=True, prepend=True)
         # Between the blocks the stream stays split: cut the first block's (replicated) input, which
         # needs no communication, and all-gather the last block's output for the final norm and head.
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
@@ -265,6 +268,20 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     dtensor_ledger.start()
     return model
+
+
+def _sequence_divides(tp: int) -> Callable:
+    """A forward pre-hook for the first block under sequence parallelism: its input's sequence
+    (dim 1) must split evenly across the ``tp`` ranks."""
+
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        stream = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if isinstance(stream, torch.Tensor) and stream.dim() >= 2 and stream.shape[1] % tp:
+            raise ValueError(f"sequence parallelism splits the sequence across tp={tp} ranks, but this batch's "
+                             f"length is {stream.shape[1]}; pad or crop sequences to a multiple of {tp}, or call "
+                             "zs.tensor_parallel without sequence_parallel")
+
+    return check
 
 
 def _check_unsharded(model: nn.Module) -> None:
