@@ -104,8 +104,10 @@ def plot(results: list[dict], path: Path) -> None:
         ax.axhline(res["floor"], color="k", lw=0.8, ls=":", label=f"entropy floor {res['floor']:.4f}")
         ax.axvspan(res["steps"] - res["tail"], res["steps"], color="0.9", label=f"last {res['tail']} steps")
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.2f"))
+        # Fixed labels in nats: a log axis over 1.2-3 would label only its decade's 2 and 3.
+        ax.yaxis.set_major_locator(ticker.FixedLocator([1.25, 1.5, 1.75, 2.0, 2.5, 3.0]))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.2f"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         s = res["settings"]
         ax.set_title(f"{res['model']}, stage 3, 2 ranks, {res['steps']} steps x {s['batch']} seqs of 64, "
                      f"lr {s['lr']:g}", fontsize=9)
