@@ -183,9 +183,9 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
     if sequence_parallel:
         # The residual stream stays split by sequence: each column-wise linear all-gathers its
         # input, each row-wise linear reduce-scatters its output (Megatron-SP).
-        plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                "attn.qkv": ColwiseParallel(input_layouts=Shard(1)), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-                "mlp.fc": ColwiseParallel(input_layouts=Shard(1)), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
+        plan = {name: ColwiseParallel(input_layouts=Shard(1)) if style is ColwiseParallel
+                else RowwiseParallel(output_layouts=Shard(1)) for name, style in GPT_TP_STYLES.items()}
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
     blocks: Any = model.blocks
     return list(blocks), plan, dict(GPT_FUSED)
 
