@@ -286,7 +286,9 @@ def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tup
 
 
 UNIT_KEYS = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
-SLOWEST_KEYS = ("block_forward_slowest_s", "block_backward_slowest_s")
+SLOWEST_OF = {"block_forward_slowest_s": "block_forward_reps", "block_backward_slowest_s": "block_backward_reps"}
+"""The slowest rank's figure -> the per-repeat times on each rank it is taken from."""
+SLOWEST_KEYS = tuple(SLOWEST_OF)
 
 
 def _slowest(ranks: list[dict], reps_key: str) -> float:
@@ -311,7 +313,7 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
         points[f"{op}:{group}"] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
     keys = UNIT_KEYS + ("block_params",)
     unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys}
-    unit.update({k: _slowest(ranks, k.replace("slowest_s", "reps")) for k in SLOWEST_KEYS})
+    unit.update({k: _slowest(ranks, reps) for k, reps in SLOWEST_OF.items()})
     return {"points": points, "unit": unit,
             "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},
             "concurrency": {g: {k: statistics.fmean(r["concurrency"][g][k] for r in ranks) for k in ("two", "three")}
