@@ -60,12 +60,13 @@ def tail_mean(losses: list[float], n: int) -> float:
     return sum(losses[-n:]) / len(losses[-n:])
 
 
-def compare(model: str, steps: int, settings: dict, specs: list[str], out: Path, which: str) -> dict | None:
+def compare(model: str, steps: int, settings: dict, specs: list[str], out: Path, which: str,
+            hang_timeout_s: float = 600.0) -> dict | None:
     """Train (``which``: 'all', one spec, or 'report' for none), then compare each quantized run with fp32."""
     names = {spec: "fp32 comm" if spec == "none" else f"comm_quant={spec}" for spec in ["none", *specs]}
     for spec in names:
         if which in ("all", spec):
-            train(config(model, steps, spec, run_dir(out, model, spec), settings))
+            train(config(model, steps, spec, run_dir(out, model, spec), settings | {"hang_timeout_s": hang_timeout_s}))
     if which not in ("all", "report"):
         return None
     runs = {name: read_run(run_dir(out, model, spec)) for spec, name in names.items()}
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="'all' trains every run then reports; one spec ('none' for fp32, or a --comm value) "
                              "trains only that run (start several processes to run them side by side); "
                              "'report' only reports on the run dirs as they stand")
+    parser.add_argument("--hang-timeout-s", type=float, default=600.0,
+                        help="the runs' collective timeout; raise it to pause a run (SIGSTOP) for longer "
+                             "than 10 minutes, e.g. while a quiet-host benchmark runs")
     parser.add_argument("--out", type=Path, default=Path("runs/quant_convergence"))
     parser.add_argument("--png", type=Path, default=Path("bench/quant_convergence.png"))
     args = parser.parse_args(argv)
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"tiny": args.tiny_steps, "small": args.small_steps}
     settings = {"tiny": {}, "small": {"batch": args.small_batch, "lr": args.small_lr, "warmup": args.small_warmup}}
     found = [compare(m, steps.get(m, args.small_steps), {**DEMO, **settings.get(m, settings["small"])}, specs[m],
-                     args.out, args.which) for m in args.models.split(",")]
+                     args.out, args.which, args.hang_timeout_s) for m in args.models.split(",")]
     results = [r for r in found if r is not None]
     if not results:
         return 0

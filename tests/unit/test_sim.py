@@ -450,19 +450,21 @@ def test_hardware_from_rounds_takes_the_median_of_each_figure():
 def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_path):
     """Sharded params (stage 3, hybrid too) wait on a gather before each block, which every rank must
     have launched, so a block takes its slowest rank's time; stages 0-2 meet a few times a step and
-    keep the ranks' mean. A file without the slowest figure (written before it was measured) keeps
-    the mean everywhere and still round-trips."""
+    keep the ranks' mean blocks, paying the slowest rank's whole pass once, on the root. A file
+    without the slowest figures (written before they were measured) keeps the mean everywhere and
+    still round-trips."""
     from zeroshard.sim.measured import to_toml
 
     base = _calibrated()
     (c,) = base.compute
-    slow = dataclasses.replace(base, compute=(dataclasses.replace(c, block_forward_slowest_s=1.5e-3,
-                                                                  block_backward_slowest_s=2.5e-3),))
+    slow = dataclasses.replace(base, compute=(dataclasses.replace(
+        c, block_forward_slowest_s=1.5e-3, block_backward_slowest_s=2.5e-3,
+        root_forward_slowest_s=c.root_forward_s + 0.25e-3, root_backward_slowest_s=c.root_backward_s + 0.5e-3),))
     L = _tiny().shape.n_layer
     for stage in (0, 1, 2, 3):
         layout = Layout(world=2, stage=stage, param_bytes=4)
         mean, slowest = simulate(_tiny(), base, layout), simulate(_tiny(), slow, layout)
-        extra = L * (0.5e-3 + 0.5e-3) if stage == 3 else 0.0
+        extra = L * (0.5e-3 + 0.5e-3) if stage == 3 else 0.25e-3 + 0.5e-3
         assert slowest.compute_s == pytest.approx(mean.compute_s + extra)
     hybrid = Layout(world=4, stage=3, shards=2, param_bytes=4)
     assert simulate(_tiny(), slow, hybrid).compute_s == pytest.approx(simulate(_tiny(), base, hybrid).compute_s + L * 1e-3)

@@ -115,6 +115,12 @@ def _median_times(fn, repeats: int) -> float:
     return statistics.median([_once(fn) for _ in range(repeats + 1)][1:])
 
 
+UNIT_REPEATS = 9
+"""The fewest repeats of the block and whole-model timings. The root unit is their difference (the
+whole model less its blocks), small beside either, so their noise lands on it: with 5 repeats,
+rounds of the same calibration gave 5 to 142 ms for the root's backward at 4 ranks."""
+
+
 def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats: int) -> dict[str, float]:
     """One block's forward and backward, the root's (whole model less its blocks) and AdamW per param."""
     import torch
@@ -149,12 +155,12 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
     out: dict = {}
     for name, fwd, bwd in (("block", block_fwd, block_bwd), ("model", model_fwd, model_bwd)):
         f, b = [], []
-        for _ in range(repeats + 1):  # forward and backward alternate, as in a step
+        for _ in range(max(repeats, UNIT_REPEATS) + 1):  # forward and backward alternate, as in a step
             f.append(_once(fwd))
             b.append(_once(bwd))
         out[f"{name}_forward_s"], out[f"{name}_backward_s"] = statistics.median(f[1:]), statistics.median(b[1:])
-        if name == "block":  # every repeat, for the slowest rank's figure (``calibrate_world``)
-            out["block_forward_reps"], out["block_backward_reps"] = f[1:], b[1:]
+        # every repeat, for the slowest rank's figures (``calibrate_world``)
+        out[f"{name}_forward_reps"], out[f"{name}_backward_reps"] = f[1:], b[1:]
     flat = torch.nn.Parameter(torch.zeros(sum(p.numel() for p in block.parameters())))
     flat.grad = torch.randn_like(flat)
     opt = torch.optim.AdamW([flat], lr=1e-4, betas=BETAS, weight_decay=0.1)
@@ -288,7 +294,9 @@ def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tup
 UNIT_KEYS = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
 SLOWEST_OF = {"block_forward_slowest_s": "block_forward_reps", "block_backward_slowest_s": "block_backward_reps"}
 """The slowest rank's figure -> the per-repeat times on each rank it is taken from."""
-SLOWEST_KEYS = tuple(SLOWEST_OF)
+SLOWEST_KEYS = (*SLOWEST_OF, "root_forward_slowest_s", "root_backward_slowest_s")
+"""Every slowest-rank figure: the blocks' above, and the root's (the slowest whole pass less the
+blocks' mean), which ``calibrate_world`` derives."""
 
 
 def _slowest(ranks: list[dict], reps_key: str) -> float:
@@ -311,9 +319,15 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     points = {}
     for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
         points[f"{op}:{group}"] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
+    from zeroshard.models.gpt import GPTConfig
+
     keys = UNIT_KEYS + ("block_params",)
     unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys}
     unit.update({k: _slowest(ranks, reps) for k, reps in SLOWEST_OF.items()})
+    n_layer = GPTConfig.named(model).n_layer
+    for pass_ in ("forward", "backward"):  # the whole pass's skew, on the root (MeasuredCompute)
+        whole = _slowest(ranks, f"model_{pass_}_reps")
+        unit[f"root_{pass_}_slowest_s"] = max(0.0, whole - n_layer * unit[f"block_{pass_}_s"])
     return {"points": points, "unit": unit,
             "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},
             "concurrency": {g: {k: statistics.fmean(r["concurrency"][g][k] for r in ranks) for k in ("two", "three")}

@@ -112,11 +112,14 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
     for m in hw.links:
         print(f"{m.op:15s} over {m.group} of {m.world} ranks: alpha {m.alpha_s * 1e6:8.1f} us/step, bus bandwidth "
               f"{m.bandwidth / 1e9:6.3f} GB/s")
+    def slowest(fwd: float | None, bwd: float | None) -> str:
+        return f" (slowest rank {fwd * 1e3:.2f} / {bwd * 1e3:.2f})" if fwd is not None and bwd is not None else ""
+
     for c in hw.compute:
-        slowest = (f" (slowest rank {c.block_forward_slowest_s * 1e3:.2f} / {c.block_backward_slowest_s * 1e3:.2f})"
-                   if c.block_forward_slowest_s is not None and c.block_backward_slowest_s is not None else "")
         print(f"{model} world {c.world}: block fwd {c.block_forward_s * 1e3:.2f} ms, bwd {c.block_backward_s * 1e3:.2f} "
-              f"ms{slowest}; root fwd {c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms; AdamW "
+              f"ms{slowest(c.block_forward_slowest_s, c.block_backward_slowest_s)}; root fwd "
+              f"{c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms"
+              f"{slowest(c.root_forward_slowest_s, c.root_backward_slowest_s)}; AdamW "
               f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention all_gather {c.contention_all_gather:.2f}, "
               f"reduce_scatter {c.contention_reduce_scatter:.2f}, all_reduce {c.contention_all_reduce:.2f}")
     for k in hw.concurrency:

@@ -256,17 +256,23 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
     """Seconds per unit from ``hw.compute`` (timed on this model), scaled by tokens when the
     workload's micro-batch differs from the timed one. The parts split as the timing did.
 
-    With ``synced_per_unit`` (params sharded: every block waits on its own gather, which every
-    rank of the group must have launched) a block takes its slowest rank's time where that was
-    measured; otherwise ranks meet a few times a step and the mean over ranks stands."""
+    A step lasts as long as its slowest rank. With ``synced_per_unit`` (params sharded: every block
+    waits on its own gather, which every rank of the group must have launched) each block takes its
+    slowest rank's time where that was measured. Otherwise ranks meet a few times a step, blocks
+    keep the mean over ranks and the root the slowest rank's whole pass less them: the skew is
+    paid once a pass, not once a block."""
     c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, world)
     scale = w.tokens / c.tokens
     fwd, bwd = c.block_forward_s, c.block_backward_s
+    root_f, root_b = c.root_forward_s, c.root_backward_s
     if synced_per_unit:
         fwd = c.block_forward_slowest_s if c.block_forward_slowest_s is not None else fwd
         bwd = c.block_backward_slowest_s if c.block_backward_slowest_s is not None else bwd
+    else:
+        root_f = c.root_forward_slowest_s if c.root_forward_slowest_s is not None else root_f
+        root_b = c.root_backward_slowest_s if c.root_backward_slowest_s is not None else root_b
     bf, bb = fwd * scale, bwd * scale
-    rf, rb = c.root_forward_s * scale, c.root_backward_s * scale
+    rf, rb = root_f * scale, root_b * scale
     if w.checkpointing != "none":  # a checkpointed block runs its forward again in backward
         bb += bf * w.recompute_fraction()[0]
     L = w.shape.n_layer
