@@ -133,6 +133,11 @@ def test_cli_time_json_and_sweep_plot(tmp_path, capsys):
     assert cli(["plan", "--time", "--model", "tiny", "--world", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["stage"] for r in rows] == [0, 1, 2, 3] and all(r["peak_bytes"] > 0 for r in rows)
+    assert cli(["plan", "--time", "--model", "llama3-8b", "--world", "8", "--offload", "cpu", "--shard-size", "4",
+                "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]  # offload over the whole world only: no hybrid rows
+    assert [r["layout"] for r in rows] == [f"{n} offload=cpu" for n in ("ddp", "zero1", "zero2", "zero3")]
+    assert all(r["breakdown"]["host copies (offload)"] > 0 for r in rows)
     assert cli(["plan", "--time", "--model", "llama3-8b", "--sweep", "8,x"]) == 1
     assert "--sweep takes" in capsys.readouterr().err
     assert cli(["plan", "--model", "llama3-8b", "--world", "8"]) == 1
@@ -496,3 +501,66 @@ def test_simulated_buckets_follow_the_engines_rule():
     # the same bytes either way; more buckets pay more latency
     assert two_blocks.wire_bytes == pytest.approx(one_bucket.wire_bytes)
     assert two_blocks.comm_s > one_bucket.comm_s
+
+
+def test_offload_moves_the_optimizer_to_the_host_and_pays_the_host_link():
+    """cpu offload (the runtime's OffloadPolicy): AdamW runs on the host at host memory bandwidth,
+    the reduced fp32 grad shards go out over the host link while backward runs (the optimizer waits
+    for the last), and the masters come back before their gathers. The copies back are exact: at
+    stage 3 this rank's slice of the root once and of every block at each of its gathers (forward,
+    and backward's regather but for the block kept from forward); at stages 1-2 the slice once,
+    before the post-step all-gather; at stage 0 the whole model."""
+    from zeroshard.sim.step import HOST_ADAMW_BYTES_PER_PARAM, MASTER_BYTES
+
+    w, hw = _small_workload(), PRESETS["h100"]
+    s, world = w.shape, 8
+    for stage in (0, 1, 2, 3):
+        base = simulate(w, hw, Layout(world=world, stage=stage))
+        off = simulate(w, hw, Layout(world=world, stage=stage, offload="cpu"))
+        local = s.params / (world if stage else 1)
+        assert off.optimizer_s == pytest.approx(local * HOST_ADAMW_BYTES_PER_PARAM / hw.host_memory_bandwidth)
+        copies_back = (s.root_params + (2 * s.n_layer - 1) * s.block_params) / world if stage == 3 else local
+        waited_out = off.breakdown["host copies (offload)"] - copies_back * MASTER_BYTES / hw.host_link_bandwidth
+        assert waited_out >= -1e-12  # plus whatever the optimizer waited for grads still in transit
+        assert waited_out <= local * MASTER_BYTES / hw.host_link_bandwidth + 1e-12
+        assert off.compute_s == base.compute_s and off.step_s > base.step_s
+        assert off.step_s == pytest.approx(off.compute_s + off.optimizer_s + off.exposed_comm_s
+                                           + off.breakdown["host copies (offload)"], rel=1e-9)
+
+
+def test_disk_offload_paces_the_step_by_the_slower_of_cpu_and_disk():
+    from zeroshard.sim.step import DISK_STATE_BYTES_PER_PARAM, HOST_ADAMW_BYTES_PER_PARAM
+
+    w, hw, world = _small_workload(), PRESETS["h100"], 8
+    local = w.shape.params / world
+    disk = simulate(w, hw, Layout(world=world, stage=3, offload="disk")).optimizer_s
+    cpu = local * HOST_ADAMW_BYTES_PER_PARAM / hw.host_memory_bandwidth
+    io = 2 * local * DISK_STATE_BYTES_PER_PARAM / hw.disk_bandwidth
+    assert max(cpu, io) < disk <= max(cpu, io) + local * DISK_STATE_BYTES_PER_PARAM / hw.disk_bandwidth
+    fast = dataclasses.replace(hw, disk_bandwidth=1e15)  # the disk is then no limit
+    assert simulate(w, fast, Layout(world=world, stage=3, offload="disk")).optimizer_s == pytest.approx(cpu, rel=1e-4)
+
+
+def test_offload_needs_the_host_figures_and_the_whole_world():
+    w = _small_workload()
+    bare = dataclasses.replace(PRESETS["h100"], name="mine", host_link_bandwidth=0.0)
+    with pytest.raises(ValueError, match="offload=cpu needs hardware 'mine' to give host_link_bandwidth"):
+        simulate(w, bare, Layout(world=8, stage=3, offload="cpu"))
+    no_disk = dataclasses.replace(PRESETS["h100"], name="mine", disk_bandwidth=0.0)
+    with pytest.raises(ValueError, match="disk_bandwidth"):
+        simulate(w, no_disk, Layout(world=8, stage=3, offload="disk"))
+    with pytest.raises(ValueError, match="offload is simulated over the whole world"):
+        Layout(world=8, stage=3, shards=4, offload="cpu")
+    with pytest.raises(ValueError, match="offload must be one of none, cpu, disk"):
+        Layout(world=8, stage=3, offload="nvme")
+
+
+def test_offload_frees_device_memory_in_the_replays_peak():
+    from zeroshard.sim.memory import gpt_peak_bytes
+
+    w = _tiny()
+    for stage in (1, 2, 3):
+        on, off = (gpt_peak_bytes("tiny", w, Layout(world=2, stage=stage, offload=o)) for o in ("cpu", "none"))
+        assert on < off
+    big = _small_workload()
+    assert peak_bytes(big, Layout(world=8, stage=3, offload="cpu")) < peak_bytes(big, Layout(world=8, stage=3))

@@ -211,7 +211,7 @@ def add_parser(sub: Any) -> None:
                       "all, every:K (segments of K blocks), sqrt; op and full for Llama shapes with --time")
     run_.add_argument("--offload", choices=OFFLOAD_KINDS, default="none",
                       help="also plan offload variants: masters and optimizer state in host memory (cpu) or files "
-                           "(disk), as zs.shard(offload=)")
+                           "(disk), as zs.shard(offload=); with --time, simulate every layout offloaded")
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
     run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
     run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")

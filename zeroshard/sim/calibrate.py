@@ -378,6 +378,9 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
                   hbm_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
                   gpus_per_node=max(worlds), intra_bandwidth=last.bandwidth, inter_bandwidth=last.bandwidth,
                   intra_latency=last.alpha_s, inter_latency=last.alpha_s, gemm_efficiency=1.0,
+                  # One memory: offload's copies are memory to memory, its step the measured AdamW.
+                  host_link_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
+                  host_memory_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
                   links=tuple(links), compute=tuple(compute), concurrency=tuple(concurrency))
     return hw, raw
 

@@ -79,7 +79,8 @@ def run_time(args: argparse.Namespace) -> list:
         # params on the wire; otherwise the bf16 the simulator assumes for GPU runs.
         param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
         rows += evaluate(w, hw, layouts_for(world, stages, shard_sizes, prefetch=args.prefetch,
-                                            bucket_mb=args.bucket_mb, param_bytes=param_bytes), memory)
+                                            bucket_mb=args.bucket_mb, param_bytes=param_bytes,
+                                            offload=getattr(args, "offload", "none")), memory)
     return [w, hw, rows]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from zeroshard.sim.measured import MeasuredCompute, MeasuredConcurrency, MeasuredLink
 
@@ -49,6 +50,14 @@ class Hardware:
     """Seconds compute is slowed per second of communication running under it: 0 on a GPU (copy
     engines, NCCL's own SMs aside); measured per collective (``MeasuredCompute``) on a CPU host,
     where gloo's threads and the ranks' compute share the same cores and can exceed 1."""
+    host_link_bandwidth: float = 0.0
+    """Bytes/s per GPU per direction between its memory and the host's (PCIe): offload's grad
+    copies out and master copies back. 0: not known (offload cannot be simulated)."""
+    host_memory_bandwidth: float = 0.0
+    """Host DRAM bytes/s per GPU (the node's total over its GPUs): offload's optimizer step runs on
+    the CPU, memory-bound, at this. 0: not known."""
+    disk_bandwidth: float = 0.0
+    """Bytes/s per GPU of the drives disk offload's files live on. 0: not known."""
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth"):
@@ -61,25 +70,45 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be a positive int")
         if not self.contention >= 0:
             raise ValueError(f"hardware {self.name!r}: contention must be >= 0, got {self.contention!r}")
+        for f in ("host_link_bandwidth", "host_memory_bandwidth", "disk_bandwidth"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"hardware {self.name!r}: {f} must be >= 0 (0: not known), got {getattr(self, f)!r}")
+
+    def offload_figure(self, field: str, offload: str) -> float:
+        """A host figure offload needs, or a one-line error naming the TOML key to set."""
+        value = float(getattr(self, field))
+        if not value > 0:
+            raise ValueError(f"offload={offload} needs hardware {self.name!r} to give {field} (bytes/s per GPU); "
+                             f"set it in the hardware TOML, or start from a preset with base = \"h100\"")
+        return value
 
 
 _GB = 1e9
+# Host side of an 8-GPU node, for offload. The GPU's host link is PCIe x16 at the datasheet's rate
+# (H100/H200 SXM: Gen5, 128 GB/s bidirectional, 64 per direction; A100 SXM4: Gen4, 64 bidirectional),
+# of which we take about 80% as achieved, a typical pinned-copy figure. Host DRAM: DGX H100 has two
+# Xeon 8480C sockets of 8 DDR5-4800 channels (2 x 307 GB/s), DGX A100 two EPYC 7742 of 8 DDR4-3200
+# channels (2 x 205 GB/s), shared by 8 GPUs. Disk: an assumption, not a datasheet figure: one
+# datacentre NVMe drive's sequential write (about 3.5 GB/s for PCIe Gen4 U.2 drives) per GPU on
+# the H100/H200 nodes (DGX H100: 8 x 3.84 TB U.2), half of that on DGX A100 (4 drives).
+_HOPPER_HOST: dict[str, Any] = dict(host_link_bandwidth=50 * _GB, host_memory_bandwidth=614 * _GB / 8, disk_bandwidth=3.5 * _GB)
+_AMPERE_HOST: dict[str, Any] = dict(host_link_bandwidth=25 * _GB, host_memory_bandwidth=410 * _GB / 8, disk_bandwidth=1.75 * _GB)
 PRESETS: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense bf16 (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s,
     # NVLink 4 at 900 GB/s bidirectional (450 per direction). DGX H100: one 400 Gb/s ConnectX-7 per GPU.
     "h100": Hardware(name="h100", peak_flops=989e12, hbm_bytes=80 * _GB, hbm_bandwidth=3.35e12,
-                     intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB),
+                     intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB, **_HOPPER_HOST),
     # The H100 torchtitan benchmarks on (docs/performance.md, Grand Teton): 96 GB HBM2e at 2.4 TB/s,
     # 400 Gb/s RDMA per GPU, 500 W power limit (not modelled: peak is left at the datasheet figure).
     "h100-96": Hardware(name="h100-96", peak_flops=989e12, hbm_bytes=96 * _GB, hbm_bandwidth=2.4e12,
-                        intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB),
+                        intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB, **_HOPPER_HOST),
     # NVIDIA H200 SXM datasheet: same compute as H100, 141 GB HBM3e at 4.8 TB/s; same NVLink 4 and NICs.
     "h200": Hardware(name="h200", peak_flops=989e12, hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12,
-                     intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB),
+                     intra_bandwidth=450 * _GB, inter_bandwidth=50 * _GB, **_HOPPER_HOST),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s bf16, 2.039 TB/s; NVLink 3 at 600 GB/s bidirectional;
     # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU.
     "a100": Hardware(name="a100", peak_flops=312e12, hbm_bytes=80 * _GB, hbm_bandwidth=2.039e12,
-                     intra_bandwidth=300 * _GB, inter_bandwidth=25 * _GB),
+                     intra_bandwidth=300 * _GB, inter_bandwidth=25 * _GB, **_AMPERE_HOST),
 }
 
 

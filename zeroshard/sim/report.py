@@ -17,15 +17,17 @@ GIB = 2**30
 
 def layout_label(layout: Layout) -> str:
     name = STAGE_NAMES[layout.stage]
-    return f"{name} shard={layout.shard_group}" if layout.shard_group < layout.world and layout.stage else name
+    name = f"{name} shard={layout.shard_group}" if layout.shard_group < layout.world and layout.stage else name
+    return name + (f" offload={layout.offload}" if layout.offload != "none" else "")
 
 
 def layouts_for(world: int, stages: tuple[int, ...], shard_sizes: tuple[int, ...], **kw: Any) -> list[Layout]:
-    """Every stage over the whole world, plus hybrid groups of each size that divides the world."""
+    """Every stage over the whole world, plus hybrid groups of each size that divides the world
+    (without offload, which is simulated over the whole world only, as the planner prices it)."""
     out = []
     for stage in stages:
         out.append(Layout(world=world, stage=stage, **kw))
-        if stage:
+        if stage and kw.get("offload", "none") == "none":
             out += [Layout(world=world, stage=stage, shards=s, **kw) for s in shard_sizes if s < world and world % s == 0]
     return out
 

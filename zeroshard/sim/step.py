@@ -16,6 +16,13 @@ The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch
   reshards everything); stages 0-1 reduce only in the last micro-step (their full grads accumulate
   locally), stages 2-3 in every one (into the grad shard). A micro-step's last reductions are left
   running into the next micro-step's forward and finished at its backward's first grad;
+- with offload (``Layout.offload``, the runtime's ``OffloadPolicy``): fp32 masters and AdamW state
+  live in host memory. Each finished reduction's fp32 grad shard is copied out over the host link,
+  asynchronously (pinned), one copy at a time; the optimizer waits for them all, then steps on the
+  CPU at host memory bandwidth (disk: also reading and writing its state files, prefetched a slice
+  ahead). Masters go back over the link synchronously, on the compute stream, before every gather
+  of a unit's own slice: at stage 3 before each all-gather, at stages 1-2 before the post-step
+  all-gather, at stage 0 the whole model after the step;
 - with a tp mesh dim (``Layout.tp``), each block's matmuls and attention are split over tp
   consecutive ranks of a node (Megatron's column/row split; elementwise work is taken as whole,
   a bound), ZeRO shards each rank's tp-local block params over the data-parallel ranks (every
@@ -36,6 +43,7 @@ import bisect
 import dataclasses
 from typing import Any
 
+from zeroshard.offload.policy import OFFLOAD_KINDS, OffloadPolicy
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
@@ -48,6 +56,15 @@ ADAMW_BYTES_PER_PARAM = 34
 """fp32 AdamW update moves param, grad, two moments in (16 B) and param, moments out (12 B), plus the
 compute-dtype copy of the param (read 4, write 2)."""
 
+
+HOST_ADAMW_BYTES_PER_PARAM = 28
+"""AdamW on the host over offloaded fp32 state: param, grad, two moments in (16 B), param and moments
+out (12 B). The compute-dtype copy is made on the device from the master sent back."""
+DISK_STATE_BYTES_PER_PARAM = 12
+"""What disk offload keeps in files per param (fp32 master and AdamW's two moments): read, stepped,
+written back."""
+MASTER_BYTES = 4
+"""Offload's masters and reduced grads cross the host link in fp32."""
 
 _ENGINE = EngineOptions()
 """The runtime's schedule defaults (prefetch window, resharding, bucket size), read, not restated."""
@@ -67,9 +84,13 @@ class Layout:
     tp: int = 1
     """Tensor-parallel degree: consecutive ranks (within a node) each block is split over. ``world``
     counts every rank; ``world / tp`` are data parallel."""
+    offload: str = "none"
+    """Where masters and optimizer state live: none, cpu or disk (``zeroshard.offload``)."""
 
     def __post_init__(self) -> None:
         StagePolicy(self.stage)  # validates
+        if self.offload not in OFFLOAD_KINDS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_KINDS)}, got {self.offload!r}")
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
         if self.tp < 1 or self.world % self.tp:
@@ -77,6 +98,9 @@ class Layout:
         s = self.shard_group
         if self.dp % s:
             raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
+        if self.offload != "none" and self.policy.shard_optimizer and s < self.dp:
+            raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
+                             "shard size or the offload")
 
     @property
     def dp(self) -> int:
@@ -229,6 +253,42 @@ class CommLink:
         return out
 
 
+class HostLink:
+    """Offload's traffic between a GPU and host memory (nothing without offload): the fp32 grad
+    shards going out, asynchronously (pinned) and one after another on the copy engine, and the
+    masters coming back synchronously on the compute stream, which waits for them."""
+
+    def __init__(self, hw: Hardware, layout: Layout) -> None:
+        self.on = layout.offload != "none"
+        self.bandwidth = hw.offload_figure("host_link_bandwidth", layout.offload) if self.on else 0.0
+        self.free_at = 0.0
+        self.blocking = 0.0
+        """Seconds compute waited on the link: copies back, and the optimizer's wait for copies out."""
+        self.busy = 0.0
+
+    def _seconds(self, params: float) -> float:
+        return params * MASTER_BYTES / self.bandwidth if self.on else 0.0
+
+    def copy_out(self, params: float, at: float) -> None:
+        """A reduced grad shard of ``params`` elements leaves for the host when its reduction is done."""
+        seconds = self._seconds(params)
+        self.free_at = max(at, self.free_at) + seconds
+        self.busy += seconds
+
+    def copy_in(self, params: float) -> float:
+        """Seconds compute is held while ``params`` masters are copied back to the device."""
+        seconds = self._seconds(params)
+        self.blocking += seconds
+        self.busy += seconds
+        return seconds
+
+    def drain(self, t: float) -> float:
+        """When every copy out has landed (the host optimizer reads those grads)."""
+        end = max(t, self.free_at) if self.on else t
+        self.blocking += end - t
+        return end
+
+
 def _overlap(t0: float, t1: float, spans: list[tuple[float, float]]) -> float:
     """Seconds of [t0, t1] covered by the sorted, disjoint ``spans``."""
     total = 0.0
@@ -310,27 +370,30 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
     d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params)
     pol, s = layout.policy, w.shape
-    comm = CommLink(hw, layout)
+    comm, host = CommLink(hw, layout), HostLink(hw, layout)
     t = 0.0
     carried: list[tuple[Collective, float]] = []  # reductions left running into the next micro-step
     for micro in range(w.accum):
-        t = _forward(w, layout, d, comm, t)
+        t = _forward(w, layout, d, comm, host, t)
         t = comm.compute(t, d.root_fwd + d.root_bwd)
         last = micro == w.accum - 1
-        t, carried = _backward(w, layout, d, comm, t, carried=carried,
+        t, carried = _backward(w, layout, d, comm, host, t, carried=carried,
                                reduce=last or pol.transient_grads, finish=last)
     compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
-    group = layout.shard_group
+    group = layout.shard_group  # 1 at stage 0
     params = _local_params(w, layout)
-    optimizer = params / (group if pol.shard_optimizer else 1) * _optimizer_s_per_param(w, hw, layout.world)
+    t = host.drain(t)
+    optimizer = _optimizer_seconds(w, hw, layout, params / group)
     t = comm.compute(t, optimizer)
+    if not pol.shard_params:  # offloaded masters back to the device: this rank's slice (all of it at stage 0)
+        t += host.copy_in(params / group)
     if pol.shard_optimizer and not pol.shard_params:
         t = comm.when(comm.launch("all_gather", params * layout.param_bytes, group, t))
     if layout.tp > 1:  # on the critical path, so all exposed
         tp_ops = w.accum * s.n_layer * 2 * (1 + (2 if w.checkpointing != "none" else 1))
         comm.busy += w.accum * s.n_layer * (d.tp_fwd + d.tp_bwd)
         comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
-    exposed = max(0.0, t - compute - optimizer)
+    exposed = max(0.0, t - compute - optimizer - host.blocking)
     # Communication that runs under compute still takes the measured share of the cores from it.
     under = comm.under_compute()
     stolen = _contention_seconds(w, hw, layout, under)
@@ -339,6 +402,8 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
     if stolen:
         breakdown["comm contention"] = stolen
+    if host.on:
+        breakdown["host copies (offload)"] = host.blocking
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()))
@@ -353,6 +418,23 @@ def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, under: dict[s
     return sum(c.contention(op) * seconds for op, seconds in under.items())
 
 
+def _optimizer_seconds(w: Workload, hw: Hardware, layout: Layout, params: float) -> float:
+    """AdamW over ``params`` local params: on the device, or with offload on the host CPU
+    (memory-bound at host bandwidth; a calibrated CPU host's measured rate, the same CPU); disk
+    offload also reads and writes its state files, a slice prefetched while the previous one steps,
+    so the slower of the two sets the pace after the first slice's read."""
+    if layout.offload == "none" or hw.compute:
+        return params * _optimizer_s_per_param(w, hw, layout.world)
+    cpu = params * HOST_ADAMW_BYTES_PER_PARAM / hw.offload_figure("host_memory_bandwidth", layout.offload)
+    if layout.offload == "cpu":
+        return cpu
+    disk = hw.offload_figure("disk_bandwidth", layout.offload)
+    state = params * DISK_STATE_BYTES_PER_PARAM
+    slice_params = OffloadPolicy(kind="cpu").slice_mb * 2**20 / MASTER_BYTES  # as zeroshard.sharding.optim slices
+    first = min(params, slice_params) * DISK_STATE_BYTES_PER_PARAM / disk
+    return max(cpu, 2 * state / disk) + first
+
+
 def _optimizer_s_per_param(w: Workload, hw: Hardware, world: int) -> float:
     """Measured AdamW seconds per param when ``hw`` has them for this model, else bytes over HBM bandwidth."""
     if hw.compute:
@@ -365,28 +447,33 @@ def _local_params(w: Workload, layout: Layout) -> float:
     return w.shape.root_params + w.shape.n_layer * w.shape.block_params / layout.tp
 
 
-def _forward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: float) -> float:
+def _forward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink, t: float) -> float:
     """One micro-step's forward from ``t``: the root (embeddings) first, then each block, gathered
-    ``prefetch`` ahead at stage 3."""
+    ``prefetch`` ahead at stage 3 (each gather after its own slice's copy back when offloaded)."""
     pol, s = layout.policy, w.shape
     group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
     block_param = s.block_params / layout.tp * layout.param_bytes
+    own_block = s.block_params / layout.tp / group  # this rank's slice, in elements
     start_at = t
-    root = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at) if pol.shard_params else t
+    root: Collective | float = t
     ready: list[Collective | float] = [start_at] * L
     if pol.shard_params:
+        start_at += host.copy_in(s.root_params / group)
+        root = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at)
         for i in range(min(k, L)):
+            start_at += host.copy_in(own_block)
             ready[i] = comm.launch("all_gather", block_param, group, start_at)
-    t = comm.when(root)
+    t = max(start_at, comm.when(root))
     for i in range(L):
         start = max(t, comm.when(ready[i]))
         if pol.shard_params and i + k < L:
+            start += host.copy_in(own_block)
             ready[i + k] = comm.launch("all_gather", block_param, group, start)
         t = comm.compute(start, d.block_fwd) + d.tp_fwd
     return t
 
 
-def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: float, *,
+def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink, t: float, *,
               carried: list[tuple[Collective, float]] | None = None, reduce: bool = True,
               finish: bool = True) -> tuple[float, list[tuple[Collective, float]]]:
     """Blocks in reverse with their gathers and, when ``reduce``, their reductions. The ``carried``
@@ -397,10 +484,12 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: flo
     group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
     block_param = s.block_params / layout.tp * layout.param_bytes
     block_grad = s.block_params / layout.tp * layout.reduce_bytes
+    own_block = s.block_params / layout.tp / group
     regather = pol.shard_params and layout.reshard_after_forward
     ready: list[Collective | float] = [t] * L
     if regather:  # the last block of forward stays gathered into backward (Engine.kept_for_backward)
         for j in range(1, min(k, L)):
+            t += host.copy_in(own_block)
             ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
     # Reductions: per block at stage 3, per bucket otherwise (the root last, in backward order).
     sizes = [float(block_grad)] * L + [float(s.root_params * layout.reduce_bytes)]
@@ -424,6 +513,7 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: flo
             # The replicate group is its own process group (its own stream), but the engine waits on it.
             now = comm.when(comm.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas,
                                         stream="replicate"))
+        host.copy_out(nbytes / layout.reduce_bytes, now)  # offload: the reduced shard goes to the host
         return now
 
     while pending:  # the previous micro-step's, finished at this backward's first grad
@@ -431,9 +521,11 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, t: flo
     for step, i in enumerate(range(L - 1, -1, -1)):
         start = max(t, comm.when(ready[i]))
         j = i - k
+        held = 0.0  # compute held by the prefetched unit's copy back (offload)
         if regather and j >= 0:  # issued once this unit's grads are partly ready, as the engine does
-            ready[j] = comm.launch("all_gather", block_param, group, start + BACKWARD_PREFETCH_AT * d.block_bwd)
-        t = comm.compute(start, d.block_bwd) + d.tp_bwd
+            held = host.copy_in(own_block)
+            ready[j] = comm.launch("all_gather", block_param, group, start + BACKWARD_PREFETCH_AT * d.block_bwd + held)
+        t = comm.compute(start, d.block_bwd) + held + d.tp_bwd
         while next_unit < len(units) and owner[next_unit] <= step:
             pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
             next_unit += 1
