@@ -314,13 +314,12 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     evenly over a step's many, so the slowest rank's unit overstates a step that syncs seldom),
     and a block's forward and backward also the slowest rank's (a step that syncs every block)."""
     from zeroshard.launch import spawn
+    from zeroshard.models.gpt import GPTConfig
 
     ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
     points = {}
     for k, (op, group, first_pts) in enumerate(ranks[0]["points"]):
         points[f"{op}:{group}"] = [(n, max(r["points"][k][2][i][1] for r in ranks)) for i, (n, _) in enumerate(first_pts)]
-    from zeroshard.models.gpt import GPTConfig
-
     keys = UNIT_KEYS + ("block_params",)
     unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys}
     unit.update({k: _slowest(ranks, reps) for k, reps in SLOWEST_OF.items()})
@@ -373,14 +372,13 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
     last = ([m for m in links if m.op == "all_gather" and m.group == m.world] or links)[-1]
     block_flops = 6.0 * rounds[worlds[0]][0]["unit"]["block_params"] * micro_batch * seq
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory_rate = ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15)
     hw = Hardware(name=name, peak_flops=block_flops / (first_c.block_forward_s + first_c.block_backward_s),
-                  hbm_bytes=float(mem // max(worlds)),
-                  hbm_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
+                  hbm_bytes=float(mem // max(worlds)), hbm_bandwidth=memory_rate,
                   gpus_per_node=max(worlds), intra_bandwidth=last.bandwidth, inter_bandwidth=last.bandwidth,
                   intra_latency=last.alpha_s, inter_latency=last.alpha_s, gemm_efficiency=1.0,
                   # One memory: offload's copies are memory to memory, its step the measured AdamW.
-                  host_link_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
-                  host_memory_bandwidth=ADAMW_BYTES_PER_PARAM / max(first_c.optimizer_s_per_param, 1e-15),
+                  host_link_bandwidth=memory_rate, host_memory_bandwidth=memory_rate,
                   links=tuple(links), compute=tuple(compute), concurrency=tuple(concurrency))
     return hw, raw
 

@@ -113,6 +113,7 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
     for m in hw.links:
         print(f"{m.op:15s} over {m.group} of {m.world} ranks: alpha {m.alpha_s * 1e6:8.1f} us/step, bus bandwidth "
               f"{m.bandwidth / 1e9:6.3f} GB/s")
+
     def slowest(fwd: float | None, bwd: float | None) -> str:
         return f" (slowest rank {fwd * 1e3:.2f} / {bwd * 1e3:.2f})" if fwd is not None and bwd is not None else ""
 
