@@ -455,7 +455,7 @@ def test_hardware_from_rounds_takes_the_median_of_each_figure():
 def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_path):
     """Sharded params (stage 3, hybrid too) wait on a gather before each block, which every rank must
     have launched, so a block takes its slowest rank's time; stages 0-2 meet a few times a step and
-    keep the ranks' mean blocks, paying the slowest rank's whole pass once, on the root. A file
+    keep the ranks' mean blocks, paying the slowest rank's whole step once, on the root. A file
     without the slowest figures (written before they were measured) keeps the mean everywhere and
     still round-trips."""
     from zeroshard.sim.measured import to_toml
@@ -464,7 +464,7 @@ def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_pa
     (c,) = base.compute
     slow = dataclasses.replace(base, compute=(dataclasses.replace(
         c, block_forward_slowest_s=1.5e-3, block_backward_slowest_s=2.5e-3,
-        root_forward_slowest_s=c.root_forward_s + 0.25e-3, root_backward_slowest_s=c.root_backward_s + 0.5e-3),))
+        root_slowest_s=c.root_forward_s + c.root_backward_s + 0.75e-3),))
     L = _tiny().shape.n_layer
     for stage in (0, 1, 2, 3):
         layout = Layout(world=2, stage=stage, param_bytes=4)
@@ -485,6 +485,9 @@ def test_the_slowest_rank_figure_is_the_median_over_repeats_of_each_repeats_slow
     ranks = [{"unit": {"block_forward_reps": [1.0, 5.0, 1.0]}}, {"unit": {"block_forward_reps": [2.0, 1.0, 3.0]}}]
     # per repeat the slower rank: 2, 5, 3; their median 3 (a rank's own median would give 1 and 2)
     assert _slowest(ranks, "block_forward_reps") == 3.0
+    # A stretch of two parts: each rank's sum per repeat, then the slower: 3, 6, 4 -> 4, not 3 + 2.
+    ranks = [{"unit": {"f": [1.0, 5.0, 1.0], "b": [2.0, 1.0, 3.0]}}, {"unit": {"f": [2.0, 1.0, 3.0], "b": [1.0, 1.0, 1.0]}}]
+    assert _slowest(ranks, "f", "b") == 4.0
 
 
 def test_simulated_buckets_follow_the_engines_rule():

@@ -294,16 +294,17 @@ def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tup
 UNIT_KEYS = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
 SLOWEST_OF = {"block_forward_slowest_s": "block_forward_reps", "block_backward_slowest_s": "block_backward_reps"}
 """The slowest rank's figure -> the per-repeat times on each rank it is taken from."""
-SLOWEST_KEYS = (*SLOWEST_OF, "root_forward_slowest_s", "root_backward_slowest_s")
-"""Every slowest-rank figure: the blocks' above, and the root's (the slowest whole pass less the
-blocks' mean), which ``calibrate_world`` derives."""
+SLOWEST_KEYS = (*SLOWEST_OF, "root_slowest_s")
+"""Every slowest-rank figure: the blocks' above, and the root's (the slowest rank's whole forward
+plus backward less the blocks' mean), which ``calibrate_world`` derives."""
 
 
-def _slowest(ranks: list[dict], reps_key: str) -> float:
-    """Median over repeats of the slowest rank's time: every repeat started on all ranks at once
-    (after a barrier), so this is how long a unit takes when every rank must finish it before any
-    goes on, as a gather per unit makes them."""
-    return statistics.median(max(times) for times in zip(*(r["unit"][reps_key] for r in ranks)))
+def _slowest(ranks: list[dict], *reps_keys: str) -> float:
+    """Median over repeats of the slowest rank's time (summed over ``reps_keys``, the parts of one
+    stretch between syncs): every repeat started on all ranks at once (after a barrier), so this is
+    how long the stretch takes when every rank must finish it before any goes on."""
+    per_rank = [[sum(parts) for parts in zip(*(r["unit"][k] for k in reps_keys))] for r in ranks]
+    return statistics.median(max(times) for times in zip(*per_rank))
 
 
 def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: int, *,
@@ -323,10 +324,11 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     keys = UNIT_KEYS + ("block_params",)
     unit = {k: statistics.fmean(r["unit"][k] for r in ranks) for k in keys}
     unit.update({k: _slowest(ranks, reps) for k, reps in SLOWEST_OF.items()})
-    n_layer = GPTConfig.named(model).n_layer
-    for pass_ in ("forward", "backward"):  # the whole pass's skew, on the root (MeasuredCompute)
-        whole = _slowest(ranks, f"model_{pass_}_reps")
-        unit[f"root_{pass_}_slowest_s"] = max(0.0, whole - n_layer * unit[f"block_{pass_}_s"])
+    # A step that meets only at its end (stages 0-2) pays the slowest rank's forward plus backward
+    # once: the sum per rank, not the sum of each pass's slowest (a rank behind in one catches up
+    # in the other). Charged to the root (MeasuredCompute.root_slowest_s).
+    blocks = GPTConfig.named(model).n_layer * (unit["block_forward_s"] + unit["block_backward_s"])
+    unit["root_slowest_s"] = max(0.0, _slowest(ranks, "model_forward_reps", "model_backward_reps") - blocks)
     return {"points": points, "unit": unit,
             "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},
             "concurrency": {g: {k: statistics.fmean(r["concurrency"][g][k] for r in ranks) for k in ("two", "three")}

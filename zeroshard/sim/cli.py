@@ -121,7 +121,8 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
         print(f"{model} world {c.world}: block fwd {c.block_forward_s * 1e3:.2f} ms, bwd {c.block_backward_s * 1e3:.2f} "
               f"ms{slowest(c.block_forward_slowest_s, c.block_backward_slowest_s)}; root fwd "
               f"{c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms"
-              f"{slowest(c.root_forward_slowest_s, c.root_backward_slowest_s)}; AdamW "
+              + (f" (both, slowest rank's whole step less mean blocks {c.root_slowest_s * 1e3:.2f})"
+                 if c.root_slowest_s is not None else "") + "; AdamW "
               f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention all_gather {c.contention_all_gather:.2f}, "
               f"reduce_scatter {c.contention_reduce_scatter:.2f}, all_reduce {c.contention_all_reduce:.2f}")
     for k in hw.concurrency:

@@ -55,12 +55,12 @@ class MeasuredCompute:
     None where not measured (the mean then stands in). With more ranks than cores the OS shares them
     unevenly over one block, so a schedule that waits on a gather before every block pays this."""
     block_backward_slowest_s: float | None = None
-    root_forward_slowest_s: float | None = None
-    """The root unit as a schedule whose ranks meet only a few times a step (stages 0-2) sees it: the
-    slowest rank's whole-model forward (median over repeats) less the blocks' mean. Such a step
-    still ends with its slowest rank, so the skew of one whole pass is paid once, charged here; None
-    where not measured (the mean root then stands in)."""
-    root_backward_slowest_s: float | None = None
+    root_slowest_s: float | None = None
+    """The root unit's forward and backward together as a schedule whose ranks meet only at the
+    step's end (stages 0-2) sees them: the slowest rank's whole-model forward plus backward (median
+    over repeats) less the blocks' mean. Such a step still ends with its slowest rank, so the skew
+    of one whole step's compute is paid once, charged here; None where not measured (the mean root
+    then stands in)."""
     contention_all_gather: float = 0.0
     """Seconds a block's compute is slowed per second of this collective in flight under it, at this
     world size (see ``Hardware.contention``), measured with the rest; one figure per collective."""
@@ -69,8 +69,7 @@ class MeasuredCompute:
 
     def __post_init__(self) -> None:
         times = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
-        slowest = (self.block_forward_slowest_s, self.block_backward_slowest_s, self.root_forward_slowest_s,
-                   self.root_backward_slowest_s)
+        slowest = (self.block_forward_slowest_s, self.block_backward_slowest_s, self.root_slowest_s)
         if any(getattr(self, f) < 0 for f in times) or any(t is not None and t < 0 for t in slowest) \
                 or min(self.micro_batch, self.seq, self.world) < 1:
             raise ValueError(f"measured compute for {self.model!r}: times must be >= 0, sizes positive")

@@ -318,9 +318,9 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
 
     A step lasts as long as its slowest rank. With ``synced_per_unit`` (params sharded: every block
     waits on its own gather, which every rank of the group must have launched) each block takes its
-    slowest rank's time where that was measured. Otherwise ranks meet a few times a step, blocks
-    keep the mean over ranks and the root the slowest rank's whole pass less them: the skew is
-    paid once a pass, not once a block."""
+    slowest rank's time where that was measured. Otherwise ranks meet only at the step's end:
+    blocks keep the mean over ranks, and the root takes the slowest rank's whole forward plus
+    backward less them, so the skew is paid once a step, not once a block."""
     c = pick_compute(hw.compute, w.shape.name, w.shape.vocab, world)
     scale = w.tokens / c.tokens
     fwd, bwd = c.block_forward_s, c.block_backward_s
@@ -328,9 +328,8 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
     if synced_per_unit:
         fwd = c.block_forward_slowest_s if c.block_forward_slowest_s is not None else fwd
         bwd = c.block_backward_slowest_s if c.block_backward_slowest_s is not None else bwd
-    else:
-        root_f = c.root_forward_slowest_s if c.root_forward_slowest_s is not None else root_f
-        root_b = c.root_backward_slowest_s if c.root_backward_slowest_s is not None else root_b
+    elif c.root_slowest_s is not None:  # the root runs its forward and backward back to back
+        root_b = max(0.0, c.root_slowest_s - root_f)
     bf, bb = fwd * scale, bwd * scale
     rf, rb = root_f * scale, root_b * scale
     if w.checkpointing != "none":  # a checkpointed block runs its forward again in backward
