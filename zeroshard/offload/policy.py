@@ -32,5 +32,10 @@ class OffloadPolicy:
             raise ValueError(f"slice_mb must be positive, got {self.slice_mb}")
 
     @property
+    def slice_numel(self) -> int:
+        """Parameters per disk-offload optimizer slice: ``slice_mb`` of fp32 masters."""
+        return int(self.slice_mb * 2**20 / 4)
+
+    @property
     def enabled(self) -> bool:
         return self.kind != "none"

@@ -270,7 +270,7 @@ def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param
     opt = _sharded_class(optim_cls)(torch_groups, **defaults)
     state = opt.zeroshard_state = ShardedState(engine, segment_map)
     if engine.store is not None and engine.store.kind == "disk":
-        max_numel = int(engine.options.offload.slice_mb * 2**20 / 4)
+        max_numel = engine.options.offload.slice_numel
         state.sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
     elif engine.store is None:
         state.pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))

@@ -16,15 +16,13 @@ from zeroshard.sim.workload import Workload
 
 
 def _layout_name(layout: Layout) -> str:
-    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.dp
-    return STAGE_NAMES[layout.stage] + ("_hybrid" if hybrid else "") + ("_offload" if layout.offload != "none" else "")
+    return STAGE_NAMES[layout.stage] + ("_hybrid" if layout.hybrid else "") + ("_offload" if layout.offload != "none" else "")
 
 
 def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     """Bytes per rank at the step's peak, with the planner's allocator headroom."""
-    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.dp
     p = plan(w.shape.params, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, tp=layout.tp,
-             batch=w.micro_batch * layout.dp, shard_size=layout.shard_group if hybrid else None,
+             batch=w.micro_batch * layout.dp, shard_size=layout.shard_group if layout.hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom, accounting="textbook",
              offload=layout.offload)
     device = p[_layout_name(layout)].device
@@ -44,10 +42,9 @@ def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
 
 def gpt_peak_bytes(name: str, w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     """zeroshard's own GPT preset, planned whole by the runtime-accounting estimator."""
-    hybrid = layout.policy.shard_optimizer and layout.shard_group < layout.dp
     p = plan(name, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, batch=w.micro_batch * layout.dp,
              tp=layout.tp,
-             checkpointing=w.checkpointing, shard_size=layout.shard_group if hybrid else None,
+             checkpointing=w.checkpointing, shard_size=layout.shard_group if layout.hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom,
              reshard_after_forward=layout.reshard_after_forward, offload=layout.offload)
     return float(p[_layout_name(layout)].device.total)

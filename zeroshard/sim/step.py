@@ -43,7 +43,7 @@ import bisect
 import dataclasses
 from typing import Any
 
-from zeroshard.offload.policy import OFFLOAD_KINDS, OffloadPolicy
+from zeroshard.offload.policy import OFFLOAD_KINDS
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
@@ -98,7 +98,7 @@ class Layout:
         s = self.shard_group
         if self.dp % s:
             raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
-        if self.offload != "none" and self.policy.shard_optimizer and s < self.dp:
+        if self.offload != "none" and self.hybrid:
             raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
                              "shard size or the offload")
 
@@ -116,6 +116,11 @@ class Layout:
         if not self.policy.shard_optimizer:
             return 1
         return self.dp if self.shards is None else self.shards
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded over groups smaller than the data-parallel ranks, replicated across them."""
+        return self.policy.shard_optimizer and self.shard_group < self.dp
 
     @property
     def replicas(self) -> int:
@@ -264,22 +269,18 @@ class HostLink:
         self.free_at = 0.0
         self.blocking = 0.0
         """Seconds compute waited on the link: copies back, and the optimizer's wait for copies out."""
-        self.busy = 0.0
 
     def _seconds(self, params: float) -> float:
         return params * MASTER_BYTES / self.bandwidth if self.on else 0.0
 
     def copy_out(self, params: float, at: float) -> None:
         """A reduced grad shard of ``params`` elements leaves for the host when its reduction is done."""
-        seconds = self._seconds(params)
-        self.free_at = max(at, self.free_at) + seconds
-        self.busy += seconds
+        self.free_at = max(at, self.free_at) + self._seconds(params)
 
     def copy_in(self, params: float) -> float:
         """Seconds compute is held while ``params`` masters are copied back to the device."""
         seconds = self._seconds(params)
         self.blocking += seconds
-        self.busy += seconds
         return seconds
 
     def drain(self, t: float) -> float:
@@ -429,8 +430,7 @@ def _optimizer_seconds(w: Workload, hw: Hardware, layout: Layout, params: float)
         return cpu
     disk = hw.offload_figure("disk_bandwidth", layout.offload)
     state = params * DISK_STATE_BYTES_PER_PARAM
-    slice_params = OffloadPolicy(kind="cpu").slice_mb * 2**20 / MASTER_BYTES  # as zeroshard.sharding.optim slices
-    first = min(params, slice_params) * DISK_STATE_BYTES_PER_PARAM / disk
+    first = min(params, _ENGINE.offload.slice_numel) * DISK_STATE_BYTES_PER_PARAM / disk  # the runtime's slice
     return max(cpu, 2 * state / disk) + first
 
 
