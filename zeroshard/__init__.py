@@ -2,7 +2,8 @@
 
 from zeroshard.checkpoint import CheckpointError, load, save
 from zeroshard.comm import get_ledger as ledger
-from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
+from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
+from zeroshard.comm.names import Dim, Group, Phase
 from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
 from zeroshard.materialize import meta_init
 from zeroshard.observe import Observer, observe
@@ -16,6 +17,7 @@ from zeroshard.sharding import (
     clip_grad_norm_,
     full_state_dict,
     grad_norm,
+    mesh_of,
     no_sync,
     optim_groups,
     optimizer,
@@ -28,9 +30,10 @@ from zeroshard.sharding.tp import tensor_parallel
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CommQuant", "EngineOptions", "Mesh", "MixedPrecision", "OffloadPolicy", "ShardedGradScaler",
+    "CheckpointError", "CommQuant", "Dim", "EngineOptions", "Group", "Mesh", "Phase", "MixedPrecision",
+    "OffloadPolicy", "ShardedGradScaler",
     "build_pretrained",
     "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
-    "load_pretrained", "meta_init", "no_sync", "Observer", "observe", "optim_groups",
+    "load_pretrained", "mesh_of", "meta_init", "new_mesh", "no_sync", "Observer", "observe", "optim_groups",
     "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "tensor_parallel", "unsharded",
 ]

@@ -23,7 +23,7 @@ and ``trunc_normal_``/``orthogonal_``/``dirac_``/``sparse_`` are caught only whe
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -31,7 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zeroshard.sharding.engine import Engine
+if TYPE_CHECKING:  # the engine calls this module from Engine.materialize
+    from zeroshard.sharding.engine import Engine
+
 
 # Init calls that overwrite every element, so a param can be re-initialised after it was flushed.
 _OVERWRITES = {

@@ -4,6 +4,10 @@ Every call is stamped into the rank's :class:`~zeroshard.comm.ledger.Ledger` wit
 phase it served, so byte counts, profiles and desync reports all come from one place. Groups are
 named by their role on the mesh ("world", "shard", "replicate", "tp", and "dp" = replicate × shard)
 rather than passed as handles, so the ledger can say which one a collective ran on.
+
+Every call takes the ``mesh`` whose group it runs on, and is recorded in that mesh's ledger. An
+engine passes its own mesh; ``mesh=None`` means the default one that ``zs.init`` built, for the
+training loop's and the tools' collectives.
 """
 
 from __future__ import annotations
@@ -13,10 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.ledger import CollectiveRecord, Ledger
-from zeroshard.comm.mesh import get_mesh
-
-_LEDGER = Ledger()
+from zeroshard.comm.ledger import CollectiveRecord, Ledger, process_ledger
+from zeroshard.comm.mesh import Mesh, get_mesh
+from zeroshard.comm.names import Group, Phase
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -30,17 +33,22 @@ _REDUCE_OPS = {
 
 
 def get_ledger() -> Ledger:
-    return _LEDGER
+    return process_ledger()
+
+
+def _mesh(mesh: Mesh | None) -> Mesh:
+    return get_mesh() if mesh is None else mesh
 
 
 class Pending:
     """An issued collective; ``wait()`` blocks until it is done and closes its ledger record."""
 
-    __slots__ = ("_work", "record", "_after")
+    __slots__ = ("_work", "record", "_after", "_ledger")
 
-    def __init__(self, work, record: CollectiveRecord, after=None) -> None:
+    def __init__(self, work, record: CollectiveRecord, ledger: Ledger, after=None) -> None:
         self._work = work
         self.record = record
+        self._ledger = ledger
         self._after = after
 
     def is_done(self) -> bool:
@@ -57,117 +65,106 @@ class Pending:
             self._work = None
             if self._after is not None:
                 self._after()
-        _LEDGER.wait_returned(self.record)
+        self._ledger.wait_returned(self.record)
 
 
-def _group(name: str):
-    mesh = get_mesh()
-    if name == "world":
-        return mesh.world_group
-    if name == "shard":
-        return mesh.shard_group
-    if name == "replicate":
-        if mesh.replicate_group is None:
-            raise RuntimeError("no replicate group: the mesh has replicate size 1")
-        return mesh.replicate_group
-    if name == "tp":
-        return mesh.tp_group  # None without a tp dim, where group_size("tp") == 1 keeps callers away
-    if name == "dp":
-        return mesh.dp_group or mesh.world_group  # without a tp dim the data-parallel ranks are the world
-    raise ValueError(f"unknown group {name!r}; expected 'world', 'shard', 'replicate', 'tp' or 'dp'")
-
-
-def group_size(name: str) -> int:
-    mesh = get_mesh()
-    return {"world": mesh.world, "shard": mesh.shard_size, "replicate": mesh.replicate_size, "tp": mesh.tp_size,
-            "dp": mesh.dp_size}[name]
+def group_size(name: str | Group, mesh: Mesh | None = None) -> int:
+    return _mesh(mesh).group_size(name)
 
 
 def record_observed(op: str, *, numel: int, dtype: torch.dtype, elem_size: int, group: str, unit: str = "",
-                    phase: str = "") -> None:
+                    phase: str = "", mesh: Mesh | None = None) -> None:
     """Stamp a collective that torch issued itself (DTensor's tensor-parallel all-reduces, seen by
     zeroshard/comm/dtensor_ledger.py) into the ledger, so byte counts cover every dim."""
-    record = _LEDGER.open(group=group, op=op, numel=numel, dtype=dtype, elem_size=elem_size, unit=unit, phase=phase)
-    _LEDGER.started(record)
-    _LEDGER.complete(record)
+    m = _mesh(mesh)
+    record = m.ledger.open(group=group, op=op, numel=numel, dtype=dtype, elem_size=elem_size, unit=unit, phase=phase,
+                           mesh=m.ledger_name)
+    m.ledger.started(record)
+    m.ledger.complete(record)
 
 
-def _issue(op: str, full: torch.Tensor, group: str, unit: str, phase: str, call, async_op: bool, after=None):
-    record = _LEDGER.open(
-        group=group, op=op, numel=full.numel(), dtype=full.dtype, elem_size=full.element_size(), unit=unit, phase=phase
-    )
-    work = call(_group(group))
-    _LEDGER.started(record, work, device_async=get_mesh().backend == "nccl")
-    pending = Pending(work, record, after)
+def _issue(op: str, full: torch.Tensor, group: str | Group, unit: str, phase: str | Phase, call, async_op: bool,
+           mesh: Mesh, after=None):
+    ledger = mesh.ledger
+    record = ledger.open(group=group, op=op, numel=full.numel(), dtype=full.dtype, elem_size=full.element_size(),
+                         unit=unit, phase=phase, mesh=mesh.ledger_name)
+    work = call(mesh.group(group))
+    ledger.started(record, work, device_async=mesh.backend == "nccl")
+    pending = Pending(work, record, ledger, after)
     if async_op:
         return pending
     pending.wait()
     return None
 
 
-def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group: str = "world", unit: str = "", phase: str = "",
-               async_op: bool = False) -> Pending | None:
+def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group: str | Group = Group.WORLD, unit: str = "",
+               phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
     """In-place all-reduce. ``op="avg"`` is sum followed by a division, which every backend supports."""
+    m = _mesh(mesh)
+    size = m.group_size(group)
     reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
-    after = (lambda: tensor.div_(group_size(group))) if op == "avg" else None
-    if group_size(group) == 1:
+    after = (lambda: tensor.div_(size)) if op == "avg" else None
+    if size == 1:
         call = lambda pg: None  # noqa: E731  (the tensor already is the result)
     else:
         call = lambda pg: dist.all_reduce(tensor, op=reduce_op, group=pg, async_op=True)  # noqa: E731
     if not async_op:
-        _issue("all_reduce", tensor, group, unit, phase, call, False)
+        _issue("all_reduce", tensor, group, unit, phase, call, False, m)
         if after is not None:
             after()
         return None
-    return _issue("all_reduce", tensor, group, unit, phase, call, True, after)
+    return _issue("all_reduce", tensor, group, unit, phase, call, True, m, after)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: str = "world", unit: str = "",
-                   phase: str = "", async_op: bool = False) -> Pending | None:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: str | Group = Group.WORLD, unit: str = "",
+                   phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
     """Sum-reduce ``input`` across the group; this rank keeps its contiguous 1/size slice in ``output``.
 
     ``input`` is scratch: its contents are undefined afterwards (on gloo the slices other ranks own
     end up holding partial sums).
     """
-    size = group_size(group)
+    m = _mesh(mesh)
+    size = m.group_size(group)
     if input.numel() != output.numel() * size:
         raise ValueError(f"reduce_scatter input has {input.numel()} elements; it must be exactly group size "
                          f"{size} x output's {output.numel()}")
     if size == 1:
-        return _issue("reduce_scatter", input, group, unit, phase, _local_copy(output, input), async_op)
-    if _fans_out(size):
-        return _issue("reduce_scatter", input, group, unit, phase, _fan_out_reduce(output, input, group), async_op)
+        return _issue("reduce_scatter", input, group, unit, phase, _local_copy(output, input), async_op, m)
+    if _fans_out(size, m):
+        return _issue("reduce_scatter", input, group, unit, phase, _fan_out_reduce(output, input, size), async_op, m)
     call = lambda pg: _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=pg, async_op=True)  # noqa: E731
-    return _issue("reduce_scatter", input, group, unit, phase, call, async_op)
+    return _issue("reduce_scatter", input, group, unit, phase, call, async_op, m)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str = "world", unit: str = "",
-               phase: str = "", async_op: bool = False) -> Pending | None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str | Group = Group.WORLD, unit: str = "",
+               phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
     """Gather every rank's ``input`` into ``output`` in rank order; ``input`` may be a view of ``output``."""
-    size = group_size(group)
+    m = _mesh(mesh)
+    size = m.group_size(group)
     if output.numel() != input.numel() * size:
         raise ValueError(f"all_gather output has {output.numel()} elements; it must be exactly group size "
                          f"{size} x input's {input.numel()}")
     if size == 1:
-        return _issue("all_gather", output, group, unit, phase, _local_copy(output, input), async_op)
-    if _fans_out(size):
-        return _issue("all_gather", output, group, unit, phase, _fan_out_gather(output, input, group), async_op)
+        return _issue("all_gather", output, group, unit, phase, _local_copy(output, input), async_op, m)
+    if _fans_out(size, m):
+        return _issue("all_gather", output, group, unit, phase, _fan_out_gather(output, input, size), async_op, m)
     call = lambda pg: _all_gather_single(output, input, group=pg, async_op=True)  # noqa: E731
-    return _issue("all_gather", output, group, unit, phase, call, async_op)
+    return _issue("all_gather", output, group, unit, phase, call, async_op, m)
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: str = "world", unit: str = "",
-               phase: str = "", async_op: bool = False) -> Pending | None:
+def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: str | Group = Group.WORLD, unit: str = "",
+               phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
     """Slice ``i`` of ``input`` goes to group rank ``i``; slice ``j`` of ``output`` comes from rank ``j``
     (equal slices, 1-D). Quantized reductions need it: int8 pieces cannot be summed on the wire."""
-    size = group_size(group)
+    m = _mesh(mesh)
+    size = m.group_size(group)
     if input.numel() != output.numel() or input.numel() % size:
         raise ValueError(f"all_to_all input ({input.numel()}) and output ({output.numel()}) must have the same "
                          f"number of elements, a multiple of group size {size}")
     if size == 1:
-        return _issue("all_to_all", input, group, unit, phase, _local_copy(output, input), async_op)
+        return _issue("all_to_all", input, group, unit, phase, _local_copy(output, input), async_op, m)
     call = lambda pg: dist.all_to_all_single(output, input, group=pg, async_op=True)  # noqa: E731
-    return _issue("all_to_all", input, group, unit, phase, call, async_op)
+    return _issue("all_to_all", input, group, unit, phase, call, async_op, m)
 
 
 def _local_copy(output: torch.Tensor, input: torch.Tensor):
@@ -187,42 +184,46 @@ def _local_copy(output: torch.Tensor, input: torch.Tensor):
 # project's 2-core machine measured 1.5-2x (reduce) and 2-4x (broadcast) faster for 12-100 MB
 # buffers at world 2 and 4 (docs/runtime.md, [Note: gloo fan-out]). NCCL keeps its native kernels.
 
-def reduce_scatter_lands_in_input(group: str) -> bool:
+def reduce_scatter_lands_in_input(group: str | Group, mesh: Mesh | None = None) -> bool:
     """True when a reduce-scatter leaves this rank's result in its own slice of the input anyway
     (gloo's per-slice reduce, a one-rank group): callers may then pass that slice as the output
     and skip allocating a second buffer while the collective runs."""
-    size = group_size(group)
-    return size == 1 or _fans_out(size)
+    m = _mesh(mesh)
+    size = m.group_size(group)
+    return size == 1 or _fans_out(size, m)
 
 
-def reduce_to_owners(pieces: list[tuple[torch.Tensor, int]], *, numel: int, group: str = "world",
-                     unit: str = "", phase: str = "", async_op: bool = False) -> Pending | None:
+def reduce_to_owners(pieces: list[tuple[torch.Tensor, int]], *, numel: int, group: str | Group = Group.WORLD,
+                     unit: str = "", phase: str | Phase = "", async_op: bool = False,
+                     mesh: Mesh | None = None) -> Pending | None:
     """A reduce-scatter whose input comes in pieces instead of one flat buffer (per-param grads,
     so no flat copy of them is made): piece ``(tensor, owner)`` is summed in place onto group rank
     ``owner``; on other ranks it is scratch afterwards. Every rank passes the same pieces in the
     same order. ``numel`` is the logical input extent, for the ledger. Only where
     ``reduce_scatter_lands_in_input`` (gloo, or a one-rank group, where there is nothing to do).
     """
-    if not reduce_scatter_lands_in_input(group):
+    m = _mesh(mesh)
+    if not reduce_scatter_lands_in_input(group, m):
         raise RuntimeError("reduce_to_owners needs gloo or a one-rank group; use reduce_scatter with a flat input")
     dtype = pieces[0][0].dtype if pieces else torch.float32
-    record = _LEDGER.open(group=group, op="reduce_scatter", numel=numel, dtype=dtype,
-                          elem_size=torch.empty(0, dtype=dtype).element_size(), unit=unit, phase=phase)
+    record = m.ledger.open(group=group, op="reduce_scatter", numel=numel, dtype=dtype,
+                           elem_size=torch.empty(0, dtype=dtype).element_size(), unit=unit, phase=phase,
+                           mesh=m.ledger_name)
     work = None
-    if group_size(group) > 1:
-        pg = _group(group)
+    if m.group_size(group) > 1:
+        pg = m.group(group)
         work = _Works([dist.reduce(t, dst=dist.get_global_rank(pg, owner), op=dist.ReduceOp.SUM, group=pg,
                                    async_op=True) for t, owner in pieces])
-    _LEDGER.started(record, work, device_async=False)
-    pending = Pending(work, record)
+    m.ledger.started(record, work, device_async=False)
+    pending = Pending(work, record, m.ledger)
     if async_op:
         return pending
     pending.wait()
     return None
 
 
-def _fans_out(size: int) -> bool:
-    return size > 1 and get_mesh().backend == "gloo"
+def _fans_out(size: int, mesh: Mesh) -> bool:
+    return size > 1 and mesh.backend == "gloo"
 
 
 class _Works:
@@ -247,9 +248,9 @@ class _Works:
         return torch.futures.collect_all([w.get_future() for w in self._works])
 
 
-def _fan_out_reduce(output: torch.Tensor, input: torch.Tensor, group: str):
+def _fan_out_reduce(output: torch.Tensor, input: torch.Tensor, size: int):
     def call(pg) -> _Works:
-        slices = input.chunk(group_size(group))
+        slices = input.chunk(size)
         works = [dist.reduce(piece, dst=dist.get_global_rank(pg, owner), op=dist.ReduceOp.SUM, group=pg,
                              async_op=True) for owner, piece in enumerate(slices)]
         mine = slices[dist.get_rank(pg)]
@@ -257,9 +258,9 @@ def _fan_out_reduce(output: torch.Tensor, input: torch.Tensor, group: str):
     return call
 
 
-def _fan_out_gather(output: torch.Tensor, input: torch.Tensor, group: str):
+def _fan_out_gather(output: torch.Tensor, input: torch.Tensor, size: int):
     def call(pg) -> _Works:
-        slices = output.chunk(group_size(group))
+        slices = output.chunk(size)
         mine = slices[dist.get_rank(pg)]
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input)
@@ -268,35 +269,39 @@ def _fan_out_gather(output: torch.Tensor, input: torch.Tensor, group: str):
     return call
 
 
-def broadcast(tensor: torch.Tensor, *, src: int = 0, group: str = "world", unit: str = "", phase: str = "") -> None:
+def broadcast(tensor: torch.Tensor, *, src: int = 0, group: str | Group = Group.WORLD, unit: str = "",
+              phase: str | Phase = "", mesh: Mesh | None = None) -> None:
     """``src`` is a rank of ``group`` (the same as the global rank for "world")."""
     call = lambda pg: dist.broadcast(tensor, src=dist.get_global_rank(pg, src), group=pg, async_op=True)  # noqa: E731
-    _issue("broadcast", tensor, group, unit, phase, call, False)
+    _issue("broadcast", tensor, group, unit, phase, call, False, _mesh(mesh))
 
 
-def barrier(*, group: str = "world", phase: str = "") -> None:
-    marker = torch.zeros(1, device=get_mesh().device)
+def barrier(*, group: str | Group = Group.WORLD, phase: str | Phase = "", mesh: Mesh | None = None) -> None:
+    m = _mesh(mesh)
+    marker = torch.zeros(1, device=m.device)
     # A one-element all-reduce doubles as a barrier and, unlike dist.barrier, is recorded the same
     # way on every backend.
-    all_reduce(marker, group=group, phase=phase or "barrier")
+    all_reduce(marker, group=group, phase=phase or Phase.BARRIER, mesh=m)
 
 
-def all_gather_object(obj, *, group: str = "world", phase: str = "") -> list:
+def all_gather_object(obj, *, group: str | Group = Group.WORLD, phase: str | Phase = "",
+                      mesh: Mesh | None = None) -> list:
     """Gather a picklable Python object from every rank (small metadata only)."""
-    size = group_size(group)
+    m = _mesh(mesh)
+    size = m.group_size(group)
     out: list = [None] * size
     marker = torch.zeros(1)
-    record = _LEDGER.open(group=group, op="all_gather_object", numel=size, dtype=marker.dtype,
-                          elem_size=0, unit="", phase=phase)
-    _LEDGER.started(record)
+    record = m.ledger.open(group=group, op="all_gather_object", numel=size, dtype=marker.dtype,
+                           elem_size=0, unit="", phase=phase, mesh=m.ledger_name)
+    m.ledger.started(record)
     record.wait_start = time.perf_counter()  # blocking: the thread waits from the start
-    dist.all_gather_object(out, obj, group=_group(group))
+    dist.all_gather_object(out, obj, group=m.group(group))
     record.waited = time.perf_counter() - record.wait_start
-    _LEDGER.complete(record)
+    m.ledger.complete(record)
     return out
 
 
-USER_PHASE = "user"
+USER_PHASE = Phase.USER
 """Phase of a collective that code outside zeroshard issued through torch.distributed (zeroshard.observe)."""
 
 
@@ -306,19 +311,21 @@ def external(op: str, tensor: torch.Tensor | None, group: str, call, *, async_op
     ``zeroshard.observe`` routes the user's own collectives here while it is active, so the ledger
     holds the process group's whole sequence and the doctor can name a collective only some ranks
     ran. A blocking call is waited on from the start (the watchdog sees a hang in it); an async one
-    is closed by its work's completion callback when the backend has one.
+    is closed by its work's completion callback when the backend has one. They go to the process
+    ledger: the user's groups belong to no mesh of ours.
     """
+    ledger = process_ledger()
     numel = 0 if tensor is None else tensor.numel()
     dtype = "object" if tensor is None else tensor.dtype
     elem = 0 if tensor is None else tensor.element_size()
-    record = _LEDGER.open(group=group, op=op, numel=numel, dtype=dtype, elem_size=elem, unit="", phase=USER_PHASE)
+    record = ledger.open(group=group, op=op, numel=numel, dtype=dtype, elem_size=elem, unit="", phase=USER_PHASE)
     if async_op:
         work = call()
-        _LEDGER.started(record, work)
+        ledger.started(record, work)
         return work
-    _LEDGER.started(record)
+    ledger.started(record)
     record.wait_start = started = time.perf_counter()
     result = call()  # on an exception the record stays open: the dump shows it in flight
     record.waited = time.perf_counter() - started
-    _LEDGER.complete(record)
+    ledger.complete(record)
     return result

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroshard.comm import collectives
-from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.mesh import Mesh, all_meshes, get_mesh, on_shutdown
+from zeroshard.comm.names import Group, Phase
 
 _F = torch.ops._c10d_functional  # noqa: SLF001 (the functional collectives' op namespace; no public alias)
 # op -> (ledger op name, does the ledger count the output (all-gather) rather than the input)
@@ -33,20 +34,22 @@ _WATCHED = {
 }
 
 
-def _dim_of(group_name: str) -> str:
-    """The mesh dim a functional collective's group is, by the group's registered name."""
+def _dim_of(group_name: str) -> tuple[str, Mesh]:
+    """The mesh dim a functional collective's group is, and its mesh, by the group's registered name.
+    Every mesh built in this process is searched: a model on ``zs.new_mesh`` has its own tp groups."""
+    for mesh in all_meshes():
+        for dim, group in ((Group.TP, mesh.tp_group), (Group.SHARD, mesh.shard_group),
+                           (Group.REPLICATE, mesh.replicate_group), (Group.DP, mesh.dp_group)):
+            if group is not None and getattr(group, "group_name", None) == group_name:
+                return dim, mesh
     mesh = get_mesh()
-    for dim, group in (("tp", mesh.tp_group), ("shard", mesh.shard_group), ("replicate", mesh.replicate_group),
-                       ("dp", mesh.dp_group)):
-        if group is not None and getattr(group, "group_name", None) == group_name:
-            return dim
-    return "world" if group_name == getattr(mesh.world_group, "group_name", None) else "dtensor"
+    return (Group.WORLD if group_name == getattr(mesh.world_group, "group_name", None) else "dtensor"), mesh
 
 
-def _phase() -> str:
+def _phase() -> Phase:
     # A node is being executed exactly while autograd runs backward (or a recompute inside it).
     in_backward = torch._C._current_autograd_node() is not None  # noqa: SLF001 (no public equivalent)
-    return "backward" if in_backward else "forward"
+    return Phase.BACKWARD if in_backward else Phase.FORWARD
 
 
 class DTensorLedger(TorchDispatchMode):
@@ -62,8 +65,9 @@ class DTensorLedger(TorchDispatchMode):
         if watched is not None:
             op, counts_output = watched
             tensor = out if counts_output else args[0]
+            dim, mesh = _dim_of(str(args[-1]))
             collectives.record_observed(op, numel=tensor.numel(), dtype=tensor.dtype, elem_size=tensor.element_size(),
-                                        group=_dim_of(str(args[-1])), phase=_phase())
+                                        group=dim, phase=_phase(), mesh=mesh)
         return out
 
 
@@ -76,6 +80,7 @@ def start() -> None:
     if _MODE is None:
         _MODE = DTensorLedger()
         _MODE.__enter__()
+        on_shutdown(stop)
 
 
 def stop() -> None:

@@ -69,6 +69,8 @@ class CollectiveRecord:
     observed: bool = False
     """True when ``end`` came from the backend's completion callback rather than from a wait: only
     then does ``end - start`` measure the collective itself (gloo runs some ops inside wait())."""
+    mesh: str = ""
+    """The mesh the group belongs to: empty for the default one (``zs.new_mesh`` names the others)."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -78,7 +80,8 @@ class CollectiveRecord:
     @property
     def fingerprint(self) -> tuple[str, int, str, str, str, str]:
         """What must be identical on every rank for the same seq (see docs/diagnostics.md)."""
-        return (self.op, self.numel, self.dtype, self.group, self.unit, self.phase)
+        group = f"{self.mesh}:{self.group}" if self.mesh else self.group  # two meshes' "shard" groups differ
+        return (self.op, self.numel, self.dtype, group, self.unit, self.phase)
 
 
 def fingerprint_key(op: str, numel: int, dtype: str, group: str, unit: str, phase: str) -> bytes:
@@ -104,18 +107,20 @@ class Ledger:
         self.mirror: RingMirror | None = None  # set by the watchdog: a file copy of the ring
         """A crash-safe copy on disk (zeroshard.comm.ring.RingMirror), attached per run."""
 
-    def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str) -> CollectiveRecord:
+    def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str,
+             mesh: str = "") -> CollectiveRecord:
         record = CollectiveRecord(
             seq=self._next_seq,
-            group=group,
+            group=str(group),
             op=op,
             numel=numel,
             dtype=str(dtype).removeprefix("torch."),
             bytes=numel * elem_size,
             unit=unit,
-            phase=phase,
+            phase=str(phase),
             start=time.perf_counter(),
             step=self.step,
+            mesh=mesh,
         )
         self._next_seq += 1
         self._bytes_by_op[op] += record.bytes
@@ -305,3 +310,11 @@ def read_dump(path: str | Path) -> tuple[dict, list[dict]]:
             else:
                 records.append(obj)
     return header, records
+
+
+_PROCESS_LEDGER = Ledger()
+
+
+def process_ledger() -> Ledger:
+    """The ledger of this process: every mesh records into it unless it was given its own."""
+    return _PROCESS_LEDGER

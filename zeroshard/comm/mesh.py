@@ -18,9 +18,20 @@ import os
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.ledger import Ledger, process_ledger
+from zeroshard.comm.names import Dim, Group, group_of
+
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
+    """One parallel context: the ranks it spans, its dims and the process groups built from them.
+
+    ``zs.init`` builds the default one; ``new_mesh`` builds more on the same process group (experts
+    on their own mesh, two pipeline stages on one rank, two models sharded differently). An engine
+    is given its mesh and asks it, never a global, for its groups (``group``) and for the ledger
+    its collectives are recorded in (``ledger``).
+    """
+
     rank: int
     world: int
     shard_size: int
@@ -35,6 +46,12 @@ class Mesh:
     """Every rank with this rank's tp index (replicate × shard); the world when tp is 1."""
     device_mesh: object | None = dataclasses.field(default=None, repr=False)
     """The torch DeviceMesh ("replicate", "shard", "tp") when tp > 1."""
+    name: str = "default"
+    """Stamped on every ledger record of a mesh other than the default, so two meshes' "shard"
+    groups stay apart in the ledger and the doctor."""
+    ledger: Ledger = dataclasses.field(default_factory=process_ledger, repr=False, compare=False)
+    """Where this mesh's collectives are recorded: the process ledger unless the caller gave one,
+    so that one rank's collectives over every mesh stay one sequence for the watchdog and doctor."""
 
     @property
     def dp_size(self) -> int:
@@ -44,6 +61,16 @@ class Mesh:
     @property
     def replicate_size(self) -> int:
         return self.dp_size // self.shard_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages: 1 (every rank runs the whole model)."""
+        return 1
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree: 1 (every rank holds every expert)."""
+        return 1
 
     @property
     def shard_rank(self) -> int:
@@ -62,9 +89,42 @@ class Mesh:
         return self.rank // self.tp_size
 
     @property
-    def dp_name(self) -> str:
-        """The collectives group spanning the data-parallel ranks: "world" without TP, else "dp"."""
-        return "world" if self.tp_size == 1 else "dp"
+    def dp_name(self) -> Group:
+        """The group spanning the data-parallel ranks: the world without TP, else ``dp``."""
+        return Group.WORLD if self.tp_size == 1 else Group.DP
+
+    @property
+    def dims(self) -> dict[Dim, int]:
+        """Every mesh dim's size, outermost first; 1 for a dim this mesh does not use."""
+        return {Dim.PP: self.pp_size, Dim.REPLICATE: self.replicate_size, Dim.SHARD: self.shard_size,
+                Dim.TP: self.tp_size, Dim.EP: self.ep_size}
+
+    def group_size(self, group: str | Group) -> int:
+        sizes = {Group.WORLD: self.world, Group.SHARD: self.shard_size, Group.REPLICATE: self.replicate_size,
+                 Group.TP: self.tp_size, Group.DP: self.dp_size, Group.PP: self.pp_size, Group.EP: self.ep_size}
+        return sizes[group_of(group)]
+
+    def group(self, group: str | Group):
+        """The process group of ``group`` that holds this rank (None for a one-rank tp, pp or ep)."""
+        g = group_of(group)
+        if g is Group.WORLD:
+            return self.world_group
+        if g is Group.SHARD:
+            return self.shard_group
+        if g is Group.REPLICATE:
+            if self.replicate_group is None:
+                raise RuntimeError("no replicate group: the mesh has replicate size 1")
+            return self.replicate_group
+        if g is Group.TP:
+            return self.tp_group  # None without a tp dim, where group_size == 1 keeps callers away
+        if g is Group.DP:
+            return self.dp_group or self.world_group  # without tp the data-parallel ranks are the world
+        return None  # pp and ep are one rank each on this mesh
+
+    @property
+    def ledger_name(self) -> str:
+        """What the ledger records as this mesh: empty for the default mesh, so its records read as before."""
+        return "" if self.name == "default" else self.name
 
     @property
     def tp_mesh(self):
@@ -85,6 +145,21 @@ class Mesh:
 
 
 _MESH: Mesh | None = None
+_OTHER_MESHES: list[Mesh] = []  # what new_mesh built since init, for lookups by process group
+
+
+_ON_SHUTDOWN: list = []  # callables to run at shutdown, newest first
+
+
+def on_shutdown(callback) -> None:
+    """Run ``callback`` once when the process group is torn down (``shutdown``): for state that
+    lives as long as the meshes, such as the DTensor ledger's dispatch mode."""
+    _ON_SHUTDOWN.append(callback)
+
+
+def all_meshes() -> list[Mesh]:
+    """The default mesh, then every mesh ``new_mesh`` built since, in order."""
+    return ([_MESH] if _MESH is not None else []) + _OTHER_MESHES
 
 
 def default_backend() -> str:
@@ -179,6 +254,33 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
             # An in-memory store, not env vars: a plain process must not look like a torchrun
             # worker to the subprocesses it starts.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    _MESH = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name="default",
+                        ledger=None)
+    return _MESH
+
+
+def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tuple[int, ...] | None = None,
+             names: tuple[str, ...] | None = None, name: str, ledger: Ledger | None = None) -> Mesh:
+    """Another parallel context over the process group ``zs.init`` joined, next to the default one.
+
+    Pass it to ``zs.shard(model, mesh=...)``: that model's collectives then run on this mesh's
+    groups, so two models sharded over different layouts train in one process. It takes the
+    layout arguments of ``init``. ``name`` labels its ledger records (``"experts"``, ``"stage1"``);
+    ``ledger`` gives it a ledger of its own instead of the process's. Like ``init`` it is
+    collective: every rank builds the same meshes in the same order.
+    """
+    if _MESH is None:
+        raise RuntimeError("zs.new_mesh needs the process group: call zs.init() first (every rank)")
+    if not isinstance(name, str) or not name or name == "default":
+        raise ValueError(f"new_mesh needs a name of its own for the ledger (such as 'experts'), got {name!r}")
+    if any(m.name == name for m in _OTHER_MESHES):
+        raise ValueError(f"a mesh named {name!r} exists already; give each zs.new_mesh its own name")
+    mesh = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name=name, ledger=ledger)
+    _OTHER_MESHES.append(mesh)
+    return mesh
+
+
+def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger | None) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if mesh_shape is not None:
         if shard_size is not None or tp != 1:
@@ -202,7 +304,7 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     else:
         groups = _build_tp_mesh(world, rank, shard_size, tp)
         shard_group, replicate_group = groups.pop("shard_group"), groups.pop("replicate_group")
-    _MESH = Mesh(
+    return Mesh(
         rank=rank,
         world=world,
         shard_size=shard_size,
@@ -212,9 +314,10 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
         shard_group=shard_group,
         replicate_group=replicate_group,
         tp_size=tp,
+        name=name,
+        ledger=ledger or process_ledger(),
         **groups,
     )
-    return _MESH
 
 
 def _build_groups(world: int, rank: int, shard_size: int):
@@ -268,10 +371,10 @@ def get_mesh() -> Mesh:
 def shutdown() -> None:
     """Tear down the process group so a process can exit (or re-init) cleanly."""
     global _MESH
-    from zeroshard.comm import dtensor_ledger  # here: it imports the collectives, which import this module
-
-    dtensor_ledger.stop()
+    while _ON_SHUTDOWN:
+        _ON_SHUTDOWN.pop()()
     _MESH = None
+    _OTHER_MESHES.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

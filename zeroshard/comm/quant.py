@@ -15,7 +15,8 @@ import dataclasses
 import torch
 
 from zeroshard.comm import collectives
-from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.mesh import Mesh, get_mesh
+from zeroshard.comm.names import Group
 from zeroshard.comm.quant_kernel import compiled_quantize, quantize_blocks_into
 
 SPEC_PARTS = ("weights", "grads", "grads+ef")
@@ -207,16 +208,18 @@ class QuantizedGather(_WirePair):
     same weights (as an unquantized gather guarantees)."""
 
     def __init__(self, full: torch.Tensor, shard: torch.Tensor, *, shards: int, block_size: int,
-                 unit: str, phase: str) -> None:
+                 unit: str, phase: str, mesh: Mesh | None = None) -> None:
         self.full, self.shards, self.shard_numel = full, shards, shard.numel()
         blocks = num_blocks(self.shard_numel, block_size)
         self.q = torch.empty(shards * blocks * block_size, dtype=WIRE_DTYPE, device=full.device)
         self.scales = torch.empty(shards * blocks, dtype=SCALE_DTYPE, device=full.device)
-        rank = get_mesh().shard_rank
+        mesh = mesh or get_mesh()
+        rank = mesh.shard_rank
         q_own = self.q.view(shards, -1)[rank]
         s_own = self.scales.view(shards, -1)[rank]
         quantize(shard.detach().to(full.device).view(-1), block_size, out=q_own, scales_out=s_own)
-        self._pending = [collectives.all_gather(buf, own, group="shard", unit=unit, phase=phase, async_op=True)
+        self._pending = [collectives.all_gather(buf, own, group=Group.SHARD, unit=unit, phase=phase, async_op=True,
+                                                mesh=mesh)
                          for buf, own in ((self.q, q_own), (self.scales, s_own))]
 
     def wait(self) -> None:
@@ -280,9 +283,10 @@ class QuantizedReduce(_WirePair):
     With ``feedback`` this rank sends its grad plus its previous rounding error (``ErrorFeedback``).
     """
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
-                 unit: str = "", phase: str = "", feedback: ErrorFeedback | None = None) -> None:
-        size = collectives.group_size(group)
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = Group.SHARD,
+                 unit: str = "", phase: str = "", feedback: ErrorFeedback | None = None,
+                 mesh: Mesh | None = None) -> None:
+        size = collectives.group_size(group, mesh)
         self.output, self.per = output, output.numel()
         if input.numel() != self.per * size:
             raise ValueError(f"quantized reduce input has {input.numel()} elements; it must be exactly "
@@ -298,7 +302,8 @@ class QuantizedReduce(_WirePair):
         self.q, self.scales = torch.empty_like(q_send), torch.empty_like(s_send)
         self._sent: tuple[torch.Tensor, ...] = (q_send, s_send)  # gloo reads them asynchronously
         self._pending = [
-            collectives.all_to_all(recv.view(-1), sent.view(-1), group=group, unit=unit, phase=phase, async_op=True)
+            collectives.all_to_all(recv.view(-1), sent.view(-1), group=group, unit=unit, phase=phase, async_op=True,
+                                   mesh=mesh)
             for recv, sent in ((self.q, q_send), (self.scales, s_send))]
 
     def wait(self) -> None:
@@ -318,7 +323,9 @@ class QuantizedReduce(_WirePair):
         self._pending, self._sent = None, ()
 
 
-def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = "shard",
-                             unit: str = "", phase: str = "", feedback: ErrorFeedback | None = None) -> None:
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, block_size: int, *, group: str = Group.SHARD,
+                             unit: str = "", phase: str = "", feedback: ErrorFeedback | None = None,
+                             mesh: Mesh | None = None) -> None:
     """Blocking ``QuantizedReduce``."""
-    QuantizedReduce(output, input, block_size, group=group, unit=unit, phase=phase, feedback=feedback).wait()
+    QuantizedReduce(output, input, block_size, group=group, unit=unit, phase=phase, feedback=feedback,
+                    mesh=mesh).wait()

@@ -166,25 +166,17 @@ def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int |
         reader.close()
 
 
-def _gather(group) -> torch.Tensor:
-    from zeroshard.comm import collectives
-
-    if group.shards == 1:
-        return group.shard
-    whole = torch.empty(group.layout.numel, dtype=group.shard.dtype, device=group.shard.device)
-    collectives.all_gather(whole, group.shard.contiguous(), group="shard", unit=group.unit, phase="export")
-    return whole
-
-
 def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int | str = "5GB",
                       dtype: torch.dtype | None = None, overwrite: bool = False) -> Path | None:
     """A live sharded hf model -> a ``from_pretrained`` folder written by rank 0. A collective:
     every rank gathers one flat group at a time; returns the folder on rank 0, None elsewhere."""
     from zeroshard.comm import collectives
-    from zeroshard.comm.mesh import get_mesh
+    from zeroshard.comm.names import Phase
     from zeroshard.sharding import get_engine
+    from zeroshard.sharding.state import gathered_master
 
-    engine, rank = get_engine(model), get_mesh().rank
+    engine = get_engine(model)
+    rank, mesh = engine.mesh.rank, engine.mesh
     config, source = _hf_config(getattr(getattr(model, "cfg", None), "to_dict", dict)(), "this model")
     persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers (inv_freq) are derived
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
@@ -197,11 +189,11 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
             writer = FolderWriter(out, config, source, entries, parse_size(max_shard_size), overwrite)
     except PretrainedError as e:
         problem = str(e)
-    problem = next((p for p in collectives.all_gather_object(problem, phase="export") if p), "")
+    problem = next((p for p in collectives.all_gather_object(problem, phase=Phase.EXPORT, mesh=mesh) if p), "")
     if problem:
         raise PretrainedError(problem)
     for group in engine.groups:
-        whole = _gather(group)  # every rank takes part, even after rank 0 failed, so none hangs
+        whole = gathered_master(group, Phase.EXPORT)  # every rank takes part, even after rank 0 failed, so none hangs
         if writer is None:
             continue
         try:
@@ -218,7 +210,7 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
         except Exception as e:
             writer.abort()
             problem = f"{out}: export failed, nothing written: {e}"
-    problem = next((p for p in collectives.all_gather_object(problem, phase="export") if p), "")
+    problem = next((p for p in collectives.all_gather_object(problem, phase=Phase.EXPORT, mesh=mesh) if p), "")
     if problem:
         raise PretrainedError(problem)
     return result

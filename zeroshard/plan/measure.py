@@ -39,7 +39,6 @@ import torch
 from zeroshard.plan.result import COMPONENTS, MODEL_STATES, Components, Plan
 from zeroshard.plan.spec import STAGE_NAMES
 from zeroshard.sharding.events import EventKind
-from zeroshard.sharding.reduce import PieceReduction
 
 MEASURED = ("params", "grads", "master", "optimizer", "activations", "window", "buckets")
 
@@ -111,29 +110,9 @@ class _GradSampler:
             self.sample, kinds=(EventKind.GRADS_COLLECTED, EventKind.REDUCE_LAUNCHED)))
 
     def sample(self, *_: Any) -> None:
-        transient, kept = [], set()
-        for g in self.engine.trainable_groups:
-            if g.grad_full is not None and not g.policy.transient_grads:
-                kept.add(g.grad_full.untyped_storage().data_ptr())
-            elif g.grad_full is not None:
-                transient.append(g.grad_full)
-            if g.policy.transient_grads:
-                # Waiting for the rest of the unit; at stages 0-1 param.grad is a view of the kept buffer.
-                transient.extend(p.grad for p in g.params or () if p.grad is not None)
-            # A cast copy fed to the reduction is transient, unless it is also the reduction's output
-            # (stage 0 all-reduces in place), which becomes the grads the step reads.
-            flight, reduced = g.reducer.in_flight, None
-            if isinstance(flight, PieceReduction):  # gloo reduces the grads in place, piece by piece
-                transient.extend(piece.tensor for piece in flight.pieces)
-            elif flight is not None:
-                reduced = flight.output
-                if flight.source is not reduced:
-                    transient.append(flight.source)
-            shard = g.peek_grad_shard()
-            if reduced is not None and g.policy.shard_optimizer and reduced is not shard and (
-                    shard is not None or reduced.dtype != g.master_dtype):
-                transient.append(reduced)  # added into the existing shard, or cast to the master dtype, then dropped
-        live = _storages(transient)
+        snapshot = self.engine.memory_snapshot()
+        kept = {t.untyped_storage().data_ptr() for t in snapshot.kept_grads}
+        live = _storages(snapshot.transient_grads)
         self.peak = max(self.peak, sum(v for k, v in live.items() if k not in kept))
 
     def close(self) -> None:
@@ -242,8 +221,9 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     gc.collect()
 
     engine.reset_memory_stats()
-    groups = engine.groups
-    externals = [model, opt, x, y] + [t for g in groups for t in (g.full, g.shard, g.grad_full, g.grad_shard)]
+    snapshot = engine.memory_snapshot()
+    externals = [model, opt, x, y, *snapshot.full_params, *snapshot.masters, *snapshot.full_grads,
+                 *snapshot.grad_shards]
     tracker, peak, method = _peak_tracker(mesh.device, externals)
     saved: dict[str, int] = {}  # "peak": the most activation bytes one micro-step saved
     states: dict[str, int] = {}
@@ -289,10 +269,11 @@ def model_state_bytes(model, opt) -> dict[str, int]:
     params = {**full, **own}
     master = {k: v for k, v in _storages([g.shard for g in groups]).items() if k not in params}
     state = _storages([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
-    device_grads = _storages([g.grad_full for g in groups] + ([] if offloaded else [g.grad_shard for g in groups]))
+    snapshot = engine.memory_snapshot()
+    device_grads = _storages(snapshot.full_grads + ([] if offloaded else snapshot.grad_shards))
     # Offloaded, the reduced shards are the host's (unless one is the device buffer itself: stage 0
     # on CPU, where the copy to the host is a no-op).
-    host_grads = {k: v for k, v in _storages([g.grad_shard for g in groups]).items() if k not in device_grads} \
+    host_grads = {k: v for k, v in _storages(snapshot.grad_shards).items() if k not in device_grads} \
         if offloaded else {}
     out = {"params": sum(params.values()), "grads": sum(device_grads.values()),
            "master": 0 if offloaded else sum(master.values()), "optimizer": 0 if offloaded else sum(state.values())}

@@ -7,7 +7,7 @@ from typing import Callable, cast
 
 from torch import nn
 
-from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.mesh import Mesh, get_mesh
 from zeroshard.comm.quant import CommQuant
 from zeroshard.offload import OffloadPolicy
 from zeroshard.sharding.clip import clip_grad_norm_, grad_norm
@@ -40,13 +40,18 @@ def no_sync(model: nn.Module):
         engine.sync_grads = previous
 
 
+def mesh_of(model: nn.Module) -> Mesh:
+    """The mesh a sharded model communicates over (what ``zs.shard(mesh=)`` was given)."""
+    return get_engine(model).mesh
+
+
 def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: UnitsArg = None,
           mp: MixedPrecision | None = None,
           reshard_after_forward: bool = True, prefetch: int = 1, bucket_mb: float = 25.0,
           accumulation: str = "sharded", init_fn: Callable[[nn.Module], None] | None = None,
           skip_init: bool = False, checkpointing: str = "none", offload: OffloadPolicy | str | None = None,
           comm: CommQuant | None = None, options: EngineOptions | None = None,
-          compile: CompileArg = None) -> nn.Module:
+          compile: CompileArg = None, mesh: Mesh | None = None) -> nn.Module:
     """Shard ``model`` in place for ``stage`` (0 = DDP, 1-3 = ZeRO) and return it.
 
     ``units`` picks the modules communicated together (default: the repeated blocks); the root
@@ -85,6 +90,10 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     ``compile`` runs each block's forward through ``torch.compile`` (the root's when there are no
     blocks), with the runtime's hooks outside the graphs: True (inductor), a backend name such as
     ``"aot_eager"``, or a dict of torch.compile arguments. See docs/compile.md.
+
+    ``mesh`` is the parallel context the model is sharded over: the one ``zs.init`` built by
+    default, or one from ``zs.new_mesh`` so that models sharded over different layouts live in one
+    process. Every collective of this model then runs on that mesh's groups.
     """
     keywords = EngineOptions(prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                              accumulation=accumulation, checkpointing=checkpointing,
@@ -106,7 +115,7 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     if find_engine(model) is not None:
         raise ValueError("this model is already sharded; build a fresh model to shard it again")
     device = validate_params(model)
-    mesh = get_mesh()
+    mesh = mesh or get_mesh()
     if device.type not in (mesh.device.type, "meta"):
         model.to(mesh.device)
     specs = plan_units(model, units)
@@ -141,5 +150,5 @@ __all__ = [
     "CommQuant", "CompileError", "Engine", "EngineEvent", "EngineEvents", "EngineOptions", "EventKind",
     "ExecutionOrderError",
     "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
-    "get_engine", "grad_norm", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
+    "get_engine", "grad_norm", "mesh_of", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

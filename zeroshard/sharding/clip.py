@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import collectives
+from zeroshard.comm.names import Group, Phase
 from zeroshard.sharding.engine import get_engine
 from zeroshard.sharding.tp import tp_sharded_ranges
 
@@ -31,10 +32,10 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
             for start, stop in tp_sharded_ranges(group):
                 total[1] += squares[start:stop].sum()
     if engine.policy.shard_optimizer and engine.mesh.shard_size > 1:
-        collectives.all_reduce(total, group="shard", phase="clip")
+        collectives.all_reduce(total, group=Group.SHARD, phase=Phase.CLIP, mesh=engine.mesh)
     if engine.mesh.tp_size > 1:
         tp_part = total[1:].clone()
-        collectives.all_reduce(tp_part, group="tp", phase="clip")
+        collectives.all_reduce(tp_part, group=Group.TP, phase=Phase.CLIP, mesh=engine.mesh)
         total[0] += tp_part[0] - total[1]
     return total[0].sqrt().to(torch.float32)
 

@@ -6,6 +6,8 @@ and the memory contract of each stage are explained in docs/runtime.md.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 from typing import Any, Callable, TypeVar
 
@@ -13,11 +15,13 @@ import torch
 from torch import nn
 
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import CommQuant, ErrorFeedback
+from zeroshard.comm.names import Phase
+from zeroshard.comm.quant import CommQuant
 from zeroshard.offload import make_store
+from zeroshard.sharding.attached import attach_engine, find_engine, get_engine
 from zeroshard.sharding.compiled import eager_hook, refuse_traced
 from zeroshard.sharding.events import EngineEvents
-from zeroshard.sharding.flat import FlatGroup, StagePolicy
+from zeroshard.sharding.flat import FlatGroup, GroupConfig, StagePolicy
 # The defaults live with the options; re-exported here, where the planner and simulator read them.
 from zeroshard.sharding.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.sharding.precision import MixedPrecision
@@ -25,20 +29,58 @@ from zeroshard.sharding.recompute import Recompute, segment_length
 from zeroshard.sharding.unit import Unit, UnitState
 from zeroshard.sharding.wrap import ParamRef, UnitSpec
 
-__all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "attach_engine",
-           "find_engine", "get_engine", "reduction_buckets"]
+__all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "MemorySnapshot",
+           "TrainingState", "attach_engine", "find_engine", "get_engine", "reduction_buckets"]
+
+
+class TrainingState(enum.Enum):
+    """Where the engine is in a step; FSDP2 keeps the same on its param groups.
+
+    IDLE between steps and after an eval forward; FORWARD from the model's forward pre-hook to its
+    forward hook; BACKWARD from the first grad hook until autograd's end-of-graph callback. A grad
+    read (optimizer, clipping) in BACKWARD would see a half-reduced step: nothing reads one then.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySnapshot:
+    """What ``Engine.memory_snapshot`` returns: the tensors behind each kind of model-state memory
+    (a tool dedups them by storage, as two may share one) and the engine's full-param counters."""
+
+    state: TrainingState
+    full_params: list[torch.Tensor]
+    """Every flat group's full buffer (empty storage at stage 3 while resharded)."""
+    masters: list[torch.Tensor]
+    """This rank's master shards (on the host when offloaded)."""
+    kept_grads: list[torch.Tensor]
+    """Stages 0-1's full grad buffers, alive for the whole run."""
+    full_grads: list[torch.Tensor]
+    """Every full grad buffer that exists now (the kept ones, and stages 2-3's while collected)."""
+    grad_shards: list[torch.Tensor]
+    """The reduced grad shards that exist now."""
+    transient_grads: list[torch.Tensor]
+    """Grads alive only until their reduction finishes (``FlatGroup.transient_grads``)."""
+    live_full_bytes: int
+    peak_full_bytes: int
+    """Most full-param bytes allocated at once since ``reset_memory_stats``."""
+    max_unsharded_units: int
+    offloaded: bool
 
 
 class ExecutionOrderError(RuntimeError):
     """Units ran in a different order than in the first step, so prefetching would be wrong."""
 
 
-def _split_groups(name: str, refs: list[ParamRef], **kw) -> list[FlatGroup]:
+def _split_groups(name: str, refs: list[ParamRef], config: GroupConfig) -> list[FlatGroup]:
     """One flat group per (dtype, trainable) so each buffer has a single dtype and grad policy."""
     keyed: dict[tuple, list[ParamRef]] = {}
     for ref in refs:
         keyed.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
-    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable, **kw)
+    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable, config=config)
             for (dtype, trainable), group_refs in keyed.items()]
 
 
@@ -109,36 +151,34 @@ class Engine:
         self.store = make_store(options.offload, device, mesh.rank)
         # How the params got their values: replicated from the model as built, unless materialize ran.
         self.init_stats: dict[str, Any] = {"path": "replicated", "peak_temp_bytes": 0}
-        flat_kw = dict(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events)
+        self.comm = comm = comm or CommQuant()
+        self._unit_of_group: dict[int, Unit] = {}  # filled once the units exist; the callbacks read it
+        config = GroupConfig(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events,
+                             comm=comm, before_grad_read=self._before_grad_read,
+                             on_params_created=self._on_params_created)
+        root_config = dataclasses.replace(config, is_root=True)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
         if policy.shard_params:
-            self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, **flat_kw), is_root=s.is_root,
-                               sharded=True, events=self.events) for s in backward_order]
+            self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, root_config if s.is_root else config),
+                               is_root=s.is_root, sharded=True, events=self.events) for s in backward_order]
         else:
             self.units = []
             for bucket in reduction_buckets(backward_order, options.bucket_bytes):
                 name = "+".join(s.name for s in bucket)
                 refs = [r for s in bucket for r in s.refs]
-                self.units.append(Unit(name, None, _split_groups(name, refs, **flat_kw),
-                                       is_root=any(s.is_root for s in bucket), sharded=False, events=self.events))
+                is_root = any(s.is_root for s in bucket)
+                self.units.append(Unit(name, None, _split_groups(name, refs, root_config if is_root else config),
+                                       is_root=is_root, sharded=False, events=self.events))
                 for group in self.units[-1].groups:
                     group.register(unsharded=True)
-        self.comm = comm or CommQuant()
-        for unit in self.units:
-            for group in unit.groups:
-                if policy.shard_params and self.comm.quantizes(group.layout.numel, unit.is_root):
-                    group.weight_quant = self.comm.block_size
-                if policy.transient_grads and group.trainable and \
-                        self.comm.quantizes_grads(group.layout.numel):
-                    group.grad_quant = self.comm.block_size
-                    group.grad_feedback = ErrorFeedback() if self.comm.error_feedback else None
+        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         # Reductions launch strictly in this order on every rank, so a grad that is late on one
         # rank (an unused param) delays the collectives instead of reordering them.
         self.reduce_order = list(self.units)
         self._next_reduce = 0
         self._next_reap = 0
-        self._in_backward = False
+        self.state = TrainingState.IDLE
         self._forward_order: list[Unit] = []
         self._order_recorded = False
         self._position = 0
@@ -147,13 +187,11 @@ class Engine:
         self.max_unsharded_units = 0
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
-        for unit in self.units:
-            for group in unit.groups:
-                group.before_grad_read = functools.partial(self.finish_reductions, unit)
         self._hooks = []
         # Reductions left running after a backward finish at the next forward at the latest, so
         # they never add their full grads to that forward's activations (gradient accumulation).
-        self._hooks.append(model.register_forward_pre_hook(eager_hook(lambda module, args: self.finish_reductions())))
+        self._hooks.append(model.register_forward_pre_hook(eager_hook(self._begin_forward)))
+        self._hooks.append(model.register_forward_hook(eager_hook(self._end_forward)))
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
@@ -181,17 +219,24 @@ class Engine:
 
     # -- hook registration --------------------------------------------------------------------
     def _register_grad_hooks(self) -> None:
+        """Hooks on the params that exist now; stage 3 creates its params at the first gather,
+        and ``_on_params_created`` hooks those then."""
         for unit in self.units:
-            for gi, group in enumerate(unit.groups):
-                if not group.trainable:
-                    continue
-                register = functools.partial(self._register_group_hooks, unit, gi)
-                if group.params is None:
-                    group.on_params_created = register  # stage 3 creates its params at the first gather
-                else:
-                    register(group)
+            for group in unit.groups:
+                if group.trainable and group.params is not None:
+                    self._register_group_hooks(unit, group)
 
-    def _register_group_hooks(self, unit: Unit, group_index: int, group: FlatGroup) -> None:
+    def _on_params_created(self, group: FlatGroup) -> None:
+        unit = self._unit_of_group.get(id(group))
+        # None while the engine is still building its units: _register_grad_hooks hooks those.
+        if unit is not None and group.trainable:
+            self._register_group_hooks(unit, group)
+
+    def _before_grad_read(self, group: FlatGroup) -> None:
+        self.finish_reductions(self._unit_of_group[id(group)])
+
+    def _register_group_hooks(self, unit: Unit, group: FlatGroup) -> None:
+        group_index = unit.groups.index(group)
         for pi, param in enumerate(group.created_params()):
             hook = functools.partial(self._on_grad, unit, group_index, pi)
             self._hooks.append(param.register_post_accumulate_grad_hook(hook))
@@ -213,13 +258,13 @@ class Engine:
             self._position = 0
         if tracking:
             self._check_order(unit)
-        unit.unshard("forward")
+        unit.unshard(Phase.FORWARD)
         unit.wait_unshard()
         self._track_memory()
         if tracking and self._order_recorded:
             upcoming = self._forward_order[self._position:self._position + self.options.prefetch]
             for later in upcoming:
-                later.unshard("forward")
+                later.unshard(Phase.FORWARD)
             self._track_memory()
 
     def _check_order(self, unit: Unit) -> None:
@@ -265,6 +310,12 @@ class Engine:
         blocks = [u for u in self._forward_order if not u.is_root]
         return blocks[-1:]
 
+    @property
+    def forward_order(self) -> list[Unit]:
+        """Stage 3: the units in the order the first step's forward ran them (empty until it has),
+        which prefetching follows; zeroshard/sharding/schedule.py reads it."""
+        return list(self._forward_order) if self._order_recorded else []
+
     def _reused_next(self, unit: Unit) -> bool:
         return unit in self.kept_for_backward()
 
@@ -275,7 +326,7 @@ class Engine:
             if unit is not None:
                 unit.wait_unshard()
             return False
-        unit.unshard("recompute")
+        unit.unshard(Phase.RECOMPUTE)
         unit.wait_unshard()
         self._track_memory()
         return True
@@ -285,7 +336,7 @@ class Engine:
 
     # -- stage 3 backward ---------------------------------------------------------------------
     def _pre_backward(self, unit: Unit, grad) -> None:
-        unit.unshard("backward")
+        unit.unshard(Phase.BACKWARD)
         unit.wait_unshard()
         self._track_memory()
         if self.recompute is not None:
@@ -305,7 +356,7 @@ class Engine:
         if self._order_recorded and unit in self._forward_order:
             index = self._forward_order.index(unit)
             for earlier in self._forward_order[max(0, index - self.options.prefetch):index][::-1]:
-                earlier.unshard("backward")
+                earlier.unshard(Phase.BACKWARD)
             self._track_memory()
 
     # -- gradient reduction -------------------------------------------------------------------
@@ -323,9 +374,9 @@ class Engine:
         if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
             refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
                           "torch._dynamo.config.compiled_autograd off and compile the forward (zs.shard(compile=True))")
-        if not self._in_backward:
+        if self.state is not TrainingState.BACKWARD:
             self.finish_reductions()  # the previous backward's, if nobody has read them yet
-            self._in_backward = True
+            self.state = TrainingState.BACKWARD
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and
             # FSDP2 use. It runs once the whole graph is done, on the same thread.
             torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001 (no public API)
@@ -383,11 +434,18 @@ class Engine:
             self._next_reap += 1
             if unit is through:
                 break
-        if not self._in_backward and self._next_reap == self._next_reduce:
+        if self.state is not TrainingState.BACKWARD and self._next_reap == self._next_reduce:
             self._next_reduce = self._next_reap = 0
 
+    def _begin_forward(self, module, args) -> None:
+        self.finish_reductions()
+        self.state = TrainingState.FORWARD
+
+    def _end_forward(self, module, args, output) -> None:
+        self.state = TrainingState.IDLE
+
     def _finish_backward(self) -> None:
-        self._in_backward = False
+        self.state = TrainingState.IDLE
         self._prefetch_after_first_grad = None
         if self.defers_reduction:
             for unit in self.units:
@@ -435,6 +493,20 @@ class Engine:
             p.wait()
 
     # -- memory accounting --------------------------------------------------------------------
+    def memory_snapshot(self) -> MemorySnapshot:
+        """The engine's buffers and memory counters as they stand, for tools (the planner's
+        measurement, the profiler) that must not read its internals. Never waits on a reduction."""
+        groups = self.groups
+        return MemorySnapshot(
+            state=self.state,
+            full_params=[g.full for g in groups], masters=[g.shard for g in groups],
+            kept_grads=[t for t in (g.kept_grads for g in groups) if t is not None],
+            full_grads=[g.grad_full for g in groups if g.grad_full is not None],
+            grad_shards=[t for t in (g.peek_grad_shard() for g in groups) if t is not None],
+            transient_grads=[t for g in groups if g.trainable for t in g.transient_grads()],
+            live_full_bytes=self.live_full_bytes(), peak_full_bytes=self.peak_full_bytes,
+            max_unsharded_units=self.max_unsharded_units, offloaded=self.store is not None)
+
     def live_full_bytes(self) -> int:
         """Bytes of full-param storage allocated right now, read from the storages themselves."""
         return sum(u.full_bytes() for u in self.units)
@@ -447,24 +519,3 @@ class Engine:
     def reset_memory_stats(self) -> None:
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
-
-
-_ENGINE_ATTR = "_zeroshard_engine"  # on the model; a private name so it never clashes with a user's
-
-
-def attach_engine(model: nn.Module, engine: Engine) -> None:
-    """Record ``engine`` as the runtime of ``model`` (what ``get_engine`` returns)."""
-    setattr(model, _ENGINE_ATTR, engine)
-
-
-def find_engine(model: nn.Module) -> Engine | None:
-    """The engine of a sharded model, or None for a plain one."""
-    engine = getattr(model, _ENGINE_ATTR, None)
-    return engine if isinstance(engine, Engine) else None
-
-
-def get_engine(model: nn.Module) -> Engine:
-    engine = find_engine(model)
-    if engine is None:
-        raise ValueError("this model is not sharded: call zs.shard(model, ...) first")
-    return engine

@@ -10,14 +10,15 @@ buffer persists, and whether full grads do, is decided by the stage (see ``Stage
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
-from zeroshard.comm.quant import ErrorFeedback, QuantizedGather
+from zeroshard.comm.names import Group, Phase
+from zeroshard.comm.quant import CommQuant, ErrorFeedback, QuantizedGather
 from zeroshard.sharding import tp
 from zeroshard.sharding.events import EngineEvents, EventKind
 from zeroshard.sharding.layout import FlatLayout
@@ -26,7 +27,7 @@ from zeroshard.sharding.reduce import GradReducer, ReduceTarget
 from zeroshard.sharding.wrap import ParamRef
 
 
-QUANTIZED_PHASES = ("forward", "backward", "recompute")
+QUANTIZED_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)
 """Gathers that feed compute may be quantized; others (state_dict's summon) must be exact."""
 
 
@@ -66,6 +67,35 @@ class StagePolicy:
     def shard_params(self) -> bool:
         return self.stage == 3
 
+    @property
+    def gathers_after_step(self) -> bool:
+        """The updated shards are all-gathered into the full params after the optimizer step
+        (stages 1-2; stage 0 steps the full params, stage 3 gathers at the next forward)."""
+        return self.shard_optimizer and not self.shard_params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupConfig:
+    """Everything a ``FlatGroup`` is built from besides its params; nothing is set on it later.
+
+    The two callbacks are how the group asks its engine for what only the engine knows: the
+    reduction order (``before_grad_read``: finish the pending reductions up to this group's, so a
+    grad shard read sees its whole step) and the hooks of params made lazily at stage 3's first
+    gather (``on_params_created``).
+    """
+
+    policy: StagePolicy
+    mesh: Mesh
+    mp: MixedPrecision
+    device: torch.device
+    store: Any = None
+    events: EngineEvents = dataclasses.field(default_factory=EngineEvents)
+    comm: CommQuant = dataclasses.field(default_factory=CommQuant)
+    is_root: bool = False
+    """The root unit's group: quantized weight gathers leave it exact (``CommQuant.quantizes``)."""
+    before_grad_read: Callable[[FlatGroup], None] | None = None
+    on_params_created: Callable[[FlatGroup], None] | None = None
+
 
 class FlatGroup:
     """The params of one unit that share a dtype and trainability, laid out in one flat buffer.
@@ -82,8 +112,9 @@ class FlatGroup:
     stages 1-2). It reports grads_collected, reduce_launched and reduce_done to ``events``.
     """
 
-    def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, policy: StagePolicy, mesh: Mesh,
-                 mp: MixedPrecision, device: torch.device, store=None, events: EngineEvents | None = None) -> None:
+    def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, config: GroupConfig) -> None:
+        policy, mesh, mp, device, store = config.policy, config.mesh, config.mp, config.device, config.store
+        self.config = config
         self.unit = unit
         self.refs = refs
         self.trainable = trainable
@@ -99,12 +130,16 @@ class FlatGroup:
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
         self.device = device
-        self.events = events or EngineEvents()
-        # Block size when stage 3's weight all-gather is sent quantized (set by the engine), else None.
-        self.weight_quant: int | None = None
+        self.events = config.events
+        comm = config.comm
+        # Block size when stage 3's weight all-gather is sent quantized, else None.
+        self.weight_quant: int | None = comm.block_size if policy.shard_params and \
+            comm.quantizes(self.layout.numel, config.is_root) else None
         # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
-        self.grad_quant: int | None = None
-        self.grad_feedback: ErrorFeedback | None = None  # qgZ's carried rounding error, when enabled
+        self.grad_quant: int | None = comm.block_size if policy.transient_grads and trainable and \
+            comm.quantizes_grads(self.layout.numel) else None
+        # qgZ's carried rounding error, when enabled.
+        self.grad_feedback = ErrorFeedback() if self.grad_quant is not None and comm.error_feedback else None
 
         # Offloaded masters (zeroshard.offload) live in their own store, never inside the params.
         self.store = store if trainable else None
@@ -113,7 +148,6 @@ class FlatGroup:
         # zeroshard.init replays the model's init into them, keeping only what this rank holds.
         self.from_meta = refs[0].param.is_meta
         self.params: list[nn.Parameter] | None = None
-        self.on_params_created: Callable[[FlatGroup], None] | None = None
         if policy.shard_params:
             if self.from_meta:
                 self.shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
@@ -139,7 +173,6 @@ class FlatGroup:
 
         self.grad_full: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
-        self.before_grad_read: Callable[[], None] | None = None  # set by the engine: finish pending reductions, in order
         self.reducer = GradReducer(ReduceTarget(unit=unit, layout=self.layout, shard_rank=self.shard_rank, lo=self.lo,
                                                 hi=self.hi, reduce_dtype=self.reduce_dtype,
                                                 master_dtype=self.master_dtype, device=device),
@@ -158,7 +191,8 @@ class FlatGroup:
         # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins (among
         # the ranks that hold the same tp part).
         if self.mesh.dp_size > 1:
-            collectives.broadcast(whole, src=0, group=self.mesh.dp_name, phase="init", unit=self.unit)
+            collectives.broadcast(whole, src=0, group=self.mesh.dp_name, phase=Phase.INIT, unit=self.unit,
+                                  mesh=self.mesh)
         return whole
 
     def _offload_master(self, values: torch.Tensor) -> torch.Tensor:
@@ -170,8 +204,8 @@ class FlatGroup:
     def _create_params(self) -> None:
         self.params = [self._make_param(_alias(self.full, s.offset, s.shape), i)
                        for i, s in enumerate(self.layout.slots)]
-        if self.on_params_created is not None:
-            self.on_params_created(self)
+        if self.config.on_params_created is not None:
+            self.config.on_params_created(self)
 
     def load_param_values(self, index: int, values: torch.Tensor) -> None:
         """Write param ``index``'s full values (the model's own layout) into whatever of it this rank
@@ -237,13 +271,14 @@ class FlatGroup:
         if self.weight_quant is not None and self.shards > 1 and phase in QUANTIZED_PHASES:
             # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
             return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
-                                   unit=self.unit, phase=phase)
+                                   unit=self.unit, phase=phase, mesh=self.mesh)
         if not self.aliased:
             with torch.no_grad():
                 own.copy_(self.shard)
         if self.shards == 1:
             return None
-        return collectives.all_gather(self.full, own, group="shard", unit=self.unit, phase=phase, async_op=True)
+        return collectives.all_gather(self.full, own, group=Group.SHARD, unit=self.unit, phase=phase, async_op=True,
+                                      mesh=self.mesh)
 
     # -- gradients ----------------------------------------------------------------------------
     def created_params(self) -> list[nn.Parameter]:
@@ -265,13 +300,38 @@ class FlatGroup:
         Reductions launched at the end of backward may still be running: reading waits for them,
         so the optimizer can step the units reduced first while the last ones finish.
         """
-        if self.reducer.reducing and self.before_grad_read is not None:
-            self.before_grad_read()
+        if self.reducer.reducing and self.config.before_grad_read is not None:
+            self.config.before_grad_read(self)
         return self._grad_shard
 
     @grad_shard.setter
     def grad_shard(self, value: torch.Tensor | None) -> None:
         self._grad_shard = value
+
+    def transient_grads(self) -> list[torch.Tensor]:
+        """The grad tensors alive now that the step frees again before the optimizer reads the
+        shard: a stage 2-3 full grad buffer, per-param grads still waiting for the rest of their
+        unit, a reduction's source, and its output while it is a second shard (to be added into
+        the existing one or cast to the master dtype). Stages 0-1's persistent full grads are not
+        transient; ``kept_grads`` is."""
+        out: list[torch.Tensor] = []
+        if self.grad_full is not None and self.policy.transient_grads:
+            out.append(self.grad_full)
+        if self.policy.transient_grads:
+            # At stages 0-1 param.grad is a view of the kept buffer; at 2-3 it waits for the unit.
+            out.extend(p.grad for p in self.params or () if p.grad is not None)
+        sources, reduced = self.reducer.buffers_in_flight()
+        out.extend(sources)
+        shard = self._grad_shard
+        if reduced is not None and self.policy.shard_optimizer and reduced is not shard and (
+                shard is not None or reduced.dtype != self.master_dtype):
+            out.append(reduced)
+        return out
+
+    @property
+    def kept_grads(self) -> torch.Tensor | None:
+        """Stages 0-1's full grad buffer, which lives for the whole run (None at stages 2-3)."""
+        return None if self.policy.transient_grads else self.grad_full
 
     def peek_grad_shard(self) -> torch.Tensor | None:
         """The grad shard as it stands, without finishing a pending reduction (for observers, which
@@ -325,7 +385,7 @@ class FlatGroup:
         # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
         # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
         # allocated while every one of them was alive.
-        self.events.emit(EventKind.GRADS_COLLECTED, self.unit, "backward", self.full_grads().nbytes)
+        self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
         for param in params:
             param.grad = None
 
@@ -347,9 +407,9 @@ class FlatGroup:
         collected): no flat copy, and no unit-sized buffer beside the grads at the moment the unit
         completes (the step's late memory peak)."""
         return (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
-                and self.params is not None and collectives.reduce_scatter_lands_in_input("shard"))
+                and self.params is not None and collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh))
 
-    def launch_reduce(self, phase: str = "backward") -> None:
+    def launch_reduce(self, phase: str = Phase.BACKWARD) -> None:
         if self.grad_quant is not None and self.shards > 1:
             # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
             self.collect_grads()
@@ -376,7 +436,7 @@ class FlatGroup:
         nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
         self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
 
-    def finish_reduce(self, phase: str = "backward") -> None:
+    def finish_reduce(self, phase: str = Phase.BACKWARD) -> None:
         """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
         reduced = self.reducer.finish(phase)
         if self.store is not None:
@@ -426,6 +486,6 @@ class FlatGroup:
                 with torch.no_grad():
                     self.full.copy_(self.shard)
             return None
-        pending = self.gather_full(phase="param_sync")
+        pending = self.gather_full(phase=Phase.PARAM_SYNC)
         assert not isinstance(pending, QuantizedGather)  # only compute-feeding phases are quantized
         return pending

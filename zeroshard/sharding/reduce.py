@@ -20,6 +20,7 @@ import torch
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.names import Group
 from zeroshard.comm.quant import ErrorFeedback, QuantizedReduce
 from zeroshard.sharding.layout import FlatLayout
 
@@ -92,6 +93,17 @@ class GradReducer:
     def reducing(self) -> bool:
         return self.in_flight is not None
 
+    def buffers_in_flight(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """(what the reduction in flight keeps alive only while it runs, where its sums land):
+        the per-param pieces on gloo, else the flat source unless the sums land in it. Both
+        empty/None when nothing is in flight."""
+        flight = self.in_flight
+        if isinstance(flight, PieceReduction):  # gloo reduces the grads in place, piece by piece
+            return [piece.tensor for piece in flight.pieces], None
+        if flight is None:
+            return [], None
+        return ([] if flight.source is flight.output else [flight.source]), flight.output
+
     @property
     def done(self) -> bool:
         """True unless a reduction is in flight and the backend has not completed it."""
@@ -104,8 +116,8 @@ class GradReducer:
         this rank's rounding error into its next reduction."""
         t = self.target
         reduced = torch.empty(t.layout.shard_numel, dtype=torch.float32, device=t.device)
-        pending = QuantizedReduce(reduced, grad_full, block_size, group="shard", unit=t.unit, phase=phase,
-                                  feedback=feedback)
+        pending = QuantizedReduce(reduced, grad_full, block_size, group=Group.SHARD, unit=t.unit, phase=phase,
+                                  feedback=feedback, mesh=self.mesh)
         self.in_flight = WholeReduction(grad_full, reduced, pending)
 
     def launch_whole(self, source: torch.Tensor, phase: str) -> None:
@@ -113,23 +125,25 @@ class GradReducer:
         t = self.target
         if not self.shard_optimizer:
             pending = collectives.all_reduce(source, group=self.mesh.dp_name, unit=t.unit, phase=phase,
-                                             async_op=True)
+                                             async_op=True, mesh=self.mesh)
             assert pending is not None  # async_op=True always returns a handle
             self.in_flight = WholeReduction(source, source, pending)
             return
-        if collectives.reduce_scatter_lands_in_input("shard"):
+        if collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh):
             # No second shard-sized buffer while it runs; finish copies the slice out.
             reduced = source[t.lo:t.hi]
         else:
             reduced = torch.empty(t.layout.shard_numel, dtype=t.reduce_dtype, device=source.device)
-        pending = collectives.reduce_scatter(reduced, source, group="shard", unit=t.unit, phase=phase, async_op=True)
+        pending = collectives.reduce_scatter(reduced, source, group=Group.SHARD, unit=t.unit, phase=phase,
+                                             async_op=True, mesh=self.mesh)
         assert pending is not None
         self.in_flight = WholeReduction(source, reduced, pending)
 
     def launch_pieces(self, pieces: list[Piece], phase: str) -> None:
         t = self.target
         pending = collectives.reduce_to_owners([(p.tensor, p.owner) for p in pieces], numel=t.layout.numel,
-                                               group="shard", unit=t.unit, phase=phase, async_op=True)
+                                               group=Group.SHARD, unit=t.unit, phase=phase, async_op=True,
+                                               mesh=self.mesh)
         assert pending is not None
         self.in_flight = PieceReduction(pieces, pending)
 
@@ -189,7 +203,7 @@ class GradReducer:
         else:
             reduced = flight.output
         if self.shard_optimizer and self.mesh.replicate_size > 1:
-            collectives.all_reduce(reduced, group="replicate", unit=t.unit, phase=phase)
+            collectives.all_reduce(reduced, group=Group.REPLICATE, unit=t.unit, phase=phase, mesh=self.mesh)
         if reduced.dtype != t.master_dtype:
             reduced = reduced.to(t.master_dtype)
         elif self.shard_optimizer and isinstance(flight, WholeReduction) and \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.comm import collectives
+from zeroshard.comm.names import Group, Phase
 from zeroshard.sharding.engine import get_engine
 
 
@@ -53,7 +54,7 @@ class ShardedGradScaler:
             group.grad_shard.mul_(inv)
             if not torch.isfinite(group.grad_shard).all():
                 local_bad.fill_(1.0)
-        collectives.all_reduce(local_bad, op="max", group="world", phase="grad_scaler")
+        collectives.all_reduce(local_bad, op="max", group=Group.WORLD, phase=Phase.GRAD_SCALER, mesh=self._engine.mesh)
         self._found_inf = bool(local_bad.item())
         self._unscaled = True
         return self._found_inf

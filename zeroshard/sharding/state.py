@@ -8,16 +8,19 @@ import torch
 from torch import nn
 
 from zeroshard.comm import collectives
+from zeroshard.comm.names import Group, Phase
 from zeroshard.sharding.engine import get_engine
 from zeroshard.sharding import tp
 from zeroshard.sharding.flat import FlatGroup
 
 
-def _gather_master(group: FlatGroup) -> torch.Tensor:
+def gathered_master(group: FlatGroup, phase: Phase = Phase.STATE_DICT) -> torch.Tensor:
+    """The group's whole flat master buffer (a collective over its shard group)."""
     if group.shards == 1:
         return group.shard
     whole = torch.empty(group.layout.numel, dtype=group.shard.dtype, device=group.shard.device)
-    collectives.all_gather(whole, group.shard.contiguous(), group="shard", unit=group.unit, phase="state_dict")
+    collectives.all_gather(whole, group.shard.contiguous(), group=Group.SHARD, unit=group.unit,
+                           phase=phase, mesh=group.mesh)
     return whole
 
 
@@ -27,10 +30,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     engine = get_engine(model)
     out: dict[str, torch.Tensor] = {}
     for group in engine.groups:
-        whole = _gather_master(group)
+        whole = gathered_master(group)
         for slot, ref, spec in zip(group.layout.slots, group.refs, group.tp_specs):
             # A tensor-parallel param is gathered over tp too, into the model's own layout.
-            value = tp.full_value(whole[slot.offset:slot.end].view(slot.shape), spec, unit=group.unit).detach().clone()
+            value = tp.full_value(whole[slot.offset:slot.end].view(slot.shape), spec, unit=group.unit,
+                                  mesh=group.mesh).detach().clone()
             for alias in ref.aliases:
                 out[alias] = value
     for module_name, module in model.named_modules():

@@ -34,7 +34,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module)
 
 from zeroshard.comm import collectives, dtensor_ledger
-from zeroshard.comm.mesh import get_mesh
+from zeroshard.comm.mesh import Mesh, get_mesh
+from zeroshard.comm.names import Group, Phase
+from zeroshard.sharding.attached import find_engine
 
 CHUNKS_ATTR = "_zeroshard_tp_chunks"
 """On a TP param: how many equal row blocks of it are sharded separately (fused qkv: 3)."""
@@ -218,7 +220,8 @@ PlanFn = Callable[..., tuple[list[nn.Module], dict, dict[str, int]]]
 PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
 
 
-def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_parallel: bool = False) -> nn.Module:
+def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_parallel: bool = False,
+                    mesh: Mesh | None = None) -> nn.Module:
     """Split ``model``'s blocks across the mesh's "tp" dim (``zs.init(tp=N)``), in place; then ``zs.shard`` it.
 
     ``plan(model, tp)`` returns (blocks, {submodule name: ParallelStyle}, {name: chunks}); the
@@ -233,7 +236,7 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
     A custom plan is then called as ``plan(model, tp, sequence_parallel=True)``.
     """
     _check_unsharded(model)
-    mesh = get_mesh()
+    mesh = mesh or get_mesh()  # the mesh the model will be sharded over: zs.shard(model, mesh=...) takes the same
     if mesh.tp_size == 1:
         raise ValueError("the mesh has no tp dim; call zs.init(tp=N) (or mesh_shape=..., names=(..., 'tp')) first")
     if plan is None:
@@ -291,23 +294,22 @@ def _check_unsharded(model: nn.Module) -> None:
     param's full shape and keeps this rank's tp part: docs/init.md). A model ``zs.shard`` already
     built, e.g. by constructor replay, has its flat buffers laid out unsplit and is refused.
     """
-    from zeroshard.sharding.engine import find_engine  # the engine imports this module
-
     if find_engine(model) is not None:
         raise ValueError("tensor_parallel must run before zs.shard, but this model is already sharded (zs.shard with "
                          "a constructor builds and shards in one call); build the model for real or under "
                          "zs.meta_init(), call zs.tensor_parallel(model), then zs.shard(model)")
 
 
-def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phase: str = "state_dict") -> torch.Tensor:
+def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phase: str = Phase.STATE_DICT,
+               mesh: Mesh | None = None) -> torch.Tensor:
     """A param's full tensor in the model's own layout from this rank's tp part (a collective over
     "tp" for a tp-sharded param; the value itself otherwise)."""
     if spec is None or spec.shard_dim is None:
         return value
-    dim, size = spec.shard_dim, collectives.group_size("tp")
+    dim, size = spec.shard_dim, collectives.group_size(Group.TP, mesh)
     moved = value.movedim(dim, 0).contiguous()
     out = torch.empty((size, *moved.shape), dtype=value.dtype, device=value.device)
-    collectives.all_gather(out.view(-1), moved.view(-1), group="tp", unit=unit, phase=phase)
+    collectives.all_gather(out.view(-1), moved.view(-1), group=Group.TP, unit=unit, phase=phase, mesh=mesh)
     return canonical([part.movedim(0, dim) for part in out.unbind(0)], spec.describe())
 
 

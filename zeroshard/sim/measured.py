@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives a link model covers (the network model prices these three)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeasuredLink:
@@ -28,8 +31,6 @@ class MeasuredLink:
     """Bus bandwidth, bytes/s (nccl-tests' accounting, see ``sim/network.py``)."""
 
     def __post_init__(self) -> None:
-        from zeroshard.sim.network import OPS
-
         if self.op not in OPS:
             raise ValueError(f"measured link: op {self.op!r} is not one of {', '.join(OPS)}")
         if self.group < 2 or self.world < self.group or self.alpha_s < 0 or not self.bandwidth > 0:

@@ -27,9 +27,8 @@ from __future__ import annotations
 import math
 
 from zeroshard.sim.hardware import Hardware
-from zeroshard.sim.measured import pick_link
+from zeroshard.sim.measured import OPS, pick_link
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = ("ring", "tree")
 
 
