@@ -35,6 +35,10 @@ class BenchSpec:
     steps_per_round: int = 3
     warmup: int = 2
     seed: int = 0
+    layers: int | None = None
+    """Blocks, replacing the preset's (a thin, deep model is where per-unit overheads show)."""
+    width: int | None = None
+    """Embedding width, replacing the preset's; a multiple of the preset's head count."""
     only: tuple[str, ...] = ()
     """Run names to keep (floor, stage0..stage3, stage3-quant, ddp, fsdp2, fsdp2-noreshard); empty keeps all
     but stage3-quant. The ratio
@@ -91,7 +95,8 @@ def _timed(candidate, x, y, steps: int) -> list[float]:
 def rank_main(spec: BenchSpec) -> dict:
     mesh = zs.init()
     torch.set_num_threads(1)
-    cfg = GPTConfig.named(spec.model, seq_len=spec.seq)
+    shape = {k: v for k, v in (("n_layer", spec.layers), ("n_embd", spec.width)) if v is not None}
+    cfg = GPTConfig.named(spec.model, seq_len=spec.seq, **shape)
     gen = torch.Generator().manual_seed(spec.seed + mesh.rank)
     x = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
     y = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)

@@ -27,14 +27,15 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.benchmark import BenchSpec, run_bench
 
     spec = BenchSpec(model=args.model, world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                     rounds=args.rounds, steps_per_round=args.steps_per_round,
+                     rounds=args.rounds, steps_per_round=args.steps_per_round, layers=args.layers, width=args.width,
                      only=tuple(k for k in args.only.split(",") if k) if args.only else ())
     rows = run_bench(spec)
     if args.json:
         for row in rows:
             print(json.dumps(row))
     else:
-        Console().print(table(rows, f"{spec.model}, world {spec.world}, B={spec.batch}/rank, T={spec.seq}, "
+        shape = "".join(f", {n} {v}" for n, v in (("layers", spec.layers), ("width", spec.width)) if v)
+        Console().print(table(rows, f"{spec.model}{shape}, world {spec.world}, B={spec.batch}/rank, T={spec.seq}, "
                                     f"{spec.dtype}, AdamW, 1 thread/rank"))
     return 0
 
@@ -46,6 +47,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--layers", type=int, default=None, help="blocks, replacing the preset's (e.g. 32 with "
+                   "--width 64: a thin, deep model where per-unit overheads dominate)")
+    p.add_argument("--width", type=int, default=None, help="embedding width, replacing the preset's")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (A B C ... repeated)")
     p.add_argument("--steps-per-round", type=int, default=3)

@@ -178,6 +178,8 @@ class FlatGroup:
                                                 master_dtype=self.master_dtype, device=device),
                                    mesh=mesh, shard_optimizer=policy.shard_optimizer)
         self._grad_full_zero = True
+        self._grad_views: list[torch.Tensor] = []
+        self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
         if trainable and not policy.transient_grads:
             self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
             self.attach_grad_views()
@@ -338,10 +340,20 @@ class FlatGroup:
         must not change when reductions finish)."""
         return self._grad_shard
 
-    def attach_grad_views(self) -> None:
+    def _kept_grad_views(self) -> list[torch.Tensor]:
+        """Per param, its grad as a view of the kept flat grad buffer (stages 0-1), made once per
+        buffer: re-attaching them every step and checking a grad against them is then an identity
+        test, which matters on deep models, where per-param work is most of the step's overhead."""
         grad_full = self.full_grads()
-        for index, (slot, param) in enumerate(zip(self.layout.slots, self.created_params())):
-            param.grad = self._as_grad(grad_full[slot.offset:slot.end].view(slot.shape), index)
+        if self._grad_views_of is not grad_full:
+            self._grad_views = [self._as_grad(grad_full[s.offset:s.end].view(s.shape), i)
+                                for i, s in enumerate(self.layout.slots)]
+            self._grad_views_of = grad_full
+        return self._grad_views
+
+    def attach_grad_views(self) -> None:
+        for param, view in zip(self.created_params(), self._kept_grad_views()):
+            param.grad = view
 
     def take_grad(self, index: int) -> None:
         """Param ``index``'s grad for this backward is complete.
@@ -354,7 +366,10 @@ class FlatGroup:
         self._grad_full_zero = False
         if self.policy.transient_grads:
             return
-        param, slot = self.created_params()[index], self.layout.slots[index]
+        param, attached = self.created_params()[index], self._kept_grad_views()[index]
+        if param.grad is attached:  # autograd accumulated into our view: the usual case
+            return
+        slot = self.layout.slots[index]
         view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
         grad = tp.local_grad(param.grad, self.tp_specs[index])
         if grad is None or grad.data_ptr() == view.data_ptr():

@@ -41,6 +41,7 @@ class Unit:
         self._gathers: list[collectives.Pending | QuantizedGather] = []
         self._expected = {(gi, pi) for gi, g in enumerate(groups) if g.trainable for pi in range(len(g.layout.slots))}
         self._ready: set[tuple[int, int]] = set()
+        self._missing = len(self._expected)
         self.reduce_launched = False
         if sharded:
             for group in groups:
@@ -91,7 +92,10 @@ class Unit:
     def mark_ready(self, group_index: int, param_index: int) -> bool:
         """Record that a param's grad is complete; True when every trainable param's is."""
         self.groups[group_index].take_grad(param_index)
-        self._ready.add((group_index, param_index))
+        key = (group_index, param_index)
+        if key not in self._ready:  # a param used twice fires its hook once per use
+            self._ready.add(key)
+            self._missing -= 1
         return self.grads_ready
 
     def collect_grads(self) -> None:
@@ -107,7 +111,8 @@ class Unit:
 
     @property
     def grads_ready(self) -> bool:
-        return self._ready >= self._expected
+        # A count, not a set comparison: this runs once per param per backward.
+        return self._missing == 0
 
     def launch_reduce(self) -> None:
         for group in self.trainable_groups:
@@ -126,4 +131,5 @@ class Unit:
 
     def clear_ready(self) -> None:
         self._ready.clear()
+        self._missing = len(self._expected)
         self.reduce_launched = False
