@@ -18,6 +18,7 @@ from zeroshard.comm.quant import (
     wire_bytes,
 )
 from zeroshard.comm import quant_kernel
+from zeroshard.sharding import StagePolicy
 from zeroshard.models import GPT, GPTConfig
 
 
@@ -95,13 +96,13 @@ def test_bad_block_size_is_a_clear_error(bad):
 
 def test_stage_and_parse_errors():
     with pytest.raises(ValueError, match="need stage 3"):
-        CommQuant(weights=True).check_stage(2)
+        CommQuant(weights=True).check_stage(StagePolicy(2))
     with pytest.raises(ValueError, match="stage 2 or 3"):
-        CommQuant(grads=True).check_stage(0)
+        CommQuant(grads=True).check_stage(StagePolicy(0))
     with pytest.raises(ValueError, match="stage 2 or 3"):
-        CommQuant(grads=True).check_stage(1)
-    CommQuant(weights=True, grads=True).check_stage(3)
-    CommQuant(grads=True).check_stage(2)
+        CommQuant(grads=True).check_stage(StagePolicy(1))
+    CommQuant(weights=True, grads=True).check_stage(StagePolicy(3))
+    CommQuant(grads=True).check_stage(StagePolicy(2))
     assert CommQuant.parse("weights") == CommQuant(weights=True)
     assert CommQuant.parse("weights,grads", 128) == CommQuant(weights=True, grads=True, block_size=128)
     assert not CommQuant.parse("none").enabled

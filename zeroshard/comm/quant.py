@@ -157,17 +157,26 @@ class CommQuant:
     def enabled(self) -> bool:
         return self.weights or self.grads
 
-    def check_stage(self, stage: int) -> None:
-        if self.weights and stage != 3:
-            raise ValueError(f"quantized weights (comm=CommQuant(weights=True)) need stage 3, where weights are "
-                             f"all-gathered each step; stage {stage} keeps them whole. Use stage=3 or weights=False")
-        if self.grads:
-            if stage == 0:
-                raise ValueError("quantized grads need stage 2 or 3 (a sharded reduction); stage 0 all-reduces. "
-                                 "Use stage>=2 or grads=False")
-            if stage == 1:
-                raise ValueError("quantized grads need stage 2 or 3, where grads are transient and reduced "
-                                 "once into the owner's shard; use stage>=2 or grads=False")
+    def problem_with(self, policy) -> str | None:
+        """Why this setting cannot run under ``policy`` (a ``StagePolicy``), or None when it can.
+
+        Weights are quantized on their way to compute, so only a stage that all-gathers them each
+        step has a wire to quantize; grads are quantized into their owner's shard, so only a stage
+        whose full grads are transient (reduced once, then freed) can take their rounding."""
+        if self.weights and not policy.shard_params:
+            return (f"quantized weights (comm=CommQuant(weights=True)) need stage 3, where weights are all-gathered "
+                    f"each step; stage {policy.stage} keeps them whole. Use stage=3 or weights=False")
+        if self.grads and not policy.transient_grads:
+            reduction = "all-reduces" if not policy.shard_optimizer else "keeps full grads"
+            return (f"quantized grads need stage 2 or 3, where grads are transient and reduced once into the owner's "
+                    f"shard; stage {policy.stage} {reduction}. Use stage>=2 or grads=False")
+        return None
+
+    def check_stage(self, policy) -> None:
+        """Raise ``problem_with(policy)`` as a ValueError, if there is one."""
+        problem = self.problem_with(policy)
+        if problem is not None:
+            raise ValueError(problem)
 
     def quantizes_grads(self, numel: int) -> bool:
         """Grads are averaged over ranks, so their rounding error shrinks: only the size threshold applies

@@ -16,6 +16,7 @@ from torch import nn
 
 from zeroshard.plan.tp import TensorParallel
 from zeroshard.sharding.engine import reduction_buckets
+from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.optim import decays
 from zeroshard.sharding.wrap import ParamRef, UnitSpec, UnitsArg, plan_units
@@ -157,7 +158,10 @@ class Inventory:
 
     def comm_units(self, *, stage: int, shards: int, bucket_bytes: int) -> tuple[CommUnit, ...]:
         """The engine's communication units, in its backward (= reduction) order."""
-        key = (stage, shards if stage >= 1 else 1, bucket_bytes if stage < 3 else 0)
+        policy = StagePolicy(stage)
+        # What the engine's units depend on: shards only where the optimizer is sharded, buckets
+        # only where params stay whole.
+        key = (stage, shards if policy.shard_optimizer else 1, 0 if policy.shard_params else bucket_bytes)
         if key not in self._cache:
             self._cache[key] = self._build(*key)
         return self._cache[key]
@@ -165,7 +169,7 @@ class Inventory:
     def _build(self, stage: int, shards: int, bucket_bytes: int) -> tuple[CommUnit, ...]:
         # The engine lists blocks in reverse module order, then the root: roughly backward order.
         order = [s for s in reversed(self.specs) if not s.is_root] + [s for s in self.specs if s.is_root]
-        if stage == 3:
+        if StagePolicy(stage).shard_params:
             return tuple(CommUnit(name=s.name, is_root=s.is_root, groups=_groups(s.name, s.refs, shards, self.tp))
                          for s in order if s.refs)
         out = []

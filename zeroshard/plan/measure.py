@@ -244,7 +244,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
         **{k: states[k] for k in MODEL_STATES}, "host": host if offloaded else {}, "activations": saved.get("peak", 0),
-        "window": engine.peak_full_bytes if stage == 3 else 0, "buckets": sampler.peak,
+        "window": engine.peak_full_bytes if engine.policy.shard_params else 0, "buckets": sampler.peak,
         "total": int(peak()), "method": method, "max_inflight_reductions": engine.options.max_inflight_reductions,
     }
     return out

@@ -201,10 +201,11 @@ class PlanSpec:
 
     def _check_comm_quant(self) -> None:
         from zeroshard.comm.quant import CommQuant
+        from zeroshard.sharding.flat import StagePolicy
 
         comm = CommQuant.parse(self.comm_quant, self.comm_quant_block)  # bad spec or block: a clear error
         if self.stage is not None:
-            comm.check_stage(self.stage)
+            comm.check_stage(StagePolicy(self.stage))
 
     @property
     def dp(self) -> int:

@@ -107,7 +107,7 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     compile_kwargs = compile_options(compile)
     policy = StagePolicy(stage)
     if comm is not None:
-        comm.check_stage(stage)
+        comm.check_stage(policy)
     # A build function runs here, now that the arguments are checked.
     built = None if isinstance(model, nn.Module) else _build(model, init_fn, skip_init)
     model = built.model if built is not None else cast(nn.Module, model)

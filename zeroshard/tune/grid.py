@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, TypeVar
 
+from zeroshard.comm.quant import CommQuant
 from zeroshard.config import STAGES
+from zeroshard.sharding.flat import StagePolicy
 
 T = TypeVar("T")
 
@@ -37,7 +39,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        if self.stage == 3:
+        if StagePolicy(self.stage).shard_params:
             knobs = f"prefetch {self.prefetch}, {'reshard' if self.reshard_after_forward else 'no reshard'}"
         else:
             knobs = f"bucket {self.bucket_mb:g} MB"
@@ -48,7 +50,7 @@ class Candidate:
         """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
         keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing,
                                 "comm_quant": self.comm_quant}
-        if self.stage == 3:
+        if StagePolicy(self.stage).shard_params:
             keys.update(prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward)
         else:
             keys["bucket_mb"] = self.bucket_mb
@@ -131,9 +133,8 @@ def _comm_quant(part: str) -> str:
 
 
 def comm_quant_applies(comm_quant: str, stage: int) -> bool:
-    """What the runtime accepts: quantized weights at stage 3, quantized grads at stages 2-3."""
-    parts = set(comm_quant.split(",")) - {"none"}
-    return not ("weights" in parts and stage != 3) and not (parts & {"grads", "grads+ef"} and stage < 2)
+    """Whether the runtime accepts ``comm_quant`` at ``stage``: the runtime's own rule, asked."""
+    return CommQuant.parse(comm_quant).problem_with(StagePolicy(stage)) is None
 
 
 def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str,
@@ -152,7 +153,7 @@ def candidates(axes: Axes) -> list[Candidate]:
         comms = [q for q in axes.comm_quant if comm_quant_applies(q, stage)]
         for ckpt in axes.checkpointing:
             for comm in comms:
-                if stage == 3:
+                if StagePolicy(stage).shard_params:
                     out += [Candidate(stage=3, checkpointing=ckpt, prefetch=p, reshard_after_forward=r,
                                       comm_quant=comm) for p in axes.prefetch for r in axes.reshard]
                 else:
