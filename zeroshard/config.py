@@ -26,6 +26,10 @@ MODEL_NAMES = ("tiny", "small", "medium")
 HF_PREFIX = "hf:"
 HF_MODEL_NAMES = ("hf:gpt2-tiny", "hf:llama-tiny")
 """Hugging Face models built from small configs in code (zeroshard/models/hf.py); need the `hf` extra."""
+TP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
+"""The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.sharding.tp.PLANS
+(zeroshard's GPT and HF Llama; a unit test keeps the two lists in step). HF GPT-2 has none, and a
+pretrained folder's weights are read shard by shard without a tp split (zeroshard/hf/pretrained.py)."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
@@ -109,6 +113,12 @@ class TrainConfig:
     shard_size: int | None = None
     """Hybrid sharding: shard inside groups of this many consecutive ranks and replicate across
     groups (world/shard_size replicas). None shards over the whole world."""
+
+    tp: int = 1
+    """Tensor parallelism: split each block's matmuls over this many consecutive ranks (Megatron's
+    column/row split through torch's DTensor; docs/tensor_parallel.md). ZeRO then shards over the
+    nproc/tp data-parallel ranks, which split the batch; the ranks of one tp group share theirs. Needs a
+    model with a TP plan: tiny, small, medium or hf:llama-tiny. 1 is no tensor parallelism."""
 
     bucket_mb: float = 25.0
     """Gradient bucket size in MB for the overlapped reduction (stages 0-2; stage 3 reduces per unit)."""
@@ -218,6 +228,14 @@ class TrainConfig:
             raise ValueError(f"comm_quant=grads needs stage 2 or 3 (a sharded grad reduction); got stage "
                              f"{self.stage}: pass --stage 2 or 3 or drop grads")
 
+    def _check_tp(self) -> None:
+        if self.tp < 1 or self.nproc % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide nproc={self.nproc}; pick a tp that divides nproc "
+                             f"(nproc/tp ranks are data parallel; tp=1 is no tensor parallelism)")
+        if self.tp > 1 and self.model not in TP_MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, or one of "
+                             f"{', '.join(TP_MODEL_NAMES)} (zeroshard's GPT and HF Llama have one)")
+
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES} "
@@ -226,8 +244,11 @@ class TrainConfig:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
         if self.mp not in PARAM_DTYPES:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
-        if self.shard_size is not None and (self.shard_size < 1 or self.nproc % self.shard_size):
-            raise ValueError(f"shard_size={self.shard_size} must divide nproc={self.nproc}")
+        self._check_tp()
+        dp = self.nproc // self.tp
+        if self.shard_size is not None and (self.shard_size < 1 or dp % self.shard_size):
+            where = f"nproc={self.nproc}" if self.tp == 1 else f"the {dp} data-parallel ranks (nproc {self.nproc} / tp {self.tp})"
+            raise ValueError(f"shard_size={self.shard_size} must divide {where}")
         from zeroshard.offload.policy import OFFLOAD_KINDS
         from zeroshard.sharding.recompute import segment_length
 
@@ -275,7 +296,8 @@ class TrainConfig:
 
         parse_log(self.log)
         check_checkpointing(self)
-        check_batch_split(self.batch, self.nproc, self.accum)
+        # Tensor-parallel ranks share a batch: it is split over the data-parallel ranks only.
+        check_batch_split(self.batch, dp, self.accum)
         if self.data is None and self.num_samples < self.batch:
             raise ValueError(
                 f"num_samples={self.num_samples} is smaller than one global batch ({self.batch}); "

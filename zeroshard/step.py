@@ -26,6 +26,7 @@ from zeroshard.models import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.profile.timeline import phase
 from zeroshard.sharding.precision import parse_dtype
+from zeroshard.tp_setup import apply_tensor_parallel
 
 BETAS = (0.9, 0.95)
 IGNORE_INDEX = -100
@@ -154,6 +155,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     dataset = build_data(cfg) if dataset is None else dataset
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
+    apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
     shard_model(cfg, model, **shard_overrides)
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)

@@ -12,6 +12,7 @@ import torch
 
 import tp_workloads as w
 import zeroshard as zs
+from zeroshard.config import TrainConfig
 from zeroshard.launch import spawn
 from zeroshard.models import GPTConfig
 
@@ -169,3 +170,52 @@ def test_planner_tp_comm_and_activations_equal_the_runtime(suite, sp):
     assert acts is not None
     print(f"sp={sp}: activations per rank planned {acts.saved:,} measured {suite[0]['activations'][sp]:,}")
     assert acts.saved == suite[0]["activations"][sp]
+
+
+# -- the command line's path: `zeroshard train --tp 2`, `zeroshard plan [--time] --tp 2` ------------
+@pytest.fixture(scope="module")
+def cli_suite():
+    return spawn(w.cli_suite, 4, timeout_s=900)
+
+
+def _cli_json(capsys, argv: list[str]) -> dict:
+    import json
+
+    from zeroshard.cli.main import main
+
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("keys", w.CLI_CASES, ids=lambda k: "-".join(f"{a}{b}" for a, b in sorted(k.items())))
+def test_cli_tp_bytes_planned_and_simulated_equal_the_ledger(cli_suite, capsys, keys):
+    """A TrainConfig with tp=2 (what `zeroshard train --tp 2` runs, at shard 2 x tp 2 on 4 gloo ranks)
+    records in its ledger exactly the tp all-reduce bytes per step that `zeroshard plan --tp 2`
+    (the memory planner's collectives) and `zeroshard plan --time --tp 2` (the simulator) predict."""
+    cfg = TrainConfig(**{**w.CLI_BASE, **keys})
+    got = cli_suite[0][tuple(sorted(keys.items()))]
+    assert (got["tp_size"], got["dp_size"]) == (2, 2)
+    measured = {k: v for k, v in got["by_key"].items() if k.split(":")[1] == "tp" and not k.endswith(":clip")}
+    assert set(measured) == {"all_reduce:tp:forward", "all_reduce:tp:backward"}  # the blocks were split
+    same = ["--model", cfg.model, "--vocab-size", str(cfg.vocab_size), "--seq", str(cfg.seq_len), "--world",
+            str(cfg.nproc), "--tp", str(cfg.tp), "--stage", str(cfg.stage), "--mp", cfg.mp, "--accum", str(cfg.accum),
+            "--checkpointing", cfg.checkpointing, "--json"]
+    layout = {1: "zero1", 2: "zero2", 3: "zero3"}[cfg.stage]
+    planned = sum(c["buffer_bytes"] * c["count"] for c in _cli_json(capsys, ["plan", "--batch", str(cfg.batch),
+                                                                             "--device", "cpu", *same])
+                  ["layouts"][layout]["collectives"] if c["group"] == "tp")
+    (row,) = _cli_json(capsys, ["plan", "--time", "--batch", str(cfg.batch), *same])["rows"]
+    assert (row["tp"], row["stage"]) == (2, cfg.stage)
+    ledger = sum(measured.values())
+    # Per block and micro-step 2 all-reduces in forward and 2 in backward, each of the micro-batch's
+    # activations (batch / dp / accum x seq x width x fp32); a checkpoint's rebuild runs the forward's
+    # again but the segment's last (torch's early stop: nothing saves that output).
+    gpt = GPTConfig.named(cfg.model)
+    per_op = cfg.batch // 2 // cfg.accum * cfg.seq_len * gpt.n_embd * 4
+    segments = {"none": 0, "all": gpt.n_layer, "every:2": gpt.n_layer // 2}[cfg.checkpointing]
+    rebuilt = 2 * gpt.n_layer - segments if segments else 0
+    theory = cfg.accum * (4 * gpt.n_layer + rebuilt) * per_op
+    print(f"stage {cfg.stage} accum {cfg.accum} ckpt {cfg.checkpointing}: tp bytes per step ledger {ledger:,} "
+          f"planned {planned:,} simulated {row['tp_bytes']:,.0f} theory {theory:,}")
+    assert ledger == planned == row["tp_bytes"] == theory

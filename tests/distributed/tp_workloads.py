@@ -308,3 +308,30 @@ def ckpt_suite(root: str) -> dict | None:
     out["r12"] = ckpt_resume(root, "r12", SAVED_STAGE, parallel=True)
     out["rt12"] = ckpt_resume(root, "rt12", SAVED_STAGE, parallel=True)
     return out
+
+
+# -- the command line's path: TrainConfig(tp=2) --------------------------------------------------
+CLI_CASES = (dict(stage=2), dict(stage=3, accum=2, checkpointing="all"), dict(stage=1, checkpointing="every:2"))
+"""TrainConfig keys over CLI_BASE: what `zeroshard train --tp 2` builds, at (shard 2, tp 2)."""
+CLI_BASE = dict(model="tiny", nproc=4, tp=2, batch=8, seq_len=SEQ_LEN, steps=2, warmup=0, seed=SEED)
+
+
+def cli_suite() -> dict:
+    """Each CLI_CASES run as `zeroshard train` builds it on a rank (zs.init(tp=cfg.tp),
+    zeroshard.train.setup, train_step): the tp split comes from the config, not from the test.
+    Returns the second step's ledger bytes per (op, dim, phase) and the mesh's sizes."""
+    from zeroshard.train import setup, train_step
+
+    out: dict = {}
+    for keys in CLI_CASES:
+        cfg = TrainConfig(**{**CLI_BASE, **keys})
+        mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp)
+        run = setup(cfg, mesh)
+        train_step(run, 0)
+        ledger = zs.ledger()
+        start = ledger.next_seq
+        train_step(run, 1)
+        out[tuple(sorted(keys.items()))] = {"by_key": _bytes_by_key(ledger.since(start)), "tp_size": mesh.tp_size,
+                                            "dp_size": mesh.dp_size}
+    zs.shutdown()
+    return out

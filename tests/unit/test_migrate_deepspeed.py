@@ -160,8 +160,20 @@ def _with(base: dict, **zero) -> dict:
 
 
 @pytest.mark.parametrize("ds, world, named", [
-    (_with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=True), 4, "zero_optimization.zero_quantized_weights"),
-    (_with(ZERO2_FP16_OFFLOAD, zero_quantized_gradients=True), 4, "zero_optimization.zero_quantized_gradients"),
+    # ZeRO++ is ZeRO-3's: at stage 2 it is not the run the JSON describes, so it is refused by name.
+    (_with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=True), 4, "zero_quantized_weights=true is ZeRO++"),
+    (_with(ZERO2_FP16_OFFLOAD, zero_quantized_gradients=True), 4, "zero_quantized_gradients=true is ZeRO++"),
+    (_with(ZERO3_NVME, zero_quantized_nontrainable_weights=True), None,
+     "zero_optimization.zero_quantized_nontrainable_weights=True is unsupported"),
+    (_with(ZERO3_NVME, zero_quantized_weights="yes"), None, "zero_quantized_weights='yes' must be true or false"),
+    ({**ZERO3_NVME, "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": []}}}, None,
+     "tensor_parallel.partition_config"),
+    ({**ZERO3_NVME, "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}}, None,
+     "tensor_parallel.autotp_size=2 and tensor_parallel.tp.tp_size=4 differ"),
+    ({**ZERO3_NVME, "tensor_parallel": {"autotp_size": 2, "frobnicate": 1}}, None,
+     "unknown DeepSpeed key 'tensor_parallel.frobnicate'"),
+    ({**ZERO1_BF16, "tensor_parallel": {"autotp_size": 3}}, 8, "--world 8 is not a multiple of tensor_parallel"),
+    ({**ZERO1_BF16, "sequence_parallel_size": 2}, 8, "sequence_parallel_size=2 is unsupported: DeepSpeed-Ulysses"),
     (_with(ZERO2_FP16_OFFLOAD, zero_hpz_partition_size=8), 4, "zero_optimization.zero_hpz_partition_size"),
     (_with(ZERO3_NVME, offload_param={"device": "nvme", "nvme_path": "/nvme"}), None,
      "zero_optimization.offload_param.device"),
@@ -193,8 +205,40 @@ def test_unsupported_or_unknown_key_is_named(ds, world, named):
     assert "\n" not in str(info.value)
 
 
+def test_zero_plus_plus_quantized_comm_maps_to_comm_quant():
+    """qwZ and qgZ are zeroshard's comm_quant weights and grads (int8 blocks, fp32 scales, exact masters)."""
+    both = from_deepspeed(_with(ZERO3_NVME, zero_quantized_weights=True, zero_quantized_gradients=True))
+    assert both.values == {**from_deepspeed(ZERO3_NVME).values, "comm_quant": "weights,grads"}
+    assert any(n.startswith("zero_quantized_weights and zero_quantized_gradients: comm_quant='weights,grads'")
+               and "int4" in n for n in both.notes)
+    assert from_deepspeed(_with(ZERO3_NVME, zero_quantized_weights=True)).values["comm_quant"] == "weights"
+    assert from_deepspeed(_with(ZERO3_NVME, zero_quantized_gradients=True)).values["comm_quant"] == "grads"
+    cfg = config_from_sources(None, both.values)  # what train runs: qwZ + qgZ on the stage-3 run
+    assert (cfg.stage, cfg.comm_quant) == (3, "weights,grads")
+
+
+def test_autotp_size_maps_to_tp_and_the_batch_counts_data_parallel_ranks():
+    """DeepSpeed's train_batch_size = micro x accumulation x data-parallel ranks (world / tp), as
+    zeroshard's global batch is: 8 ranks at autotp 2 are 4 data-parallel ranks of 4 x 2 sequences."""
+    ds = {**ZERO1_BF16, "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+          "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True, "preset_model": "llama"}}
+    conv = from_deepspeed(ds, world=8)
+    assert (conv.values["tp"], conv.values["nproc"], conv.values["batch"], conv.values["accum"]) == (2, 8, 32, 2)
+    assert {n.split("=")[0] for n in conv.notes} >= {"tensor_parallel.tp_overlap_comm", "tensor_parallel.preset_model"}
+    # All three batch keys given: the data-parallel ranks follow from them, the world is tp times that.
+    alone = from_deepspeed({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                            "tensor_parallel": {"tp": {"tp_size": 4}}})
+    assert (alone.values["tp"], alone.values["nproc"]) == (4, 16)
+    # autotp 0 or 1 is no tensor parallelism: nothing written.
+    assert "tp" not in from_deepspeed({**ZERO1_BF16, "tensor_parallel": {"autotp_size": 1}}, world=8).values
+    cfg = config_from_sources(None, conv.values)
+    assert (cfg.tp, cfg.nproc // cfg.tp) == (2, 4)
+
+
 def test_switched_off_features_are_accepted():
-    ds = _with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=False, zero_hpz_partition_size=1)
+    ds = _with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=False, zero_quantized_gradients=False,
+               zero_quantized_nontrainable_weights=False, zero_hpz_partition_size=1)
+    ds["tensor_parallel"] = {"autotp_size": 0}
     assert from_deepspeed(ds, world=4).values == from_deepspeed(ZERO2_FP16_OFFLOAD, world=4).values
 
 
@@ -240,10 +284,11 @@ def test_cli_writes_toml_that_train_reads(tmp_path, capsys):
 
 def test_cli_refuses_by_name_and_strict_refuses_notes(tmp_path, capsys):
     src = tmp_path / "ds_config.json"
-    src.write_text(json.dumps(_with(ZERO2_FP16_OFFLOAD, zero_quantized_weights=True)))
+    src.write_text(json.dumps(_with(ZERO2_FP16_OFFLOAD, zero_quantized_nontrainable_weights=True)))
     done = _main(capsys, str(src), "--world", "4")
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.startswith("zeroshard config: error: DeepSpeed key zero_optimization.zero_quantized_weights=True")
+    assert done.stderr.startswith("zeroshard config: error: DeepSpeed key "
+                                  "zero_optimization.zero_quantized_nontrainable_weights=True")
     src.write_text(json.dumps(ZERO2_FP16_OFFLOAD))
     strict = _main(capsys, str(src), "--world", "4", "--strict")
     assert strict.returncode == 1 and "--strict: fp16.loss_scale_window=1000" in strict.stderr

@@ -23,6 +23,10 @@ from rich.table import Table
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
 from zeroshard.offload.policy import OFFLOAD_KINDS
+from zeroshard.plan.comm import Network
+
+DEFAULT_COMM_QUANT_BLOCK = 256
+"""zs.plan's (and TrainConfig's) quantization block when --comm-quant-block is not given."""
 
 
 def _unit(largest: int) -> tuple[float, str, int]:
@@ -104,16 +108,80 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
                   seq=args.seq, accum=args.accum, checkpointing=args.checkpointing, prefetch=args.prefetch,
                   bucket_mb=args.bucket_mb, headroom=args.headroom, accounting=args.accounting,
-                  comm_quant=args.comm_quant, comm_quant_block=args.comm_quant_block,
+                  comm_quant=args.comm_quant or "none", comm_quant_block=args.comm_quant_block or DEFAULT_COMM_QUANT_BLOCK,
                   device="cpu" if args.measure else args.device, tp=args.tp,
                   sequence_parallel=args.sequence_parallel)
     return target, kwargs
 
 
+def _network(args: argparse.Namespace) -> Network:
+    given = {k: getattr(args, k) for k in ("intra_gbps", "inter_gbps", "gpus_per_node") if getattr(args, k) is not None}
+    return Network(**given)
+
+
+def _given(args: argparse.Namespace, *dests: str) -> list[str]:
+    """The flags among ``dests`` that were given (argparse default None, or False for a switch)."""
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d, None) not in (None, False)]
+
+
+def unread_flag(args: argparse.Namespace) -> str | None:
+    """The one-line error for a flag the chosen mode would not read, or None when every flag given is read.
+
+    ``plan`` has three modes over one parser: memory (the default), --time (the step-time simulator)
+    and --calibrate. A flag one of them ignores must not be taken silently: the user would read a
+    result that does not have what they asked for. --calibrate reads its own few flags (see its help).
+    """
+    if args.hw_out is not None and not args.calibrate:
+        return "--hw-out is where --calibrate writes its hardware TOML; add --calibrate or drop --hw-out"
+    if args.calibrate:
+        return None
+    if not args.time:
+        if flags := _given(args, "hw", "micro_batch", "sweep", "shard_sizes"):
+            return f"{flags[0]} is read only with --time (the step-time simulator); add --time or drop {flags[0]}"
+        if args.device_mem is None and (flags := _given(args, "intra_gbps", "inter_gbps")):
+            return f"{flags[0]} prices the recommender's candidates; add --device-mem SIZE or drop {flags[0]}"
+        if args.comm_quant_block is not None and args.comm_quant in (None, "none"):
+            return "--comm-quant-block sizes the blocks of --comm-quant; add --comm-quant (e.g. weights) or drop it"
+        return None
+    from zeroshard.sim.workload import SHAPES
+
+    quant = "--time does not simulate quantized communication (the memory planner, without --time, prices it)"
+    why = {"params": "--time simulates a named model: pass --model (a zeroshard preset, llama3-8b or llama3-70b)",
+           "sequence_parallel": "--time does not model sequence parallelism (the memory planner, without --time, "
+                                "does)",
+           "comm_quant_block": quant,
+           "accounting": "--time plans memory its own way (runtime accounting for zeroshard's GPT, textbook for the "
+                         "Llama shapes)",
+           "intra_gbps": "--time takes its links from --hw (a preset, or a TOML file's intra_bandwidth)",
+           "inter_gbps": "--time takes its links from --hw (a preset, or a TOML file's inter_bandwidth)",
+           "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node)",
+           "measure": "--measure checks the memory planner against one real step; run it without --time"}
+    if args.comm_quant not in (None, "none"):  # "none" is what the simulator assumes, so it is read
+        return f"{quant}; drop --comm-quant"
+    for dest, reason in why.items():
+        if getattr(args, dest) not in (None, False):
+            return f"{reason}; drop --{dest.replace('_', '-')}"
+    if str(args.optimizer).lower() != "adamw":
+        return f"--time simulates AdamW's step; drop --optimizer {args.optimizer} (the memory planner sizes any optimizer)"
+    if args.device == "cpu":
+        return ("--time simulates the devices of --hw; for this CPU host pass --hw FILE from --calibrate and drop "
+                "--device cpu")
+    if args.vocab_size is not None and args.model in SHAPES:
+        return f"--vocab-size resizes zeroshard's GPT presets; {args.model} keeps its own vocabulary: drop --vocab-size"
+    for one, other in (("world", "sweep"), ("shard_size", "shard_sizes"), ("batch", "micro_batch")):
+        if getattr(args, one) is not None and getattr(args, other) is not None:
+            flag, flag2 = "--" + one.replace("_", "-"), "--" + other.replace("_", "-")
+            return f"give {flag} or {flag2}, not both ({flag2} wins, so {flag} would be ignored)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.plan import Network, plan
+    from zeroshard.plan import plan
     from zeroshard.plan.recommend import recommend
 
+    unread = unread_flag(args)
+    if unread is not None:
+        return fail("plan", unread)
     if args.time or args.calibrate:  # the step-time simulator (zeroshard.sim) instead of the memory tables
         from zeroshard.sim.cli import print_time
 
@@ -129,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
         return fail("plan", "give exactly one of --model NAME or --params COUNT")
     try:
         target, kwargs = _plan_kwargs(args)
-        network = Network(intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, gpus_per_node=args.gpus_per_node)
-        p = plan(target, offload=args.offload, shard_size=args.shard_size, gpus_per_node=args.gpus_per_node, **kwargs)
+        network = _network(args)
+        p = plan(target, offload=args.offload, shard_size=args.shard_size, gpus_per_node=network.gpus_per_node,
+                 **kwargs)
         rec = recommend(target, device_mem=args.device_mem, network=network, **kwargs) if args.device_mem else None
         checks = _measure(p, args) if args.measure else None
         chart = None
@@ -194,7 +263,8 @@ def add_parser(sub: Any) -> None:
     run_ = p.add_argument_group("the run")
     run_.add_argument("--world", type=int, help="ranks in all: data-parallel x --tp (required unless --time --sweep)")
     run_.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: consecutive ranks each block is "
-                      "split over (Megatron column/row split of zeroshard's GPT; default: 1)")
+                      "split over (Megatron column/row split of zeroshard's GPT; with --time, of the Llama shapes "
+                      "too; default: 1)")
     run_.add_argument("--sequence-parallel", action="store_true", help="with --tp: also split the norms' and "
                       "residual's activations along the sequence")
     run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
@@ -215,9 +285,10 @@ def add_parser(sub: Any) -> None:
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
     run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
     run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")
-    run_.add_argument("--comm-quant", default="none", help="quantized communication as in train: weights, grads, "
+    run_.add_argument("--comm-quant", help="quantized communication as in train: weights, grads, "
                       "grads+ef or weights,grads[+ef] (int8 + fp32 block scales on the wire; default: none)")
-    run_.add_argument("--comm-quant-block", type=int, default=256, help="elements per quantization block (default: 256)")
+    run_.add_argument("--comm-quant-block", type=int, help="elements per quantization block of --comm-quant "
+                      f"(default: {DEFAULT_COMM_QUANT_BLOCK})")
     run_.add_argument("--headroom", type=float, default=0.10, help="allocator headroom fraction (default: 0.10)")
     run_.add_argument("--accounting", choices=("runtime", "textbook"),
                       help="runtime (zeroshard's real buffers; default for --model) or textbook (default for --params)")
@@ -225,9 +296,12 @@ def add_parser(sub: Any) -> None:
                       help="target backend: optimizer scratch and grad-buffer lifetime differ (default: cuda)")
     net = p.add_argument_group("recommendation")
     net.add_argument("--device-mem", metavar="SIZE", help="memory per device, e.g. 80GB; turns on the recommender")
-    net.add_argument("--intra-gbps", type=float, default=1600.0, help="intra-node link, Gb/s (default: 1600)")
-    net.add_argument("--inter-gbps", type=float, default=200.0, help="inter-node link, Gb/s (default: 200)")
-    net.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default: 8)")
+    net.add_argument("--intra-gbps", type=float, help=f"intra-node link, Gb/s (default: {Network.intra_gbps:g}); "
+                     "prices the recommender's candidates, so it needs --device-mem")
+    net.add_argument("--inter-gbps", type=float, help=f"inter-node link, Gb/s (default: {Network.inter_gbps:g}); "
+                     "prices the recommender's candidates, so it needs --device-mem")
+    net.add_argument("--gpus-per-node", type=int, help=f"ranks per node (default: {Network.gpus_per_node}): which "
+                     "collectives cross nodes")
     out = p.add_argument_group("output")
     out.add_argument("--measure", action="store_true", help="run one real step per stage on gloo and compare")
     out.add_argument("--plot", metavar="OUT.png", help="write a stacked per-component chart (needs matplotlib)")

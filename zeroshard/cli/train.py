@@ -67,6 +67,15 @@ def config_from_args(
     return merge_config(file_values, {**flags, **(forced or {})})
 
 
+def check_before_launch(cfg: TrainConfig) -> None:
+    """What TrainConfig cannot check without torch, checked before any rank starts so that it is one
+    line rather than every rank's failure: a tp the model's plan cannot split (heads, MLP width)."""
+    if cfg.tp > 1:  # a meta build of the model: nothing allocated, but torch imported
+        from zeroshard.tp_setup import check_tensor_parallel
+
+        check_tensor_parallel(cfg)
+
+
 def one_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else repr(err)
@@ -104,7 +113,9 @@ class RichReporter:
         c = self.console
         c.print(
             f"[bold]zeroshard train[/]: {info['model']} ({info['params']:,} params), "
-            f"stage {info['stage']}, {info['world']} ranks on {info['backend']}, "
+            f"stage {info['stage']}, {info['world']} ranks"
+            + (f" ({info['world'] // info['tp']} data-parallel x tp {info['tp']})" if info.get("tp", 1) > 1 else "")
+            + f" on {info['backend']}, "
             f"batch {info['global_batch']}x{info['seq_len']}"
         )
         c.print(f"entropy floor of the data: {_fmt_floor(info['entropy_floor'])}")
@@ -221,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         from zeroshard.observe.loggers import check_installed, parse_log
 
         check_installed(parse_log(cfg.log))  # a logger's missing package, before any rank starts
+        check_before_launch(cfg)
     except ValueError as e:
         return fail("train", str(e))
     if cfg.data is not None and Path(cfg.data).is_dir():

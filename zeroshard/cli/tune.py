@@ -20,13 +20,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.cli.train import add_config_flags, config_from_args, fail, one_line
+from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
 from zeroshard.config import HF_PREFIX, field_names
 from zeroshard.tune.grid import DEFAULT_AXES
 
-WORKLOAD_FLAGS = ("model", "nproc", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
+WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
                   "weight_decay", "clip", "accumulation")
-"""TrainConfig fields tune takes as flags: what shapes a step's cost. Others come from --config."""
+"""TrainConfig fields tune takes as flags: what shapes a step's cost. Others come from --config. `tp` is
+fixed for the search (every candidate runs at it), not searched: it decides which model fits at all."""
 
 
 def _mb(n: int | None) -> str:
@@ -72,6 +73,7 @@ def _base_config(args: argparse.Namespace):
     if base.offload != "none" or base.shard_size is not None:
         raise ValueError("tune does not search offload or hybrid sharding yet; remove offload/shard_size from "
                          "the config, tune, then add them back")
+    check_before_launch(base)
     return base
 
 
@@ -147,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         for row in ranked:
             print(json.dumps(row), flush=True)
     else:
-        console.print(ranking_table(ranked, f"zeroshard tune: {base.model}, {base.nproc} ranks, global batch "
+        ranks = f"{base.nproc} ranks" + (f" (tp {base.tp})" if base.tp > 1 else "")
+        console.print(ranking_table(ranked, f"zeroshard tune: {base.model}, {ranks}, global batch "
                                             f"{base.batch} x {base.seq_len}, {base.mp}; useful tokens/s"))
     for r in ranked:
         if r["status"] == "failed":

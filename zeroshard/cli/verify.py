@@ -7,6 +7,12 @@ It trains the same model on the same data and global batch three ways:
 then compares per-step losses and the final parameters. It exits non-zero when a difference
 exceeds its tolerance, so it can gate CI.
 
+With `--tp N`, (b) and (c) are both tensor parallel (nproc/N data-parallel ranks x N), so (c) isolates
+ZeRO's sharding and (a) the whole composition: (a) is still the unsplit model, and the distributed
+params are compared after `zs.full_state_dict` has joined their tp parts into the model's own
+layout. TP changes only the summation order of the split contractions, so fp32 keeps its 1e-5 bounds
+(docs/tensor_parallel.md).
+
 With lossy communication (`--comm-quant`: int8 weights and/or grads on the wire) the distributed
 run is *meant* to differ from the single process by the rounding of what it sends, so verify
 switches to its lossy-communication tolerances (`LOSSY_COMM_TOLERANCES`, docs/quantized_comm.md)
@@ -24,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.cli.train import add_config_flags, config_from_args, fail, one_line
+from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
 from zeroshard.config import TrainConfig
 
 # Short by default: verification is about agreement, not about reaching the floor.
@@ -48,7 +54,7 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
     loss_diffs = _loss_diffs(dist["losses"], ref["losses"])
     missing = sorted(set(miss_single) | set(miss_stage0))
     result: dict[str, Any] = {
-        "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "steps": cfg.steps,
+        "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "tp": cfg.tp, "steps": cfg.steps,
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
         "tol": tol, "loss_tol": loss_tol, "comm_quant": cfg.comm_quant,
         "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else "exact communication",
@@ -66,7 +72,9 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
 
 
 def print_report(result: dict, console: Console) -> None:
-    steps = Table(title=f"zeroshard verify: stage {result['stage']} on {result['nproc']} ranks vs single process")
+    tp = result.get("tp", 1)
+    where = f"{result['nproc']} ranks" + (f" ({result['nproc'] // tp} data-parallel x tp {tp})" if tp > 1 else "")
+    steps = Table(title=f"zeroshard verify: stage {result['stage']} on {where} vs single process")
     for col in ("step", "loss (single)", f"loss (stage {result['stage']})", "|diff|"):
         steps.add_column(col, justify="right")
     losses = result["losses"]
@@ -121,6 +129,7 @@ def _distributed(cfg: TrainConfig) -> dict:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, defaults=VERIFY_DEFAULTS)
+        check_before_launch(cfg)
     except ValueError as e:
         return fail("verify", str(e))
     from zeroshard.launch import WorkerError

@@ -107,6 +107,7 @@ def from_deepspeed(ds: Mapping[str, Any], *, world: int | None = None) -> Conver
     if world is not None and world < 1:
         raise ValueError(f"world={world} must be >= 1")
     root, out = _Section(ds, ""), _Builder(world)
+    _tensor_parallel(root, out)  # first: with tp the batch keys count data-parallel ranks, not the world
     _batch(root, out)
     _precision(root, out)
     zero = root.section("zero_optimization")
@@ -125,25 +126,87 @@ def from_deepspeed(ds: Mapping[str, Any], *, world: int | None = None) -> Conver
         out.notes.append("world size unknown, so nproc is not written: give zeroshard train --nproc N "
                          "(or run it under torchrun)")
     try:
-        TrainConfig(**{"nproc": 1, **values})  # with the world unknown, check what does not depend on it
+        # With the world unknown, check what does not depend on it (the smallest world a tp fits in).
+        TrainConfig(**{"nproc": values.get("tp", 1), **values})
     except ValueError as e:
         raise ValueError(f"the converted config is not a valid zeroshard run: {e}") from e
     return Conversion(values, out.notes)
 
 
+def _quantized_comm(zero: _Section, out: _Builder) -> None:
+    """ZeRO++ qwZ and qgZ -> comm_quant: blockwise int8 with an fp32 scale per block on the wire, the
+    masters (and the optimizer) exact. zeroshard's grads go as int8 where qgZ sends int4, so they
+    round less; DeepSpeed's block sizes are its own, zeroshard's comm_quant_block (256) is kept."""
+    on = {}
+    for key, part in (("zero_quantized_weights", "weights"), ("zero_quantized_gradients", "grads")):
+        value = zero.concrete(key, False)
+        if not isinstance(value, bool):
+            raise UnsupportedKey(f"DeepSpeed key {zero.name(key)}={value!r} must be true or false")
+        if value:
+            on[key] = part
+    if on and out.values.get("stage") != 3:
+        # ZeRO++ quantizes ZeRO-3's all-gather and reduce-scatter; a lower stage is not the run it describes.
+        raise UnsupportedKey(f"DeepSpeed key zero_optimization.{next(iter(on))}=true is ZeRO++, which quantizes "
+                             f"ZeRO-3's collectives, but stage is {out.values.get('stage')}; set stage 3 (zeroshard "
+                             "also quantizes stage-2 grads: write comm_quant = 'grads' yourself)")
+    if on:
+        out.values["comm_quant"] = ",".join(on.values())
+        out.notes.append(f"{' and '.join(on)}: comm_quant={out.values['comm_quant']!r}, int8 blocks with fp32 "
+                         "scales on the wire" + ("; qgZ sends grads as int4, zeroshard's int8 rounds them less"
+                                                 if "grads" in on.values() else ""))
+
+
+def _tensor_parallel(root: _Section, out: _Builder) -> None:
+    """AutoTP training (``tensor_parallel.autotp_size``) -> tp: zeroshard splits its GPT and HF Llama
+    with a ready plan by the model's class (docs/tensor_parallel.md), as AutoTP's presets do."""
+    section = root.section("tensor_parallel")
+    if section is None:
+        return
+    size = section.concrete("autotp_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise UnsupportedKey(f"DeepSpeed key {section.name('autotp_size')}={size!r} must be a non-negative integer")
+    nested = section.section("tp")  # the older spelling, {"tp": {"tp_size": N}}
+    if nested is not None:
+        old = nested.concrete("tp_size", size)
+        if size and old != size:
+            raise UnsupportedKey(f"DeepSpeed keys {section.name('autotp_size')}={size} and {nested.name('tp_size')}="
+                                 f"{old} differ; keep one")
+        size = old
+        nested.finish()
+    if size > 1:
+        out.values["tp"] = size
+    _refuse(section, "partition_config", "a custom AutoTP layer split; zeroshard splits its GPT and HF Llama by a "
+            "ready plan (from Python, zs.tensor_parallel(model, plan=fn) takes your own)", off=(None, {}))
+    _refuse(section, "tp_grain_size", "zeroshard splits every head and MLP column evenly over the tp ranks",
+            off=(None, 1))
+    out.note(section, "preset_model", "zeroshard picks the plan by the model's class (GPT or LlamaForCausalLM)")
+    out.note(section, "tp_overlap_comm", "zeroshard's tp all-reduces block the next op (DTensor's); ZeRO's "
+             "collectives are the ones it overlaps")
+    out.note(section, "dtype", "zeroshard's tp runs in the compute dtype (mp)")
+    out.note(section, "keep_module_on_host", "zeroshard splits the model where it was built (or on meta)")
+    section.finish()
+
+
 def _batch(root: _Section, out: _Builder) -> None:
+    """DeepSpeed's train_batch_size = micro-batch x accumulation x data-parallel ranks. With tensor
+    parallelism those are world / tp (a tp group shares its micro-batch), as zeroshard's global batch is."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     given = {k: root.take(k) for k in keys}
     auto = [k for k, v in given.items() if v == "auto"]
     total, micro, accum = (None if given[k] == "auto" else given[k] for k in keys)
-    world = out.world
-    if total is not None and micro is not None and accum is not None and world is None:
+    tp = out.values.get("tp", 1)
+    if out.world is not None and out.world % tp:
+        raise UnsupportedKey(f"--world {out.world} is not a multiple of tensor_parallel.autotp_size={tp}; "
+                             "give the number of ranks in all (data-parallel x tp)")
+    dp = None if out.world is None else out.world // tp
+    ranks = "world" if tp == 1 else "data-parallel ranks"
+    if total is not None and micro is not None and accum is not None and dp is None:
         if total % (micro * accum):
             raise UnsupportedKey(f"train_batch_size={total} is not a multiple of train_micro_batch_size_per_gpu="
                                  f"{micro} x gradient_accumulation_steps={accum}; fix one of the three")
-        world = total // (micro * accum)
+        dp = total // (micro * accum)
     need_world = micro is not None and (total is None or accum is None)
-    if need_world and world is None:
+    if need_world and dp is None:
         raise UnsupportedKey("train_micro_batch_size_per_gpu needs the world size to give zeroshard's global "
                              "batch: pass --world N (the number of ranks)")
     if total is None and micro is None:
@@ -153,18 +216,18 @@ def _batch(root: _Section, out: _Builder) -> None:
         accum = accum or 1
     elif total is None:
         accum = accum or 1
-        total = micro * accum * world
+        total = micro * accum * dp
     elif accum is None:
-        if total % (micro * world):
+        if total % (micro * dp):
             raise UnsupportedKey(f"train_batch_size={total} is not a multiple of train_micro_batch_size_per_gpu="
-                                 f"{micro} x world {world}; fix the batch keys or --world")
-        accum = total // (micro * world)
-    elif total != micro * accum * world:
+                                 f"{micro} x {ranks} {dp}; fix the batch keys or --world")
+        accum = total // (micro * dp)
+    elif total != micro * accum * dp:
         raise UnsupportedKey(f"train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
-                             f"gradient_accumulation_steps={accum} x world {world}; fix the batch keys or --world")
+                             f"gradient_accumulation_steps={accum} x {ranks} {dp}; fix the batch keys or --world")
     out.values.update(batch=total, accum=accum)
-    if world is not None:
-        out.values["nproc"] = world
+    if dp is not None:
+        out.values["nproc"] = dp * tp
     for key in auto:
         out.notes.append(f"{key}='auto': derived from the other batch keys and the world size")
 
@@ -220,9 +283,9 @@ def _zero(zero: _Section, out: _Builder) -> None:
     mics = zero.concrete("mics_shard_size", -1)
     if mics not in (-1, 0, None):
         out.values["shard_size"] = mics  # MiCS: shard inside groups, replicate across them
-    _refuse(zero, "zero_quantized_weights", "ZeRO++ int8 weight all-gather; zeroshard gathers in the compute dtype")
-    _refuse(zero, "zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights")
-    _refuse(zero, "zero_quantized_gradients", "ZeRO++ int4 gradient reduce-scatter; zeroshard reduces in fp32")
+    _quantized_comm(zero, out)
+    _refuse(zero, "zero_quantized_nontrainable_weights", "ZeRO++ keeps frozen weights stored quantized; zeroshard "
+            "quantizes what it sends (comm_quant), never what it stores")
     _refuse(zero, "zero_hpz_partition_size", "ZeRO++ hierarchical secondary partition (hpZ); the nearest "
             "zeroshard has is hybrid sharding, shard_size, which changes what is replicated", off=(None, 0, 1))
     _refuse(zero, "zeropp_loco_param", "ZeRO++ LoCo gradient compression", off=(None, False, {}))
@@ -373,7 +436,8 @@ def _misc(root: _Section, out: _Builder) -> None:
             off=(None, 1, 1.0))
     for key, why in {
         "sparse_attention": "DeepSpeed sparse-attention kernels", "pipeline": "pipeline parallelism",
-        "tensor_parallel": "tensor parallelism", "sequence_parallel_size": "sequence parallelism",
+        "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism (all-to-all over attention heads); "
+                                  "zeroshard's tp splits each block's matmuls instead",
         "compression_training": "DeepSpeed compression", "data_efficiency": "DeepSpeed data sampling",
         "curriculum_learning": "DeepSpeed curriculum learning", "elasticity": "DeepSpeed elastic batch sizes",
         "activation_checkpointing": "it configures deepspeed.checkpointing, which the model calls itself; "

@@ -67,7 +67,8 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
     tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
                                 micro_steps=spec.accum, gpus_per_node=gpus_per_node,
                                 norm_vectors=2 * (2 if cfg.bias else 1),  # ln1, ln2: weight (and bias)
-                                rebuilt_layers=cfg.n_layer if activations.segments else 0)
+                                rebuilt_layers=sum(b - a for a, b in activations.segments),
+                                segments=len(activations.segments))
     return activations, tp_comm
 
 

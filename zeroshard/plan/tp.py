@@ -79,12 +79,17 @@ class TensorParallel:
 
 
 def layer_collectives(tp: TensorParallel, *, layers: int, tokens: int, width: int, compute_bytes: int,
-                      micro_steps: int, rebuilt_layers: int = 0, norm_vectors: int = 2,
+                      micro_steps: int, rebuilt_layers: int = 0, segments: int = 0, norm_vectors: int = 2,
                       gpus_per_node: int | None = None) -> tuple[Collective, ...]:
     """TP collectives of one optimizer step: per layer and micro-step, 2 in forward and 2 in backward
     over a buffer of ``tokens × width`` activations; a checkpointed layer's rebuild runs its forward's
-    2 again. With sequence parallelism each is an all-gather plus a reduce-scatter of that buffer,
-    as the runtime (zeroshard.sharding.tp) runs it: the last block's output is all-gathered once more
+    2 again, except the last of each of the ``segments`` checkpoints the ``rebuilt_layers`` lie in:
+    torch's non-reentrant checkpoint stops recomputing once the last tensor backward needs is back
+    (early stop), and nothing in a segment saves the all-reduced output of its last row-wise linear
+    (measured on the ledger: tests/distributed/test_tp.py, the command line's cases). With sequence
+    parallelism (whose rebuild is not measured: counted as its forward's collectives again) each is
+    an all-gather plus a reduce-scatter of that buffer, as the runtime (zeroshard.sharding.tp) runs
+    it: the last block's output is all-gathered once more
     for the final norm and head (its grad is cut, no comm), the first block's input grad
     all-gathered once in backward (its input is cut, no comm), and each of the ``norm_vectors``
     per layer (the norms' weights and biases, ``width`` each) gets a grad that is a partial sum
@@ -95,8 +100,8 @@ def layer_collectives(tp: TensorParallel, *, layers: int, tokens: int, width: in
     count = ALL_REDUCES_PER_LAYER * (2 * layers + rebuilt_layers) * micro_steps
     spans = gpus_per_node is not None and tp.tp > gpus_per_node
     if not tp.sequence_parallel:
-        return (Collective(op="all_reduce", group="tp", size=tp.tp, buffer_bytes=buffer, count=count,
-                           spans_nodes=spans),)
+        return (Collective(op="all_reduce", group="tp", size=tp.tp, buffer_bytes=buffer,
+                           count=count - segments * micro_steps, spans_nodes=spans),)
     return (Collective(op="all_gather", group="tp", size=tp.tp, buffer_bytes=buffer, count=count + 2 * micro_steps,
                        spans_nodes=spans),
             Collective(op="reduce_scatter", group="tp", size=tp.tp, buffer_bytes=buffer, count=count, spans_nodes=spans),

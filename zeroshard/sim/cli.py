@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,13 @@ from zeroshard.sim.hardware import PRESETS, load_hardware
 from zeroshard.sim.workload import SHAPES, TORCHTITAN_POLICIES, Workload, gpt_shape
 
 DEFAULT_SEQ = 8192
+DEFAULT_HW = "h100"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("step time (--time)")
     g.add_argument("--time", action="store_true", help="simulate one step: time, tokens/s/GPU, MFU, exposed comm")
-    g.add_argument("--hw", default="h100", help=f"hardware preset ({', '.join(PRESETS)}) or a .toml file")
+    g.add_argument("--hw", help=f"hardware preset ({', '.join(PRESETS)}) or a .toml file (default: {DEFAULT_HW})")
     g.add_argument("--micro-batch", type=int, help="sequences per rank per step (default: --batch / world, or 1)")
     g.add_argument("--sweep", metavar="N,N,...", help="world sizes to sweep instead of --world")
     g.add_argument("--shard-sizes", metavar="S,S,...", help="hybrid shard-group sizes to include (with --time)")
@@ -42,13 +44,22 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
     """The workload and, for zeroshard's GPT presets, a memory function from the full planner."""
     from zeroshard.sim.memory import gpt_peak_bytes
 
+    headroom = _headroom(args)
     if args.model is None:
         raise ValueError("--time needs --model (a zeroshard preset or one of " + ", ".join(SHAPES) + ")")
     accum = getattr(args, "accum", 1) or 1  # plan's --accum: micro-steps per optimizer step
-    mb = args.micro_batch or (max(1, args.batch // (world * accum)) if args.batch else 1)
+    tp = getattr(args, "tp", 1) or 1
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} does not divide world {world}; pick a tp that divides every world size")
+    # The batch is split over the data-parallel ranks; the ranks of a tp group share theirs.
+    mb = args.micro_batch or (max(1, args.batch // (world // tp * accum)) if args.batch else 1)
+    # --mp fp32 computes (and all-reduces tp activations) in fp32; otherwise the bf16 of GPU runs.
+    compute_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
     if args.model in SHAPES:
-        w = Workload(shape=SHAPES[args.model], micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
-                     checkpointing=args.checkpointing, accum=accum)
+        shape = SHAPES[args.model]
+        _check_tp_split(shape, tp)
+        w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
+                     checkpointing=args.checkpointing, accum=accum, compute_bytes=compute_bytes)
         return w, None
     from zeroshard.models import GPTConfig
 
@@ -57,15 +68,35 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
                          "none, all, every:K or sqrt")
     cfg = GPTConfig.named(args.model, **({"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}))
     w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
-                 checkpointing=args.checkpointing, accum=accum)
-    return w, lambda layout: gpt_peak_bytes(args.model, w, layout)
+                 checkpointing=args.checkpointing, accum=accum, compute_bytes=compute_bytes)
+    return w, lambda layout: gpt_peak_bytes(args.model, w, layout, headroom=headroom)
+
+
+def _headroom(args: argparse.Namespace) -> float:
+    """plan's --headroom (allocator headroom on top of the peak), the planner's 10% when absent."""
+    value = getattr(args, "headroom", None)
+    return 0.10 if value is None else value
+
+
+def _check_tp_split(shape, tp: int) -> None:
+    """A Llama shape split Megatron-style: tp must divide the query heads, the KV heads and the MLP width."""
+    head_dim = shape.hidden // shape.n_head
+    for what, size in (("n_head", shape.n_head), ("KV heads", shape.kv_dim // head_dim), ("the MLP width", shape.ffn)):
+        if size % tp:
+            raise ValueError(f"--tp {tp} does not divide {what} ({size}) of {shape.name}; pick a tp that divides it")
 
 
 def run_time(args: argparse.Namespace) -> list:
     """The rows to print; raises ValueError on bad input."""
+    from zeroshard.sim.memory import peak_bytes
     from zeroshard.sim.report import evaluate, layouts_for
 
-    hw = load_hardware(args.hw)
+    hw = load_hardware(args.hw or DEFAULT_HW)
+    if getattr(args, "device_mem", None):  # the device you mean to run on: fits are judged against it
+        from zeroshard.plan.spec import parse_bytes
+
+        hw = dataclasses.replace(hw, name=f"{hw.name} with {args.device_mem} per GPU",
+                                 hbm_bytes=float(parse_bytes(args.device_mem)))
     worlds = _ints(args.sweep, "--sweep") if args.sweep else (args.world,)
     if worlds == (None,):
         raise ValueError("give --world N, or --sweep N,N,... with --time")
@@ -78,9 +109,10 @@ def run_time(args: argparse.Namespace) -> list:
         # --mp fp32 (as zeroshard train runs by default, and as a CPU calibration measured): fp32
         # params on the wire; otherwise the bf16 the simulator assumes for GPU runs.
         param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
-        rows += evaluate(w, hw, layouts_for(world, stages, shard_sizes, prefetch=args.prefetch,
-                                            bucket_mb=args.bucket_mb, param_bytes=param_bytes,
-                                            offload=getattr(args, "offload", "none")), memory)
+        layouts = layouts_for(world, stages, shard_sizes, prefetch=args.prefetch, bucket_mb=args.bucket_mb,
+                              param_bytes=param_bytes, offload=getattr(args, "offload", "none"),
+                              tp=getattr(args, "tp", 1) or 1)
+        rows += evaluate(w, hw, layouts, memory or (lambda layout: peak_bytes(w, layout, headroom=_headroom(args))))
     return [w, hw, rows]
 
 
@@ -147,7 +179,7 @@ def print_calibration(args: argparse.Namespace) -> int:
         print(f"{args.calibrate} {nbytes / 1e6:10.3f} MB on {args.world} ranks: {seconds * 1e6:10.1f} us")
     print(f"fit: alpha {result['alpha_s'] * 1e6:.1f} us per ring step, bus bandwidth "
           f"{result['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s")
-    print(f"as --hw TOML: base = \"{args.hw}\"\nintra_latency = {result['alpha_s']:.3g}\n"
+    print(f"as --hw TOML: base = \"{args.hw or DEFAULT_HW}\"\nintra_latency = {result['alpha_s']:.3g}\n"
           f"intra_bandwidth = {result['bandwidth_bytes_per_s']:.3g}")
     return 0
 

@@ -17,18 +17,21 @@ GIB = 2**30
 
 def layout_label(layout: Layout) -> str:
     name = STAGE_NAMES[layout.stage]
-    name = f"{name} shard={layout.shard_group}" if layout.shard_group < layout.world and layout.stage else name
+    name = f"{name} shard={layout.shard_group}" if layout.hybrid else name
+    name += f" tp={layout.tp}" if layout.tp > 1 else ""
     return name + (f" offload={layout.offload}" if layout.offload != "none" else "")
 
 
 def layouts_for(world: int, stages: tuple[int, ...], shard_sizes: tuple[int, ...], **kw: Any) -> list[Layout]:
-    """Every stage over the whole world, plus hybrid groups of each size that divides the world
-    (without offload, which is simulated over the whole world only, as the planner prices it)."""
+    """Every stage over the whole world, plus hybrid groups of each size that divides the data-parallel
+    ranks (world / tp; without offload, which is simulated over the whole world only, as the planner
+    prices it)."""
     out = []
+    dp = world // kw.get("tp", 1)
     for stage in stages:
         out.append(Layout(world=world, stage=stage, **kw))
         if stage and kw.get("offload", "none") == "none":
-            out += [Layout(world=world, stage=stage, shards=s, **kw) for s in shard_sizes if s < world and world % s == 0]
+            out += [Layout(world=world, stage=stage, shards=s, **kw) for s in shard_sizes if s < dp and dp % s == 0]
     return out
 
 
@@ -41,7 +44,7 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": layout_label(self.layout), "world": self.layout.world, "stage": self.layout.stage,
-                "shard_group": self.layout.shard_group, "peak_bytes": self.peak_bytes, "fits": self.fits,
+                "tp": self.layout.tp, "shard_group": self.layout.shard_group, "peak_bytes": self.peak_bytes, "fits": self.fits,
                 **self.result.to_dict()}
 
 

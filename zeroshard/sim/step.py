@@ -47,10 +47,11 @@ from zeroshard.offload.policy import OFFLOAD_KINDS
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
+from zeroshard.sharding.recompute import segment_bounds
 from zeroshard.sim.hardware import Hardware
 from zeroshard.sim.measured import pick_compute, pick_concurrency
 from zeroshard.sim.network import collective_seconds, wire_bytes
-from zeroshard.sim.workload import Workload
+from zeroshard.sim.workload import TORCHTITAN_POLICIES, Workload
 
 ADAMW_BYTES_PER_PARAM = 34
 """fp32 AdamW update moves param, grad, two moments in (16 B) and param, moments out (12 B), plus the
@@ -141,6 +142,9 @@ class StepResult:
     breakdown: dict[str, float]
     hidden_comm_s: float = 0.0
     """Seconds of collective work done while compute ran (from the replay's timeline)."""
+    tp_bytes: float = 0.0
+    """Bytes of the tp all-reduces' buffers per step on each rank: what the runtime's ledger records for
+    group "tp" (a ring all-reduce sends 2(tp-1)/tp of it, which ``wire_bytes`` counts)."""
 
     def dominant(self) -> str:
         return max(self.breakdown, key=lambda k: self.breakdown[k])
@@ -358,12 +362,26 @@ def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_pe
     parts = {"matmul": 3 * (L * g_f + root_g), "attention": 3 * L * a_f, "memory-bound": 3 * (L * e_f + root_e),
              "recompute": L * recompute}
     tp_fwd = tp_bwd = 0.0
-    if tp > 1:  # two all-reduces of the block's activations per pass, inside a node
+    if tp > 1:  # two all-reduces of the block's activations per pass, inside a node, and a rebuild's
         one = collective_seconds("all_reduce", w.tokens * w.shape.hidden * w.compute_bytes, tp, hw, spans=False)
-        tp_fwd, tp_bwd = 2 * one, 2 * one * (2 if w.checkpointing != "none" else 1)
+        tp_fwd, tp_bwd = 2 * one, one * (2 + _rebuilt_all_reduces(w) / L)
     return _Durations(block_fwd=g_f + a_f + e_f, block_bwd=2 * (g_f + a_f + e_f) + recompute,
                       root_fwd=root_g + root_e, root_bwd=2 * (root_g + root_e), parts=parts, tp_fwd=tp_fwd,
                       tp_bwd=tp_bwd)
+
+
+def _rebuilt_all_reduces(w: Workload) -> int:
+    """TP all-reduces a micro-step's checkpoint rebuilds run again, over every block: each block's
+    forward two, but the last of each checkpoint segment. torch's non-reentrant checkpoint stops once
+    the last tensor backward needs is back, and nothing saves a segment's last row-wise output (as
+    zeroshard.plan.tp.layer_collectives counts it; the ledger agrees: tests/distributed/test_tp.py).
+    torchtitan's op-level policy is taken to run both again."""
+    L = w.shape.n_layer
+    if w.checkpointing == "none":
+        return 0
+    if w.checkpointing in TORCHTITAN_POLICIES:
+        return 2 * L - (L if w.checkpointing == "full" else 0)  # full: one checkpoint per block
+    return 2 * L - len(segment_bounds(w.checkpointing, L))
 
 
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
@@ -389,9 +407,11 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
         t += host.copy_in(params / group)
     if pol.shard_optimizer and not pol.shard_params:
         t = comm.when(comm.launch("all_gather", params * layout.param_bytes, group, t))
+    tp_bytes = 0.0
     if layout.tp > 1:  # on the critical path, so all exposed
-        tp_ops = w.accum * s.n_layer * 2 * (1 + (2 if w.checkpointing != "none" else 1))
+        tp_ops = w.accum * (4 * s.n_layer + _rebuilt_all_reduces(w))
         comm.busy += w.accum * s.n_layer * (d.tp_fwd + d.tp_bwd)
+        tp_bytes = tp_ops * w.tokens * s.hidden * w.compute_bytes
         comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
     exposed = max(0.0, t - compute - optimizer - host.blocking)
     # Communication that runs under compute still takes the measured share of the cores from it.
@@ -406,7 +426,7 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
         breakdown["host copies (offload)"] = host.blocking
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
-                      wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()))
+                      wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()), tp_bytes=tp_bytes)
 
 
 def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, under: dict[str, float]) -> float:

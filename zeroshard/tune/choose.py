@@ -38,8 +38,9 @@ def rank(rows: list[dict], cands: list[Candidate], predictions: dict[Candidate, 
 def tuned_values(base: TrainConfig, winner: dict) -> dict[str, Any]:
     """The winner's keys on top of the base config, keeping only what differs from the defaults
     (plus the workload), so the file reads as the decisions rather than a dump of every field."""
-    keys = {k: winner[k] for k in ("stage", "checkpointing", "bucket_mb", "prefetch", "reshard_after_forward")
-            if k in winner}
+    # Every key a candidate sets (Candidate.train_keys), so the file runs what was measured.
+    keys = {k: winner[k] for k in ("stage", "checkpointing", "bucket_mb", "prefetch", "reshard_after_forward",
+                                   "comm_quant") if k in winner}
     cfg = dataclasses.replace(base, **keys)  # validates the result before anything is written
     defaults = TrainConfig().to_dict()
     values = cfg.to_dict()
@@ -50,8 +51,8 @@ def header(winner: dict, ranked: list[dict], base: TrainConfig, budget: int | No
     ok = [r for r in ranked if r["status"] == "ok"]
     lines = [f"written by zeroshard tune: {winner['candidate']} won at {winner['tokens_per_s']:,.0f} useful tokens/s "
              f"(median step {winner['median_step_s'] * 1e3:.1f} ms)",
-             f"workload: {base.model}, {base.nproc} ranks, global batch {base.batch} x {base.seq_len}, {base.mp}, "
-             f"accum {base.accum}",
+             f"workload: {base.model}, {base.nproc} ranks, tp {base.tp}, global batch {base.batch} x {base.seq_len}, "
+             f"{base.mp}, accum {base.accum}",
              f"{len(ok)} measured, {sum(r['status'] == 'failed' for r in ranked)} failed, "
              f"{sum(r['status'] == 'pruned' for r in ranked)} pruned"
              + (f" by the planner at {mb(budget)} per rank" if budget else "")]

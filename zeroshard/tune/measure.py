@@ -152,10 +152,11 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
     from zeroshard.comm.collectives import all_gather_object
 
     base = spec.base
-    mesh = zs.init(timeout_s=base.hang_timeout_s)
+    mesh = zs.init(timeout_s=base.hang_timeout_s, tp=base.tp)
     torch.set_num_threads(1)  # one core per rank: ranks must not fight over threads
-    gen = torch.Generator().manual_seed(base.seed + mesh.rank)
-    shape = (base.batch // mesh.world, base.seq_len)
+    # The ranks of one tp group compute on the same batch (their matmuls are split, not their data).
+    gen = torch.Generator().manual_seed(base.seed + mesh.dp_rank)
+    shape = (base.batch // mesh.dp_size, base.seq_len)
     x = torch.randint(0, vocab_size(base), shape, generator=gen).to(mesh.device)
     y = torch.randint(0, vocab_size(base), shape, generator=gen).to(mesh.device)
     out: list[dict[str, Any]] = [{"times": [], "peak_bytes": None, "error": None} for _ in spec.candidates]

@@ -58,7 +58,7 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
                      comm_quant=c.comm_quant, comm_quant_block=base.comm_quant_block)
         key = tuple(sorted(knobs.items()))
         if key not in plans:
-            plans[key] = plan(gpt, world=base.nproc, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
+            plans[key] = plan(gpt, world=base.nproc, tp=base.tp, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
                               accumulation=base.accumulation, device=device, optimizer="adamw", offload=base.offload,
                               optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True}, **knobs)
         # The run offloads as the base config says, so its layout is the plan's offload variant.

@@ -1,0 +1,477 @@
+"""Every flag of `zeroshard plan`, `plan --time`, `tune` and `train` is read.
+
+Given a value other than its default, a flag either changes the result (the resolved TrainConfig,
+the plan's JSON, the simulated rows, what tune measures and writes) or is refused with one line
+naming it. A flag that is parsed and then ignored would hand back a result that lacks what the
+user asked for, silently. The flags are read off the argparse parsers themselves, so a flag added
+without an entry in the tables below fails `test_every_flag_has_an_entry`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from zeroshard.cli.main import build_parser, main
+from zeroshard.config import field_names
+
+ROOT = Path(__file__).resolve().parents[2]
+CHANGES, REFUSED = "changes", "refused"
+Entry = tuple[list[str], "list[str] | None", str]
+"""(argv with the flag, argv it is compared against (None for a refusal), what must happen)."""
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    # argparse exposes the subcommands and their options only through _actions.
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return sub.choices[command]
+
+
+def flags_of(command: str) -> set[str]:
+    """Each option of ``command`` by its first long name (--trace for --trace/--no-trace); not --help."""
+    actions = _subparser(command)._actions  # noqa: SLF001 - argparse's only list of its options
+    return {a.option_strings[0] for a in actions if a.option_strings and not isinstance(a, argparse._HelpAction)}  # noqa: SLF001
+
+
+def plus(base: list[str], *tokens: str) -> list[str]:
+    return [*base, *tokens]
+
+
+def swap(base: list[str], flag: str, value: str) -> list[str]:
+    i = base.index(flag)
+    return [*base[: i + 1], value, *base[i + 2:]]
+
+
+def drop(base: list[str], flag: str, values: int = 1) -> list[str]:
+    i = base.index(flag)
+    return [*base[:i], *base[i + 1 + values:]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    rc: int
+    out: str
+    err: str
+    extra: str = ""
+    """What else the command produced that the flag may change (files written, what tune measured)."""
+
+
+def _runner(capsys: pytest.CaptureFixture[str], extra: Callable[[], str] = lambda: "",
+            before: Callable[[], None] = lambda: None) -> Callable[[list[str]], Outcome]:
+    """``main(argv)`` in this process, memoised: most entries share the argv they are compared against."""
+    seen: dict[tuple[str, ...], Outcome] = {}
+
+    def run(argv: list[str]) -> Outcome:
+        key = tuple(argv)
+        if key not in seen:
+            before()
+            capsys.readouterr()
+            rc = main(argv)
+            got = capsys.readouterr()
+            seen[key] = Outcome(rc, got.out, got.err, extra())
+        return seen[key]
+
+    return run
+
+
+def _check(command: str, table: dict[str, list[Entry]], run: Callable[[list[str]], Outcome]) -> list[str]:
+    """Every entry of ``table``; returns one line per entry that does not hold."""
+    problems = []
+    for flag, entries in table.items():
+        for with_flag, without, expect in entries:
+            got = run(with_flag)
+            if expect == REFUSED:
+                line = got.err.strip()
+                # Named by its flag, or by its config key (TrainConfig's errors say "tp=3 ...").
+                named = flag in line or f"{flag[2:].replace('-', '_')}=" in line
+                if not (got.rc == 1 and got.out == "" and "\n" not in line and "Traceback" not in line
+                        and line.startswith(f"zeroshard {command}: error: ") and named):
+                    problems.append(f"{flag}: {with_flag} should be refused in one line naming it; got rc {got.rc}, "
+                                    f"stderr {got.err[-300:]!r}")
+                continue
+            assert without is not None
+            base = run(without)
+            if got.rc != 0:
+                problems.append(f"{flag}: {with_flag} failed: {got.err[-300:]!r}")
+            elif got == base:
+                problems.append(f"{flag}: {with_flag} gives the same result as {without}: the flag is ignored")
+    return problems
+
+
+# --------------------------------------------------------------------------- plan (memory) and plan --time
+
+
+def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entry]]]:
+    png, hw_out = str(tmp / "plan.png"), str(tmp / "hw.toml")
+    m = ["plan", "--model", "tiny", "--world", "4", "--json"]
+    # inter-node links only price collectives that span nodes: 16 ranks over nodes of 8
+    rec = ["plan", "--model", "tiny", "--world", "16", "--device-mem", "1GB", "--json"]
+    memory: dict[str, list[Entry]] = {
+        "--model": [(swap(m, "--model", "small"), m, CHANGES)],
+        "--params": [(["plan", "--params", "7e9", "--world", "4", "--json"], m, CHANGES)],
+        "--world": [(swap(m, "--world", "8"), m, CHANGES)],
+        "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
+        "--sequence-parallel": [(plus(m, "--tp", "2", "--sequence-parallel"), plus(m, "--tp", "2"), CHANGES)],
+        "--stage": [(plus(m, "--stage", "3"), m, CHANGES)],
+        "--batch": [(plus(m, "--batch", "8"), m, CHANGES)],
+        "--seq": [(plus(m, "--seq", "32"), m, CHANGES)],
+        "--accum": [(plus(m, "--accum", "2"), m, CHANGES)],
+        "--mp": [(plus(m, "--mp", "bf16"), m, CHANGES)],
+        "--optimizer": [(plus(m, "--optimizer", "sgd"), m, CHANGES)],
+        "--vocab-size": [(plus(m, "--vocab-size", "32"), m, CHANGES)],
+        "--checkpointing": [(plus(m, "--checkpointing", "sqrt"), m, CHANGES)],
+        "--offload": [(plus(m, "--offload", "cpu"), m, CHANGES)],
+        "--shard-size": [(plus(m, "--shard-size", "2"), m, CHANGES)],
+        "--prefetch": [(plus(m, "--prefetch", "2"), m, CHANGES)],
+        "--bucket-mb": [(plus(m, "--bucket-mb", "0.01"), m, CHANGES)],
+        "--comm-quant": [(plus(m, "--comm-quant", "weights"), m, CHANGES)],
+        "--comm-quant-block": [(plus(m, "--comm-quant", "weights", "--comm-quant-block", "128"),
+                                plus(m, "--comm-quant", "weights"), CHANGES),
+                               (plus(m, "--comm-quant-block", "128"), None, REFUSED)],
+        "--headroom": [(plus(m, "--headroom", "0.2"), m, CHANGES)],
+        "--accounting": [(plus(m, "--accounting", "textbook"), m, CHANGES)],
+        "--device": [(plus(m, "--device", "cpu"), m, CHANGES)],
+        "--device-mem": [(plus(m, "--device-mem", "1GB"), m, CHANGES)],
+        "--intra-gbps": [(plus(rec, "--intra-gbps", "100"), rec, CHANGES), (plus(m, "--intra-gbps", "100"), None, REFUSED)],
+        "--inter-gbps": [(plus(rec, "--inter-gbps", "10"), rec, CHANGES), (plus(m, "--inter-gbps", "10"), None, REFUSED)],
+        "--gpus-per-node": [(plus(m, "--gpus-per-node", "2"), m, CHANGES)],
+        "--measure": [(plus(m, "--measure"), m, CHANGES)],
+        "--plot": [(plus(m, "--plot", png), m, CHANGES)],
+        "--json": [(m, drop(m, "--json", 0), CHANGES)],
+        "--time": [(plus(m, "--time"), m, CHANGES)],
+        "--hw": [(plus(m, "--hw", "a100"), None, REFUSED)],
+        "--micro-batch": [(plus(m, "--micro-batch", "2"), None, REFUSED)],
+        "--sweep": [(plus(m, "--sweep", "2,4"), None, REFUSED)],
+        "--shard-sizes": [(plus(m, "--shard-sizes", "2"), None, REFUSED)],
+        "--calibrate": [(plus(m, "--calibrate", "all_reduce"), m, CHANGES)],
+        "--hw-out": [(plus(m, "--hw-out", hw_out), None, REFUSED)],
+    }
+    t = ["plan", "--time", "--model", "tiny", "--world", "4", "--json"]
+    time: dict[str, list[Entry]] = {
+        "--model": [(swap(t, "--model", "llama3-8b"), t, CHANGES)],
+        "--params": [(plus(t, "--params", "7e9"), None, REFUSED)],
+        "--world": [(swap(t, "--world", "8"), t, CHANGES), (plus(t, "--sweep", "2,4"), None, REFUSED)],
+        "--tp": [(plus(t, "--tp", "2"), t, CHANGES)],
+        "--sequence-parallel": [(plus(t, "--tp", "2", "--sequence-parallel"), None, REFUSED)],
+        "--stage": [(plus(t, "--stage", "3"), t, CHANGES)],
+        "--batch": [(plus(t, "--batch", "8"), t, CHANGES)],
+        "--seq": [(plus(t, "--seq", "32"), t, CHANGES)],
+        "--accum": [(plus(t, "--accum", "2"), t, CHANGES)],
+        "--mp": [(plus(t, "--mp", "fp32"), t, CHANGES)],
+        "--optimizer": [(plus(t, "--optimizer", "sgd"), None, REFUSED)],
+        "--vocab-size": [(plus(t, "--vocab-size", "32"), t, CHANGES),
+                         (plus(swap(t, "--model", "llama3-8b"), "--vocab-size", "32"), None, REFUSED)],
+        "--checkpointing": [(plus(t, "--checkpointing", "sqrt"), t, CHANGES)],
+        "--offload": [(plus(t, "--offload", "cpu"), t, CHANGES)],
+        "--shard-size": [(plus(t, "--shard-size", "2"), t, CHANGES),
+                         (plus(t, "--shard-size", "2", "--shard-sizes", "2"), None, REFUSED)],
+        "--prefetch": [(plus(t, "--prefetch", "2"), t, CHANGES)],
+        "--bucket-mb": [(plus(t, "--bucket-mb", "0.01"), t, CHANGES)],
+        "--comm-quant": [(plus(t, "--comm-quant", "weights"), None, REFUSED)],
+        "--comm-quant-block": [(plus(t, "--comm-quant-block", "128"), None, REFUSED)],
+        "--headroom": [(plus(t, "--headroom", "0.2"), t, CHANGES)],
+        "--accounting": [(plus(t, "--accounting", "textbook"), None, REFUSED)],
+        "--device": [(plus(t, "--device", "cpu"), None, REFUSED)],
+        "--device-mem": [(plus(t, "--device-mem", "1MB"), t, CHANGES)],
+        "--intra-gbps": [(plus(t, "--intra-gbps", "100"), None, REFUSED)],
+        "--inter-gbps": [(plus(t, "--inter-gbps", "10"), None, REFUSED)],
+        "--gpus-per-node": [(plus(t, "--gpus-per-node", "2"), None, REFUSED)],
+        "--measure": [(plus(t, "--measure"), None, REFUSED)],
+        "--plot": [(plus(t, "--plot", png), t, CHANGES)],
+        "--json": [(t, drop(t, "--json", 0), CHANGES)],
+        "--time": [(t, drop(t, "--time", 0), CHANGES)],
+        "--hw": [(plus(t, "--hw", "a100"), t, CHANGES)],
+        "--micro-batch": [(plus(t, "--micro-batch", "2"), t, CHANGES),
+                          (plus(t, "--batch", "8", "--micro-batch", "2"), None, REFUSED)],
+        "--sweep": [(["plan", "--time", "--model", "tiny", "--sweep", "2,4", "--json"], t, CHANGES)],
+        "--shard-sizes": [(plus(t, "--shard-sizes", "2"), t, CHANGES)],
+        "--calibrate": [(plus(t, "--calibrate", "all_reduce"), t, CHANGES)],
+        "--hw-out": [(plus(t, "--hw-out", hw_out), None, REFUSED)],
+    }
+    return memory, time
+
+
+def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Outcome], dict]:
+    """The runner with the two flags that would spawn ranks here (--measure, --calibrate) stubbed:
+    what reaches the stub is recorded, and the stub's answer becomes part of the output."""
+    import importlib
+
+    # By name: zs.plan (the function) shadows the zeroshard.plan package as an attribute of zeroshard.
+    plan_measure = importlib.import_module("zeroshard.plan.measure")
+    sim_cli = importlib.import_module("zeroshard.sim.cli")
+
+    called: dict[str, Any] = {}
+
+    def measure(p, stages, **_: Any) -> list:
+        called["measure"] = (p.spec.world, stages)
+        return [argparse.Namespace(layout="ddp", method="stub", measured={"params": 1}, measured_total=1,
+                                   model_state_error=0.0, total_error=0.0)]
+
+    def print_calibration(args: argparse.Namespace) -> int:
+        called["calibrate"] = args.calibrate
+        print(f"calibrated {args.calibrate} at world {args.world}")
+        return 0
+
+    monkeypatch.setattr(plan_measure, "measure", measure)
+    monkeypatch.setattr(sim_cli, "print_calibration", print_calibration)
+
+    def files() -> str:  # --plot writes a chart, whose existence is part of the result
+        return ",".join(sorted(p.name for p in tmp.iterdir()))
+
+    def clean() -> None:
+        for p in tmp.iterdir():
+            p.unlink()
+
+    return _runner(capsys, extra=files, before=clean), called
+
+
+def test_every_flag_has_an_entry(tmp_path: Path) -> None:
+    memory, time = _plan_tables(tmp_path)
+    assert flags_of("plan") == set(memory) == set(time)
+    assert flags_of("tune") == set(_tune_table(tmp_path, tmp_path / "out.toml"))
+    assert flags_of("train") == set(_train_table(tmp_path))
+
+
+def test_every_plan_flag_changes_the_memory_plan_or_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    memory, _ = _plan_tables(tmp_path)
+    run, called = _plan_run(capsys, monkeypatch, tmp_path)
+    problems = _check("plan", memory, run)
+    assert not problems, "\n".join(problems)
+    assert called["measure"] == (4, (0, 1, 2, 3)) and called["calibrate"] == "all_reduce"
+
+
+def test_every_plan_flag_changes_the_time_rows_or_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    _, time = _plan_tables(tmp_path)
+    run, called = _plan_run(capsys, monkeypatch, tmp_path)
+    problems = _check("plan", time, run)
+    assert not problems, "\n".join(problems)
+    assert "measure" not in called  # refused before anything ran
+
+
+def test_plan_time_passes_tp_to_the_simulator(capsys) -> None:
+    """`plan --time --tp 8` for Llama 3 70B on 256 GPUs: the block's matmuls split over 8 ranks of a
+    node, 32 data-parallel ranks; a tp that does not divide the KV heads is refused by name."""
+    import json
+
+    argv = ["plan", "--time", "--model", "llama3-70b", "--world", "256", "--stage", "3", "--json"]
+    rows = {}
+    for tp in ("1", "8"):
+        assert main([*argv, "--tp", tp]) == 0
+        (rows[tp],) = json.loads(capsys.readouterr().out)["rows"]
+    one, eight = rows["1"], rows["8"]
+    assert (one["layout"], eight["layout"], eight["tp"]) == ("zero3", "zero3 tp=8", 8)
+    assert eight["compute_s"] < one["compute_s"] / 2 and eight["tp_bytes"] > 0 == one["tp_bytes"]
+    assert eight["peak_bytes"] < one["peak_bytes"]  # each rank holds 1/8 of every block's params
+    assert main([*argv, "--tp", "16"]) == 1
+    assert "--tp 16 does not divide KV heads (8) of llama3-70b" in capsys.readouterr().err
+    assert main([*argv, "--tp", "3"]) == 1
+    assert "--tp 3 does not divide world 256" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- tune
+
+
+def _tune_table(tmp: Path, out: Path) -> dict[str, list[Entry]]:
+    (tmp / "in").mkdir(exist_ok=True)
+    toml, corpus = tmp / "in" / "base.toml", tmp / "in" / "corpus.txt"
+    toml.write_text("lr = 0.005\n")
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 64)
+    b = ["tune", "--model", "tiny", "--nproc", "2", "--batch", "4", "--seq-len", "16", "--stages", "0,3",
+         "--checkpointing", "none", "--bucket-mb", "25", "--prefetch", "1", "--reshard", "true", "--json",
+         "--out", str(out)]
+    return {
+        "--config": [(plus(b, "--config", str(toml)), b, CHANGES)],
+        "--model": [(swap(b, "--model", "small"), b, CHANGES)],
+        "--nproc": [(swap(b, "--nproc", "4"), b, CHANGES)],
+        "--tp": [(plus(b, "--tp", "2"), b, CHANGES), (plus(b, "--tp", "3"), None, REFUSED)],
+        "--batch": [(swap(b, "--batch", "8"), b, CHANGES)],
+        "--seq-len": [(swap(b, "--seq-len", "32"), b, CHANGES)],
+        "--lr": [(plus(b, "--lr", "0.005"), b, CHANGES)],
+        "--weight-decay": [(plus(b, "--weight-decay", "0.05"), b, CHANGES)],
+        "--clip": [(plus(b, "--clip", "0.5"), b, CHANGES)],
+        "--accum": [(plus(b, "--accum", "2"), b, CHANGES)],
+        "--seed": [(plus(b, "--seed", "1"), b, CHANGES)],
+        "--data": [(plus(b, "--data", str(corpus)), b, CHANGES)],
+        "--vocab-size": [(plus(b, "--vocab-size", "32"), b, CHANGES)],
+        "--mp": [(plus(b, "--mp", "bf16"), b, CHANGES)],
+        "--accumulation": [(plus(b, "--accumulation", "unsharded"), b, CHANGES)],
+        "--stages": [(swap(b, "--stages", "0"), b, CHANGES)],
+        "--prefetch": [(swap(b, "--prefetch", "2"), b, CHANGES)],
+        "--bucket-mb": [(swap(b, "--bucket-mb", "5"), b, CHANGES)],
+        "--checkpointing": [(swap(b, "--checkpointing", "sqrt"), b, CHANGES)],
+        "--reshard": [(swap(b, "--reshard", "false"), b, CHANGES)],
+        "--comm-quant": [(plus(b, "--comm-quant", "none,weights"), b, CHANGES)],
+        "--device-mem": [(plus(b, "--device-mem", "4MB"), b, CHANGES)],  # prunes stage 0 (4.4 MB), keeps 3 (2.9)
+        "--steps": [(plus(b, "--steps", "2"), b, CHANGES)],
+        "--rounds": [(plus(b, "--rounds", "2"), b, CHANGES)],
+        "--warmup": [(plus(b, "--warmup", "1"), b, CHANGES)],
+        "--resident": [(plus(b, "--no-resident"), b, CHANGES)],
+        "--out": [(swap(b, "--out", str(out.with_name("other.toml"))), b, CHANGES)],
+        "--json": [(b, drop(b, "--json", 0), CHANGES)],
+    }
+
+
+def test_every_tune_flag_changes_what_is_measured_or_written_or_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    """tune's measurement is stubbed (it would spawn ranks); what the flags decide is what reaches it
+    (the MeasureSpec: base config, candidates, steps, rounds, resident), the rows and the TOML written."""
+    import importlib
+
+    tune_measure = importlib.import_module("zeroshard.tune.measure")  # the package exports a function of that name
+
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    specs: list = []
+
+    def measure(spec, **_: Any) -> list[dict]:
+        specs.append(spec)
+        per_rank = [[{"times": [0.01 * (i + 1)] * (spec.steps * spec.rounds), "peak_bytes": 1000 + i, "error": None}
+                     for i, _ in enumerate(spec.candidates)]]
+        return tune_measure.summarise(spec, per_rank)
+
+    monkeypatch.setattr(tune_measure, "measure", measure)
+
+    def produced() -> str:
+        spec = repr(specs.pop()) if specs else "not measured"
+        return spec + "".join(f"\n{p.name}:\n{p.read_text()}" for p in sorted(outdir.iterdir()))
+
+    def clean() -> None:
+        for p in outdir.iterdir():
+            p.unlink()
+
+    run = _runner(capsys, extra=produced, before=clean)
+    table = _tune_table(tmp_path, outdir / "tuned.toml")
+    problems = _check("tune", table, run)
+    assert not problems, "\n".join(problems)
+    # What the tp flag decides, spelled out: every candidate is measured and planned at it, and the
+    # winner's file keeps it (and the comm_quant it was measured with) for `zeroshard train`.
+    tp = run(plus(table["--tp"][0][0], "--comm-quant", "weights", "--stages", "3"))
+    assert tp.rc == 0, tp.err
+    assert "tp=2" in tp.extra and 'comm_quant = "weights"' in tp.extra and "tp = 2" in tp.extra
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _train_table(tmp: Path) -> dict[str, list[Entry]]:
+    (tmp / "in").mkdir(exist_ok=True)
+    toml = tmp / "in" / "train.toml"
+    toml.write_text("steps = 7\n")
+    t: list[str] = ["train"]
+    values = {  # a valid value other than the default, for each TrainConfig field
+        "model": "small", "stage": "1", "nproc": "4", "batch": "32", "seq_len": "32", "steps": "5", "lr": "0.002",
+        "min_lr": "0.00001", "warmup": "5", "weight_decay": "0.0", "clip": "0.5", "accum": "2", "seed": "1",
+        "data": "corpus.txt", "num_samples": "1000", "vocab_size": "32", "order": "1", "checkpointing": "sqrt",
+        "offload": "cpu", "shard_size": "1", "tp": "2", "bucket_mb": "5", "prefetch": "2", "mp": "bf16",
+        "accumulation": "unsharded", "comm_quant_block": "128", "compile_backend": "eager", "init": "meta",
+        "run_dir": "runs/x", "log_every": "5", "hang_timeout_s": "30", "desync_check": "5", "log": "tensorboard",
+        "peak_flops": "1e12", "ckpt_dir": "ckpt", "resume": "ckpt/step-00000001", "keep_last": "1",
+    }
+    switches = {"reshard_after_forward": "--no-reshard-after-forward", "compile": "--compile",
+                "profile": "--no-profile", "trace": "--trace"}
+    needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
+             "save_every": (["--ckpt-dir", "ckpt"], "10")}
+    table: dict[str, list[Entry]] = {"--config": [(plus(t, "--config", str(toml)), t, CHANGES)],
+                                     "--tp": [(plus(t, "--tp", "3"), None, REFUSED),
+                                              (plus(t, "--model", "hf:gpt2-tiny", "--tp", "2"), None, REFUSED)]}
+    for name in field_names():
+        flag = "--" + name.replace("_", "-")
+        if name in switches:
+            entry: Entry = (plus(t, switches[name]), t, CHANGES)
+        elif name in needs:
+            companions, value = needs[name]
+            entry = (plus(t, *companions, flag, value), plus(t, *companions), CHANGES)
+        else:
+            entry = (plus(t, flag, values[name]), t, CHANGES)
+        table.setdefault(flag, []).insert(0, entry)
+    return table
+
+
+def _resolved(argv: list[str]) -> Outcome:
+    """What `zeroshard train` resolves from ``argv`` before it launches: the TrainConfig, or the
+    one-line error it would print."""
+    from zeroshard.cli.train import check_before_launch, config_from_args
+
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        check_before_launch(cfg)
+    except ValueError as e:
+        return Outcome(1, "", f"zeroshard train: error: {e}")
+    return Outcome(0, repr(cfg.to_dict()), "")
+
+
+def test_every_train_flag_changes_the_resolved_config_or_is_refused(tmp_path) -> None:
+    problems = _check("train", _train_table(tmp_path), _resolved)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_train_config_field_is_read_by_the_runtime() -> None:
+    """The resolved config is only half of it: each field must also be read somewhere outside the
+    config module (the step, the launcher, the observer, checkpoints), or its flag changes nothing."""
+    sources = [p.read_text() for p in (ROOT / "zeroshard").rglob("*.py") if p.name != "config.py"]
+    unread = [name for name in field_names()
+              if not any(re.search(rf"\b(?:cfg|base)\.{name}\b", text) for text in sources)]
+    assert not unread, f"TrainConfig fields nothing reads: {unread}"
+
+
+def test_tp_with_a_model_or_world_it_cannot_split_is_one_line_before_launch(capsys) -> None:
+    cases = {
+        ("--tp", "3"): "tp=3 does not divide nproc=2",
+        ("--model", "hf:gpt2-tiny", "--tp", "2"): "model='hf:gpt2-tiny' has no tensor-parallel plan",
+        ("--model", "medium", "--nproc", "4", "--tp", "4", "--batch", "16"): "tp=4 does not divide n_head=14",
+        ("--nproc", "4", "--tp", "2", "--shard-size", "4"): "shard_size=4 must divide the 2 data-parallel ranks",
+        ("--nproc", "4", "--batch", "6"): "does not split evenly over 4 ranks",
+    }
+    for argv, message in cases.items():
+        for command in ("train", "verify"):
+            assert main([command, *argv]) == 1
+            err = capsys.readouterr().err
+            assert err.startswith(f"zeroshard {command}: error: ") and message in err and err.count("\n") == 1, err
+    # The batch is split over the data-parallel ranks only: 6 does not split over 4 ranks, but over
+    # the 2 data-parallel ranks of 4 at tp 2 it does (each tp group shares its 3 sequences).
+    from zeroshard.config import TrainConfig
+
+    assert TrainConfig(nproc=4, tp=2, batch=6).tp == 2
+
+
+def test_tp_is_a_toml_key(tmp_path) -> None:
+    from zeroshard.config import config_from_sources
+
+    path = tmp_path / "run.toml"
+    path.write_text("nproc = 4\ntp = 2\nstage = 3\n")
+    cfg = config_from_sources(path, {})
+    assert (cfg.tp, cfg.nproc, cfg.stage) == (2, 4, 3)
+    assert config_from_sources(path, {"tp": 1}).tp == 1  # a flag overrides the file
+
+
+def test_the_tp_plan_models_are_the_runtimes_plans() -> None:
+    """TrainConfig refuses tp > 1 for a model without a plan, without importing torch; its list must
+    be exactly the models whose class zeroshard.sharding.tp has a plan for."""
+    import torch
+
+    import zeroshard as zs
+    from zeroshard.config import HF_MODEL_NAMES, MODEL_NAMES, TP_MODEL_NAMES
+    from zeroshard.models.gpt import GPT, GPTConfig
+    from zeroshard.models.hf import build_hf_model
+    from zeroshard.sharding.tp import PLANS
+
+    for name in MODEL_NAMES + HF_MODEL_NAMES:
+        if name in HF_MODEL_NAMES:
+            pytest.importorskip("transformers")
+            model = build_hf_model(name, vocab_size=16, seq_len=16, seed=0, device=torch.device("cpu"), meta=True)
+        else:
+            with zs.meta_init():
+                model = GPT(GPTConfig.named(name, vocab_size=16))
+        assert (type(model).__name__ in PLANS) == (name in TP_MODEL_NAMES), name
+
+
+def test_train_verify_and_tune_help_list_tp() -> None:
+    for command in ("train", "verify", "tune"):
+        text = " ".join(_subparser(command).format_help().split())
+        assert "--tp TP Tensor parallelism: split each block's matmuls" in text, command
