@@ -132,6 +132,19 @@ class TrainConfig:
     backward. False keeps every unit's full params from forward to backward: one all-gather fewer
     per unit, the memory of unsharded params during backward."""
 
+    backward_prefetch_at: float = 0.5
+    """Stage 3: share of a unit's grads complete before the all-gather of the unit backward needs
+    next is issued. Earlier hides more of it behind the unit's backward; later issues it once more of
+    the unit's activations are freed (the memory peak is at the start of a unit's backward)."""
+
+    max_inflight_reductions: int = 2
+    """Stages 2-3: the oldest gradient reduction is finished while more than this many are pending.
+    Each pending one holds its unit's full grads; fewer bounds that memory at the cost of overlap."""
+
+    reap_when_done: bool = True
+    """Finish a gradient reduction as soon as the backend reports it complete. False finishes it only
+    when max_inflight_reductions or a read forces it: what a link slower than compute gives."""
+
     mp: str = "fp32"
     """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
     Masters and optimizer state stay fp32 and gradients are reduced in fp32; fp16 adds dynamic
@@ -286,6 +299,11 @@ class TrainConfig:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (units gathered ahead; 0 gathers on demand)")
+        if not 0.0 <= self.backward_prefetch_at <= 1.0:
+            raise ValueError(f"backward_prefetch_at={self.backward_prefetch_at} is a share of a unit's grads; "
+                             "pick a value from 0 to 1")
+        if self.max_inflight_reductions < 0:
+            raise ValueError(f"max_inflight_reductions={self.max_inflight_reductions} must be >= 0")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
         if self.desync_check < 0:

@@ -11,6 +11,7 @@ PyTorch reference that the runtime is checked against.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
@@ -130,13 +131,28 @@ def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
     return None if cfg.mp == "fp32" else zs.MixedPrecision(param_dtype=parse_dtype(cfg.mp))
 
 
+ENGINE_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(zs.EngineOptions))
+"""Every engine knob. Each is also a TrainConfig field of the same name and default (a unit test
+holds the two together), so every knob the library has is a flag and a TOML key."""
+
+
+def engine_options(cfg: TrainConfig, **overrides: Any) -> zs.EngineOptions:
+    """The `EngineOptions` that `cfg` describes, with ``overrides`` (engine keywords) on top."""
+    values = {name: getattr(cfg, name) for name in ENGINE_OPTION_NAMES if name != "offload"}
+    values["offload"] = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" \
+        else zs.OffloadPolicy()
+    values.update(overrides)
+    if isinstance(values["offload"], str) or values["offload"] is None:  # as zs.shard's keyword takes it
+        values["offload"] = zs.OffloadPolicy(kind=values["offload"] or "none")
+    return zs.EngineOptions(**values)
+
+
 def shard_model(cfg: TrainConfig, model: torch.nn.Module, **overrides: Any) -> torch.nn.Module:
     """`zs.shard` with every sharding option of `cfg`, offload and the model's own kwargs included.
-    `overrides` replace or add `zs.shard` arguments (a test passing its own precision policy)."""
-    offload = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" else None
-    kwargs = dict(stage=cfg.stage, mp=mixed_precision(cfg), bucket_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
-                  reshard_after_forward=cfg.reshard_after_forward, accumulation=cfg.accumulation,
-                  checkpointing=cfg.checkpointing, offload=offload,
+    `overrides` replace or add `zs.shard` arguments (a test passing its own precision policy or
+    prefetch); engine keywords among them go into the options."""
+    options = engine_options(cfg, **{k: overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in overrides})
+    kwargs = dict(stage=cfg.stage, mp=mixed_precision(cfg), options=options,
                   comm=zs.CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block),
                   compile=cfg.compile_backend if cfg.compile else None, **adapter.shard_kwargs(model))
     zs.shard(model, **{**kwargs, **overrides})
@@ -156,7 +172,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
-    shard_model(cfg, model, **shard_overrides)
+    shard_model(cfg, model, **{"mesh": mesh, **shard_overrides})
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     scaler = zs.ShardedGradScaler(model) if cfg.mp == "fp16" else None
@@ -171,10 +187,12 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
 # --------------------------------------------------------------------------- the step
 
 
-def global_token_count(targets: torch.Tensor) -> torch.Tensor:
-    """Tokens that carry a loss (targets != -100) in the whole global batch, on every rank."""
+def global_token_count(targets: torch.Tensor, mesh: Any = None) -> torch.Tensor:
+    """Tokens that carry a loss (targets != -100) in the whole global batch of ``mesh`` (the
+    default one unless given), on every rank."""
+    mesh = mesh or zs.get_mesh()
     count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-    all_reduce(count, op="sum", group=zs.get_mesh().dp_name, phase=METRICS_PHASE)
+    all_reduce(count, op="sum", group=mesh.dp_name, phase=METRICS_PHASE, mesh=mesh)
     return count
 
 
@@ -188,8 +206,9 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     token of the global batch, however unevenly masked tokens fall across micro-batches and ranks.
     Only the last micro-step synchronises; the others run under `zs.no_sync`.
     """
-    count = global_token_count(y)
-    norm = zs.get_mesh().dp_size / count
+    mesh = zs.mesh_of(model)  # the batch is split over the data-parallel ranks of the model's own mesh
+    count = global_token_count(y, mesh)
+    norm = mesh.dp_size / count
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     pairs = list(zip(x.chunk(accum), y.chunk(accum)))
     for index, (xm, ym) in enumerate(pairs):

@@ -46,14 +46,16 @@ def reference_run(steps: int, global_batch: int) -> dict:
 
 
 def tiny_run(stage: int, global_batch: int, *, clip: float = CLIP, weight_decay: float = WEIGHT_DECAY,
-             **shard_kwargs):
+             mesh=None, **shard_kwargs):
     """A `zeroshard.step.Run` of tiny on this world, built the way `zeroshard train` builds one, with
-    a constant LR (no warm-up, `min_lr == lr`); ``shard_kwargs`` go to ``zs.shard``."""
+    a constant LR (no warm-up, `min_lr == lr`), on ``mesh`` (the default one unless given);
+    ``shard_kwargs`` go to ``zs.shard``."""
     cfg, data = tiny_setup(global_batch)
-    train_cfg = TrainConfig(stage=stage, nproc=zs.get_mesh().world, batch=global_batch, seq_len=cfg.seq_len,
+    mesh = mesh or zs.get_mesh()
+    train_cfg = TrainConfig(stage=stage, nproc=mesh.world, batch=global_batch, seq_len=cfg.seq_len,
                             lr=LR, min_lr=LR, warmup=0, weight_decay=weight_decay, clip=clip, seed=SEED)
     torch.manual_seed(SEED)
-    return step.build(train_cfg, zs.get_mesh(), model=GPT(cfg), dataset=data, **shard_kwargs)
+    return step.build(train_cfg, mesh, model=GPT(cfg), dataset=data, **shard_kwargs)
 
 
 def next_batch(run):
@@ -225,6 +227,29 @@ def hybrid_suite(shard_size: int = 2) -> dict:
         "mesh": mesh.describe(),
     }
     return out
+
+
+def two_meshes_suite(steps: int = 10) -> dict:
+    """World 4 holding two sharded models at once: one on the default mesh (shard 4), one on a
+    mesh of its own (replicate 2 x shard 2). Their steps interleave, so each one's collectives run
+    between the other's; each must still train exactly as it would alone."""
+    zs.init()
+    hybrid = zs.new_mesh(shard_size=2, name="hybrid")
+    runs = {"full": tiny_run(3, GLOBAL_BATCH), "hybrid": tiny_run(3, GLOBAL_BATCH, mesh=hybrid),
+            "hybrid-stage1": tiny_run(1, GLOBAL_BATCH, mesh=hybrid)}
+    ledger = zs.ledger()
+    start = ledger.next_seq
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, run in runs.items():
+            x, y = next_batch(run)
+            out = step.step(run, x, y)
+            losses[name].append(global_mean_loss(out.loss_sum, y))
+    seen: dict[str, set] = {}
+    for record in training_records(ledger, start):
+        seen.setdefault(record.mesh, set()).add(record.group)
+    return {"params": {name: zs.full_state_dict(run.model) for name, run in runs.items()}, "losses": losses,
+            "groups_by_mesh": seen, "meshes": {name: zs.mesh_of(run.model).describe() for name, run in runs.items()}}
 
 
 CHECKPOINT_POLICIES = ("none", "all", "every:3", "sqrt")

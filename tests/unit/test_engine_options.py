@@ -91,3 +91,25 @@ def test_a_local_step_reports_its_reductions_and_step():
     assert launched == [u.name for u in engine.reduce_order if u.trainable_groups]  # the root owns no param here
     assert [u for k, u in kinds if k == "reduce_done"] == launched
     assert kinds[-1] == ("step", "")
+
+
+def test_every_engine_knob_is_a_train_config_key_with_the_same_default():
+    """One table: the engine's options. A knob added there without a TrainConfig field (and so
+    without a flag and a TOML key) fails here."""
+    import dataclasses
+
+    from zeroshard.config import TrainConfig
+    from zeroshard.step import engine_options
+
+    cfg = TrainConfig()
+    for f in dataclasses.fields(EngineOptions):
+        assert hasattr(cfg, f.name), f"EngineOptions.{f.name} has no TrainConfig field (no flag, no TOML key)"
+    assert engine_options(cfg) == EngineOptions()
+    changed = TrainConfig(stage=3, prefetch=2, reshard_after_forward=False, bucket_mb=4.0, accumulation="unsharded",
+                          checkpointing="all", backward_prefetch_at=0.25, max_inflight_reductions=1,
+                          reap_when_done=False, offload="cpu")
+    options = engine_options(changed)
+    assert (options.prefetch, options.reshard_after_forward, options.bucket_mb, options.accumulation,
+            options.checkpointing, options.backward_prefetch_at, options.max_inflight_reductions,
+            options.reap_when_done, options.offload.kind) == (2, False, 4.0, "unsharded", "all", 0.25, 1, False, "cpu")
+    assert engine_options(changed, prefetch=0, offload="none").prefetch == 0
