@@ -30,9 +30,15 @@ def test_plan_counts_quantized_bytes_and_residual():
     residual = sum(4 * g.numel for u, g in groups if g.trainable and comm.quantizes_grads(g.numel))
     assert weight_q > 0 and grad_q > 0
     z3, b3 = quant.layouts["zero3"], base.layouts["zero3"]
-    # Forward gather and backward re-gather both carry every quantized (non-root) group as int8.
-    int8_gathers = [c for c in z3.collectives if c.op == "all_gather" and c.buffer_bytes in (weight_q,)]
-    assert len(int8_gathers) == 2
+    # The forward gather carries every quantized (non-root) group as int8; the backward re-gather
+    # all of them but the last block of forward, which the engine keeps gathered into backward
+    # (Engine.kept_for_backward; units[0] is first in reduction order).
+    kept_q = sum(2 * wire_bytes(g.layout.shard_numel, 128) for g in units[0].groups
+                 if comm.quantizes(g.numel, units[0].is_root))
+    assert not units[0].is_root and kept_q > 0
+    int8_gathers = {c.phase: c.buffer_bytes for c in z3.collectives if c.op == "all_gather" and c.buffer_bytes
+                    in (weight_q, weight_q - kept_q)}
+    assert int8_gathers == {"forward": weight_q, "backward": weight_q - kept_q}
     assert _ops(z3)["all_to_all"] == grad_q
     assert z3.device.grads - b3.device.grads == residual
     ratio = z3.comm_bytes / b3.comm_bytes

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.comm.quant import CommQuant
 from zeroshard.plan.activations import ActivationEstimate, gpt_activations
 from zeroshard.plan.comm import Collective
 from zeroshard.plan.inventory import Inventory, meta_gpt
@@ -138,23 +139,27 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                      f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"
                      + ("; on a CPU run host and device are one memory" if device == "cpu" else ""))
     foreach = kwargs.get("foreach")
-    estimator = Estimator(spec, inventory=None if spec.accounting == "textbook" else inventory, psi=psi,
+    counted = None if spec.accounting == "textbook" else inventory
+    # With units, the step schedule sends what the runtime quantizes itself; a bare count splits the
+    # textbook volumes afterwards (_with_comm_quant).
+    comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block) if counted is not None else None
+    estimator = Estimator(spec, inventory=counted, psi=psi,
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
-                          host_is_device=device == "cpu", tp_collectives=tp_comm)
+                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     if spec.comm_quant != "none":
-        layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes)
+        layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=counted is None)
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),
                 activations=activations, layouts=layouts, notes=tuple(notes))
 
 
 def _with_comm_quant(layouts: dict[str, LayoutPlan], spec: PlanSpec, inventory: Inventory | None, params: int,
-                     notes: list[str]) -> dict[str, LayoutPlan]:
-    """Every layout with the quantized traffic and error-feedback residual the runtime would have there."""
-    from zeroshard.comm.quant import CommQuant
+                     notes: list[str], *, textbook: bool) -> dict[str, LayoutPlan]:
+    """Every layout with the error-feedback residual the runtime would have there and, for the
+    ``textbook`` volumes, the quantized traffic (a layout planned from units has it already)."""
     from zeroshard.plan import quant
 
     comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block)
@@ -166,7 +171,7 @@ def _with_comm_quant(layouts: dict[str, LayoutPlan], spec: PlanSpec, inventory: 
         groups = (quant.groups_of(inventory, stage=layout.stage, shards=layout.shard_size,
                                   bucket_bytes=int(spec.bucket_mb * 2**20)) if inventory is not None
                   else quant.analytic_groups(params, layout.shard_size))
-        out[name] = quant.apply(layout, comm, groups, **sizes)
+        out[name] = quant.apply(layout, comm, groups, textbook=textbook, **sizes)
     notes.append(f"comm_quant={spec.comm_quant}: int8 + one fp32 scale per {comm.block_size} elements on the wire "
                  "where the runtime quantizes (weights at stage 3, grads at stages 2-3)"
                  + ("; grads include error feedback's fp32 residual" if comm.error_feedback else ""))

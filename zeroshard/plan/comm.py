@@ -1,17 +1,31 @@
 """Communication per optimizer step, and how long it takes on a given network.
 
-Volumes follow the runtime (docs/runtime.md): stage 0 all-reduces the padded grads; stages 1-2
-reduce-scatter them and all-gather the updated params; stage 3 all-gathers in forward and again in
-backward (less the root, which stays gathered) and reduce-scatters. Hybrid layouts reduce-scatter
-and all-gather inside the shard group and all-reduce the reduced shard across replicas. Per-rank
-wire bytes use the ring cost: (n-1)/n of the buffer for a reduce-scatter or all-gather, twice
-that for an all-reduce. A collective is as slow as its slowest link, so a group that spans nodes
-runs at the inter-node bandwidth.
+The collectives of a model's layout are the runtime's own: ``step_collectives`` walks the
+engine's step schedule (zeroshard/sharding/schedule.py, the list of events the ledger records,
+op by op) over the units the inventory lays out, and sums its events into rows, one per (op,
+group, phase, wire format) and size per micro-step. So stage 3 re-gathers in backward only what
+the engine does (not the root, which stays gathered, nor the last block of forward, which it keeps
+into backward), hybrid layouts add the replicate all-reduce of each reduced shard, quantized
+communication (``CommQuant``) goes as int8 plus scales where the engine quantizes, and
+accumulation reduces once or every micro-step as the stage and ``accumulation`` say. A bare
+parameter count has no units: ``textbook_collectives`` gives the ZeRO paper's volumes (stage 0
+all-reduces the grads; stages 1-2 reduce-scatter them and all-gather the params; stage 3
+all-gathers in forward and again in backward, and reduce-scatters).
+
+Per-rank wire bytes use the ring cost: (n-1)/n of the buffer for a reduce-scatter or all-gather,
+twice that for an all-reduce. A collective is as slow as its slowest link, so a group that spans
+nodes runs at the inter-node bandwidth.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
+from zeroshard.comm.quant import CommQuant
+from zeroshard.sharding.flat import StagePolicy
+from zeroshard.sharding.options import EngineOptions
+from zeroshard.sharding.schedule import MeshSizes, Schedule, UnitSizes, step_schedule
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -20,8 +34,9 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 class Collective:
     op: str
     group: str
-    """``world`` (every data-parallel rank), ``shard`` (the ranks a buffer is sharded over),
-    ``replicate`` (hybrid) or ``tp`` (the ranks one layer is split over)."""
+    """As the ledger names it: ``world`` (every rank; stage 0's all-reduce without tp), ``dp`` (the
+    data-parallel ranks under tp), ``shard`` (the ranks a buffer is sharded over), ``replicate``
+    (hybrid) or ``tp`` (the ranks one layer is split over)."""
     size: int
     """Ranks in the group."""
     buffer_bytes: int
@@ -29,6 +44,8 @@ class Collective:
     count: int = 1
     """Times per optimizer step."""
     spans_nodes: bool = False
+    phase: str = ""
+    """What it serves, as the ledger says: forward, backward, recompute, param_sync (empty for tp rows)."""
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -67,36 +84,65 @@ class Network:
         return total
 
 
-def step_collectives(*, stage: int, world: int, shards: int, padded: int, root_padded: int, compute_bytes: int,
-                     reduce_bytes: int, accum: int, accumulation: str, reshard_after_forward: bool,
+def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
+                     comm: CommQuant | None = None, accum: int = 1,
                      gpus_per_node: int | None = None) -> tuple[Collective, ...]:
-    """Collectives of one optimizer step. ``padded`` and ``root_padded`` are element counts."""
-    replicas = world // shards
-    gpn = gpus_per_node or world
-    shard_group = "world" if shards == world else "shard"
-    shard_spans = shards > gpn
-    world_spans = world > gpn
+    """Collectives of one steady-state optimizer step of ``units`` (the engine's communication units,
+    in its reduction order), from the runtime's step schedule."""
+    schedule = step_schedule(units, policy=policy, mesh=mesh, options=options, comm=comm, accum=accum)
+    return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node)
+
+
+def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | None = None) -> tuple[Collective, ...]:
+    """The schedule's collectives summed into rows, in the order the step first issues them: per
+    (op, group, phase, wire format), the bytes of each micro-step that moves any, one row per
+    distinct figure with ``count`` the micro-steps that move it."""
+    per_micro: dict[tuple[str, str, str, bool], dict[int, int]] = {}
+    for e in schedule.collectives:
+        moved = per_micro.setdefault((e.op, e.group, e.phase, e.quantized), {})
+        moved[e.micro] = moved.get(e.micro, 0) + e.bytes
+    out = []
+    for (op, group, phase, _), moved in per_micro.items():
+        counts: dict[int, int] = {}
+        for nbytes in moved.values():
+            counts[nbytes] = counts.get(nbytes, 0) + 1
+        for nbytes, count in counts.items():
+            out.append(Collective(op=op, group=group, size=mesh.size(group), buffer_bytes=nbytes, count=count,
+                                  spans_nodes=_spans_nodes(group, mesh, gpus_per_node), phase=phase))
+    return tuple(out)
+
+
+def _spans_nodes(group: str, mesh: MeshSizes, gpus_per_node: int | None) -> bool:
+    """Whether ``group`` crosses nodes of ``gpus_per_node`` data-parallel ranks (default: one node)."""
+    gpn = gpus_per_node or mesh.dp
+    return (mesh.shard if group == "shard" else mesh.dp) > gpn
+
+
+def textbook_collectives(*, policy: StagePolicy, mesh: MeshSizes, padded: int, compute_bytes: int, reduce_bytes: int,
+                         accum: int, accumulation: str, reshard_after_forward: bool,
+                         gpus_per_node: int | None = None) -> tuple[Collective, ...]:
+    """The ZeRO paper's volumes for a bare count of ``padded`` elements (no units, so every param
+    is re-gathered in backward at stage 3 when resharded): what ``plan(7e9, ...)`` tabulates."""
+    shards = mesh.shard if policy.shard_optimizer else 1
+
+    def row(op: str, group: str, nbytes: int, count: int, phase: str) -> Collective:
+        return Collective(op=op, group=group, size=mesh.size(group), buffer_bytes=nbytes, count=count,
+                          spans_nodes=_spans_nodes(group, mesh, gpus_per_node), phase=phase)
+
     # Stages 0-1 keep full grads, so no_sync defers their reduction to the last micro-step; stages
     # 2-3 reduce every micro-step unless accumulation is "unsharded".
-    reductions = accum if stage >= 2 and accumulation == "sharded" else 1
+    reductions = accum if policy.transient_grads and accumulation == "sharded" else 1
     grads = padded * reduce_bytes
-    if stage == 0:
-        return (Collective(op="all_reduce", group="world", size=world, buffer_bytes=grads, count=reductions,
-                           spans_nodes=world_spans),)
-    out = [Collective(op="reduce_scatter", group=shard_group, size=shards, buffer_bytes=grads, count=reductions,
-                      spans_nodes=shard_spans)]
-    if replicas > 1:
-        out.append(Collective(op="all_reduce", group="replicate", size=replicas, buffer_bytes=grads // shards,
-                              count=reductions, spans_nodes=world_spans))
+    if not policy.shard_optimizer:
+        return (row("all_reduce", mesh.dp_group, grads, reductions, "backward"),)
+    out = [row("reduce_scatter", "shard", grads, reductions, "backward")]
+    if mesh.replicate > 1:
+        out.append(row("all_reduce", "replicate", grads // shards, reductions, "backward"))
     params = padded * compute_bytes
-    if stage < 3:
-        out.append(Collective(op="all_gather", group=shard_group, size=shards, buffer_bytes=params, count=1,
-                              spans_nodes=shard_spans))
+    if policy.gathers_after_step:
+        out.append(row("all_gather", "shard", params, 1, "param_sync"))
         return tuple(out)
-    out.append(Collective(op="all_gather", group=shard_group, size=shards, buffer_bytes=params, count=accum,
-                          spans_nodes=shard_spans))
+    out.append(row("all_gather", "shard", params, accum, "forward"))
     if reshard_after_forward:
-        # The root stays gathered from its forward through backward: only the blocks re-gather.
-        out.append(Collective(op="all_gather", group=shard_group, size=shards,
-                              buffer_bytes=(padded - root_padded) * compute_bytes, count=accum, spans_nodes=shard_spans))
+        out.append(row("all_gather", "shard", params, accum, "backward"))
     return tuple(out)

@@ -27,8 +27,11 @@ from zeroshard.plan.result import Components, LayoutPlan
 from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
 # The engine's constants, imported: one value, not two copies.
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
+from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
+from zeroshard.sharding.options import EngineOptions
+from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -127,7 +130,7 @@ class Estimator:
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS,
                  reduce_in_place: bool = False, host_is_device: bool = False,
-                 tp_collectives: tuple[comm.Collective, ...] = ()) -> None:
+                 tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.spec = spec
@@ -140,6 +143,7 @@ class Estimator:
         # scratch lands in the same memory as everything else.
         self.host_is_device = host_is_device
         self.tp_collectives = tp_collectives  # per step, the same for every layout (zeroshard.plan.tp)
+        self.comm = comm_quant  # quantized communication, where the runtime applies it (model mode)
         self.gpus_per_node = gpus_per_node
         self.inventory = inventory
         self.psi, self.frozen = psi, frozen
@@ -156,16 +160,15 @@ class Estimator:
 
     # -- one layout ---------------------------------------------------------------------------
     def layout(self, v: Variant) -> LayoutPlan:
+        units: tuple[CommUnit, ...] = ()
         if self.inventory is None:
-            states, t, padded, root_padded = self._textbook(v)
+            states, t, padded, _ = self._textbook(v)
             states, host = _textbook_offload(states, v)
             if v.offload != "none":  # the step runs on the host, scratch too
                 t = dataclasses.replace(t, scratch=0, step=0)
         else:
             units = self.inventory.comm_units(stage=v.stage, shards=v.shards, bucket_bytes=self._bucket_bytes)
             states, host, t = self._runtime_states(v, units)
-            padded = sum(g.numel for u in units for g in u.groups)
-            root_padded = sum(g.numel for u in units if u.is_root for g in u.groups)
         activations = self.act.total if self.act else 0
         largest_grad = self._largest_param_grad()
         backward_ws = (self.act.workspace if self.act else 0) + largest_grad
@@ -196,17 +199,35 @@ class Estimator:
         during = t.during_combined if v.offload != "none" else t.during
         combined = max(phases[0] + host_total - t.host_late, states_total + host_total + during,
                        phases[2] + host_total)
-        dtype = next(iter(self.master_dtypes))
-        # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
-        dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // self.spec.tp)
-        collectives = comm.step_collectives(
-            stage=v.stage, world=self.spec.dp, shards=v.shards, padded=padded, root_padded=root_padded,
-            compute_bytes=_size(self.compute(dtype)), reduce_bytes=_size(self.reduce(dtype)), accum=self.spec.accum,
-            accumulation=self.spec.accumulation, reshard_after_forward=self.spec.reshard_after_forward,
-            gpus_per_node=dp_per_node) + self.tp_collectives
+        collectives = self._collectives(v, units, padded if self.inventory is None else 0) + self.tp_collectives
         return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.dp // v.shards,
                           offload=v.offload, checkpointing=str(self.spec.checkpointing), device=device,
                           host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives)
+
+    def _collectives(self, v: Variant, units: tuple[CommUnit, ...], padded: int) -> tuple[comm.Collective, ...]:
+        """The layout's data-parallel collectives per step: the runtime's step schedule over its units
+        (zeroshard/sharding/schedule.py), or the textbook volumes of ``padded`` elements without units."""
+        spec = self.spec
+        # The data-parallel mesh of the layout (stage 0 has no shards: its buffers span every rank).
+        mesh = MeshSizes(world=spec.world, shard=v.shards if v.policy.shard_optimizer else spec.dp, tp=spec.tp)
+        # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
+        dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // spec.tp)
+        if self.inventory is None:
+            dtype = next(iter(self.master_dtypes))
+            return comm.textbook_collectives(
+                policy=v.policy, mesh=mesh, padded=padded, compute_bytes=_size(self.compute(dtype)),
+                reduce_bytes=_size(self.reduce(dtype)), accum=spec.accum, accumulation=spec.accumulation,
+                reshard_after_forward=spec.reshard_after_forward, gpus_per_node=dp_per_node)
+        # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
+        options = EngineOptions(prefetch=spec.prefetch, reshard_after_forward=spec.reshard_after_forward,
+                                bucket_mb=spec.bucket_mb, accumulation=spec.accumulation,
+                                checkpointing=str(spec.checkpointing))
+        sizes = [UnitSizes(name=u.name, is_root=u.is_root, groups=tuple(
+            GroupSizes(numel=g.numel, shard_numel=g.shard_numel, trainable=g.trainable,
+                       compute_dtype=self.compute(g.dtype), reduce_dtype=self.reduce(g.dtype),
+                       optimizer_numel=g.optimizer_numel(0)) for g in u.groups)) for u in units]
+        return comm.step_collectives(sizes, policy=v.policy, mesh=mesh, options=options, comm=self.comm,
+                                     accum=spec.accum, gpus_per_node=dp_per_node)
 
     @property
     def _bucket_bytes(self) -> int:

@@ -1,11 +1,11 @@
 """Quantized communication (``CommQuant``: qwZ, qgZ, error feedback) in a plan.
 
-Applied to each planned layout after the fp32 accounting: the groups the runtime would quantize
-(the engine's rule, ``CommQuant.quantizes`` / ``quantizes_grads``, on the same flat groups) leave
-the compute-dtype all-gathers and the reduce-scatter and go as int8 plus one fp32 scale per block:
-``shards x wire_bytes(shard_numel)`` per group, an all-gather for weights (stage 3) and an
-all-to-all for grads (stages 2-3). Error feedback adds its persistent residual, one fp32 value per
-quantized grad element, to the ``grads`` component. Stages where an option does not apply
+A layout planned from the model's units gets its quantized traffic from the runtime's step schedule
+(zeroshard/sharding/schedule.py), which quantizes the groups the engine does (``CommQuant.quantizes``
+/ ``quantizes_grads``): ``shards x wire_bytes(shard_numel)`` per group, an all-gather for weights
+(stage 3) and an all-to-all for grads (stages 2-3). For a bare parameter count this module splits
+the textbook volumes the same way. Either way error feedback adds its persistent residual, one
+fp32 value per quantized grad element, to the ``grads`` component. Stages where an option does not apply
 (weights below 3, grads below 2) keep fp32 communication, as the runtime refuses them.
 """
 
@@ -16,6 +16,7 @@ import dataclasses
 from zeroshard.comm.quant import CommQuant, ErrorFeedback, wire_bytes
 from zeroshard.plan.comm import Collective
 from zeroshard.plan.result import LayoutPlan
+from zeroshard.sharding.flat import StagePolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +43,15 @@ class QuantVolume:
 
 def volume(groups: list[_Group], comm: CommQuant, *, stage: int, shards: int, compute_bytes: int,
            reduce_bytes: int) -> QuantVolume:
+    policy = StagePolicy(stage)
     wf = wfb = wq = wqb = gf = gq = res = 0
     for g in groups:
-        if stage == 3 and comm.quantizes(g.numel, g.is_root):
+        if policy.shard_params and comm.quantizes(g.numel, g.is_root):
             fp, q = g.numel * compute_bytes, shards * wire_bytes(g.shard_numel, comm.block_size)
             wf, wq = wf + fp, wq + q
             if not g.is_root:
                 wfb, wqb = wfb + fp, wqb + q
-        if stage >= 2 and g.trainable and comm.quantizes_grads(g.numel):
+        if policy.transient_grads and g.trainable and comm.quantizes_grads(g.numel):
             gf += g.numel * reduce_bytes
             gq += shards * wire_bytes(g.shard_numel, comm.block_size)
             res += ErrorFeedback.bytes_for(g.numel) if comm.error_feedback else 0
@@ -69,15 +71,14 @@ def _split(c: Collective, fp: int, quantized: int, op: str) -> list[Collective]:
 
 def quantized_collectives(collectives: tuple[Collective, ...], v: QuantVolume, *, stage: int
                           ) -> tuple[Collective, ...]:
-    """The step's collectives with the quantized groups' traffic in int8 + scales. Stage 3 lists its
-    forward all-gather, then the backward re-gather (without the root); stages 1-2's all-gather is
-    the exact parameter sync and stays as it is."""
+    """The textbook collectives (``comm.textbook_collectives``) with the quantized groups' traffic in
+    int8 + scales. Stage 3 has its forward all-gather and the backward re-gather (without the
+    root); stages 1-2's all-gather is the exact parameter sync and stays as it is. (A layout planned
+    from units gets its quantized traffic from the step schedule instead.)"""
     out: list[Collective] = []
-    gathers = 0
     for c in collectives:
-        if c.op == "all_gather" and stage == 3:
-            backward = gathers == 1
-            gathers += 1
+        if c.op == "all_gather" and StagePolicy(stage).shard_params:
+            backward = c.phase == "backward"
             out += _split(c, v.weight_fp_blocks if backward else v.weight_fp,
                           v.weight_q_blocks if backward else v.weight_q, "all_gather")
         elif c.op == "reduce_scatter" and v.grad_fp:
@@ -88,13 +89,14 @@ def quantized_collectives(collectives: tuple[Collective, ...], v: QuantVolume, *
 
 
 def apply(layout: LayoutPlan, comm: CommQuant, groups: list[_Group], *, compute_bytes: int,
-          reduce_bytes: int) -> LayoutPlan:
-    """``layout`` with ``comm``'s quantized traffic and error-feedback residual."""
+          reduce_bytes: int, textbook: bool = False) -> LayoutPlan:
+    """``layout`` with ``comm``'s error-feedback residual and, for ``textbook`` collectives, its
+    quantized traffic (collectives from the step schedule are quantized already)."""
     v = volume(groups, comm, stage=layout.stage, shards=layout.shard_size, compute_bytes=compute_bytes,
                reduce_bytes=reduce_bytes)
     device = dataclasses.replace(layout.device, grads=layout.device.grads + v.residual)
-    return dataclasses.replace(layout, collectives=quantized_collectives(layout.collectives, v, stage=layout.stage),
-                               device=device)
+    collectives = quantized_collectives(layout.collectives, v, stage=layout.stage) if textbook else layout.collectives
+    return dataclasses.replace(layout, collectives=collectives, device=device)
 
 
 def groups_of(inventory, *, stage: int, shards: int, bucket_bytes: int) -> list[_Group]:

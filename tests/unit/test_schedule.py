@@ -1,0 +1,131 @@
+"""The step schedule as a pure function: its rules on hand-made unit sizes, without a process group.
+
+tests/distributed/test_schedule.py checks it against the ledger of real steps, op by op; these
+check the rules it states (docs/runtime.md, "The step schedule") on sizes worked out here.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from zeroshard.comm.quant import CommQuant, wire_bytes
+from zeroshard.plan.comm import schedule_rows
+from zeroshard.sharding.flat import StagePolicy
+from zeroshard.sharding.options import EngineOptions
+from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes, step_schedule
+
+BLOCK, ROOT = 50_176, 20_608  # tiny's padded flat buffers at world 2 and 4
+NAMES = ["blocks.3", "blocks.2", "blocks.1", "blocks.0"]  # the engine's reduction order
+
+
+def units(shards: int, dtype: torch.dtype = torch.float32) -> list[UnitSizes]:
+    def group(numel: int) -> GroupSizes:
+        return GroupSizes(numel=numel, shard_numel=numel // shards, compute_dtype=dtype)
+    return [UnitSizes(name=n, groups=(group(BLOCK),)) for n in NAMES] + \
+        [UnitSizes(name="<root>", is_root=True, groups=(group(ROOT),))]
+
+
+def schedule(stage: int, world: int = 2, shard: int | None = None, **kw):
+    shard = shard or world
+    return step_schedule(units(shard if stage else 1), policy=StagePolicy(stage), mesh=MeshSizes(world=world, shard=shard),
+                         **kw)
+
+
+def test_stage3_gathers_every_unit_in_forward_and_all_but_root_and_last_block_in_backward():
+    s = schedule(3)
+    gathers = [(e.unit, e.phase) for e in s.collectives if e.op == "all_gather"]
+    assert gathers == [("<root>", "forward"), ("blocks.0", "forward"), ("blocks.1", "forward"),
+                       ("blocks.2", "forward"), ("blocks.3", "forward"),
+                       ("blocks.2", "backward"), ("blocks.1", "backward"), ("blocks.0", "backward")]
+    # Each prefetch is issued before the reduction of the unit that issued it.
+    order = [(e.op, e.unit) for e in s.collectives]
+    for later, earlier in zip(NAMES, NAMES[1:]):
+        assert order.index(("all_gather", earlier)) < order.index(("reduce_scatter", later))
+    assert [e.unit for e in s.collectives if e.op == "reduce_scatter"] == NAMES + ["<root>"]
+    # Frees: blocks 0-2 after their forward, the kept block 3 and the others after their grads, the root last.
+    assert [(e.unit, e.phase) for e in s.frees][-1] == ("<root>", "forward")
+    assert sum(e.op == "free" for e in s.events) == 4 + 4 + 1 - 1
+
+
+def test_the_first_step_regathers_the_last_block_and_prefetches_nothing_ahead():
+    options = EngineOptions(prefetch=2)
+    steady, first = schedule(3, options=options), schedule(3, options=options, first_step=True)
+    extra = collections.Counter(e.key for e in first.collectives) - collections.Counter(e.key for e in steady.collectives)
+    assert list(extra) == [("all_gather", "shard", "blocks.3", "backward", BLOCK, "float32")]
+    assert len(first.collectives) == len(steady.collectives) + 1
+
+
+def test_without_resharding_stage3_gathers_once():
+    s = schedule(3, options=EngineOptions(reshard_after_forward=False))
+    assert {e.phase for e in s.collectives if e.op == "all_gather"} == {"forward"}
+
+
+@pytest.mark.parametrize("stage, op, group", [(0, "all_reduce", "world"), (1, "reduce_scatter", "shard"),
+                                              (2, "reduce_scatter", "shard")])
+def test_stages_0_2_reduce_each_bucket_once_per_step_or_per_micro_step(stage, op, group):
+    buckets = [UnitSizes(name="a", groups=(GroupSizes(numel=4096, shard_numel=4096 // (2 if stage else 1)),)),
+               UnitSizes(name="b", is_root=True, groups=(GroupSizes(numel=2048, shard_numel=2048 // (2 if stage else 1)),))]
+    for accumulation, per_micro in (("sharded", stage == 2), ("unsharded", False)):
+        s = step_schedule(buckets, policy=StagePolicy(stage), mesh=MeshSizes(world=2, shard=2), accum=3,
+                          options=EngineOptions(accumulation=accumulation))
+        reductions = [(e.micro, e.unit) for e in s.collectives if e.op == op]
+        assert reductions == ([(m, u) for m in range(3) for u in "ab"] if per_micro else [(2, "a"), (2, "b")])
+        assert {e.group for e in s.collectives if e.op == op} == {group}
+        gathers = [e for e in s.collectives if e.op == "all_gather"]
+        assert [(e.unit, e.phase) for e in gathers] == ([("a", "param_sync"), ("b", "param_sync")] if stage else [])
+
+
+def test_hybrid_finishes_the_oldest_reduction_past_the_cap_and_the_rest_at_the_step():
+    s = schedule(2, world=4, shard=2)  # (stage 2 with one bucket per unit: the units are the engine's buckets)
+    ops = [(e.op, e.group, e.unit) for e in s.collectives]
+    replicated = [u for op, g, u in ops if g == "replicate"]
+    assert replicated == NAMES + ["<root>"]  # in reduction order, each after its reduce-scatter
+    # Two reductions may be pending: the third launch finishes the first.
+    assert ops.index(("all_reduce", "replicate", "blocks.3")) == ops.index(("reduce_scatter", "shard", "blocks.1")) + 1
+    # The last two finish when the optimizer reads them, before the stage-2 param all-gathers.
+    assert ops.index(("all_reduce", "replicate", "<root>")) < ops.index(("all_gather", "shard", "blocks.3"))
+    shard_numel = {e.unit: e.numel for e in s.collectives if e.group == "replicate"}
+    assert shard_numel == {**{n: BLOCK // 2 for n in NAMES}, "<root>": ROOT // 2}
+
+
+def test_quantized_weights_and_grads_go_as_int8_plus_scales():
+    comm = CommQuant(weights=True, grads=True, block_size=128)
+    s = schedule(3, comm=comm)
+    forward = [e for e in s.collectives if e.phase == "forward"]
+    assert [(e.unit, e.dtype) for e in forward[:3]] == [("<root>", "float32"), ("blocks.0", "int8"),
+                                                        ("blocks.0", "float32")]
+    pair = [e.bytes for e in forward if e.unit == "blocks.0"]
+    assert sum(pair) == 2 * wire_bytes(BLOCK // 2, 128) and all(e.quantized for e in forward[1:3])
+    grads = [e for e in s.collectives if e.op == "all_to_all"]
+    assert [e.unit for e in grads][::2] == NAMES + ["<root>"]
+    assert not [e for e in s.collectives if e.op == "reduce_scatter"]
+
+
+def test_checkpoint_segments_rebuild_from_the_segments_first_unit():
+    # every:3 over 4 blocks: [0, 3) and [3, 4). blocks.0 is sharded when blocks.2's backward
+    # rebuilds the segment, so the recompute gathers it (and it stays gathered to its own backward).
+    s = schedule(3, options=EngineOptions(checkpointing="every:3"))
+    assert [(e.unit, e.phase) for e in s.collectives if e.phase == "recompute"] == [("blocks.0", "recompute")]
+    assert ("blocks.0", "recompute") in [(e.unit, e.phase) for e in s.frees]
+
+
+def test_planner_rows_sum_the_schedule():
+    mesh = MeshSizes(world=4, shard=2)
+    s = schedule(3, world=4, shard=2, accum=2)
+    rows = schedule_rows(s, mesh)
+    totals: dict[tuple[str, str], int] = {}
+    for r in rows:
+        totals[(r.op, r.group)] = totals.get((r.op, r.group), 0) + r.buffer_bytes * r.count
+    assert totals == s.bytes_by()
+    forward = next(r for r in rows if r.op == "all_gather" and r.phase == "forward")
+    assert (forward.count, forward.buffer_bytes, forward.size) == (2, 4 * (4 * BLOCK + ROOT), 2)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="accum"):
+        schedule(3, accum=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        MeshSizes(world=4, shard=3)

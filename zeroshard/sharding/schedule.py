@@ -1,0 +1,515 @@
+"""One optimizer step of the engine, as data: every collective and every full-param free, in order.
+
+``step_schedule`` is a pure function. From the stage (``StagePolicy``), the engine's knobs
+(``EngineOptions``), the quantized-comm switches (``CommQuant``), the mesh sizes (``MeshSizes``)
+and the communication units' sizes (``UnitSizes``: names, padded and shard element counts,
+dtypes) it derives the ordered ``Event`` list the engine issues in one step, without a process
+group or a tensor. Each collective event carries what the ledger records for it
+(zeroshard/comm/ledger.py ``CollectiveRecord``: op, group, unit, phase, numel, dtype, bytes), so
+the two compare op by op (tests/distributed/test_schedule.py); ``free`` events are the engine's
+``EventKind.FREE`` (zeroshard/sharding/events.py). ``engine_schedule`` builds one for a live
+sharded model from its engine.
+
+Tools that model the step (the planner's collectives, zeroshard/plan/comm.py) aggregate this
+list instead of restating the stage rules. The order the engine follows, and so this module
+(docs/runtime.md, "The step schedule"):
+
+- each micro-step's forward first finishes the reductions the previous backward left running
+  (with a replicate group, each finish all-reduces the reduced shard across replicas);
+- stage 3 forward: the root, then each block in forward order, gathered on entry, with the next
+  ``prefetch`` units gathered after it once the order is recorded (from the first step's first
+  forward on); a block is freed after its forward unless ``reshard_after_forward`` is off or it
+  is the last block of forward (``Engine.kept_for_backward``); the root stays gathered. A
+  checkpoint segment longer than one unit runs inside its first unit's call, so its later units
+  are entered and left before the first one is left;
+- backward, in reverse forward order: stage 3 gathers a unit that is not gathered, then
+  prefetches the ``prefetch`` units before it in forward order (at once with checkpointing,
+  otherwise once some of its grads are in: before its own reduction either way); a segment's
+  recompute gathers, phase "recompute", any of its units still sharded. A unit whose grads are
+  complete is freed (stage 3, not the root) and its reduction launched, strictly in the engine's
+  reduction order; at stages 2-3 the oldest is finished while more than
+  ``max_inflight_reductions`` are pending. Inside ``no_sync`` stages 0-1, and 2-3 accumulating
+  "unsharded", only collect their grads. Backward's end frees every unit still gathered;
+- the optimizer step: clipping (when asked) finishes every reduction and all-reduces the squared
+  norm; without offload the optimizer then steps unit by unit in reduction order (consecutive
+  units merged until ``PIPELINE_MIN_NUMEL`` shard elements), finishing each unit's reduction
+  before its step and, at stages 1-2, all-gathering its updated params after it; with offload it
+  finishes them all, then gathers every group.
+
+Which reductions finish inside backward on a mesh without replicas depends on timing (the engine
+reaps the ones the backend reports done), but finishing then issues no collective, so the
+sequence of collectives does not. What is not modelled: tensor-parallel (DTensor) collectives,
+the fp16 grad scaler's overflow all-reduce, the step's own token-count all-reduce
+(zeroshard/step.py, phase "metrics"), units that run on some ranks only, and a forward order
+that differs from the module order under checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import torch
+
+from zeroshard.comm.quant import SCALE_DTYPE, WIRE_DTYPE, CommQuant, num_blocks
+from zeroshard.sharding.flat import QUANTIZED_PHASES, StagePolicy
+from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
+from zeroshard.sharding.options import EngineOptions
+from zeroshard.sharding.recompute import segment_bounds
+
+if TYPE_CHECKING:
+    from zeroshard.comm.mesh import Mesh
+    from zeroshard.sharding.engine import Engine
+
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+FREE = "free"
+"""The op of a buffer event: a unit's full params freed (resharded)."""
+
+FORWARD, BACKWARD, RECOMPUTE, PARAM_SYNC, CLIP = "forward", "backward", "recompute", "param_sync", "clip"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the ledger writes it (``float32``, not ``torch.float32``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupSizes:
+    """One flat group of a unit: what its collectives move."""
+
+    numel: int
+    """Padded elements of the flat buffer (``FlatLayout.numel``)."""
+    shard_numel: int
+    """Elements of one rank's shard (``FlatLayout.shard_numel``; ``numel`` when unsharded)."""
+    trainable: bool = True
+    compute_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    optimizer_numel: int | None = None
+    """This rank's optimizer segment elements (its shard less the buffer tail); default the shard."""
+
+    @property
+    def segment_numel(self) -> int:
+        if not self.trainable:
+            return 0
+        return self.shard_numel if self.optimizer_numel is None else self.optimizer_numel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitSizes:
+    """A communication unit (a stage-3 module, or a stage 0-2 reduction bucket) and its groups."""
+
+    name: str
+    is_root: bool = False
+    groups: tuple[GroupSizes, ...]
+
+    @property
+    def trainable(self) -> bool:
+        return any(g.trainable for g in self.groups)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(g.numel * g.compute_dtype.itemsize for g in self.groups)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSizes:
+    """The sizes of a mesh, without its process groups: ``world`` ranks, ``tp`` consecutive ones
+    per tensor-parallel group, and buffers sharded over ``shard`` of the ``world / tp``
+    data-parallel ranks (replicated over the rest)."""
+
+    world: int
+    shard: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or self.tp < 1 or self.world % self.tp or self.shard < 1 or self.dp % self.shard:
+            raise ValueError(f"mesh sizes world={self.world}, shard={self.shard}, tp={self.tp} do not fit: tp must "
+                             "divide the world and shard the world / tp data-parallel ranks")
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> MeshSizes:
+        return cls(world=mesh.world, shard=mesh.shard_size, tp=mesh.tp_size)
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def replicate(self) -> int:
+        return self.dp // self.shard
+
+    @property
+    def dp_group(self) -> str:
+        """The group spanning the data-parallel ranks, as the mesh names it (``Mesh.dp_name``)."""
+        return "world" if self.tp == 1 else "dp"
+
+    def size(self, group: str) -> int:
+        return {"world": self.world, "shard": self.shard, "replicate": self.replicate, "tp": self.tp,
+                "dp": self.dp}[group]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event:
+    """One thing the step does: a collective (what the ledger records for it) or a ``free``."""
+
+    op: str
+    group: str
+    """world / shard / replicate / dp / tp; empty for a free."""
+    unit: str
+    phase: str
+    """What it serves; a free has the phase of the gather whose params it frees (as ``EventKind.FREE``)."""
+    numel: int
+    """The full extent, as the ledger counts it: all-gather output, reduction input, unit's full params."""
+    dtype: str
+    bytes: int
+    micro: int
+    """The micro-step it serves: a reduction finished later (at the next forward, or in the
+    optimizer step) keeps the micro-step that launched it; the optimizer step's own events
+    carry the last one."""
+    quantized: bool = False
+    """Sent as int8 plus fp32 scales (``CommQuant``): this event is the payload or its scales."""
+
+    @property
+    def is_collective(self) -> bool:
+        return self.op in COLLECTIVE_OPS
+
+    @property
+    def key(self) -> tuple[str, str, str, str, int, str]:
+        """(op, group, unit, phase, numel, dtype): what a ledger record of it says."""
+        return (self.op, self.group, self.unit, self.phase, self.numel, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The ordered events of one optimizer step."""
+
+    events: tuple[Event, ...]
+
+    @property
+    def collectives(self) -> tuple[Event, ...]:
+        return tuple(e for e in self.events if e.is_collective)
+
+    @property
+    def frees(self) -> tuple[Event, ...]:
+        return tuple(e for e in self.events if e.op == FREE)
+
+    def bytes_by(self) -> dict[tuple[str, str], int]:
+        """Collective bytes per (op, group) over the step."""
+        out: dict[tuple[str, str], int] = {}
+        for e in self.collectives:
+            out[(e.op, e.group)] = out.get((e.op, e.group), 0) + e.bytes
+        return out
+
+
+def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes,
+                  options: EngineOptions | None = None, comm: CommQuant | None = None, accum: int = 1,
+                  first_step: bool = False, forward_order: Sequence[str] | None = None,
+                  clip: bool = False) -> Schedule:
+    """The events of one optimizer step of ``accum`` micro-steps (all but the last inside
+    ``zs.no_sync``), in the order the engine issues them.
+
+    ``units`` are the engine's communication units in its reduction order (``Engine.units``:
+    blocks in reverse module order, then the root; at stages 0-2 the buckets). ``forward_order``
+    names the units in the order forward runs them (default: the root, then the blocks in module
+    order); only stage 3 reads it. ``first_step``: the step that records the forward order, whose
+    first forward prefetches nothing and keeps no block gathered into backward; otherwise the
+    steady state. ``clip``: the step clips the grad norm (``zs.clip_grad_norm_``).
+    """
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {accum!r}")
+    replay = _Replay(list(units), policy=policy, mesh=mesh, options=options or EngineOptions(),
+                     comm=comm or CommQuant(), forward_order=forward_order)
+    for micro in range(accum):
+        replay.micro_step(micro, sync=micro == accum - 1, recorded=not (first_step and micro == 0))
+    replay.optimizer_step(clip=clip)
+    return Schedule(tuple(replay.events))
+
+
+class _Replay:
+    """The engine's step as a walk over unit sizes: the same states and pointers, no tensors."""
+
+    def __init__(self, units: list[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
+                 comm: CommQuant, forward_order: Sequence[str] | None) -> None:
+        self.units, self.policy, self.mesh, self.options, self.comm = units, policy, mesh, options, comm
+        self.shards = mesh.shard if policy.shard_optimizer else 1
+        self.events: list[Event] = []
+        self.micro = 0
+        self.gathered: dict[str, str] = {}  # stage 3: units whose full params exist -> phase of that gather
+        self.launched = 0  # into units (the reduction order): the next one to launch
+        self.pending: list[tuple[UnitSizes, int]] = []  # launched, not finished: (unit, micro-step)
+        self.ready: set[str] = set()
+        roots = [u for u in units if u.is_root]
+        self.root = roots[0] if roots else None
+        if policy.shard_params:
+            by_name = {u.name: u for u in units}
+            if forward_order:
+                missing = set(forward_order) - set(by_name)
+                if missing:
+                    raise ValueError(f"forward_order names units that are not in units: {sorted(missing)}")
+                self.forward = [by_name[n] for n in forward_order]
+            else:
+                self.forward = roots + [u for u in reversed(units) if not u.is_root]
+        else:
+            self.forward = []
+        self.index = {u.name: i for i, u in enumerate(self.forward)}
+        # Checkpoint segments over the blocks in module order (the engine's Recompute), as unit runs.
+        blocks = [u for u in reversed(units) if not u.is_root]
+        self.segments = [blocks[a:b] for a, b in segment_bounds(options.checkpointing, len(blocks))] \
+            if policy.shard_params else []
+        self.recomputes = bool(segment_bounds(options.checkpointing, len(blocks)))
+
+    # -- emitting -----------------------------------------------------------------------------
+    def _emit(self, op: str, group: str, unit: str, phase: str, numel: int, dtype: torch.dtype,
+              micro: int | None = None, quantized: bool = False) -> None:
+        self.events.append(Event(op=op, group=group, unit=unit, phase=phase, numel=numel, dtype=dtype_name(dtype),
+                                 bytes=numel * dtype.itemsize, micro=self.micro if micro is None else micro,
+                                 quantized=quantized))
+
+    def _quantized_pair(self, op: str, unit: str, phase: str, shard_numel: int, micro: int | None = None) -> None:
+        """qwZ / qgZ on the wire: int8 values padded to whole blocks, then one fp32 scale per block."""
+        blocks = num_blocks(shard_numel, self.comm.block_size)
+        self._emit(op, "shard", unit, phase, self.shards * blocks * self.comm.block_size, WIRE_DTYPE, micro, True)
+        self._emit(op, "shard", unit, phase, self.shards * blocks, SCALE_DTYPE, micro, True)
+
+    # -- params (stage 3, and the stage 1-2 sync) -----------------------------------------------
+    def gather(self, unit: UnitSizes, phase: str) -> None:
+        """``Unit.unshard``: a no-op while the unit is gathered."""
+        if unit.name in self.gathered:
+            return
+        for g in unit.groups:
+            self._gather_group(unit, g, phase)
+        self.gathered[unit.name] = phase
+
+    def _gather_group(self, unit: UnitSizes, g: GroupSizes, phase: str) -> None:
+        if self.shards == 1:
+            return  # nothing to gather (FlatGroup.gather_full)
+        if self.policy.shard_params and self.comm.quantizes(g.numel, unit.is_root) and phase in QUANTIZED_PHASES:
+            self._quantized_pair("all_gather", unit.name, phase, g.shard_numel)
+        else:
+            self._emit("all_gather", "shard", unit.name, phase, g.numel, g.compute_dtype)
+
+    def reshard(self, unit: UnitSizes) -> None:
+        """``Unit.reshard``: a no-op while sharded."""
+        phase = self.gathered.pop(unit.name, None)
+        if phase is not None:
+            self.events.append(Event(op=FREE, group="", unit=unit.name, phase=phase, numel=unit.full_numel,
+                                     dtype=_common_dtype(g.compute_dtype for g in unit.groups),
+                                     bytes=unit.full_bytes, micro=self.micro))
+
+    # -- grads --------------------------------------------------------------------------------
+    def _grads_quantized(self, g: GroupSizes) -> bool:
+        return self.policy.transient_grads and g.trainable and self.comm.quantizes_grads(g.numel) and self.shards > 1
+
+    def launch(self, unit: UnitSizes) -> None:
+        """``Unit.launch_reduce``: each trainable group's reduction (none for a frozen unit)."""
+        for g in unit.groups:
+            if not g.trainable:
+                continue
+            if self._grads_quantized(g):
+                self._quantized_pair("all_to_all", unit.name, BACKWARD, g.shard_numel)
+            elif not self.policy.shard_optimizer:
+                self._emit("all_reduce", self.mesh.dp_group, unit.name, BACKWARD, g.numel, g.reduce_dtype)
+            else:
+                self._emit("reduce_scatter", "shard", unit.name, BACKWARD, g.numel, g.reduce_dtype)
+        self.pending.append((unit, self.micro))
+
+    def finish(self, unit: UnitSizes, micro: int) -> None:
+        """``Unit.finish_reduce``: with replicas, the reduced shard is all-reduced across them."""
+        if not (self.policy.shard_optimizer and self.mesh.replicate > 1):
+            return
+        for g in unit.groups:
+            if g.trainable:
+                dtype = SCALE_DTYPE if self._grads_quantized(g) else g.reduce_dtype
+                self._emit("all_reduce", "replicate", unit.name, BACKWARD, g.shard_numel, dtype, micro)
+
+    def finish_reductions(self, through: UnitSizes | None = None) -> None:
+        """``Engine.finish_reductions``: the pending ones in launch order, up to ``through``."""
+        while self.pending:
+            unit, micro = self.pending.pop(0)
+            self.finish(unit, micro)
+            if unit is through:
+                break
+
+    def reap(self) -> None:
+        """``Engine._reap_finished``: the oldest while more than the cap are pending (stages 2-3)."""
+        while self.policy.transient_grads and len(self.pending) > self.options.max_inflight_reductions:
+            unit, micro = self.pending.pop(0)
+            self.finish(unit, micro)
+
+    def launch_ready(self) -> None:
+        """``Engine._launch_ready``: in the fixed order, each unit whose grads are in (a frozen one always)."""
+        while self.launched < len(self.units) and (self.units[self.launched].name in self.ready
+                                                   or not self.units[self.launched].trainable):
+            self.launch(self.units[self.launched])
+            self.launched += 1
+        self.reap()
+
+    def grads_complete(self, unit: UnitSizes, defers: bool) -> None:
+        """The last grad of ``unit`` arrived (``Engine._on_grad``)."""
+        if self.policy.shard_params and not unit.is_root:
+            self.reshard(unit)
+        if not defers:
+            self.ready.add(unit.name)
+            self.launch_ready()
+
+    # -- one micro-step -----------------------------------------------------------------------
+    def micro_step(self, micro: int, *, sync: bool, recorded: bool) -> None:
+        self.micro = micro
+        # Engine.defers_reduction: inside no_sync, stages 0-1 always, stages 2-3 when accumulating unsharded.
+        defers = not sync and (not self.policy.transient_grads or self.options.accumulation == "unsharded")
+        self.finish_reductions()  # the model's forward pre-hook
+        self.launched, self.ready = 0, set()
+        if self.policy.shard_params:
+            self._forward(recorded)
+            self._backward_sharded(defers)
+        else:
+            for unit in self.units:  # buckets complete in reduction order
+                if unit.trainable:
+                    self.grads_complete(unit, defers)
+        self._finish_backward(defers)
+
+    def _forward(self, recorded: bool) -> None:
+        blocks = [u for u in self.forward if not u.is_root]
+        kept = {blocks[-1].name} if recorded and self.options.reshard_after_forward and blocks else set()
+        k = self.options.prefetch
+
+        def enter(unit: UnitSizes) -> None:
+            self.gather(unit, FORWARD)
+            if recorded:
+                at = self.index[unit.name] + 1
+                for later in self.forward[at:at + k]:
+                    self.gather(later, FORWARD)
+
+        def leave(unit: UnitSizes) -> None:
+            if self.options.reshard_after_forward and not unit.is_root and unit.name not in kept:
+                self.reshard(unit)
+
+        if self.root is not None:
+            enter(self.root)
+        first_of = {seg[0].name: seg for seg in self.segments}
+        i = 0
+        while i < len(blocks):
+            segment = first_of.get(blocks[i].name, [blocks[i]])
+            enter(segment[0])
+            for member in segment[1:]:  # run inside the first unit's call (recompute.py)
+                enter(member)
+                leave(member)
+            leave(segment[0])
+            i += len(segment)
+        # The root is left at forward's end and stays gathered into backward.
+
+    def _prefetch_backward(self, unit: UnitSizes) -> None:
+        at = self.index.get(unit.name)
+        if at is None:
+            return
+        for earlier in self.forward[max(0, at - self.options.prefetch):at][::-1]:
+            self.gather(earlier, BACKWARD)
+
+    def _backward_sharded(self, defers: bool) -> None:
+        last_of = {seg[-1].name: seg for seg in self.segments}
+        if self.root is not None:  # backward starts at the loss: the root's output
+            self.gather(self.root, BACKWARD)
+            if self.recomputes:
+                self._prefetch_backward(self.root)
+        for unit in reversed([u for u in self.forward if not u.is_root]):
+            self.gather(unit, BACKWARD)  # Engine._pre_backward
+            if self.recomputes:
+                self._prefetch_backward(unit)
+            segment = last_of.get(unit.name)
+            if segment is not None:
+                # The first unpack rebuilds the whole segment: its sharded units are gathered, and
+                # checkpoint's early stop ends the rebuild before they are released.
+                for member in segment:
+                    self.gather(member, RECOMPUTE)
+            if unit.trainable:
+                if not self.recomputes:
+                    self._prefetch_backward(unit)  # once part of its grads are in
+                self.grads_complete(unit, defers)
+        if self.root is not None and self.root.trainable:
+            self.grads_complete(self.root, defers)  # the embeddings' grads come last
+
+    def _finish_backward(self, defers: bool) -> None:
+        """``Engine._finish_backward``: launch what is left, reap, free every unit (stage 3)."""
+        if not defers:
+            for unit in self.units[self.launched:]:
+                self.launch(unit)
+            self.launched = len(self.units)
+            self.reap()
+        if self.policy.shard_params:
+            for unit in self.units:
+                self.reshard(unit)
+
+    # -- the optimizer step -------------------------------------------------------------------
+    def optimizer_step(self, *, clip: bool) -> None:
+        if clip:  # zeroshard/sharding/clip.py: every grad shard is read, then the squares summed
+            self.finish_reductions()
+            if self.policy.shard_optimizer and self.mesh.shard > 1:
+                self._emit("all_reduce", "shard", "", CLIP, 2, torch.float64)
+            if self.mesh.tp > 1:
+                self._emit("all_reduce", "tp", "", CLIP, 1, torch.float64)
+        if self.options.offload.enabled:  # the whole-shard step (optim.py): every reduction, then every sync
+            self.finish_reductions()
+            for unit in self.units:
+                self._sync_params(unit)
+        else:
+            for stage in _pipeline_stages(self.units):
+                if any(unit is stage[-1] for unit, _ in self.pending):
+                    self.finish_reductions(through=stage[-1])
+                for unit in stage:
+                    self._sync_params(unit)
+        self.finish_reductions()  # zero_grad: a unit whose shard here is all padding
+
+    def _sync_params(self, unit: UnitSizes) -> None:
+        if self.policy.gathers_after_step:
+            for g in unit.groups:
+                self._gather_group(unit, g, PARAM_SYNC)
+
+
+def _pipeline_stages(units: Iterable[UnitSizes]) -> list[list[UnitSizes]]:
+    """``optim._UnitPipeline``: units with optimizer segments on this rank, in reduction order,
+    merged until a call covers ``PIPELINE_MIN_NUMEL`` shard elements."""
+    stages: list[list[UnitSizes]] = []
+    current: list[UnitSizes] | None = None
+    numel = 0
+    for unit in units:
+        own = sum(g.segment_numel for g in unit.groups)
+        if not own:
+            continue
+        if current is None:
+            current, numel = [], 0
+            stages.append(current)
+        current.append(unit)
+        numel += own
+        if numel >= PIPELINE_MIN_NUMEL:
+            current = None
+    return stages
+
+
+def _common_dtype(dtypes: Iterable[torch.dtype]) -> str:
+    names = {dtype_name(d) for d in dtypes}
+    return names.pop() if len(names) == 1 else "mixed"
+
+
+# -- a live engine ------------------------------------------------------------------------------
+def engine_units(engine: Engine) -> tuple[UnitSizes, ...]:
+    """The sizes of a live engine's units, in its reduction order, read from their layouts."""
+    return tuple(
+        UnitSizes(name=unit.name, is_root=unit.is_root, groups=tuple(
+            GroupSizes(numel=g.layout.numel, shard_numel=g.layout.shard_numel, trainable=g.trainable,
+                       compute_dtype=g.compute_dtype, reduce_dtype=g.reduce_dtype,
+                       optimizer_numel=sum(p.numel for p in g.layout.pieces(g.shard_rank)))
+            for g in unit.groups))
+        for unit in engine.units)
+
+
+def engine_schedule(engine: Engine, *, accum: int = 1, first_step: bool = False, clip: bool = False) -> Schedule:
+    """``step_schedule`` for a live sharded model's engine (``zeroshard.sharding.get_engine(model)``):
+    its units, stage, options, quantized comm and mesh; the forward order it recorded, once it has."""
+    order = [u.name for u in engine.forward_order] or None
+    return step_schedule(engine_units(engine), policy=engine.policy, mesh=MeshSizes.of(engine.mesh),
+                         options=engine.options, comm=engine.comm, accum=accum, first_step=first_step,
+                         forward_order=order, clip=clip)
