@@ -6,7 +6,7 @@ from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
 from zeroshard.comm.names import Dim, Group, Phase
 from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
 from zeroshard.materialize import meta_init
-from zeroshard.observe import Observer, observe
+from zeroshard.observing import Observer, observe
 from zeroshard.offload import OffloadPolicy
 from zeroshard.plan import plan
 from zeroshard.sharding import (

@@ -38,8 +38,8 @@ from zeroshard.step import (  # noqa: F401 - re-exported: callers import the run
     BETAS, IGNORE_INDEX, METRICS_PHASE, META_INIT_THRESHOLD, Run, build_data, build_model, lr_at, make_scheduler,
     mixed_precision, use_meta_init,
 )
-from zeroshard.observe import Observer
-from zeroshard.observe.observer import default_run_dir
+from zeroshard.observing import Observer
+from zeroshard.observing.observer import default_run_dir
 from zeroshard.profile.timeline import phase
 
 

@@ -154,7 +154,7 @@ def test_profile_breakdown_and_overlap_in_metrics_and_summary(profiled):
 def test_train_log_tensorboard_scalars_equal_metrics(profiled):
     from test_observe import tensorboard_scalars
 
-    from zeroshard.observe.loggers import scalars
+    from zeroshard.observing.loggers import scalars
 
     _, run_dir = profiled
     board = tensorboard_scalars(run_dir)

@@ -19,8 +19,8 @@ from zeroshard.comm import collectives
 from zeroshard.comm.doctor import analyse, render
 from zeroshard.comm.ledger import read_dump
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.observe.loggers import check_installed, parse_log, scalars
-from zeroshard.observe.usercalls import UserCollectives
+from zeroshard.observing.loggers import check_installed, parse_log, scalars
+from zeroshard.observing.usercalls import UserCollectives
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, forced=forced)
         fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable is a one-line error before launch
-        from zeroshard.observe.loggers import check_installed, parse_log
+        from zeroshard.observing.loggers import check_installed, parse_log
 
         check_installed(parse_log(cfg.log))  # a logger's missing package, before any rank starts
         check_before_launch(cfg)

@@ -12,7 +12,7 @@ numel, dtype, group, unit, phase; see docs/diagnostics.md). Three kinds of findi
   killer, gloo's abort on a size mismatch); its last entries come from its dump or its ring file.
 
 A mismatch where some rank's entry is the loop's own torch.distributed call (phase "user", recorded
-by zeroshard.observe) is a **user collective**: the finding names that call and the line that made it.
+by zeroshard.observing) is a **user collective**: the finding names that call and the line that made it.
 Where each rank was is reported too: waiting in one of zeroshard's collectives, in its own
 collective, or blocked outside them; a dump made on a failure holds every thread's Python stack.
 

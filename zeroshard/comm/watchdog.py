@@ -53,7 +53,7 @@ def ledger_dir(run_dir: str | Path) -> Path:
 
 def describe(record: CollectiveRecord) -> str:
     unit = record.unit or "-"
-    if record.phase == "user":  # recorded by zeroshard.observe: the loop's own torch.distributed call
+    if record.phase == "user":  # recorded by zeroshard.observing: the loop's own torch.distributed call
         return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}), "
                 "the training loop's own torch.distributed call")
     return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}) "
@@ -144,7 +144,7 @@ class Diagnostics:
         self.grace_s = min(5.0, max(1.0, hang_timeout_s))
         self.ring_capacity = ring_capacity
         self.header = header
-        """More fields for the dump's header (zeroshard.observe adds where the user's collectives came from)."""
+        """More fields for the dump's header (zeroshard.observing adds where the user's collectives came from)."""
         self.dump_path = ledger_dir(run_dir) / f"rank-{rank}.jsonl"
         self.channel: PeerChannel | None = None
         self._dumped = False

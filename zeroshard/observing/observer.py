@@ -34,8 +34,8 @@ import torch
 from zeroshard.comm import collectives, desync
 from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.watchdog import Diagnostics
-from zeroshard.observe.loggers import Sink, check_installed, open_sinks, parse_log
-from zeroshard.observe.usercalls import UserCollectives
+from zeroshard.observing.loggers import Sink, check_installed, open_sinks, parse_log
+from zeroshard.observing.usercalls import UserCollectives
 from zeroshard.profile.timeline import phase as tl_phase
 
 DEFAULT_HANG_TIMEOUT_S = 300.0
@@ -67,7 +67,7 @@ def _number(value: Any) -> float | None:
 
 
 class Observer:
-    """See the module docstring; build it with `zeroshard.observe` (``zs.observe``)."""
+    """See the module docstring; build it with `zeroshard.observing` (``zs.observe``)."""
 
     def __init__(self, run_dir: str | Path | None = None, *, model: torch.nn.Module | None = None,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, profile: bool = True, trace: bool = False,
@@ -242,7 +242,7 @@ class Observer:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()
         if self._sinks:
-            from zeroshard.observe.loggers import scalars as loggable
+            from zeroshard.observing.loggers import scalars as loggable
 
             values = loggable(record)
             for sink in self._sinks:
