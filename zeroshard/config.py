@@ -145,6 +145,10 @@ class TrainConfig:
     """Finish a gradient reduction as soon as the backend reports it complete. False finishes it only
     when max_inflight_reductions or a read forces it: what a link slower than compute gives."""
 
+    check_schedule: bool = False
+    """Debug mode: check every optimizer step's collectives against the step schedule (what the
+    planner and the simulator model) and stop at the first difference, naming it."""
+
     mp: str = "fp32"
     """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
     Masters and optimizer state stay fp32 and gradients are reduced in fp32; fp16 adds dynamic

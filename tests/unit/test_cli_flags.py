@@ -374,6 +374,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
+                "check_schedule": "--check-schedule",
                 "compile": "--compile",
                 "profile": "--no-profile", "trace": "--trace"}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),

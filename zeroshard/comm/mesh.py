@@ -52,6 +52,7 @@ class Mesh:
     ledger: Ledger = dataclasses.field(default_factory=process_ledger, repr=False, compare=False)
     """Where this mesh's collectives are recorded: the process ledger unless the caller gave one,
     so that one rank's collectives over every mesh stay one sequence for the watchdog and doctor."""
+    _sizes: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     @property
     def dp_size(self) -> int:
@@ -99,10 +100,15 @@ class Mesh:
         return {Dim.PP: self.pp_size, Dim.REPLICATE: self.replicate_size, Dim.SHARD: self.shard_size,
                 Dim.TP: self.tp_size, Dim.EP: self.ep_size}
 
-    def group_size(self, group: str | Group) -> int:
+    def __post_init__(self) -> None:
+        # Asked for on every collective: one dict lookup, keyed by the enum and by its text alike.
         sizes = {Group.WORLD: self.world, Group.SHARD: self.shard_size, Group.REPLICATE: self.replicate_size,
                  Group.TP: self.tp_size, Group.DP: self.dp_size, Group.PP: self.pp_size, Group.EP: self.ep_size}
-        return sizes[group_of(group)]
+        object.__setattr__(self, "_sizes", sizes)
+
+    def group_size(self, group: str | Group) -> int:
+        size = self._sizes.get(group)  # a Group hashes and compares as its text, so "shard" finds it too
+        return size if size is not None else self._sizes[group_of(group)]
 
     def group(self, group: str | Group):
         """The process group of ``group`` that holds this rank (None for a one-rank tp, pp or ep)."""

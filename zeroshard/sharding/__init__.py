@@ -21,6 +21,7 @@ from zeroshard.sharding.manifest import precision_manifest
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.scaler import ShardedGradScaler
+from zeroshard.sharding.schedule_check import ScheduleCheck, ScheduleMismatchError
 from zeroshard.sharding.state import full_state_dict, unsharded
 from zeroshard.sharding.wrap import UnitsArg, plan_units, validate_params
 
@@ -126,6 +127,8 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     engine = Engine(model, specs, policy=policy, mesh=mesh, mp=mp or MixedPrecision(), device=mesh.device,
                     options=options, comm=comm)
     attach_engine(model, engine)
+    if options.check_schedule:
+        ScheduleCheck(engine)  # lives as long as the hooks it registers on the model and its events
     if built is not None:
         built.move_buffers(mesh.device)
         engine.replay_constructor(built)
@@ -148,7 +151,7 @@ def _build(build, init_fn, skip_init: bool):
 
 __all__ = [
     "CommQuant", "CompileError", "Engine", "EngineEvent", "EngineEvents", "EngineOptions", "EventKind",
-    "ExecutionOrderError",
+    "ExecutionOrderError", "ScheduleMismatchError",
     "MixedPrecision", "ShardedGradScaler", "StagePolicy", "clip_grad_norm_", "full_state_dict",
     "get_engine", "grad_norm", "mesh_of", "no_sync", "optim_groups", "optimizer", "precision_manifest", "shard", "unsharded",
 ]

@@ -50,6 +50,9 @@ class EngineOptions:
     """Finish a reduction as soon as the backend reports it complete (without a replicate group).
     False finishes one only when the cap or a read forces it: the bound a link slower than compute
     reaches, which is what ``plan --measure`` measures."""
+    check_schedule: bool = False
+    """Debug mode: compare every optimizer step's collectives with the step schedule the planner
+    and simulator read, and raise at the first difference (zeroshard/sharding/schedule_check.py)."""
 
     def __post_init__(self) -> None:
         segment_length(self.checkpointing, 1)  # raises with the valid policies
