@@ -8,7 +8,7 @@ from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
 from zeroshard.materialize import meta_init
 from zeroshard.observing import Observer, observe
 from zeroshard.offload import OffloadPolicy
-from zeroshard.plan import plan
+from zeroshard.planner import plan
 from zeroshard.sharding import (
     CommQuant,
     EngineOptions,

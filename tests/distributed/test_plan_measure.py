@@ -16,8 +16,8 @@ import pytest
 
 from zeroshard.launch import spawn
 from zeroshard.models import GPTConfig
-from zeroshard.plan import plan
-from zeroshard.plan.measure import MEASURED, checks, measure_many_worker, request
+from zeroshard.planner import plan
+from zeroshard.planner.measure import MEASURED, checks, measure_many_worker, request
 
 WORLD = 2
 STAGES = (0, 1, 2, 3)

@@ -136,7 +136,7 @@ def _plan(stage: int, sp: bool = False):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_planner_model_states_at_2x2_within_ten_percent(suite, stage):
     """The planner's per-rank params, grads, masters and optimizer state at (shard 2, tp 2) against
-    the storages a tensor-parallel run holds (zeroshard/plan/tp.py splits what the runtime splits)."""
+    the storages a tensor-parallel run holds (zeroshard/planner/tp.py splits what the runtime splits)."""
     measured = suite[0]["model_states"][("gpt", stage, False)]
     layout = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
     predicted = _plan(stage)[layout].device

@@ -20,7 +20,7 @@ from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.models.adapter import mean_loss
 from zeroshard.models.hf import build_hf_model
-from zeroshard.plan.measure import model_state_bytes
+from zeroshard.planner.measure import model_state_bytes
 from zeroshard.sharding import get_engine
 from zeroshard.sharding.tp import tensor_parallel
 

@@ -14,7 +14,7 @@ import torch
 import zeroshard as zs
 from zeroshard.config import TrainConfig
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.plan import plan
+from zeroshard.planner import plan
 from zeroshard.sharding import get_engine
 from zeroshard.sharding.recompute import segment_length
 from zeroshard.tune.grid import DEFAULT_AXES, candidates, parse_axes

@@ -200,11 +200,8 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
 def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Outcome], dict]:
     """The runner with the two flags that would spawn ranks here (--measure, --calibrate) stubbed:
     what reaches the stub is recorded, and the stub's answer becomes part of the output."""
-    import importlib
-
-    # By name: zs.plan (the function) shadows the zeroshard.plan package as an attribute of zeroshard.
-    plan_measure = importlib.import_module("zeroshard.plan.measure")
-    sim_cli = importlib.import_module("zeroshard.sim.cli")
+    from zeroshard.planner import measure as plan_measure
+    from zeroshard.sim import cli as sim_cli
 
     called: dict[str, Any] = {}
 

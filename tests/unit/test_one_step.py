@@ -20,7 +20,7 @@ ALLOWED = {
     ("zeroshard/step.py", "plain_step"): "the plain PyTorch step the benchmarks' peers take",
     ("zeroshard/train.py", "reference_train"): "the single-process plain-PyTorch reference",
     ("zeroshard/sharding/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",
-    ("zeroshard/plan/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
+    ("zeroshard/planner/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
     ("zeroshard/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
     ("bench/activation_memory.py", "measure"): "a warm-up backward before measuring activations",
     ("bench/gpu_overhead.py", "main"): "a matmul backward that creates cuBLAS's workspace",

@@ -10,11 +10,11 @@ from torch import nn
 
 from zeroshard.cli.main import main as cli
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.plan import COMPONENTS, Network, plan, probe
-from zeroshard.plan.activations import gpt_activations
-from zeroshard.plan.inventory import Inventory
-from zeroshard.plan.recommend import recommend
-from zeroshard.plan.spec import Checkpointing, parse_bytes, parse_count
+from zeroshard.planner import COMPONENTS, Network, plan, probe
+from zeroshard.planner.activations import gpt_activations
+from zeroshard.planner.inventory import Inventory
+from zeroshard.planner.recommend import recommend
+from zeroshard.planner.spec import Checkpointing, parse_bytes, parse_count
 from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sharding.layout import FlatLayout
 
@@ -124,7 +124,7 @@ def test_padding_frozen_and_tied_params_are_counted_like_the_runtime():
 
 
 def test_model_mode_builds_on_meta_and_allocates_nothing():
-    from zeroshard.plan.api import _resolve_model
+    from zeroshard.planner.api import _resolve_model
 
     model, name, cfg, seq = _resolve_model("medium", 512)
     assert all(t.is_meta for t in model.parameters())

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from zeroshard.models import GPTConfig
-from zeroshard.plan import plan
-from zeroshard.plan.recommend import layer_floor, recommend
-from zeroshard.plan.tp import TensorParallel
+from zeroshard.planner import plan
+from zeroshard.planner.recommend import layer_floor, recommend
+from zeroshard.planner.tp import TensorParallel
 
 C, L, HEADS, V, POS = 128, 2, 4, 256, 64
 CFG = GPTConfig(vocab_size=V, seq_len=POS, n_layer=L, n_head=HEADS, n_embd=C)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zeroshard.comm.quant import CommQuant, wire_bytes
-from zeroshard.plan.comm import schedule_rows
+from zeroshard.planner.comm import schedule_rows
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes, step_schedule

@@ -23,7 +23,7 @@ from rich.table import Table
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
 from zeroshard.offload.policy import OFFLOAD_KINDS
-from zeroshard.plan.comm import Network
+from zeroshard.planner.comm import Network
 
 DEFAULT_COMM_QUANT_BLOCK = 256
 """zs.plan's (and TrainConfig's) quantization block when --comm-quant-block is not given."""
@@ -34,7 +34,7 @@ def _unit(largest: int) -> tuple[float, str, int]:
 
 
 def plan_table(p) -> Table:
-    from zeroshard.plan.result import COMPONENTS
+    from zeroshard.planner.result import COMPONENTS
 
     names = list(p.layouts)
     div, unit, digits = _unit(max(p[n].device.total for n in names))
@@ -66,7 +66,7 @@ def plan_table(p) -> Table:
 
 
 def measure_table(checks) -> Table:
-    from zeroshard.plan.measure import MEASURED
+    from zeroshard.planner.measure import MEASURED
 
     div, unit, digits = _unit(max(c.measured_total for c in checks))
     table = Table(title=f"predicted vs measured, per rank ({unit}; {checks[0].method})")
@@ -176,8 +176,8 @@ def unread_flag(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.plan import plan
-    from zeroshard.plan.recommend import recommend
+    from zeroshard.planner import plan
+    from zeroshard.planner.recommend import recommend
 
     unread = unread_flag(args)
     if unread is not None:
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         checks = _measure(p, args) if args.measure else None
         chart = None
         if args.plot:
-            from zeroshard.plan.chart import plot
+            from zeroshard.planner.chart import plot
 
             chart = plot(p, args.plot, device_mem=rec.device_mem if rec else None)
     except ValueError as e:
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(p, args: argparse.Namespace):
-    from zeroshard.plan.measure import measure
+    from zeroshard.planner.measure import measure
 
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
     return measure(p, stages)

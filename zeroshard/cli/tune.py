@@ -90,7 +90,7 @@ def _all_fit(kept: list, predictions: dict, base: Any, budget: int | None, cuda:
 
 def run(args: argparse.Namespace) -> int:
     from zeroshard.launch import WorkerError
-    from zeroshard.plan.spec import parse_bytes
+    from zeroshard.planner.spec import parse_bytes
     from zeroshard.tune import choose, tomlfile
     from zeroshard.tune.grid import candidates, parse_axes
     from zeroshard.tune.measure import MeasureSpec, measure

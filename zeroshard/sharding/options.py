@@ -15,7 +15,7 @@ from zeroshard.sharding.recompute import segment_length
 MAX_INFLIGHT_REDUCTIONS = 2
 """Stages 2-3 finish the oldest reduction while more than this many are pending. Two, so that at the
 end of backward the last block's reduction is still running when the root's launches, and the
-optimizer can step the other units meanwhile (see optim.py). zeroshard.sim and zeroshard.plan read it."""
+optimizer can step the other units meanwhile (see optim.py). zeroshard.sim and zeroshard.planner read it."""
 
 BACKWARD_PREFETCH_AT = 0.5
 """Fraction of a unit's grads ready before its backward prefetch of earlier units is issued."""

@@ -54,7 +54,7 @@ def segment_bounds(policy: str, units: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of each checkpoint segment over ``units`` consecutive blocks, in forward order.
 
     The one place a policy's meaning lives: ``Recompute`` wraps exactly these segments, and the
-    planner (zeroshard.plan) and ``zeroshard tune`` (through the planner) count the same ones.
+    planner (zeroshard.planner) and ``zeroshard tune`` (through the planner) count the same ones.
     """
     length = segment_length(policy, units)
     return [] if length is None else [(i, min(i + length, units)) for i in range(0, units, length)]

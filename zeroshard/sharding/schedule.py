@@ -10,7 +10,7 @@ the two compare op by op (tests/distributed/test_schedule.py); ``free`` events a
 ``EventKind.FREE`` (zeroshard/sharding/events.py). ``engine_schedule`` builds one for a live
 sharded model from its engine.
 
-Tools that model the step (the planner's collectives, zeroshard/plan/comm.py) aggregate this
+Tools that model the step (the planner's collectives, zeroshard/planner/comm.py) aggregate this
 list instead of restating the stage rules. The order the engine follows, and so this module
 (docs/runtime.md, "The step schedule"):
 

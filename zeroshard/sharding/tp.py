@@ -136,7 +136,7 @@ def _check_divides(tp: int, sizes: dict[str, int], what: str) -> None:
 
 GPT_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
     "attn.qkv": ColwiseParallel, "attn.proj": RowwiseParallel, "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel}
-"""Submodule of each GPT block -> its split; the planner (zeroshard/plan/tp.py) reads the same table."""
+"""Submodule of each GPT block -> its split; the planner (zeroshard/planner/tp.py) reads the same table."""
 
 
 GPT_FUSED = {"attn.qkv": 3}

@@ -93,7 +93,7 @@ def run_time(args: argparse.Namespace) -> list:
 
     hw = load_hardware(args.hw or DEFAULT_HW)
     if getattr(args, "device_mem", None):  # the device you mean to run on: fits are judged against it
-        from zeroshard.plan.spec import parse_bytes
+        from zeroshard.planner.spec import parse_bytes
 
         hw = dataclasses.replace(hw, name=f"{hw.name} with {args.device_mem} per GPU",
                                  hbm_bytes=float(parse_bytes(args.device_mem)))

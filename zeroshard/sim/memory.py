@@ -1,6 +1,6 @@
-"""Per-rank peak memory for the simulator, built on zeroshard.plan's estimator.
+"""Per-rank peak memory for the simulator, built on zeroshard.planner's estimator.
 
-zeroshard's GPT is planned by ``zeroshard.plan.plan`` whole (it has the exact activation count).
+zeroshard's GPT is planned by ``zeroshard.planner.plan`` whole (it has the exact activation count).
 Other shapes (Llama) take model states and optimizer scratch from the planner's textbook accounting
 of their parameter count and add what the planner leaves out in that mode: the workload's activations,
 the stage-3 all-gather window and the full grads of the reductions in flight.
@@ -8,8 +8,8 @@ the stage-3 all-gather window and the full grads of the reductions in flight.
 
 from __future__ import annotations
 
-from zeroshard.plan import plan
-from zeroshard.plan.spec import STAGE_NAMES
+from zeroshard.planner import plan
+from zeroshard.planner.spec import STAGE_NAMES
 from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.sim.step import Layout
 from zeroshard.sim.workload import Workload

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from zeroshard.plan.spec import STAGE_NAMES
+from zeroshard.planner.spec import STAGE_NAMES
 from zeroshard.sim.hardware import Hardware
 from zeroshard.sim.memory import peak_bytes
 from zeroshard.sim.step import Layout, StepResult, simulate

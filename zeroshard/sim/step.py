@@ -374,7 +374,7 @@ def _rebuilt_all_reduces(w: Workload) -> int:
     """TP all-reduces a micro-step's checkpoint rebuilds run again, over every block: each block's
     forward two, but the last of each checkpoint segment. torch's non-reentrant checkpoint stops once
     the last tensor backward needs is back, and nothing saves a segment's last row-wise output (as
-    zeroshard.plan.tp.layer_collectives counts it; the ledger agrees: tests/distributed/test_tp.py).
+    zeroshard.planner.tp.layer_collectives counts it; the ledger agrees: tests/distributed/test_tp.py).
     torchtitan's op-level policy is taken to run both again."""
     L = w.shape.n_layer
     if w.checkpointing == "none":

@@ -45,7 +45,7 @@ def vocab_size(base: TrainConfig) -> int:
 def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -> dict[Candidate, Prediction]:
     """The planner's per-rank memory for each candidate, on ``base``'s model, world, batch and precision."""
     from zeroshard.models import GPTConfig
-    from zeroshard.plan.api import plan
+    from zeroshard.planner.api import plan
 
     gpt = GPTConfig.named(base.model, vocab_size=vocab_size(base), seq_len=base.seq_len)
     plans: dict[tuple, object] = {}

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from zeroshard.comm.quant import CommQuant, ErrorFeedback, wire_bytes
-from zeroshard.plan.comm import Collective
-from zeroshard.plan.result import LayoutPlan
+from zeroshard.planner.comm import Collective
+from zeroshard.planner.result import LayoutPlan
 from zeroshard.sharding.flat import StagePolicy
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeroshard.plan.result import COMPONENTS, Plan
+from zeroshard.planner.result import COMPONENTS, Plan
 
 # Model states in blues/greens (what ZeRO shards), runtime terms in warm colours, headroom grey.
 _COLORS = {

@@ -19,12 +19,12 @@ import dataclasses
 
 import torch
 
-from zeroshard.plan import comm
-from zeroshard.plan.activations import ActivationEstimate
-from zeroshard.plan.inventory import CommUnit, Inventory
-from zeroshard.plan.optim_probe import OptimStateCost, probe
-from zeroshard.plan.result import Components, LayoutPlan
-from zeroshard.plan.spec import STAGE_NAMES, PlanSpec
+from zeroshard.planner import comm
+from zeroshard.planner.activations import ActivationEstimate
+from zeroshard.planner.inventory import CommUnit, Inventory
+from zeroshard.planner.optim_probe import OptimStateCost, probe
+from zeroshard.planner.result import Components, LayoutPlan
+from zeroshard.planner.spec import STAGE_NAMES, PlanSpec
 # The engine's constants, imported: one value, not two copies.
 from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 from zeroshard.comm.quant import CommQuant
@@ -142,7 +142,7 @@ class Estimator:
         # .to(master device)), so a reduced grad may stay the device buffer, and the host step's
         # scratch lands in the same memory as everything else.
         self.host_is_device = host_is_device
-        self.tp_collectives = tp_collectives  # per step, the same for every layout (zeroshard.plan.tp)
+        self.tp_collectives = tp_collectives  # per step, the same for every layout (zeroshard.planner.tp)
         self.comm = comm_quant  # quantized communication, where the runtime applies it (model mode)
         self.gpus_per_node = gpus_per_node
         self.inventory = inventory

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from zeroshard.plan.result import COMPONENTS, MODEL_STATES, Components, Plan
-from zeroshard.plan.spec import STAGE_NAMES
+from zeroshard.planner.result import COMPONENTS, MODEL_STATES, Components, Plan
+from zeroshard.planner.spec import STAGE_NAMES
 from zeroshard.sharding.events import EventKind
 
 MEASURED = ("params", "grads", "master", "optimizer", "activations", "window", "buckets")
@@ -312,7 +312,7 @@ def request(plan: Plan, stages: tuple[int, ...]) -> dict:
         raise ValueError("--measure runs zeroshard's GPT; plan a preset (--model small) or a GPTConfig")
     if spec.tp > 1:
         raise ValueError("--measure runs data parallelism only; check a tp plan's model states with "
-                         "zeroshard.plan.measure.model_state_bytes on a tensor-parallel run")
+                         "zeroshard.planner.measure.model_state_bytes on a tensor-parallel run")
     if spec.offload != "none" and spec.hybrid:
         raise ValueError("--measure checks offload over the whole world; drop --shard-size or --offload")
     if spec.offload == "disk":

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.plan.tp import TensorParallel
+from zeroshard.planner.tp import TensorParallel
 from zeroshard.sharding.engine import reduction_buckets
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.layout import FlatLayout

@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroshard.plan.api import plan as make_plan
-from zeroshard.plan.comm import Network
-from zeroshard.plan.result import COMPONENTS, LayoutPlan, Plan
-from zeroshard.plan.spec import parse_bytes
+from zeroshard.planner.api import plan as make_plan
+from zeroshard.planner.comm import Network
+from zeroshard.planner.result import COMPONENTS, LayoutPlan, Plan
+from zeroshard.planner.spec import parse_bytes
 
 PRETTY = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 

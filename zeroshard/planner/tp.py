@@ -24,7 +24,7 @@ import torch
 
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from zeroshard.plan.comm import Collective
+from zeroshard.planner.comm import Collective
 from zeroshard.sharding.tp import GPT_TP_STYLES
 
 COLWISE, ROWWISE = "colwise", "rowwise"

@@ -156,7 +156,7 @@ class PlanSpec:
     """Stages 2-3 with accum > 1: "sharded" reduce-scatters every micro-step into the 1/N grad shard;
     "unsharded" keeps full grads across micro-steps (as ``zs.shard(accumulation=)``)."""
     comm_quant: str = "none"
-    """Quantized communication as ``--comm-quant`` spells it (zeroshard/plan/quant.py plans it)."""
+    """Quantized communication as ``--comm-quant`` spells it (zeroshard/planner/quant.py plans it)."""
     comm_quant_block: int = 256
     tp: int = 1
     """Tensor-parallel degree: ranks one layer is split over (Megatron's column/row split)."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroshard.plan.activations import ActivationEstimate
-from zeroshard.plan.comm import Collective
-from zeroshard.plan.inventory import ModelFacts
-from zeroshard.plan.optim_probe import OptimStateCost
-from zeroshard.plan.spec import PlanSpec
+from zeroshard.planner.activations import ActivationEstimate
+from zeroshard.planner.comm import Collective
+from zeroshard.planner.inventory import ModelFacts
+from zeroshard.planner.optim_probe import OptimStateCost
+from zeroshard.planner.spec import PlanSpec
 
 COMPONENTS = ("params", "grads", "master", "optimizer", "activations", "window", "buckets", "workspace", "headroom")
 MODEL_STATES = ("params", "grads", "master", "optimizer")

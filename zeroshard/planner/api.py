@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from zeroshard.comm.quant import CommQuant
-from zeroshard.plan.activations import ActivationEstimate, gpt_activations
-from zeroshard.plan.comm import Collective
-from zeroshard.plan.inventory import Inventory, meta_gpt
-from zeroshard.plan.memory import Estimator, variants
-from zeroshard.plan.result import LayoutPlan, Plan
-from zeroshard.plan.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
-from zeroshard.plan.tp import TensorParallel, layer_collectives
+from zeroshard.planner.activations import ActivationEstimate, gpt_activations
+from zeroshard.planner.comm import Collective
+from zeroshard.planner.inventory import Inventory, meta_gpt
+from zeroshard.planner.memory import Estimator, variants
+from zeroshard.planner.result import LayoutPlan, Plan
+from zeroshard.planner.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
+from zeroshard.planner.tp import TensorParallel, layer_collectives
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import UnitsArg
 
@@ -91,7 +91,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     gloo's worker threads), so the grad buffers in flight are planned the same way for both: the
     bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
     blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
-    parallel); see zeroshard/plan/tp.py and docs/planner.md.
+    parallel); see zeroshard/planner/tp.py and docs/planner.md.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -160,7 +160,7 @@ def _with_comm_quant(layouts: dict[str, LayoutPlan], spec: PlanSpec, inventory: 
                      notes: list[str], *, textbook: bool) -> dict[str, LayoutPlan]:
     """Every layout with the error-feedback residual the runtime would have there and, for the
     ``textbook`` volumes, the quantized traffic (a layout planned from units has it already)."""
-    from zeroshard.plan import quant
+    from zeroshard.planner import quant
 
     comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block)
     dtype = next(iter(inventory.dtypes)) if inventory else torch.float32

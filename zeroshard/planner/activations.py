@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zeroshard.plan.spec import Checkpointing
+from zeroshard.planner.spec import Checkpointing
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,7 @@ class ActivationEstimate:
 
 def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing,
                     tp: int = 1, sequence_parallel: bool = False) -> ActivationEstimate:
-    """Per rank. Under tensor parallelism (Megatron's split, zeroshard.plan.tp) the tensors inside
+    """Per rank. Under tensor parallelism (Megatron's split, zeroshard.planner.tp) the tensors inside
     the split linears are divided by ``tp``: qkv, the attention output, fc and GELU (4·C + 2·hidden
     per token) and the heads' log-sum-exp; the block input, the norms' outputs and the residual
     (4·C) stay whole on every tp rank. ``sequence_parallel`` splits the block input, the residual
