@@ -1,0 +1,29 @@
+"""The package's shape: a light ``import zeroshard``, and no subpackage hidden behind a function."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import subprocess
+import sys
+import types
+
+import zeroshard
+
+
+def test_no_subpackage_is_shadowed_by_a_function_of_the_same_name():
+    # `from zeroshard.x import x` in __init__ would leave zeroshard.x the function while
+    # sys.modules holds the package: `import zeroshard.x as m` then gives the function.
+    for info in pkgutil.iter_modules(zeroshard.__path__):
+        importlib.import_module(f"zeroshard.{info.name}")
+        value = getattr(zeroshard, info.name)
+        assert isinstance(value, types.ModuleType), f"zeroshard.{info.name} is a {type(value).__name__}, not the module"
+
+
+def test_import_zeroshard_loads_no_tool():
+    """Tools (cli, tune, sim, profile's report, benchmark, migrate) load when used, not with the package."""
+    code = ("import sys, zeroshard; print(','.join(sorted(m for m in sys.modules if m.startswith('zeroshard.'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(",")
+    tools = ("zeroshard.cli", "zeroshard.tune", "zeroshard.sim", "zeroshard.benchmark", "zeroshard.migrate",
+             "zeroshard.profile.report", "zeroshard.profile.render")
+    assert not [m for m in loaded if m.strip().startswith(tools)], loaded
