@@ -142,8 +142,6 @@ def engine_options(cfg: TrainConfig, **overrides: Any) -> zs.EngineOptions:
     values["offload"] = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" \
         else zs.OffloadPolicy()
     values.update(overrides)
-    if isinstance(values["offload"], str) or values["offload"] is None:  # as zs.shard's keyword takes it
-        values["offload"] = zs.OffloadPolicy(kind=values["offload"] or "none")
     return zs.EngineOptions(**values)
 
 

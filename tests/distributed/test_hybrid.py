@@ -18,14 +18,10 @@ def reference():
     return w.reference_run(10, w.GLOBAL_BATCH)
 
 
-def _diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hybrid_matches_stage0_and_single_process(hybrid, reference, stage):
-    vs_stage0 = _diff(hybrid[stage]["params"], hybrid[0]["params"])
-    vs_single = _diff(hybrid[stage]["params"], reference["params"])
+    vs_stage0 = w.max_param_diff(hybrid[stage]["params"], hybrid[0]["params"])
+    vs_single = w.max_param_diff(hybrid[stage]["params"], reference["params"])
     print(f"hybrid 2x2 stage {stage}: vs stage 0 {vs_stage0:.2e}, vs single process {vs_single:.2e}")
     assert vs_stage0 <= 1e-5 and vs_single <= 1e-5
 

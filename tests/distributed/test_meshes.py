@@ -18,13 +18,9 @@ def reference():
     return w.reference_run(10, w.GLOBAL_BATCH)
 
 
-def _diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("name", ["full", "hybrid", "hybrid-stage1"])
 def test_each_model_matches_one_process(two_meshes, reference, name):
-    diff = _diff(two_meshes["params"][name], reference["params"])
+    diff = w.max_param_diff(two_meshes["params"][name], reference["params"])
     loss = max(abs(a - b) for a, b in zip(two_meshes["losses"][name], reference["losses"]))
     print(f"{name}: params vs one process {diff:.2e}, losses {loss:.2e}")
     assert diff <= 1e-5 and loss <= 1e-5

@@ -58,6 +58,11 @@ def tiny_run(stage: int, global_batch: int, *, clip: float = CLIP, weight_decay:
     return step.build(train_cfg, mesh, model=GPT(cfg), dataset=data, **shard_kwargs)
 
 
+def max_param_diff(a: dict, b: dict) -> float:
+    """Largest elementwise difference between two state dicts with the same keys."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def next_batch(run):
     return collate(run.dataset, run.sampler.next_indices())
 

@@ -53,6 +53,7 @@ class Mesh:
     """Where this mesh's collectives are recorded: the process ledger unless the caller gave one,
     so that one rank's collectives over every mesh stay one sequence for the watchdog and doctor."""
     _sizes: dict = dataclasses.field(init=False, repr=False, compare=False)
+    _handles: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     @property
     def dp_size(self) -> int:
@@ -105,6 +106,12 @@ class Mesh:
         sizes = {Group.WORLD: self.world, Group.SHARD: self.shard_size, Group.REPLICATE: self.replicate_size,
                  Group.TP: self.tp_size, Group.DP: self.dp_size, Group.PP: self.pp_size, Group.EP: self.ep_size}
         object.__setattr__(self, "_sizes", sizes)
+        # tp/pp/ep are None when one rank each: their group_size of 1 keeps callers from using them.
+        # Without tp, the data-parallel ranks are the world.
+        handles = {Group.WORLD: self.world_group, Group.SHARD: self.shard_group,
+                   Group.REPLICATE: self.replicate_group, Group.TP: self.tp_group,
+                   Group.DP: self.dp_group or self.world_group, Group.PP: None, Group.EP: None}
+        object.__setattr__(self, "_handles", handles)
 
     def group_size(self, group: str | Group) -> int:
         size = self._sizes.get(group)  # a Group hashes and compares as its text, so "shard" finds it too
@@ -112,20 +119,10 @@ class Mesh:
 
     def group(self, group: str | Group):
         """The process group of ``group`` that holds this rank (None for a one-rank tp, pp or ep)."""
-        g = group_of(group)
-        if g is Group.WORLD:
-            return self.world_group
-        if g is Group.SHARD:
-            return self.shard_group
-        if g is Group.REPLICATE:
-            if self.replicate_group is None:
-                raise RuntimeError("no replicate group: the mesh has replicate size 1")
-            return self.replicate_group
-        if g is Group.TP:
-            return self.tp_group  # None without a tp dim, where group_size == 1 keeps callers away
-        if g is Group.DP:
-            return self.dp_group or self.world_group  # without tp the data-parallel ranks are the world
-        return None  # pp and ep are one rank each on this mesh
+        if group == Group.REPLICATE and self.replicate_group is None:
+            raise RuntimeError("no replicate group: the mesh has replicate size 1")
+        handles = self._handles
+        return handles[group] if group in handles else handles[group_of(group)]
 
     @property
     def ledger_name(self) -> str:

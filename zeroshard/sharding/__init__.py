@@ -98,7 +98,7 @@ def shard(model: nn.Module | Callable[[], nn.Module], *, stage: int, units: Unit
     """
     keywords = EngineOptions(prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
                              accumulation=accumulation, checkpointing=checkpointing,
-                             offload=OffloadPolicy(kind=offload) if isinstance(offload, str) else offload or OffloadPolicy())
+                             offload=offload)  # type: ignore[arg-type]  # a kind name is taken too
     # (constructing it validated them, before the model is touched)
     if options is None:
         options = keywords

@@ -41,7 +41,8 @@ class EngineOptions:
     checkpointing: str = "none"
     """Activation checkpointing policy: "none", "all", "every:K" or "sqrt" (zeroshard/sharding/recompute.py)."""
     offload: OffloadPolicy = dataclasses.field(default_factory=OffloadPolicy)
-    """Where fp32 masters and optimizer state live (zeroshard/offload/)."""
+    """Where fp32 masters and optimizer state live (zeroshard/offload/). "none", "cpu" or None are
+    taken as ``OffloadPolicy(kind=...)``, as ``zs.shard(offload=)`` takes them."""
     backward_prefetch_at: float = BACKWARD_PREFETCH_AT
     """Share of a unit's grads complete before its backward prefetch is issued (see ``Engine``)."""
     max_inflight_reductions: int = MAX_INFLIGHT_REDUCTIONS
@@ -55,6 +56,8 @@ class EngineOptions:
     and simulator read, and raise at the first difference (zeroshard/sharding/schedule_check.py)."""
 
     def __post_init__(self) -> None:
+        if self.offload is None or isinstance(self.offload, str):
+            object.__setattr__(self, "offload", OffloadPolicy(kind=self.offload or "none"))
         segment_length(self.checkpointing, 1)  # raises with the valid policies
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {self.accumulation!r}")
