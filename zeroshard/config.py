@@ -218,12 +218,15 @@ class TrainConfig:
     """Checkpoint directory: one `step-NNNNNNNN` subdirectory per save, plus a `latest` pointer."""
 
     resume: str | None = None
-    """'auto' continues from the newest checkpoint in `ckpt_dir` that verifies (naming any it skips;
-    a fresh start if there is none); a path continues from that checkpoint. The world size and stage
-    may differ from the saved run's."""
+    """'auto' continues from the newest checkpoint in `ckpt_dir` that verifies, naming any it skips;
+    an empty or missing `ckpt_dir` starts fresh, but checkpoints of which none verifies are an error
+    (nothing is deleted). 'fresh-ok' is 'auto' that starts from step 0 instead of that error. A path
+    continues from that checkpoint. The world size and stage may differ from the saved run's."""
 
     keep_last: int = 3
-    """Checkpoints kept in `ckpt_dir`; older ones are deleted after each successful save. 0 keeps all."""
+    """Verified checkpoints of this run kept in `ckpt_dir`; after each save has committed and verified,
+    older verified ones of this run are deleted, and any that fails verification is renamed
+    `<name>.corrupt` (never deleted). 0 keeps all."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -345,8 +348,8 @@ def check_checkpointing(cfg: TrainConfig) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0 (0 disables it)")
     if cfg.save_every and cfg.ckpt_dir is None:
         raise ValueError(f"save_every={cfg.save_every} needs ckpt_dir: pass --ckpt-dir DIR")
-    if cfg.resume == "auto" and cfg.ckpt_dir is None:
-        raise ValueError("resume='auto' searches ckpt_dir, which is not set: pass --ckpt-dir DIR")
+    if cfg.resume in ("auto", "fresh-ok") and cfg.ckpt_dir is None:
+        raise ValueError(f"resume={cfg.resume!r} searches ckpt_dir, which is not set: pass --ckpt-dir DIR")
 
 
 def _check_types(cfg: TrainConfig) -> None:

@@ -28,7 +28,7 @@ import zeroshard as zs
 from zeroshard import faults as fault_points
 from zeroshard.comm.collectives import all_reduce
 from zeroshard.comm.watchdog import process_group_timeout
-from zeroshard.checkpoint.training import maybe_save, resume
+from zeroshard.checkpoint.training import TrainingCheckpoints
 from zeroshard.config import TrainConfig
 from zeroshard.data import GlobalBatchSampler, collate
 from zeroshard.models import adapter
@@ -126,9 +126,12 @@ def average_token_loss(run: Run, loss_sum: torch.Tensor, y: torch.Tensor) -> flo
     return float(totals[0] / totals[1])
 
 
-def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: int = 0) -> None:
+def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: int = 0,
+             ckpts: TrainingCheckpoints | None = None) -> None:
     """Steps `start` .. `cfg.steps - 1` (0-based); `start` > 0 after a resume. `obs` (entered and
-    attached) records each step; without one the steps only reach `reporter`."""
+    attached) records each step; without one the steps only reach `reporter`. `ckpts` saves
+    every `cfg.save_every` steps (one is made when not given)."""
+    ckpts = TrainingCheckpoints(run) if ckpts is None else ckpts
     for step in range(start, run.cfg.steps):
         zs.ledger().step = step + 1  # stamped on every collective of the step, for the doctor
         rec = train_step(run, step)
@@ -141,7 +144,7 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
         run.records.append(rec)
         reporter.step(rec)
         with phase("checkpoint"):
-            maybe_save(run, step + 1)
+            ckpts.after_step(step + 1)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -215,7 +218,8 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     """Run training on an initialised mesh inside an entered `obs`; returns the summary (same
     figures on every rank). Building and resuming run under the watchdog too."""
     run = setup(cfg, mesh)
-    start = resume(run)  # 0 unless cfg.resume found a checkpoint
+    ckpts = TrainingCheckpoints(run)
+    start = ckpts.resume()  # 0 unless cfg.resume found a checkpoint
     is_main = mesh.rank == 0
     reporter = reporter if (reporter is not None and is_main) else NullReporter()
     info = run_info(run, obs.run_dir if is_main else None)
@@ -224,7 +228,7 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     obs.attach(run.model, start_step=start)
     run.profiler = obs.profiler
     reporter.start(info)
-    run_loop(run, reporter, obs, start)
+    run_loop(run, reporter, obs, start, ckpts)
     summary = summarize(run, info, obs)
     reporter.finish(summary)
     return summary

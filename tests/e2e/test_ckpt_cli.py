@@ -6,6 +6,7 @@ Two `zeroshard train` runs (about 6 s each on two cores) and offline `zeroshard 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from test_cli import FAST, read_metrics, run_cli, run_main
@@ -46,3 +47,32 @@ def test_kill9_mid_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tmp_pa
     assert summary["step"] == 6 and summary["world"] == 2 and summary["sampler"]["step"] == 6 % (256 // 8)
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
         "latest", "step-00000002", "step-00000004", "step-00000006"]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_damaged_manifests_refuse_resume_and_nothing_is_deleted(tmp_path: Path) -> None:
+    """The data-loss case: both checkpoints' manifest.json truncated (a full disk, a sync tool),
+    the rank files intact. `--resume auto --keep-last 2` must refuse, naming both, and touch nothing."""
+    whole, run_dir = tmp_path / "whole", tmp_path / "run"
+    done = run_cli([*TRAIN, "--ckpt-dir", str(whole), "--run-dir", str(run_dir), "--keep-last", "0"])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for name in ("step-00000002", "step-00000004"):
+        shutil.copytree(whole / name, damaged / name)
+        manifest = damaged / name / "manifest.json"
+        manifest.write_bytes(manifest.read_bytes()[:100])
+    before = _tree(damaged)
+
+    refused = run_cli([*TRAIN, "--ckpt-dir", str(damaged), "--run-dir", str(tmp_path / "run2"), "--resume", "auto",
+                       "--keep-last", "2"])
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    error = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert len(error) == 1 and "step-00000002" in error[0] and "step-00000004" in error[0], refused.stderr
+    assert "not valid JSON" in error[0] and "--resume fresh-ok" in error[0] and "ckpt repair" in error[0]
+    assert "Traceback" not in refused.stderr
+    assert _tree(damaged) == before, "a refused resume deletes, renames and writes nothing"

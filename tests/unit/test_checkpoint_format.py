@@ -14,7 +14,7 @@ from zeroshard.checkpoint import CheckpointError, choose
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.pieces import split_range
 from zeroshard.checkpoint.tensorfile import Entry, TensorFile, TensorFileWriter, file_sha256
-from zeroshard.checkpoint.training import resume
+from zeroshard.checkpoint.training import TrainingCheckpoints
 from zeroshard.config import TrainConfig
 
 
@@ -72,7 +72,7 @@ def test_split_range_tiles_the_shard(parts):
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-def _fake_checkpoint(root: Path, name: str, step: int) -> Path:
+def _fake_checkpoint(root: Path, name: str, step: int, lineage: str | None = None) -> Path:
     directory = root / name
     directory.mkdir(parents=True)
     digest, size = write(directory / fmt.rank_file(0), {"master/w@0:4": torch.ones(4)})
@@ -82,7 +82,7 @@ def _fake_checkpoint(root: Path, name: str, step: int) -> Path:
                     "param_group": None, "state": [],
                     "pieces": [{"file": fmt.rank_file(0), "start": 0, "stop": 4}]}],
         "buffers": [], "groups": [], "ranks": [{"rank": 0, "file": fmt.rank_file(0)}],
-        "files": {fmt.rank_file(0): {"sha256": digest, "bytes": size}},
+        "files": {fmt.rank_file(0): {"sha256": digest, "bytes": size}}, "lineage": lineage,
     }
     fmt.write_manifest(directory, manifest)
     return directory
@@ -98,13 +98,14 @@ def test_choose_skips_newer_broken_and_interrupted_checkpoints(tmp_path):
     reasons = dict(choice.skipped)
     assert "interrupted" in reasons[tmp_path / ".step-6.partial"]
     assert "rank-00000.safetensors is corrupt" in reasons[broken]
+    assert [p for p, _ in choice.faults] == [broken], "an interrupted save is no fault: it never committed"
 
 
 def test_fresh_run_refuses_a_ckpt_dir_that_holds_checkpoints(tmp_path):
     _fake_checkpoint(tmp_path, "step-2", 2)
     cfg = TrainConfig(save_every=2, ckpt_dir=str(tmp_path))
     with pytest.raises(CheckpointError, match="--resume auto"):
-        resume(SimpleNamespace(cfg=cfg, mesh=SimpleNamespace(rank=0)))
+        TrainingCheckpoints(SimpleNamespace(cfg=cfg, mesh=SimpleNamespace(rank=0))).resume()
 
 
 def test_config_checks_checkpoint_flags():

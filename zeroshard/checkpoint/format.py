@@ -32,12 +32,21 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 RANK_META_KEY = "zeroshard.rank"
 """Key of the per-rank JSON (rank, RNG states) in each rank file's safetensors metadata."""
+SET_ASIDE_SUFFIX = ".corrupt"
+"""A checkpoint that failed verification is renamed ``<name>.corrupt`` (never deleted); discovery
+skips such names."""
+RANK_FILE_PATTERN = "rank-*.safetensors"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "format": str, "version": int, "step": (int, type(None)), "world": int, "stage": int,
     "params": list, "buffers": list, "groups": list, "ranks": list, "files": dict,
 }
+
+
+def is_set_aside(name: str) -> bool:
+    """A directory name that rotation gave a checkpoint which failed verification."""
+    return SET_ASIDE_SUFFIX in name
 
 
 def rank_file(rank: int) -> str:

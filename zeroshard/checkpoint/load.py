@@ -46,6 +46,9 @@ class Loaded:
     saved_world: int
     saved_stage: int
     files_read: list[str]
+    lineage: str | None = None
+    """The run lineage that wrote it (rotation deletes only its own lineage's checkpoints)."""
+    manifest: dict | None = None
 
 
 class PieceReader:
@@ -398,7 +401,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler
         _publish(engine)
     m = plan.manifest
     return Loaded(path=directory, step=m["step"], extra=fmt.from_json(m.get("extra")), saved_world=m["world"],
-                  saved_stage=m["stage"], files_read=sorted(plan.files))
+                  saved_stage=m["stage"], files_read=sorted(plan.files), lineage=m.get("lineage"), manifest=m)
 
 
 def _publish(engine) -> None:

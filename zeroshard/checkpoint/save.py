@@ -7,8 +7,10 @@ The protocol (docs/checkpoints.md, "Atomic commit"):
 2. Every rank streams its file into the partial directory, hashing as it writes, and fsyncs it.
 3. An all-gather brings every rank's file digest and piece list to rank 0 (it is also the barrier
    that says every file is on disk).
-4. Rank 0 writes ``manifest.json`` last, fsyncs, renames the directory into place, fsyncs the
-   parent, points ``latest`` at it (atomic replace) and prunes to ``keep_last``.
+4. Rank 0 writes ``manifest.json`` last, fsyncs, sets aside a same-named checkpoint that does not
+   verify (a verified one is replaced), renames the directory into place, fsyncs the parent,
+   points ``latest`` at it (atomic replace) and rotates to ``keep_last`` (zeroshard/checkpoint/
+   rotation.py: only verified checkpoints of the same lineage are ever deleted).
 5. A final all-gather tells every rank whether the commit happened.
 
 A crash anywhere before the rename leaves only the partial directory: the previous checkpoint and
@@ -20,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -30,6 +33,7 @@ from torch import nn
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.rotation import Rotation, clear_target, rotate
 from zeroshard.checkpoint.pieces import (TP_PART, SegmentIndex, ordered_refs, owned_slots, persistent_buffers,
                                          saved_name, split_state, writer_range)
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, dtype_name
@@ -42,6 +46,11 @@ from zeroshard.sharding.optim import user_class
 PHASE = "checkpoint"
 
 
+def say(line: str) -> None:
+    """Where rotation reports what it set aside or deleted, unless the caller passes its own ``log``."""
+    print(f"zeroshard checkpoint: {line}", file=sys.stderr, flush=True)
+
+
 def _agree(problem: str | None) -> None:
     """Every rank raises the same error if any rank has one (so none is left waiting in a collective)."""
     problems = collectives.all_gather_object(problem, phase=PHASE)
@@ -52,13 +61,17 @@ def _agree(problem: str | None) -> None:
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
          extra: Any = None, *, step: int | None = None, keep_last: int | None = None,
-         overwrite: bool = False) -> Path:
+         overwrite: bool = False, lineage: str | None = None, log: Callable[[str], None] = say) -> Path:
     """Save the complete training state to the checkpoint directory ``path`` (collective: every rank).
 
     ``scheduler``, ``sampler`` and ``scaler`` are anything with ``state_dict()``; their state and
     ``extra`` must be JSON-able (numbers, strings, lists, dicts, tuples, 0-dim tensors). ``step`` is
-    the global step to record. ``keep_last=K`` deletes all but the K newest checkpoints next to this
-    one after a successful commit. Returns the committed directory.
+    the global step to record. ``keep_last=K`` rotates after a successful commit: the new checkpoint
+    is verified, checkpoints next to it that fail verification are renamed ``<name>.corrupt``, and
+    verified ones of the same ``lineage`` (a run's id, recorded in the manifest; None matches None)
+    past the K newest are deleted. ``overwrite`` replaces a same-named checkpoint only if it
+    verifies; one that does not is set aside. ``log`` gets a line for each thing set aside or
+    deleted. Returns the committed directory.
     """
     engine = get_engine(model)
     faults.armed("ckpt.write")  # a malformed ZEROSHARD_CKPT_FAULT fails here, before any file is written
@@ -89,10 +102,18 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     if mesh.rank == 0:
         try:
             manifest = build_manifest(model, engine, optimizer, [r for r, _ in reports], step=step, side=side)
+            manifest["lineage"] = lineage
             fmt.write_manifest(partial, manifest)
+            rotation = Rotation()
+            if overwrite:
+                clear_target(final, rotation)
             commit(partial, final, overwrite=overwrite)
             if keep_last:
-                prune(final.parent, keep_last, keep=final)
+                rotated = rotate(final.parent, keep_last, newest=final, lineage=lineage)
+                rotation.set_aside += rotated.set_aside
+                rotation.deleted += rotated.deleted
+            for line in rotation.describe():
+                log(line)
         except Exception as e:  # noqa: BLE001 - reported to every rank instead of hanging them
             problem = f"rank 0 could not commit checkpoint {final}: {type(e).__name__}: {e}"
     _agree(problem)
@@ -276,7 +297,7 @@ def _merge_scalars_json(into: dict, new: dict, index: int) -> None:
         into[name] = value
 
 
-# --------------------------------------------------------------------------- commit, latest, prune
+# --------------------------------------------------------------------------- commit, latest
 
 
 def commit(partial: Path, final: Path, *, overwrite: bool, latest: bool = True) -> None:
@@ -306,23 +327,3 @@ def write_latest(final: Path) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, latest)
     fmt.fsync_dir(final.parent)
-
-
-def prune(root: Path, keep_last: int, *, keep: Path) -> list[Path]:
-    """Delete all but the ``keep_last`` newest complete checkpoints in ``root``; never ``keep``.
-
-    Only directories whose manifest parses as ours are candidates, so nothing else in ``root`` is
-    touched. Each is renamed to a hidden name before deletion: a crash mid-delete cannot leave a
-    half-deleted directory that looks like a checkpoint.
-    """
-    from zeroshard.checkpoint.discover import complete_checkpoints
-
-    found = complete_checkpoints(root)
-    doomed = [c.path for c in found[keep_last:] if c.path.resolve() != keep.resolve()]
-    for path in doomed:
-        trash = root / f".{path.name}.deleting"
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.rename(path, trash)
-        shutil.rmtree(trash)
-    return doomed

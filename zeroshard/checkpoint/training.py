@@ -1,20 +1,31 @@
 """Checkpointing for ``zeroshard train``: ``--save-every K --ckpt-dir D --resume auto``.
 
-The training loop calls two functions and knows nothing else about checkpoints: ``resume(run)``
-before the first step (returns the step to continue from) and ``maybe_save(run, step)`` after each.
+The training loop holds one :class:`TrainingCheckpoints` and knows nothing else about
+checkpoints: ``resume()`` before the first step (returns the step to continue from) and
+``after_step(step)`` after each.
+
+Resume is strict: ``--resume auto`` over a directory that holds checkpoints of which none verifies
+is an error naming each and its fault, never a silent fresh start (whose rotation would then
+delete them). ``--resume fresh-ok`` is the same search, but starts from step 0 when none verifies.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import IO, Any, Callable
 
 from zeroshard.checkpoint.discover import choose, complete_checkpoints
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.load import load
+from zeroshard.checkpoint.load import Loaded, load
 from zeroshard.checkpoint.save import save
 from zeroshard.comm import collectives
+
+AUTO = "auto"
+FRESH_OK = "fresh-ok"
+SEARCHES = (AUTO, FRESH_OK)
+"""``resume`` values that search ``ckpt_dir`` instead of naming a checkpoint."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -25,41 +36,91 @@ def _say(line: str) -> None:
     print(f"zeroshard train: {line}", flush=True)
 
 
-def resume(run: Any, log: Callable[[str], None] = _say) -> int:
-    """Restore ``run`` from ``cfg.resume`` (collective); the global step to continue from, 0 if fresh."""
-    cfg = run.cfg
-    rank = run.mesh.rank
-    if cfg.resume is None:
-        if cfg.save_every and cfg.ckpt_dir and complete_checkpoints(cfg.ckpt_dir):
-            # Saving would replace them step by step; a fresh run almost never means that.
-            raise CheckpointError(f"ckpt_dir {cfg.ckpt_dir} already holds checkpoints; pass --resume auto to "
-                                  "continue from them, or use an empty --ckpt-dir for a fresh run")
-        return 0
-    if cfg.resume == "auto":
-        # Rank 0 verifies every candidate (a full checksum pass); the others follow its choice.
-        picked = None
-        if rank == 0:
-            choice = choose(cfg.ckpt_dir)
-            for line in choice.describe():
-                log(f"resume: {line}")
-            picked = None if choice.path is None else str(choice.path)
-        picked = collectives.all_gather_object(picked, phase="checkpoint")[0]
-        if picked is None:
+def new_lineage() -> str:
+    """A run's id, recorded in every checkpoint it (and every resume of it) writes."""
+    return uuid.uuid4().hex[:16]
+
+
+def search(root: str | Path, mode: str, log: Callable[[str], None] = _say) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from or None for a fresh start, the refusal or None) of ``--resume
+    auto`` (strict) or ``fresh-ok`` over ``root``; needs no process group."""
+    choice = choose(root)
+    for line in choice.describe():
+        log(f"resume: {line}")
+    if choice.path is not None:
+        return str(choice.path), None
+    if choice.faults and mode == AUTO:
+        return None, choice.refusal(root)
+    if choice.faults:
+        log(f"resume: --resume {FRESH_OK}: starting from step 0; the checkpoints that do not verify are kept")
+    return None, None
+
+
+class TrainingCheckpoints:
+    """The checkpoints of one training run (every rank holds one; calls are collective)."""
+
+    def __init__(self, run: Any, log: Callable[[str], None] = _say) -> None:
+        self.run = run
+        self.log = log
+        self.lineage = new_lineage()
+        """Kept across resumes: a resumed run adopts the lineage of the checkpoint it loaded."""
+        self.loaded: Loaded | None = None
+
+    def resume(self) -> int:
+        """Restore the run from ``cfg.resume`` (collective); the global step to continue from, 0 if fresh."""
+        cfg = self.run.cfg
+        if cfg.resume is None:
+            if cfg.save_every and cfg.ckpt_dir and complete_checkpoints(cfg.ckpt_dir):
+                # Saving would replace them step by step; a fresh run almost never means that.
+                raise CheckpointError(f"ckpt_dir {cfg.ckpt_dir} already holds checkpoints; pass --resume auto to "
+                                      "continue from them, or use an empty --ckpt-dir for a fresh run")
             return 0
-        path = Path(picked)
-    else:
-        path = Path(cfg.resume)
-    loaded = load(path, run.model, run.opt, scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
-                  scaler=getattr(run, "scaler", None))
-    if loaded.step is None:
-        raise CheckpointError(f"checkpoint {loaded.path} records no step, so training cannot continue from it")
-    if loaded.step >= cfg.steps:
-        raise CheckpointError(f"checkpoint {loaded.path} is at step {loaded.step}, which already reaches "
-                              f"steps={cfg.steps}; raise --steps to train further")
-    if rank == 0:
-        log(f"resumed from {loaded.path} at step {loaded.step} (saved on {loaded.saved_world} ranks at stage "
-            f"{loaded.saved_stage}; now {run.mesh.world} ranks at stage {cfg.stage})")
-    return loaded.step
+        path = self._search() if cfg.resume in SEARCHES else Path(cfg.resume)
+        if path is None:
+            return 0
+        return self._load(path)
+
+    def _search(self) -> Path | None:
+        """The checkpoint ``--resume auto`` picks (None: start fresh), the same on every rank."""
+        cfg = self.run.cfg
+        # Rank 0 verifies every candidate (a full checksum pass); the others follow its choice.
+        picked: tuple[str | None, str | None] = (None, None)
+        if self.run.mesh.rank == 0:
+            picked = search(cfg.ckpt_dir, cfg.resume, self.log)
+        path, refusal = collectives.all_gather_object(picked, phase="checkpoint")[0]
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        return None if path is None else Path(path)
+
+    def _load(self, path: Path) -> int:
+        run, cfg = self.run, self.run.cfg
+        loaded = load(path, run.model, run.opt, scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
+                      scaler=getattr(run, "scaler", None))
+        if loaded.step is None:
+            raise CheckpointError(f"checkpoint {loaded.path} records no step, so training cannot continue from it")
+        if loaded.step >= cfg.steps:
+            raise CheckpointError(f"checkpoint {loaded.path} is at step {loaded.step}, which already reaches "
+                                  f"steps={cfg.steps}; raise --steps to train further")
+        if run.mesh.rank == 0:
+            self.log(f"resumed from {loaded.path} at step {loaded.step} (saved on {loaded.saved_world} ranks at stage "
+                     f"{loaded.saved_stage}; now {run.mesh.world} ranks at stage {cfg.stage})")
+        self.loaded = loaded
+        if loaded.lineage is not None:
+            self.lineage = loaded.lineage
+        return loaded.step
+
+    def after_step(self, step: int) -> Path | None:
+        """Save after global step ``step`` (1-based) when it is a multiple of ``save_every`` (collective)."""
+        run, cfg = self.run, self.run.cfg
+        if not cfg.save_every or step % cfg.save_every:
+            return None
+        # overwrite=True: a resumed run replays the steps after its checkpoint, and what it saves
+        # supersedes a verified checkpoint of the abandoned attempt; one that does not verify is set
+        # aside instead (zeroshard/checkpoint/rotation.py).
+        return save(Path(cfg.ckpt_dir) / checkpoint_name(step), run.model, run.opt,
+                    scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
+                    scaler=getattr(run, "scaler", None), extra={"train": cfg.to_dict()}, step=step,
+                    keep_last=cfg.keep_last or None, overwrite=True, lineage=self.lineage, log=self.log)
 
 
 def open_metrics(path: Path, start: int) -> IO[str]:
@@ -67,18 +128,7 @@ def open_metrics(path: Path, start: int) -> IO[str]:
     steps past the checkpoint (an abandoned attempt) are dropped, so each step appears once."""
     if not start or not path.exists():
         return path.open("w")
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+    # The header line (zs.observe's first, without a step) is kept with the steps up to the checkpoint.
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= start]
     path.write_text("".join(line + "\n" for line in kept))
     return path.open("a")
-
-
-def maybe_save(run: Any, step: int) -> Path | None:
-    """Save after global step ``step`` (1-based) when it is a multiple of ``save_every`` (collective)."""
-    cfg = run.cfg
-    if not cfg.save_every or step % cfg.save_every:
-        return None
-    # overwrite=True: a resumed run replays the steps after its checkpoint, and what it saves
-    # supersedes a checkpoint of the abandoned attempt (e.g. one that failed to verify).
-    return save(Path(cfg.ckpt_dir) / checkpoint_name(step), run.model, run.opt,
-                scheduler=getattr(run, "scheduler", None), sampler=run.sampler, scaler=getattr(run, "scaler", None),
-                extra={"train": cfg.to_dict()}, step=step, keep_last=cfg.keep_last or None, overwrite=True)
