@@ -4,8 +4,9 @@ A run is described by one `TrainConfig`. It can come from a TOML file, from comm
 flags, or both; flags override the file (see `merge_config`). Everything is validated once,
 in `__post_init__`, so a bad value fails before any process is spawned.
 
-This module deliberately does not import torch: the CLI validates a config (and reports a
-mistake) in well under a second.
+The engine's knobs are not restated here: `engine` is the runtime's own `EngineOptions`, and
+its flat knob table (zeroshard.sharding.options.KNOBS) supplies their keys, types, defaults and
+help, so a knob added to the engine is a flag and a TOML key with no edit here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+from zeroshard.docstrings import field_docs
+from zeroshard.sharding.options import KNOB_NAMES, KNOBS, EngineOptions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,9 +40,10 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 STAGES = (0, 1, 2, 3)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, init=False)
 class TrainConfig:
-    """One training run. Field names are also the TOML keys and (with `-` for `_`) the flags."""
+    """One training run. Field names are also the TOML keys and (with `-` for `_`) the flags; the
+    engine's knobs are spelled flat beside them (`field_names()` lists both)."""
 
     model: str = "tiny"
     """Named GPT size: tiny (<1M params, for tests), small (~25M) or medium (~120M); or a Hugging Face
@@ -99,16 +104,10 @@ class TrainConfig:
     """Order k of the synthetic Markov chain: each token depends on the previous k. With k >= 2
     the model must learn to attend backwards, so the loss plateaus before it falls."""
 
-    checkpointing: str = "none"
-    """Activation checkpointing of the blocks: none, all, every:K (segments of K blocks) or sqrt
-    (segments of about sqrt(L) blocks)."""
-
-    offload: str = "none"
-    """Where fp32 masters and optimizer state live: none (with the params), cpu (host memory, CPU
-    optimizer step) or disk (files under offload_dir, stepped slice by slice)."""
-
-    offload_dir: str | None = None
-    """Directory for offload='disk' files (a per-process subdirectory is created and removed)."""
+    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+    """The runtime's knobs: activation checkpointing, offload, buckets, prefetch, resharding,
+    reduction overlap, accumulation (zeroshard.sharding.options). Flags and TOML keys spell them
+    flat (`prefetch = 2`, `--offload cpu`), and so does the constructor: `TrainConfig(prefetch=2)`."""
 
     shard_size: int | None = None
     """Hybrid sharding: shard inside groups of this many consecutive ranks and replicate across
@@ -120,43 +119,10 @@ class TrainConfig:
     nproc/tp data-parallel ranks, which split the batch; the ranks of one tp group share theirs. Needs a
     model with a TP plan: tiny, small, medium or hf:llama-tiny. 1 is no tensor parallelism."""
 
-    bucket_mb: float = 25.0
-    """Gradient bucket size in MB for the overlapped reduction (stages 0-2; stage 3 reduces per unit)."""
-
-    prefetch: int = 1
-    """Stage 3 only: units whose all-gather is issued ahead of the one computing. Each extra unit
-    hides more all-gather latency and holds one more block's full params; 0 gathers on demand."""
-
-    reshard_after_forward: bool = True
-    """Stage 3 only: free each unit's gathered params after its forward and gather them again for
-    backward. False keeps every unit's full params from forward to backward: one all-gather fewer
-    per unit, the memory of unsharded params during backward."""
-
-    backward_prefetch_at: float = 0.5
-    """Stage 3: share of a unit's grads complete before the all-gather of the unit backward needs
-    next is issued. Earlier hides more of it behind the unit's backward; later issues it once more of
-    the unit's activations are freed (the memory peak is at the start of a unit's backward)."""
-
-    max_inflight_reductions: int = 2
-    """Stages 2-3: the oldest gradient reduction is finished while more than this many are pending.
-    Each pending one holds its unit's full grads; fewer bounds that memory at the cost of overlap."""
-
-    reap_when_done: bool = True
-    """Finish a gradient reduction as soon as the backend reports it complete. False finishes it only
-    when max_inflight_reductions or a read forces it: what a link slower than compute gives."""
-
-    check_schedule: bool = False
-    """Debug mode: check every optimizer step's collectives against the step schedule (what the
-    planner and the simulator model) and stop at the first difference, naming it."""
-
     mp: str = "fp32"
     """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
     Masters and optimizer state stay fp32 and gradients are reduced in fp32; fp16 adds dynamic
     loss scaling."""
-
-    accumulation: str = "sharded"
-    """Stages 2-3 only: 'sharded' reduce-scatters every micro-step into the 1/N grad shard;
-    'unsharded' keeps full fp32 grads across micro-steps and reduces once per step."""
 
     comm_quant: str = "none"
     """Quantized communication: 'none', or 'weights' (stage 3 all-gathers weights as blockwise int8
@@ -228,8 +194,18 @@ class TrainConfig:
     older verified ones of this run are deleted, and any that fails verification is renamed
     `<name>.corrupt` (never deleted). 0 keeps all."""
 
-    def __post_init__(self) -> None:
-        _check_types(self)
+    def __init__(self, **values: Any) -> None:
+        # Written out rather than generated so that the engine's knobs can be given flat, as every
+        # TOML file, flag and test spells them, and still land in the one EngineOptions.
+        engine = values.pop("engine", None)
+        knobs = {k: values.pop(k) for k in list(values) if k in KNOB_NAMES}
+        for f in dataclasses.fields(self):
+            if f.name != "engine":  # the one field with a factory; every other default is a plain value
+                setattr(self, f.name, values.pop(f.name, f.default))
+        if values:
+            raise TypeError(f"TrainConfig got unknown keys {sorted(values)}; valid keys are: {', '.join(field_names())}")
+        _check_types(self, knobs)
+        self.engine = EngineOptions.from_flat(knobs, base=engine)
         self._check_ranges()
 
     def _check_comm_quant(self) -> None:
@@ -269,25 +245,11 @@ class TrainConfig:
         if self.shard_size is not None and (self.shard_size < 1 or dp % self.shard_size):
             where = f"nproc={self.nproc}" if self.tp == 1 else f"the {dp} data-parallel ranks (nproc {self.nproc} / tp {self.tp})"
             raise ValueError(f"shard_size={self.shard_size} must divide {where}")
-        from zeroshard.offload.policy import OFFLOAD_KINDS
-        from zeroshard.sharding.recompute import segment_length
-
-        if self.offload not in OFFLOAD_KINDS:
-            raise ValueError(f"offload={self.offload!r} is invalid; use 'none', 'cpu' or 'disk'")
-        if self.offload == "disk" and not self.offload_dir:
-            raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
-        try:  # the runtime's own parser, so a policy the config accepts is one zs.shard runs
-            segment_length(self.checkpointing, 1)
-        except ValueError:
-            raise ValueError(f"checkpointing={self.checkpointing!r} is invalid; use none, all, every:K (K >= 1) "
-                             "or sqrt") from None
         self._check_comm_quant()
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"compile_backend={self.compile_backend!r} is invalid; use one of {COMPILE_BACKENDS}")
         if self.init not in ("auto", "meta", "full"):
             raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")
-        if self.accumulation not in ("sharded", "unsharded"):
-            raise ValueError(f"accumulation={self.accumulation!r} is invalid; use 'sharded' or 'unsharded'")
         for name in ("nproc", "batch", "seq_len", "steps", "num_samples", "log_every", "order", "accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -302,15 +264,6 @@ class TrainConfig:
         for name in ("weight_decay", "clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch={self.prefetch} must be >= 0 (units gathered ahead; 0 gathers on demand)")
-        if not 0.0 <= self.backward_prefetch_at <= 1.0:
-            raise ValueError(f"backward_prefetch_at={self.backward_prefetch_at} is a share of a unit's grads; "
-                             "pick a value from 0 to 1")
-        if self.max_inflight_reductions < 0:
-            raise ValueError(f"max_inflight_reductions={self.max_inflight_reductions} must be >= 0")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
         if self.desync_check < 0:
@@ -330,7 +283,14 @@ class TrainConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat, as a TOML file spells it: `TrainConfig(**cfg.to_dict())` is `cfg` again."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "engine":
+                out.update(self.engine.flat())
+            else:
+                out[f.name] = getattr(self, f.name)
+        return out
 
 
 def check_batch_split(batch: int, world: int, accum: int = 1) -> None:
@@ -352,61 +312,55 @@ def check_checkpointing(cfg: TrainConfig) -> None:
         raise ValueError(f"resume={cfg.resume!r} searches ckpt_dir, which is not set: pass --ckpt-dir DIR")
 
 
-def _check_types(cfg: TrainConfig) -> None:
+def _check_types(cfg: TrainConfig, knobs: Mapping[str, Any]) -> None:
     # TOML and flags both deliver loosely typed values; catch "steps = '10'" here, with the
     # field's name, rather than as a TypeError deep inside the training loop.
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        want = hints[f.name]
-        allowed = typing.get_args(want) or (want,)
+    values = {name: getattr(cfg, name) for name in _TYPES if name not in KNOB_NAMES} | dict(knobs)
+    for name, value in values.items():
+        allowed = typing.get_args(_TYPES[name]) or (_TYPES[name],)
         if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-            setattr(cfg, f.name, float(value))  # "peak_flops = 100000000000" in TOML is an int
-            continue
-        if value is None and type(None) in allowed:
-            continue
-        ok = any(
-            isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
-            for t in allowed
-            if t is not type(None)
-        )
-        if not ok:
+            value = float(value)  # "peak_flops = 100000000000" in TOML is an int
+        elif not (value is None and type(None) in allowed) and not any(
+                isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
+                for t in allowed if t is not type(None)):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{f.name}={value!r} has type {type(value).__name__}; expected {names}")
+            raise ValueError(f"{name}={value!r} has type {type(value).__name__}; expected {names}")
+        if name in knobs:
+            knobs[name] = value  # type: ignore[index]
+        else:
+            setattr(cfg, name, value)
+
+
+def _flat_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(TrainConfig)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "engine":
+            out.update({knob.name: knob.type for knob in KNOBS})
+        else:
+            out[f.name] = hints[f.name]
+    return out
+
+
+_TYPES = _flat_types()
+"""Every key a config takes, flat, in field order, with its annotation."""
+
+_FIELD_DOCS = {**field_docs(TrainConfig), **{knob.name: knob.help for knob in KNOBS}}
 
 
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
+    """Every key a config takes, flat: its own fields and the engine's knobs, in field order."""
+    return list(_TYPES)
+
+
+def field_type(name: str) -> Any:
+    """A key's annotation (``int``, ``str | None``, ...), for a flag's type."""
+    return _TYPES[name]
 
 
 def field_help(name: str) -> str:
-    """The docstring under a field, reused as its --help text so the two never drift."""
+    """The docstring under a field (or engine knob), reused as its --help text so the two never drift."""
     return _FIELD_DOCS.get(name, "")
-
-
-def _parse_field_docs() -> dict[str, str]:
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for prev, node in zip(body, body[1:]):
-        if (
-            isinstance(prev, ast.AnnAssign)
-            and isinstance(prev.target, ast.Name)
-            and isinstance(node, ast.Expr)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-        ):
-            docs[prev.target.id] = " ".join(node.value.value.split())
-    return docs
-
-
-try:
-    _FIELD_DOCS = _parse_field_docs()
-except (OSError, TypeError):  # source unavailable (e.g. zipped install): help text only
-    _FIELD_DOCS = {}
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

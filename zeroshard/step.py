@@ -132,17 +132,12 @@ def mixed_precision(cfg: TrainConfig) -> zs.MixedPrecision | None:
 
 
 ENGINE_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(zs.EngineOptions))
-"""Every engine knob. Each is also a TrainConfig field of the same name and default (a unit test
-holds the two together), so every knob the library has is a flag and a TOML key."""
+"""The `zs.shard` keywords that go into the engine's options rather than beside them."""
 
 
 def engine_options(cfg: TrainConfig, **overrides: Any) -> zs.EngineOptions:
-    """The `EngineOptions` that `cfg` describes, with ``overrides`` (engine keywords) on top."""
-    values = {name: getattr(cfg, name) for name in ENGINE_OPTION_NAMES if name != "offload"}
-    values["offload"] = zs.OffloadPolicy(kind=cfg.offload, directory=cfg.offload_dir) if cfg.offload != "none" \
-        else zs.OffloadPolicy()
-    values.update(overrides)
-    return zs.EngineOptions(**values)
+    """`cfg.engine` with ``overrides`` (engine keywords) on top."""
+    return dataclasses.replace(cfg.engine, **overrides)
 
 
 def shard_model(cfg: TrainConfig, model: torch.nn.Module, **overrides: Any) -> torch.nn.Module:

@@ -200,7 +200,7 @@ def test_cli_tp_bytes_planned_and_simulated_equal_the_ledger(cli_suite, capsys, 
     assert set(measured) == {"all_reduce:tp:forward", "all_reduce:tp:backward"}  # the blocks were split
     same = ["--model", cfg.model, "--vocab-size", str(cfg.vocab_size), "--seq", str(cfg.seq_len), "--world",
             str(cfg.nproc), "--tp", str(cfg.tp), "--stage", str(cfg.stage), "--mp", cfg.mp, "--accum", str(cfg.accum),
-            "--checkpointing", cfg.checkpointing, "--json"]
+            "--checkpointing", cfg.engine.checkpointing, "--json"]
     layout = {1: "zero1", 2: "zero2", 3: "zero3"}[cfg.stage]
     planned = sum(c["buffer_bytes"] * c["count"] for c in _cli_json(capsys, ["plan", "--batch", str(cfg.batch),
                                                                              "--device", "cpu", *same])
@@ -213,9 +213,9 @@ def test_cli_tp_bytes_planned_and_simulated_equal_the_ledger(cli_suite, capsys, 
     # again but the segment's last (torch's early stop: nothing saves that output).
     gpt = GPTConfig.named(cfg.model)
     per_op = cfg.batch // 2 // cfg.accum * cfg.seq_len * gpt.n_embd * 4
-    segments = {"none": 0, "all": gpt.n_layer, "every:2": gpt.n_layer // 2}[cfg.checkpointing]
+    segments = {"none": 0, "all": gpt.n_layer, "every:2": gpt.n_layer // 2}[cfg.engine.checkpointing]
     rebuilt = 2 * gpt.n_layer - segments if segments else 0
     theory = cfg.accum * (4 * gpt.n_layer + rebuilt) * per_op
-    print(f"stage {cfg.stage} accum {cfg.accum} ckpt {cfg.checkpointing}: tp bytes per step ledger {ledger:,} "
+    print(f"stage {cfg.stage} accum {cfg.accum} ckpt {cfg.engine.checkpointing}: tp bytes per step ledger {ledger:,} "
           f"planned {planned:,} simulated {row['tp_bytes']:,.0f} theory {theory:,}")
     assert ledger == planned == row["tp_bytes"] == theory

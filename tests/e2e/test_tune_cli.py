@@ -36,9 +36,9 @@ def test_tune_ranks_measured_candidates_and_writes_a_train_config(tmp_path: Path
     cfg = merge_config(load_toml(toml))  # what `zeroshard train --config tuned.toml` does
     winner = rows[0]
     assert (cfg.model, cfg.nproc, cfg.batch, cfg.seq_len) == ("tiny", 2, 8, 32)
-    assert (cfg.stage, cfg.checkpointing) == (winner["stage"], winner["checkpointing"])
+    assert (cfg.stage, cfg.engine.checkpointing) == (winner["stage"], winner["checkpointing"])
     if winner["stage"] == 3:
-        assert (cfg.prefetch, cfg.reshard_after_forward) == (1, winner["reshard_after_forward"])
+        assert (cfg.engine.prefetch, cfg.engine.reshard_after_forward) == (1, winner["reshard_after_forward"])
     assert winner["candidate"] in toml.read_text()
 
 

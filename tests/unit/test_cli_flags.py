@@ -375,6 +375,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                 "compile": "--compile",
                 "profile": "--no-profile", "trace": "--trace"}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
+             "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
              "save_every": (["--ckpt-dir", "ckpt"], "10")}
     table: dict[str, list[Entry]] = {"--config": [(plus(t, "--config", str(toml)), t, CHANGES)],
                                      "--tp": [(plus(t, "--tp", "3"), None, REFUSED),
@@ -416,10 +417,10 @@ def test_every_train_flag_changes_the_resolved_config_or_is_refused(tmp_path) ->
 def test_every_train_config_field_is_read_by_the_runtime() -> None:
     """The resolved config is only half of it: each field must also be read somewhere outside the
     config module (the step, the launcher, the observer, checkpoints), or its flag changes nothing."""
-    from zeroshard.step import ENGINE_OPTION_NAMES  # read all at once, into the engine's options
+    from zeroshard.sharding.options import KNOB_NAMES  # the engine's, read as cfg.engine
 
     sources = [p.read_text() for p in (ROOT / "zeroshard").rglob("*.py") if p.name != "config.py"]
-    unread = [name for name in field_names() if name not in ENGINE_OPTION_NAMES
+    unread = [name for name in field_names() if name not in KNOB_NAMES
               and not any(re.search(rf"\b(?:cfg|base)\.{name}\b", text) for text in sources)]
     assert not unread, f"TrainConfig fields nothing reads: {unread}"
 

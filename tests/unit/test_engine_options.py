@@ -30,12 +30,12 @@ class Net(nn.Module):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(prefetch=-1), "prefetch must be >= 0"),
-    (dict(bucket_mb=0), "bucket_mb must be positive"),
-    (dict(accumulation="lazy"), "accumulation must be 'sharded' or 'unsharded'"),
-    (dict(checkpointing="every:0"), "checkpointing policy 'every:0' is unknown"),
-    (dict(backward_prefetch_at=1.5), "backward_prefetch_at is a share"),
-    (dict(max_inflight_reductions=-1), "max_inflight_reductions must be >= 0"),
+    (dict(prefetch=-1), "prefetch=-1 must be >= 0"),
+    (dict(bucket_mb=0), "bucket_mb=0 must be > 0"),
+    (dict(accumulation="lazy"), "accumulation='lazy' is invalid; use 'sharded' or 'unsharded'"),
+    (dict(checkpointing="every:0"), "checkpointing='every:0' is invalid; use none, all"),
+    (dict(backward_prefetch_at=1.5), "backward_prefetch_at=1.5 is a share"),
+    (dict(max_inflight_reductions=-1), "max_inflight_reductions=-1 must be >= 0"),
 ])
 def test_bad_options_fail_with_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -93,23 +93,36 @@ def test_a_local_step_reports_its_reductions_and_step():
     assert kinds[-1] == ("step", "")
 
 
-def test_every_engine_knob_is_a_train_config_key_with_the_same_default():
-    """One table: the engine's options. A knob added there without a TrainConfig field (and so
-    without a flag and a TOML key) fails here."""
+def test_every_engine_knob_is_a_train_config_key_nested_in_one_engine_options(tmp_path):
+    """One table: the engine's options. TrainConfig nests them; each field (offload's policy spread
+    flat) is a key of the config, a flag and a TOML key, with the engine's own default, and a value
+    given flat lands in `cfg.engine` and nowhere else."""
     import dataclasses
 
-    from zeroshard.config import TrainConfig
+    from zeroshard.config import TrainConfig, field_names, load_toml, merge_config
+    from zeroshard.offload.policy import OffloadPolicy
+    from zeroshard.sharding.options import KNOB_NAMES, KNOBS
     from zeroshard.step import engine_options
 
+    own = {f.name for f in dataclasses.fields(EngineOptions)} - {"offload"}
+    assert set(KNOB_NAMES) == own | {"offload", "offload_dir", "offload_slice_mb"}
+    assert len(dataclasses.fields(OffloadPolicy)) == 3  # a new policy field needs a flat knob
+    assert set(KNOB_NAMES) <= set(field_names()) and "engine" not in field_names()
     cfg = TrainConfig()
-    for f in dataclasses.fields(EngineOptions):
-        assert hasattr(cfg, f.name), f"EngineOptions.{f.name} has no TrainConfig field (no flag, no TOML key)"
-    assert engine_options(cfg) == EngineOptions()
-    changed = TrainConfig(stage=3, prefetch=2, reshard_after_forward=False, bucket_mb=4.0, accumulation="unsharded",
-                          checkpointing="all", backward_prefetch_at=0.25, max_inflight_reductions=1,
-                          reap_when_done=False, offload="cpu")
-    options = engine_options(changed)
-    assert (options.prefetch, options.reshard_after_forward, options.bucket_mb, options.accumulation,
-            options.checkpointing, options.backward_prefetch_at, options.max_inflight_reductions,
-            options.reap_when_done, options.offload.kind) == (2, False, 4.0, "unsharded", "all", 0.25, 1, False, "cpu")
+    assert cfg.engine == EngineOptions() and engine_options(cfg) == EngineOptions()
+    assert {k.name: k.default for k in KNOBS} == EngineOptions().flat()
+    changed_values = {"checkpointing": "all", "offload": "disk", "offload_dir": str(tmp_path / "off"),
+                      "offload_slice_mb": 8.0, "accumulation": "unsharded"}
+    for knob in KNOBS:
+        if knob.name not in changed_values:
+            changed_values[knob.name] = (not knob.default if knob.type is bool else
+                                         knob.default / 2 if knob.type is float else knob.default + 1)
+    assert set(changed_values) == set(KNOB_NAMES)
+    changed = TrainConfig(stage=3, **changed_values)
+    assert changed.engine.flat() == changed_values and all(changed_values[k.name] != k.default for k in KNOBS)
+    assert TrainConfig(**changed.to_dict()) == changed and dataclasses.replace(changed, stage=2).engine == changed.engine
+    toml = tmp_path / "run.toml"
+    toml.write_text("\n".join(f"{k} = {v!r}".replace("True", "true").replace("False", "false")
+                              for k, v in changed_values.items()))
+    assert merge_config(load_toml(toml), {"stage": 3}).engine == changed.engine
     assert engine_options(changed, prefetch=0, offload="none").prefetch == 0

@@ -150,7 +150,7 @@ def test_every_converted_config_is_read_back_by_train_config(tmp_path):
         path.write_text(conv.toml("ds.json"))
         assert load_toml(path) == conv.values
         cfg = config_from_sources(path, {})
-        assert {k: getattr(cfg, k) for k in conv.values} == conv.values
+        assert {k: cfg.to_dict()[k] for k in conv.values} == conv.values
 
 
 def _with(base: dict, **zero) -> dict:

@@ -130,11 +130,11 @@ def test_winning_config_loads_as_train_does(tmp_path: Path, winner: Candidate) -
                           header=choose.header(row, ranked, base, 2_000_000_000))
     assert "2.00 GB per rank" in path.read_text()
     cfg = merge_config(load_toml(path))  # what `zeroshard train --config` does with the file
-    assert (cfg.stage, cfg.checkpointing) == (winner.stage, winner.checkpointing)
+    assert (cfg.stage, cfg.engine.checkpointing) == (winner.stage, winner.checkpointing)
     if winner.stage == 3:
-        assert (cfg.prefetch, cfg.reshard_after_forward) == (2, False)
+        assert (cfg.engine.prefetch, cfg.engine.reshard_after_forward) == (2, False)
     else:
-        assert cfg.bucket_mb == 5.0
+        assert cfg.engine.bucket_mb == 5.0
     # The workload and the base's own settings survive; untouched defaults stay out of the file.
     assert (cfg.model, cfg.nproc, cfg.batch, cfg.seq_len, cfg.lr, cfg.min_lr, cfg.run_dir) == (
         "tiny", 2, 8, 32, 3e-3, 1e-5, "runs/a b")

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from zeroshard import faults as fault_points
-from zeroshard.config import TrainConfig, field_help, field_names, load_toml, merge_config
+from zeroshard.config import TrainConfig, field_help, field_names, field_type, load_toml, merge_config
 
 
 # --------------------------------------------------------------------------- flags shared with verify
@@ -36,12 +36,11 @@ def add_config_flags(
     which is what lets a flag override the TOML file; the real default is shown in the help.
     """
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
-    hints = typing.get_type_hints(TrainConfig)
     shown = {**TrainConfig().to_dict(), **(defaults or {})}
     for name in field_names():
         if name in skip:
             continue
-        want = hints[name]
+        want = field_type(name)
         py_type = next((t for t in typing.get_args(want) if t is not type(None)), want)
         text = f"{field_help(name)} (default: {shown[name]})".replace("%", "%%")
         if py_type is bool:

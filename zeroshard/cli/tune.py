@@ -70,7 +70,7 @@ def _base_config(args: argparse.Namespace):
     if base.model.startswith(HF_PREFIX):
         raise ValueError(f"model={base.model!r}: tune measures zeroshard's GPT presets (tiny, small, medium), "
                          "which the planner can size")
-    if base.offload != "none" or base.shard_size is not None:
+    if base.engine.offload.kind != "none" or base.shard_size is not None:
         raise ValueError("tune does not search offload or hybrid sharding yet; remove offload/shard_size from "
                          "the config, tune, then add them back")
     check_before_launch(base)

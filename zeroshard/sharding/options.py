@@ -1,14 +1,21 @@
 """The engine's options: every knob of the runtime's schedule and memory, in one typed record.
 
 ``zs.shard(...)`` builds an ``EngineOptions`` from its keyword arguments (or takes one whole, as
-``options=``); the engine reads its knobs from here and nowhere else. Tools that model the runtime
-(the planner, the simulator) import the defaults below instead of restating them.
+``options=``); the engine reads its knobs from here and nowhere else. ``TrainConfig`` holds one,
+and the planner's spec and the tuner's grid hold one, so a knob is declared once, here.
+
+Flags, TOML keys and a DeepSpeed migration spell the knobs flat (``prefetch = 2``,
+``--offload cpu --offload-dir D``): ``KNOBS`` is that flat table, built from the fields below, and
+``from_flat`` / ``flat`` convert between the two spellings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Any, Mapping
 
+from zeroshard.docstrings import field_docs
 from zeroshard.offload.policy import OffloadPolicy
 from zeroshard.sharding.recompute import segment_length
 
@@ -29,47 +36,125 @@ class EngineOptions:
     activation checkpointing and offload. Validated on construction, so a bad value fails before
     the model is touched. See ``zs.shard`` for what each means to a user."""
 
-    prefetch: int = 1
-    """Stage 3: units all-gathered ahead of the one computing, in forward and in backward."""
-    reshard_after_forward: bool = True
-    """Stage 3: free a unit's full params after its forward (and gather them again for backward)."""
-    bucket_mb: float = 25.0
-    """Stages 0-2: consecutive units merged into reduction buckets of about this many MiB."""
-    accumulation: str = "sharded"
-    """Inside ``zs.no_sync`` at stages 2-3: reduce every micro-step ("sharded") or keep full grads
-    until the synchronising backward ("unsharded")."""
     checkpointing: str = "none"
-    """Activation checkpointing policy: "none", "all", "every:K" or "sqrt" (zeroshard/sharding/recompute.py)."""
+    """Activation checkpointing of the blocks: none, all, every:K (segments of K blocks) or sqrt
+    (segments of about sqrt(L) blocks)."""
+
     offload: OffloadPolicy = dataclasses.field(default_factory=OffloadPolicy)
-    """Where fp32 masters and optimizer state live (zeroshard/offload/). "none", "cpu" or None are
-    taken as ``OffloadPolicy(kind=...)``, as ``zs.shard(offload=)`` takes them."""
+    """Where fp32 masters and optimizer state live: none (with the params), cpu (host memory, CPU
+    optimizer step) or disk (files under offload_dir, stepped slice by slice). A string is taken as
+    ``OffloadPolicy(kind=...)``, as ``zs.shard(offload=)`` takes it."""
+
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MB for the overlapped reduction (stages 0-2; stage 3 reduces per unit)."""
+
+    prefetch: int = 1
+    """Stage 3 only: units whose all-gather is issued ahead of the one computing. Each extra unit
+    hides more all-gather latency and holds one more block's full params; 0 gathers on demand."""
+
+    reshard_after_forward: bool = True
+    """Stage 3 only: free each unit's gathered params after its forward and gather them again for
+    backward. False keeps every unit's full params from forward to backward: one all-gather fewer
+    per unit, the memory of unsharded params during backward."""
+
     backward_prefetch_at: float = BACKWARD_PREFETCH_AT
-    """Share of a unit's grads complete before its backward prefetch is issued (see ``Engine``)."""
+    """Stage 3: share of a unit's grads complete before the all-gather of the unit backward needs
+    next is issued. Earlier hides more of it behind the unit's backward; later issues it once more of
+    the unit's activations are freed (the memory peak is at the start of a unit's backward)."""
+
     max_inflight_reductions: int = MAX_INFLIGHT_REDUCTIONS
-    """Stages 2-3: the oldest reduction is finished while more than this many are pending."""
+    """Stages 2-3: the oldest gradient reduction is finished while more than this many are pending.
+    Each pending one holds its unit's full grads; fewer bounds that memory at the cost of overlap."""
+
     reap_when_done: bool = True
-    """Finish a reduction as soon as the backend reports it complete (without a replicate group).
-    False finishes one only when the cap or a read forces it: the bound a link slower than compute
-    reaches, which is what ``plan --measure`` measures."""
+    """Finish a gradient reduction as soon as the backend reports it complete. False finishes it only
+    when max_inflight_reductions or a read forces it: what a link slower than compute gives."""
+
     check_schedule: bool = False
-    """Debug mode: compare every optimizer step's collectives with the step schedule the planner
-    and simulator read, and raise at the first difference (zeroshard/sharding/schedule_check.py)."""
+    """Debug mode: check every optimizer step's collectives against the step schedule (what the
+    planner and the simulator model) and stop at the first difference, naming it."""
+
+    accumulation: str = "sharded"
+    """Stages 2-3 with gradient accumulation: 'sharded' reduce-scatters every micro-step into the 1/N
+    grad shard; 'unsharded' keeps full fp32 grads across micro-steps and reduces once per step."""
 
     def __post_init__(self) -> None:
         if self.offload is None or isinstance(self.offload, str):
             object.__setattr__(self, "offload", OffloadPolicy(kind=self.offload or "none"))
-        segment_length(self.checkpointing, 1)  # raises with the valid policies
+        try:
+            segment_length(self.checkpointing, 1)
+        except ValueError:
+            raise ValueError(f"checkpointing={self.checkpointing!r} is invalid; use none, all, every:K (K >= 1) "
+                             "or sqrt") from None
         if self.accumulation not in ACCUMULATIONS:
-            raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {self.accumulation!r}")
+            raise ValueError(f"accumulation={self.accumulation!r} is invalid; use 'sharded' or 'unsharded'")
         if self.prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0 (all-gathers in flight ahead of compute), got {self.prefetch}")
+            raise ValueError(f"prefetch={self.prefetch} must be >= 0 (units gathered ahead; 0 gathers on demand)")
         if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         if not 0.0 <= self.backward_prefetch_at <= 1.0:
-            raise ValueError(f"backward_prefetch_at is a share of a unit's grads, from 0 to 1; got {self.backward_prefetch_at}")
+            raise ValueError(f"backward_prefetch_at={self.backward_prefetch_at} is a share of a unit's grads; "
+                             "pick a value from 0 to 1")
         if self.max_inflight_reductions < 0:
-            raise ValueError(f"max_inflight_reductions must be >= 0, got {self.max_inflight_reductions}")
+            raise ValueError(f"max_inflight_reductions={self.max_inflight_reductions} must be >= 0")
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any], base: EngineOptions | None = None) -> EngineOptions:
+        """``base`` (the defaults when None) with the flat knobs in ``values`` on top; keys that are not
+        knobs are ignored, so a whole config's values may be passed."""
+        base = base if base is not None else cls()
+        own = {k: v for k, v in values.items() if k in _OWN_KNOBS}
+        offload = {_OFFLOAD_KNOBS[k]: v for k, v in values.items() if k in _OFFLOAD_KNOBS}
+        policy = base.offload
+        if offload:
+            policy = OffloadPolicy(**{**dataclasses.asdict(policy), **offload})
+        return dataclasses.replace(base, **own, offload=policy)
+
+    def flat(self) -> dict[str, Any]:
+        """The knobs as flags and TOML keys spell them, in ``KNOBS`` order."""
+        values = {k: getattr(self, k) for k in _OWN_KNOBS}
+        values.update({k: getattr(self.offload, attr) for k, attr in _OFFLOAD_KNOBS.items()})
+        return {knob.name: values[knob.name] for knob in KNOBS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One engine knob as a flag and a TOML key spell it."""
+
+    name: str
+    type: Any
+    """Its annotation (``int``, ``float``, ``bool``, ``str`` or ``str | None``)."""
+    default: Any
+    help: str
+
+
+_OFFLOAD_KNOBS = {"offload": "kind", "offload_dir": "directory", "offload_slice_mb": "slice_mb"}
+"""The flat names of ``OffloadPolicy``'s fields."""
+
+
+def _knob_table() -> tuple[tuple[Knob, ...], tuple[str, ...]]:
+    hints = typing.get_type_hints(EngineOptions)
+    offload_hints = typing.get_type_hints(OffloadPolicy)
+    docs, offload_docs = field_docs(EngineOptions), field_docs(OffloadPolicy)
+    defaults = EngineOptions()
+    knobs: list[Knob] = []
+    for f in dataclasses.fields(EngineOptions):
+        if f.name != "offload":
+            knobs.append(Knob(f.name, hints[f.name], getattr(defaults, f.name), docs.get(f.name, "")))
+            continue
+        for name, attr in _OFFLOAD_KNOBS.items():
+            text = docs.get("offload", "") if name == "offload" else offload_docs.get(attr, "")
+            knobs.append(Knob(name, offload_hints[attr], getattr(defaults.offload, attr), text))
+    own = tuple(f.name for f in dataclasses.fields(EngineOptions) if f.name != "offload")
+    return tuple(knobs), own
+
+
+KNOBS, _OWN_KNOBS = _knob_table()
+"""Every engine knob, flat: one row per ``EngineOptions`` field, ``offload`` spread over its policy's
+fields. ``TrainConfig`` makes a flag and a TOML key of each; the planner and tuner take the same names."""
+
+KNOB_NAMES = tuple(k.name for k in KNOBS)

@@ -54,15 +54,16 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
         # One plan covers every stage; only the knobs that change some layout make a new one.
         knobs: dict[str, Any] = dict(checkpointing=c.checkpointing, prefetch=1 if c.prefetch is None else c.prefetch,
                      reshard_after_forward=True if c.reshard_after_forward is None else c.reshard_after_forward,
-                     bucket_mb=base.bucket_mb if c.bucket_mb is None else c.bucket_mb,
+                     bucket_mb=base.engine.bucket_mb if c.bucket_mb is None else c.bucket_mb,
                      comm_quant=c.comm_quant, comm_quant_block=base.comm_quant_block)
         key = tuple(sorted(knobs.items()))
         if key not in plans:
             plans[key] = plan(gpt, world=base.nproc, tp=base.tp, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
-                              accumulation=base.accumulation, device=device, optimizer="adamw", offload=base.offload,
+                              accumulation=base.engine.accumulation, device=device, optimizer="adamw",
+                              offload=base.engine.offload.kind,
                               optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True}, **knobs)
         # The run offloads as the base config says, so its layout is the plan's offload variant.
-        name = LAYOUT[c.stage] + ("_offload" if base.offload != "none" else "")
+        name = LAYOUT[c.stage] + ("_offload" if base.engine.offload.kind != "none" else "")
         layout = plans[key][name].device  # type: ignore[index]
         out[c] = Prediction(total=layout.total, allocated=layout.allocated)
     return out
