@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroshard.config import config_from_sources, load_toml
+from zeroshard.config import TrainConfig, config_from_sources, load_toml
 from zeroshard.migrate import UnsupportedKey, from_deepspeed
 from zeroshard.migrate.deepspeed import ADAMW_BETAS, ADAMW_EPS, SCALER
 
@@ -78,25 +78,24 @@ ZERO3_HF_AUTO = {
 
 def test_zero1_bf16_exact_toml():
     conv = from_deepspeed(ZERO1_BF16, world=8)
-    assert conv.toml("ds.json") == "\n".join([
-        "# Converted from the DeepSpeed config ds.json by `zeroshard config from-deepspeed`.",
-        "# note: weight_decay: zeroshard decays matrices and embeddings only, not biases or norm weights",
-        "# note: scheduler WarmupCosineLR: zeroshard's warm-up reaches lr one step earlier "
-        "(lr*(s+1)/warmup rather than lr*s/warmup)",
-        "stage = 1",
-        "nproc = 8",
-        "batch = 256",
-        "steps = 1000",
-        "lr = 0.0003",
-        f"min_lr = {3e-4 * 0.1!r}",  # lr x cos_min_ratio, as DeepSpeed computes it
-        "warmup = 100",
-        "weight_decay = 0.1",
-        "clip = 1.0",
-        "accum = 4",
-        f"bucket_mb = {5e8 * 4 / 2**20!r}",
-        'mp = "bf16"',
-        "log_every = 50",
-    ]) + "\n"
+    assert conv.values == dict(stage=1, nproc=8, batch=256, steps=1000, lr=3e-4, min_lr=3e-4 * 0.1, warmup=100,
+                               weight_decay=0.1, clip=1.0, accum=4, bucket_mb=5e8 * 4 / 2**20, mp="bf16", log_every=50)
+    text = conv.toml("ds.json")
+    comments = [ln for ln in text.splitlines() if ln.startswith("#")]
+    assert comments[0] == "# Converted from the DeepSpeed config ds.json by `zeroshard config from-deepspeed`."
+    assert comments[1:] == [f"# {ln}".rstrip() for ln in conv.table().splitlines()]
+    assert text.splitlines()[len(comments):] == [  # TrainConfig's field order
+        "stage = 1", "nproc = 8", "batch = 256", "steps = 1000", "lr = 0.0003", f"min_lr = {3e-4 * 0.1!r}",
+        "warmup = 100", "weight_decay = 0.1", "clip = 1.0", "accum = 4", f"bucket_mb = {5e8 * 4 / 2**20!r}",
+        'mp = "bf16"', "log_every = 50"]
+    rows = {d.key: d for d in conv.decisions}
+    assert rows["train_batch_size"].source == "the JSON" and rows["gradient_accumulation_steps"].became == "accum = 4"
+    assert "derived" in rows["gradient_accumulation_steps"].source
+    assert rows["scheduler.params.cos_min_ratio"].became == f"min_lr = {3e-4 * 0.1!r}"
+    assert conv.notes == [
+        "optimizer.params.weight_decay=0.1: zeroshard decays matrices and embeddings only, not biases or norm weights",
+        "scheduler.type='WarmupCosineLR': zeroshard's warm-up reaches lr one step earlier "
+        "(lr*(s+1)/warmup rather than lr*s/warmup)"]
 
 
 def test_zero2_fp16_loss_scaling_with_cpu_offload():
@@ -122,16 +121,78 @@ def test_zero3_nvme_optimizer_offload_becomes_disk():
 
 def test_hf_auto_template_resolves_batch_and_keeps_default_buckets():
     conv = from_deepspeed(ZERO3_HF_AUTO, world=2)
-    assert conv.values == dict(stage=3, nproc=2, batch=4 * 2 * 2, clip=1.0, accum=2, mp="bf16")
-    assert "train_batch_size='auto': derived from the other batch keys and the world size" in conv.notes
-    assert "zero_optimization.reduce_bucket_size='auto': zeroshard's default bucket_mb is used" in conv.notes
+    assert conv.values == dict(stage=3, nproc=2, batch=4 * 2 * 2, clip=1.0, accum=2, bucket_mb=25.0, mp="bf16")
+    rows = {d.key: d for d in conv.decisions}
+    assert rows["train_batch_size"].given == "auto" and "derived" in rows["train_batch_size"].source
+    assert rows["zero_optimization.reduce_bucket_size"].source == "auto: zeroshard's default"
+
+
+def test_auto_takes_the_flag_or_zeroshards_default_as_the_hf_trainer_fills_it():
+    every = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+             "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"},
+             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto",
+                                                       "eps": "auto"}}}
+    defaults = TrainConfig().to_dict()
+    plain = from_deepspeed(every, world=2)
+    assert plain.values == {"nproc": 2, **{k: defaults[k] for k in ("stage", "batch", "lr", "weight_decay", "clip",
+                                                                      "accum", "bucket_mb", "mp")}}
+    assert all(d.source == "auto: zeroshard's default" for d in plain.decisions if d.given == "auto"
+               and d.became != "-" and not d.key.startswith("train_micro"))
+    flags = dict(batch=32, accum=2, lr=3e-4, weight_decay=0.0, clip=0.5, stage=2, bucket_mb=8.0, mp="bf16")
+    filled = from_deepspeed(every, world=4, flags=flags)
+    assert filled.values == {"nproc": 4, **flags}
+    rows = {d.key: d for d in filled.decisions}
+    assert rows["gradient_clipping"].source == "auto: --clip" and rows["bf16.enabled"].became == "mp = 'bf16'"
+    assert "= 4" in rows["train_micro_batch_size_per_gpu"].why, "32 / (4 ranks x 2 micro-steps)"
+
+
+def test_a_flag_must_agree_with_a_value_the_json_writes():
+    with pytest.raises(UnsupportedKey, match="gradient_clipping=1.0 but --clip 0.5"):
+        from_deepspeed(ZERO1_BF16, world=8, flags={"clip": 0.5})
+    with pytest.raises(UnsupportedKey, match="train_batch_size=256 but --batch 64"):
+        from_deepspeed(ZERO1_BF16, world=8, flags={"batch": 64})
+    with pytest.raises(UnsupportedKey, match="computes in bf16 but --mp fp16"):
+        from_deepspeed(ZERO1_BF16, world=8, flags={"mp": "fp16"})
+    # A flag that agrees, or that no key sets, is written as given.
+    conv = from_deepspeed(ZERO1_BF16, world=8, flags={"clip": 1.0, "model": "small", "seq_len": 32})
+    assert (conv.values["clip"], conv.values["model"], conv.values["seq_len"]) == (1.0, "small", 32)
+    assert {d.source for d in conv.decisions if d.became.startswith(("model", "seq_len"))} == {"--model", "--seq-len"}
+
+
+def test_drop_removes_a_refused_key_on_the_users_word():
+    ds = {**ZERO1_BF16, "sequence_parallel_size": 2}
+    with pytest.raises(UnsupportedKey, match="--drop sequence_parallel_size converts without it"):
+        from_deepspeed(ds, world=8)
+    conv = from_deepspeed(ds, world=8, drop=("sequence_parallel_size",))
+    assert conv.values == from_deepspeed(ZERO1_BF16, world=8).values
+    assert any(d.key == "sequence_parallel_size" and d.source == "--drop" and d.noted for d in conv.decisions)
+    with pytest.raises(UnsupportedKey, match="--drop zero_optimization.nope: the DeepSpeed config has no key"):
+        from_deepspeed(ZERO1_BF16, world=8, drop=("zero_optimization.nope",))
+
+
+def test_warmup_lr_is_a_cosine_whose_floor_is_the_peak():
+    ds = {**ZERO1_BF16, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 7,
+                                                                      "warmup_type": "linear"}}}
+    conv = from_deepspeed(ds, world=8)
+    assert (conv.values["lr"], conv.values["min_lr"], conv.values["warmup"]) == (3e-4, 3e-4, 7)
+    from zeroshard.step import lr_at
+
+    cfg = config_from_sources(None, {**conv.values, "steps": 20})
+    assert [lr_at(cfg, s) for s in range(7, 20)] == [3e-4] * 13, "constant after warm-up, as WarmupLR holds it"
+    log = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4}}}
+    with pytest.raises(UnsupportedKey, match="warmup_type='log' is unsupported .DeepSpeed default."):
+        from_deepspeed(log, world=8)
+    peak = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}
+    with pytest.raises(UnsupportedKey, match="warmup_max_lr=0.001 .DeepSpeed default. and optimizer.params.lr"):
+        from_deepspeed(peak, world=8)
 
 
 def test_minimal_stage0_config_takes_deepspeed_defaults():
     conv = from_deepspeed({"train_batch_size": 32})
     # DeepSpeed clips nothing unless gradient_clipping is set; zeroshard's own default would clip at 1.0.
     assert conv.values == dict(batch=32, clip=0.0, accum=1, mp="fp32")
-    assert conv.notes[-1].startswith("world size unknown, so nproc is not written")
+    assert conv.notes[-1].startswith("nproc is not written")
     # An odd global batch is fine while the world is unknown: nothing says it must split over 2 ranks.
     assert from_deepspeed({"train_batch_size": 9, "gradient_accumulation_steps": 3}).values["batch"] == 9
 
@@ -175,12 +236,17 @@ def _with(base: dict, **zero) -> dict:
     ({**ZERO1_BF16, "tensor_parallel": {"autotp_size": 3}}, 8, "--world 8 is not a multiple of tensor_parallel"),
     ({**ZERO1_BF16, "sequence_parallel_size": 2}, 8, "sequence_parallel_size=2 is unsupported: DeepSpeed-Ulysses"),
     (_with(ZERO2_FP16_OFFLOAD, zero_hpz_partition_size=8), 4, "zero_optimization.zero_hpz_partition_size"),
-    (_with(ZERO3_NVME, offload_param={"device": "nvme", "nvme_path": "/nvme"}), None,
-     "zero_optimization.offload_param.device"),
-    (_with(ZERO3_NVME, offload_param={"device": "cpu"}), None, "zero_optimization.offload_param.device"),
+    (_with(ZERO3_NVME, offload_param={"device": "gpu"}), None, "zero_optimization.offload_param.device='gpu'"),
     (_with(ZERO2_FP16_OFFLOAD, frobnicate_buckets=True), 4, "unknown DeepSpeed key 'zero_optimization.frobnicate_buckets'"),
-    ({**ZERO1_BF16, "gradient_clipping": "auto"}, 8, "'gradient_clipping' is \"auto\""),
-    ({**ZERO1_BF16, "bf16": {"enabled": "auto"}}, 8, "'bf16.enabled' is \"auto\""),
+    ({**ZERO1_BF16, "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "total_num_steps": 9,
+                                                                       "cos_min_ratio": "auto"}}}, 8,
+     "'scheduler.params.cos_min_ratio' is \"auto\", but no zeroshard flag fills it"),
+    ({**ZERO1_BF16, "bf16": {"enabled": "yes"}}, 8, "bf16.enabled='yes' must be true, false or \"auto\""),
+    (_with(ZERO2_FP16_OFFLOAD, zenflow={"topk_ratio": 0.1}), 4, "zero_optimization.zenflow={'topk_ratio': 0.1} is "
+     "unsupported: ZenFlow updates only the top-k"),
+    ({**ZERO1_BF16, "expert_parallel": {"enabled": True}}, 8, "expert_parallel={'enabled': True} is unsupported: "
+     "expert parallelism"),
+    (_with(ZERO3_NVME, offload_param={"device": "cpu"}), None, "offload to different places"),
     ({**ZERO2_FP16_OFFLOAD, "fp16": {"enabled": True, "loss_scale": 128}}, 4, "fp16.loss_scale=128"),
     (_with(ZERO1_BF16, allgather_bucket_size=2e8), 8, "allgather_bucket_size=200000000.0 differ"),
     ({**ZERO1_BF16, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 8, "optimizer.type='Lamb'"),
@@ -209,8 +275,8 @@ def test_zero_plus_plus_quantized_comm_maps_to_comm_quant():
     """qwZ and qgZ are zeroshard's comm_quant weights and grads (int8 blocks, fp32 scales, exact masters)."""
     both = from_deepspeed(_with(ZERO3_NVME, zero_quantized_weights=True, zero_quantized_gradients=True))
     assert both.values == {**from_deepspeed(ZERO3_NVME).values, "comm_quant": "weights,grads"}
-    assert any(n.startswith("zero_quantized_weights and zero_quantized_gradients: comm_quant='weights,grads'")
-               and "int4" in n for n in both.notes)
+    assert any(n.startswith("zero_optimization.zero_quantized_gradients=True: int8 blocks") and "int4" in n
+               for n in both.notes)
     assert from_deepspeed(_with(ZERO3_NVME, zero_quantized_weights=True)).values["comm_quant"] == "weights"
     assert from_deepspeed(_with(ZERO3_NVME, zero_quantized_gradients=True)).values["comm_quant"] == "grads"
     cfg = config_from_sources(None, both.values)  # what train runs: qwZ + qgZ on the stage-3 run
@@ -233,6 +299,19 @@ def test_autotp_size_maps_to_tp_and_the_batch_counts_data_parallel_ranks():
     assert "tp" not in from_deepspeed({**ZERO1_BF16, "tensor_parallel": {"autotp_size": 1}}, world=8).values
     cfg = config_from_sources(None, conv.values)
     assert (cfg.tp, cfg.nproc // cfg.tp) == (2, 4)
+
+
+def test_param_offload_maps_to_the_one_offload_target():
+    """offload_param moves the 16-bit param shards to the host in DeepSpeed; zeroshard offloads the fp32
+    masters and optimizer state instead (the same values trained), so both map to offload."""
+    both = _with(ZERO3_NVME, offload_param={"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5})
+    conv = from_deepspeed(both)
+    assert conv.values == from_deepspeed(ZERO3_NVME).values
+    row = next(d for d in conv.decisions if d.key == "zero_optimization.offload_param.device")
+    assert row.became == "offload = 'disk'" and row.noted and "compute-dtype param shard stays" in row.why
+    cpu = from_deepspeed({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert cpu.values["offload"] == "cpu"
+    assert "stage 3 only" in next(d.why for d in cpu.decisions if d.key.endswith("offload_param.device"))
 
 
 def test_switched_off_features_are_accepted():
@@ -275,7 +354,7 @@ def test_cli_writes_toml_that_train_reads(tmp_path, capsys):
     out = tmp_path / "run.toml"
     done = _cli(str(src), "--world", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert "note: fp16.hysteresis=2" in done.stderr and f"zeroshard train --config {out}" in done.stderr
+    assert "fp16.hysteresis" in done.stderr and f"zeroshard train --config {out}" in done.stderr
     assert config_from_sources(out, {}).stage == 2
     assert load_toml(out) == from_deepspeed(ZERO2_FP16_OFFLOAD, world=4).values
     printed = _main(capsys, str(src), "--world", "4")

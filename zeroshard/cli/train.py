@@ -28,14 +28,16 @@ from zeroshard.config import TrainConfig, field_help, field_names, field_type, l
 
 def add_config_flags(
     parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
-    defaults: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None, with_config_file: bool = True,
 ) -> None:
-    """One flag per TrainConfig field, help text taken from the field's docstring.
+    """One flag per TrainConfig field, help text taken from the field's docstring; and --config
+    unless ``with_config_file`` is False (a command that writes the TOML rather than reads one).
 
     Every argparse default is None so that `config_from_args` can tell "not given" from "given",
     which is what lets a flag override the TOML file; the real default is shown in the help.
     """
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
+    if with_config_file:
+        parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
     shown = {**TrainConfig().to_dict(), **(defaults or {})}
     for name in field_names():
         if name in skip:
