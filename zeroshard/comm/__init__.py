@@ -1,7 +1,13 @@
 """Communication: the mesh, the collectives wrapper and the per-rank ledger."""
 
+from zeroshard.comm import mesh as _mesh
 from zeroshard.comm.collectives import get_ledger
 from zeroshard.comm.ledger import CollectiveRecord, CollectiveState, Ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, shutdown
+from zeroshard.comm.topology_gather import gather_topology
+
+# The mesh module sits below the collectives (they take a Mesh), so the topology collective that
+# zs.init runs is handed to it here, where both are loaded, rather than imported there.
+_mesh.use_topology_gather(gather_topology)
 
 __all__ = ["CollectiveRecord", "CollectiveState", "Ledger", "Mesh", "get_ledger", "get_mesh", "init", "shutdown"]

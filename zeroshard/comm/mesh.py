@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zeroshard.comm.ledger import Ledger, process_ledger
 from zeroshard.comm.names import Dim, Group, group_of
+from zeroshard.comm.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,9 @@ class Mesh:
     ledger: Ledger = dataclasses.field(default_factory=process_ledger, repr=False, compare=False)
     """Where this mesh's collectives are recorded: the process ledger unless the caller gave one,
     so that one rank's collectives over every mesh stay one sequence for the watchdog and doctor."""
+    topology: Topology | None = dataclasses.field(default=None, repr=False, compare=False)
+    """Every rank's host and device facts, gathered at ``zs.init`` (zeroshard/comm/topology.py);
+    None for a mesh built by hand, which counts as one host."""
     _sizes: dict = dataclasses.field(init=False, repr=False, compare=False)
     _handles: dict = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -112,6 +116,21 @@ class Mesh:
                    Group.REPLICATE: self.replicate_group, Group.TP: self.tp_group,
                    Group.DP: self.dp_group or self.world_group, Group.PP: None, Group.EP: None}
         object.__setattr__(self, "_handles", handles)
+
+    @property
+    def placement(self) -> Topology:
+        """Where the ranks run: the gathered topology, or one host for a mesh built by hand."""
+        return self.topology if self.topology is not None else Topology.from_hosts(["localhost"] * self.world)
+
+    @property
+    def inside_host(self) -> dict[Dim, bool]:
+        """For each dim, whether its groups stay inside one host."""
+        return self.placement.inside_host(self.dims)
+
+    def topology_summary(self) -> dict:
+        """Hosts x ranks, each rank's host, which dims stay inside a host and each host's facts: what
+        the summary, summary.json and metrics.jsonl's header record."""
+        return self.placement.describe(self.dims)
 
     def group_size(self, group: str | Group) -> int:
         size = self._sizes.get(group)  # a Group hashes and compares as its text, so "shard" finds it too
@@ -226,7 +245,7 @@ def _check_existing_shape(mesh: Mesh, tp: int, mesh_shape, names) -> None:
 
 def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1,
          mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
-         timeout_s: float = 600.0) -> Mesh:
+         timeout_s: float = 600.0, allow_cross_host: bool = False) -> Mesh:
     """Join (or create) the default process group from the environment and build the mesh.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun and our launcher set them. With
@@ -238,6 +257,10 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     ``tp=t`` adds an innermost tensor-parallel dim of t consecutive ranks: the data-parallel ranks
     (replicate × shard) are then world / t. ``mesh_shape=(2, 2), names=("shard", "tp")`` says the
     same by name; the product must be the world size. See docs/tensor_parallel.md.
+
+    Every rank's host and device facts are gathered first (``Mesh.topology``). Hosts with different
+    numbers of ranks, and a tp group spanning hosts, are refused before any group is built; pass
+    ``allow_cross_host=True`` to run tp across hosts anyway. See docs/topology.md.
     """
     global _MESH
     if _MESH is not None:
@@ -257,13 +280,51 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
             # An in-memory store, not env vars: a plain process must not look like a torchrun
             # worker to the subprocesses it starts.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    topology = _join_topology()
     _MESH = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name="default",
-                        ledger=None)
+                        ledger=None, topology=topology, allow_cross_host=allow_cross_host)
     return _MESH
 
 
+_TOPOLOGY_GATHER: list = []
+"""The collective that gathers every rank's facts (zeroshard/comm/topology_gather.py). It is handed
+to this module by zeroshard/comm/__init__.py, because importing it here would be circular: the
+collectives take a Mesh."""
+
+
+def use_topology_gather(gather) -> None:
+    """Make ``gather(world_mesh) -> Topology`` the topology collective ``init`` runs."""
+    _TOPOLOGY_GATHER[:] = [gather]
+
+
+def _world_mesh() -> Mesh:
+    """A mesh of the world group alone: what the topology gather runs on before any group exists."""
+    return Mesh(rank=dist.get_rank(), world=dist.get_world_size(), shard_size=dist.get_world_size(),
+                device=_device_for(dist.get_backend()), backend=dist.get_backend(), world_group=dist.group.WORLD,
+                shard_group=dist.group.WORLD, replicate_group=None)
+
+
+def _join_topology() -> Topology:
+    """Every rank's facts, checked before any group is built: a torchrun host whose local world does
+    not divide the world is refused before the gather, uneven hosts right after it (every rank sees
+    the same list, so every rank raises the same error instead of some hanging in a later group)."""
+    from zeroshard.comm.topology import UnevenHostsError
+
+    world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local and world % local:
+        raise UnevenHostsError(f"ranks per host differ: this host runs {local} of the world's {world} ranks, which "
+                               "is not an equal share; start the same number of ranks on every host "
+                               "(torchrun --nproc-per-node N on each)")
+    if not _TOPOLOGY_GATHER:
+        return Topology.from_hosts(["localhost"] * world)
+    topology = _TOPOLOGY_GATHER[0](_world_mesh())
+    topology.check_even()
+    return topology
+
+
 def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tuple[int, ...] | None = None,
-             names: tuple[str, ...] | None = None, name: str, ledger: Ledger | None = None) -> Mesh:
+             names: tuple[str, ...] | None = None, name: str, ledger: Ledger | None = None,
+             allow_cross_host: bool = False) -> Mesh:
     """Another parallel context over the process group ``zs.init`` joined, next to the default one.
 
     Pass it to ``zs.shard(model, mesh=...)``: that model's collectives then run on this mesh's
@@ -278,12 +339,14 @@ def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tu
         raise ValueError(f"new_mesh needs a name of its own for the ledger (such as 'experts'), got {name!r}")
     if any(m.name == name for m in _OTHER_MESHES):
         raise ValueError(f"a mesh named {name!r} exists already; give each zs.new_mesh its own name")
-    mesh = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name=name, ledger=ledger)
+    mesh = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name=name, ledger=ledger,
+                       topology=_MESH.topology, allow_cross_host=allow_cross_host)
     _OTHER_MESHES.append(mesh)
     return mesh
 
 
-def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger | None) -> Mesh:
+def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger | None,
+                topology: Topology | None = None, allow_cross_host: bool = False) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if mesh_shape is not None:
         if shard_size is not None or tp != 1:
@@ -301,6 +364,9 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
             f"shard_size={shard_size} does not divide the {dp} data-parallel ranks (world {world} / tp {tp}); pick "
             f"a divisor of {dp} (shard_size == {dp} is plain full sharding)"
         )
+    if topology is not None:  # before any group: a refused layout builds nothing
+        topology.check_placement({Dim.REPLICATE: dp // shard_size, Dim.SHARD: shard_size, Dim.TP: tp},
+                                 allow_cross_host=allow_cross_host)
     if tp == 1:
         shard_group, replicate_group = _build_groups(world, rank, shard_size)
         groups: dict = {}
@@ -319,6 +385,7 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
         tp_size=tp,
         name=name,
         ledger=ledger or process_ledger(),
+        topology=topology,
         **groups,
     )
 
