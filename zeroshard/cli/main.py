@@ -20,11 +20,24 @@ from zeroshard.cli import verify as verify_cmd
 from zeroshard.launch import prepare_exit
 
 
+def version_line() -> str:
+    """What a bug report needs: this package's version and the torch and Python it runs on."""
+    import platform
+
+    import torch
+
+    from zeroshard import __version__
+
+    return f"zeroshard {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeroshard",
         description="Sharded data-parallel training for PyTorch (DDP and ZeRO-1/2/3).",
     )
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print zeroshard's version (and torch's and Python's) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_cmd.add_parser(sub)
     verify_cmd.add_parser(sub)
