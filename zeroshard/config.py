@@ -245,6 +245,8 @@ class TrainConfig:
         if self.shard_size is not None and (self.shard_size < 1 or dp % self.shard_size):
             where = f"nproc={self.nproc}" if self.tp == 1 else f"the {dp} data-parallel ranks (nproc {self.nproc} / tp {self.tp})"
             raise ValueError(f"shard_size={self.shard_size} must divide {where}")
+        if self.engine.offload.kind == "disk" and not self.engine.offload.directory:
+            raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
         self._check_comm_quant()
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"compile_backend={self.compile_backend!r} is invalid; use one of {COMPILE_BACKENDS}")

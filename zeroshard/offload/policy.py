@@ -21,11 +21,14 @@ class OffloadPolicy:
     slice_mb: float = 64.0
     """For kind="disk": optimizer step granularity; one slice of masters and state is resident."""
 
+    def require_directory(self) -> None:
+        """A disk policy without a directory describes a run (the planner prices one) but cannot run."""
+        if self.kind == "disk" and not self.directory:
+            raise ValueError("offload='disk' needs a directory for its files: pass offload_dir / --offload-dir")
+
     def __post_init__(self) -> None:
         if self.kind not in OFFLOAD_KINDS:
             raise ValueError(f"offload must be 'none', 'cpu' or 'disk', got {self.kind!r}")
-        if self.kind == "disk" and not self.directory:
-            raise ValueError("offload='disk' needs a directory for its files: pass offload_dir / --offload-dir")
         if self.kind == "disk" and self.directory and Path(self.directory).exists() and not Path(self.directory).is_dir():
             raise ValueError(f"offload directory {self.directory!r} exists and is not a directory")
         if self.slice_mb <= 0:

@@ -151,6 +151,7 @@ def _alive(pid: int) -> bool:
 
 
 def make_store(policy, compute_device: torch.device, rank: int):
+    policy.require_directory()
     if policy.kind == "cpu":
         return HostStore(compute_device)
     if policy.kind == "disk":

@@ -14,8 +14,9 @@ from zeroshard.planner.comm import Collective
 from zeroshard.planner.inventory import Inventory, meta_gpt
 from zeroshard.planner.memory import Estimator, variants
 from zeroshard.planner.result import LayoutPlan, Plan
-from zeroshard.planner.spec import Checkpointing, PlanSpec, parse_count, resolve_mp, resolve_optimizer
+from zeroshard.planner.spec import PlanSpec, parse_count, resolve_mp, resolve_optimizer
 from zeroshard.planner.tp import TensorParallel, layer_collectives
+from zeroshard.sharding.options import KNOB_NAMES, EngineOptions
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.wrap import UnitsArg
 
@@ -75,12 +76,11 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
 
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
          optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
-         seq: int | None = None, accum: int = 1, checkpointing: str = "none", offload: str = "none",
-         shard_size: int | None = None, prefetch: int = 1, reshard_after_forward: bool = True,
-         bucket_mb: float = 25.0, headroom: float = 0.10, accounting: str | None = None,
-         accumulation: str = "sharded", units: UnitsArg = None, device: str = "cuda",
+         seq: int | None = None, accum: int = 1, shard_size: int | None = None, headroom: float = 0.10,
+         accounting: str | None = None, units: UnitsArg = None, device: str = "cuda",
          gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
-         tp: int = 1, sequence_parallel: bool = False) -> Plan:
+         tp: int = 1, sequence_parallel: bool = False, engine: EngineOptions | None = None,
+         **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -92,7 +92,15 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
     blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
     parallel); see zeroshard/planner/tp.py and docs/planner.md.
+
+    The engine's knobs are the runtime's ``EngineOptions``: pass one as ``engine``, or its knobs
+    flat as ``zs.shard`` and ``zeroshard train`` spell them (``checkpointing="sqrt"``,
+    ``prefetch=2``, ``offload="cpu"``; the names in ``zeroshard.sharding.options.KNOB_NAMES``).
     """
+    unknown = sorted(set(knobs) - set(KNOB_NAMES))
+    if unknown:
+        raise TypeError(f"plan() got unknown keywords {unknown}; the engine's knobs are {', '.join(KNOB_NAMES)}")
+    options = EngineOptions.from_flat(knobs, base=engine)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     analytic = _is_count(model_or_config)
@@ -120,10 +128,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
         psi, frozen = inventory.facts.trainable, inventory.facts.frozen
     spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
                     optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,
-                    checkpointing=Checkpointing.parse(checkpointing), offload=offload, shard_size=shard_size,
-                    prefetch=prefetch, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
-                    headroom=headroom, accounting=accounting or ("textbook" if analytic else "runtime"),
-                    accumulation=accumulation, comm_quant=comm_quant, comm_quant_block=comm_quant_block,
+                    engine=options, shard_size=shard_size, headroom=headroom,
+                    accounting=accounting or ("textbook" if analytic else "runtime"),
+                    comm_quant=comm_quant, comm_quant_block=comm_quant_block,
                     tp=tp, sequence_parallel=sequence_parallel)
     activations: ActivationEstimate | None = None
     tp_comm: tuple[Collective, ...] = ()
@@ -169,7 +176,7 @@ def _with_comm_quant(layouts: dict[str, LayoutPlan], spec: PlanSpec, inventory: 
     out = {}
     for name, layout in layouts.items():
         groups = (quant.groups_of(inventory, stage=layout.stage, shards=layout.shard_size,
-                                  bucket_bytes=int(spec.bucket_mb * 2**20)) if inventory is not None
+                                  bucket_bytes=spec.engine.bucket_bytes) if inventory is not None
                   else quant.analytic_groups(params, layout.shard_size))
         out[name] = quant.apply(layout, comm, groups, textbook=textbook, **sizes)
     notes.append(f"comm_quant={spec.comm_quant}: int8 + one fp32 scale per {comm.block_size} elements on the wire "

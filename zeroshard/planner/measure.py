@@ -189,11 +189,8 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     # rank 1 of one run). The engine guarantees the bound at max_inflight_reductions, the plan
     # predicts it, and this makes the measured step reach it every time, as a link slower than
     # compute would. A reduction that finishes sooner only lowers the peak.
-    offloaded = req["offload"] != "none"
-    options = zs.EngineOptions(prefetch=req["prefetch"], reshard_after_forward=req["reshard_after_forward"],
-                               bucket_mb=req["bucket_mb"], accumulation=req["accumulation"],
-                               checkpointing=req["checkpointing"], offload=zs.OffloadPolicy(kind=req["offload"]),
-                               reap_when_done=False)
+    options = dataclasses.replace(req["engine"], reap_when_done=False)
+    offloaded = options.offload.kind != "none"
     model = zs.shard(GPT(cfg).to(mesh.device), stage=stage, mp=req["mp"], options=options)
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
@@ -322,10 +319,8 @@ def request(plan: Plan, stages: tuple[int, ...]) -> dict:
         raise ValueError("measurement checks the runtime accounting; plan with accounting='runtime'")
     return {
         "gpt": plan.model.gpt.to_dict(), "stages": tuple(stages), "mp": spec.mp, "optimizer": spec.optimizer,
-        "optimizer_kwargs": dict(spec.optimizer_kwargs), "prefetch": spec.prefetch,
-        "reshard_after_forward": spec.reshard_after_forward, "bucket_mb": spec.bucket_mb,
+        "optimizer_kwargs": dict(spec.optimizer_kwargs), "engine": spec.engine,
         "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
-        "accumulation": spec.accumulation, "checkpointing": str(spec.checkpointing), "offload": spec.offload,
     }
 
 

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from zeroshard.offload.policy import OffloadPolicy
 from zeroshard.planner import comm
 from zeroshard.planner.activations import ActivationEstimate
 from zeroshard.planner.inventory import CommUnit, Inventory
@@ -26,11 +27,9 @@ from zeroshard.planner.optim_probe import OptimStateCost, probe
 from zeroshard.planner.result import Components, LayoutPlan
 from zeroshard.planner.spec import STAGE_NAMES, PlanSpec
 # The engine's constants, imported: one value, not two copies.
-from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
-from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes
 
 
@@ -128,13 +127,12 @@ class Estimator:
 
     def __init__(self, spec: PlanSpec, *, inventory: Inventory | None = None, psi: int = 0, frozen: int = 0,
                  activations: ActivationEstimate | None = None, foreach: bool = True,
-                 gpus_per_node: int | None = None, max_inflight: int = MAX_INFLIGHT_REDUCTIONS,
-                 reduce_in_place: bool = False, host_is_device: bool = False,
+                 gpus_per_node: int | None = None, reduce_in_place: bool = False, host_is_device: bool = False,
                  tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None) -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.spec = spec
-        self.max_inflight = max_inflight
+        # The engine finishes the oldest reduction while more than this many are pending; with 0,
+        # each launch first finishes the one before it, so one is still in flight.
+        self.max_inflight = max(1, spec.engine.max_inflight_reductions)
         # gloo reduces stage 2-3 grads where autograd left them (collectives.reduce_to_owners), with
         # no flat buffer, when they are already in the reduce dtype; NCCL collects them first.
         self.reduce_in_place = reduce_in_place
@@ -216,12 +214,10 @@ class Estimator:
             dtype = next(iter(self.master_dtypes))
             return comm.textbook_collectives(
                 policy=v.policy, mesh=mesh, padded=padded, compute_bytes=_size(self.compute(dtype)),
-                reduce_bytes=_size(self.reduce(dtype)), accum=spec.accum, accumulation=spec.accumulation,
-                reshard_after_forward=spec.reshard_after_forward, gpus_per_node=dp_per_node)
+                reduce_bytes=_size(self.reduce(dtype)), accum=spec.accum, accumulation=spec.engine.accumulation,
+                reshard_after_forward=spec.engine.reshard_after_forward, gpus_per_node=dp_per_node)
         # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
-        options = EngineOptions(prefetch=spec.prefetch, reshard_after_forward=spec.reshard_after_forward,
-                                bucket_mb=spec.bucket_mb, accumulation=spec.accumulation,
-                                checkpointing=str(spec.checkpointing))
+        options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
         sizes = [UnitSizes(name=u.name, is_root=u.is_root, groups=tuple(
             GroupSizes(numel=g.numel, shard_numel=g.shard_numel, trainable=g.trainable,
                        compute_dtype=self.compute(g.dtype), reduce_dtype=self.reduce(g.dtype),
@@ -231,7 +227,7 @@ class Estimator:
 
     @property
     def _bucket_bytes(self) -> int:
-        return int(self.spec.bucket_mb * 2**20)  # as zs.shard converts bucket_mb
+        return self.spec.engine.bucket_bytes
 
     # -- runtime accounting -------------------------------------------------------------------
     def _runtime_states(self, v: Variant, units: tuple[CommUnit, ...]
@@ -273,7 +269,7 @@ class Estimator:
         step = max((s + sum(b for i, b in running if i > j) for j, s in enumerate(scratch)), default=0)
         # Stages 0-1 reduce on the last micro-step only; 2-3 accumulating in shards have the host
         # shard from the first micro-step on, so the last micro-step's backward starts with it.
-        unsharded = self.spec.accum == 1 or self.spec.accumulation == "unsharded"
+        unsharded = self.spec.accum == 1 or self.spec.engine.accumulation == "unsharded"
         host_late = host["grads"] if off and (unsharded or not v.policy.transient_grads) else 0
         transient = Transient(buckets=buckets, during=during, early=early, window=window,
                               scratch=max(scratch, default=0), step=step, late_grads=sum(late), host_late=host_late,
@@ -294,7 +290,7 @@ class Estimator:
             return P * _size(c), copy
         if not v.policy.transient_grads:
             return P * _size(c), S * _size(m)
-        unsharded = self.spec.accum > 1 and self.spec.accumulation == "unsharded"
+        unsharded = self.spec.accum > 1 and self.spec.engine.accumulation == "unsharded"
         # Accumulating in shards, the shard already holds earlier micro-steps when backward
         # starts (none of it is late); accumulating unsharded, the first reduction is the last micro-step's.
         late = S * _size(m) if self.spec.accum == 1 or unsharded or off else 0
@@ -364,18 +360,18 @@ class Estimator:
         activations = self._alive_activations(units)
         root = sum(u.full_bytes(compute_map) for u in units if u.is_root)
         blocks = [u for u in units if not u.is_root]  # reduction order
-        unsharded = spec.accum > 1 and spec.accumulation == "unsharded"
+        unsharded = spec.accum > 1 and spec.engine.accumulation == "unsharded"
         out = []
         for i, u in enumerate(units):
             window = 0
             if v.policy.shard_params:
                 # Its grads complete before it is resharded. Its backward prefetched the next
-                # ``prefetch`` units (issued once BACKWARD_PREFETCH_AT of its grads are ready, so by
+                # ``prefetch`` units (issued once backward_prefetch_at of its grads are ready, so by
                 # its last one); the root stays gathered until backward ends. Without
                 # reshard_after_forward, every unit not yet through backward is still gathered.
                 k = next((j for j, b in enumerate(blocks) if b is u), len(blocks))
-                prefetched = spec.prefetch if BACKWARD_PREFETCH_AT <= 1 else 0
-                ahead = blocks[k:] if not spec.reshard_after_forward else blocks[k:k + 1 + prefetched]
+                prefetched = spec.engine.prefetch if spec.engine.backward_prefetch_at <= 1 else 0
+                ahead = blocks[k:] if not spec.engine.reshard_after_forward else blocks[k:k + 1 + prefetched]
                 window = root + sum(b.full_bytes(compute_map) for b in ahead)
             per_param = flat = reduced = cast = 0
             for g in u.groups:
@@ -457,7 +453,7 @@ class Estimator:
         """
         grads = self._unit_grads(units, v, late)
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
-        carried = v.policy.transient_grads and self.spec.accum > 1 and self.spec.accumulation == "unsharded"
+        carried = v.policy.transient_grads and self.spec.accum > 1 and self.spec.engine.accumulation == "unsharded"
         early = sum(g.flat for g in grads) if carried else 0
         moments: list[tuple[int, int]] = [(early, 0)]  # (grad memory in flight, everything above the states)
         pending = sum(late)  # grads the reductions have not created yet
@@ -496,9 +492,9 @@ class Estimator:
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
         root = sum(u.full_bytes(compute_map) for u in units if u.is_root)
         blocks = [u.full_bytes(compute_map) for u in reversed(units) if not u.is_root]  # forward order
-        if not self.spec.reshard_after_forward:
+        if not self.spec.engine.reshard_after_forward:
             return root + sum(blocks)
-        live = 1 + self.spec.prefetch
+        live = 1 + self.spec.engine.prefetch
         window = max((sum(blocks[i:i + live]) for i in range(len(blocks))), default=0)
         for a, b in self.spec.checkpointing.segments(len(blocks)):
             # Forward: a segment runs inside its first unit's call, so that unit stays gathered

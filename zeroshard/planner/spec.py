@@ -15,15 +15,12 @@ from typing import Any
 
 import torch
 
-from zeroshard.offload.policy import OFFLOAD_KINDS
 from zeroshard.sharding.flat import StagePolicy
+from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.precision import MixedPrecision, parse_dtype
 from zeroshard.sharding.recompute import segment_bounds, segment_length
 
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-OFFLOADS = OFFLOAD_KINDS
-"""The runtime's offload kinds: none, cpu (masters and optimizer state in host memory, the step on
-the CPU), disk (the same in files, stepped slice by slice)."""
 ACCOUNTINGS = ("runtime", "textbook")
 _SIZE_UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -142,19 +139,14 @@ class PlanSpec:
     batch: int
     seq: int
     accum: int = 1
-    checkpointing: Checkpointing = Checkpointing("none")
-    offload: str = "none"
+    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+    """The engine's knobs the run will use (checkpointing, offload, prefetch, resharding, buckets,
+    accumulation): the runtime's own options object, so the plan reads what the engine reads."""
     shard_size: int | None = None
     """Hybrid sharding: shard inside groups of this many ranks, replicate across them."""
-    prefetch: int = 1
-    reshard_after_forward: bool = True
-    bucket_mb: float = 25.0
     headroom: float = 0.10
     """Allocator headroom as a fraction of the allocated peak (fragmentation, cached blocks)."""
     accounting: str = "runtime"
-    accumulation: str = "sharded"
-    """Stages 2-3 with accum > 1: "sharded" reduce-scatters every micro-step into the 1/N grad shard;
-    "unsharded" keeps full grads across micro-steps (as ``zs.shard(accumulation=)``)."""
     comm_quant: str = "none"
     """Quantized communication as ``--comm-quant`` spells it (zeroshard/planner/quant.py plans it)."""
     comm_quant_block: int = 256
@@ -180,23 +172,15 @@ class PlanSpec:
             where = f"world {self.world}" if self.tp == 1 else f"{self.dp} data-parallel ranks"
             raise ValueError(f"global batch {self.batch} does not split over {where} × accum {self.accum}; "
                              f"use a multiple of {self.dp * self.accum}")
-        if self.offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)} (as zs.shard), got {self.offload!r}")
         if self.shard_size is not None:
             _positive_int("shard_size", self.shard_size)
             if self.dp % self.shard_size:
                 raise ValueError(f"shard_size {self.shard_size} does not divide the {self.dp} data-parallel ranks; "
                                  "pick a divisor")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (all-gathers in flight ahead of compute), got {self.prefetch!r}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom is a fraction of the peak in [0, 1), got {self.headroom!r}; 0.1 means 10%")
         if self.accounting not in ACCOUNTINGS:
             raise ValueError(f"accounting must be 'runtime' or 'textbook', got {self.accounting!r}")
-        if self.accumulation not in ("sharded", "unsharded"):
-            raise ValueError(f"accumulation must be 'sharded' or 'unsharded', got {self.accumulation!r}")
         self._check_comm_quant()
 
     def _check_comm_quant(self) -> None:
@@ -206,6 +190,16 @@ class PlanSpec:
         comm = CommQuant.parse(self.comm_quant, self.comm_quant_block)  # bad spec or block: a clear error
         if self.stage is not None:
             comm.check_stage(StagePolicy(self.stage))
+
+    @property
+    def checkpointing(self) -> Checkpointing:
+        """The engine's checkpointing policy, with the segments it recomputes."""
+        return Checkpointing(self.engine.checkpointing)
+
+    @property
+    def offload(self) -> str:
+        """Where the engine keeps masters and optimizer state: none, cpu or disk."""
+        return self.engine.offload.kind
 
     @property
     def dp(self) -> int:
@@ -231,10 +225,8 @@ class PlanSpec:
 
         return {
             "world": self.world, "stage": self.stage, "batch": self.batch, "micro_batch": self.micro_batch,
-            "seq": self.seq, "accum": self.accum, "checkpointing": str(self.checkpointing), "offload": self.offload,
-            "shard_size": self.shard_size, "prefetch": self.prefetch, "bucket_mb": self.bucket_mb,
-            "reshard_after_forward": self.reshard_after_forward, "headroom": self.headroom,
-            "accounting": self.accounting, "accumulation": self.accumulation, "optimizer": self.optimizer.__name__,
+            "seq": self.seq, "accum": self.accum, **self.engine.flat(), "shard_size": self.shard_size,
+            "headroom": self.headroom, "accounting": self.accounting, "optimizer": self.optimizer.__name__,
             "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
             "comm_quant": self.comm_quant, "comm_quant_block": self.comm_quant_block,
             "tp": self.tp, "dp": self.dp, "sequence_parallel": self.sequence_parallel,
