@@ -51,7 +51,7 @@ def train(cfg: TrainConfig) -> None:
 def read_run(path: Path) -> dict:
     """Losses so far (a run still going, or cut short, is read as far as it got) and the entropy floor."""
     lines = (path / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("kind") != "header"]
     return {"losses": [r["loss"] for r in records], "floor": json.loads((path / "config.json").read_text())["entropy_floor"],
             "step_s": sorted(r["step_time_s"] for r in records)[len(records) // 2] if records else float("nan")}
 

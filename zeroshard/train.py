@@ -168,6 +168,8 @@ def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
         "seq_len": run.cfg.seq_len,
         "entropy_floor": run.dataset.entropy_floor,
         "run_dir": None if run_dir is None else str(run_dir),
+        "topology": run.mesh.topology_summary(),
+        "model_config": run.model_cfg.to_dict(),
     }
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from zeroshard.observing.observer import step_records
+
 # Small enough to be quick, large enough that 30 steps visibly lower the loss.
 FAST = ["--model", "tiny", "--batch", "8", "--seq-len", "32", "--num-samples", "256"]
 RUN_TIMEOUT_S = 180
@@ -55,8 +57,8 @@ def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    """metrics.jsonl's step records (its header line left out)."""
+    return step_records((run_dir / "metrics.jsonl").read_text().splitlines())
 
 
 def test_train_writes_metrics_and_config_and_loss_falls(tmp_path: Path) -> None:
@@ -81,6 +83,12 @@ def test_train_writes_metrics_and_config_and_loss_falls(tmp_path: Path) -> None:
 
     assert "summary" in proc.stdout and "entropy floor" in proc.stdout
     assert f"{metrics[-1]['loss']:.4f}" in proc.stdout  # the table shows the measured final loss
+    # Where the ranks ran: metrics.jsonl's header, summary.json and the table say the same.
+    header = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert header["kind"] == "header" and header["topology"] == summary["topology"]
+    assert summary["topology"]["shape"] == "1 host x 2 ranks" and summary["topology"]["inside_host"]["shard"]
+    assert "1 host x 2 ranks; inside a host: shard" in proc.stdout
     # Stage 0 all-reduces every fp32 gradient once per step: exactly 4 bytes per parameter.
     assert f"{config['params'] * 4:,}" in proc.stdout
 

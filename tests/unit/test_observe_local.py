@@ -105,7 +105,8 @@ def test_observed_loop_writes_metrics_summary_and_a_finished_dump(tmp_path: Path
             opt.zero_grad()
             rec = obs.step(loss=loss, tokens=32, lr=1e-3, accuracy=0.5)
             assert rec["step"] == step + 1 and rec["loss"] == pytest.approx(float(loss.detach()))
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    header, *lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert header["kind"] == "header" and header["topology"]["shape"] == "1 host x 1 rank"
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[0]["accuracy"] == 0.5
     assert lines[1]["profile"]["tokens_per_s"] == pytest.approx(32 / lines[1]["profile"]["step_s"])
     assert lines[1]["profile"]["mfu"] > 0

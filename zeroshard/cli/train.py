@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from zeroshard import faults as fault_points
+from zeroshard.comm.topology import placement_text
 from zeroshard.config import TrainConfig, field_help, field_names, field_type, load_toml, merge_config
 
 
@@ -166,6 +167,7 @@ def summary_table(s: dict[str, Any]) -> Table:
         ("model", f"{s['model']} ({s['params']:,} params)"),
         ("stage", str(s["stage"])),
         ("world / backend", f"{s['world']} / {s['backend']} ({s['device']})"),
+        *([("topology", placement_text(s["topology"]))] if s.get("topology") else []),
         ("steps", f"{s['steps']} x {s['global_batch']} seq x {s['seq_len']} tokens"),
         ("loss first -> final", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
         (f"mean loss, last {s['tail_steps']} steps", f"{s['tail_mean_loss']:.4f}"),

@@ -111,6 +111,7 @@ class Observer:
         except RuntimeError as e:
             raise RuntimeError(f"zs.observe needs the process group: call zs.init() first ({e})") from None
         self.rank, self.world, self.device = mesh.rank, mesh.world, mesh.device
+        self.host = mesh.placement.host_of(self.rank)
         # Rank 0 names the run dir (a timestamp by default); every rank dumps its ledger there.
         wanted = Path(self.requested_dir if self.requested_dir is not None else default_run_dir())
         if self.rank == 0:
@@ -157,8 +158,10 @@ class Observer:
         return tl_phase(name)
 
     def _header(self) -> dict[str, Any]:
-        """Extra ledger-dump fields: where the loop's own collectives were made."""
-        return {"user_calls": self.user_calls.header() if self.user_calls is not None else {}}
+        """Extra ledger-dump fields: where the loop's own collectives were made, and this rank's host
+        (the doctor groups ranks by it)."""
+        return {"user_calls": self.user_calls.header() if self.user_calls is not None else {},
+                "host": self.host}
 
     def attach(self, model: torch.nn.Module | None = None, *, start_step: int = 0, batch: int | None = None,
                tokens_per_step: int | None = None) -> None:
@@ -177,6 +180,8 @@ class Observer:
         self._next = start_step
         if self.rank == 0:
             self._metrics = open_metrics(self.run_dir / "metrics.jsonl", start_step)
+            if self._metrics.tell() == 0:  # a fresh file; a resumed one keeps the header it has
+                self._metrics.write(json.dumps(metrics_header(get_mesh())) + "\n")
         if self.profile:
             self.profiler = for_model(self.model, get_mesh(), batch=self.batch, tokens_per_step=self.tokens_per_step,
                                       peak_flops=self.peak_flops, trace=self.trace, run_dir=self.run_dir)
@@ -280,10 +285,23 @@ class Observer:
         self.metric_bytes += 4  # the float32 all-reduce just below
         out["peak_rss_mb"] = slowest_rank(peak_rss_mb(), self.device)
         out["profile"] = self.profiler.summary() if self.profiler is not None else None
+        out["topology"] = get_mesh().topology_summary()
         if self.rank == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
         self._summary = out
         return out
+
+
+def metrics_header(mesh: Any) -> dict[str, Any]:
+    """metrics.jsonl's first line: what the run ran on, before any step record. Readers tell it
+    from a step by ``"kind": "header"`` (a step record has ``"step"`` instead)."""
+    return {"kind": "header", "world": mesh.world, "backend": mesh.backend, "topology": mesh.topology_summary()}
+
+
+def step_records(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The step records of metrics.jsonl's lines: its header left out."""
+    records = (json.loads(line) for line in lines if line.strip())
+    return [r for r in records if r.get("kind") != "header"]
 
 
 def observe(run_dir: str | Path | None = None, **kwargs: Any) -> Observer:

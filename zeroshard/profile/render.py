@@ -26,6 +26,12 @@ def breakdown_rows(mean: dict[str, float]) -> list[tuple[str, str]]:
     return [(f"  {LABELS[k]}", f"{_ms(mean[f'{k}_s'])} ({mean[f'{k}_s'] / total * 100:4.1f}%)") for k in PHASES]
 
 
+def straggler_text(p: dict[str, Any]) -> str:
+    """"rank 3 on host b": the first thing to look at on a slow multi-host run is which machine."""
+    host = p.get("straggler_host")
+    return f"rank {p['straggler_rank']}" + (f" on host {host}" if host else "")
+
+
 def profile_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("step time P50 / P99", f"{_ms(p['step_p50_s'])} / {_ms(p['step_p99_s'])} (rank 0, {p['profiled_steps']} steps)"),
@@ -43,5 +49,5 @@ def profile_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
         hfu = "" if p["hfu"] == p["mfu"] else f", HFU {_pct(p['hfu'])} with recompute"
         rows.append(("MFU", f"{_pct(p['mfu'])}{hfu} of {peak / 1e9:,.1f} GFLOP/s per rank"))
     spread = p["straggler_excess_s"]
-    rows.append(("straggler", f"rank {p['straggler_rank']} (+{_ms(spread)} compute/step over the fastest)"))
+    rows.append(("straggler", f"{straggler_text(p)} (+{_ms(spread)} compute/step over the fastest)"))
     return rows

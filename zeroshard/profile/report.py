@@ -47,7 +47,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.exists():
         raise FileNotFoundError(f"{metrics_path} does not exist: is {run_dir} a `zeroshard train` run directory?")
-    metrics = _read_jsonl(metrics_path)
+    metrics = [m for m in _read_jsonl(metrics_path) if m.get("kind") != "header"]  # steps only
     if not metrics:
         raise ValueError(f"{metrics_path} is empty: the run did not finish a step")
     out = Path(out_dir) if out_dir is not None else run_dir / "report"

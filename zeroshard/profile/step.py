@@ -32,8 +32,10 @@ MB = 2**20
 class StepProfiler:
     def __init__(self, *, rank: int, world: int, device: torch.device, batch: int, tokens_per_step: int,
                  engine: Any = None, flops: dict | None = None, peak_flops: float | None = None,
-                 trace: bool = False, run_dir: str | Path | None = None) -> None:
+                 trace: bool = False, run_dir: str | Path | None = None, hosts: list[str] | None = None) -> None:
         self.rank, self.world, self.device = rank, world, device
+        self.hosts = hosts
+        """Each rank's host (the mesh's topology), so the summary can say where the straggler runs."""
         self.batch, self.tokens_per_step = batch, tokens_per_step
         self.engine, self.flops, self.peak_flops = engine, flops, peak_flops
         self.ledger = collectives.get_ledger()
@@ -178,6 +180,7 @@ class StepProfiler:
             "step_p99_s_by_rank": [row[1] for row in per_rank],
             "compute_s_by_rank": [row[3] for row in per_rank],
             "straggler_rank": straggler,
+            "straggler_host": self.hosts[straggler] if self.hosts else None,
             "straggler_excess_s": per_rank[straggler][3] - min(row[3] for row in per_rank),
             "comm_bytes_per_step": sum(s["comm_bytes"] for s in steps) / n,
             "comm_busy_s_per_step": busy / n,
@@ -224,4 +227,9 @@ def for_model(model: Any, mesh: Any, *, batch: int = 0, tokens_per_step: int = 0
         peak = calibrate_peak_flops(mesh.device, compute_dtype)
     return StepProfiler(rank=mesh.rank, world=mesh.world, device=mesh.device, batch=batch,
                         tokens_per_step=tokens_per_step, engine=engine, flops=flops, peak_flops=peak,
-                        trace=trace, run_dir=run_dir)
+                        trace=trace, run_dir=run_dir, hosts=_rank_hosts(mesh))
+
+
+def _rank_hosts(mesh: Any) -> list[str] | None:
+    placement = getattr(mesh, "placement", None)  # a stand-in mesh (tests) may have none
+    return None if placement is None else [f.host for f in placement.ranks]
