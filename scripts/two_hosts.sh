@@ -2,7 +2,8 @@
 # Two "hosts" on one machine: two network namespaces joined by a veth pair.
 #
 #   scripts/two_hosts.sh setup NAME      create NAME-h0 and NAME-h1; prints KEY=VALUE lines
-#   scripts/two_hosts.sh exec NAME H CMD run CMD inside host H (0 or 1), GLOO_SOCKET_IFNAME set
+#   scripts/two_hosts.sh exec NAME H CMD run CMD inside host H (0 or 1), GLOO_SOCKET_IFNAME set and,
+#                                        in a UTS namespace of its own, the hostname NAME-hH
 #   scripts/two_hosts.sh teardown NAME   delete both namespaces (and with them the veth pair)
 #   scripts/two_hosts.sh check           exit 0 when this shell may create namespaces, else say why
 #
@@ -62,8 +63,17 @@ cmd_exec() {
     shift 2
     check_name "$name"
     [[ "$host" == 0 || "$host" == 1 ]] || die "host must be 0 or 1 (got '$host')"
-    # gloo binds to the address of this interface, which the other host can reach.
-    exec ip netns exec "$(ns "$name" "$host")" env GLOO_SOCKET_IFNAME="$(ifname "$name" "$host")" "$@"
+    # gloo binds to the address of this interface, which the other host can reach. Each host gets
+    # its own hostname (a UTS namespace), as two machines have; where unshare cannot make one,
+    # ZEROSHARD_HOST names the host instead (zeroshard/comm/host_probe.py).
+    local hn ifn
+    hn=$(ns "$name" "$host")
+    ifn=$(ifname "$name" "$host")
+    if unshare --uts true 2>/dev/null; then
+        exec ip netns exec "$hn" unshare --uts env GLOO_SOCKET_IFNAME="$ifn" ZS_TWO_HOSTS_HOSTNAME="$hn" \
+            bash -c 'hostname "$ZS_TWO_HOSTS_HOSTNAME" && unset ZS_TWO_HOSTS_HOSTNAME && exec "$@"' two_hosts "$@"
+    fi
+    exec ip netns exec "$hn" env GLOO_SOCKET_IFNAME="$ifn" ZEROSHARD_HOST="$hn" "$@"
 }
 
 cmd_teardown() {

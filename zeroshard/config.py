@@ -119,6 +119,10 @@ class TrainConfig:
     nproc/tp data-parallel ranks, which split the batch; the ranks of one tp group share theirs. Needs a
     model with a TP plan: tiny, small, medium or hf:llama-tiny. 1 is no tensor parallelism."""
 
+    allow_cross_host: bool = False
+    """Run tp (or ep) groups that span hosts anyway. Without it such a layout is refused at start,
+    since every per-layer tp collective would cross the host network (docs/topology.md)."""
+
     mp: str = "fp32"
     """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
     Masters and optimizer state stay fp32 and gradients are reduced in fp32; fp16 adds dynamic

@@ -4,8 +4,11 @@
   SIGKILLed mid-training, torchrun restarts the group, the group resumes from the newest verified
   checkpoint and ends bitwise equal to an uninterrupted run.
 - Two hosts on one machine: two network namespaces joined by a veth pair (scripts/two_hosts.sh),
-  each running `torchrun --nnodes 2 --nproc-per-node 2` with static rendezvous, training with hybrid
-  sharding (shard inside a host, replicate across hosts). It must match a 4-process single-host run.
+  each with a hostname of its own and running `torchrun --nnodes 2 --nproc-per-node 2` with static
+  rendezvous, training with hybrid sharding (shard inside a host, replicate across hosts). It must
+  match a 4-process single-host run, and report the topology: 2 hosts x 2 ranks, shard inside a host,
+  replicate across, and the straggler's host. With one rank per host, tp 2 spans the hosts and is
+  refused, naming the override.
 
 Final params are compared through the last checkpoint (`--steps` is a multiple of `--save-every`):
 its export holds every param, and its rank files hold the masters and the optimizer state.
@@ -13,6 +16,7 @@ its export holds every param, and its rank files hold the masters and the optimi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -105,7 +109,8 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
 
 def _logged_steps(run_dir: Path) -> int:
     try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+        # Step records only (the header line has no step); the last line may still be half written.
+        return sum(line.startswith('{"step"') for line in (run_dir / "metrics.jsonl").read_text().splitlines())
     except OSError:
         return 0
 
@@ -176,25 +181,28 @@ HOSTS_STEPS = 8
 HYBRID = ["--steps", str(HOSTS_STEPS), "--save-every", str(HOSTS_STEPS), "--shard-size", "2"]
 
 
-def _run_two_hosts(tmp: Path, name: str) -> tuple[list[str], dict[str, int]]:
+def _run_two_hosts(tmp: Path, name: str, train: list[str], *, nproc_per_node: int = 2,
+                   expect_ok: bool = True) -> tuple[list[str], dict[str, int], dict[str, str]]:
+    """(each host's output, host 0's veth byte counts, the namespaces' names and addresses)."""
     setup = subprocess.run(["bash", str(TWO_HOSTS), "setup", name], capture_output=True, text=True, check=True)
     net = dict(line.split("=", 1) for line in setup.stdout.split())
     procs = []
     try:
         for host in (0, 1):
             cmd = ["bash", str(TWO_HOSTS), "exec", name, str(host), *torchrun(), "--nnodes", "2",
-                   "--nproc-per-node", "2", "--node-rank", str(host), "--rdzv-backend", "static",
-                   "--master-addr", net["ADDR0"], "--master-port", "29500", *TRAIN, *HYBRID,
-                   "--ckpt-dir", str(tmp / "hosts-ck"), "--run-dir", str(tmp / f"hosts-run{host}")]
+                   "--nproc-per-node", str(nproc_per_node), "--node-rank", str(host), "--rdzv-backend", "static",
+                   "--master-addr", net["ADDR0"], "--master-port", "29500", *train,
+                   "--run-dir", str(tmp / f"hosts-run{host}")]
+            # A wide console: the summary table's rows stay one line each.
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          env=clean_env(), cwd=tmp))
+                                          env=clean_env(COLUMNS="240"), cwd=tmp))
         outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
         link = subprocess.run(["ip", "-n", net["NS0"], "-s", "-j", "link", "show", net["IF0"]],
                               capture_output=True, text=True, check=True).stdout
         stats = {k: int(v) for k, v in re.findall(r'"(tx|rx)":\{"bytes":(\d+)', link)}
         for host, (p, out) in enumerate(zip(procs, outs)):
-            assert p.returncode == 0, f"host {host} failed:\n{out[-4000:]}"
-        return outs, stats
+            assert (p.returncode == 0) == expect_ok, f"host {host} exited {p.returncode}:\n{out[-4000:]}"
+        return outs, stats, net
     finally:
         for p in procs:
             if p.poll() is None:
@@ -207,8 +215,20 @@ def test_two_hosts_hybrid_sharding_matches_one_host(tmp_path: Path) -> None:
     reason = _two_hosts_unavailable()
     if reason:
         pytest.skip(f"two-host torchrun test: {reason}")
-    outs, traffic = _run_two_hosts(tmp_path, f"zs{os.getpid() % 100000}")
+    name = f"zs{os.getpid() % 100000}"
+    outs, traffic, net = _run_two_hosts(tmp_path, name, [*TRAIN, *HYBRID, "--ckpt-dir", str(tmp_path / "hosts-ck")])
     assert "4 ranks on gloo" in outs[0], outs[0][-2000:]
+    # Each namespace is a host of its own name: shard 2 stays inside each, replicate 2 crosses.
+    topology = re.search(r"topology: (.*)", outs[0])
+    assert topology and topology.group(1) == "2 hosts x 2 ranks; inside a host: shard; across hosts: replicate"
+    summary = json.loads((tmp_path / "hosts-run0" / "summary.json").read_text())["topology"]
+    assert summary["rank_hosts"] == [net["NS0"]] * 2 + [net["NS1"]] * 2
+    assert [summary["facts"][net[f"NS{h}"]]["interface"] for h in (0, 1)] == [net["IF0"], net["IF1"]]
+    assert [summary["facts"][net[f"NS{h}"]]["address"] for h in (0, 1)] == [net["ADDR0"], net["ADDR1"]]
+    straggler = re.search(r"straggler\W+rank (\d) on host (\S+)", outs[0])
+    assert straggler, outs[0][-3000:]
+    assert straggler.group(2) == summary["rank_hosts"][int(straggler.group(1))]
+    print(f"two hosts: {topology.group(0)}; straggler rank {straggler.group(1)} on host {straggler.group(2)}")
 
     local = run_cli(["train", *TRAIN[3:], *HYBRID, "--nproc", "4", "--ckpt-dir", str(tmp_path / "local-ck"),
                      "--run-dir", str(tmp_path / "local-run")], timeout=TIMEOUT_S)
@@ -223,3 +243,18 @@ def test_two_hosts_hybrid_sharding_matches_one_host(tmp_path: Path) -> None:
     assert bitwise(params_a, params_b) and bitwise(files_a, files_b)
     # The replicate all-reduce crossed the veth: at least one fp32 copy of the host's shard each step.
     assert traffic.get("tx", 0) > HOSTS_STEPS * 4 * 200_000 / 2
+
+
+def test_two_hosts_tp_across_the_hosts_is_refused_naming_the_override(tmp_path: Path) -> None:
+    reason = _two_hosts_unavailable()
+    if reason:
+        pytest.skip(f"two-host torchrun test: {reason}")
+    # One rank per host: the two ranks of tp 2 are on different hosts.
+    outs, _, net = _run_two_hosts(tmp_path, f"zt{os.getpid() % 100000}", [*TRAIN[:-2], "--stage", "0", "--tp", "2"],
+                                  nproc_per_node=1, expect_ok=False)
+    refusal = re.search(r"zeroshard train: error: rank 0 failed: (CrossHostError: .*)", outs[0])
+    assert refusal, outs[0][-3000:]
+    print(f"two hosts x 1 rank, tp 2: {refusal.group(1)}")
+    assert f"tp group of ranks 0,1 is on {net['NS0']}, {net['NS1']}" in refusal.group(1)
+    assert "--allow-cross-host" in refusal.group(1) and "TOML allow_cross_host = true" in refusal.group(1)
+    assert "modelled cost: tp's collectives move" in refusal.group(1)

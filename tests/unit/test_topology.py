@@ -63,7 +63,7 @@ def test_four_hosts_of_one_rank_every_group_of_two_crosses():
     with pytest.raises(CrossHostError) as err:
         topo.check_placement(sizes(shard=2, tp=2))
     assert err.value.dim == Dim.TP and err.value.ranks_per_host == 1
-    assert "keep tp <= 1 ranks per host" in str(err.value)
+    assert "keep tp <= 1 (the ranks one host holds" in str(err.value)
     with pytest.raises(CrossHostError, match="ep groups span hosts"):
         topo.check_placement(sizes(shard=4, ep=2))
     # A host of one rank has no shard group to offer: a one-rank shard group is plain replication.

@@ -102,9 +102,11 @@ def _fmt_floor(floor: float | None) -> str:
 class RichReporter:
     """Progress bar (on a terminal) plus a loss line every `log_every` steps, then a summary."""
 
-    def __init__(self, *, log_every: int, console: Console | None = None) -> None:
+    def __init__(self, *, log_every: int, console: Console | None = None, train: dict[str, Any] | None = None) -> None:
         self.console = console or Console()
         self.log_every = log_every
+        self.train = train
+        """The run's TrainConfig as a dict, for the planner's shard-group advice at start."""
         self.progress: Progress | None = None
         self.task: Any = None
         self.info: dict[str, Any] = {}
@@ -122,6 +124,10 @@ class RichReporter:
         )
         c.print(f"entropy floor of the data: {_fmt_floor(info['entropy_floor'])}")
         c.print(f"run dir: {info['run_dir']}")
+        from zeroshard.cli.placement import topology_lines
+
+        for line in topology_lines(info, self.train):
+            c.print(line, highlight=False)
         if not c.is_terminal:
             return
         self.progress = Progress(
@@ -220,7 +226,7 @@ def _rank_main(cfg: TrainConfig) -> dict[str, Any]:
     """Spawn target (module level so it pickles): one rank of a local run."""
     from zeroshard.train import train_worker
 
-    return train_worker(cfg, RichReporter(log_every=cfg.log_every))
+    return train_worker(cfg, RichReporter(log_every=cfg.log_every, train=cfg.to_dict()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             _rank_main(cfg)
         except Exception as e:  # noqa: BLE001 - one line naming this rank, then a non-zero exit
-            fail("train", f"rank {rank_from_env()} failed: {type(e).__name__}: {e}".splitlines()[0])
+            from zeroshard.cli.placement import failure_text
+
+            fail("train", f"rank {rank_from_env()} failed: {failure_text(e, cfg.to_dict())}")
             sys.stdout.flush()
             # Skip interpreter teardown: destroying a process group that peers still wait on can
             # block, and torchrun stops the peers once this process is gone.

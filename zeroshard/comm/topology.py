@@ -203,7 +203,7 @@ class Topology:
             raise CrossHostError(
                 f"{dim} groups span hosts: {dim} group of ranks {_rank_text(group)} is on "
                 f"{', '.join(self.group_hosts(group))} ({self.shape_text}), so every per-layer {dim} collective "
-                f"crosses the host network; keep {dim} <= {k} ranks per host (the innermost dims stay on a host), "
+                f"crosses the host network; keep {dim} <= {k} (the ranks one host holds: the innermost dims stay on it), "
                 f"or pass {ALLOW_CROSS_HOST}=True (--allow-cross-host, TOML {ALLOW_CROSS_HOST} = true) to run it anyway",
                 dim=dim, size=int(sizes.get(dim, 1)), ranks_per_host=k)
 
