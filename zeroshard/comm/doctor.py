@@ -98,8 +98,11 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
         "mismatch": None, "never_entered": None, "died": [], "hang": [], "user_collective": None,
         "at": None,  # the collective the verdict names: seq, op, unit, phase, step, and the ranks at fault
     }
+    hosts = rank_hosts(ranks)
+    report["hosts"] = by_host(hosts, sorted(set(ranks) | set(report["missing_ranks"])))
     for r, (header, records) in sorted(ranks.items()):
         report["ranks"][r] = {
+            "host": hosts.get(r),
             "source": "ring" if header.get("reason") == "ring" else "dump",
             "reason": header.get("reason"), "message": header.get("message", ""),
             "next_seq": next_seq[r], "first_seq": first_seq[r],
@@ -146,6 +149,26 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
             report["at"] = report["user_collective"]["at"]
     report["verdict"], report["summary"] = _verdict(report)
     return report
+
+
+def rank_hosts(ranks: dict[int, tuple[dict, list[dict]]]) -> dict[int, str]:
+    """Each rank's host: from its own dump, else from a peer's list of every rank's host (a killed
+    rank leaves only its ring, which has none). Empty for ledgers written before hosts were recorded."""
+    out: dict[int, str] = {}
+    for header, _ in ranks.values():
+        out.update({r: h for r, h in enumerate(header.get("rank_hosts") or [])})
+    out.update({r: header["host"] for r, (header, _) in ranks.items() if header.get("host")})
+    return out
+
+
+def by_host(hosts: dict[int, str], ranks: list[int]) -> dict[str, list[int]]:
+    """Ranks grouped by host, hosts in the order of their first rank; {} when no host is known."""
+    if not hosts:
+        return {}
+    out: dict[str, list[int]] = {}
+    for r in ranks:
+        out.setdefault(hosts.get(r, "(unknown host)"), []).append(r)
+    return out
 
 
 def blocked_at(header: dict, records: list[dict]) -> dict[str, Any] | None:
@@ -296,10 +319,21 @@ def render(report: dict, run_dir: str | Path | None = None) -> list[str]:
     """Human-readable lines for a report from :func:`analyse`."""
     lines = [f"zeroshard doctor: {run_dir or ''} ({report['world']} ranks)".replace(":  (", ": ("),
              f"verdict: {report['verdict'].upper()}: {report['summary']}"]
-    for r, info in report["ranks"].items():
-        what = {"ring": "no dump; read its crash-safe ring"}.get(info["source"], f"{info['reason']} dump")
-        msg = f": {_short(info['message'], 240)}" if info["message"] else ""
-        lines.append(f"  rank {r}: {what}, {info['next_seq']} collectives issued{msg}")
+    # The per-rank view, host by host: a fault confined to one host (its network, its GPUs) shows
+    # as a block of ranks.
+    groups = report.get("hosts") or {None: list(report["ranks"])}
+    for host, members in groups.items():
+        indent = "  " if host is None else "    "
+        if host is not None:
+            lines.append(f"  host {host} (rank{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}):")
+        for r in members:
+            info = report["ranks"].get(r)
+            if info is None:
+                lines.append(f"{indent}rank {r}: left no ledger")
+                continue
+            what = {"ring": "no dump; read its crash-safe ring"}.get(info["source"], f"{info['reason']} dump")
+            msg = f": {_short(info['message'], 240)}" if info["message"] else ""
+            lines.append(f"{indent}rank {r}: {what}, {info['next_seq']} collectives issued{msg}")
     m = report["mismatch"]
     if m is not None:
         lines.append(f"collective #{m['seq']} per rank (differs in: {', '.join(m['fields'])}):")

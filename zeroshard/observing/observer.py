@@ -112,6 +112,7 @@ class Observer:
             raise RuntimeError(f"zs.observe needs the process group: call zs.init() first ({e})") from None
         self.rank, self.world, self.device = mesh.rank, mesh.world, mesh.device
         self.host = mesh.placement.host_of(self.rank)
+        self.rank_hosts = [f.host for f in mesh.placement.ranks]  # a killed rank's host, from any peer's dump
         # Rank 0 names the run dir (a timestamp by default); every rank dumps its ledger there.
         wanted = Path(self.requested_dir if self.requested_dir is not None else default_run_dir())
         if self.rank == 0:
@@ -161,7 +162,7 @@ class Observer:
         """Extra ledger-dump fields: where the loop's own collectives were made, and this rank's host
         (the doctor groups ranks by it)."""
         return {"user_calls": self.user_calls.header() if self.user_calls is not None else {},
-                "host": self.host}
+                "host": self.host, "rank_hosts": self.rank_hosts}
 
     def attach(self, model: torch.nn.Module | None = None, *, start_step: int = 0, batch: int | None = None,
                tokens_per_step: int | None = None) -> None:
