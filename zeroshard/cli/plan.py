@@ -22,8 +22,13 @@ from rich.table import Table
 
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
-from zeroshard.offload.policy import OFFLOAD_KINDS
+from zeroshard.cli.typed_flags import add_knob_flags, given_knobs
 from zeroshard.planner.comm import Network
+from zeroshard.planner.spec import PLANNED_KNOBS
+from zeroshard.sim.step import SIMULATED_KNOBS
+
+PLAN_KNOBS = PLANNED_KNOBS + tuple(k for k in SIMULATED_KNOBS if k not in PLANNED_KNOBS)
+"""The engine's knobs `plan` takes: those the memory planner or the step-time simulator models."""
 
 DEFAULT_COMM_QUANT_BLOCK = 256
 """zs.plan's (and TrainConfig's) quantization block when --comm-quant-block is not given."""
@@ -106,8 +111,8 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
         # The preset's name reads better in the report; a vocabulary override needs the config itself.
         target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
-                  seq=args.seq, accum=args.accum, checkpointing=args.checkpointing, prefetch=args.prefetch,
-                  bucket_mb=args.bucket_mb, headroom=args.headroom, accounting=args.accounting,
+                  seq=args.seq, accum=args.accum, **given_knobs(args, PLANNED_KNOBS),
+                  headroom=args.headroom, accounting=args.accounting,
                   comm_quant=args.comm_quant or "none", comm_quant_block=args.comm_quant_block or DEFAULT_COMM_QUANT_BLOCK,
                   device="cpu" if args.measure else args.device, tp=args.tp,
                   sequence_parallel=args.sequence_parallel)
@@ -156,6 +161,9 @@ def unread_flag(args: argparse.Namespace) -> str | None:
            "inter_gbps": "--time takes its links from --hw (a preset, or a TOML file's inter_bandwidth)",
            "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node)",
            "measure": "--measure checks the memory planner against one real step; run it without --time"}
+    if unsimulated := sorted(given_knobs(args, tuple(k for k in PLAN_KNOBS if k not in SIMULATED_KNOBS))):
+        flag = "--" + unsimulated[0].replace("_", "-")
+        return f"--time does not simulate {flag} (the memory planner, without --time, plans it); drop {flag}"
     if args.comm_quant not in (None, "none"):  # "none" is what the simulator assumes, so it is read
         return f"{quant}; drop --comm-quant"
     for dest, reason in why.items():
@@ -198,8 +206,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         target, kwargs = _plan_kwargs(args)
         network = _network(args)
-        p = plan(target, offload=args.offload, shard_size=args.shard_size, gpus_per_node=network.gpus_per_node,
-                 **kwargs)
+        p = plan(target, shard_size=args.shard_size, gpus_per_node=network.gpus_per_node, **kwargs)
         rec = recommend(target, device_mem=args.device_mem, network=network, **kwargs) if args.device_mem else None
         checks = _measure(p, args) if args.measure else None
         chart = None
@@ -277,14 +284,11 @@ def add_parser(sub: Any) -> None:
     run_.add_argument("--optimizer", default="adamw", help="torch.optim name or module:Class (default: adamw); "
                       "its state size is found by running it")
     run_.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")
-    run_.add_argument("--checkpointing", default="none", help="activation checkpointing as zs.shard does it: none, "
-                      "all, every:K (segments of K blocks), sqrt; op and full for Llama shapes with --time")
-    run_.add_argument("--offload", choices=OFFLOAD_KINDS, default="none",
-                      help="also plan offload variants: masters and optimizer state in host memory (cpu) or files "
-                           "(disk), as zs.shard(offload=); with --time, simulate every layout offloaded")
     run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
-    run_.add_argument("--prefetch", type=int, default=1, help="stage-3 all-gathers ahead of compute (default: 1)")
-    run_.add_argument("--bucket-mb", type=float, default=25.0, help="reduction bucket size (default: 25)")
+    # The engine's knobs, from its own table: --offload adds the offload variants (with --time, every
+    # layout is simulated offloaded); --checkpointing also takes op and full for the Llama shapes with --time.
+    engine = p.add_argument_group("the engine's knobs (as zeroshard train takes them)")
+    add_knob_flags(engine, PLAN_KNOBS)
     run_.add_argument("--comm-quant", help="quantized communication as in train: weights, grads, "
                       "grads+ef or weights,grads[+ef] (int8 + fp32 block scales on the wire; default: none)")
     run_.add_argument("--comm-quant-block", type=int, help="elements per quantization block of --comm-quant "

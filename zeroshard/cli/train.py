@@ -11,7 +11,6 @@ import argparse
 import math
 import os
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from rich.table import Table
 
 from zeroshard import faults as fault_points
 from zeroshard.comm.topology import placement_text
+from zeroshard.cli.typed_flags import add_typed_flag
 from zeroshard.config import TrainConfig, field_help, field_names, field_type, load_toml, merge_config
 
 
@@ -41,20 +41,8 @@ def add_config_flags(
         parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
     shown = {**TrainConfig().to_dict(), **(defaults or {})}
     for name in field_names():
-        if name in skip:
-            continue
-        want = field_type(name)
-        py_type = next((t for t in typing.get_args(want) if t is not type(None)), want)
-        text = f"{field_help(name)} (default: {shown[name]})".replace("%", "%%")
-        if py_type is bool:
-            # --trace / --no-trace; still None when not given, so a TOML file can decide.
-            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                                action=argparse.BooleanOptionalAction, help=text)
-            continue
-        parser.add_argument(
-            "--" + name.replace("_", "-"), dest=name, type=py_type, default=None,
-            metavar=name.upper(), help=text,
-        )
+        if name not in skip:
+            add_typed_flag(parser, name, field_type(name), f"{field_help(name)} (default: {shown[name]})")
 
 
 def config_from_args(

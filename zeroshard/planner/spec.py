@@ -21,6 +21,13 @@ from zeroshard.sharding.precision import MixedPrecision, parse_dtype
 from zeroshard.sharding.recompute import segment_bounds, segment_length
 
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+PLANNED_KNOBS = ("checkpointing", "offload", "bucket_mb", "prefetch", "reshard_after_forward",
+                 "max_inflight_reductions", "accumulation")
+"""The engine's knobs (zeroshard.sharding.options.KNOBS) a memory plan depends on, and so the ones
+`zeroshard plan` takes. The others change when things happen, not what is resident at the peak
+(backward_prefetch_at, reap_when_done), or nothing a plan counts (check_schedule, the disk files'
+directory and slice size)."""
 ACCOUNTINGS = ("runtime", "textbook")
 _SIZE_UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -40,10 +40,10 @@ class EngineOptions:
     """Activation checkpointing of the blocks: none, all, every:K (segments of K blocks) or sqrt
     (segments of about sqrt(L) blocks)."""
 
+    # A string (or None) is taken as OffloadPolicy(kind=...), as zs.shard(offload=) takes it.
     offload: OffloadPolicy = dataclasses.field(default_factory=OffloadPolicy)
     """Where fp32 masters and optimizer state live: none (with the params), cpu (host memory, CPU
-    optimizer step) or disk (files under offload_dir, stepped slice by slice). A string is taken as
-    ``OffloadPolicy(kind=...)``, as ``zs.shard(offload=)`` takes it."""
+    optimizer step) or disk (files under offload_dir, stepped slice by slice)."""
 
     bucket_mb: float = 25.0
     """Gradient bucket size in MB for the overlapped reduction (stages 0-2; stage 3 reduces per unit)."""

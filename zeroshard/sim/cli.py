@@ -59,17 +59,26 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
         shape = SHAPES[args.model]
         _check_tp_split(shape, tp)
         w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
-                     checkpointing=args.checkpointing, accum=accum, compute_bytes=compute_bytes)
+                     checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)
         return w, None
     from zeroshard.models import GPTConfig
 
-    if args.checkpointing in TORCHTITAN_POLICIES:
+    if _knobs(args)["checkpointing"] in TORCHTITAN_POLICIES:
         raise ValueError(f"--checkpointing {args.checkpointing} is for the Llama shapes; zeroshard's GPT takes "
                          "none, all, every:K or sqrt")
     cfg = GPTConfig.named(args.model, **({"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}))
     w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
-                 checkpointing=args.checkpointing, accum=accum, compute_bytes=compute_bytes)
+                 checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)
     return w, lambda layout: gpt_peak_bytes(args.model, w, layout, headroom=headroom)
+
+
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's knobs the replay models: the runtime's defaults, with the flags given on top."""
+    from zeroshard.sharding.options import KNOBS
+    from zeroshard.sim.step import SIMULATED_KNOBS
+
+    return {k.name: getattr(args, k.name, None) if getattr(args, k.name, None) is not None else k.default
+            for k in KNOBS if k.name in SIMULATED_KNOBS}
 
 
 def _headroom(args: argparse.Namespace) -> float:
@@ -109,9 +118,9 @@ def run_time(args: argparse.Namespace) -> list:
         # --mp fp32 (as zeroshard train runs by default, and as a CPU calibration measured): fp32
         # params on the wire; otherwise the bf16 the simulator assumes for GPU runs.
         param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
-        layouts = layouts_for(world, stages, shard_sizes, prefetch=args.prefetch, bucket_mb=args.bucket_mb,
-                              param_bytes=param_bytes, offload=getattr(args, "offload", "none"),
-                              tp=getattr(args, "tp", 1) or 1)
+        knobs = {k: v for k, v in _knobs(args).items() if k != "checkpointing"}  # the workload's
+        layouts = layouts_for(world, stages, shard_sizes, param_bytes=param_bytes, tp=getattr(args, "tp", 1) or 1,
+                              **knobs)
         rows += evaluate(w, hw, layouts, memory or (lambda layout: peak_bytes(w, layout, headroom=_headroom(args))))
     return [w, hw, rows]
 

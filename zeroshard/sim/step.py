@@ -70,6 +70,10 @@ MASTER_BYTES = 4
 _ENGINE = EngineOptions()
 """The runtime's schedule defaults (prefetch window, resharding, bucket size), read, not restated."""
 
+SIMULATED_KNOBS = ("checkpointing", "offload", "bucket_mb", "prefetch", "reshard_after_forward")
+"""The engine's knobs the step replay models (checkpointing through the workload, the rest through
+``Layout``); `plan --time` refuses any other knob by name."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
