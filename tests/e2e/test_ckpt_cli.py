@@ -1,6 +1,7 @@
-"""Checkpoints through the CLI: a rank killed with SIGKILL mid-save, then `--resume auto`.
+"""Checkpoints through the CLI: a rank killed with SIGKILL mid-save, then `--resume auto`; damaged
+manifests, a refused resume, `ckpt repair` and a bitwise resume from the repaired checkpoints.
 
-Two `zeroshard train` runs (about 6 s each on two cores) and offline `zeroshard ckpt` calls.
+`zeroshard train` runs of a few seconds each on two cores, and offline `zeroshard ckpt` calls.
 """
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 from test_cli import FAST, read_metrics, run_cli, run_main
 
@@ -53,9 +57,15 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_damaged_manifests_refuse_resume_and_nothing_is_deleted(tmp_path: Path) -> None:
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every rank file (read without pickle)."""
+    return {f"{f.name}:{k}": v for f in sorted(checkpoint.glob("rank-*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_damaged_manifests_refuse_resume_then_repair_resumes_bitwise(tmp_path: Path, capsys) -> None:
     """The data-loss case: both checkpoints' manifest.json truncated (a full disk, a sync tool),
-    the rank files intact. `--resume auto --keep-last 2` must refuse, naming both, and touch nothing."""
+    the rank files intact. `--resume auto --keep-last 2` must refuse, naming both, and touch nothing;
+    `ckpt repair` rebuilds both manifests, and the resumed run ends bitwise equal to an uninterrupted one."""
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
     done = run_cli([*TRAIN, "--ckpt-dir", str(whole), "--run-dir", str(run_dir), "--keep-last", "0"])
     assert done.returncode == 0, done.stdout + done.stderr
@@ -67,12 +77,42 @@ def test_damaged_manifests_refuse_resume_and_nothing_is_deleted(tmp_path: Path) 
         manifest = damaged / name / "manifest.json"
         manifest.write_bytes(manifest.read_bytes()[:100])
     before = _tree(damaged)
+    resume = [*TRAIN, "--ckpt-dir", str(damaged), "--run-dir", str(tmp_path / "run2"), "--resume", "auto",
+              "--keep-last", "2"]
 
-    refused = run_cli([*TRAIN, "--ckpt-dir", str(damaged), "--run-dir", str(tmp_path / "run2"), "--resume", "auto",
-                       "--keep-last", "2"])
+    refused = run_cli(resume)
     assert refused.returncode != 0, refused.stdout + refused.stderr
     error = [line for line in refused.stderr.splitlines() if "error" in line]
     assert len(error) == 1 and "step-00000002" in error[0] and "step-00000004" in error[0], refused.stderr
     assert "not valid JSON" in error[0] and "--resume fresh-ok" in error[0] and "ckpt repair" in error[0]
     assert "Traceback" not in refused.stderr
     assert _tree(damaged) == before, "a refused resume deletes, renames and writes nothing"
+
+    repaired = run_main(["ckpt", "repair", str(damaged)], capsys)
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert repaired.stdout.count("REPAIRED") == 2 and "manifest.json.damaged" in repaired.stdout
+    for name in ("step-00000002", "step-00000004"):
+        rebuilt = json.loads((damaged / name / "manifest.json").read_text())
+        assert rebuilt == json.loads((whole / name / "manifest.json").read_text()), "the manifest as saved"
+        assert (damaged / name / "manifest.json.damaged").read_bytes() == before[f"{name}/manifest.json"]
+
+    resumed = run_cli(resume)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "step-00000004 at step 4" in resumed.stdout
+    assert sorted(p.name for p in damaged.iterdir() if p.is_dir()) == ["step-00000004", "step-00000006"]
+    assert "rotated out" in resumed.stdout and "damaged/step-00000002" in resumed.stdout  # verified, same lineage
+    a, b = (_tensors(root / "step-00000006") for root in (whole, damaged))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "masters and optimizer state bitwise"
+
+    # A damaged rank file cannot be salvaged: repair names it and writes nothing.
+    lost = shutil.copytree(whole / "step-00000006", tmp_path / "lost" / "step-00000006")
+    (lost / "manifest.json").unlink()
+    victim = lost / "rank-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10  # a flipped bit in the last tensor's data
+    victim.write_bytes(data)
+    before = _tree(lost.parent)
+    refused = run_main(["ckpt", "repair", str(lost.parent)], capsys)
+    assert refused.returncode == 1
+    assert "rank-00001.safetensors is damaged" in refused.stderr and "cannot be salvaged" in refused.stderr
+    assert _tree(lost.parent) == before

@@ -80,7 +80,8 @@ class Entry(Sized):
     shape: tuple[int, ...]
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, flattened (an accelerator tensor is copied to the host first)."""
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
@@ -131,7 +132,7 @@ class TensorFileWriter:
                 f"{self.path.name}: expected {entry.name} ({dtype_name(entry.dtype)}, {entry.numel} elements) "
                 f"next, got {name} ({dtype_name(tensor.dtype)}, {tensor.numel()} elements)")
         if entry.nbytes:
-            self._put(_as_bytes(tensor))
+            self._put(as_bytes(tensor))
         self._next += 1
 
     def close(self) -> tuple[str, int]:
@@ -207,6 +208,10 @@ class TensorFile:
                 raise CheckpointError(f"checkpoint file {self.label} is truncated or corrupt: tensor {name!r} "
                                       f"needs bytes [{begin}, {end}) of {size}")
             self.tensors[name] = stored
+
+    def file_descriptor(self) -> int:
+        """The open file, for callers that read raw byte ranges (repair hashes each tensor's bytes)."""
+        return self._file.fileno()
 
     def stored(self, name: str) -> Stored:
         try:

@@ -1,7 +1,9 @@
-"""`zeroshard ckpt inspect|verify|export|reshard|import-dcp|export-dcp`: offline checkpoint tools (no process group).
+"""`zeroshard ckpt inspect|verify|repair|export|reshard|import-dcp|export-dcp`: offline checkpoint tools (no process group).
 
   inspect DIR            what a checkpoint holds: step, world, stage, versions, sizes, state
   verify DIR...          checksums, sizes, headers and coverage; a root verifies every checkpoint in it
+  repair DIR             rebuild a lost or damaged manifest from intact rank files (a root: every
+                         checkpoint in it that does not verify); the damaged manifest is kept
   export DIR OUT         one safetensors file for the plain model, streamed one param at a time
   export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index)
   reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway);
@@ -115,6 +117,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_repair(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.checkpoint.repair import needs_repair, repair, repair_targets
+
+    targets = repair_targets(args.dir)
+    if not targets:
+        return _err(f"no checkpoint in {args.dir}: nothing to repair")
+    failed = False
+    for directory in targets:
+        if directory.is_dir() and not needs_repair(directory):
+            print(f"OK       {directory}: verifies; left as it is")
+            continue
+        try:
+            done = repair(directory)
+        except CheckpointError as e:
+            failed = True
+            print(f"zeroshard ckpt: error: cannot repair {directory}: {e}", file=sys.stderr, flush=True)
+            continue
+        kept = f"; the damaged manifest is kept as {done.kept_as.name}" if done.kept_as is not None else ""
+        print(f"REPAIRED {directory}: manifest rebuilt from {done.files} intact rank files and verified{kept}")
+    return 1 if failed else 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, export
     from zeroshard.sharding.precision import parse_dtype
@@ -205,6 +230,9 @@ def add_parser(sub: Any) -> None:
     q = cmds.add_parser("verify", help="check sizes, sha256, headers and coverage")
     q.add_argument("dirs", nargs="+", metavar="DIR")
     q.set_defaults(run=cmd_verify)
+    q = cmds.add_parser("repair", help="rebuild a lost or damaged manifest from intact rank files")
+    q.add_argument("dir", help="a checkpoint directory, or a root: every checkpoint in it that does not verify")
+    q.set_defaults(run=cmd_repair)
     q = cmds.add_parser("export", help="consolidate into one safetensors file, one param at a time")
     q.add_argument("dir")
     q.add_argument("out", nargs="?", help="the safetensors file to write (or use --hf)")
