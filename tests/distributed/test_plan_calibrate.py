@@ -44,7 +44,11 @@ def test_calibrate_writes_a_hardware_file_that_plan_time_replays(tmp_path, capsy
 
     assert cli(["plan", "--time", "--hw", str(out), "--model", "tiny", "--vocab-size", "16", "--seq", str(SEQ),
                 "--micro-batch", "1", "--world", "2", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    replay = json.loads(capsys.readouterr().out)
+    rows = replay["rows"]
+    # The file records where it was measured (2 gloo ranks on this host), and the replay reads it back.
+    topology = replay["topology"]
+    assert (topology["hosts"], topology["ranks_per_host"], topology["source"]) == (1, 2, str(out))
     n_layer = GPTConfig.named("tiny").n_layer
     # Stages 0-2: mean blocks, the slowest rank's whole step once (on the root); stage 3 gathers per
     # block, so every block is the slowest rank's, and the root the mean.

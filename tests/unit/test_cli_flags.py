@@ -144,6 +144,7 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--intra-gbps": [(plus(rec, "--intra-gbps", "100"), rec, CHANGES), (plus(m, "--intra-gbps", "100"), None, REFUSED)],
         "--inter-gbps": [(plus(rec, "--inter-gbps", "10"), rec, CHANGES), (plus(m, "--inter-gbps", "10"), None, REFUSED)],
         "--gpus-per-node": [(plus(m, "--gpus-per-node", "2"), m, CHANGES)],
+        "--topology": [(plus(m, "--topology", "2x2"), m, CHANGES), (plus(m, "--topology", "2x4"), None, REFUSED)],
         "--measure": [(plus(m, "--measure"), m, CHANGES)],
         "--plot": [(plus(m, "--plot", png), m, CHANGES)],
         "--json": [(m, drop(m, "--json", 0), CHANGES)],
@@ -188,6 +189,7 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--intra-gbps": [(plus(t, "--intra-gbps", "100"), None, REFUSED)],
         "--inter-gbps": [(plus(t, "--inter-gbps", "10"), None, REFUSED)],
         "--gpus-per-node": [(plus(t, "--gpus-per-node", "2"), None, REFUSED)],
+        "--topology": [(plus(t, "--topology", "2x2"), t, CHANGES), (plus(t, "--topology", "2x4"), None, REFUSED)],
         "--measure": [(plus(t, "--measure"), None, REFUSED)],
         "--plot": [(plus(t, "--plot", png), t, CHANGES)],
         "--json": [(t, drop(t, "--json", 0), CHANGES)],
@@ -377,7 +379,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
-                "check_schedule": "--check-schedule",
+                "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
                 "compile": "--compile",
                 "profile": "--no-profile", "trace": "--trace"}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),

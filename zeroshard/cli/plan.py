@@ -124,6 +124,26 @@ def _network(args: argparse.Namespace) -> Network:
     return Network(**given)
 
 
+def _topology(args: argparse.Namespace):
+    """--topology as a RunTopology (None when not given), after setting --world and --gpus-per-node
+    from it: the run's hosts decide which collectives cross them."""
+    from zeroshard.planner.topology_source import parse
+
+    if args.topology is None:
+        return None
+    topology = parse(args.topology)
+    if args.world is None:
+        args.world = topology.world
+    elif args.world != topology.world:
+        raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology ({topology.text}); "
+                         "drop --world or make them agree")
+    if args.gpus_per_node is not None and args.gpus_per_node != topology.ranks_per_host:
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node} disagrees with the {topology.ranks_per_host} ranks "
+                         "per host of --topology; drop --gpus-per-node")
+    args.gpus_per_node = topology.ranks_per_host
+    return topology
+
+
 def _given(args: argparse.Namespace, *dests: str) -> list[str]:
     """The flags among ``dests`` that were given (argparse default None, or False for a switch)."""
     return ["--" + d.replace("_", "-") for d in dests if getattr(args, d, None) not in (None, False)]
@@ -159,7 +179,8 @@ def unread_flag(args: argparse.Namespace) -> str | None:
                          "Llama shapes)",
            "intra_gbps": "--time takes its links from --hw (a preset, or a TOML file's intra_bandwidth)",
            "inter_gbps": "--time takes its links from --hw (a preset, or a TOML file's inter_bandwidth)",
-           "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node)",
+           "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node) or "
+                            "from --topology",
            "measure": "--measure checks the memory planner against one real step; run it without --time"}
     if unsimulated := sorted(given_knobs(args, tuple(k for k in PLAN_KNOBS if k not in SIMULATED_KNOBS))):
         flag = "--" + unsimulated[0].replace("_", "-")
@@ -197,8 +218,12 @@ def run(args: argparse.Namespace) -> int:
             return print_time(args)
         except ValueError as e:
             return fail("plan", str(e))
+    try:
+        topology = _topology(args)
+    except ValueError as e:
+        return fail("plan", str(e))
     if args.world is None:
-        return fail("plan", "--world is required: the number of data-parallel ranks")
+        return fail("plan", "--world is required: the number of data-parallel ranks (or --topology HOSTSxRANKS)")
     if args.model is not None and args.model not in MODEL_NAMES:
         return fail("plan", f"--model {args.model} is planned only with --time; use one of {', '.join(MODEL_NAMES)}")
     if (args.params is None) == (args.model is None):
@@ -224,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     if args.json:
         out = p.to_dict()
+        out["topology"] = topology.to_dict() if topology else None
         if rec:
             out["recommendation"] = rec.to_dict()
         if checks:
@@ -235,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1), flush=True)
         return 0
     console = Console()
+    if topology is not None:
+        console.print(f"topology: {topology.text}", highlight=False)
     console.print(plan_table(p))
     for note in p.notes:
         console.print(f"[dim]note: {note}")
@@ -306,6 +334,10 @@ def add_parser(sub: Any) -> None:
                      "prices the recommender's candidates, so it needs --device-mem")
     net.add_argument("--gpus-per-node", type=int, help=f"ranks per node (default: {Network.gpus_per_node}): which "
                      "collectives cross nodes")
+    net.add_argument("--topology", metavar="SPEC", help="the run's hosts: HOSTSxRANKS (2x4), a run directory (its "
+                     "summary.json or metrics.jsonl header), or a plan --calibrate TOML; sets --world and the ranks "
+                     "per host (--gpus-per-node), and with --time the simulated node size")
+
     out = p.add_argument_group("output")
     out.add_argument("--measure", action="store_true", help="run one real step per stage on gloo and compare")
     out.add_argument("--plot", metavar="OUT.png", help="write a stacked per-component chart (needs matplotlib)")

@@ -101,6 +101,14 @@ def run_time(args: argparse.Namespace) -> list:
     from zeroshard.sim.report import evaluate, layouts_for
 
     hw = load_hardware(args.hw or DEFAULT_HW)
+    topology = run_topology(args)
+    if topology is not None:  # the run's hosts, not the preset's node size, decide what crosses hosts
+        hw = dataclasses.replace(hw, gpus_per_node=topology.ranks_per_host)
+        if args.world is None and not args.sweep:
+            args.world = topology.world
+        elif args.world is not None and args.world != topology.world and getattr(args, "topology", None):
+            raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology "
+                             f"({topology.text}); drop --world or make them agree")
     if getattr(args, "device_mem", None):  # the device you mean to run on: fits are judged against it
         from zeroshard.planner.spec import parse_bytes
 
@@ -122,7 +130,7 @@ def run_time(args: argparse.Namespace) -> list:
         layouts = layouts_for(world, stages, shard_sizes, param_bytes=param_bytes, tp=getattr(args, "tp", 1) or 1,
                               **knobs)
         rows += evaluate(w, hw, layouts, memory or (lambda layout: peak_bytes(w, layout, headroom=_headroom(args))))
-    return [w, hw, rows]
+    return [w, hw, rows, topology]
 
 
 DEFAULT_HW_OUT = Path("~/.cache/zeroshard/local.toml")
@@ -147,7 +155,8 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_toml(hw, f"zeroshard plan --calibrate: {model}, vocab {vocab}, micro-batch "
                                f"{args.micro_batch or 1} x seq {seq}, worlds {', '.join(map(str, worlds))}\n"
-                               "measured on this host with gloo; use it with zeroshard plan --time --hw FILE"))
+                               "measured on this host with gloo; use it with zeroshard plan --time --hw FILE")
+                   + calibrated_topology(max(worlds)))
     if args.json:
         print(json.dumps({"hardware": str(out), "points": raw}, indent=1))
         return 0
@@ -171,6 +180,32 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
               f"and {k.three:.2f} (three) times their serial time")
     print(f"hardware written to {out}")
     return 0
+
+
+def calibrated_topology(world: int) -> str:
+    """The ``[topology]`` table of what the calibration ran on: ``world`` gloo ranks on this host,
+    with this host's name, processor and interface as zs.init's topology gather reports them."""
+    import torch
+
+    from zeroshard.comm.host_probe import local_facts
+    from zeroshard.comm.names import Dim
+    from zeroshard.comm.topology import Topology
+    from zeroshard.planner.topology_source import to_toml_table
+
+    mine = local_facts(0, torch.device("cpu"))
+    topology = Topology(tuple(dataclasses.replace(mine, rank=r, local_rank=r) for r in range(world)))
+    return to_toml_table(topology.describe({Dim.SHARD: world}), f"zeroshard plan --calibrate on {world} gloo ranks")
+
+
+def run_topology(args: argparse.Namespace):
+    """--topology's, else the [topology] a --hw TOML recorded, else None (the --hw preset's nodes)."""
+    from zeroshard.planner.topology_source import from_toml, parse
+
+    if getattr(args, "topology", None):
+        return parse(args.topology)
+    if args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
+        return from_toml(Path(args.hw))
+    return None
 
 
 def print_calibration(args: argparse.Namespace) -> int:
@@ -200,14 +235,17 @@ def print_time(args: argparse.Namespace) -> int:
 
     if args.calibrate:
         return print_calibration(args)
-    w, hw, rows = run_time(args)
+    w, hw, rows, topology = run_time(args)
     chart = sweep_plot(rows, args.plot, w, hw) if args.plot else None
     if args.json:
         print(json.dumps({"hardware": hw.name, "workload": {"model": w.shape.name, "micro_batch": w.micro_batch,
                                                             "seq": w.seq, "checkpointing": w.checkpointing},
+                          "topology": topology.to_dict() if topology else None,
                           "rows": [r.to_dict() for r in rows], **({"plot": str(chart)} if chart else {})}, indent=1))
         return 0
     console = Console(width=200)
+    if topology is not None:
+        console.print(f"topology: {topology.text}", highlight=False)
     console.print(time_table(rows, w, hw))
     if chart:
         console.print(f"chart written to {chart}")

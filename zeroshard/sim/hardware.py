@@ -127,6 +127,7 @@ def load_hardware(name_or_path: str) -> Hardware:
     with path.open("rb") as f:
         table = tomllib.load(f)
     base = table.pop("base", None)
+    table.pop("topology", None)  # where plan --calibrate measured: zeroshard/planner/topology_source.py reads it
     try:  # arrays of tables become the measured entries
         for key, cls in (("links", MeasuredLink), ("compute", MeasuredCompute),
                          ("concurrency", MeasuredConcurrency)):
