@@ -129,3 +129,21 @@ def test_bad_inputs():
         schedule(3, accum=0)
     with pytest.raises(ValueError, match="do not fit"):
         MeshSizes(world=4, shard=3)
+
+
+@pytest.mark.parametrize("prefetch, reshard, checkpointing, blocks_held", [
+    (1, True, "none", 2),        # a block computing and the one prefetched after it
+    (2, True, "none", 3),
+    (0, True, "none", 1),        # on demand: each block is freed before the next one is gathered
+    (1, False, "none", 4),       # every block gathered from its forward to its backward
+    (1, True, "every:4", 4),     # one segment of all four blocks rebuilt at once in backward
+])
+def test_peak_gathered_bytes_is_the_root_and_the_blocks_gathered_at_once(prefetch, reshard, checkpointing,
+                                                                          blocks_held):
+    """The all-gather window the planner reads: the root stays gathered for the whole step, and the
+    blocks held at once follow prefetch, resharding and checkpoint segments (4 bytes per fp32 element)."""
+    options = EngineOptions(prefetch=prefetch, reshard_after_forward=reshard, checkpointing=checkpointing)
+    assert schedule(3, options=options).peak_gathered_bytes(units(2)) == 4 * (ROOT + blocks_held * BLOCK)
+    # Stages 0-2 keep full params resident, and one shard gathers nothing: no window either way.
+    assert schedule(2).peak_gathered_bytes(units(2)) == 0
+    assert schedule(3, world=1, options=options).peak_gathered_bytes(units(1)) == 0

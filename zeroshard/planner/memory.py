@@ -30,7 +30,7 @@ from zeroshard.planner.spec import STAGE_NAMES, PlanSpec
 from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
-from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes
+from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes, step_schedule
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -218,11 +218,7 @@ class Estimator:
                 reshard_after_forward=spec.engine.reshard_after_forward, gpus_per_node=dp_per_node)
         # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
         options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
-        sizes = [UnitSizes(name=u.name, is_root=u.is_root, groups=tuple(
-            GroupSizes(numel=g.numel, shard_numel=g.shard_numel, trainable=g.trainable,
-                       compute_dtype=self.compute(g.dtype), reduce_dtype=self.reduce(g.dtype),
-                       optimizer_numel=g.optimizer_numel(0)) for g in u.groups)) for u in units]
-        return comm.step_collectives(sizes, policy=v.policy, mesh=mesh, options=options, comm=self.comm,
+        return comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
                                      accum=spec.accum, gpus_per_node=dp_per_node)
 
     @property
@@ -489,22 +485,26 @@ class Estimator:
         return max(m[0] for m in moments), max(m[1] for m in moments), early, running
 
     def _window(self, units: tuple[CommUnit, ...]) -> int:
-        compute_map = {d: self.compute(d) for d in self.master_dtypes}
-        root = sum(u.full_bytes(compute_map) for u in units if u.is_root)
-        blocks = [u.full_bytes(compute_map) for u in reversed(units) if not u.is_root]  # forward order
-        if not self.spec.engine.reshard_after_forward:
-            return root + sum(blocks)
-        live = 1 + self.spec.engine.prefetch
-        window = max((sum(blocks[i:i + live]) for i in range(len(blocks))), default=0)
-        for a, b in self.spec.checkpointing.segments(len(blocks)):
-            # Forward: a segment runs inside its first unit's call, so that unit stays gathered
-            # while the last one runs and prefetches the ``prefetch`` after it.
-            ahead = blocks[b - 1:b - 1 + live]
-            window = max(window, sum(ahead) + (blocks[a] if a < b - 1 else 0))
-            # Backward: rebuilding needs all of its units at once; the engine has already gathered
-            # its last unit and prefetched the ``prefetch`` before it.
-            window = max(window, sum(blocks[max(0, min(a, b - live)):b]))
-        return root + window
+        """Stage 3's all-gather window: the most full-param bytes gathered at once, read off the
+        runtime's step schedule (its gathers and frees, with prefetch, resharding and checkpoint
+        segments as the engine runs them)."""
+        spec = self.spec
+        sizes = self._unit_sizes(units)
+        # Over one shard the engine still allocates each unit's full buffer when it "gathers" it, but
+        # issues no all-gather for the schedule to show; the window's timing does not depend on the
+        # shard count, so it is read off a schedule over two.
+        shard = max(2, spec.dp)
+        mesh = MeshSizes(world=shard * spec.tp, shard=shard, tp=spec.tp)
+        schedule = step_schedule(sizes, policy=StagePolicy(3), mesh=mesh,
+                                 options=dataclasses.replace(spec.engine, offload=OffloadPolicy()), accum=spec.accum)
+        return schedule.peak_gathered_bytes(sizes)
+
+    def _unit_sizes(self, units: tuple[CommUnit, ...]) -> list[UnitSizes]:
+        """The units as the step schedule takes them, in this plan's compute and reduce dtypes."""
+        return [UnitSizes(name=u.name, is_root=u.is_root, groups=tuple(
+            GroupSizes(numel=g.numel, shard_numel=g.shard_numel, trainable=g.trainable,
+                       compute_dtype=self.compute(g.dtype), reduce_dtype=self.reduce(g.dtype),
+                       optimizer_numel=g.optimizer_numel(0)) for g in u.groups)) for u in units]
 
     def _largest_param_grad(self) -> int:
         """Stages 0-3 all see autograd produce one param's grad as a fresh tensor before it is moved

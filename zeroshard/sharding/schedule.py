@@ -197,6 +197,23 @@ class Schedule:
     def frees(self) -> tuple[Event, ...]:
         return tuple(e for e in self.events if e.op == FREE)
 
+    def peak_gathered_bytes(self, units: Sequence[UnitSizes]) -> int:
+        """The most full-param bytes held gathered at once over the step (stage 3's all-gather
+        window): a unit's full params count from its first all-gather until its free. The stage 1-2
+        post-step all-gather writes into params that are always resident, so it holds nothing more."""
+        full = {u.name: u.full_bytes for u in units}
+        held: set[str] = set()
+        now = peak = 0
+        for e in self.events:
+            if e.op == "all_gather" and e.phase != PARAM_SYNC and e.unit not in held and e.unit in full:
+                held.add(e.unit)
+                now += full[e.unit]
+                peak = max(peak, now)
+            elif e.op == FREE and e.unit in held:
+                held.discard(e.unit)
+                now -= full[e.unit]
+        return peak
+
     def bytes_by(self) -> dict[tuple[str, str], int]:
         """Collective bytes per (op, group) over the step."""
         out: dict[tuple[str, str], int] = {}
