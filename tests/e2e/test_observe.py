@@ -105,7 +105,7 @@ def test_summary_report_pngs_and_doctor_ok(healthy, capsys):
     proc = run_main(["report", str(run_dir)], capsys)  # in this process; test_hang_doctor_cli runs it as a subprocess
     assert proc.returncode == 0, proc.stderr
     paths = [Path(line) for line in proc.stdout.split()]
-    assert [p.name for p in paths] == ["loss.png", "step_time.png", "memory.png"]
+    assert [p.name for p in paths] == ["loss.png", "step_time.png", "memory.png", "mesh.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     report = analyse(load(run_dir))

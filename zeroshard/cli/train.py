@@ -115,7 +115,7 @@ class RichReporter:
         from zeroshard.cli.placement import topology_lines
 
         for line in topology_lines(info, self.train):
-            c.print(line, highlight=False)
+            c.print(line, highlight=False, soft_wrap=True)  # one line each, for logs and grep
         if not c.is_terminal:
             return
         self.progress = Progress(

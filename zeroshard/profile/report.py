@@ -4,7 +4,9 @@
 - ``step_time.png``: each step's time stacked by phase (zeroshard/profile/breakdown.py), rank 0;
 - ``memory.png``: memory over the last step on rank 0: the process
   memory (CUDA allocated, or RSS on a CPU) and the full-parameter bytes gathered at stage 3, sampled
-  at every phase boundary and unit gather or free, with the phases shaded.
+  at every phase boundary and unit gather or free, with the phases shaded;
+- ``mesh.png``: the mesh drawn on the hosts (zeroshard/profile/mesh_picture.py), from the topology
+  metrics.jsonl's header (or summary.json) recorded.
 
 matplotlib is imported only here (the ``plot`` and ``test`` extras).
 """
@@ -61,7 +63,24 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     memory_path = run_dir / "profile" / "memory-rank-0.json"
     if memory_path.exists():
         paths.append(_memory(plt, json.loads(memory_path.read_text()), title, out / "memory.png"))
+    topology, straggler = _topology(run_dir, metrics_path)
+    if topology is not None:
+        from zeroshard.profile.mesh_picture import draw_mesh
+
+        paths.append(draw_mesh(plt, topology, out / "mesh.png", straggler=straggler, title=title))
     return paths
+
+
+def _topology(run_dir: Path, metrics_path: Path) -> tuple[dict | None, int | None]:
+    """(the topology the run recorded, the straggler rank when the summary named one); a run from
+    before topologies were recorded has neither."""
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    straggler = (summary.get("profile") or {}).get("straggler_rank")
+    if summary.get("topology"):
+        return summary["topology"], straggler
+    first = metrics_path.read_text().split("\n", 1)[0]
+    header = json.loads(first) if first.strip() else {}
+    return (header.get("topology") if header.get("kind") == "header" else None), straggler
 
 
 def _title(config: dict) -> str:
