@@ -150,6 +150,11 @@ class TrainConfig:
     this rank's shards (bitwise the same values), 'full' builds it whole on every rank, 'auto'
     picks meta above 50M params."""
 
+    dropout: bool = True
+    """Train with the model's own dropout (and other train-time randomness, such as an MoE router's
+    jitter). False runs the model in eval mode, which turns it off: `zeroshard verify` does, since
+    masks drawn on a sharded run and on one process differ. Models without dropout are unaffected."""
+
     run_dir: str | None = None
     """Where metrics.jsonl and config.json go; None means runs/<timestamp>."""
 

@@ -17,6 +17,11 @@ With lossy communication (`--comm-quant`: int8 weights and/or grads on the wire)
 run is *meant* to differ from the single process by the rounding of what it sends, so verify
 switches to its lossy-communication tolerances (`LOSSY_COMM_TOLERANCES`, docs/quantized_comm.md)
 and runs the stage-0 reference with exact communication.
+
+Dropout is off for all three runs (`dropout = false`, eval mode): its masks are drawn per rank, so a
+sharded run and one process would train different functions and any difference would be
+meaningless. The report says so when the model's config asks for dropout, and `--dropout`, which
+would keep it on, is refused with that reason.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from rich.table import Table
 
 from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
 from zeroshard.config import TrainConfig
+from zeroshard.models.adapter import dropout_settings
 
-# Short by default: verification is about agreement, not about reaching the floor.
-VERIFY_DEFAULTS: dict[str, Any] = {"steps": 20, "warmup": 5, "num_samples": 1024}
+# Short by default: verification is about agreement, not about reaching the floor. Dropout off:
+# its masks are drawn per rank, so a sharded run and one process would never see the same function.
+VERIFY_DEFAULTS: dict[str, Any] = {"steps": 20, "warmup": 5, "num_samples": 1024, "dropout": False}
 
 
 def _params_max_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, list[str]]:
@@ -64,6 +71,7 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
         "loss_diff_per_step": loss_diffs,
         "losses": {"single": ref["losses"], "distributed": dist["losses"], "stage0": stage0["losses"]},
         "mismatched_param_names": missing,
+        "dropout": {"on": cfg.dropout, "model_asks": dropout_settings(cfg.model)},
     }
     result["passed"] = bool(
         not missing and p_single <= tol and p_stage0 <= tol and result["max_abs_loss_diff_vs_single"] <= loss_tol
@@ -92,6 +100,10 @@ def print_report(result: dict, console: Console) -> None:
     if result.get("comm_quant", "none") != "none":
         console.print(f"tolerance mode: lossy communication (comm_quant={result['comm_quant']}); the "
                       "distributed run rounds what it sends to int8 (docs/quantized_comm.md)")
+    asks = result.get("dropout", {}).get("model_asks")
+    if asks:
+        console.print(f"dropout: off for both runs (the model asks for {', '.join(f'{k}={v:g}' for k, v in asks.items())}; "
+                      "masks drawn on a sharded run and on one process differ, so both run in eval mode)")
     if result["mismatched_param_names"]:
         console.print(f"[red]parameter names differ between runs: {result['mismatched_param_names']}")
     console.print("[bold green]PASSED" if result["passed"] else "[bold red]FAILED: a tolerance was exceeded")
@@ -132,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         check_before_launch(cfg)
     except ValueError as e:
         return fail("verify", str(e))
+    asks = dropout_settings(cfg.model)
+    if cfg.dropout and asks:
+        return fail("verify", f"--dropout keeps the model's dropout ({', '.join(f'{k}={v:g}' for k, v in asks.items())}) "
+                    "on, but its masks are drawn differently on a sharded run and on one process, so the comparison "
+                    "would mean nothing; drop --dropout (verify turns dropout off for both runs)")
     from zeroshard.launch import WorkerError
     from zeroshard.train import reference_train
 

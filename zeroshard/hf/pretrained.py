@@ -14,17 +14,21 @@ than its shard plus one slice being copied.
 
 Tied weights: a tied LM head is one param registered under two names; the files hold it under one
 of them (save_pretrained drops the tied copy), so any of the param's names may supply it.
-Buffers: persistent ones are read from the files; non-persistent ones (rotary ``inv_freq``) are
-not state, so the model's own per-module init computes them, exactly as ``from_pretrained`` does.
+Buffers: the model is built with its params on meta but its buffers real, so every buffer holds
+what the model's own constructor wrote (a table set in a module's ``__init__`` included). Persistent
+buffers are then read from the files; the rest are not state, so the model's per-module init
+recomputes those it knows (rotary ``inv_freq``) and the constructor's values stand for the others.
+transformers' ``from_pretrained`` leaves a non-persistent buffer its ``_init_weights`` does not
+cover uninitialised, so ``plain_pretrained`` restores those from the same constructor build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -61,29 +65,64 @@ def _read_config(folder: Path) -> Any:
     return tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
-def build_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
-    """The causal LM of a pretrained folder with params on meta (for ``zs.shard(skip_init=True)``)
-    and buffers on ``device`` (the mesh's), computed later by ``load_pretrained``. fp32 params,
-    whatever the files hold."""
-    tf = require_transformers()
-    folder = Path(path)
-    config = _read_config(folder)
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build a model whose params land on meta while its buffers stay real: each param is moved to
+    meta as it is registered, so at most one is ever allocated (briefly, uninitialised) and the
+    init code that follows runs on meta for free; buffers keep what the constructor computed."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = to_meta  # type: ignore[method-assign, assignment]
     try:
-        with torch.device("meta"):
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _build(folder: Path, config: Any) -> Any:
+    tf = require_transformers()
+    try:
+        with params_on_meta():
+            return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as e:
         first = str(e).strip().splitlines()[0]
         raise PretrainedError(f"{folder / CONFIG}: transformers has no causal LM for {config.model_type!r} "
                               f"({first})") from e
+
+
+def build_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """The causal LM of a pretrained folder with params on meta (for ``zs.shard(skip_init=True)``)
+    and buffers on ``device`` (the mesh's) as its constructor wrote them; ``load_pretrained`` then
+    reads the persistent ones from the files. fp32 params, whatever the files hold."""
+    folder = Path(path)
+    config = _read_config(folder)
+    model = _build(folder, config)
     model.cfg = PretrainedSpec(name=str(folder), config=config.to_dict(), source=str(folder.resolve()))
+    moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):
-            if buf.is_meta:
-                # NaN until load_pretrained computes it: a buffer nobody fills is caught, not used.
-                # (Assigning to a registered buffer's name keeps it registered, persistence and all.)
-                setattr(module, name, torch.full(buf.shape, math.nan if buf.is_floating_point() else 0,
-                                                 dtype=buf.dtype, device=device))
+            if buf.is_meta:  # made from a param (on meta now): the per-module init computes it
+                raise PretrainedError(f"{folder}: buffer {name!r} of {type(module).__name__} is computed from a param "
+                                      "in its constructor; this architecture needs a custom loader")
+            # Assigning to a registered buffer's name keeps it registered, persistence and all.
+            setattr(module, name, moved.setdefault(id(buf), buf.to(device)))
     return model
+
+
+def _constructor_buffers(model: nn.Module, folder: Path, config: Any) -> None:
+    """Non-persistent buffers as the constructor writes them, where from_pretrained left others:
+    its per-module init recomputes those it knows (rotary tables) and leaves the rest as allocated."""
+    built = dict(_build(folder, config).named_buffers())
+    persistent = set(model.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name not in persistent and name in built and not torch.equal(buf.cpu(), built[name]):
+                buf.copy_(built[name])
 
 
 def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
@@ -94,6 +133,7 @@ def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn
     config = _read_config(folder)
     model = tf.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
                                                     local_files_only=True).to(device)
+    _constructor_buffers(model, folder, config)
     model.cfg = PretrainedSpec(name=str(folder), config=config.to_dict(), source=str(folder.resolve()))
     return model
 
@@ -117,7 +157,8 @@ def _plan(engine, reader: FolderReader) -> list[tuple[Any, int, str]]:
 
 
 def _fill_buffers(model: nn.Module, reader: FolderReader) -> None:
-    """Persistent buffers from the files; the rest from the model's per-module init."""
+    """Persistent buffers from the files; the rest from the model's per-module init where it has
+    one for them, else as the constructor wrote them (``build_pretrained``)."""
     init_module = getattr(model, "_init_weights", None)
     for module_name, module in model.named_modules():
         buffers = dict(module.named_buffers(recurse=False))
@@ -130,10 +171,6 @@ def _fill_buffers(model: nn.Module, reader: FolderReader) -> None:
             if key in reader.weight_map:
                 with torch.no_grad():
                     buf.copy_(reader.read(key).reshape(buf.shape))
-    unset = [n for n, b in model.named_buffers() if b.is_floating_point() and b.numel() and b.isnan().all()]
-    if unset:
-        raise PretrainedError(f"{reader.folder}: buffers {unset[:3]} are neither in the files nor computed by "
-                              "the model's init; this architecture needs a custom loader")
 
 
 def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:

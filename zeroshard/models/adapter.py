@@ -69,17 +69,40 @@ def after_shard(model: nn.Module) -> None:
 def build_hf(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool,
              threshold: int) -> nn.Module:
     """An ``hf:`` model for ``train``, seeded with ``cfg.seed``. ``init="auto"`` builds on meta
-    above ``threshold`` params, as for zeroshard's GPT."""
+    above ``threshold`` params, as for zeroshard's GPT. In train mode unless ``cfg.dropout`` is
+    False (eval mode: no dropout), whichever way it was built: from_pretrained returns eval mode,
+    from_config train mode, and the sharded run and its reference must agree."""
     assert is_hf_name(cfg.model)
     if not hf_models.is_hf_name(cfg.model):
-        return _build_pretrained(cfg, vocab_size, device, meta=allow_meta)
-    meta = allow_meta and cfg.init == "meta"
-    if allow_meta and cfg.init == "auto":
-        probe = build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed,
-                               device=torch.device("cpu"), meta=True)
-        meta = num_params(probe) > threshold
-    return build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed,
-                          device=device, meta=meta)
+        model = _build_pretrained(cfg, vocab_size, device, meta=allow_meta)
+    else:
+        meta = allow_meta and cfg.init == "meta"
+        if allow_meta and cfg.init == "auto":
+            probe = build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                                   device=torch.device("cpu"), meta=True)
+            meta = num_params(probe) > threshold
+        model = build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                               device=device, meta=meta)
+    return model.train(cfg.dropout)
+
+
+def dropout_settings(model_name: str) -> dict[str, float]:
+    """The dropout probabilities above 0 a model's config asks for (``attn_pdrop``,
+    ``hidden_dropout_prob``, ...), read from a pretrained folder's config.json without building
+    it; {} for zeroshard's GPT and the built-in hf: models, which have none."""
+    from zeroshard.hf.folder import CONFIG, is_pretrained_folder
+
+    if not is_pretrained_folder(model_name):
+        return {}
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_name) / CONFIG).read_text())
+    except ValueError:
+        return {}  # the build reports a broken config.json with its own message
+    return {k: float(v) for k, v in sorted(config.items()) if ("dropout" in k or "pdrop" in k)
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
 
 
 def _build_pretrained(cfg: TrainConfig, vocab_size: int, device: torch.device, *, meta: bool) -> nn.Module:
