@@ -15,7 +15,7 @@ The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch
   runs its forward and backward, stage 3 gathering every unit again (the root too: backward's end
   reshards everything); stages 0-1 reduce only in the last micro-step (their full grads accumulate
   locally), stages 2-3 in every one (into the grad shard). A micro-step's last reductions are left
-  running into the next micro-step's forward and finished at its backward's first grad;
+  running into the next micro-step, whose forward first finishes them (as the engine does);
 - with offload (``Layout.offload``, the runtime's ``OffloadPolicy``): fp32 masters and AdamW state
   live in host memory. Each finished reduction's fp32 grad shard is copied out over the host link,
   asynchronously (pinned), one copy at a time; the optimizer waits for them all, then steps on the
@@ -168,6 +168,8 @@ class Collective:
     """Seconds it takes alone."""
     stream: str
     end: float | None = None
+    nbytes: float = 0.0
+    """Its buffer: what the runtime's ledger and step schedule count for it."""
 
 
 class CommLink:
@@ -201,7 +203,7 @@ class CommLink:
         if spans is None and self.layout.tp > 1:  # a data-parallel group takes every tp-th rank
             spans = group * self.layout.tp > self.hw.gpus_per_node
         seconds = collective_seconds(op, nbytes, group, self.hw, spans=spans, world=self.layout.world)
-        item = Collective(op, at, seconds, stream)
+        item = Collective(op, at, seconds, stream, nbytes=nbytes)
         if self.shared is None:
             start = max(self.free_at.get(stream, 0.0), at)
             item.end = self.free_at[stream] = start + seconds
@@ -390,17 +392,29 @@ def _rebuilt_all_reduces(w: Workload) -> int:
 
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
     """One optimizer step of ``w`` on ``layout`` over ``hw``: ``w.accum`` micro-steps, then the update."""
+    return _replay(w, hw, layout)[0]
+
+
+def replayed_collectives(w: Workload, hw: Hardware, layout: Layout) -> list[tuple[str, str, float]]:
+    """(op, stream, buffer bytes) of each data-parallel collective the replay launches, in launch
+    order: what a test compares with the runtime's step schedule (the tp all-reduces are priced in
+    aggregate, not launched)."""
+    return [(c.op, c.stream, c.nbytes) for c in _replay(w, hw, layout)[1].ops]
+
+
+def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, CommLink]:
     d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params)
     pol, s = layout.policy, w.shape
     comm, host = CommLink(hw, layout), HostLink(hw, layout)
     t = 0.0
     carried: list[tuple[Collective, float]] = []  # reductions left running into the next micro-step
     for micro in range(w.accum):
+        while carried:  # the engine's forward first finishes what the previous backward left running
+            t = _finish_oldest(carried, t, layout, comm, host)
         t = _forward(w, layout, d, comm, host, t)
         t = comm.compute(t, d.root_fwd + d.root_bwd)
         last = micro == w.accum - 1
-        t, carried = _backward(w, layout, d, comm, host, t, carried=carried,
-                               reduce=last or pol.transient_grads, finish=last)
+        t, carried = _backward(w, layout, d, comm, host, t, reduce=last or pol.transient_grads, finish=last)
     compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
     group = layout.shard_group  # 1 at stage 0
     params = _local_params(w, layout)
@@ -430,7 +444,8 @@ def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
         breakdown["host copies (offload)"] = host.blocking
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
-                      wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()), tp_bytes=tp_bytes)
+                      wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()),
+                      tp_bytes=tp_bytes), comm
 
 
 def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, under: dict[str, float]) -> float:
@@ -497,12 +512,11 @@ def _forward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: H
 
 
 def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink, t: float, *,
-              carried: list[tuple[Collective, float]] | None = None, reduce: bool = True,
-              finish: bool = True) -> tuple[float, list[tuple[Collective, float]]]:
-    """Blocks in reverse with their gathers and, when ``reduce``, their reductions. The ``carried``
-    reductions of the previous micro-step are finished at the first grad. With ``finish`` the step
-    waits for the last reductions (the optimizer reads every shard); otherwise they are returned
-    still running. Returns (time, reductions still running)."""
+              reduce: bool = True, finish: bool = True) -> tuple[float, list[tuple[Collective, float]]]:
+    """Blocks in reverse with their gathers and, when ``reduce``, their reductions. With ``finish``
+    the step waits for the last reductions (the optimizer reads every shard); otherwise they are
+    returned still running, for the next micro-step's forward to finish first. Returns (time,
+    reductions still running)."""
     pol, s = layout.policy, w.shape
     group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
     block_param = s.block_params / layout.tp * layout.param_bytes
@@ -525,22 +539,9 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: 
     owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
     op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
     reduce_group = group if pol.shard_optimizer else layout.dp  # DDP all-reduces over every data-parallel rank
-    spans_replicas = layout.world > comm.hw.gpus_per_node
-    pending: list[tuple[Collective, float]] = list(carried or [])  # (reduction, replica all-reduce bytes)
+    pending: list[tuple[Collective, float]] = []  # (reduction, replica all-reduce bytes)
     next_unit = 0 if reduce else len(units)
 
-    def finish_oldest(now: float) -> float:
-        done, nbytes = pending.pop(0)
-        now = max(now, comm.when(done))
-        if layout.replicas > 1 and pol.shard_optimizer:  # blocking all-reduce across replicas
-            # The replicate group is its own process group (its own stream), but the engine waits on it.
-            now = comm.when(comm.launch("all_reduce", nbytes, layout.replicas, now, spans=spans_replicas,
-                                        stream="replicate"))
-        host.copy_out(nbytes / layout.reduce_bytes, now)  # offload: the reduced shard goes to the host
-        return now
-
-    while pending:  # the previous micro-step's, finished at this backward's first grad
-        t = finish_oldest(t)
     for step, i in enumerate(range(L - 1, -1, -1)):
         start = max(t, comm.when(ready[i]))
         j = i - k
@@ -553,12 +554,27 @@ def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: 
             pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
             next_unit += 1
         while pol.transient_grads and len(pending) > MAX_INFLIGHT_REDUCTIONS:
-            t = finish_oldest(t)
+            t = _finish_oldest(pending, t, layout, comm, host)
     for u in range(next_unit, len(units)):  # the root's reduction
         pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
     while pending and finish:
-        t = finish_oldest(t)
+        t = _finish_oldest(pending, t, layout, comm, host)
     return t, pending
+
+
+def _finish_oldest(pending: list[tuple[Collective, float]], now: float, layout: Layout, comm: CommLink,
+                   host: HostLink) -> float:
+    """``Engine.finish_reductions`` for the oldest pending reduction: wait for it and, with replicas,
+    all-reduce its shard across them, a blocking call on the compute timeline (the replicate group is
+    its own process group, its own stream, but the engine waits on it). With offload the reduced
+    shard then goes to the host."""
+    done, nbytes = pending.pop(0)
+    now = max(now, comm.when(done))
+    if layout.replicas > 1 and layout.policy.shard_optimizer:
+        now = comm.when(comm.launch("all_reduce", nbytes, layout.replicas, now,
+                                    spans=layout.world > comm.hw.gpus_per_node, stream="replicate"))
+    host.copy_out(nbytes / layout.reduce_bytes, now)
+    return now
 
 
 def _bucket_ends(sizes: list[float], units: list[float]) -> list[int]:
