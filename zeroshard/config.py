@@ -203,6 +203,12 @@ class TrainConfig:
     older verified ones of this run are deleted, and any that fails verification is renamed
     `<name>.corrupt` (never deleted). 0 keeps all."""
 
+    save_async: bool = False
+    """Save in the background: each rank copies its shards to host memory (pinned on CUDA) and
+    training goes on while the files are written, hashed and committed (one save in flight at a
+    time; a crash mid-write leaves the previous checkpoint as the newest). Costs host memory of
+    the size of the rank's checkpoint files."""
+
     def __init__(self, **values: Any) -> None:
         # Written out rather than generated so that the engine's knobs can be given flat, as every
         # TOML file, flag and test spells them, and still land in the one EngineOptions.

@@ -231,6 +231,7 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     run.profiler = obs.profiler
     reporter.start(info)
     run_loop(run, reporter, obs, start, ckpts)
+    ckpts.close()  # an asynchronous save still in flight commits (or fails) before the summary
     summary = summarize(run, info, obs)
     reporter.finish(summary)
     return summary

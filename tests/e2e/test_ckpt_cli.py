@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -62,13 +63,20 @@ def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {f"{f.name}:{k}": v for f in sorted(checkpoint.glob("rank-*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_damaged_manifests_refuse_resume_then_repair_resumes_bitwise(tmp_path: Path, capsys) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The checkpoint directory of TRAIN run without interruption, every checkpoint kept."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    done = run_cli([*TRAIN, "--ckpt-dir", str(root / "ck"), "--run-dir", str(root / "run"), "--keep-last", "0"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root / "ck"
+
+
+def test_damaged_manifests_refuse_resume_then_repair_resumes_bitwise(tmp_path: Path, capsys, uninterrupted) -> None:
     """The data-loss case: both checkpoints' manifest.json truncated (a full disk, a sync tool),
     the rank files intact. `--resume auto --keep-last 2` must refuse, naming both, and touch nothing;
     `ckpt repair` rebuilds both manifests, and the resumed run ends bitwise equal to an uninterrupted one."""
-    whole, run_dir = tmp_path / "whole", tmp_path / "run"
-    done = run_cli([*TRAIN, "--ckpt-dir", str(whole), "--run-dir", str(run_dir), "--keep-last", "0"])
-    assert done.returncode == 0, done.stdout + done.stderr
+    whole = uninterrupted
 
     damaged = tmp_path / "damaged"
     damaged.mkdir()
@@ -116,3 +124,22 @@ def test_damaged_manifests_refuse_resume_then_repair_resumes_bitwise(tmp_path: P
     assert refused.returncode == 1
     assert "rank-00001.safetensors is damaged" in refused.stderr and "cannot be salvaged" in refused.stderr
     assert _tree(lost.parent) == before
+
+
+def test_async_save_killed_mid_background_write_resumes_from_previous_bitwise(tmp_path: Path, uninterrupted) -> None:
+    """--save-async: rank 1 SIGKILLs itself halfway through writing its step-4 file on the background
+    thread, while training goes on. The step-2 checkpoint stays the newest committed; the resumed
+    run (async too) ends bitwise equal to the uninterrupted synchronous one."""
+    ckpt, run_dir = tmp_path / "ck", tmp_path / "run"
+    args = [*TRAIN, "--ckpt-dir", str(ckpt), "--run-dir", str(run_dir), "--save-async"]
+    killed = run_cli(args, env={"ZEROSHARD_CKPT_FAULT": "rank=1,step=4"})
+    assert killed.returncode != 0, killed.stdout + killed.stderr
+    assert (ckpt / ".step-00000004.partial").is_dir() and not (ckpt / "step-00000004").exists()
+    assert (ckpt / "latest").read_text().strip() == "step-00000002"
+
+    resumed = run_cli([*args, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "step-00000002 at step 2" in resumed.stdout
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    a, b = (_tensors(root / "step-00000006") for root in (uninterrupted, ckpt))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "masters and optimizer state bitwise"

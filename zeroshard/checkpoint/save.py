@@ -26,13 +26,14 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 from torch import nn
 
 from zeroshard import faults
 from zeroshard.checkpoint import format as fmt
-from zeroshard.checkpoint import rankfile, rng
+from zeroshard.checkpoint import async_save, rankfile, rng
+from zeroshard.checkpoint.async_save import PendingSave
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.manifest import assemble, skeleton
 from zeroshard.checkpoint.rotation import Rotation, clear_target, rotate
@@ -56,9 +57,24 @@ def _agree(problem: str | None) -> None:
         raise CheckpointError(first)
 
 
+@overload
 def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
-         extra: Any = None, *, step: int | None = None, keep_last: int | None = None,
-         overwrite: bool = False, lineage: str | None = None, log: Callable[[str], None] = say) -> Path:
+         extra: Any = None, *, step: int | None = None, keep_last: int | None = None, overwrite: bool = False,
+         lineage: str | None = None, log: Callable[[str], None] = ..., async_: Literal[False] = False,
+         timeout_s: float = ...) -> Path: ...
+
+
+@overload
+def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
+         extra: Any = None, *, step: int | None = None, keep_last: int | None = None, overwrite: bool = False,
+         lineage: str | None = None, log: Callable[[str], None] = ..., async_: Literal[True],
+         timeout_s: float = ...) -> PendingSave: ...
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
+         extra: Any = None, *, step: int | None = None, keep_last: int | None = None, overwrite: bool = False,
+         lineage: str | None = None, log: Callable[[str], None] = say, async_: bool = False,
+         timeout_s: float = 600.0) -> Path | PendingSave:
     """Save the complete training state to the checkpoint directory ``path`` (collective: every rank).
 
     ``scheduler``, ``sampler`` and ``scaler`` are anything with ``state_dict()``; their state and
@@ -69,10 +85,19 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     past the K newest are deleted. ``overwrite`` replaces a same-named checkpoint only if it
     verifies; one that does not is set aside. ``log`` gets a line for each thing set aside or
     deleted. Returns the committed directory.
+
+    ``async_=True`` returns as soon as every rank has copied its pieces to host memory and writes,
+    hashes and commits in the background (zeroshard/checkpoint/async_save.py); it returns a
+    :class:`PendingSave` whose ``wait()`` gives the committed directory or raises. At most one save
+    is in flight: the next one (either kind) waits for it first. ``timeout_s`` bounds how long rank
+    0 waits for the other ranks' files before giving up on that commit.
     """
     engine = get_engine(model)
     target = Target(Path(path), overwrite=overwrite, keep_last=keep_last, lineage=lineage, log=log)
-    frame = prepare(target, model, engine, optimizer, scheduler, sampler, scaler, extra, step=step)
+    carried = async_save.finish_previous()  # at most one save in flight: this rank's, finished first
+    frame = prepare(target, model, engine, optimizer, scheduler, sampler, scaler, extra, step=step, carried=carried)
+    if async_:
+        return _save_in_background(target, frame, model, engine, optimizer, step=step, timeout_s=timeout_s)
 
     report, problem = None, None
     try:
@@ -95,6 +120,33 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     return target.final
 
 
+def _save_in_background(target: Target, frame: dict | None, model: nn.Module, engine: Engine, optimizer, *,
+                        step: int | None, timeout_s: float) -> PendingSave:
+    rank, world = engine.mesh.rank, engine.mesh.world
+    pieces = async_save.SNAPSHOT.take(rankfile.collect(model, engine, optimizer))
+    rng_state = rng.capture()  # now, with the state: training goes on drawing random numbers
+    pending = PendingSave(target.final, rank)
+
+    def work() -> None:
+        report, problem = None, None
+        try:
+            report = rankfile.write(target.partial, pieces, rng_state=rng_state, step=step, skeleton=frame)
+        except Exception as e:  # noqa: BLE001 - posted for rank 0, and kept for this rank's wait()
+            problem = f"rank {rank} could not write its checkpoint file in {target.partial}: {type(e).__name__}: {e}"
+        async_save.post_report(target.partial, rank, report, problem)
+        if problem is not None:
+            pending.problem = problem
+            return
+        if rank == 0:
+            assert frame is not None  # rank 0 built it in prepare
+            try:
+                finish(target, frame, async_save.collect_reports(target.partial, world, timeout_s))
+            except Exception as e:  # noqa: BLE001 - kept for wait(); the next save or the run's end reports it
+                pending.problem = f"rank 0 could not commit checkpoint {target.final}: {type(e).__name__}: {e}"
+
+    return async_save.start(pending, work)
+
+
 @dataclasses.dataclass
 class Target:
     """Where a save goes and what its commit does."""
@@ -111,12 +163,13 @@ class Target:
 
 
 def prepare(target: Target, model: nn.Module, engine: Engine, optimizer, scheduler, sampler, scaler, extra, *,
-            step: int | None) -> dict | None:
+            step: int | None, carried: str | None = None) -> dict | None:
     """Step 1 (collective): rank 0 checks the target, makes the partial directory and builds the
-    manifest skeleton, which it returns (the other ranks get None); every rank fails together."""
+    manifest skeleton, which it returns (the other ranks get None); every rank fails together, also
+    when a rank ``carried`` the failure of its previous asynchronous save."""
     faults.armed("ckpt.write")  # a malformed ZEROSHARD_CKPT_FAULT fails here, before any file is written
-    problem, frame = None, None
-    if engine.mesh.rank == 0:
+    problem, frame = carried, None
+    if engine.mesh.rank == 0 and problem is None:
         try:
             side = _side_state(scheduler, sampler, scaler, extra)
             frame = skeleton(model, engine, optimizer, step=step, side=side, lineage=target.lineage)

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from zeroshard.checkpoint.async_save import finish_previous
 from zeroshard.checkpoint.discover import choose, complete_checkpoints
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import Loaded, load
@@ -109,18 +110,31 @@ class TrainingCheckpoints:
             self.lineage = loaded.lineage
         return loaded.step
 
-    def after_step(self, step: int) -> Path | None:
-        """Save after global step ``step`` (1-based) when it is a multiple of ``save_every`` (collective)."""
+    def after_step(self, step: int) -> None:
+        """Save after global step ``step`` (1-based) when it is a multiple of ``save_every`` (collective).
+        With ``save_async`` it returns once the state is copied to host memory."""
         run, cfg = self.run, self.run.cfg
         if not cfg.save_every or step % cfg.save_every:
-            return None
+            return
         # overwrite=True: a resumed run replays the steps after its checkpoint, and what it saves
         # supersedes a verified checkpoint of the abandoned attempt; one that does not verify is set
         # aside instead (zeroshard/checkpoint/rotation.py).
-        return save(Path(cfg.ckpt_dir) / checkpoint_name(step), run.model, run.opt,
-                    scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
-                    scaler=getattr(run, "scaler", None), extra={"train": cfg.to_dict()}, step=step,
-                    keep_last=cfg.keep_last or None, overwrite=True, lineage=self.lineage, log=self.log)
+        save(Path(cfg.ckpt_dir) / checkpoint_name(step), run.model, run.opt,
+             scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
+             scaler=getattr(run, "scaler", None), extra={"train": cfg.to_dict()}, step=step,
+             keep_last=cfg.keep_last or None, overwrite=True, lineage=self.lineage, log=self.log,
+             async_=cfg.save_async, timeout_s=cfg.hang_timeout_s)
+
+    def close(self) -> None:
+        """Finish an asynchronous save still in flight (collective with ``save_async``: every rank
+        fails if one did)."""
+        if not self.run.cfg.save_async:
+            return
+        problem = finish_previous()
+        problems = collectives.all_gather_object(problem, phase="checkpoint")
+        first = next((p for p in problems if p), None)
+        if first:
+            raise CheckpointError(first)
 
 
 def open_metrics(path: Path, start: int) -> IO[str]:

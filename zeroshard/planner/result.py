@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from zeroshard.planner.activations import ActivationEstimate
@@ -131,9 +132,19 @@ class Plan:
         except KeyError:
             raise KeyError(f"no layout {name!r}; this plan has {', '.join(self.layouts)}") from None
 
+    @property
+    def checkpoint_host_bytes(self) -> int:
+        """Host memory per rank of an asynchronous save's copy (``--save-async``): the masters of every
+        param and the elementwise optimizer state of the trainable ones, over the world, since every
+        element is written by exactly one rank at every stage. Masters are counted as fp32, the
+        master dtype of every mixed-precision policy (zeroshard/checkpoint/async_save.py)."""
+        per_element = max((c.per_element for c in self.optimizer_cost), default=0.0)
+        return math.ceil((self.params * 4 + self.trainable * per_element) / self.spec.world)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "checkpoint_host_bytes": self.checkpoint_host_bytes,
             "spec": self.spec.describe(),
             "model": dataclasses.asdict(self.model) | {"gpt": _gpt_dict(self.model.gpt)} if self.model else None,
             "params": self.params,
