@@ -38,8 +38,10 @@ list instead of restating the stage rules. The order the engine follows, and so 
 
 Which reductions finish inside backward on a mesh without replicas depends on timing (the engine
 reaps the ones the backend reports done), but finishing then issues no collective, so the
-sequence of collectives does not. What is not modelled: tensor-parallel (DTensor) collectives,
-the fp16 grad scaler's overflow all-reduce, the step's own token-count all-reduce
+sequence of collectives does not. Tensor parallelism's per-block all-reduces (DTensor's, sized by
+the caller: ``TensorParallelSizes``) come in their own order, at stage 3 also in place among the
+gathers and reductions. What is not modelled: sequence parallelism, the fp16 grad scaler's
+overflow all-reduce, the step's own token-count all-reduce
 (zeroshard/step.py, phase "metrics"), units that run on some ranks only, and a forward order
 that differs from the module order under checkpointing.
 """
@@ -153,6 +155,22 @@ class MeshSizes:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorParallelSizes:
+    """What tensor parallelism (zeroshard/sharding/tp.py, Megatron's split through DTensor) all-reduces
+    in each block: the attention's and the MLP's row-wise outputs in forward, and the grads of their
+    column-wise inputs in backward, each a micro-batch's ``numel`` activations on the tp group. These
+    come from DTensor, not from the engine, so the caller who knows the batch gives their size."""
+
+    numel: int
+    """Elements of one all-reduce: this rank's micro-batch tokens x the model width."""
+    dtype: torch.dtype
+    """The compute dtype the activations are all-reduced in."""
+    blocks: int
+    """The tp-split blocks, in module order; at stage 3 they are the units other than the root."""
+    per_block: int = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Event:
     """One thing the step does: a collective (what the ledger records for it) or a ``free``."""
 
@@ -225,7 +243,7 @@ class Schedule:
 def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes,
                   options: EngineOptions | None = None, comm: CommQuant | None = None, accum: int = 1,
                   first_step: bool = False, forward_order: Sequence[str] | None = None,
-                  clip: bool = False) -> Schedule:
+                  clip: bool = False, tp: TensorParallelSizes | None = None) -> Schedule:
     """The events of one optimizer step of ``accum`` micro-steps (all but the last inside
     ``zs.no_sync``), in the order the engine issues them.
 
@@ -234,12 +252,15 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Mesh
     names the units in the order forward runs them (default: the root, then the blocks in module
     order); only stage 3 reads it. ``first_step``: the step that records the forward order, whose
     first forward prefetches nothing and keeps no block gathered into backward; otherwise the
-    steady state. ``clip``: the step clips the grad norm (``zs.clip_grad_norm_``).
+    steady state. ``clip``: the step clips the grad norm (``zs.clip_grad_norm_``). ``tp``: the
+    blocks' tensor-parallel all-reduces, when the model is split over the mesh's tp dim.
     """
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {accum!r}")
+    if tp is not None and mesh.tp == 1:
+        raise ValueError("tp sizes were given for a mesh without a tp dim (MeshSizes.tp == 1)")
     replay = _Replay(list(units), policy=policy, mesh=mesh, options=options or EngineOptions(),
-                     comm=comm or CommQuant(), forward_order=forward_order)
+                     comm=comm or CommQuant(), forward_order=forward_order, tp=tp)
     for micro in range(accum):
         replay.micro_step(micro, sync=micro == accum - 1, recorded=not (first_step and micro == 0))
     replay.optimizer_step(clip=clip)
@@ -250,8 +271,10 @@ class _Replay:
     """The engine's step as a walk over unit sizes: the same states and pointers, no tensors."""
 
     def __init__(self, units: list[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
-                 comm: CommQuant, forward_order: Sequence[str] | None) -> None:
+                 comm: CommQuant, forward_order: Sequence[str] | None,
+                 tp: TensorParallelSizes | None = None) -> None:
         self.units, self.policy, self.mesh, self.options, self.comm = units, policy, mesh, options, comm
+        self.tp = tp
         self.shards = mesh.shard if policy.shard_optimizer else 1
         self.events: list[Event] = []
         self.micro = 0
@@ -278,6 +301,8 @@ class _Replay:
         self.segments = [blocks[a:b] for a, b in segment_bounds(options.checkpointing, len(blocks))] \
             if policy.shard_params else []
         self.recomputes = bool(segment_bounds(options.checkpointing, len(blocks)))
+        if tp is not None and policy.shard_params and tp.blocks != len(blocks):
+            raise ValueError(f"tp sizes name {tp.blocks} blocks but the units hold {len(blocks)}")
 
     # -- emitting -----------------------------------------------------------------------------
     def _emit(self, op: str, group: str, unit: str, phase: str, numel: int, dtype: torch.dtype,
@@ -293,6 +318,22 @@ class _Replay:
         self._emit(op, "shard", unit, phase, self.shards * blocks, SCALE_DTYPE, micro, True)
 
     # -- params (stage 3, and the stage 1-2 sync) -----------------------------------------------
+    def tensor_parallel(self, phase: str, count: int) -> None:
+        """``count`` of the blocks' tp all-reduces (DTensor's, recorded without a unit)."""
+        if self.tp is not None:
+            for _ in range(count):
+                self._emit("all_reduce", "tp", "", phase, self.tp.numel, self.tp.dtype)
+
+    def block_backward_tp(self, segment_len: int | None) -> None:
+        """A block's backward all-reduces, after its checkpoint segment's rebuild when it is the
+        segment's last block: the rebuild runs the segment's forward ones again but the last, which
+        torch's non-reentrant checkpoint never recomputes (nothing saves that output)."""
+        if self.tp is None:
+            return
+        if segment_len is not None:
+            self.tensor_parallel(BACKWARD, self.tp.per_block * segment_len - 1)
+        self.tensor_parallel(BACKWARD, self.tp.per_block)
+
     def gather(self, unit: UnitSizes, phase: str) -> None:
         """``Unit.unshard``: a no-op while the unit is gathered."""
         if unit.name in self.gathered:
@@ -384,6 +425,13 @@ class _Replay:
             self._forward(recorded)
             self._backward_sharded(defers)
         else:
+            # The blocks' tp all-reduces, in their own order: where they fall between the buckets'
+            # reductions (other groups) is not modelled at these stages.
+            if self.tp is not None:
+                self.tensor_parallel(FORWARD, self.tp.per_block * self.tp.blocks)
+                last_of = {b - 1: b - a for a, b in segment_bounds(self.options.checkpointing, self.tp.blocks)}
+                for block in reversed(range(self.tp.blocks)):
+                    self.block_backward_tp(last_of.get(block))
             for unit in self.units:  # buckets complete in reduction order
                 if unit.trainable:
                     self.grads_complete(unit, defers)
@@ -400,6 +448,8 @@ class _Replay:
                 at = self.index[unit.name] + 1
                 for later in self.forward[at:at + k]:
                     self.gather(later, FORWARD)
+            if not unit.is_root and self.tp is not None:  # its attention's and MLP's outputs
+                self.tensor_parallel(FORWARD, self.tp.per_block)
 
         def leave(unit: UnitSizes) -> None:
             if self.options.reshard_after_forward and not unit.is_root and unit.name not in kept:
@@ -442,9 +492,10 @@ class _Replay:
                 # checkpoint's early stop ends the rebuild before they are released.
                 for member in segment:
                     self.gather(member, RECOMPUTE)
+            if unit.trainable and not self.recomputes:
+                self._prefetch_backward(unit)  # once part of its grads are in
+            self.block_backward_tp(None if segment is None else len(segment))
             if unit.trainable:
-                if not self.recomputes:
-                    self._prefetch_backward(unit)  # once part of its grads are in
                 self.grads_complete(unit, defers)
         if self.root is not None and self.root.trainable:
             self.grads_complete(self.root, defers)  # the embeddings' grads come last
@@ -523,10 +574,12 @@ def engine_units(engine: Engine) -> tuple[UnitSizes, ...]:
         for unit in engine.units)
 
 
-def engine_schedule(engine: Engine, *, accum: int = 1, first_step: bool = False, clip: bool = False) -> Schedule:
+def engine_schedule(engine: Engine, *, accum: int = 1, first_step: bool = False, clip: bool = False,
+                    tp: TensorParallelSizes | None = None) -> Schedule:
     """``step_schedule`` for a live sharded model's engine (``zeroshard.sharding.get_engine(model)``):
-    its units, stage, options, quantized comm and mesh; the forward order it recorded, once it has."""
+    its units, stage, options, quantized comm and mesh; the forward order it recorded, once it has.
+    ``tp``: the blocks' tensor-parallel all-reduces, which the caller sizes from its batch."""
     order = [u.name for u in engine.forward_order] or None
     return step_schedule(engine_units(engine), policy=engine.policy, mesh=MeshSizes.of(engine.mesh),
                          options=engine.options, comm=engine.comm, accum=accum, first_step=first_step,
-                         forward_order=order, clip=clip)
+                         forward_order=order, clip=clip, tp=tp)
