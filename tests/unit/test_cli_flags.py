@@ -113,7 +113,13 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
     # inter-node links only price collectives that span nodes: 16 ranks over nodes of 8
     rec = ["plan", "--model", "tiny", "--world", "16", "--device-mem", "1GB", "--json"]
     memory: dict[str, list[Entry]] = {
-        "--model": [(swap(m, "--model", "small"), m, CHANGES)],
+        "--model": [(swap(m, "--model", "small"), m, CHANGES),
+                    (swap(m, "--model", "torch.nn:Linear"), None, REFUSED)],  # its arguments missing
+        "--model-config": [(swap(plus(m, "--model-config", '{"in_features": 64, "out_features": 64}'), "--model",
+                                 "torch.nn:Linear"),
+                            swap(plus(m, "--model-config", '{"in_features": 64, "out_features": 32}'), "--model",
+                                 "torch.nn:Linear"), CHANGES),
+                           (plus(m, "--model-config", "{}"), None, REFUSED)],  # a preset takes no arguments
         "--params": [(["plan", "--params", "7e9", "--world", "4", "--json"], m, CHANGES)],
         "--world": [(swap(m, "--world", "8"), m, CHANGES)],
         "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
@@ -158,7 +164,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
     }
     t = ["plan", "--time", "--model", "tiny", "--world", "4", "--json"]
     time: dict[str, list[Entry]] = {
-        "--model": [(swap(t, "--model", "llama3-8b"), t, CHANGES)],
+        "--model": [(swap(t, "--model", "llama3-8b"), t, CHANGES),
+                    (swap(t, "--model", "hf:gpt2-tiny"), t, CHANGES)],
+        "--model-config": [(plus(t, "--model-config", "{}"), None, REFUSED)],  # a preset takes no arguments
         "--params": [(plus(t, "--params", "7e9"), None, REFUSED)],
         "--world": [(swap(t, "--world", "8"), t, CHANGES), (plus(t, "--sweep", "2,4"), None, REFUSED)],
         "--tp": [(plus(t, "--tp", "2"), t, CHANGES)],

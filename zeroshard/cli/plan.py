@@ -5,6 +5,8 @@ on arithmetic rather than on "a higher stage is better".
   zeroshard plan --model small --world 4 --batch 8 --seq 512
   zeroshard plan --model medium --world 16 --device-mem 24GB --inter-gbps 100 --gpus-per-node 8
   zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured
+  zeroshard plan --model path/to/hf-folder --world 8 --batch 32 --seq 2048    the folder you will train
+  zeroshard plan --model mypkg.nets:Net --model-config '{"width": 1024}' --world 4
 
 A model is built on the meta device: planning allocates nothing. --measure runs one real step per
 stage on gloo CPU ranks (with the same --checkpointing and --offload) and prints predicted against
@@ -20,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from zeroshard.models.targets import build_target, is_module_spec, is_preset
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
 from zeroshard.cli.typed_flags import add_knob_flags, given_knobs
@@ -107,9 +110,12 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
 
     if args.params is not None:
         target: Any = args.params
-    else:
+    elif is_preset(args.model):
         # The preset's name reads better in the report; a vocabulary override needs the config itself.
         target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
+    else:  # a folder, hf:NAME or module:Class, built on meta as train builds it
+        target = build_target(args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64,
+                              config=args.model_config)
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
                   seq=args.seq, accum=args.accum, **given_knobs(args, PLANNED_KNOBS),
                   headroom=args.headroom, accounting=args.accounting,
@@ -156,6 +162,9 @@ def unread_flag(args: argparse.Namespace) -> str | None:
     and --calibrate. A flag one of them ignores must not be taken silently: the user would read a
     result that does not have what they asked for. --calibrate reads its own few flags (see its help).
     """
+    if args.model_config is not None and not is_module_spec(args.model or ""):
+        return ("--model-config gives a module:Class its keyword arguments; pass --model module:Class or drop "
+                "--model-config")
     if args.hw_out is not None and not args.calibrate:
         return "--hw-out is where --calibrate writes its hardware TOML; add --calibrate or drop --hw-out"
     if args.calibrate:
@@ -171,7 +180,8 @@ def unread_flag(args: argparse.Namespace) -> str | None:
     from zeroshard.sim.workload import SHAPES
 
     quant = "--time does not simulate quantized communication (the memory planner, without --time, prices it)"
-    why = {"params": "--time simulates a named model: pass --model (a zeroshard preset, llama3-8b or llama3-70b)",
+    why = {"params": "--time simulates a model's shape: pass --model (a zeroshard preset, llama3-8b, llama3-70b, "
+                     "a save_pretrained folder or hf:NAME)",
            "sequence_parallel": "--time does not model sequence parallelism (the memory planner, without --time, "
                                 "does)",
            "comm_quant_block": quant,
@@ -224,8 +234,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("plan", str(e))
     if args.world is None:
         return fail("plan", "--world is required: the number of data-parallel ranks (or --topology HOSTSxRANKS)")
-    if args.model is not None and args.model not in MODEL_NAMES:
-        return fail("plan", f"--model {args.model} is planned only with --time; use one of {', '.join(MODEL_NAMES)}")
+    from zeroshard.sim.workload import SHAPES
+
+    if args.model in SHAPES:
+        return fail("plan", f"--model {args.model} is planned only with --time; for memory use a preset "
+                    f"({', '.join(MODEL_NAMES)}), a save_pretrained folder, hf:NAME or module:Class")
     if (args.params is None) == (args.model is None):
         return fail("plan", "give exactly one of --model NAME or --params COUNT")
     try:
@@ -292,8 +305,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="per-rank memory of every stage, a recommendation, and a measured check",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("what to plan (one of)")
-    what.add_argument("--model", choices=MODEL_NAMES + tuple(SHAPES), help="a named GPT, built on the meta "
-                      "device (Llama shapes: --time only)")
+    what.add_argument("--model", metavar="MODEL", help="what to plan, built on the meta device: a GPT preset "
+                      f"({', '.join(MODEL_NAMES)}), a save_pretrained folder, hf:NAME, module:Class (with "
+                      f"--model-config), or with --time {' or '.join(SHAPES)}")
+    what.add_argument("--model-config", metavar="JSON", help="module:Class's keyword arguments: a JSON object, "
+                      "inline or a .json file")
     what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
     run_ = p.add_argument_group("the run")
     run_.add_argument("--world", type=int, help="ranks in all: data-parallel x --tp (required unless --time --sweep)")

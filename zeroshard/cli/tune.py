@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
-from zeroshard.config import HF_PREFIX, field_names
+from zeroshard.config import field_names
 from zeroshard.tune.grid import DEFAULT_AXES
 
 WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
@@ -67,9 +67,6 @@ def _base_config(args: argparse.Namespace):
     if running_under_torchrun():
         raise ValueError("tune spawns its own --nproc ranks; run it directly, not under torchrun")
     base = config_from_args(args)
-    if base.model.startswith(HF_PREFIX):
-        raise ValueError(f"model={base.model!r}: tune measures zeroshard's GPT presets (tiny, small, medium), "
-                         "which the planner can size")
     if base.engine.offload.kind != "none" or base.shard_size is not None:
         raise ValueError("tune does not search offload or hybrid sharding yet; remove offload/shard_size from "
                          "the config, tune, then add them back")

@@ -46,7 +46,8 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
 
     headroom = _headroom(args)
     if args.model is None:
-        raise ValueError("--time needs --model (a zeroshard preset or one of " + ", ".join(SHAPES) + ")")
+        raise ValueError("--time needs --model (a zeroshard preset, " + ", ".join(SHAPES) + ", a save_pretrained "
+                         "folder or hf:NAME)")
     accum = getattr(args, "accum", 1) or 1  # plan's --accum: micro-steps per optimizer step
     tp = getattr(args, "tp", 1) or 1
     if tp < 1 or world % tp:
@@ -57,6 +58,19 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
     compute_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
     if args.model in SHAPES:
         shape = SHAPES[args.model]
+        _check_tp_split(shape, tp)
+        w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
+                     checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)
+        return w, None
+    from zeroshard.models.targets import is_preset
+
+    if not is_preset(args.model):  # a folder, hf:NAME or module:Class: the shape its config gives
+        from zeroshard.models.targets import build_target
+        from zeroshard.sim.hf_shape import hf_shape
+
+        model = build_target(args.model, vocab_size=getattr(args, "vocab_size", None), seq_len=args.seq or DEFAULT_SEQ,
+                             config=getattr(args, "model_config", None))
+        shape = hf_shape(model, args.model)
         _check_tp_split(shape, tp)
         w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
                      checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)

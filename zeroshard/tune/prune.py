@@ -44,10 +44,14 @@ def vocab_size(base: TrainConfig) -> int:
 
 def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -> dict[Candidate, Prediction]:
     """The planner's per-rank memory for each candidate, on ``base``'s model, world, batch and precision."""
+    from zeroshard.models.targets import build_target, is_preset
     from zeroshard.models import GPTConfig
     from zeroshard.planner.api import plan
 
-    gpt = GPTConfig.named(base.model, vocab_size=vocab_size(base), seq_len=base.seq_len)
+    # A preset as its config (the planner knows its activations); a folder or hf: model built on meta.
+    gpt = GPTConfig.named(base.model, vocab_size=vocab_size(base), seq_len=base.seq_len) if is_preset(base.model) \
+        else build_target(base.model, seq_len=base.seq_len, seed=base.seed,
+                          vocab_size=vocab_size(base) if base.model.startswith("hf:") else None)
     plans: dict[tuple, object] = {}
     out: dict[Candidate, Prediction] = {}
     for c in cands:

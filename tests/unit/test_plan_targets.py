@@ -1,0 +1,98 @@
+"""`plan`, `plan --time` and `tune` plan the model you will train: a save_pretrained folder, an hf:
+model or any module:Class, built on the meta device as `zeroshard train` builds it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import zeroshard as zs  # noqa: E402
+from zeroshard.cli.main import main  # noqa: E402
+from zeroshard.config import TrainConfig  # noqa: E402
+from zeroshard.hf.pretrained import plain_pretrained  # noqa: E402
+from zeroshard.models.targets import build_target  # noqa: E402
+from zeroshard.sim.hf_shape import hf_shape  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("plan") / "gpt2"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=128)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out, max_shard_size="40KB")
+    return out
+
+
+def _json(capsys, *argv: str) -> dict:
+    capsys.readouterr()
+    assert main(["plan", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_of_a_folder_is_the_plan_of_the_model_from_pretrained_loads(folder, capsys):
+    planned = _json(capsys, "--model", str(folder), "--world", "2", "--batch", "4", "--seq", "32")
+    loaded = plain_pretrained(folder)  # every tensor real: what the meta build must plan the same
+    reference = zs.plan(loaded, world=2, batch=4, seq=32).to_dict()
+    assert planned["model"]["params"] == sum(p.numel() for p in {id(p): p for p in loaded.parameters()}.values())
+    assert planned["layouts"] == reference["layouts"]
+    assert not any(p.is_meta for p in loaded.parameters())
+    assert all(p.is_meta for p in build_target(str(folder)).parameters()), "planning allocates nothing"
+
+
+def test_plan_time_reads_the_folders_shape_from_its_config(folder, capsys):
+    model = build_target(str(folder))
+    shape = hf_shape(model, "gpt2")
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    assert (shape.n_layer, shape.hidden, shape.n_head, shape.ffn, shape.vocab) == (3, 64, 4, 256, 128)
+    assert (shape.gated, shape.bias, shape.tied) == (False, True, True) and shape.block_params == block
+    rows = _json(capsys, "--time", "--model", str(folder), "--world", "2", "--batch", "4", "--seq", "32")
+    assert rows["workload"]["model"] == str(folder) and rows["rows"], rows
+
+
+def test_hf_name_and_module_class_are_planned(capsys):
+    tiny = _json(capsys, "--model", "hf:gpt2-tiny", "--world", "2")
+    assert tiny["model"]["name"] == "GPT2LMHeadModel" and tiny["model"]["params"] > 0
+    linear = _json(capsys, "--model", "torch.nn:Linear", "--model-config", '{"in_features": 512, "out_features": 256}',
+                   "--world", "2")
+    assert linear["model"]["params"] == 512 * 256 + 256
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--model", "no_such_pkg.mod:Net"], "cannot import 'no_such_pkg.mod'"),
+    (["--model", "torch.nn:NoSuchLayer"], "module 'torch.nn' has no 'NoSuchLayer'"),
+    (["--model", "torch.nn:Linear"], "give its arguments as --model-config"),
+    (["--model", "torch.nn:Linear", "--model-config", "[1, 2]"], "must be a JSON object"),
+    (["--model", "torch.nn:Linear", "--model-config", "{bad"], "is neither a JSON object"),
+    (["--model", "small", "--model-config", "{}"], "--model-config gives a module:Class"),
+    (["--model", "/no/such/folder"], "is not a model"),
+    (["--model", "llama3-8b"], "is planned only with --time"),
+])
+def test_a_bad_model_is_one_line_naming_it(argv, named, capsys):
+    capsys.readouterr()
+    assert main(["plan", *argv, "--world", "2"]) == 1
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_folder_refuses_a_vocabulary_it_does_not_have(folder, capsys):
+    capsys.readouterr()
+    assert main(["plan", "--model", str(folder), "--world", "2", "--vocab-size", "32"]) == 1
+    assert "keeps its own vocabulary" in capsys.readouterr().err
+
+
+def test_tune_prunes_a_folder_with_the_planner(folder):
+    from zeroshard.tune.grid import Candidate
+    from zeroshard.tune.prune import predict
+
+    base = TrainConfig(model=str(folder), nproc=2, batch=4, seq_len=32, vocab_size=128)
+    cands = [Candidate(stage=s, checkpointing="none") for s in (0, 3)]
+    got = predict(cands, base)
+    expected = zs.plan(build_target(str(folder)), world=2, batch=4, seq=32, device="cpu",
+                       optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True})
+    assert got[cands[0]].total == expected["ddp"].device.total and got[cands[1]].total == expected["zero3"].device.total
