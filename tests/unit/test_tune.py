@@ -47,11 +47,13 @@ def test_flags_narrow_the_grid_and_repeats_collapse() -> None:
     ("stages", "0,4", "--stages: '4' is not a stage"),
     ("stages", "", "--stages '': give a comma-separated list"),
     ("prefetch", "1,,2", "--prefetch '1,,2'"),
-    ("prefetch", "-1", "--prefetch: '-1'"),
-    ("bucket_mb", "0", "--bucket-mb: '0'"),
-    ("bucket_mb", "big", "--bucket-mb: 'big'"),
-    ("checkpointing", "none,every:0", "--checkpointing: 'every:0'"),
-    ("reshard", "maybe", "--reshard: 'maybe' is not a boolean"),
+    ("prefetch", "-1", "--prefetch: '-1' is not a value of prefetch: prefetch=-1 must be >= 0"),
+    ("prefetch", "1.5", "--prefetch: '1.5' is not a value of prefetch: it is not an integer"),
+    ("bucket_mb", "0", "--bucket-mb: '0' is not a value of bucket_mb: bucket_mb=0.0 must be > 0"),
+    ("bucket_mb", "big", "--bucket-mb: 'big' is not a value of bucket_mb: it is not a finite number"),
+    ("bucket_mb", "inf", "--bucket-mb: 'inf'"),
+    ("checkpointing", "none,every:0", "--checkpointing: 'every:0' is not a value of checkpointing: checkpointing="),
+    ("reshard", "maybe", "--reshard: 'maybe' is not a value of reshard_after_forward: it is not true or false"),
 ])
 def test_bad_grid_values_name_the_flag(flag: str, text: str, needle: str) -> None:
     with pytest.raises(ValueError) as info:

@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 from zeroshard.comm.quant import CommQuant
 from zeroshard.config import STAGES
 from zeroshard.sharding.flat import StagePolicy
+from zeroshard.sharding.options import KNOBS, EngineOptions
 
 T = TypeVar("T")
 
@@ -85,37 +86,26 @@ def _stage(part: str) -> int:
     return int(part)
 
 
-def _prefetch(part: str) -> int:
-    if not part.isdigit():
-        raise ValueError(f"--prefetch: {part!r} is not a count of units; use integers >= 0 such as 1,2")
-    return int(part)
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+_KINDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "text"}
 
 
-def _bucket(part: str) -> float:
-    try:
-        value = float(part)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"--bucket-mb: {part!r} is not a bucket size; use positive MB such as 5,25")
-    return value
+def _knob(flag: str, knob: str) -> Callable[[str], Any]:
+    """One grid value of the engine knob ``knob``: parsed as the knob table types it and checked by
+    the engine's own options, so the grid refuses exactly what ``zs.shard`` refuses."""
+    kind = next(k.type for k in KNOBS if k.name == knob)
 
-
-def _policy(part: str) -> str:
-    from zeroshard.sharding.recompute import segment_length
-
-    try:  # the runtime's parser: every:K means segments of K blocks, in train, plan and tune alike
-        segment_length(part, 1)
-    except ValueError:
-        raise ValueError(f"--checkpointing: {part!r} is not a policy; use none, all, sqrt or every:K (K >= 1)") from None
-    return part
-
-
-def _bool(part: str) -> bool:
-    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(part.lower())
-    if value is None:
-        raise ValueError(f"--reshard: {part!r} is not a boolean; use true, false or true,false")
-    return value
+    def parse(part: str) -> Any:
+        try:
+            value = _BOOLS[part.lower()] if kind is bool else kind(part)
+            if isinstance(value, float) and value == float("inf"):
+                raise ValueError("inf")
+            EngineOptions.from_flat({knob: value})
+        except (KeyError, ValueError) as e:
+            why = str(e) if isinstance(e, ValueError) and "=" in str(e) else f"it is not {_KINDS[kind]}"
+            raise ValueError(f"{flag}: {part!r} is not a value of {knob}: {why}; e.g. {_EXAMPLES[flag]}") from None
+        return value
+    return parse
 
 
 _COMM_PARTS = ("weights", "grads", "grads+ef")
@@ -140,10 +130,11 @@ def comm_quant_applies(comm_quant: str, stage: int) -> bool:
 def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str,
                comm_quant: str = "none") -> Axes:
     """Comma-separated flag values to typed axes; a bad value raises ValueError naming its flag."""
-    return Axes(stages=_split("--stages", stages, _stage), prefetch=_split("--prefetch", prefetch, _prefetch),
-                bucket_mb=_split("--bucket-mb", bucket_mb, _bucket),
-                checkpointing=_split("--checkpointing", checkpointing, _policy),
-                reshard=_split("--reshard", reshard, _bool),
+    return Axes(stages=_split("--stages", stages, _stage),
+                prefetch=_split("--prefetch", prefetch, _knob("--prefetch", "prefetch")),
+                bucket_mb=_split("--bucket-mb", bucket_mb, _knob("--bucket-mb", "bucket_mb")),
+                checkpointing=_split("--checkpointing", checkpointing, _knob("--checkpointing", "checkpointing")),
+                reshard=_split("--reshard", reshard, _knob("--reshard", "reshard_after_forward")),
                 comm_quant=_split("--comm-quant", comm_quant, _comm_quant))
 
 
