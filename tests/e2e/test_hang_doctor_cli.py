@@ -175,11 +175,11 @@ def test_trace_has_both_lanes_per_rank(profiled):
         assert {"step", "phase", "wait", "collective"} <= cats
 
 
-def test_report_writes_three_pngs(profiled):
+def test_report_writes_four_pngs(profiled):
     _, run_dir = profiled
     proc = run_cli(["report", str(run_dir)])
     assert proc.returncode == 0, proc.stderr
     paths = [Path(line) for line in proc.stdout.split()]
-    assert [p.name for p in paths] == ["loss.png", "step_time.png", "memory.png"]
+    assert [p.name for p in paths] == ["loss.png", "step_time.png", "memory.png", "mesh.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -1,8 +1,9 @@
 """`zeroshard report RUN_DIR`: charts of a training run as PNG files.
 
-Writes RUN_DIR/report/loss.png (loss per step), step_time.png (each step's time stacked by phase)
-and memory.png (memory over the last step, with the phases shaded), from metrics.jsonl and
-profile/memory-rank-0.json. Needs matplotlib (the `plot` extra).
+Writes RUN_DIR/report/loss.png (loss per step), step_time.png (each step's time stacked by phase),
+memory.png (memory over the last step, with the phases shaded) and mesh.png (the mesh drawn on the
+hosts the run ran on), from metrics.jsonl, summary.json and profile/memory-rank-0.json. Needs
+matplotlib (the `plot` extra).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("report", help="write PNG charts (loss, step-time breakdown, memory) of a run",
+    p = sub.add_parser("report", help="write PNG charts (loss, step-time breakdown, memory, the mesh on the hosts) of a run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of `zeroshard train`")
     p.add_argument("--out", metavar="DIR", default=None, help="where to write the PNGs (default: RUN_DIR/report)")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from zeroshard.comm.ledger import Ledger, process_ledger
 from zeroshard.comm.names import Dim, Group, group_of
-from zeroshard.comm.topology import Topology
+from zeroshard.comm.topology import Topology, UnevenHostsError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,8 +308,6 @@ def _join_topology() -> Topology:
     """Every rank's facts, checked before any group is built: a torchrun host whose local world does
     not divide the world is refused before the gather, uneven hosts right after it (every rank sees
     the same list, so every rank raises the same error instead of some hanging in a later group)."""
-    from zeroshard.comm.topology import UnevenHostsError
-
     world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     if local and world % local:
         raise UnevenHostsError(f"ranks per host differ: this host runs {local} of the world's {world} ranks, which "
