@@ -388,7 +388,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
                 "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
-                "compile": "--compile", "dropout": "--no-dropout",
+                "compile": "--compile", "dropout": "--no-dropout", "save_async": "--save-async",
                 "profile": "--no-profile", "trace": "--trace"}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
              "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
