@@ -46,6 +46,9 @@ def configs() -> dict:
         # Parallel attention/MLP, partial rotary, dense biases.
         "phi": tf.PhiConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                             max_position_embeddings=32, partial_rotary_factor=0.5, vocab_size=VOCAB),
+        # Fused query_key_value, parallel residual, and a head stored as embed_out (renamed lm_head on load).
+        "gpt_neox": tf.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=32, use_parallel_residual=True, vocab_size=VOCAB),
         # Buffers set in a module's __init__, one saved and one not.
         "buffers": buffer_model.BufferLMConfig(vocab_size=VOCAB, hidden_size=64),
     }

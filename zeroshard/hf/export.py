@@ -4,7 +4,9 @@ The folder is what ``save_pretrained`` writes: ``config.json`` (+ ``generation_c
 tokenizer files copied from the folder the run started from), ``model-0000K-of-0000N.safetensors``
 of at most ``max_shard_size`` bytes each, and ``model.safetensors.index.json``. Each param is
 written once, under its first name (a tied LM head is stored as the embedding, as transformers
-does). Tensors are streamed one at a time through the checkpoint writer, and the folder is built
+does), in the naming ``save_pretrained`` uses: a name transformers renames on load (GPT-NeoX's
+``lm_head``, stored as ``embed_out``) is written as the files have it (zeroshard/hf/renames.py).
+Tensors are streamed one at a time through the checkpoint writer, and the folder is built
 under a temporary name next to ``out`` and renamed at the end, so a failure leaves no ``out``.
 """
 
@@ -22,6 +24,7 @@ from torch import nn
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter
 from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, INDEX
+from zeroshard.hf.renames import saved_name, saved_names_of_config
 
 __all__ = ["export_checkpoint", "export_pretrained", "parse_size"]
 
@@ -147,8 +150,9 @@ def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int |
     config, source = _hf_config(fmt.from_json((manifest.get("model") or {}).get("config")), str(directory))
     params = manifest["params"]
     saved = [parse_dtype(p["dtype"], str(directory)) for p in params]
-    entries = [Entry(p["fqn"], dtype or d, tuple(p["shape"])) for p, d in zip(params, saved)]
-    entries += [Entry(b["name"], parse_dtype(b["dtype"], str(directory)), tuple(b["shape"]))
+    named = saved_names_of_config(config)
+    entries = [Entry(named(p["fqn"]), dtype or d, tuple(p["shape"])) for p, d in zip(params, saved)]
+    entries += [Entry(named(b["name"]), parse_dtype(b["dtype"], str(directory)), tuple(b["shape"]))
                 for b in manifest["buffers"]]
     reader = PieceReader(directory, manifest)
 
@@ -156,9 +160,9 @@ def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int |
         for param, d in zip(params, saved):
             value = torch.empty(tuple(param["shape"]), dtype=d)
             reader.fill(param, "master", 0, value.view(-1))
-            writer.write(param["fqn"], value.to(dtype or d))
+            writer.write(named(param["fqn"]), value.to(dtype or d))
         for b in manifest["buffers"]:
-            writer.write(b["name"], reader.file(b["file"]).read(b["key"]))
+            writer.write(named(b["name"]), reader.file(b["file"]).read(b["key"]))
 
     try:
         return _write_all(FolderWriter(out, config, source, entries, parse_size(max_shard_size), overwrite), produce)
@@ -180,9 +184,12 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
     config, source = _hf_config(getattr(getattr(model, "cfg", None), "to_dict", dict)(), "this model")
     persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers (inv_freq) are derived
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
-    entries = [Entry(ref.fqn, dtype or group.master_dtype, tuple(slot.shape))
+    def named(name: str) -> str:
+        return saved_name(model, name)
+
+    entries = [Entry(named(ref.fqn), dtype or group.master_dtype, tuple(slot.shape))
                for group in engine.groups for slot, ref in zip(group.layout.slots, group.refs)]
-    entries += [Entry(n, b.dtype, tuple(b.shape)) for n, b in buffers]
+    entries += [Entry(named(n), b.dtype, tuple(b.shape)) for n, b in buffers]
     problem, result, writer = "", None, None
     try:
         if rank == 0:
@@ -198,14 +205,14 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
             continue
         try:
             for slot, ref in zip(group.layout.slots, group.refs):
-                writer.write(ref.fqn, whole[slot.offset:slot.end].view(slot.shape).to(dtype or whole.dtype))
+                writer.write(named(ref.fqn), whole[slot.offset:slot.end].view(slot.shape).to(dtype or whole.dtype))
         except Exception as e:
             writer.abort()
             writer, problem = None, f"{out}: export failed, nothing written: {e}"
     if writer is not None:
         try:
             for n, b in buffers:
-                writer.write(n, b.detach())
+                writer.write(named(n), b.detach())
             result = writer.commit()
         except Exception as e:
             writer.abort()

@@ -24,17 +24,18 @@ cover uninitialised, so ``plain_pretrained`` restores those from the same constr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, FolderReader, is_pretrained_folder
+from zeroshard.hf.meta import params_on_meta
+from zeroshard.hf.renames import file_names
 from zeroshard.models.hf import HFSpec, require_transformers
 
 __all__ = ["PretrainedSpec", "build_pretrained", "is_pretrained_folder", "load_pretrained", "plain_pretrained"]
@@ -63,25 +64,6 @@ def _read_config(folder: Path) -> Any:
         raise PretrainedError(f"{path}: model_type {model_type!r} is not an architecture transformers "
                               f"{tf.__version__} knows; upgrade transformers or fix model_type")
     return tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Build a model whose params land on meta while its buffers stay real: each param is moved to
-    meta as it is registered, so at most one is ever allocated (briefly, uninitialised) and the
-    init code that follows runs on meta for free; buffers keep what the constructor computed."""
-    register = nn.Module.register_parameter
-
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = to_meta  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _build(folder: Path, config: Any) -> Any:
@@ -138,13 +120,15 @@ def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn
     return model
 
 
-def _plan(engine, reader: FolderReader) -> list[tuple[Any, int, str]]:
+def _plan(engine, reader: FolderReader, renamed: dict[str, str]) -> list[tuple[Any, int, str]]:
     """(group, param index, file tensor name) for every param; checks names and shapes first, so
-    a bad folder is refused before any value is written."""
+    a bad folder is refused before any value is written. ``renamed``: model name -> file name, for
+    the names transformers renames on load."""
     plan = []
     for group in engine.groups:
         for index, (slot, ref) in enumerate(zip(group.layout.slots, group.refs)):
-            found = [n for n in sorted(ref.aliases) if n in reader.weight_map]
+            found = [n for n in sorted(ref.aliases) if n in reader.weight_map] or \
+                [renamed[n] for n in sorted(ref.aliases) if n in renamed]
             if not found:
                 raise PretrainedError(f"{reader.folder}: no tensor for param {' / '.join(sorted(ref.aliases))} "
                                       "in the safetensors files; the folder is from a different model")
@@ -156,7 +140,7 @@ def _plan(engine, reader: FolderReader) -> list[tuple[Any, int, str]]:
     return plan
 
 
-def _fill_buffers(model: nn.Module, reader: FolderReader) -> None:
+def _fill_buffers(model: nn.Module, reader: FolderReader, renamed: dict[str, str]) -> None:
     """Persistent buffers from the files; the rest from the model's per-module init where it has
     one for them, else as the constructor wrote them (``build_pretrained``)."""
     init_module = getattr(model, "_init_weights", None)
@@ -168,6 +152,7 @@ def _fill_buffers(model: nn.Module, reader: FolderReader) -> None:
             init_module(module)
         for name, buf in buffers.items():
             key = f"{module_name}.{name}" if module_name else name
+            key = key if key in reader.weight_map else renamed.get(key, key)
             if key in reader.weight_map:
                 with torch.no_grad():
                     buf.copy_(reader.read(key).reshape(buf.shape))
@@ -183,7 +168,11 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
     reader = FolderReader(path)
     held = 0
     try:
-        plan = _plan(engine, reader)
+        try:
+            renamed = file_names(model, reader.weight_map)
+        except PretrainedError as e:
+            raise PretrainedError(f"{reader.folder}: {e}") from None
+        plan = _plan(engine, reader, renamed)
         for group, index, name in plan:
             slot = group.layout.slots[index]
             start, stop = max(slot.offset, group.lo), min(slot.end, group.hi)
@@ -193,7 +182,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
             held += values.numel() * values.element_size()
             with torch.no_grad():
                 group.shard[start - group.lo:stop - group.lo].copy_(values)
-        _fill_buffers(model, reader)
+        _fill_buffers(model, reader, renamed)
     finally:
         reader.close()
     if engine.policy.shard_params:
