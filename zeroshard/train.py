@@ -137,7 +137,7 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
         rec = train_step(run, step)
         if obs is not None:
             fields = {k: v for k, v in rec.__dict__.items() if k not in ("step", "profile")}
-            rec.profile = obs.step(**fields)["profile"]
+            rec.profile = obs.step(**fields, **ckpts.step_fields())["profile"]
             if step == start and obs.rank == 0:
                 # After the first step, so the optimizer's lazily created state shows its real dtypes.
                 write_manifest(obs.run_dir, run)
@@ -233,6 +233,7 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     run_loop(run, reporter, obs, start, ckpts)
     ckpts.close()  # an asynchronous save still in flight commits (or fails) before the summary
     summary = summarize(run, info, obs)
+    ckpts.record_resize(summary, obs.run_dir)
     reporter.finish(summary)
     return summary
 

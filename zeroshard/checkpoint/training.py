@@ -11,6 +11,7 @@ delete them). ``--resume fresh-ok`` is the same search, but starts from step 0 w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from zeroshard.checkpoint.async_save import finish_previous
 from zeroshard.checkpoint.discover import choose, complete_checkpoints
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import Loaded, load
+from zeroshard.checkpoint.resize import Resize, plan_resize
 from zeroshard.checkpoint.save import save
 from zeroshard.comm import collectives
 
@@ -66,6 +68,8 @@ class TrainingCheckpoints:
         self.lineage = new_lineage()
         """Kept across resumes: a resumed run adopts the lineage of the checkpoint it loaded."""
         self.loaded: Loaded | None = None
+        self.resize: Resize | None = None
+        """Set when the run resumed on another data-parallel world (zeroshard/checkpoint/resize.py)."""
 
     def resume(self) -> int:
         """Restore the run from ``cfg.resume`` (collective); the global step to continue from, 0 if fresh."""
@@ -108,7 +112,37 @@ class TrainingCheckpoints:
         self.loaded = loaded
         if loaded.lineage is not None:
             self.lineage = loaded.lineage
+        self._keep_global_batch(loaded)
         return loaded.step
+
+    def _keep_global_batch(self, loaded: Loaded) -> None:
+        """On another data-parallel world, change accumulation so the global batch stays (resize.py)."""
+        run = self.run
+        saved = loaded.extra.get("train") if isinstance(loaded.extra, dict) else None
+        if not isinstance(saved, dict) or "nproc" not in saved or loaded.step is None:
+            return  # saved by a loop of its own: its batch is the caller's business
+        self.resize = plan_resize(step=loaded.step, batch=run.cfg.batch, saved_world=saved["nproc"] // saved.get("tp", 1),
+                                  saved_accum=saved.get("accum", 1), world=run.mesh.dp_size)
+        if self.resize is None:
+            return
+        run.cfg = dataclasses.replace(run.cfg, accum=self.resize.to_accum)
+        if run.mesh.rank == 0:
+            self.log(self.resize.describe())
+
+    def step_fields(self) -> dict[str, int]:
+        """Fields each metrics.jsonl record after a resize carries: the world and accumulation it ran."""
+        if self.resize is None:
+            return {}
+        return {"world": self.resize.to_world, "accum": self.resize.to_accum}
+
+    def record_resize(self, summary: dict[str, Any], run_dir: Path) -> None:
+        """Put the resize, if any, into the run's summary and its summary.json (rank 0 writes it)."""
+        if self.resize is None:
+            return
+        summary["resize"] = self.resize.as_dict()
+        path = run_dir / "summary.json"
+        if self.run.mesh.rank == 0 and path.is_file():
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), resize=summary["resize"]), indent=2) + "\n")
 
     def after_step(self, step: int) -> None:
         """Save after global step ``step`` (1-based) when it is a multiple of ``save_every`` (collective).
