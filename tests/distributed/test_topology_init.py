@@ -22,6 +22,7 @@ def test_every_rank_sees_the_same_two_hosts(results):
     assert results[0]["inside"]["shard"] and not results[0]["inside"]["replicate"]
     # Another mesh over the same process group shares the topology: its full shard group spans both.
     assert not results[0]["full"]["shard"]
+    assert results[0]["node_shard"] == 2  # shard_size="node": one shard group per reported host
 
 
 def test_the_gather_is_one_recorded_world_collective_at_init(results):

@@ -30,6 +30,8 @@ def two_hosts_suite() -> dict:
         "inside": {str(k): v for k, v in mesh.inside_host.items()},
         "gather": [(r.group, r.phase, r.numel) for r in gathers],
         "full": {str(k): v for k, v in zs.new_mesh(shard_size=4, name="full").inside_host.items()},
+        # LOCAL_WORLD_SIZE is 4 here (one machine); "node" takes the 2 ranks each host reported.
+        "node_shard": zs.new_mesh(shard_size="node", name="node").shard_size,
         "tp4": _outcome(lambda: zs.new_mesh(tp=4, name="tp4")),
         "tp4_allowed": _outcome(lambda: zs.new_mesh(tp=4, name="tp4_allowed", allow_cross_host=True)),
         "tp2": _outcome(lambda: zs.new_mesh(tp=2, name="tp2")),

@@ -253,7 +253,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     plain ``python`` session. Calling it again returns the existing mesh.
 
     ``shard_size=k`` makes a hybrid mesh of replicas × k shards (ZeRO stages 1-3 shard inside a
-    group of k ranks and all-reduce across replicas); ``"node"`` takes k from LOCAL_WORLD_SIZE.
+    group of k ranks and all-reduce across replicas); ``"node"`` takes k from the ranks per host the
+    topology gather found.
     ``tp=t`` adds an innermost tensor-parallel dim of t consecutive ranks: the data-parallel ranks
     (replicate × shard) are then world / t. ``mesh_shape=(2, 2), names=("shard", "tp")`` says the
     same by name; the product must be the world size. See docs/tensor_parallel.md.
@@ -354,6 +355,10 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
         raise ValueError(f"tp={tp!r} does not divide world size {world}; pick a divisor of {world} (tp=1 is no "
                          "tensor parallelism)")
     dp = world // tp
+    if shard_size == "node" and topology is not None and topology.uneven_error() is None:
+        # The hosts the ranks reported, not LOCAL_WORLD_SIZE: a launcher may not set it, and one
+        # that runs several "hosts" on a machine (ZEROSHARD_HOST) sets it to the machine's count.
+        shard_size = max(1, topology.ranks_per_host // tp)
     if shard_size == "node" and tp > 1:  # a node's ranks hold tp-groups of tp ranks each
         shard_size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp)
     shard_size = _resolve_shard_size(shard_size, dp)
