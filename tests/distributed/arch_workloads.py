@@ -49,6 +49,10 @@ def configs() -> dict:
         # Fused query_key_value, parallel residual, and a head stored as embed_out (renamed lm_head on load).
         "gpt_neox": tf.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                      max_position_embeddings=32, use_parallel_residual=True, vocab_size=VOCAB),
+        # MoE: each expert's projections stored apart in the files, stacked into one param on load.
+        "mixtral": tf.MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                    max_position_embeddings=32, vocab_size=VOCAB),
         # Buffers set in a module's __init__, one saved and one not.
         "buffers": buffer_model.BufferLMConfig(vocab_size=VOCAB, hidden_size=64),
     }

@@ -73,29 +73,20 @@ def test_export_opens_in_from_pretrained_with_the_trained_logits(world2, folders
     assert diff <= LOGIT_TOL
 
 
-def test_a_renamed_checkpoint_name_loads_and_exports_in_the_folders_naming(world2, folders):
-    """GPT-NeoX files hold the head as embed_out, which transformers renames lm_head on load."""
-    def names(folder: Path) -> set[str]:
-        return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
-
-    source, exported = names(folders["gpt_neox"]), names(Path(world2["gpt_neox"]["exported"]))
-    assert "embed_out.weight" in source and "lm_head.weight" in world2["gpt_neox"]["params"]
-    assert exported == source
+def _file_names(folder: Path) -> set[str]:
+    return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
 
 
-def test_a_merged_checkpoint_layout_is_refused_by_name(root):
-    """An MoE folder whose experts are stored apart needs them merged into one param: refused, naming the tensor."""
-    from zeroshard.hf import PretrainedError, build_pretrained
-    from zeroshard.hf.folder import FolderReader
-    from zeroshard.hf.renames import file_names
-
-    config = transformers.MixtralConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=48, num_local_experts=2, max_position_embeddings=32,
-                                        vocab_size=aw.VOCAB)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "mixtral")
-    model = build_pretrained(root / "mixtral")
-    with pytest.raises(PretrainedError, match=r"experts\.0\.w1\.weight is merged with others into .*gate_up_proj"):
-        file_names(model, FolderReader(root / "mixtral").weight_map)  # what load_pretrained checks first
+@pytest.mark.parametrize("name, stored, held", [
+    ("gpt_neox", "embed_out.weight", "lm_head.weight"),  # renamed on load
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.layers.0.mlp.experts.gate_up_proj"),
+])
+def test_names_transformers_converts_load_and_export_in_the_folders_layout(world2, folders, name, stored, held):
+    """The files keep a layout the model class converts on load (transformers' conversion mapping):
+    the trained model holds its own names, the export is written in the folder's."""
+    source = _file_names(folders[name])
+    assert stored in source and held not in source and held in world2[name]["params"]
+    assert _file_names(Path(world2[name]["exported"])) == source
 
 
 def test_buffers_set_in_init_come_back_as_the_constructor_and_files_give_them(world2, folders):

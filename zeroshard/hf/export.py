@@ -24,7 +24,7 @@ from torch import nn
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter
 from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, INDEX
-from zeroshard.hf.renames import saved_name, saved_names_of_config
+from zeroshard.hf.renames import saved_tensors, saved_tensors_of_config
 
 __all__ = ["export_checkpoint", "export_pretrained", "parse_size"]
 
@@ -120,6 +120,20 @@ class FolderWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _meta(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _entries(tensors: dict[str, torch.Tensor]) -> list[Entry]:
+    """The files' entries for one model tensor, in the folder's layout (``saved_tensors`` on meta)."""
+    return [Entry(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+
+def _write(writer: FolderWriter, tensors: dict[str, torch.Tensor]) -> None:
+    for name, value in tensors.items():
+        writer.write(name, value.contiguous())
+
+
 def _write_all(writer: FolderWriter, produce: Callable[[FolderWriter], None]) -> Path:
     try:
         produce(writer)
@@ -150,19 +164,19 @@ def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int |
     config, source = _hf_config(fmt.from_json((manifest.get("model") or {}).get("config")), str(directory))
     params = manifest["params"]
     saved = [parse_dtype(p["dtype"], str(directory)) for p in params]
-    named = saved_names_of_config(config)
-    entries = [Entry(named(p["fqn"]), dtype or d, tuple(p["shape"])) for p, d in zip(params, saved)]
-    entries += [Entry(named(b["name"]), parse_dtype(b["dtype"], str(directory)), tuple(b["shape"]))
-                for b in manifest["buffers"]]
+    as_saved = saved_tensors_of_config(config)
+    entries = [e for p, d in zip(params, saved) for e in _entries(as_saved(p["fqn"], _meta(p["shape"], dtype or d)))]
+    entries += [e for b in manifest["buffers"]
+                for e in _entries(as_saved(b["name"], _meta(b["shape"], parse_dtype(b["dtype"], str(directory)))))]
     reader = PieceReader(directory, manifest)
 
     def produce(writer: FolderWriter) -> None:
         for param, d in zip(params, saved):
             value = torch.empty(tuple(param["shape"]), dtype=d)
             reader.fill(param, "master", 0, value.view(-1))
-            writer.write(named(param["fqn"]), value.to(dtype or d))
+            _write(writer, as_saved(param["fqn"], value.to(dtype or d)))
         for b in manifest["buffers"]:
-            writer.write(named(b["name"]), reader.file(b["file"]).read(b["key"]))
+            _write(writer, as_saved(b["name"], reader.file(b["file"]).read(b["key"])))
 
     try:
         return _write_all(FolderWriter(out, config, source, entries, parse_size(max_shard_size), overwrite), produce)
@@ -184,12 +198,9 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
     config, source = _hf_config(getattr(getattr(model, "cfg", None), "to_dict", dict)(), "this model")
     persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers (inv_freq) are derived
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
-    def named(name: str) -> str:
-        return saved_name(model, name)
-
-    entries = [Entry(named(ref.fqn), dtype or group.master_dtype, tuple(slot.shape))
-               for group in engine.groups for slot, ref in zip(group.layout.slots, group.refs)]
-    entries += [Entry(named(n), b.dtype, tuple(b.shape)) for n, b in buffers]
+    entries = [e for group in engine.groups for slot, ref in zip(group.layout.slots, group.refs)
+               for e in _entries(saved_tensors(model, ref.fqn, _meta(slot.shape, dtype or group.master_dtype)))]
+    entries += [e for n, b in buffers for e in _entries(saved_tensors(model, n, _meta(b.shape, b.dtype)))]
     problem, result, writer = "", None, None
     try:
         if rank == 0:
@@ -205,14 +216,15 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
             continue
         try:
             for slot, ref in zip(group.layout.slots, group.refs):
-                writer.write(named(ref.fqn), whole[slot.offset:slot.end].view(slot.shape).to(dtype or whole.dtype))
+                value = whole[slot.offset:slot.end].view(slot.shape).to(dtype or whole.dtype)
+                _write(writer, saved_tensors(model, ref.fqn, value))
         except Exception as e:
             writer.abort()
             writer, problem = None, f"{out}: export failed, nothing written: {e}"
     if writer is not None:
         try:
             for n, b in buffers:
-                writer.write(named(n), b.detach())
+                _write(writer, saved_tensors(model, n, b.detach()))
             result = writer.commit()
         except Exception as e:
             writer.abort()

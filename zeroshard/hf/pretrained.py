@@ -35,7 +35,7 @@ from torch import nn
 from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, FolderReader, is_pretrained_folder
 from zeroshard.hf.meta import params_on_meta
-from zeroshard.hf.renames import file_names
+from zeroshard.hf.renames import FileNames, Merge, file_names
 from zeroshard.models.hf import HFSpec, require_transformers
 
 __all__ = ["PretrainedSpec", "build_pretrained", "is_pretrained_folder", "load_pretrained", "plain_pretrained"]
@@ -120,23 +120,33 @@ def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn
     return model
 
 
-def _plan(engine, reader: FolderReader, renamed: dict[str, str]) -> list[tuple[Any, int, str]]:
-    """(group, param index, file tensor name) for every param; checks names and shapes first, so
-    a bad folder is refused before any value is written. ``renamed``: model name -> file name, for
-    the names transformers renames on load."""
+def _plan(engine, reader: FolderReader, names: FileNames, model: nn.Module) -> list[tuple[Any, int, str, Merge | None]]:
+    """(group, param index, file tensor name or merged param name, Merge or None) for every param;
+    checks names and shapes first (a merged param's on meta tensors), so a bad folder is refused
+    before any value is written. ``names``: where transformers converts the model's names."""
     plan = []
     for group in engine.groups:
         for index, (slot, ref) in enumerate(zip(group.layout.slots, group.refs)):
-            found = [n for n in sorted(ref.aliases) if n in reader.weight_map] or \
-                [renamed[n] for n in sorted(ref.aliases) if n in renamed]
-            if not found:
-                raise PretrainedError(f"{reader.folder}: no tensor for param {' / '.join(sorted(ref.aliases))} "
+            aliases = sorted(ref.aliases)
+            found = [n for n in aliases if n in reader.weight_map] or [names.renamed[n] for n in aliases
+                                                                       if n in names.renamed]
+            merged = next((n for n in aliases if n in names.merged), None)
+            if not found and merged is None:
+                raise PretrainedError(f"{reader.folder}: no tensor for param {' / '.join(aliases)} "
                                       "in the safetensors files; the folder is from a different model")
-            shape = reader.shape(found[0])
+            merge: Merge | None = None
+            if found:
+                name, what = found[0], f"tensor {found[0]}"
+                shape, where = reader.shape(name), reader.where(name)
+            else:
+                assert merged is not None
+                name, merge = merged, names.merged[merged]
+                shape = merge.build(name, lambda n: torch.empty(reader.shape(n), device="meta"), model).shape
+                where, what = str(reader.folder), f"{name}, merged from {merge.sources[0][0]} and the rest,"
             if shape != slot.shape:
-                raise PretrainedError(f"{reader.where(found[0])}: tensor {found[0]} has shape {list(shape)}, "
-                                      f"the model expects {list(slot.shape)}; config.json and weights disagree")
-            plan.append((group, index, found[0]))
+                raise PretrainedError(f"{where}: {what} has shape {list(shape)}, the model expects "
+                                      f"{list(slot.shape)}; config.json and weights disagree")
+            plan.append((group, index, name, merge))
     return plan
 
 
@@ -168,21 +178,21 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
     reader = FolderReader(path)
     held = 0
     try:
-        try:
-            renamed = file_names(model, reader.weight_map)
-        except PretrainedError as e:
-            raise PretrainedError(f"{reader.folder}: {e}") from None
-        plan = _plan(engine, reader, renamed)
-        for group, index, name in plan:
+        names = file_names(model, reader.weight_map)
+        plan = _plan(engine, reader, names, model)
+        for group, index, name, merge in plan:
             slot = group.layout.slots[index]
             start, stop = max(slot.offset, group.lo), min(slot.end, group.hi)
             if start >= stop:
                 continue
-            values = reader.read_range(name, start - slot.offset, stop - slot.offset)
+            if merge is None:
+                values = reader.read_range(name, start - slot.offset, stop - slot.offset)
+            else:  # built whole from its file tensors by transformers' ops, then this rank's slice
+                values = merge.build(name, reader.read, model).reshape(-1)[start - slot.offset:stop - slot.offset]
             held += values.numel() * values.element_size()
             with torch.no_grad():
                 group.shard[start - group.lo:stop - group.lo].copy_(values)
-        _fill_buffers(model, reader, renamed)
+        _fill_buffers(model, reader, names.renamed)
     finally:
         reader.close()
     if engine.policy.shard_params:
