@@ -26,7 +26,8 @@ def folder(tmp_path_factory) -> Path:
     return out
 
 
-ARGS = ["--nproc", "2", "--stage", "3", "--steps", "2", "--batch", "4", "--seq-len", "16", "--num-samples", "64"]
+# Stage 0: verify reuses its run as the stage-0 reference, one spawn rather than two.
+ARGS = ["--nproc", "2", "--stage", "0", "--steps", "2", "--batch", "4", "--seq-len", "16", "--num-samples", "64"]
 
 
 def test_verify_turns_dropout_off_for_both_runs_and_says_so(folder):
