@@ -8,8 +8,10 @@ middle of a save. The points and their variables:
 
 - ``train.step`` (``ZEROSHARD_FAULT="rank=R,step=S"``): rank R raises at the start of step S
   (1-based, as the progress output counts);
-- ``ckpt.write`` (``ZEROSHARD_CKPT_FAULT="rank=R,step=S"``): rank R SIGKILLs itself halfway
-  through writing its file for the checkpoint of step S, as a node dying mid-save would;
+- ``ckpt.write`` (``ZEROSHARD_CKPT_FAULT="rank=R,step=S[,attempt=A]"``): rank R SIGKILLs itself
+  halfway through writing its file for the checkpoint of step S, as a node dying mid-save would;
+  with ``attempt``, only in that torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a
+  restarted group gets past it;
 - ``tune.build`` (``ZEROSHARD_TUNE_FAULT=NAME``): every rank raises while building the tune
   candidate called NAME, so a failed candidate is reported and the search goes on;
 - ``comm.unit`` (``ZEROSHARD_COMM_FAULT="kind=K,rank=R,step=S,unit=U[,other=V]"``): a collective
@@ -49,7 +51,8 @@ def _check_comm(spec: dict[str, Any]) -> str | None:
 
 POINTS: dict[str, Point] = {
     "train.step": Point(env="ZEROSHARD_FAULT", example="rank=1,step=3", required=("rank", "step")),
-    "ckpt.write": Point(env="ZEROSHARD_CKPT_FAULT", example="rank=1,step=4", required=("rank", "step")),
+    "ckpt.write": Point(env="ZEROSHARD_CKPT_FAULT", example="rank=1,step=4", required=("rank", "step"),
+                        optional=("attempt",), ints=("rank", "step", "attempt")),
     "tune.build": Point(env="ZEROSHARD_TUNE_FAULT", example="stage3-prefetch1", raw="candidate"),
     "comm.unit": Point(env="ZEROSHARD_COMM_FAULT", example="kind=raise,rank=1,step=2,unit=blocks.2",
                        required=("kind", "rank", "step", "unit"), optional=("other",), check=_check_comm),
@@ -130,7 +133,11 @@ def point(name: str, **where: Any) -> None:
 
     Off (a dictionary lookup) unless the point's variable is set."""
     spec = armed(name)
-    if spec is None or any(where.get(k) != v for k, v in spec.items()):
+    if spec is None:
+        return
+    if "attempt" in spec:  # the restart attempt torchrun is on (0 outside torchrun)
+        where = dict(where, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if any(where.get(k) != v for k, v in spec.items()):
         return
     env = POINTS[name].env
     if name == "ckpt.write":

@@ -80,6 +80,17 @@ def test_ckpt_point_ignores_a_save_without_step(monkeypatch: pytest.MonkeyPatch)
     faults.point("ckpt.write", rank=1, step=4)
 
 
+def test_ckpt_point_with_an_attempt_fires_only_in_that_torchrun_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restarted group (TORCHELASTIC_RESTART_COUNT=1) gets past the save that killed attempt 0.
+    monkeypatch.setenv("ZEROSHARD_CKPT_FAULT", "rank=1,step=4,attempt=0")
+    assert faults.armed("ckpt.write") == {"rank": 1, "step": 4, "attempt": 0}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    faults.point("ckpt.write", rank=1, step=4)  # would SIGKILL this process in attempt 0
+    monkeypatch.setenv("ZEROSHARD_CKPT_FAULT", "rank=1,step=4,attempt=x")
+    with pytest.raises(ValueError, match="attempt must be an integer"):
+        faults.armed("ckpt.write")
+
+
 def test_comm_faults_keep_their_variable_and_shape() -> None:
     assert comm_faults.FAULT_ENV == "ZEROSHARD_COMM_FAULT"
     assert comm_faults.parse("kind=raise,rank=1,step=2,unit=blocks.2") == {
