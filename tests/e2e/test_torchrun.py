@@ -28,11 +28,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from test_cli import FAST, run_cli
 
-from zeroshard.checkpoint import export
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from chaos import bitwise, clean_env, final_state, torchrun, worker_pid  # noqa: E402 - bench/ is a folder of scripts
+
 
 ROOT = Path(__file__).resolve().parents[2]
 TWO_HOSTS = ROOT / "scripts" / "two_hosts.sh"
@@ -40,71 +41,14 @@ TIMEOUT_S = 180
 TRAIN = ["-m", "zeroshard.cli.main", "train", *FAST, "--warmup", "2", "--lr", "3e-3", "--stage", "3"]
 
 
-def torchrun() -> list[str]:
-    script = Path(sys.executable).with_name("torchrun")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return {**env, **extra}
-
-
-def final_state(ckpt: Path, tmp: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(every param from the export, every tensor of every rank file) of the newest checkpoint."""
-    latest = ckpt / (ckpt / "latest").read_text().strip()
-    out = tmp / f"{ckpt.name}.safetensors"
-    export(latest, out)
-    files = {}
-    for f in sorted(latest.glob("rank-*.safetensors")):
-        files.update({f"{f.name}:{k}": v for k, v in load_file(f).items()})
-    return load_file(out), files
-
-
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 # --------------------------------------------------------------------------- elastic restart
 
 STEPS, SAVE_EVERY, KILL_AFTER = 60, 10, 15
-
-
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == pid]
-        found += kids
-        frontier += kids
-    return found
-
-
-def _worker_pid(launcher: int, rank: int) -> int | None:
-    """The torchrun worker with RANK=rank (of the first attempt) under the launcher."""
-    for pid in _descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RESTART_COUNT=0" in env:
-            return pid
-    return None
 
 
 def _logged_steps(run_dir: Path) -> int:
@@ -128,7 +72,7 @@ def _elastic(tmp: Path, name: str, *, kill: bool) -> tuple[subprocess.CompletedP
             deadline = time.monotonic() + TIMEOUT_S
             while _logged_steps(run_dir) < KILL_AFTER and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
-            victim = _worker_pid(proc.pid, rank=1)
+            victim = worker_pid(proc.pid, rank=1, attempt=0)
             assert victim is not None, "rank 1 of the first attempt was not found under torchrun"
             os.kill(victim, signal.SIGKILL)
             killed_at = _logged_steps(run_dir)
