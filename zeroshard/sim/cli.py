@@ -49,6 +49,7 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
         raise ValueError("--time needs --model (a zeroshard preset, " + ", ".join(SHAPES) + ", a save_pretrained "
                          "folder or hf:NAME)")
     accum = getattr(args, "accum", 1) or 1  # plan's --accum: micro-steps per optimizer step
+    checkpointing = _knobs(args)["checkpointing"]
     tp = getattr(args, "tp", 1) or 1
     if tp < 1 or world % tp:
         raise ValueError(f"--tp {tp} does not divide world {world}; pick a tp that divides every world size")
@@ -60,7 +61,7 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
         shape = SHAPES[args.model]
         _check_tp_split(shape, tp)
         w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
-                     checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)
+                     checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
         return w, None
     from zeroshard.models.targets import is_preset
 
@@ -73,26 +74,26 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
         shape = hf_shape(model, args.model)
         _check_tp_split(shape, tp)
         w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
-                     checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)
+                     checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
         return w, None
     from zeroshard.models import GPTConfig
 
-    if _knobs(args)["checkpointing"] in TORCHTITAN_POLICIES:
-        raise ValueError(f"--checkpointing {args.checkpointing} is for the Llama shapes; zeroshard's GPT takes "
+    if checkpointing in TORCHTITAN_POLICIES:
+        raise ValueError(f"--checkpointing {checkpointing} is for the Llama shapes; zeroshard's GPT takes "
                          "none, all, every:K or sqrt")
     cfg = GPTConfig.named(args.model, **({"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}))
     w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
-                 checkpointing=_knobs(args)["checkpointing"], accum=accum, compute_bytes=compute_bytes)
+                 checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
     return w, lambda layout: gpt_peak_bytes(args.model, w, layout, headroom=headroom)
 
 
 def _knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's knobs the replay models: the runtime's defaults, with the flags given on top."""
+    from zeroshard.cli.typed_flags import given_knobs
     from zeroshard.sharding.options import KNOBS
     from zeroshard.sim.step import SIMULATED_KNOBS
 
-    return {k.name: getattr(args, k.name, None) if getattr(args, k.name, None) is not None else k.default
-            for k in KNOBS if k.name in SIMULATED_KNOBS}
+    return {k.name: k.default for k in KNOBS if k.name in SIMULATED_KNOBS} | given_knobs(args, SIMULATED_KNOBS)
 
 
 def _headroom(args: argparse.Namespace) -> float:
