@@ -34,10 +34,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+
+from zeroshard.lazy_dtensor import is_dtensor
 
 # Ops that overwrite every element they write, whatever was there before.
 _OVERWRITES = {
@@ -320,7 +321,7 @@ def record_build(build: Callable[[], nn.Module]) -> BuiltModel:
     metas: dict[int, nn.Parameter] = {}
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):  # its flat buffer would be laid out unsplit
+            if is_dtensor(param):  # its flat buffer would be laid out unsplit
                 raise ValueError("the build function returned a tensor-parallel model; build it under zs.meta_init(), "
                                  "call zs.tensor_parallel(model), then zs.shard(model)")
             if param.is_meta:

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from zeroshard.lazy_dtensor import is_dtensor
 
 if TYPE_CHECKING:  # the engine calls this module from Engine.materialize
     from zeroshard.sharding.engine import Engine
@@ -181,7 +182,7 @@ def _route_meta_shortcuts(replay: _InitReplay):
 def _whole_meta(param: nn.Parameter) -> nn.Parameter:
     """The param the init code writes: a tensor-parallel (DTensor) param is replayed at its full
     shape, as a plain build draws it; ``load_param_values`` then keeps this tp rank's part."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return param
     return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
 

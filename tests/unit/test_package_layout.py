@@ -27,3 +27,12 @@ def test_import_zeroshard_loads_no_tool():
     tools = ("zeroshard.cli", "zeroshard.tune", "zeroshard.sim", "zeroshard.benchmark", "zeroshard.migrate",
              "zeroshard.profile.report", "zeroshard.profile.render")
     assert not [m for m in loaded if m.strip().startswith(tools)], loaded
+
+
+def test_dtensor_loads_only_where_a_model_is_split():
+    """torch.distributed.tensor costs over a second of CPU per process: neither the package nor the
+    CLI's own process loads it (tests/distributed/test_tp.py covers the split models, which do)."""
+    code = ("import sys, zeroshard, zeroshard.cli.main, zeroshard.cli.train, zeroshard.planner.tp; "
+            "print('torch.distributed.tensor' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"

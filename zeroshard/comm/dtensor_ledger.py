@@ -15,7 +15,6 @@ then), so it is pushed once per process when a model is tensor-parallelised and 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroshard.comm import collectives
@@ -55,9 +54,15 @@ def _phase() -> Phase:
 class DTensorLedger(TorchDispatchMode):
     """Dispatch mode that stamps DTensor's functional collectives into the ledger."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor  # loaded by then: only a split model starts this mode
+
+        self.dtensor = DTensor
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, self.dtensor) for t in types):
             # Let DTensor run first and desugar into plain ops and collectives, which come back here.
             return NotImplemented
         watched = _WATCHED.get(func)

@@ -22,13 +22,10 @@ import dataclasses
 
 import torch
 
-from torch.distributed.tensor.parallel import ColwiseParallel
-
 from zeroshard.planner.comm import Collective
-from zeroshard.sharding.tp import GPT_TP_STYLES
+from zeroshard.sharding.tp import COLWISE, GPT_TP_STYLES
 
-COLWISE, ROWWISE = "colwise", "rowwise"
-GPT_TP_PLAN = {name: COLWISE if style is ColwiseParallel else ROWWISE for name, style in GPT_TP_STYLES.items()}
+GPT_TP_PLAN = dict(GPT_TP_STYLES)
 """Submodule of each block -> style: the runtime's own split of zeroshard's GPT (Megatron's MLP and attention)."""
 
 ALL_REDUCES_PER_LAYER = 2

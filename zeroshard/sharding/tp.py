@@ -24,19 +24,24 @@ is [q_r; k_r; v_r], and ``canonical``/``to_local`` convert between that and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, overload
+from typing import TYPE_CHECKING, Any, Callable, overload
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module)
 
-from zeroshard.comm import collectives, dtensor_ledger
+from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh, get_mesh
 from zeroshard.comm.names import Group, Phase
+from zeroshard.lazy_dtensor import is_dtensor
 from zeroshard.sharding.attached import find_engine
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+# DTensor and the parallel styles are imported where a model is split, not with this module
+# (zeroshard/lazy_dtensor.py says why).
 
 CHUNKS_ATTR = "_zeroshard_tp_chunks"
 """On a TP param: how many equal row blocks of it are sharded separately (fused qkv: 3)."""
@@ -55,11 +60,15 @@ class TPSpec:
     @property
     def shard_dim(self) -> int | None:
         """The dim split across tp ranks, or None for a replicated param."""
+        from torch.distributed.tensor import Shard
+
         placement = self.placements[0]
         return placement.dim if isinstance(placement, Shard) else None
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's part, e.g. a view of a flat buffer) as a DTensor with this spec."""
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
             return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
                                       stride=self.stride)
@@ -71,7 +80,7 @@ class TPSpec:
 
 
 def spec_of(param: torch.Tensor) -> TPSpec | None:
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return None
     return TPSpec(mesh=param.device_mesh, placements=tuple(param.placements), shape=param.shape,
                   stride=param.stride(), chunks=getattr(param, CHUNKS_ATTR, 1))
@@ -79,7 +88,7 @@ def spec_of(param: torch.Tensor) -> TPSpec | None:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a param or its grad); a plain tensor as it is."""
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         return tensor.to_local()
     return tensor
 
@@ -91,7 +100,7 @@ def local_grad(grad: None, spec: TPSpec | None) -> None: ...
 def local_grad(grad: torch.Tensor | None, spec: TPSpec | None) -> torch.Tensor | None:
     """This rank's part of a param's grad, in the param's own placement (a grad DTensor may arrive
     in another, e.g. Partial: it is redistributed first, which DTensor does with a tp collective)."""
-    if isinstance(grad, DTensor):
+    if is_dtensor(grad):
         if spec is not None and tuple(grad.placements) != spec.placements:
             grad = grad.redistribute(placements=spec.placements)
         return grad.to_local()
@@ -99,7 +108,7 @@ def local_grad(grad: torch.Tensor | None, spec: TPSpec | None) -> torch.Tensor |
 
 
 def local_shape(param: torch.Tensor) -> torch.Size:
-    return param.to_local().shape if isinstance(param, DTensor) else param.shape
+    return param.to_local().shape if is_dtensor(param) else param.shape
 
 
 # -- canonical (model) layout <-> tp-local -----------------------------------------------------
@@ -134,21 +143,23 @@ def _check_divides(tp: int, sizes: dict[str, int], what: str) -> None:
                              f"{name} (each tp rank holds {name}/tp of it)")
 
 
-GPT_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
-    "attn.qkv": ColwiseParallel, "attn.proj": RowwiseParallel, "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel}
+COLWISE, ROWWISE = "colwise", "rowwise"
+"""Megatron's two splits: a linear's output features (weight rows and bias) across the tp ranks, or
+its input features (weight columns; the bias added once after the all-reduce)."""
+
+GPT_TP_STYLES: dict[str, str] = {"attn.qkv": COLWISE, "attn.proj": ROWWISE, "mlp.fc": COLWISE, "mlp.proj": ROWWISE}
 """Submodule of each GPT block -> its split; the planner (zeroshard/planner/tp.py) reads the same table."""
 
 
 GPT_FUSED = {"attn.qkv": 3}
 """The GPT's fused projections: q, k and v stacked by rows in one linear, each split on its own."""
 
-LLAMA_TP_STYLES: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
-    "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
-    "self_attn.o_proj": RowwiseParallel, "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel,
-    "mlp.down_proj": RowwiseParallel}
+LLAMA_TP_STYLES: dict[str, str] = {
+    "self_attn.q_proj": COLWISE, "self_attn.k_proj": COLWISE, "self_attn.v_proj": COLWISE,
+    "self_attn.o_proj": ROWWISE, "mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
 """Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
 
-NAMED_PLANS: dict[str, tuple[str, dict[str, type[ColwiseParallel] | type[RowwiseParallel]], dict[str, int]]] = {
+NAMED_PLANS: dict[str, tuple[str, dict[str, str], dict[str, int]]] = {
     "gpt": ("blocks", GPT_TP_STYLES, GPT_FUSED), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
 """The ready plans by name, as offline tools see them: (blocks' prefix, styles, fused chunks).
 ``ckpt reshard --tp-plan`` reads the placements of a checkpoint saved without TP from here."""
@@ -169,7 +180,7 @@ def placement_by_name(plan: str, fqn: str, ndim: int, tp: int) -> dict | None:
     style = styles.get(module)
     if style is None or tp == 1:
         return None
-    dim = 0 if style is ColwiseParallel else (1 if leaf == "weight" and ndim == 2 else None)
+    dim = 0 if style == COLWISE else (1 if leaf == "weight" and ndim == 2 else None)
     if dim is None:
         return None
     return {"placement": "shard", "dim": dim, "chunks": fused.get(module, 1), "tp": tp}
@@ -179,13 +190,17 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
              ) -> tuple[list[nn.Module], dict, dict[str, int]]:
     """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise; with
     ``sequence_parallel`` the norms run on Shard(1) (the sequence dim) and the splits take and give it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
     cfg: Any = model.cfg
     _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
-    plan: dict[str, ParallelStyle] = {name: style() for name, style in GPT_TP_STYLES.items()}
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel()
+                                      for name, style in GPT_TP_STYLES.items()}
     if sequence_parallel:
         # The residual stream stays split by sequence: each column-wise linear all-gathers its
         # input, each row-wise linear reduce-scatters its output (Megatron-SP).
-        plan = {name: ColwiseParallel(input_layouts=Shard(1)) if style is ColwiseParallel
+        plan = {name: ColwiseParallel(input_layouts=Shard(1)) if style == COLWISE
                 else RowwiseParallel(output_layouts=Shard(1)) for name, style in GPT_TP_STYLES.items()}
         plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
     blocks: Any = model.blocks
@@ -196,13 +211,17 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
                ) -> tuple[list[nn.Module], dict, dict[str, int]]:
     """HF Llama: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (as transformers' own
     plan); with ``sequence_parallel`` the two RMSNorms run on Shard(1), as torchtitan's plan."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
     cfg: Any = model.config
     _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
                         "num_key_value_heads": cfg.num_key_value_heads,
                         "intermediate_size": cfg.intermediate_size}, "Llama")
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between the modules
     col, row = ColwiseParallel(), RowwiseParallel(output_layouts=stream)
-    plan: dict[str, ParallelStyle] = {name: col if style is ColwiseParallel else row
+    plan: dict[str, ParallelStyle] = {name: col if style == COLWISE else row
                                       for name, style in LLAMA_TP_STYLES.items()}
     # The attention's (and the MLP's) input becomes one replicated DTensor before its column-wise
     # projections: their input grads then add up as one Partial DTensor and are reduced once per
@@ -235,6 +254,11 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
     ``SequenceParallel``), and the first block's input is cut / the last block's output gathered.
     A custom plan is then called as ``plan(model, tp, sequence_parallel=True)``.
     """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+
+    from zeroshard.comm import dtensor_ledger
+
     _check_unsharded(model)
     mesh = mesh or get_mesh()  # the mesh the model will be sharded over: zs.shard(model, mesh=...) takes the same
     if mesh.tp_size == 1:
