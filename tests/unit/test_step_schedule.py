@@ -147,3 +147,18 @@ def test_peak_gathered_bytes_is_the_root_and_the_blocks_gathered_at_once(prefetc
     # Stages 0-2 keep full params resident, and one shard gathers nothing: no window either way.
     assert schedule(2).peak_gathered_bytes(units(2)) == 0
     assert schedule(3, world=1, options=options).peak_gathered_bytes(units(1)) == 0
+
+
+SCHEDULED_KNOBS = {"prefetch": (0, 2), "reshard_after_forward": (True, False), "max_inflight_reductions": (0, 4),
+                   "accumulation": ("sharded", "unsharded")}
+"""Knobs the schedule models, each with two values that change it wherever the engine reads the knob."""
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("knob", sorted(SCHEDULED_KNOBS))
+def test_a_knob_changes_the_step_exactly_where_the_stage_policy_says_the_engine_reads_it(stage, knob):
+    # Hybrid (4 ranks, shards of 2) and two micro-steps, so that finishing reductions and
+    # accumulating show up as collectives of their own.
+    a, b = (schedule(stage, world=4, shard=2, accum=2, options=EngineOptions.from_flat({knob: v}))
+            for v in SCHEDULED_KNOBS[knob])
+    assert (a.events != b.events) == StagePolicy(stage).reads(knob)

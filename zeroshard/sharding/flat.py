@@ -73,6 +73,26 @@ class StagePolicy:
         (stages 1-2; stage 0 steps the full params, stage 3 gathers at the next forward)."""
         return self.shard_optimizer and not self.shard_params
 
+    def reads(self, knob: str) -> bool:
+        """Whether the engine reads ``knob`` (a name in ``EngineOptions``' flat knob table) at this
+        stage. The gather schedule's knobs (prefetch window, resharding, backward prefetch point)
+        exist only where params are sharded; reduction buckets only where they are not (stage 3's
+        units are its modules); the in-flight cap and the accumulation choice only where full
+        grads are transient. Tools ask this instead of restating it, so a tuner never tries two
+        candidates that differ in a knob the run ignores."""
+        if knob in _SHARDED_PARAM_KNOBS:
+            return self.shard_params
+        if knob in _UNSHARDED_PARAM_KNOBS:
+            return not self.shard_params
+        if knob in _TRANSIENT_GRAD_KNOBS:
+            return self.transient_grads
+        return True
+
+
+_SHARDED_PARAM_KNOBS = frozenset({"prefetch", "reshard_after_forward", "backward_prefetch_at"})
+_UNSHARDED_PARAM_KNOBS = frozenset({"bucket_mb"})
+_TRANSIENT_GRAD_KNOBS = frozenset({"max_inflight_reductions", "accumulation"})
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupConfig:

@@ -65,7 +65,8 @@ def precision_manifest(model: nn.Module, optimizer=None) -> dict:
         "all_gather_dtype": _name(first.compute_dtype) if engine.policy.shard_optimizer and engine.mesh.shard_size > 1 else None,
         **_wire(engine),
         "units": [u.name for u in engine.units],
-        "bucket_mb": engine.options.bucket_bytes / 2**20 if not engine.policy.shard_params else None,
-        "prefetch": engine.options.prefetch if engine.policy.shard_params else None,
-        "reshard_after_forward": engine.options.reshard_after_forward if engine.policy.shard_params else None,
+        "bucket_mb": engine.options.bucket_bytes / 2**20 if engine.policy.reads("bucket_mb") else None,
+        "prefetch": engine.options.prefetch if engine.policy.reads("prefetch") else None,
+        "reshard_after_forward": engine.options.reshard_after_forward if engine.policy.reads("reshard_after_forward")
+        else None,
     }

@@ -1,9 +1,10 @@
 """The candidates `zeroshard tune` tries: stage x prefetch x reshard x bucket size x checkpointing
 x quantized communication.
 
-Each knob only enters the grid where the runtime reads it (prefetch and reshard_after_forward at
-stage 3, bucket_mb at stages 0-2, comm_quant where the runtime accepts it: weights at stage 3, grads at
-stages 2-3), so no two candidates differ only in a setting that does nothing.
+Each knob only enters the grid where the runtime reads it, as the runtime says: ``StagePolicy.reads``
+for the engine's knobs (prefetch and reshard_after_forward at stage 3, bucket_mb at stages 0-2),
+``CommQuant.problem_with`` for quantized communication (weights at stage 3, grads at stages 2-3).
+So no two candidates differ only in a setting that does nothing.
 """
 
 from __future__ import annotations
@@ -30,31 +31,33 @@ class Candidate:
     stage: int
     checkpointing: str
     bucket_mb: float | None = None
-    """Stages 0-2 only."""
+    """None where the stage's engine does not read it (``StagePolicy.reads``): stage 3."""
     prefetch: int | None = None
-    """Stage 3 only."""
+    """None at stages 0-2, which gather no params."""
     reshard_after_forward: bool | None = None
-    """Stage 3 only."""
+    """None at stages 0-2."""
     comm_quant: str = "none"
     """Quantized communication (TrainConfig.comm_quant), only where the stage accepts it."""
 
     @property
     def name(self) -> str:
-        if StagePolicy(self.stage).shard_params:
-            knobs = f"prefetch {self.prefetch}, {'reshard' if self.reshard_after_forward else 'no reshard'}"
-        else:
-            knobs = f"bucket {self.bucket_mb:g} MB"
+        knobs = []
+        if self.prefetch is not None:
+            knobs.append(f"prefetch {self.prefetch}")
+        if self.reshard_after_forward is not None:
+            knobs.append("reshard" if self.reshard_after_forward else "no reshard")
+        if self.bucket_mb is not None:
+            knobs.append(f"bucket {self.bucket_mb:g} MB")
         comm = "" if self.comm_quant == "none" else f", comm {self.comm_quant}"
-        return f"stage {self.stage}, {knobs}, ckpt {self.checkpointing}{comm}"
+        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}"
 
     def train_keys(self) -> dict[str, Any]:
         """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
         keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing,
                                 "comm_quant": self.comm_quant}
-        if StagePolicy(self.stage).shard_params:
-            keys.update(prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward)
-        else:
-            keys["bucket_mb"] = self.bucket_mb
+        searched = {"prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
+                    "bucket_mb": self.bucket_mb}
+        keys.update({knob: value for knob, value in searched.items() if value is not None})
         return keys
 
 
@@ -139,17 +142,22 @@ def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str
 
 
 def candidates(axes: Axes) -> list[Candidate]:
+    """Every combination of the axes, each knob searched only at the stages whose engine reads it
+    (``StagePolicy.reads``); the rest stay None and keep the base config's value."""
     out: list[Candidate] = []
     for stage in axes.stages:
+        policy = StagePolicy(stage)
+
+        def values(knob: str, axis: tuple) -> tuple:
+            return axis if policy.reads(knob) else (None,)
+
         comms = [q for q in axes.comm_quant if comm_quant_applies(q, stage)]
-        for ckpt in axes.checkpointing:
-            for comm in comms:
-                if StagePolicy(stage).shard_params:
-                    out += [Candidate(stage=3, checkpointing=ckpt, prefetch=p, reshard_after_forward=r,
-                                      comm_quant=comm) for p in axes.prefetch for r in axes.reshard]
-                else:
-                    out += [Candidate(stage=stage, checkpointing=ckpt, bucket_mb=b, comm_quant=comm)
-                            for b in axes.bucket_mb]
+        out += [Candidate(stage=stage, checkpointing=ckpt, comm_quant=comm, prefetch=p, reshard_after_forward=r,
+                          bucket_mb=b)
+                for ckpt in axes.checkpointing for comm in comms
+                for p in values("prefetch", axes.prefetch)
+                for r in values("reshard_after_forward", axes.reshard)
+                for b in values("bucket_mb", axes.bucket_mb)]
     return out
 
 
