@@ -4,6 +4,7 @@ from zeroshard.checkpoint import CheckpointError, load, save
 from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
 from zeroshard.comm.names import Dim, Group, Phase
+from zeroshard.experts import MoELayer, expert_parallel
 from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
 from zeroshard.materialize import meta_init
 from zeroshard.observing import Observer, observe
@@ -33,7 +34,8 @@ __all__ = [
     "CheckpointError", "CommQuant", "Dim", "EngineOptions", "Group", "Mesh", "Phase", "MixedPrecision",
     "OffloadPolicy", "ShardedGradScaler",
     "build_pretrained",
-    "clip_grad_norm_", "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
+    "MoELayer", "clip_grad_norm_", "expert_parallel",
+    "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
     "load_pretrained", "mesh_of", "meta_init", "new_mesh", "no_sync", "Observer", "observe", "optim_groups",
     "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "tensor_parallel", "unsharded",
 ]

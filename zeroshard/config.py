@@ -26,11 +26,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-MODEL_NAMES = ("tiny", "small", "medium")
+MODEL_NAMES = ("tiny", "small", "medium", "tiny-moe")
+MOE_MODEL_NAMES = ("tiny-moe",)
+"""The presets with MoE MLPs (zeroshard's GPT with n_expert > 0): what `ep` > 1 can split by name."""
 HF_PREFIX = "hf:"
 HF_MODEL_NAMES = ("hf:gpt2-tiny", "hf:llama-tiny")
 """Hugging Face models built from small configs in code (zeroshard/models/hf.py); need the `hf` extra."""
-TP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
+TP_MODEL_NAMES = tuple(n for n in MODEL_NAMES if n not in MOE_MODEL_NAMES) + ("hf:llama-tiny",)
 """The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.sharding.tp.PLANS
 (zeroshard's GPT and HF Llama; a unit test keeps the two lists in step). HF GPT-2 has none, and a
 pretrained folder's weights are read shard by shard without a tp split (zeroshard/hf/pretrained.py)."""
@@ -118,6 +120,13 @@ class TrainConfig:
     column/row split through torch's DTensor; docs/tensor_parallel.md). ZeRO then shards over the
     nproc/tp data-parallel ranks, which split the batch; the ranks of one tp group share theirs. Needs a
     model with a TP plan: tiny, small, medium or hf:llama-tiny. 1 is no tensor parallelism."""
+
+    ep: int = 1
+    """Expert parallelism: split every MoE layer's experts over this many consecutive data-parallel
+    ranks and route tokens to them by all-to-all (docs/expert_parallel.md). Dense params are sharded
+    as without it; each expert over the nproc/ep ranks that hold it. Needs an MoE model whose expert
+    count ep divides: tiny-moe here (HF Mixtral and Qwen-MoE through the library's
+    zs.expert_parallel). 1 is no expert parallelism."""
 
     allow_cross_host: bool = False
     """Run tp (or ep) groups that span hosts anyway. Without it such a layout is refused at start,
@@ -247,6 +256,23 @@ class TrainConfig:
             raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, or one of "
                              f"{', '.join(TP_MODEL_NAMES)} (zeroshard's GPT and HF Llama have one)")
 
+    def _check_ep(self) -> None:
+        if self.ep == 1:
+            return
+        if self.ep < 1 or (self.nproc // self.tp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the {self.nproc // self.tp} data-parallel ranks, so its "
+                             f"product with the other dims is not nproc={self.nproc}; pick an ep that divides them")
+        if self.tp > 1:
+            raise ValueError(f"ep={self.ep} with tp={self.tp} is not supported yet; use tp=1 with ep")
+        if self.save_every or self.resume:
+            raise ValueError(f"ep={self.ep} with checkpoints (save_every, resume) is not supported yet: the experts' "
+                             "placement is not recorded; use ep=1 to checkpoint")
+        if self.model not in MOE_MODEL_NAMES:
+            known = self.model in MODEL_NAMES + HF_MODEL_NAMES
+            why = "has no MoE layer" if known else "is a pretrained folder, which cannot load split experts yet"
+            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} {why}; use ep=1 or "
+                             f"{', '.join(MOE_MODEL_NAMES)} (an HF Mixtral or Qwen-MoE model: zs.expert_parallel)")
+
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES} "
@@ -256,6 +282,7 @@ class TrainConfig:
         if self.mp not in PARAM_DTYPES:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
         self._check_tp()
+        self._check_ep()
         dp = self.nproc // self.tp
         if self.shard_size is not None and (self.shard_size < 1 or dp % self.shard_size):
             where = f"nproc={self.nproc}" if self.tp == 1 else f"the {dp} data-parallel ranks (nproc {self.nproc} / tp {self.tp})"

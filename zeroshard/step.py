@@ -27,6 +27,7 @@ from zeroshard.models import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.profile.timeline import phase
 from zeroshard.sharding.precision import parse_dtype
+from zeroshard.ep_setup import apply_expert_parallel
 from zeroshard.tp_setup import apply_tensor_parallel
 
 BETAS = (0.9, 0.95)
@@ -165,6 +166,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
+    apply_expert_parallel(cfg, model, mesh)  # an ep dim: keep this rank's experts, route tokens to the others
     shard_model(cfg, model, **{"mesh": mesh, **shard_overrides})
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = zs.optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)

@@ -246,7 +246,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     """
     # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
     mesh = zs.init(timeout_s=process_group_timeout(cfg.hang_timeout_s), shard_size=cfg.shard_size, tp=cfg.tp,
-                   allow_cross_host=cfg.allow_cross_host)
+                   ep=cfg.ep, allow_cross_host=cfg.allow_cross_host)
     with observer_for(cfg) as obs:  # rank 0 names the run dir; every rank dumps its ledger there
         summary = train(dataclasses.replace(cfg, run_dir=str(obs.run_dir)), mesh, obs, reporter)
     zs.shutdown()
@@ -256,7 +256,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
 def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Train quietly and return per-step losses; rank 0 also returns the full fp32 params."""
     mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp,
-                   allow_cross_host=cfg.allow_cross_host)
+                   ep=cfg.ep, allow_cross_host=cfg.allow_cross_host)
     run = setup(cfg, mesh)
     for step in range(cfg.steps):
         run.records.append(train_step(run, step))
@@ -266,12 +266,34 @@ def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
     return {"losses": [r.loss for r in run.records], "params": params, "world": mesh.world}
 
 
+def batch_nonlinear_loss(model: torch.nn.Module) -> bool:
+    """Whether the model's loss is not a sum over its rows: an MoE load-balancing loss multiplies two
+    means over the batch (zeroshard's GPT with aux_loss_coef > 0), so it depends on how a step is cut
+    into micro-batches, and a reference must cut it the same way."""
+    cfg = getattr(model, "cfg", None)
+    return bool(getattr(cfg, "n_expert", 0) and getattr(cfg, "aux_loss_coef", 0.0))
+
+
+def global_micro_batches(x: torch.Tensor, y: torch.Tensor, *, dp: int,
+                         accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch as the distributed step cuts it: micro-batch m is micro-batch m of every
+    data-parallel rank's contiguous slice (rank order), which is what its collectives see together."""
+    per_rank, micro = x.shape[0] // dp, x.shape[0] // dp // accum
+    out = []
+    for m in range(accum):
+        rows = [r * per_rank + m * micro + j for r in range(dp) for j in range(micro)]
+        out.append((x[rows], y[rows]))
+    return out
+
+
 def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     """Plain single-process PyTorch: the numerical reference for `zeroshard verify`.
 
     Same seed, data, global batch, schedule, weight-decay groups and clipping as the
     distributed run, but no zeroshard runtime at all (no process group, no hooks) and no
-    accumulation: one fp32 forward/backward over the whole global batch per step.
+    accumulation: one fp32 forward/backward over the whole global batch per step. A loss that is
+    not a sum over rows (an MoE load-balancing loss, ``batch_nonlinear_loss``) is accumulated
+    over the distributed step's own global micro-batches instead, where that loss is defined.
     """
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, torch.device("cpu"), allow_meta=False)
@@ -281,8 +303,16 @@ def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     losses: list[float] = []
     for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
-        loss = adapter.mean_loss(model, x, y)
-        loss.backward()
+        if batch_nonlinear_loss(model) and cfg.accum > 1:
+            # The step's mean loss, backpropagated over the distributed step's own global micro-batches.
+            count, loss = (y != IGNORE_INDEX).sum(), torch.zeros(())
+            for xm, ym in global_micro_batches(x, y, dp=cfg.nproc // cfg.tp, accum=cfg.accum):
+                loss_sum, _ = adapter.loss_sum(model, xm, ym)
+                (loss_sum / count).backward()
+                loss = loss + loss_sum.detach() / count
+        else:
+            loss = adapter.mean_loss(model, x, y)
+            loss.backward()
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()

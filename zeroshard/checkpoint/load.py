@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.experts.placement import refuse_expert_parallel
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import rng as rng_state
 from zeroshard.checkpoint.errors import CheckpointError
@@ -349,6 +350,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler
     ``rng=True`` restores this rank's torch/numpy/python RNG states.
     """
     engine = find_engine(model)
+    if engine is not None:
+        refuse_expert_parallel(engine, "zs.load")
     rank = engine.mesh.rank if engine is not None else 0
     plan: Plan | None = None
     problem: str | None = None

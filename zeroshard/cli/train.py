@@ -64,6 +64,10 @@ def check_before_launch(cfg: TrainConfig) -> None:
         from zeroshard.tp_setup import check_tensor_parallel
 
         check_tensor_parallel(cfg)
+    if cfg.ep > 1:  # likewise: the model has MoE layers whose experts ep divides
+        from zeroshard.ep_setup import check_expert_parallel
+
+        check_expert_parallel(cfg)
 
 
 def one_line(err: BaseException) -> str:

@@ -13,6 +13,10 @@ params are compared after `zs.full_state_dict` has joined their tp parts into th
 layout. TP changes only the summation order of the split contractions, so fp32 keeps its 1e-5 bounds
 (docs/tensor_parallel.md).
 
+With `--ep N` (an MoE model such as tiny-moe), (b) and (c) split every MoE layer's experts over N
+ranks and route tokens by all-to-all; `zs.full_state_dict` gathers the experts back over ep, so
+(a) is again the unsplit model and fp32 keeps its bounds (docs/expert_parallel.md).
+
 With lossy communication (`--comm-quant`: int8 weights and/or grads on the wire) the distributed
 run is *meant* to differ from the single process by the rounding of what it sends, so verify
 switches to its lossy-communication tolerances (`LOSSY_COMM_TOLERANCES`, docs/quantized_comm.md)
@@ -61,7 +65,7 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
     loss_diffs = _loss_diffs(dist["losses"], ref["losses"])
     missing = sorted(set(miss_single) | set(miss_stage0))
     result: dict[str, Any] = {
-        "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "tp": cfg.tp, "steps": cfg.steps,
+        "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "tp": cfg.tp, "ep": cfg.ep, "steps": cfg.steps,
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
         "tol": tol, "loss_tol": loss_tol, "comm_quant": cfg.comm_quant,
         "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else "exact communication",
@@ -82,6 +86,8 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
 def print_report(result: dict, console: Console) -> None:
     tp = result.get("tp", 1)
     where = f"{result['nproc']} ranks" + (f" ({result['nproc'] // tp} data-parallel x tp {tp})" if tp > 1 else "")
+    ep = result.get("ep", 1)
+    where += f" (experts split over ep {ep}, each sharded over {result['nproc'] // ep})" if ep > 1 else ""
     steps = Table(title=f"zeroshard verify: stage {result['stage']} on {where} vs single process")
     for col in ("step", "loss (single)", f"loss (stage {result['stage']})", "|diff|"):
         steps.add_column(col, justify="right")

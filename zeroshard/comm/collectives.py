@@ -153,11 +153,27 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str | Group 
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: str | Group = Group.WORLD, unit: str = "",
-               phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
-    """Slice ``i`` of ``input`` goes to group rank ``i``; slice ``j`` of ``output`` comes from rank ``j``
-    (equal slices, 1-D). Quantized reductions need it: int8 pieces cannot be summed on the wire."""
+               phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None,
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> Pending | None:
+    """Slice ``i`` of ``input`` goes to group rank ``i``; slice ``j`` of ``output`` comes from rank ``j``.
+    Equal 1-D slices unless ``input_splits`` / ``output_splits`` give the rows (dim 0) sent to and
+    received from each rank: the uneven exchange of expert parallelism's token dispatch. Quantized
+    reductions need the even one: int8 pieces cannot be summed on the wire. The ledger counts the
+    input, the bytes this rank sends (its own slice included)."""
     m = _mesh(mesh)
     size = m.group_size(group)
+    if input_splits is not None or output_splits is not None:
+        if input_splits is None or output_splits is None or len(input_splits) != size or \
+                len(output_splits) != size or sum(input_splits) != input.shape[0] or \
+                sum(output_splits) != output.shape[0]:
+            raise ValueError(f"all_to_all splits {input_splits} -> {output_splits} must give one row count per rank of "
+                             f"the {size}-rank group and sum to the input's {input.shape[0]} and output's "
+                             f"{output.shape[0]} rows")
+        if size == 1:
+            return _issue("all_to_all", input, group, unit, phase, _local_copy(output, input), async_op, m)
+        call = lambda pg: dist.all_to_all_single(output, input, output_split_sizes=output_splits,  # noqa: E731
+                                                 input_split_sizes=input_splits, group=pg, async_op=True)
+        return _issue("all_to_all", input, group, unit, phase, call, async_op, m)
     if input.numel() != output.numel() or input.numel() % size:
         raise ValueError(f"all_to_all input ({input.numel()}) and output ({output.numel()}) must have the same "
                          f"number of elements, a multiple of group size {size}")

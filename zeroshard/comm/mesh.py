@@ -56,6 +56,9 @@ class Mesh:
     topology: Topology | None = dataclasses.field(default=None, repr=False, compare=False)
     """Every rank's host and device facts, gathered at ``zs.init`` (zeroshard/comm/topology.py);
     None for a mesh built by hand, which counts as one host."""
+    experts: Mesh | None = dataclasses.field(default=None, repr=False, compare=False)
+    """With ``ep > 1``: the mesh the expert params live on (zeroshard/comm/expert_mesh.py), built
+    with this one over the same ranks; None without expert parallelism."""
     _sizes: dict = dataclasses.field(init=False, repr=False, compare=False)
     _handles: dict = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -75,8 +78,10 @@ class Mesh:
 
     @property
     def ep_size(self) -> int:
-        """Expert-parallel degree: 1 (every rank holds every expert)."""
-        return 1
+        """Expert-parallel degree: how many ranks split each MoE layer's experts (1: every rank
+        holds every expert). Not a factor of the world of its own: ep groups are runs of
+        consecutive data-parallel ranks (docs/expert_parallel.md)."""
+        return self.experts.ep_size if self.experts is not None else 1
 
     @property
     def shard_rank(self) -> int:
@@ -114,7 +119,8 @@ class Mesh:
         # Without tp, the data-parallel ranks are the world.
         handles = {Group.WORLD: self.world_group, Group.SHARD: self.shard_group,
                    Group.REPLICATE: self.replicate_group, Group.TP: self.tp_group,
-                   Group.DP: self.dp_group or self.world_group, Group.PP: None, Group.EP: None}
+                   Group.DP: self.dp_group or self.world_group, Group.PP: None,
+                   Group.EP: self.experts.group(Group.EP) if self.experts is not None else None}
         object.__setattr__(self, "_handles", handles)
 
     @property
@@ -161,6 +167,7 @@ class Mesh:
             "shard_size": self.shard_size,
             "replicate_size": self.replicate_size,
             "tp_size": self.tp_size,
+            **({"ep_size": self.ep_size} if self.ep_size > 1 else {}),
             "backend": self.backend,
             "device": str(self.device),
         }
@@ -212,12 +219,19 @@ MESH_DIMS = ("replicate", "shard", "tp")
 """Mesh dim names, outermost first; ``tp`` is innermost (consecutive ranks)."""
 
 
+SHAPE_DIMS = ("replicate", "shard", "ep", "tp")
+"""The names ``mesh_shape`` may use, outermost first. ``ep`` is carved out of the data-parallel
+ranks (torchtitan's dp_shard_in_ep): with ``names=("shard", "ep")`` the dense params are sharded
+over shard × ep ranks and each expert's params over the ``shard`` ranks that hold it."""
+
+
 def _from_mesh_shape(mesh_shape, names, world: int) -> tuple[int | None, int]:
-    """(shard_size, tp) from a named shape such as ``mesh_shape=(2, 2), names=("shard", "tp")``."""
+    """(shard_size, tp) from a named shape such as ``mesh_shape=(2, 2), names=("shard", "tp")``; an
+    ``ep`` entry is part of the dense shard size (``_ep_of_shape`` reads it)."""
     shape, names = tuple(mesh_shape), tuple(names or MESH_DIMS[-len(tuple(mesh_shape)):])
     if len(shape) != len(names) or len(set(names)) != len(names) or \
-            [n for n in MESH_DIMS if n in names] != list(names):
-        raise ValueError(f"names {names} must be distinct dims out of {MESH_DIMS}, in that order, one per entry of "
+            [n for n in SHAPE_DIMS if n in names] != list(names):
+        raise ValueError(f"names {names} must be distinct dims out of {SHAPE_DIMS}, in that order, one per entry of "
                          f"mesh_shape {shape}")
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in shape):
         raise ValueError(f"mesh_shape {shape} must hold positive ints")
@@ -228,24 +242,34 @@ def _from_mesh_shape(mesh_shape, names, world: int) -> tuple[int | None, int]:
         raise ValueError(f"mesh_shape {shape} covers {product} ranks but the world has {world}; make the product "
                          f"of mesh_shape equal the world size (WORLD_SIZE / --nproc)")
     dims = dict(zip(names, shape))
-    tp = dims.get("tp", 1)
-    shard = dims.get("shard", world // tp // dims.get("replicate", 1))
+    tp, ep = dims.get("tp", 1), dims.get("ep", 1)
+    shard = dims.get("shard", world // tp // ep // dims.get("replicate", 1)) * ep
     return shard, tp
 
 
-def _check_existing_shape(mesh: Mesh, tp: int, mesh_shape, names) -> None:
-    """A second ``init`` that names a tensor-parallel shape must ask for the mesh that exists:
-    returning another one silently would run a different layout than the caller wrote."""
+def _ep_of_shape(mesh_shape, names) -> int:
+    """The ``ep`` entry of a named shape ``_from_mesh_shape`` accepted (1 without one)."""
+    names = tuple(names or MESH_DIMS[-len(tuple(mesh_shape)):])
+    return dict(zip(names, tuple(mesh_shape))).get("ep", 1)
+
+
+def _check_existing_shape(mesh: Mesh, tp: int, mesh_shape, names, ep: int = 1) -> None:
+    """A second ``init`` that names a tensor- or expert-parallel shape must ask for the mesh that
+    exists: returning another one silently would run a different layout than the caller wrote."""
     if mesh_shape is not None:
         _, tp = _from_mesh_shape(mesh_shape, names, mesh.world)  # a shape that misses the world: its own error
+        ep = _ep_of_shape(mesh_shape, names)
     if tp != mesh.tp_size:
         raise ValueError(f"the mesh already exists with tp={mesh.tp_size}; call zs.shutdown() before zs.init() "
                          f"with tp={tp}")
+    if ep != mesh.ep_size:
+        raise ValueError(f"the mesh already exists with ep={mesh.ep_size}; call zs.shutdown() before zs.init() "
+                         f"with ep={ep}")
 
 
 def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1,
          mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
-         timeout_s: float = 600.0, allow_cross_host: bool = False) -> Mesh:
+         timeout_s: float = 600.0, allow_cross_host: bool = False, ep: int = 1) -> Mesh:
     """Join (or create) the default process group from the environment and build the mesh.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun and our launcher set them. With
@@ -258,6 +282,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     ``tp=t`` adds an innermost tensor-parallel dim of t consecutive ranks: the data-parallel ranks
     (replicate × shard) are then world / t. ``mesh_shape=(2, 2), names=("shard", "tp")`` says the
     same by name; the product must be the world size. See docs/tensor_parallel.md.
+    ``ep=e`` splits every MoE layer's experts over runs of e consecutive data-parallel ranks and
+    builds ``Mesh.experts``, the mesh the expert params are sharded over (docs/expert_parallel.md).
 
     Every rank's host and device facts are gathered first (``Mesh.topology``). Hosts with different
     numbers of ranks, and a tp group spanning hosts, are refused before any group is built; pass
@@ -265,8 +291,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     """
     global _MESH
     if _MESH is not None:
-        if mesh_shape is not None or tp != 1:
-            _check_existing_shape(_MESH, tp, mesh_shape, names)
+        if mesh_shape is not None or tp != 1 or ep != 1:
+            _check_existing_shape(_MESH, tp, mesh_shape, names, ep)
         return _MESH
     backend = backend or default_backend()
     if not dist.is_initialized():
@@ -283,7 +309,7 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     topology = _join_topology()
     _MESH = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name="default",
-                        ledger=None, topology=topology, allow_cross_host=allow_cross_host)
+                        ledger=None, topology=topology, allow_cross_host=allow_cross_host, ep=ep)
     return _MESH
 
 
@@ -323,7 +349,7 @@ def _join_topology() -> Topology:
 
 def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tuple[int, ...] | None = None,
              names: tuple[str, ...] | None = None, name: str, ledger: Ledger | None = None,
-             allow_cross_host: bool = False) -> Mesh:
+             allow_cross_host: bool = False, ep: int = 1) -> Mesh:
     """Another parallel context over the process group ``zs.init`` joined, next to the default one.
 
     Pass it to ``zs.shard(model, mesh=...)``: that model's collectives then run on this mesh's
@@ -339,18 +365,19 @@ def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tu
     if any(m.name == name for m in _OTHER_MESHES):
         raise ValueError(f"a mesh named {name!r} exists already; give each zs.new_mesh its own name")
     mesh = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name=name, ledger=ledger,
-                       topology=_MESH.topology, allow_cross_host=allow_cross_host)
+                       topology=_MESH.topology, allow_cross_host=allow_cross_host, ep=ep)
     _OTHER_MESHES.append(mesh)
     return mesh
 
 
 def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger | None,
-                topology: Topology | None = None, allow_cross_host: bool = False) -> Mesh:
+                topology: Topology | None = None, allow_cross_host: bool = False, ep: int = 1) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if mesh_shape is not None:
-        if shard_size is not None or tp != 1:
-            raise ValueError("pass either mesh_shape/names or shard_size/tp, not both")
+        if shard_size is not None or tp != 1 or ep != 1:
+            raise ValueError("pass either mesh_shape/names or shard_size/tp/ep, not both")
         shard_size, tp = _from_mesh_shape(mesh_shape, names, world)
+        ep = _ep_of_shape(mesh_shape, names)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp != 0:
         raise ValueError(f"tp={tp!r} does not divide world size {world}; pick a divisor of {world} (tp=1 is no "
                          "tensor parallelism)")
@@ -367,8 +394,10 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
             f"shard_size={shard_size} does not divide the {dp} data-parallel ranks (world {world} / tp {tp}); pick "
             f"a divisor of {dp} (shard_size == {dp} is plain full sharding)"
         )
+    if ep != 1:
+        _check_ep(ep, dp, tp)
     if topology is not None:  # before any group: a refused layout builds nothing
-        topology.check_placement({Dim.REPLICATE: dp // shard_size, Dim.SHARD: shard_size, Dim.TP: tp},
+        topology.check_placement({Dim.REPLICATE: dp // shard_size, Dim.SHARD: shard_size, Dim.TP: tp, Dim.EP: ep},
                                  allow_cross_host=allow_cross_host)
     if tp == 1:
         shard_group, replicate_group = _build_groups(world, rank, shard_size)
@@ -376,6 +405,10 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
     else:
         groups = _build_tp_mesh(world, rank, shard_size, tp)
         shard_group, replicate_group = groups.pop("shard_group"), groups.pop("replicate_group")
+    experts = None
+    if ep > 1:  # after the dense groups, in the same order on every rank (new_group is collective)
+        experts = _EXPERT_MESH_BUILDER[0](rank=rank, world=world, ep=ep, device=_device_for(dist.get_backend()),
+                                         name=name, ledger=ledger or process_ledger(), topology=topology)
     return Mesh(
         rank=rank,
         world=world,
@@ -389,8 +422,33 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
         name=name,
         ledger=ledger or process_ledger(),
         topology=topology,
+        experts=experts,
         **groups,
     )
+
+
+def _check_ep(ep, dp: int, tp: int) -> None:
+    """One line naming the problem and the fix, before any group exists."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r} must be a positive int (ep=1 is no expert parallelism)")
+    if tp > 1:
+        raise ValueError(f"ep={ep} with tp={tp} is not supported yet: the experts are not tensor parallel; use tp=1 "
+                         "with ep, or ep=1 with tp")
+    if dp % ep:
+        raise ValueError(f"ep={ep} does not divide the {dp} data-parallel ranks (world {dp * tp} / tp {tp}), so its "
+                         f"product with the expert-data-parallel ranks is not the world size; pick a divisor of {dp}")
+
+
+_EXPERT_MESH_BUILDER: list = []
+"""Builds ``Mesh.experts`` (zeroshard/comm/expert_mesh.py). Handed to this module by
+zeroshard/comm/__init__.py, as the topology gather is: that mesh is a Mesh, so importing it here
+would be circular."""
+
+
+def use_expert_mesh_builder(builder) -> None:
+    """Make ``builder(rank=, world=, ep=, device=, name=, ledger=, topology=) -> Mesh`` what
+    ``init(ep=)`` and ``new_mesh(ep=)`` call."""
+    _EXPERT_MESH_BUILDER[:] = [builder]
 
 
 def _build_groups(world: int, rank: int, shard_size: int):

@@ -190,10 +190,12 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
     every rank gathers one flat group at a time; returns the folder on rank 0, None elsewhere."""
     from zeroshard.comm import collectives
     from zeroshard.comm.names import Phase
+    from zeroshard.experts.placement import refuse_expert_parallel
     from zeroshard.sharding import get_engine
     from zeroshard.sharding.state import gathered_master
 
     engine = get_engine(model)
+    refuse_expert_parallel(engine, "export_pretrained")
     rank, mesh = engine.mesh.rank, engine.mesh
     config, source = _hf_config(getattr(getattr(model, "cfg", None), "to_dict", dict)(), "this model")
     persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers (inv_freq) are derived

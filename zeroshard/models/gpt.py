@@ -16,26 +16,29 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "GPTConfig", "Block"]
+__all__ = ["GPT", "GPTConfig", "GPTExperts", "Block"]
 
 IGNORE_INDEX = -100
 """Target value excluded from the loss (matches ``F.cross_entropy``'s default)."""
 
 # Sizes by name. Only the shape fields; vocab_size and the rest keep their defaults
 # unless overridden. Parameter counts below are for vocab_size=256.
-_PRESETS: dict[str, dict[str, int]] = {
+_PRESETS: dict[str, dict[str, Any]] = {
     # ~0.2M params: fast enough for unit tests on a laptop CPU.
     "tiny": {"n_layer": 4, "n_head": 4, "n_embd": 64, "seq_len": 64},
     # ~25M params: a real model that still trains on a few CPU cores.
     "small": {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 256},
     # ~116M params: GPT-2-small scale once the 50k vocabulary is taken out.
     "medium": {"n_layer": 12, "n_head": 14, "n_embd": 896, "seq_len": 512},
+    # tiny with a 4-expert, top-2 MoE MLP in every block (~0.6M params, ~0.3M active per token)
+    # and a load-balancing loss.
+    "tiny-moe": {"n_layer": 4, "n_head": 4, "n_embd": 64, "seq_len": 64, "n_expert": 4, "aux_loss_coef": 0.01},
 }
 
 
@@ -63,10 +66,27 @@ class GPTConfig:
     """MLP hidden width as a multiple of n_embd."""
     bias: bool = True
     """Whether Linear and LayerNorm layers carry a bias."""
+    n_expert: int = 0
+    """Experts per MoE MLP; 0 keeps the dense MLP. Each expert is an MLP of the dense one's shape."""
+    expert_top_k: int = 2
+    """Experts each token is routed to (top-k of the router's softmax, weights renormalised); no
+    capacity limit, so routing is dropless."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss (Switch/Mixtral: n_expert * sum_e f_e * P_e, f_e the share
+    of routed assignments and P_e the mean router probability of expert e, averaged over the MoE
+    layers) added to the token loss; 0 adds none."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio", "expert_top_k"):
             _check_positive_int(name, getattr(self, name))
+        if isinstance(self.n_expert, bool) or not isinstance(self.n_expert, int) or self.n_expert < 0:
+            raise ValueError(f"GPTConfig.n_expert must be an int >= 0 (0: a dense MLP), got {self.n_expert!r}")
+        if isinstance(self.aux_loss_coef, bool) or not isinstance(self.aux_loss_coef, (int, float)) or \
+                self.aux_loss_coef < 0:
+            raise ValueError(f"GPTConfig.aux_loss_coef must be a number >= 0, got {self.aux_loss_coef!r}")
+        if self.n_expert and self.expert_top_k > self.n_expert:
+            raise ValueError(f"GPTConfig.expert_top_k ({self.expert_top_k}) must be at most n_expert "
+                             f"({self.n_expert}); route each token to fewer experts")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
@@ -145,6 +165,79 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
 
 
+def gpt_expert(experts: Any, e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of a ``GPTExperts`` on the rows routed to it: the dense MLP's function."""
+    hidden = F.linear(rows, experts.fc_weight[e], experts.fc_bias[e] if experts.fc_bias is not None else None)
+    return F.linear(F.gelu(hidden), experts.proj_weight[e],
+                    experts.proj_bias[e] if experts.proj_bias is not None else None)
+
+
+class GPTExperts(nn.Module):
+    """``n_expert`` MLPs stacked on dim 0 (transformers 5's layout, which expert parallelism splits):
+    ``forward(hidden (T, C), top_k_index (T, k), top_k_weights (T, k)) -> (T, C)``."""
+
+    PARAMS = ("fc_weight", "fc_bias", "proj_weight", "proj_bias")
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.n_expert
+        hidden, e, c = cfg.mlp_ratio * cfg.n_embd, cfg.n_expert, cfg.n_embd
+        self.fc_weight = nn.Parameter(torch.empty(e, hidden, c))
+        self.fc_bias = nn.Parameter(torch.empty(e, hidden)) if cfg.bias else None
+        self.proj_weight = nn.Parameter(torch.empty(e, c, hidden))
+        self.proj_bias = nn.Parameter(torch.empty(e, c)) if cfg.bias else None
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.PARAMS if getattr(self, n) is not None)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            y = gpt_expert(self, e, hidden_states[token]) * top_k_weights[token, slot, None]
+            out = out.index_add(0, token, y.to(out.dtype))
+        return out
+
+
+class MoEMLP(nn.Module):
+    """Top-k routed experts in place of the MLP: the router's softmax picks ``expert_top_k``
+    experts per token, their weights renormalised to sum to 1 (Mixtral's rule), no capacity cap.
+
+    With ``aux_loss_coef > 0`` each forward leaves ``aux_sum``: the load-balancing loss of its
+    rows in sum form, ``n_expert * sum_e f_e * (sum over rows of p_e)``, so that, like the token
+    loss, it adds over rows and divides once by the token count. ``f_e`` is a share of the whole
+    batch's routing: ``reduce_counts``, when set (expert parallelism sets it to an all-reduce over
+    the data-parallel ranks), sums the per-expert counts over every rank first, which makes the
+    loss the one one process computes over the whole (micro-)batch.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.expert_top_k
+        self.balance = cfg.aux_loss_coef > 0
+        self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.experts = GPTExperts(cfg)
+        self.aux_sum: torch.Tensor | None = None
+        self.reduce_counts: Callable[[torch.Tensor], None] | None = None
+        """Sums a float64 (n_expert,) count tensor in place over the ranks sharing the batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        probs = F.softmax(self.router(flat).float(), dim=-1)  # (B*T, n_expert)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)  # (B*T, k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.balance:
+            counts = torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).to(torch.float64)
+            if self.reduce_counts is not None:
+                self.reduce_counts(counts)
+            share = (counts / (counts.sum() / self.top_k)).to(probs.dtype)  # f_e: sums to top_k
+            self.aux_sum = probs.shape[-1] * (share * probs.sum(dim=0)).sum()
+        return self.experts(flat, index, weights.to(x.dtype)).view(B, T, C)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block; the natural unit for per-module sharding."""
 
@@ -153,7 +246,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoEMLP(cfg) if cfg.n_expert else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))  # (B, T, C)
@@ -232,6 +325,15 @@ class GPT(nn.Module):
                     nn.init.ones_(module.weight)
                 if fresh(module.bias):
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, GPTExperts):  # each expert as the dense MLP's fc and proj
+                if fresh(module.fc_weight):
+                    nn.init.normal_(module.fc_weight, mean=0.0, std=std)
+                if module.fc_bias is not None and fresh(module.fc_bias):
+                    nn.init.zeros_(module.fc_bias)
+                if fresh(module.proj_weight):
+                    nn.init.normal_(module.proj_weight, mean=0.0, std=resid_std)
+                if module.proj_bias is not None and fresh(module.proj_bias):
+                    nn.init.zeros_(module.proj_bias)
 
     def _logits(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
@@ -253,12 +355,25 @@ class GPT(nn.Module):
         logits = self._logits(idx)  # (B, T, V)
         # The softmax is computed in fp32 even when the model runs in bf16/fp16: a
         # low-precision log-sum-exp over the vocabulary loses the digits the loss lives in.
-        return F.cross_entropy(
+        aux = self._aux_sum()
+        loss = F.cross_entropy(
             logits.float().view(-1, logits.size(-1)),  # (B*T, V)
             targets.reshape(-1),  # (B*T,)
             ignore_index=IGNORE_INDEX,
-            reduction=reduction,
+            reduction=reduction if aux is None else "sum",
         )
+        if aux is None:
+            return loss
+        # The load-balancing loss in sum form next to the token losses; a mean divides both once.
+        loss = loss + self.cfg.aux_loss_coef * aux
+        return loss if reduction == "sum" else loss / (targets != IGNORE_INDEX).sum()
+
+    def _aux_sum(self) -> torch.Tensor | None:
+        """The MoE layers' load-balancing losses of this forward, in sum form, averaged over layers."""
+        if not self.cfg.aux_loss_coef:
+            return None
+        terms = [m.aux_sum for m in self.modules() if isinstance(m, MoEMLP) and m.aux_sum is not None]
+        return torch.stack(terms).mean() if terms else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 reduction: str = "mean") -> torch.Tensor:
@@ -320,4 +435,7 @@ class GPT(nn.Module):
         """
         cfg = self.cfg
         n = self.num_params() - self.pos_emb.weight.numel()
+        if cfg.n_expert:  # a token runs expert_top_k of the n_expert experts
+            expert = sum(p.numel() for m in self.modules() if isinstance(m, GPTExperts) for p in m.parameters())
+            n -= expert - expert * cfg.expert_top_k // cfg.n_expert
         return 6 * n + 6 * cfg.n_layer * cfg.seq_len * cfg.n_embd

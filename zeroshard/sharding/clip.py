@@ -19,24 +19,37 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     ZeRO stage. Replicas (hybrid sharding) hold identical shards, so only the shard group is summed;
     a tied param has one storage and is counted once. Under tensor parallelism the squares of
     tp-sharded params are also summed over the tp dim; replicated params (norms) count once.
+    Expert params (zeroshard/experts/) live on the expert mesh: their squares are summed over its
+    shard group (the ranks holding the same experts, when sharded) and its ep group (the other
+    experts), so each expert element is counted once, next to each dense one.
     """
     engine = get_engine(model)
     device = engine.mesh.device
-    # [all squares, squares of tensor-parallel-sharded params]: a tp-sharded param's parts differ
-    # across tp ranks and are summed over tp too; a replicated one is counted once.
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    # [all dense squares, squares of tensor-parallel-sharded params, expert squares]: a tp-sharded
+    # param's parts differ across tp ranks and are summed over tp too; a replicated one is counted once.
+    total = torch.zeros(3, dtype=torch.float64, device=device)
     for group in engine.trainable_groups:
         if group.grad_shard is not None:
             squares = group.grad_shard.double().square()
+            if group.mesh is not engine.mesh:
+                total[2] += squares.sum()
+                continue
             total[0] += squares.sum()
             for start, stop in tp_sharded_ranges(group):
                 total[1] += squares[start:stop].sum()
     if engine.policy.shard_optimizer and engine.mesh.shard_size > 1:
-        collectives.all_reduce(total, group=Group.SHARD, phase=Phase.CLIP, mesh=engine.mesh)
+        collectives.all_reduce(total[:2], group=Group.SHARD, phase=Phase.CLIP, mesh=engine.mesh)
     if engine.mesh.tp_size > 1:
-        tp_part = total[1:].clone()
+        tp_part = total[1:2].clone()
         collectives.all_reduce(tp_part, group=Group.TP, phase=Phase.CLIP, mesh=engine.mesh)
         total[0] += tp_part[0] - total[1]
+    experts = engine.mesh.experts
+    if experts is not None:
+        # Sharded: every rank holds a distinct piece (edp x ep is the world); else only ep differs.
+        over = Group.WORLD if engine.policy.shard_optimizer else Group.EP
+        expert_part = total[2:3].clone()
+        collectives.all_reduce(expert_part, group=over, phase=Phase.CLIP, mesh=experts)
+        total[0] += expert_part[0]
     return total[0].sqrt().to(torch.float32)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Phase
 from zeroshard.comm.quant import CommQuant
+from zeroshard.experts.placement import expert_mesh_of
 from zeroshard.offload import make_store
 from zeroshard.sharding.attached import attach_engine, find_engine, get_engine
 from zeroshard.sharding.compiled import eager_hook, refuse_traced
@@ -76,12 +77,21 @@ class ExecutionOrderError(RuntimeError):
 
 
 def _split_groups(name: str, refs: list[ParamRef], config: GroupConfig) -> list[FlatGroup]:
-    """One flat group per (dtype, trainable) so each buffer has a single dtype and grad policy."""
+    """One flat group per (dtype, trainable, mesh) so each buffer has a single dtype, grad policy
+    and set of ranks: expert params (zeroshard/experts/placement.py) go to a group on their expert
+    mesh, sharded over the ranks that hold the same experts."""
     keyed: dict[tuple, list[ParamRef]] = {}
+    meshes: dict[str, Mesh] = {}
     for ref in refs:
-        keyed.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
-    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable, config=config)
-            for (dtype, trainable), group_refs in keyed.items()]
+        mesh: Mesh = expert_mesh_of(ref.param) or config.mesh
+        if mesh is not config.mesh and mesh is not config.mesh.experts:
+            raise ValueError(f"{ref.fqn} was split by zs.expert_parallel for the mesh of {mesh.name!r}, but zs.shard "
+                             f"got mesh {config.mesh.name!r}; pass the same mesh= to both")
+        meshes[mesh.name] = mesh
+        keyed.setdefault((ref.param.dtype, ref.param.requires_grad, mesh.name), []).append(ref)
+    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable,
+                      config=config if meshes[mesh] is config.mesh else dataclasses.replace(config, mesh=meshes[mesh]))
+            for (dtype, trainable, mesh), group_refs in keyed.items()]
 
 
 def reduction_buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:

@@ -9,6 +9,7 @@ from torch import nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.names import Group, Phase
+from zeroshard.experts.placement import all_experts
 from zeroshard.sharding.engine import get_engine
 from zeroshard.sharding import tp
 from zeroshard.sharding.flat import FlatGroup
@@ -35,6 +36,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             # A tensor-parallel param is gathered over tp too, into the model's own layout.
             value = tp.full_value(whole[slot.offset:slot.end].view(slot.shape), spec, unit=group.unit,
                                   mesh=group.mesh).detach().clone()
+            value = all_experts(value, group.mesh, unit=group.unit)  # an expert param: every ep rank's block
             for alias in ref.aliases:
                 out[alias] = value
     for module_name, module in model.named_modules():

@@ -1,0 +1,203 @@
+"""Workers for the expert-parallel tests: MoE models trained with experts split over ep ranks.
+
+One world of 4 runs every case, each on a mesh of its own (``zs.new_mesh(ep=...)``), through
+`zeroshard.step` (accumulation 2, clipping on). The single-process reference (`reference`) trains
+the same model, built by the same function under the same seed, with plain PyTorch.
+Module level so spawned ranks can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched
+
+import torch
+
+import zeroshard as zs
+from zeroshard import step
+from zeroshard.config import TrainConfig
+from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.experts import ep_forwards
+from zeroshard.models import GPT, GPTConfig, adapter
+from zeroshard.sharding import get_engine
+from zeroshard.train import batch_nonlinear_loss, global_micro_batches
+
+SEED = 1234
+VOCAB = 64
+SEQ = 16
+STEPS = 10
+FROZEN = "blocks.0.mlp.experts."
+"""The frozen experts of the frozen case (fine-tuning with some experts fixed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str  # "gpt" or "mixtral"
+    stage: int
+    mesh: str  # "ep2" = (shard 2, ep 2); "ep4" = ep 4
+    freeze: bool = False
+    accum: int = 2
+
+
+CASES = {
+    "gpt-ep2-stage1": Case("gpt", 1, "ep2"),
+    "gpt-ep2-stage2-frozen": Case("gpt", 2, "ep2", freeze=True),
+    "gpt-ep2-stage3": Case("gpt", 3, "ep2"),
+    "gpt-ep4-stage3-accum1": Case("gpt", 3, "ep4", accum=1),
+    "mixtral-ep2-stage3": Case("mixtral", 3, "ep2"),
+    "qwen2moe-ep2-stage1": Case("qwen2moe", 1, "ep2"),
+}
+
+
+def train_config(case: Case) -> TrainConfig:
+    return TrainConfig(stage=case.stage, nproc=4, batch=8, accum=case.accum, seq_len=SEQ, vocab_size=VOCAB, lr=1e-3,
+                       min_lr=1e-3, warmup=0, weight_decay=0.1, clip=0.5, seed=SEED, num_samples=256, profile=False)
+
+
+def _hf_model(name: str):
+    """A tiny transformers 5 MoE model, initialised as zeroshard's hf: models are (models/hf.py)."""
+    import transformers as tf
+
+    from zeroshard.models.hf import HFSpec, init_weights
+
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=SEQ, vocab_size=VOCAB, tie_word_embeddings=True, use_cache=False,
+                  attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if name == "mixtral":
+        config = tf.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = tf.MixtralForCausalLM
+    else:  # Qwen2-MoE: a shared expert next to the routed ones, top-k weights not renormalised
+        config = tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                   num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, **common)
+        cls = tf.Qwen2MoeForCausalLM
+    with torch.device("meta"):
+        model = cls(config)
+    model.cfg = HFSpec(f"test:{name}", config.to_dict())
+    for module in model.modules():  # rotary inv_freq: real buffers, filled by init_weights
+        for key, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                setattr(module, key, torch.empty(buf.shape, dtype=buf.dtype))
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    init_weights(model)
+    return model
+
+
+def build_model(case: Case, *, balance: bool = True) -> torch.nn.Module:
+    """The case's model, seeded: bitwise the same on every rank and in the reference. ``balance=False``
+    drops tiny-moe's load-balancing loss (to show the parity checks see it)."""
+    torch.manual_seed(SEED)
+    if case.model == "gpt":
+        extra = {} if balance else {"aux_loss_coef": 0.0}
+        model: torch.nn.Module = GPT(GPTConfig.named("tiny-moe", n_layer=2, vocab_size=VOCAB, seq_len=SEQ, **extra))
+    else:
+        model = _hf_model(case.model)
+    if case.freeze:
+        for name, param in model.named_parameters():
+            if name.startswith(FROZEN):
+                param.requires_grad_(False)
+    return model.train()
+
+
+def hidden_size(model: torch.nn.Module) -> int:
+    return model.cfg.n_embd if isinstance(model, GPT) else model.config.hidden_size
+
+
+def reference(case: Case, *, balance: bool = True) -> dict:
+    """Plain single-process PyTorch over the whole global batch: the ground truth. tiny-moe's
+    load-balancing loss is defined per micro-batch (a product of two batch means), so with
+    accumulation its reference runs the distributed step's global micro-batches instead."""
+    cfg = train_config(case)
+    data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
+    model = build_model(case, balance=balance)
+    opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=step.BETAS)
+    sampler = GlobalBatchSampler(len(data), cfg.batch, world=1, rank=0, seed=SEED)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        x, y = collate(data, sampler.next_indices())
+        if batch_nonlinear_loss(model) and cfg.accum > 1:  # as zeroshard.train.reference_train does
+            count, loss = (y != -100).sum(), torch.zeros(())
+            for xm, ym in global_micro_batches(x, y, dp=cfg.nproc, accum=cfg.accum):
+                loss_sum, _ = adapter.loss_sum(model, xm, ym)
+                (loss_sum / count).backward()
+                loss = loss + loss_sum.detach() / count
+        else:
+            loss = adapter.mean_loss(model, x, y)
+            loss.backward()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _expected_a2a_bytes(forwards: dict, marks: dict, hidden: int, elem: int) -> int:
+    """What the routing counts recorded since ``marks`` say the ep all-to-alls moved: per layer
+    call, the counts (one int64 per expert) plus rows sent and received, forward and backward."""
+    total = 0
+    for name, fwd in forwards.items():
+        start = marks[name]
+        for sent, received in zip(fwd.sent_rows[start:], fwd.received_rows[start:]):
+            total += fwd.layer.num_experts * 8 + 2 * (sent + received) * hidden * elem
+    return total
+
+
+def run_case(case: Case, mesh) -> dict:
+    cfg = train_config(case)
+    data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
+    run = step.build(cfg, mesh, model=build_model(case), dataset=data)
+    forwards = ep_forwards(run.model)
+    experts = mesh.experts
+    ledger = zs.ledger()
+    losses, norms, ledger_bytes, routed_bytes = [], [], [], []
+    for _ in range(STEPS):
+        x, y = collate(run.dataset, run.sampler.next_indices())
+        marks = {name: len(f.sent_rows) for name, f in forwards.items()}
+        start = ledger.next_seq
+        out = step.step(run, x, y)
+        ledger_bytes.append(sum(r.bytes for r in ledger.since(start)
+                                if r.op == "all_to_all" and r.group == "ep" and r.mesh == experts.ledger_name))
+        routed_bytes.append(_expected_a2a_bytes(forwards, marks, hidden_size(run.model), 4))
+        totals = torch.stack([out.loss_sum, (y != -100).sum().double()])
+        zs.comm.collectives.all_reduce(totals, op="sum", phase="metrics", mesh=mesh)
+        losses.append(float(totals[0] / totals[1]))
+        norms.append(out.grad_norm)
+    try:
+        zs.save("/nonexistent/ep-checkpoint", run.model, run.opt)
+        save_error = ""
+    except ValueError as e:
+        save_error = str(e)
+    engine = get_engine(run.model)
+    expert_groups = [g for g in engine.groups if g.mesh is experts]
+    layers = [f.layer for f in forwards.values()]
+    frozen = [g for g in engine.groups if any(ref.fqn.startswith(FROZEN) for ref in g.refs)]
+    optimized = {id(group) for _, group, _, _ in run.opt.zeroshard_state.segments.entries}
+    result = {
+        "losses": losses, "norms": norms, "ledger_a2a_bytes": ledger_bytes, "routed_a2a_bytes": routed_bytes,
+        "params": zs.full_state_dict(run.model),  # collective: expert params gathered over ep too
+        "received_from_others": sum(f.received_rows[-1] for f in forwards.values()),
+        "expert_groups": len(expert_groups),
+        "expert_group_meshes": sorted({g.mesh.name for g in expert_groups}),
+        # Bytes of one MoE layer's experts a rank holds in full while the layer runs (the flat
+        # groups' full extent: stage 3's gathered buffer), to hold against all of the layer's experts.
+        "expert_full_bytes_per_layer": sum(g.layout.param_numel for g in expert_groups) * 4 // len(layers),
+        "save_error": save_error,
+        "frozen_trainable": [g.trainable for g in frozen],
+        "frozen_in_optimizer": any(id(g) in optimized for g in frozen),
+        "frozen_grads": any(p.grad is not None for g in frozen for p in (g.params or ())),
+    }
+    return result
+
+
+def suite(names: tuple[str, ...] = tuple(CASES)) -> dict:
+    """The cases ``names`` (default all) on world 4, each on its mesh: (shard 2 x ep 2) or ep 4."""
+    zs.init()
+    meshes = {"ep2": zs.new_mesh(mesh_shape=(2, 2), names=("shard", "ep"), name="ep2"),
+              "ep4": zs.new_mesh(ep=4, name="ep4")}
+    described = {name: {"dense": m.describe(), "experts": m.experts.describe()} for name, m in meshes.items()}
+    out = {name: run_case(CASES[name], meshes[CASES[name].mesh]) for name in names}
+    return {"cases": out, "meshes": described, "rank": zs.get_mesh().rank}

@@ -1,0 +1,100 @@
+"""The mesh the expert params live on: ep ranks split the experts, the rest shard each expert.
+
+``zs.init(ep=E)`` (and ``new_mesh(ep=E)``) builds one next to the dense mesh, as ``Mesh.experts``.
+Ranks are laid out with ``ep`` innermost (tp is 1 under ep): rank = edp_index * E + ep_index, so an
+ep group is a run of E consecutive ranks (inside a node when E fits: its all-to-alls carry
+activations on every MoE layer, forward and backward, on the critical path) and an
+expert-data-parallel (edp) group is every E-th rank: the W / E ranks that hold the same experts.
+
+For the engine this is a mesh like any other whose ``shard`` group is the edp group, with no
+replicate group: a flat group of expert params is all-gathered and reduce-scattered over the
+ranks that hold the same experts. What differs from a dense mesh is the gradient's divisor:
+``dp_size`` stays the world, because an expert's grad, after the combine all-to-all's backward
+and the sum over edp, holds the contributions of every rank's tokens, exactly as a dense param's
+grad after its reduction does. ``dp_name`` (the group holding identical values: init broadcast,
+stage 0's all-reduce) is the edp group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm.ledger import Ledger
+from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.names import Group
+from zeroshard.comm.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMesh(Mesh):
+    """The expert params' parallel context: ``shard`` is expert data parallel, ``ep`` splits experts."""
+
+    ep: int = 1
+    ep_group: object | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """Which block of experts this rank holds: experts [ep_rank·E/ep, (ep_rank+1)·E/ep)."""
+        return self.rank % self.ep
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank // self.ep
+
+    @property
+    def replicate_size(self) -> int:
+        # Every rank with this rank's experts is in its shard group: no replicas to all-reduce over.
+        return 1
+
+    @property
+    def replicate_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_name(self) -> Group:
+        return Group.DP
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The ranks that hold the same values are the edp group; the world (dp_size) stays the
+        # divisor of the averaged grad, see the module docstring.
+        self._sizes.update({Group.DP: self.shard_size, Group.EP: self.ep, Group.REPLICATE: 1})
+        self._handles.update({Group.DP: self.shard_group, Group.EP: self.ep_group})
+
+    def describe(self) -> dict:
+        return {**super().describe(), "ep_size": self.ep, "edp_size": self.shard_size}
+
+
+def expert_mesh_name(dense_name: str) -> str:
+    """The ledger name of a dense mesh's expert mesh: ``experts`` for the default one."""
+    return "experts" if dense_name == "default" else f"{dense_name}.experts"
+
+
+def build_expert_mesh(*, rank: int, world: int, ep: int, device: torch.device, name: str, ledger: Ledger,
+                      topology: Topology | None) -> ExpertMesh:
+    """The ep and edp groups over the whole world (collective: every rank builds every group, in
+    the same order). Groups of one rank are real groups too, so ``group()`` never hands out None
+    for a dim the engine communicates over."""
+    edp = world // ep
+    ep_group = edp_group = None
+    for start in range(0, world, ep):
+        ranks = list(range(start, start + ep))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            ep_group = group
+    for offset in range(ep):
+        ranks = list(range(offset, world, ep))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            edp_group = group
+    return ExpertMesh(rank=rank, world=world, shard_size=edp, device=device, backend=dist.get_backend(),
+                      world_group=dist.group.WORLD, shard_group=edp_group, replicate_group=None, tp_size=1,
+                      dp_group=edp_group, name=expert_mesh_name(name), ledger=ledger, topology=topology, ep=ep,
+                      ep_group=ep_group)

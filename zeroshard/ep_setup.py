@@ -1,0 +1,45 @@
+"""Expert parallelism for a `TrainConfig` run (`ep` > 1): check the model can be split, then split it.
+
+`zeroshard.step.build` calls `apply_expert_parallel` between building the model and `zs.shard`,
+the order zeroshard/experts/apply.py needs. The CLI calls `check_expert_parallel` before any rank
+starts (a meta build of the model: nothing allocated), so an ep the model cannot take (no MoE
+layer, an expert count ep does not divide) is one line rather than every rank's failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroshard.config import TrainConfig
+
+
+def check_expert_parallel(cfg: TrainConfig) -> None:
+    """The model ``cfg`` names, built on meta, has MoE layers whose expert counts ``cfg.ep`` divides."""
+    if cfg.ep == 1:
+        return
+    import zeroshard as zs
+    from zeroshard.experts import check_ep
+    from zeroshard.models import adapter
+    from zeroshard.models.gpt import GPT, GPTConfig
+
+    model: torch.nn.Module
+    if adapter.is_hf_name(cfg.model):
+        model = adapter.build_hf(cfg, cfg.vocab_size, torch.device("cpu"), allow_meta=True, threshold=0)
+    else:
+        with zs.meta_init():
+            model = GPT(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len))
+    check_ep(model, cfg.ep)
+
+
+def apply_expert_parallel(cfg: TrainConfig, model: torch.nn.Module, mesh: Any) -> None:
+    """With an ep dim on ``mesh``, keep only this rank's experts of ``model`` (before ``zs.shard``)."""
+    if cfg.ep > 1 and mesh.ep_size != cfg.ep:
+        raise ValueError(f"ep={cfg.ep} but the mesh's ep dim is {mesh.ep_size}; build the mesh with "
+                         f"zs.init(ep={cfg.ep}) (zeroshard train does)")
+    if mesh.ep_size == 1:
+        return
+    from zeroshard.experts import expert_parallel
+
+    expert_parallel(model, mesh=mesh)

@@ -1,0 +1,69 @@
+"""The expert-parallel forward of one MoE layer: route rows to the experts' ranks, compute, return.
+
+It replaces the forward of the module holding the stacked experts (see plan.py for the contract)
+and keeps the model's own routing: it is given the top-k indices and weights the model's router
+chose. On each rank:
+
+1. the (token, k) assignments are sorted by expert (stable, so rows keep token order within an
+   expert) and counted per expert; dropped assignments (index outside the experts) are left out;
+2. counts are exchanged over ep, then the rows go to the ranks holding their experts;
+3. received rows (grouped by source rank, then expert) are regrouped by local expert, each
+   expert runs once on all of its rows, and the outputs go back in the order they came;
+4. each output is scaled by its routing weight and summed into its token, as the model does.
+
+Per-expert rows are computed with the model's own expert function, so a token's output is the
+one one process computes, up to the order of the top-k sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroshard.experts.dispatch import all_to_all_rows, exchange_counts
+from zeroshard.experts.plan import MoELayer
+
+
+class ExpertParallelForward:
+    """The replacement forward of ``layer.module``; this rank holds experts [first, first + local)."""
+
+    def __init__(self, layer: MoELayer, mesh: Any) -> None:
+        self.layer = layer
+        self.mesh = mesh  # the expert mesh: its ep group carries the rows
+        self.ep = mesh.ep_size
+        self.local = layer.num_experts // self.ep
+        self.sent_rows: list[int] = []
+        """Rows this rank sent to other ranks' experts and its own at each call (the tests' record)."""
+        self.received_rows: list[int] = []
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        layer, unit = self.layer, self.layer.name
+        tokens, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        kept = (experts >= 0) & (experts < layer.num_experts)  # outside: dropped by the model's capacity rule
+        order = torch.argsort(torch.where(kept, experts, layer.num_experts), stable=True)[:int(kept.sum())]
+        token_of = order // k
+        counts = torch.bincount(experts[order], minlength=layer.num_experts).view(self.ep, self.local)
+        recv_counts = exchange_counts(counts, unit=unit, mesh=self.mesh)
+        send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # the host needs the splits
+        self.sent_rows.append(sum(send))
+        self.received_rows.append(sum(recv))
+        received = all_to_all_rows(hidden_states[token_of], send, recv, unit=unit, mesh=self.mesh)
+        outputs = self._run_experts(received, recv_counts)
+        returned = all_to_all_rows(outputs, recv, send, unit=unit, mesh=self.mesh)
+        weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, token_of, (returned * weights[:, None]).to(out.dtype))
+
+    def _run_experts(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Rows arrive grouped by (source rank, local expert); each expert runs once on its rows."""
+        local = torch.arange(self.local, device=received.device).repeat(self.ep)
+        expert_of_row = torch.repeat_interleave(local, recv_counts.reshape(-1))
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        chunks = received[by_expert].split(recv_counts.sum(0).tolist())
+        # Every local expert runs, on zero rows if none came: its params then get a zero grad, so
+        # each rank's reduction holds the same params in every step.
+        computed = torch.cat([self.layer.expert(self.layer.module, e, rows) for e, rows in enumerate(chunks)])
+        return computed[torch.argsort(by_expert)]

@@ -1,0 +1,55 @@
+"""Which params are expert params, and on which mesh: a mark the engine reads when it groups params.
+
+``zs.expert_parallel`` replaces each MoE layer's stacked expert params by this rank's block of
+experts and marks the new Parameters with their expert mesh. ``zs.shard`` then puts marked params
+in flat groups of their own, on that mesh (``Engine``'s ``_split_groups``), so everything a flat
+group does (gathers, reductions, the optimizer's shard, clipping) runs over the expert groups.
+The mark lives on the Parameter object the user's model holds until ``zs.shard`` flattens it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import collectives
+from zeroshard.comm.expert_mesh import ExpertMesh
+from zeroshard.comm.names import Group, Phase
+
+_ATTR = "_zeroshard_expert_mesh"
+
+
+def mark_expert(param: nn.Parameter, mesh: Any) -> None:
+    """Place ``param`` (a stacked tensor of this rank's experts, experts on dim 0) on ``mesh``."""
+    setattr(param, _ATTR, mesh)
+
+
+def expert_mesh_of(param: nn.Parameter) -> Any | None:
+    """The expert mesh ``param`` was placed on, or None for a dense param."""
+    return getattr(param, _ATTR, None)
+
+
+def all_experts(value: torch.Tensor, mesh: Any, *, unit: str = "") -> torch.Tensor:
+    """The stacked value of every expert from this rank's block of them (a collective over ep):
+    ep rank r holds experts [r·n, (r+1)·n), so the blocks gathered in rank order are the model's
+    own tensor. A dense param (``mesh`` without ep) comes back as it is."""
+    if not isinstance(mesh, ExpertMesh) or mesh.ep_size == 1:
+        return value
+    ep = mesh.ep_size
+    block = value.detach().contiguous()
+    whole = torch.empty((ep * block.shape[0],) + tuple(block.shape[1:]), dtype=block.dtype, device=block.device)
+    collectives.all_gather(whole.view(-1), block.view(-1), group=Group.EP, unit=unit, phase=Phase.STATE_DICT,
+                           mesh=mesh)
+    return whole
+
+
+def refuse_expert_parallel(engine: Any, what: str) -> None:
+    """One line for what cannot handle split experts yet (checkpoints, a live export): their files
+    would hold each rank's block of experts under the full tensor's name."""
+    experts = engine.mesh.experts
+    if experts is not None and any(g.mesh is experts for g in engine.groups):
+        raise ValueError(f"{what} of an expert-parallel model (ep={experts.ep_size}) is not supported yet: the "
+                         "experts' placement is not recorded; gather the weights with zs.full_state_dict(model), "
+                         "or train with ep=1")
