@@ -161,6 +161,7 @@ def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
         "stage": run.cfg.stage,
         "world": run.mesh.world,
         "tp": run.mesh.tp_size,
+        "ep": run.mesh.ep_size,
         "backend": run.mesh.backend,
         "device": str(run.mesh.device),
         "steps": run.cfg.steps,

@@ -15,6 +15,8 @@ pytest.importorskip("transformers")
 import ep_workloads as ew  # noqa: E402
 from zeroshard.launch import spawn  # noqa: E402
 
+pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
+
 TOL = 1e-5
 NAMES = list(ew.CASES)
 
