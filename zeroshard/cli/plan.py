@@ -16,13 +16,14 @@ measured bytes per component.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.models.targets import build_target, is_module_spec, is_preset
+from zeroshard.models.targets import Target, is_module_spec, is_preset
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES
 from zeroshard.cli.typed_flags import add_knob_flags, given_knobs
@@ -33,12 +34,17 @@ from zeroshard.sim.step import SIMULATED_KNOBS
 PLAN_KNOBS = PLANNED_KNOBS + tuple(k for k in SIMULATED_KNOBS if k not in PLANNED_KNOBS)
 """The engine's knobs `plan` takes: those the memory planner or the step-time simulator models."""
 
+MEASURE_TIMED_STEPS = 3
+"""Plain steps --measure times per stage after the measured one: the median of the slowest rank's is
+the measured step time that `plan --time` predicts."""
+
 DEFAULT_COMM_QUANT_BLOCK = 256
 """zs.plan's (and TrainConfig's) quantization block when --comm-quant-block is not given."""
 
 
 def _unit(largest: int) -> tuple[float, str, int]:
-    return (1e9, "GB", 2) if largest >= 1e9 else (1e6, "MB", 1)
+    # kB below a megabyte: a small test model's components would all print as 0.0 MB.
+    return (1e9, "GB", 2) if largest >= 1e9 else (1e6, "MB", 1) if largest >= 1e6 else (1e3, "kB", 1)
 
 
 def plan_table(p) -> Table:
@@ -82,7 +88,7 @@ def measure_table(checks) -> Table:
     for c in checks:
         table.add_column(f"{c.layout} pred", justify="right")
         table.add_column("meas", justify="right")
-    fmt = lambda v: f"{v / div:,.{digits}f}"  # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v / div:,.{digits}f}"  # noqa: E731  (- : the plan has no estimate)
     for comp in MEASURED:
         if comp == "activations":  # what is kept for backward; a checkpointed rebuild is in the residual
             table.add_row("activations (kept)", *[x for c in checks for x in (fmt(c.predicted_kept),
@@ -102,6 +108,10 @@ def measure_table(checks) -> Table:
                                                           fmt(c.measured_total))])
     table.add_row("error: model states", *[x for c in checks for x in ("", f"{c.model_state_error:.1%}")])
     table.add_row("error: total", *[x for c in checks for x in ("", f"{c.total_error:.1%}")])
+    if any(c.step_s is not None for c in checks):  # predicted by plan --time (with --hw from --calibrate here)
+        table.add_section()
+        table.add_row("step time (ms)", *[x for c in checks for x in (
+            "", "-" if c.step_s is None else f"{c.step_s * 1e3:,.1f}")])
     return table
 
 
@@ -114,8 +124,7 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
         # The preset's name reads better in the report; a vocabulary override needs the config itself.
         target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
     else:  # a folder, hf:NAME or module:Class, built on meta as train builds it
-        target = build_target(args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64,
-                              config=args.model_config)
+        target = _target(args).build()
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
                   seq=args.seq, accum=args.accum, **given_knobs(args, PLANNED_KNOBS),
                   headroom=args.headroom, accounting=args.accounting,
@@ -123,6 +132,11 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
                   device="cpu" if args.measure else args.device, tp=args.tp,
                   sequence_parallel=args.sequence_parallel)
     return target, kwargs
+
+
+def _target(args: argparse.Namespace) -> Target:
+    """--model as a non-preset target, with what it is built with (--measure's ranks build it again)."""
+    return Target(spec=args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64, config=args.model_config)
 
 
 def _network(args: argparse.Namespace) -> Network:
@@ -268,7 +282,10 @@ def run(args: argparse.Namespace) -> int:
         if checks:
             out["measurement"] = [{"layout": c.layout, "method": c.method, "measured_bytes": c.measured,
                                    "measured_total_bytes": c.measured_total, "model_state_error": c.model_state_error,
-                                   "total_error": c.total_error} for c in checks]
+                                   "total_error": c.total_error, "predicted_bytes": dataclasses.asdict(c.predicted),
+                                   "predicted_peak_bytes": c.predicted_peak or c.predicted.allocated,
+                                   "predicted_kept_activation_bytes": c.predicted_kept, "step_s": c.step_s}
+                                  for c in checks]
         if chart:
             out["plot"] = str(chart)
         print(json.dumps(out, indent=1), flush=True)
@@ -295,7 +312,8 @@ def _measure(p, args: argparse.Namespace):
     from zeroshard.planner.measure import measure
 
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
-    return measure(p, stages)
+    target = None if args.params is not None or is_preset(args.model) else _target(args)
+    return measure(p, stages, target=target, timed_steps=MEASURE_TIMED_STEPS)
 
 
 def add_parser(sub: Any) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from zeroshard.config import TrainConfig
 from zeroshard.models import hf as hf_models
-from zeroshard.models.hf import build_hf_model, hf_loss_sum, init_weights, is_hf_model
+from zeroshard.models.hf import build_hf_model, hf_loss_sum, init_weights, is_hf_model, token_loss_sum
 
 
 def is_hf_name(name: str) -> bool:
@@ -30,12 +30,43 @@ def _is_pretrained(model: nn.Module) -> bool:
 
 
 def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of per-token losses, tokens counted)``; targets of -100 are left out of both."""
+    """``(sum of per-token losses, tokens counted)``; targets of -100 are left out of both.
+
+    Any other causal LM (a ``module:Class``) either has GPT's ``loss_sum(idx, targets)`` or returns
+    logits (or an output with ``.logits``) of shape (batch, seq, vocab) from ``model(idx)``."""
     if is_hf_model(model):
         return hf_loss_sum(model, idx, targets)
     # nn.Module's __getattr__ is typed for params and submodules; this is the model's method (GPT's).
-    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = getattr(model, "loss_sum")
-    return loss(idx, targets)
+    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = \
+        getattr(model, "loss_sum", None)
+    if callable(loss):
+        return loss(idx, targets)
+    out = model(idx)
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != targets.shape:
+        raise TypeError(f"{type(model).__name__}(ids) returned {type(logits).__name__}"
+                        f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else ''}, not logits of shape "
+                        f"{(*targets.shape, 'vocab')}; a causal LM returns those, or has loss_sum(ids, targets)")
+    return token_loss_sum(logits, targets)
+
+
+def token_vocab(model: nn.Module) -> int | None:
+    """How many token ids ``model`` embeds: its input embedding's rows (a Hugging Face model's own
+    ``get_input_embeddings``, else its first ``nn.Embedding``); None when it embeds no tokens."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return None if embedding is None else int(embedding.weight.shape[0])
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence a Hugging Face model's config allows (learned or rotary positions);
+    None when it sets none (ALiBi, a module without a config)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def mean_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

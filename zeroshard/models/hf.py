@@ -169,8 +169,12 @@ def hf_loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> t
     (dropping the last position), so we take the output's ``logits`` and apply the same fp32
     cross-entropy as zeroshard's GPT.
     """
-    out = model(input_ids=idx, use_cache=False)
-    logits = out.logits
+    return token_loss_sum(model(input_ids=idx, use_cache=False).logits, targets)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of token losses, tokens counted)`` of ``logits`` (batch, seq, vocab) against shifted
+    targets: zeroshard's GPT's fp32 cross-entropy, targets of -100 left out."""
     total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                             ignore_index=IGNORE_INDEX, reduction="sum")
     return total, (targets != IGNORE_INDEX).sum()

@@ -13,6 +13,7 @@ step-time simulator reads a transformer's shape off such a model (zeroshard/sim/
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -21,6 +22,23 @@ from typing import Any
 from torch import nn
 
 from zeroshard.config import HF_PREFIX, MODEL_NAMES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """A --model that is not a preset, with what it was built with: plain data, so a spawned rank
+    (``plan --measure``) builds the very model the parent planned."""
+
+    spec: str
+    vocab_size: int | None = None
+    seq_len: int = 64
+    seed: int = 0
+    config: str | None = None
+    """--model-config, as given (inline JSON or a .json path)."""
+
+    def build(self) -> nn.Module:
+        return build_target(self.spec, vocab_size=self.vocab_size, seq_len=self.seq_len, seed=self.seed,
+                            config=self.config)
 
 
 def is_preset(spec: str) -> bool:

@@ -32,13 +32,16 @@ import dataclasses
 import gc
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zeroshard.planner.result import COMPONENTS, MODEL_STATES, Components, Plan
 from zeroshard.planner.spec import STAGE_NAMES
 from zeroshard.sharding.events import EventKind
+
+if TYPE_CHECKING:
+    from zeroshard.models.targets import Target
 
 MEASURED = ("params", "grads", "master", "optimizer", "activations", "window", "buckets")
 
@@ -58,9 +61,13 @@ class ComponentCheck:
     predicted_host: int = 0
     measured_host: int = 0
     """Offloaded: masters, optimizer state and reduced grads off the device (0 otherwise)."""
-    predicted_kept: int = 0
+    predicted_kept: int | None = 0
     """Activations kept for backward (``ActivationEstimate.saved``), what ``measured["activations"]``
-    reads; the plan's ``activations`` also counts the segment a checkpointed backward rebuilds."""
+    reads; the plan's ``activations`` also counts the segment a checkpointed backward rebuilds.
+    None where the plan has no activation estimate (a model other than zeroshard's GPT)."""
+    step_s: float | None = None
+    """Median over the timed steps of the slowest rank's step, in seconds (None: none timed). The
+    steps run as measured (``reap_when_done=False``, on gloo here), outside any tracking."""
 
     @property
     def model_state_error(self) -> float:
@@ -136,21 +143,23 @@ def _saved_activations(engine, sink: dict[int, int]):
 
 
 @contextlib.contextmanager
-def _kept_block_inputs(model, sink: dict[int, int]):
+def _kept_block_inputs(model, blocks: list, sink: dict[int, int]):
     """The block inputs still alive when the model's forward returns: what checkpoint segments keep
     to rebuild from (outside autograd's saved tensors). Without checkpointing each is also saved by
-    the block's first norm, so the union with the saved storages is unchanged."""
+    the block's first norm, so the union with the saved storages is unchanged. A Hugging Face
+    decoder layer may take its hidden states by keyword, hence the first tensor of either."""
     inputs: list[weakref.ref] = []
 
-    def remember(module, args) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            inputs.append(weakref.ref(args[0]))
+    def remember(module, args, kwargs) -> None:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None:
+            inputs.append(weakref.ref(first))
 
     def collect(module, args, output) -> None:
         sink.update(_storages([t for t in (r() for r in inputs) if t is not None]))
         inputs.clear()
 
-    handles = [block.register_forward_pre_hook(remember) for block in model.blocks]
+    handles = [block.register_forward_pre_hook(remember, with_kwargs=True) for block in blocks]
     handles.append(model.register_forward_hook(collect))
     try:
         yield
@@ -175,14 +184,31 @@ def _peak_tracker(device: torch.device, externals: list):
     return tracker, peak, "storage accounting (torch MemTracker)"
 
 
-def _measure_stage(cfg, stage: int, req: dict) -> dict:
+def _build(req: dict, stage: int, options) -> tuple[torch.nn.Module, list, int]:
+    """(sharded model, its blocks, token vocabulary): zeroshard's GPT, or the planned target built
+    as ``zeroshard train`` builds it: on meta, sharded, then filled (a folder's weights read shard by
+    shard, an hf: model's init replayed, a module's own reset)."""
     import zeroshard as zs
-    from zeroshard.models import GPT
+    from zeroshard.models import GPT, GPTConfig, adapter
+    from zeroshard.sharding.wrap import find_blocks
+
+    mesh = zs.get_mesh()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_dict(req["gpt"])).to(mesh.device) if req["gpt"] is not None else req["target"].build()
+    blocks = [m for _, m in find_blocks(model)]  # the units zs.shard picks (no units are given)
+    vocab = adapter.token_vocab(model)
+    assert vocab is not None  # request() refused a model without one
+    zs.shard(model, stage=stage, mp=req["mp"], options=options, **adapter.shard_kwargs(model))
+    adapter.after_shard(model)
+    return model, blocks, vocab
+
+
+def _measure_stage(stage: int, req: dict) -> dict:
+    import zeroshard as zs
     from zeroshard.sharding import get_engine
     from zeroshard.step import one_step
 
     mesh = zs.get_mesh()
-    torch.manual_seed(0)
     # reap_when_done=False: the engine reaps (frees) a reduction's buffers as soon as it completes,
     # which on gloo's worker threads or NCCL's stream depends on timing (in one run a unit's flat
     # grads are gone before the next unit collects its own, in another not; seen on rank 0 and not
@@ -191,14 +217,14 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
     # compute would. A reduction that finishes sooner only lowers the peak.
     options = dataclasses.replace(req["engine"], reap_when_done=False)
     offloaded = options.offload.kind != "none"
-    model = zs.shard(GPT(cfg).to(mesh.device), stage=stage, mp=req["mp"], options=options)
+    model, blocks, vocab = _build(req, stage, options)
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
     gen = torch.Generator().manual_seed(1000 + mesh.rank)
     # The rank's whole slice, as training holds it; the step cuts it into `accum` micro-batches.
     rows = req["micro_batch"] * req["accum"]
-    x = torch.randint(0, cfg.vocab_size, (rows, req["seq"]), generator=gen).to(mesh.device)
-    y = torch.randint(0, cfg.vocab_size, (rows, req["seq"]), generator=gen).to(mesh.device)
+    x = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
+    y = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
 
     def micro_hooks(activations: dict[str, int] | None, tracker=None):
         @contextlib.contextmanager
@@ -207,7 +233,7 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
                 tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; peaks stay
             saved: dict[int, int] = {}
             with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext(), \
-                    _kept_block_inputs(model, saved) if activations is not None else contextlib.nullcontext():
+                    _kept_block_inputs(model, blocks, saved) if activations is not None else contextlib.nullcontext():
                 yield
             if activations is not None:  # per micro-step: each backward frees what its forward saved
                 activations["peak"] = max(activations.get("peak", 0), sum(saved.values()))
@@ -238,13 +264,33 @@ def _measure_stage(cfg, stage: int, req: dict) -> dict:
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(saved, tracker), before_zero_grad=read_grads)
     sampler.close()
+    times = _timed_steps(lambda: one_step(model, opt, x, y, accum=req["accum"]), req["timed_steps"], mesh.device)
     host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
         **{k: states[k] for k in MODEL_STATES}, "host": host if offloaded else {}, "activations": saved.get("peak", 0),
         "window": engine.peak_full_bytes if engine.policy.shard_params else 0, "buckets": sampler.peak,
         "total": int(peak()), "method": method, "max_inflight_reductions": engine.options.max_inflight_reductions,
+        "step_times": times,
     }
     return out
+
+
+def _timed_steps(step, steps: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``steps`` plain steps (no tracker, no hooks), each started after a barrier
+    so every rank's clock starts together; the parent takes the slowest rank's per step."""
+    import time
+
+    from zeroshard.comm import collectives
+
+    times = []
+    for _ in range(steps):
+        collectives.barrier(phase="measure")
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def model_state_bytes(model, opt) -> dict[str, int]:
@@ -283,13 +329,11 @@ def model_state_bytes(model, opt) -> dict[str, int]:
 def measure_worker(req: dict) -> dict:
     """Runs on every rank: each requested stage on a fresh model, one after the other."""
     import zeroshard as zs
-    from zeroshard.models import GPTConfig
 
     zs.init(shard_size=req["shard_size"])
-    cfg = GPTConfig.from_dict(req["gpt"])
     out = {}
     for stage in req["stages"]:
-        out[stage] = _measure_stage(cfg, stage, req)
+        out[stage] = _measure_stage(stage, req)
         gc.collect()  # the previous stage's model and optimizer go before the next is built
     return out
 
@@ -302,11 +346,21 @@ def measure_many_worker(reqs: list[dict]) -> list[dict]:
     return [measure_worker(r) for r in reqs]
 
 
-def request(plan: Plan, stages: tuple[int, ...]) -> dict:
-    """What the workers need, as plain picklable data; refuses what the runtime cannot run."""
+def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None, timed_steps: int = 0) -> dict:
+    """What the workers need, as plain picklable data; refuses what the runtime cannot run.
+
+    A plan of zeroshard's GPT carries its config; any other model is rebuilt on each rank from
+    ``target``, the --model it was planned from. ``timed_steps`` plain steps per stage are timed
+    after the measured one (``ComponentCheck.step_s``)."""
     spec = plan.spec
-    if plan.model is None or plan.model.gpt is None:
-        raise ValueError("--measure runs zeroshard's GPT; plan a preset (--model small) or a GPTConfig")
+    if plan.model is None:
+        raise ValueError("--measure runs a real step of a model: pass --model (a preset, a save_pretrained folder, "
+                         "hf:NAME or module:Class), not --params")
+    if plan.model.gpt is None:
+        if target is None:
+            raise ValueError(f"measuring a plan of {plan.model.name} needs the model built again on each rank: "
+                             "pass target=zeroshard.models.targets.Target(spec=...) (the CLI's --model)")
+        _check_steppable(target, spec.seq)
     if spec.tp > 1:
         raise ValueError("--measure runs data parallelism only; check a tp plan's model states with "
                          "zeroshard.planner.measure.model_state_bytes on a tensor-parallel run")
@@ -317,19 +371,41 @@ def request(plan: Plan, stages: tuple[int, ...]) -> dict:
                          "files, which storage accounting cannot tell from memory")
     if spec.accounting != "runtime":
         raise ValueError("measurement checks the runtime accounting; plan with accounting='runtime'")
+    if timed_steps < 0:
+        raise ValueError(f"timed_steps={timed_steps} must be >= 0")
     return {
-        "gpt": plan.model.gpt.to_dict(), "stages": tuple(stages), "mp": spec.mp, "optimizer": spec.optimizer,
+        "gpt": plan.model.gpt.to_dict() if plan.model.gpt is not None else None,
+        "target": target if plan.model.gpt is None else None, "timed_steps": timed_steps, "stages": tuple(stages),
+        "mp": spec.mp, "optimizer": spec.optimizer,
         "optimizer_kwargs": dict(spec.optimizer_kwargs), "engine": spec.engine,
         "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
     }
 
 
-def measure(plan: Plan, stages: tuple[int, ...] = (0, 1, 2, 3), *, timeout_s: float = 600.0) -> list[ComponentCheck]:
-    """Spawn ``plan.spec.world`` gloo ranks, measure each stage, and pair it with the prediction."""
+def _check_steppable(target: Target, seq: int) -> None:
+    """A training step feeds token ids of length ``seq``: refuse, before any rank starts, a model
+    that embeds none or has fewer positions."""
+    from zeroshard.models import adapter
+
+    model = target.build()  # on meta: nothing is allocated
+    if adapter.token_vocab(model) is None:
+        raise ValueError(f"--measure trains {target.spec} one step on token ids, and it embeds none (no nn.Embedding): "
+                         "measure a causal LM (forward(ids) -> logits, or loss_sum(ids, targets)), or plan it "
+                         "without --measure")
+    positions = adapter.max_positions(model)
+    if positions is not None and seq > positions:
+        raise ValueError(f"--seq {seq} is longer than the {positions} positions of {target.spec}; pass --seq {positions} "
+                         "or less")
+
+
+def measure(plan: Plan, stages: tuple[int, ...] = (0, 1, 2, 3), *, target: Target | None = None,
+            timed_steps: int = 0, timeout_s: float = 600.0) -> list[ComponentCheck]:
+    """Spawn ``plan.spec.world`` gloo ranks, measure each stage, and pair it with the prediction.
+    ``target`` is the model a plan of anything but zeroshard's GPT was built from (see ``request``)."""
     from zeroshard.launch import spawn
 
-    per_rank = spawn(measure_worker, plan.spec.world, args=(request(plan, stages),), timeout_s=timeout_s)
-    return checks(plan, per_rank)
+    req = request(plan, stages, target=target, timed_steps=timed_steps)
+    return checks(plan, spawn(measure_worker, plan.spec.world, args=(req,), timeout_s=timeout_s))
 
 
 def checks(plan: Plan, per_rank: list[dict]) -> list[ComponentCheck]:
@@ -351,5 +427,17 @@ def checks(plan: Plan, per_rank: list[dict]) -> list[ComponentCheck]:
                                   measured_total=worst["total"], method=method,
                                   predicted_peak=layout.combined_peak if both else layout.device.allocated,
                                   predicted_host=layout.host_bytes, measured_host=host,
-                                  predicted_kept=plan.activations.saved if plan.activations else 0))
+                                  predicted_kept=plan.activations.saved if plan.activations else None,
+                                  step_s=_slowest_median([r[stage]["step_times"] for r in per_rank])))
     return out
+
+
+def _slowest_median(per_rank: list[list[float]]) -> float | None:
+    """The median over timed steps of the slowest rank's time (a step lasts as long as its slowest
+    rank); None when no step was timed."""
+    import statistics
+
+    from zeroshard.step import slowest_per_step
+
+    steps = slowest_per_step(per_rank)
+    return statistics.median(steps) if steps else None
