@@ -148,9 +148,12 @@ def test_cli_rejects_bad_flags_before_measuring(capsys: pytest.CaptureFixture[st
 
     assert main(["tune", "--stages", "0,5"]) == 1
     assert "zeroshard tune: error: --stages: '5' is not a stage" in capsys.readouterr().err
-    # tune measures real steps, so its model is one `zeroshard train` builds (a module:Class is planned only).
+    # tune measures real steps, so its model is one `zeroshard train` builds (a module:Class is planned only):
+    # one line saying so and naming the plan command that takes it.
     assert main(["tune", "--model", "torch.nn:Linear"]) == 1
-    assert "is not a known model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "as zeroshard train does" in err and "zeroshard plan --model torch.nn:Linear" in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert main(["tune", "--device-mem", "lots"]) == 1
     assert "cannot read memory size 'lots'" in capsys.readouterr().err
     assert main(["tune", "--rounds", "0"]) == 1

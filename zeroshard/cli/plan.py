@@ -5,12 +5,14 @@ on arithmetic rather than on "a higher stage is better".
   zeroshard plan --model small --world 4 --batch 8 --seq 512
   zeroshard plan --model medium --world 16 --device-mem 24GB --inter-gbps 100 --gpus-per-node 8
   zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured
+  zeroshard plan --model path/to/hf-folder --world 2 --batch 4 --seq 64 --measure   the same for a folder
   zeroshard plan --model path/to/hf-folder --world 8 --batch 32 --seq 2048    the folder you will train
   zeroshard plan --model mypkg.nets:Net --model-config '{"width": 1024}' --world 4
 
-A model is built on the meta device: planning allocates nothing. --measure runs one real step per
-stage on gloo CPU ranks (with the same --checkpointing and --offload) and prints predicted against
-measured bytes per component.
+A model is built on the meta device: planning allocates nothing. --measure builds it on gloo CPU
+ranks as train does, runs one real step per stage (with the same --checkpointing and --offload),
+prints predicted against measured bytes per component, and times a few plain steps (the figure
+plan --time predicts).
 """
 
 from __future__ import annotations

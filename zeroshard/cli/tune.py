@@ -22,6 +22,7 @@ from rich.table import Table
 
 from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
 from zeroshard.config import field_names
+from zeroshard.models.targets import is_module_spec
 from zeroshard.tune.grid import DEFAULT_AXES
 
 WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
@@ -66,6 +67,12 @@ def _base_config(args: argparse.Namespace):
 
     if running_under_torchrun():
         raise ValueError("tune spawns its own --nproc ranks; run it directly, not under torchrun")
+    if args.model is not None and is_module_spec(args.model):
+        # Not planning alone: tune trains each candidate with train's own step and writes a train config.
+        raise ValueError(f"tune ranks candidates by training them as zeroshard train does, and train builds presets, "
+                         f"hf:NAME and save_pretrained folders, not module:Class ({args.model}); plan it with "
+                         f"zeroshard plan --model {args.model} --model-config JSON --world N --device-mem SIZE (and "
+                         "--measure for one real step per stage), or tune its save_pretrained folder")
     base = config_from_args(args)
     if base.engine.offload.kind != "none" or base.shard_size is not None:
         raise ValueError("tune does not search offload or hybrid sharding yet; remove offload/shard_size from "

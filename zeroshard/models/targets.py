@@ -1,4 +1,6 @@
-"""What `--model` names for `plan`, `plan --time` and `tune`: the model a run will train, on meta.
+"""What `--model` names for `plan`, `plan --time`, `plan --measure` and `tune`: the model a run will
+train, on meta. `tune` takes all but module:Class: it trains its candidates as `zeroshard train`
+does, and train builds no module:Class.
 
   tiny | small | medium    zeroshard's GPT presets, kept as names (the planner knows their layout)
   llama3-8b | llama3-70b   the simulator's Llama shapes (--time only)
