@@ -217,14 +217,16 @@ def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Out
     """The runner with the two flags that would spawn ranks here (--measure, --calibrate) stubbed:
     what reaches the stub is recorded, and the stub's answer becomes part of the output."""
     from zeroshard.planner import measure as plan_measure
+    from zeroshard.planner.result import Components
     from zeroshard.sim import cli as sim_cli
 
     called: dict[str, Any] = {}
 
     def measure(p, stages, **_: Any) -> list:
         called["measure"] = (p.spec.world, stages)
-        return [argparse.Namespace(layout="ddp", method="stub", measured={"params": 1}, measured_total=1,
-                                   model_state_error=0.0, total_error=0.0)]
+        return [plan_measure.ComponentCheck(layout="ddp", method="stub", predicted=Components(params=1),
+                                            measured={**dict.fromkeys(plan_measure.MEASURED, 0), "params": 1, "workspace": 0},
+                                            measured_total=1)]
 
     def print_calibration(args: argparse.Namespace) -> int:
         called["calibrate"] = args.calibrate

@@ -1,5 +1,6 @@
 """`plan`, `plan --time` and `tune` plan the model you will train: a save_pretrained folder, an hf:
-model or any module:Class, built on the meta device as `zeroshard train` builds it."""
+model or any module:Class, built on the meta device as `zeroshard train` builds it; `plan
+--calibrate` times a folder's own units for `plan --time`."""
 
 from __future__ import annotations
 
@@ -96,3 +97,36 @@ def test_tune_prunes_a_folder_with_the_planner(folder):
     expected = zs.plan(build_target(str(folder)), world=2, batch=4, seq=32, device="cpu",
                        optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True})
     assert got[cands[0]].total == expected["ddp"].device.total and got[cands[1]].total == expected["zero3"].device.total
+
+
+def test_calibrate_times_a_folders_block_on_the_inputs_the_model_gives_it(folder):
+    """plan --calibrate's probe: the first block called as the model's forward calls it (a GPT-2
+    block gets its hidden states and masks), its backward ending at the block; the whole model
+    through the training step's loss; the layers counted as zs.shard finds them."""
+    import argparse
+
+    from zeroshard.sim.cli import CALIBRATE_SEQ, _calibrated_hf
+    from zeroshard.sim.unit_probe import UnitProbe
+
+    probe = UnitProbe(str(folder), vocab=128, micro_batch=2, seq=16)
+    model = probe.model
+    assert probe.n_layer == model.config.n_layer and probe.block is model.transformer.h[0]
+    out = probe.block_call()
+    assert out.shape == (2, 16, model.config.n_embd)
+    out.sum().backward()
+    inside = {id(p) for p in probe.block.parameters()}
+    assert all(p.grad is not None for p in probe.block.parameters())
+    assert all(p.grad is None for p in model.parameters() if id(p) not in inside), "backward must stop at the block"
+    assert torch.isfinite(probe.model_loss())
+    # Timed under the vocabulary plan --time matches a folder's timings by (its config's), and no
+    # longer than its learned positions.
+    args = argparse.Namespace(seq=None, vocab_size=None)
+    expected_seq = min(CALIBRATE_SEQ, model.config.n_positions)
+    assert _calibrated_hf(args, str(folder)) == (hf_shape(build_target(str(folder)), "gpt2").vocab, expected_seq)
+
+
+def test_calibrate_refuses_a_module_class_in_one_line(capsys):
+    capsys.readouterr()
+    assert main(["plan", "--calibrate", "--model", "torch.nn:Linear", "--world", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "has none" in err and len(err.strip().splitlines()) == 1, err

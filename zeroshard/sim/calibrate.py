@@ -21,7 +21,12 @@ import statistics
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from zeroshard.sim.network import bus_factor
+
+if TYPE_CHECKING:
+    from zeroshard.sim.unit_probe import UnitProbe
 
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 """Bytes gathered per call: from latency-bound to bandwidth-bound, small enough for a laptop."""
@@ -121,32 +126,26 @@ whole model less its blocks), small beside either, so their noise lands on it: w
 rounds of the same calibration gave 5 to 142 ms for the root's backward at 4 ranks."""
 
 
-def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats: int) -> dict[str, float]:
+def _unit_times(probe: UnitProbe, repeats: int) -> dict[str, float]:
     """One block's forward and backward, the root's (whole model less its blocks) and AdamW per param."""
     import torch
 
-    from zeroshard.models.gpt import GPT, GPTConfig
     from zeroshard.step import BETAS
 
-    cfg = GPTConfig.named(model_name, vocab_size=vocab, seq_len=seq)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    block = model.blocks[0]
-    x = torch.randn(micro_batch, seq, cfg.n_embd)
-    idx = torch.randint(0, vocab, (micro_batch, seq))
+    block, model = probe.block, probe.model
     held: dict[str, torch.Tensor] = {}
 
     def block_fwd() -> None:
         # Fresh grads each backward, as model_bwd leaves them: root = model - L * block then compares
         # like with like (accumulating into kept grads adds a pass over them to every block).
         block.zero_grad(set_to_none=True)
-        held["y"] = block(x.detach().requires_grad_(True))
+        held["y"] = probe.block_call()
 
     def block_bwd() -> None:
         held.pop("y").sum().backward()
 
     def model_fwd() -> None:
-        held["loss"] = model(idx, idx, reduction="sum")
+        held["loss"] = probe.model_loss()
 
     def model_bwd() -> None:
         held.pop("loss").backward()
@@ -165,10 +164,11 @@ def _unit_times(model_name: str, vocab: int, micro_batch: int, seq: int, repeats
     flat.grad = torch.randn_like(flat)
     opt = torch.optim.AdamW([flat], lr=1e-4, betas=BETAS, weight_decay=0.1)
     out["optimizer_s_per_param"] = _median_times(opt.step, repeats) / flat.numel()
-    L = cfg.n_layer
+    L = probe.n_layer
     out["root_forward_s"] = max(0.0, out.pop("model_forward_s") - L * out["block_forward_s"])
     out["root_backward_s"] = max(0.0, out.pop("model_backward_s") - L * out["block_backward_s"])
     out["block_params"] = float(flat.numel())
+    out["n_layer"] = L
     return out
 
 
@@ -178,7 +178,7 @@ runtime's default 25 MB buckets at ``small``, so its cost under compute stands w
 timer's and the scheduler's jitter (one block's worth did not: repeated rounds gave 0.1 to 2.1)."""
 
 
-def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int, p: int) -> dict[str, float]:
+def _contention(probe: UnitProbe, repeats: int, p: int) -> dict[str, float]:
     """Per collective: seconds of compute lost per second of collective (``m`` s alone) run under
     it, the charge the replay makes for each second of collective work its timeline puts under
     compute.
@@ -195,18 +195,14 @@ def _contention(model: str, vocab: int, micro_batch: int, seq: int, repeats: int
     import torch
 
     from zeroshard.comm import collectives
-    from zeroshard.models.gpt import Block, GPTConfig
 
-    cfg = GPTConfig.named(model, vocab_size=vocab, seq_len=seq)
-    block = Block(cfg)
-    x = torch.randn(micro_batch, seq, cfg.n_embd)
-    block_numel = sum(q.numel() for q in block.parameters())  # its fp32 grads, or its fp32 params
+    block_numel = sum(q.numel() for q in probe.block.parameters())  # its fp32 grads, or its fp32 params
     numel = max(p, CONTENTION_BLOCKS * block_numel // p * p)
     pairs = max(repeats, 5)
 
     def run_blocks(k: int) -> None:
         for _ in range(k):
-            block(x.detach().requires_grad_(True)).sum().backward()
+            probe.block_call().sum().backward()
 
     one = _median_times(lambda: run_blocks(1), repeats)
     out = {}
@@ -284,8 +280,11 @@ def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tup
     if sub:
         points += [(op, sub, _time_op(op, sizes, repeats, sub, "shard")) for op in ("all_gather", "reduce_scatter")]
         points.append(("all_reduce", p // sub, _time_op("all_reduce", sizes, repeats, p // sub, "replicate")))
-    unit = _unit_times(model, vocab, micro_batch, seq, repeats)
-    contention = _contention(model, vocab, micro_batch, seq, repeats, p)
+    from zeroshard.sim.unit_probe import UnitProbe
+
+    probe = UnitProbe(model, vocab, micro_batch, seq)
+    unit = _unit_times(probe, repeats)
+    contention = _contention(probe, repeats, p)
     concurrency = _concurrency(repeats, p, sub, int(unit["block_params"]))
     zs.shutdown()
     return {"points": points, "unit": unit, "contention": contention, "concurrency": concurrency}
@@ -315,7 +314,6 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     evenly over a step's many, so the slowest rank's unit overstates a step that syncs seldom),
     and a block's forward and backward also the slowest rank's (a step that syncs every block)."""
     from zeroshard.launch import spawn
-    from zeroshard.models.gpt import GPTConfig
 
     ranks = spawn(hardware_rank, world, args=(model, vocab, micro_batch, seq, sizes, repeats), timeout_s=900)
     points = {}
@@ -327,7 +325,7 @@ def calibrate_world(world: int, model: str, vocab: int, micro_batch: int, seq: i
     # A step that meets only at its end (stages 0-2) pays the slowest rank's forward plus backward
     # once: the sum per rank, not the sum of each pass's slowest (a rank behind in one catches up
     # in the other). Charged to the root (MeasuredCompute.root_slowest_s).
-    blocks = GPTConfig.named(model).n_layer * (unit["block_forward_s"] + unit["block_backward_s"])
+    blocks = ranks[0]["unit"]["n_layer"] * (unit["block_forward_s"] + unit["block_backward_s"])
     unit["root_slowest_s"] = max(0.0, _slowest(ranks, "model_forward_reps", "model_backward_reps") - blocks)
     return {"points": points, "unit": unit,
             "contention": {k: statistics.fmean(r["contention"][k] for r in ranks) for k in ranks[0]["contention"]},

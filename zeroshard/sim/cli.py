@@ -159,12 +159,12 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
     from zeroshard.sim.measured import to_toml
 
     model = args.model or "small"
-    if model not in GPTConfig.names():
-        raise ValueError(f"--calibrate times a zeroshard GPT's units; --model must be one of "
-                         f"{', '.join(GPTConfig.names())}, got {model!r}")
     worlds = _ints(args.sweep, "--sweep") if args.sweep else ((args.world,) if args.world else (2, 4))
-    vocab = args.vocab_size or TrainConfig().vocab_size
-    seq = args.seq or GPTConfig.named(model).seq_len
+    if model in GPTConfig.names():
+        vocab = args.vocab_size or TrainConfig().vocab_size
+        seq = args.seq or GPTConfig.named(model).seq_len
+    else:  # timed under the name and vocabulary --time reads off the model's config (sim/hf_shape.py)
+        vocab, seq = _calibrated_hf(args, model)
     out = Path(args.hw_out).expanduser() if args.hw_out else DEFAULT_HW_OUT.expanduser()
     hw, raw = calibrate_hardware(worlds, model, vocab, args.micro_batch or 1, seq, name=out.stem)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +195,28 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
               f"and {k.three:.2f} (three) times their serial time")
     print(f"hardware written to {out}")
     return 0
+
+
+CALIBRATE_SEQ = 64
+"""--calibrate's sequence for a Hugging Face model when --seq is not given (capped at its positions):
+per-unit times scale with tokens in the replay (``_measured_durations``)."""
+
+
+def _calibrated_hf(args: argparse.Namespace, model: str) -> tuple[int, int]:
+    """(vocab, seq) to time a folder's or hf: model's units at: the vocabulary its config gives,
+    which is what ``plan --time`` matches the timings by."""
+    from zeroshard.models import adapter
+    from zeroshard.models.targets import build_target, is_module_spec
+
+    if is_module_spec(model):
+        raise ValueError(f"--calibrate times a transformer's units for plan --time, which reads their shape from a "
+                         f"Hugging Face config; {model} has none: give a preset, a save_pretrained folder or hf:NAME")
+    built = build_target(model, vocab_size=getattr(args, "vocab_size", None), seq_len=args.seq or CALIBRATE_SEQ)
+    positions = adapter.max_positions(built)
+    seq = args.seq or min(CALIBRATE_SEQ, positions or CALIBRATE_SEQ)
+    if positions is not None and seq > positions:
+        raise ValueError(f"--seq {seq} is longer than the {positions} positions of {model}; pass --seq {positions} or less")
+    return int(getattr(built, "config").vocab_size), seq
 
 
 def calibrated_topology(world: int) -> str:
