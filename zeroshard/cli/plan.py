@@ -293,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1), flush=True)
         return 0
     console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a log keeps whole columns ("zero1 pred"), not 80-column cuts
     if topology is not None:
         console.print(f"topology: {topology.text}", highlight=False)
     console.print(plan_table(p))
