@@ -55,7 +55,8 @@ def plan_table(p) -> Table:
     names = list(p.layouts)
     div, unit, digits = _unit(max(p[n].device.total for n in names))
     spec = p.spec
-    what = (f"{p.model.name}: {p.params / 1e6:,.1f}M params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)")
+    count = f"{p.params / 1e6:,.1f}M" if p.params >= 1e6 else f"{p.params:,}"  # a test model is not "0.0M"
+    what = f"{p.model.name}: {count} params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)"
     where = f"world {spec.world}" + (f" = {spec.dp} data-parallel x tp {spec.tp}" if spec.tp > 1 else "")
     table = Table(title=f"{what}, per-rank {unit}, {where}",
                   caption=f"micro-batch {spec.micro_batch} x seq {spec.seq}, accum {spec.accum}, "
