@@ -125,8 +125,8 @@ class TrainConfig:
     """Expert parallelism: split every MoE layer's experts over this many consecutive data-parallel
     ranks and route tokens to them by all-to-all (docs/expert_parallel.md). Dense params are sharded
     as without it; each expert over the nproc/ep ranks that hold it. Needs an MoE model whose expert
-    count ep divides: tiny-moe here (HF Mixtral and Qwen-MoE through the library's
-    zs.expert_parallel). 1 is no expert parallelism."""
+    count ep divides: tiny-moe, or an HF Mixtral or Qwen-MoE save_pretrained folder (each rank reads
+    its block of experts). 1 is no expert parallelism."""
 
     allow_cross_host: bool = False
     """Run tp (or ep) groups that span hosts anyway. Without it such a layout is refused at start,
@@ -267,11 +267,10 @@ class TrainConfig:
         if self.save_every or self.resume:
             raise ValueError(f"ep={self.ep} with checkpoints (save_every, resume) is not supported yet: the experts' "
                              "placement is not recorded; use ep=1 to checkpoint")
-        if self.model not in MOE_MODEL_NAMES:
-            known = self.model in MODEL_NAMES + HF_MODEL_NAMES
-            why = "has no MoE layer" if known else "is a pretrained folder, which cannot load split experts yet"
-            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} {why}; use ep=1 or "
-                             f"{', '.join(MOE_MODEL_NAMES)} (an HF Mixtral or Qwen-MoE model: zs.expert_parallel)")
+        if self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
+            # (a pretrained folder's layers are checked before launch, on a meta build of it)
+            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "
+                             f"ep=1, {', '.join(MOE_MODEL_NAMES)}, or an HF Mixtral or Qwen-MoE save_pretrained folder")
 
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():

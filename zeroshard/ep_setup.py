@@ -41,5 +41,8 @@ def apply_expert_parallel(cfg: TrainConfig, model: torch.nn.Module, mesh: Any) -
     if mesh.ep_size == 1:
         return
     from zeroshard.experts import expert_parallel
+    from zeroshard.models import adapter
 
-    expert_parallel(model, mesh=mesh)
+    # A pretrained folder's model is on meta until zs.shard; load_pretrained then reads each rank's
+    # block of experts (zeroshard/hf/pretrained.py).
+    expert_parallel(model, mesh=mesh, values_from_folder=adapter.is_pretrained_model(model))

@@ -193,11 +193,46 @@ def run_case(case: Case, mesh) -> dict:
     return result
 
 
-def suite(names: tuple[str, ...] = tuple(CASES)) -> dict:
-    """The cases ``names`` (default all) on world 4, each on its mesh: (shard 2 x ep 2) or ep 4."""
+FOLDER_STEPS = 3
+
+
+def make_folder(root) -> str:
+    """A random tiny Mixtral written by save_pretrained in >= 3 safetensors files (per-expert tensors)."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=32, vocab_size=96)
+    torch.manual_seed(0)
+    folder = f"{root}/mixtral"
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="20KB")
+    return folder
+
+
+def folder_config(folder: str) -> TrainConfig:
+    """What `zeroshard verify --model FOLDER --stage 3 --nproc 4 --ep 2 --steps 3` runs."""
+    return TrainConfig(model=folder, stage=3, nproc=4, ep=2, batch=8, accum=2, seq_len=16, steps=FOLDER_STEPS,
+                       warmup=1, num_samples=64, dropout=False, profile=False)
+
+
+def run_folder(folder: str, mesh) -> dict:
+    """The folder loaded at (shard 2, ep 2): its full tensors right after the load, then 3 steps."""
+    from zeroshard.train import train_step
+
+    run = step.build(folder_config(folder), mesh)
+    loaded = zs.full_state_dict(run.model)
+    losses = [train_step(run, i).loss for i in range(FOLDER_STEPS)]
+    return {"loaded": loaded, "losses": losses, "params": zs.full_state_dict(run.model),
+            "expert_groups": sum(g.mesh is mesh.experts for g in get_engine(run.model).groups)}
+
+
+def suite(names: tuple[str, ...] = tuple(CASES), folder: str | None = None) -> dict:
+    """The cases ``names`` (default all) on world 4, each on its mesh: (shard 2 x ep 2) or ep 4;
+    then, given ``folder``, a pretrained Mixtral folder loaded straight into split experts."""
     zs.init()
     meshes = {"ep2": zs.new_mesh(mesh_shape=(2, 2), names=("shard", "ep"), name="ep2"),
               "ep4": zs.new_mesh(ep=4, name="ep4")}
     described = {name: {"dense": m.describe(), "experts": m.experts.describe()} for name, m in meshes.items()}
     out = {name: run_case(CASES[name], meshes[CASES[name].mesh]) for name in names}
-    return {"cases": out, "meshes": described, "rank": zs.get_mesh().rank}
+    loaded = run_folder(folder, meshes["ep2"]) if folder is not None else None
+    return {"cases": out, "meshes": described, "folder": loaded, "rank": zs.get_mesh().rank}

@@ -49,13 +49,17 @@ def check_ep(model: nn.Module, ep: int, plan: Plan | None = None) -> list[MoELay
     return layers
 
 
-def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | None = None) -> nn.Module:
+def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | None = None,
+                    values_from_folder: bool = False) -> nn.Module:
     """Keep only this rank's block of experts in every MoE layer and route tokens to the others.
 
     ``mesh`` is the dense mesh ``zs.shard`` will get (the default one unless given); its
     ``experts`` (from ``zs.init(ep=N)``) says how the experts are split. ``plan`` finds the MoE
     layers (zeroshard/experts/plan.py); the ready one for the model's class by default. Call it on
     every rank, on a model built with the same seed, before ``zs.shard``. Returns the model.
+    ``values_from_folder=True`` takes a meta model whose values a pretrained folder fills after
+    ``zs.shard`` (each rank reads its block of experts); a meta model whose init would be replayed
+    is refused, since the replay would draw the split shapes, not the model's.
     """
     from zeroshard.sharding.attached import find_engine
 
@@ -68,7 +72,7 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
                                   "build a fresh model, call zs.expert_parallel(model), then zs.shard(model)")
     layers = check_ep(model, experts.ep_size, plan)
     for layer in layers:
-        _split(layer, experts)
+        _split(layer, experts, values_from_folder)
         if layer.router is not None:
             setattr(layer.router, "reduce_counts", functools.partial(_all_reduce_counts, unit=layer.name, mesh=mesh))
     return model
@@ -79,14 +83,14 @@ def _all_reduce_counts(counts: torch.Tensor, *, unit: str, mesh: Mesh) -> None:
     collectives.all_reduce(counts, group=mesh.dp_name, unit=unit, phase=Phase.FORWARD, mesh=mesh)
 
 
-def _split(layer: MoELayer, experts: Any) -> None:
+def _split(layer: MoELayer, experts: Any, values_from_folder: bool) -> None:
     local = layer.num_experts // experts.ep_size
     first = experts.ep_rank * local
     for name in layer.params:
         param = getattr(layer.module, name)
         if expert_mesh_of(param) is not None:
             raise ExpertParallelError(f"{layer.name}.{name} is split already; call zs.expert_parallel once per model")
-        if param.is_meta:
+        if param.is_meta and not values_from_folder:
             raise ExpertParallelError("expert parallelism needs a model with values; build it without zs.meta_init() "
                                       "(meta init with ep is not supported yet)")
         if param.shape[0] != layer.num_experts:

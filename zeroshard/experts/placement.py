@@ -53,3 +53,14 @@ def refuse_expert_parallel(engine: Any, what: str) -> None:
         raise ValueError(f"{what} of an expert-parallel model (ep={experts.ep_size}) is not supported yet: the "
                          "experts' placement is not recorded; gather the weights with zs.full_state_dict(model), "
                          "or train with ep=1")
+
+
+def expert_rows(mesh: Any, local_shape: torch.Size) -> tuple[torch.Size, int]:
+    """(the full tensor's shape, the element offset of this rank's block in it) for a param of
+    ``local_shape`` on ``mesh``: an expert param holds rows [ep_rank·n, (ep_rank+1)·n) of dim 0 of
+    the model's own tensor, a contiguous run. A dense param is its own whole (offset 0)."""
+    if not isinstance(mesh, ExpertMesh) or mesh.ep_size == 1:
+        return local_shape, 0
+    rows = local_shape[0]
+    row_numel = local_shape.numel() // rows if rows else 0
+    return torch.Size((rows * mesh.ep_size, *local_shape[1:])), mesh.ep_rank * rows * row_numel

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.experts.placement import expert_rows
 from zeroshard.hf.errors import PretrainedError
 from zeroshard.hf.folder import CONFIG, FolderReader, is_pretrained_folder
 from zeroshard.hf.meta import params_on_meta
@@ -143,9 +144,10 @@ def _plan(engine, reader: FolderReader, names: FileNames, model: nn.Module) -> l
                 name, merge = merged, names.merged[merged]
                 shape = merge.build(name, lambda n: torch.empty(reader.shape(n), device="meta"), model).shape
                 where, what = str(reader.folder), f"{name}, merged from {merge.sources[0][0]} and the rest,"
-            if shape != slot.shape:
+            expected, _ = expert_rows(group.mesh, slot.shape)  # an expert param: the whole stack's shape
+            if shape != expected:
                 raise PretrainedError(f"{where}: {what} has shape {list(shape)}, the model expects "
-                                      f"{list(slot.shape)}; config.json and weights disagree")
+                                      f"{list(expected)}; config.json and weights disagree")
             plan.append((group, index, name, merge))
     return plan
 
@@ -185,10 +187,13 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
             start, stop = max(slot.offset, group.lo), min(slot.end, group.hi)
             if start >= stop:
                 continue
+            # An expert param (expert parallelism) is this rank's block of rows of the file's tensor.
+            _, block = expert_rows(group.mesh, slot.shape)
+            a, b = block + start - slot.offset, block + stop - slot.offset
             if merge is None:
-                values = reader.read_range(name, start - slot.offset, stop - slot.offset)
+                values = reader.read_range(name, a, b)
             else:  # built whole from its file tensors by transformers' ops, then this rank's slice
-                values = merge.build(name, reader.read, model).reshape(-1)[start - slot.offset:stop - slot.offset]
+                values = merge.build(name, reader.read, model).reshape(-1)[a:b]
             held += values.numel() * values.element_size()
             with torch.no_grad():
                 group.shard[start - group.lo:stop - group.lo].copy_(values)

@@ -29,6 +29,11 @@ def _is_pretrained(model: nn.Module) -> bool:
     return isinstance(getattr(model, "cfg", None), PretrainedSpec)
 
 
+def is_pretrained_model(model: nn.Module) -> bool:
+    """Built from a save_pretrained folder: its values are read from the folder after ``zs.shard``."""
+    return _is_pretrained(model)
+
+
 def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of per-token losses, tokens counted)``; targets of -100 are left out of both.
 
