@@ -36,6 +36,9 @@ TP_MODEL_NAMES = tuple(n for n in MODEL_NAMES if n not in MOE_MODEL_NAMES) + ("h
 """The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.sharding.tp.PLANS
 (zeroshard's GPT and HF Llama; a unit test keeps the two lists in step). HF GPT-2 has none, and a
 pretrained folder's weights are read shard by shard without a tp split (zeroshard/hf/pretrained.py)."""
+PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
+"""The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
+(zeroshard/pipeline/families.py)."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
@@ -127,6 +130,23 @@ class TrainConfig:
     as without it; each expert over the nproc/ep ranks that hold it. Needs an MoE model whose expert
     count ep divides: tiny-moe, or an HF Mixtral or Qwen-MoE save_pretrained folder (each rank reads
     its block of experts). 1 is no expert parallelism."""
+
+    pp: int = 1
+    """Pipeline parallelism: cut the model's blocks into this many stages, one per group of nproc/pp
+    consecutive ranks, ZeRO (at `stage`) inside each stage over its ranks; torch's own schedules run
+    them (docs/pipeline.md). Needs zeroshard's GPT or hf:llama-tiny. 1 is no pipeline."""
+
+    pp_schedule: str = "1f1b"
+    """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b or
+    looped-bfs (the last two run several stages per rank)."""
+
+    microbatches: int = 0
+    """Microbatches per schedule run (each accumulation step's batch slice is split into them);
+    0 takes pp x stages per rank. 1F1B needs at least pp."""
+
+    pp_stages_per_rank: int = 0
+    """Stages each pipeline rank holds: 0 takes the schedule's own (1, or 2 for interleaved-1f1b and
+    looped-bfs); blocks are split over pp x this many stages."""
 
     allow_cross_host: bool = False
     """Run tp (or ep) groups that span hosts anyway. Without it such a layout is refused at start,
@@ -272,6 +292,47 @@ class TrainConfig:
             raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "
                              f"ep=1, {', '.join(MOE_MODEL_NAMES)}, or an HF Mixtral or Qwen-MoE save_pretrained folder")
 
+    @property
+    def pp_microbatches(self) -> int:
+        """`microbatches`, or its default (pp x stages per rank) when 0."""
+        from zeroshard.pipeline.schedules import schedule_spec, stages_per_rank
+
+        return self.microbatches or self.pp * stages_per_rank(schedule_spec(self.pp_schedule), self.pp_stages_per_rank)
+
+    def _check_pp(self) -> None:
+        if self.pp < 1 or (self.nproc // self.tp) % self.pp or self.nproc % self.tp:
+            raise ValueError(f"pp={self.pp} does not divide nproc={self.nproc}{f' / tp {self.tp}' if self.tp > 1 else ''}; "
+                             "pick a pp that divides it (nproc/pp ranks per pipeline stage; pp=1 is no pipeline)")
+        if self.pp == 1:
+            return
+        from zeroshard.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
+
+        spec = schedule_spec(self.pp_schedule)
+        per_rank = stages_per_rank(spec, self.pp_stages_per_rank)
+        if self.model not in PP_MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} cannot be cut into pipeline stages; use pp=1, or one of "
+                             f"{', '.join(PP_MODEL_NAMES)}")
+        layers = 4 if self.model.startswith(HF_PREFIX) else None
+        if layers is None:
+            from zeroshard.models.gpt import GPTConfig
+
+            layers = GPTConfig.named(self.model).n_layer
+        if layers % (self.pp * per_rank):
+            raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
+                             f"{self.model}; pick pp x pp_stages_per_rank dividing {layers}")
+        refused = {"ep": self.ep > 1, "mp=fp16": self.mp == "fp16", "save_every": self.save_every > 0,
+                   "resume": self.resume is not None, "compile": self.compile, "init=meta": self.init == "meta",
+                   "checkpointing": self.engine.checkpointing != "none", "offload": self.engine.offload.kind != "none",
+                   "comm_quant": self.comm_quant != "none", "check_schedule": self.engine.check_schedule}
+        for name, on in refused.items():
+            if on:
+                raise ValueError(f"{name} is not yet composed with pp > 1 (docs/pipeline.md, limits); drop it or "
+                                 "use pp=1")
+        dp = self.nproc // self.tp // self.pp
+        if self.batch % (dp * self.accum) == 0:
+            check_microbatches(spec, microbatches=self.pp_microbatches, pp=self.pp,
+                               local_batch=self.batch // (dp * self.accum))
+
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES} "
@@ -282,7 +343,8 @@ class TrainConfig:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
         self._check_tp()
         self._check_ep()
-        dp = self.nproc // self.tp
+        self._check_pp()
+        dp = self.nproc // self.tp // self.pp
         if self.shard_size is not None and (self.shard_size < 1 or dp % self.shard_size):
             where = f"nproc={self.nproc}" if self.tp == 1 else f"the {dp} data-parallel ranks (nproc {self.nproc} / tp {self.tp})"
             raise ValueError(f"shard_size={self.shard_size} must divide {where}")

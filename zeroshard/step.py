@@ -63,6 +63,9 @@ class Run:
     """Bytes of our own metric all-reduces, kept apart from the training traffic."""
     profiler: Any = None
     """A zeroshard.profile.step.StepProfiler, or None when profiling is off."""
+    pipeline: Any = None
+    """With pp > 1, the zeroshard.pipeline.Pipeline of this rank's stages; `model` is then its first
+    stage module and `opt` / `scheduler` drive one per stage."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,8 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     `dataset` replaces the one `cfg` describes; `shard_overrides` go to `zs.shard`.
     """
     check_batch_split(cfg.batch, mesh.dp_size, cfg.accum)
+    if cfg.pp > 1:
+        return _build_pipeline(cfg, mesh, model=model, dataset=dataset, **shard_overrides)
     dataset = build_data(cfg) if dataset is None else dataset
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
@@ -177,6 +182,55 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
         cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
         dataset=dataset, sampler=sampler, model_cfg=getattr(model, "cfg", None), num_params=num_params,
     )
+
+
+class Each:
+    """One optimizer (or LR scheduler) per pipeline stage of this rank, driven as one: the step
+    calls ``step`` and ``zero_grad`` once each, and a reader of ``param_groups`` (the LR) or ``state``
+    sees the first stage's, which every stage shares."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.items[0].param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.items[0].state
+
+    def step(self) -> None:
+        for item in self.items:
+            item.step()
+
+    def zero_grad(self) -> None:
+        for item in self.items:
+            item.zero_grad()
+
+
+def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None, dataset: Any,
+                    **shard_overrides: Any) -> Run:
+    """A run whose model is cut into `cfg.pp` stages (docs/pipeline.md): this rank's stages, one
+    `zs.shard` engine and one optimizer each, and the same data as any rank of its data-parallel index."""
+    from zeroshard.pipeline import Pipeline
+
+    if mesh.pp_size != cfg.pp:
+        raise ValueError(f"pp={cfg.pp} but the mesh's pp dim is {mesh.pp_size}; build the mesh with "
+                         f"zs.init(pp={cfg.pp}) (zeroshard train does)")
+    dataset = build_data(cfg) if dataset is None else dataset
+    model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=False) if model is None else model
+    num_params = adapter.num_params(model)
+    options = engine_options(cfg, **{k: shard_overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in shard_overrides})
+    pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
+                    stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,
+                    **shard_overrides)
+    pipe.check_batch(cfg.batch // mesh.dp_size // cfg.accum)
+    opts = pipe.optimizers(torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
+    return Run(cfg=cfg, mesh=mesh, model=pipe.modules[0], opt=Each(opts),
+               scheduler=Each([make_scheduler(cfg, o) for o in opts]), scaler=None, dataset=dataset, sampler=sampler,
+               model_cfg=getattr(model, "cfg", None), num_params=num_params, pipeline=pipe)
 
 
 # --------------------------------------------------------------------------- the step
@@ -250,9 +304,37 @@ def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
     return StepOutcome(loss_sum=loss_sum, grad_norm=norm, metric_bytes=metric_bytes)
 
 
+def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
+    """One optimizer step of a pipeline run: `accum` runs of the schedule, every microbatch's grads
+    accumulated unreduced, then one reduction, clipping over every stage, and each stage's optimizer
+    and LR schedule once. The loss and grads are the global-batch mean, as in `accumulate_gradients`."""
+    pipe, cfg = run.pipeline, run.cfg
+    count = global_token_count(y, run.mesh)  # over the stage's data-parallel ranks: the same on every stage
+    scale = run.mesh.dp_size / count
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for xm, ym in zip(x.chunk(cfg.accum), y.chunk(cfg.accum)):
+        with phase("pipeline"):
+            total += pipe.run(xm, ym, loss_scale=scale)
+    with phase("backward"):
+        pipe.reduce()
+    with phase("optimizer"):
+        norm = pipe.clip_grad_norm_(cfg.clip) if cfg.clip > 0 else None
+        run.opt.step()
+        run.scheduler.step()
+        run.opt.zero_grad()
+    loss_sum = pipe.pp_sum(total)  # only the last stage computed it
+    metric_bytes = count.numel() * count.element_size() + loss_sum.element_size()
+    run.metric_bytes += metric_bytes
+    return StepOutcome(loss_sum=loss_sum, grad_norm=None if norm is None else float(norm), metric_bytes=metric_bytes)
+
+
 def step(run: Run, x: torch.Tensor, y: torch.Tensor, *, micro: Micro | None = None,
          before_zero_grad: Callable[[], None] | None = None) -> StepOutcome:
     """One optimizer step of `run`, with its config's accumulation, clipping, scaler and schedule."""
+    if run.pipeline is not None:
+        if micro is not None or before_zero_grad is not None:
+            raise ValueError("micro and before_zero_grad hooks do not apply to a pipeline step (pp > 1)")
+        return pipeline_step(run, x, y)
     out = one_step(run.model, run.opt, x, y, accum=run.cfg.accum, clip=run.cfg.clip, scaler=run.scaler,
                    scheduler=run.scheduler, micro=micro, before_zero_grad=before_zero_grad)
     run.metric_bytes += out.metric_bytes

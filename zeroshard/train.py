@@ -162,6 +162,7 @@ def run_info(run: Run, run_dir: Path | None) -> dict[str, Any]:
         "world": run.mesh.world,
         "tp": run.mesh.tp_size,
         "ep": run.mesh.ep_size,
+        "pp": run.mesh.pp_size,
         "backend": run.mesh.backend,
         "device": str(run.mesh.device),
         "steps": run.cfg.steps,
@@ -247,7 +248,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     """
     # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
     mesh = zs.init(timeout_s=process_group_timeout(cfg.hang_timeout_s), shard_size=cfg.shard_size, tp=cfg.tp,
-                   ep=cfg.ep, allow_cross_host=cfg.allow_cross_host)
+                   ep=cfg.ep, pp=cfg.pp, allow_cross_host=cfg.allow_cross_host)
     with observer_for(cfg) as obs:  # rank 0 names the run dir; every rank dumps its ledger there
         summary = train(dataclasses.replace(cfg, run_dir=str(obs.run_dir)), mesh, obs, reporter)
     zs.shutdown()
@@ -256,12 +257,13 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
 
 def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Train quietly and return per-step losses; rank 0 also returns the full fp32 params."""
-    mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp,
+    mesh = zs.init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp, pp=cfg.pp,
                    ep=cfg.ep, allow_cross_host=cfg.allow_cross_host)
     run = setup(cfg, mesh)
     for step in range(cfg.steps):
         run.records.append(train_step(run, step))
-    state = zs.full_state_dict(run.model)  # collective: every rank takes part
+    # Collective: every rank takes part (with pp, every stage's params come to every rank).
+    state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
     params = {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None
     zs.shutdown()
     return {"losses": [r.loss for r in run.records], "params": params, "world": mesh.world}

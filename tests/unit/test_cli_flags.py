@@ -387,6 +387,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "run_dir": "runs/x", "log_every": "5", "hang_timeout_s": "30", "desync_check": "5", "log": "tensorboard",
         "peak_flops": "1e12", "ckpt_dir": "ckpt", "resume": "ckpt/step-00000001", "keep_last": "1",
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
+        "pp": "2", "pp_schedule": "gpipe", "microbatches": "4", "pp_stages_per_rank": "2",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
                 "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
@@ -402,6 +403,13 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                      "--ep": [(plus(t, "--ep", "2"), None, REFUSED),  # tiny has no experts
                                               (plus(t, "--model", "tiny-moe", "--nproc", "4", "--ep", "3"), None,
                                                REFUSED)],
+                                     "--pp": [(plus(t, "--pp", "3"), None, REFUSED),
+                                              (plus(t, "--model", "hf:gpt2-tiny", "--pp", "2"), None, REFUSED)],
+                                     "--pp-schedule": [(plus(t, "--pp", "2", "--pp-schedule", "zb"), None, REFUSED)],
+                                     "--microbatches": [(plus(t, "--pp", "2", "--microbatches", "1"), None, REFUSED),
+                                                        (plus(t, "--pp", "2", "--microbatches", "3"), None, REFUSED)],
+                                     "--pp-stages-per-rank": [(plus(t, "--pp", "2", "--pp-stages-per-rank", "2"), None,
+                                                               REFUSED)],
                                      "--backward-prefetch-at": [(plus(t, "--backward-prefetch-at", "1.5"), None,
                                                                  REFUSED)]}
     for name in field_names():

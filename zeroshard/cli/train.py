@@ -112,6 +112,7 @@ class RichReporter:
             f"stage {info['stage']}, {info['world']} ranks"
             + (f" ({info['world'] // info['tp']} data-parallel x tp {info['tp']})" if info.get("tp", 1) > 1 else "")
             + (f" (experts split over ep {info['ep']})" if info.get("ep", 1) > 1 else "")
+            + (f" in {info['pp']} pipeline stages" if info.get("pp", 1) > 1 else "")
             + f" on {info['backend']}, "
             f"batch {info['global_batch']}x{info['seq_len']}"
         )

@@ -66,6 +66,7 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
     missing = sorted(set(miss_single) | set(miss_stage0))
     result: dict[str, Any] = {
         "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "tp": cfg.tp, "ep": cfg.ep, "steps": cfg.steps,
+        **({"pp": cfg.pp, "pp_schedule": cfg.pp_schedule} if cfg.pp > 1 else {}),
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
         "tol": tol, "loss_tol": loss_tol, "comm_quant": cfg.comm_quant,
         "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else "exact communication",
@@ -88,6 +89,8 @@ def print_report(result: dict, console: Console) -> None:
     where = f"{result['nproc']} ranks" + (f" ({result['nproc'] // tp} data-parallel x tp {tp})" if tp > 1 else "")
     ep = result.get("ep", 1)
     where += f" (experts split over ep {ep}, each sharded over {result['nproc'] // ep})" if ep > 1 else ""
+    if result.get("pp", 1) > 1:
+        where += f" (pp {result['pp']}, {result['pp_schedule']})"
     steps = Table(title=f"zeroshard verify: stage {result['stage']} on {where} vs single process")
     for col in ("step", "loss (single)", f"loss (stage {result['stage']})", "|diff|"):
         steps.add_column(col, justify="right")

@@ -1,7 +1,9 @@
-"""The process group and the named mesh: replicate × shard (data parallel) × tp (tensor parallel).
+"""The process group and the named mesh: pp (pipeline) × replicate × shard (data parallel) × tp (tensor parallel).
 
-Ranks are laid out replicate-major with ``tp`` innermost:
-rank = (replicate_index * shard_size + shard_index) * tp + tp_index. So a TP group is a run of
+Ranks are laid out pp-major with ``tp`` innermost:
+rank = ((pp_index * replicate + replicate_index) * shard_size + shard_index) * tp + tp_index.
+A pipeline stage's ranks are therefore consecutive, so its ZeRO and TP groups stay inside a node and
+only the stage-to-stage sends cross nodes (docs/pipeline.md). So a TP group is a run of
 consecutive ranks and, without TP, a shard group is too. Under torchrun consecutive ranks share a
 node: TP's per-layer all-reduces (on the critical path) stay on the fastest links, then ZeRO's
 all-gather / reduce-scatter, and only the all-reduce of already-reduced shards crosses replicas.
@@ -42,9 +44,15 @@ class Mesh:
     shard_group: object = dataclasses.field(repr=False)
     replicate_group: object | None = dataclasses.field(repr=False)
     tp_size: int = 1
+    pp_size: int = 1
+    """Pipeline stages (ranks per pp group); 1: every rank runs the whole model."""
+    pp_group: object | None = dataclasses.field(default=None, repr=False)
+    """The ranks with this rank's (replicate, shard, tp) index, one per pipeline stage."""
+    pp_ends_group: object | None = dataclasses.field(default=None, repr=False)
+    """The first and last rank of this rank's pp group (tied embedding/head grads); None for a middle one."""
     tp_group: object | None = dataclasses.field(default=None, repr=False)
     dp_group: object | None = dataclasses.field(default=None, repr=False)
-    """Every rank with this rank's tp index (replicate × shard); the world when tp is 1."""
+    """Every rank of this pp stage with this rank's tp index (replicate × shard); the world when tp and pp are 1."""
     device_mesh: object | None = dataclasses.field(default=None, repr=False)
     """The torch DeviceMesh ("replicate", "shard", "tp") when tp > 1."""
     name: str = "default"
@@ -64,17 +72,22 @@ class Mesh:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel degree: how many ranks see different batches (world / tp)."""
-        return self.world // self.tp_size
+        """Data-parallel degree: how many ranks see different batches (world / tp / pp)."""
+        return self.world // self.tp_size // self.pp_size
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage (replicate × shard × tp): the world when pp is 1."""
+        return self.world // self.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """Which pipeline stage (rank of the pp group) this rank runs."""
+        return self.rank // self.stage_world
 
     @property
     def replicate_size(self) -> int:
         return self.dp_size // self.shard_size
-
-    @property
-    def pp_size(self) -> int:
-        """Pipeline stages: 1 (every rank runs the whole model)."""
-        return 1
 
     @property
     def ep_size(self) -> int:
@@ -89,7 +102,7 @@ class Mesh:
 
     @property
     def replicate_rank(self) -> int:
-        return self.rank // (self.shard_size * self.tp_size)
+        return (self.rank // (self.shard_size * self.tp_size)) % self.replicate_size
 
     @property
     def tp_rank(self) -> int:
@@ -97,12 +110,12 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return (self.rank // self.tp_size) % self.dp_size
 
     @property
     def dp_name(self) -> Group:
-        """The group spanning the data-parallel ranks: the world without TP, else ``dp``."""
-        return Group.WORLD if self.tp_size == 1 else Group.DP
+        """The group spanning the data-parallel ranks: the world without TP or PP, else ``dp``."""
+        return Group.WORLD if self.tp_size == 1 and self.pp_size == 1 else Group.DP
 
     @property
     def dims(self) -> dict[Dim, int]:
@@ -113,13 +126,15 @@ class Mesh:
     def __post_init__(self) -> None:
         # Asked for on every collective: one dict lookup, keyed by the enum and by its text alike.
         sizes = {Group.WORLD: self.world, Group.SHARD: self.shard_size, Group.REPLICATE: self.replicate_size,
-                 Group.TP: self.tp_size, Group.DP: self.dp_size, Group.PP: self.pp_size, Group.EP: self.ep_size}
+                 Group.TP: self.tp_size, Group.DP: self.dp_size, Group.PP: self.pp_size,
+                 Group.PP_ENDS: min(self.pp_size, 2), Group.EP: self.ep_size}
         object.__setattr__(self, "_sizes", sizes)
         # tp/pp/ep are None when one rank each: their group_size of 1 keeps callers from using them.
         # Without tp, the data-parallel ranks are the world.
         handles = {Group.WORLD: self.world_group, Group.SHARD: self.shard_group,
                    Group.REPLICATE: self.replicate_group, Group.TP: self.tp_group,
-                   Group.DP: self.dp_group or self.world_group, Group.PP: None,
+                   Group.DP: self.dp_group or self.world_group, Group.PP: self.pp_group,
+                   Group.PP_ENDS: self.pp_ends_group,
                    Group.EP: self.experts.group(Group.EP) if self.experts is not None else None}
         object.__setattr__(self, "_handles", handles)
 
@@ -168,6 +183,7 @@ class Mesh:
             "replicate_size": self.replicate_size,
             "tp_size": self.tp_size,
             **({"ep_size": self.ep_size} if self.ep_size > 1 else {}),
+            **({"pp_size": self.pp_size} if self.pp_size > 1 else {}),  # unchanged for a mesh without pp
             "backend": self.backend,
             "device": str(self.device),
         }
@@ -219,15 +235,22 @@ MESH_DIMS = ("replicate", "shard", "tp")
 """Mesh dim names, outermost first; ``tp`` is innermost (consecutive ranks)."""
 
 
-SHAPE_DIMS = ("replicate", "shard", "ep", "tp")
-"""The names ``mesh_shape`` may use, outermost first. ``ep`` is carved out of the data-parallel
-ranks (torchtitan's dp_shard_in_ep): with ``names=("shard", "ep")`` the dense params are sharded
-over shard × ep ranks and each expert's params over the ``shard`` ranks that hold it."""
+SHAPE_DIMS = ("pp", "replicate", "shard", "ep", "tp")
+"""The names ``mesh_shape`` may use, outermost first. ``pp`` is outside the data-parallel dims (a
+stage's ranks are consecutive). ``ep`` is carved out of the data-parallel ranks (torchtitan's
+dp_shard_in_ep): with ``names=("shard", "ep")`` the dense params are sharded over shard × ep ranks
+and each expert's params over the ``shard`` ranks that hold it."""
 
 
 def _from_mesh_shape(mesh_shape, names, world: int) -> tuple[int | None, int]:
     """(shard_size, tp) from a named shape such as ``mesh_shape=(2, 2), names=("shard", "tp")``; an
     ``ep`` entry is part of the dense shard size (``_ep_of_shape`` reads it)."""
+    shard, tp, _ = _dims_of_shape(mesh_shape, names, world)
+    return shard, tp
+
+
+def _dims_of_shape(mesh_shape, names, world: int) -> tuple[int, int, int]:
+    """(shard_size, tp, pp) from a named shape; the product must be the world."""
     shape, names = tuple(mesh_shape), tuple(names or MESH_DIMS[-len(tuple(mesh_shape)):])
     if len(shape) != len(names) or len(set(names)) != len(names) or \
             [n for n in SHAPE_DIMS if n in names] != list(names):
@@ -242,9 +265,9 @@ def _from_mesh_shape(mesh_shape, names, world: int) -> tuple[int | None, int]:
         raise ValueError(f"mesh_shape {shape} covers {product} ranks but the world has {world}; make the product "
                          f"of mesh_shape equal the world size (WORLD_SIZE / --nproc)")
     dims = dict(zip(names, shape))
-    tp, ep = dims.get("tp", 1), dims.get("ep", 1)
-    shard = dims.get("shard", world // tp // ep // dims.get("replicate", 1)) * ep
-    return shard, tp
+    tp, ep, pp = dims.get("tp", 1), dims.get("ep", 1), dims.get("pp", 1)
+    shard = dims.get("shard", world // tp // ep // pp // dims.get("replicate", 1)) * ep
+    return shard, tp, pp
 
 
 def _ep_of_shape(mesh_shape, names) -> int:
@@ -253,21 +276,19 @@ def _ep_of_shape(mesh_shape, names) -> int:
     return dict(zip(names, tuple(mesh_shape))).get("ep", 1)
 
 
-def _check_existing_shape(mesh: Mesh, tp: int, mesh_shape, names, ep: int = 1) -> None:
-    """A second ``init`` that names a tensor- or expert-parallel shape must ask for the mesh that
-    exists: returning another one silently would run a different layout than the caller wrote."""
+def _check_existing_shape(mesh: Mesh, tp: int, mesh_shape, names, ep: int = 1, pp: int = 1) -> None:
+    """A second ``init`` that names a tensor-, expert- or pipeline-parallel shape must ask for the
+    mesh that exists: returning another one silently would run a different layout than the caller wrote."""
     if mesh_shape is not None:
-        _, tp = _from_mesh_shape(mesh_shape, names, mesh.world)  # a shape that misses the world: its own error
+        _, tp, pp = _dims_of_shape(mesh_shape, names, mesh.world)  # a shape that misses the world: its own error
         ep = _ep_of_shape(mesh_shape, names)
-    if tp != mesh.tp_size:
-        raise ValueError(f"the mesh already exists with tp={mesh.tp_size}; call zs.shutdown() before zs.init() "
-                         f"with tp={tp}")
-    if ep != mesh.ep_size:
-        raise ValueError(f"the mesh already exists with ep={mesh.ep_size}; call zs.shutdown() before zs.init() "
-                         f"with ep={ep}")
+    for dim, asked, has in (("tp", tp, mesh.tp_size), ("ep", ep, mesh.ep_size), ("pp", pp, mesh.pp_size)):
+        if asked != has:
+            raise ValueError(f"the mesh already exists with {dim}={has}; call zs.shutdown() before zs.init() "
+                             f"with {dim}={asked}")
 
 
-def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1,
+def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1, pp: int = 1,
          mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
          timeout_s: float = 600.0, allow_cross_host: bool = False, ep: int = 1) -> Mesh:
     """Join (or create) the default process group from the environment and build the mesh.
@@ -284,6 +305,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     same by name; the product must be the world size. See docs/tensor_parallel.md.
     ``ep=e`` splits every MoE layer's experts over runs of e consecutive data-parallel ranks and
     builds ``Mesh.experts``, the mesh the expert params are sharded over (docs/expert_parallel.md).
+    ``pp=p`` adds an outermost pipeline dim: p stages of world / p consecutive ranks each, ZeRO
+    (and tp) inside every stage (``names=("pp", "shard")`` by name). See docs/pipeline.md.
 
     Every rank's host and device facts are gathered first (``Mesh.topology``). Hosts with different
     numbers of ranks, and a tp group spanning hosts, are refused before any group is built; pass
@@ -291,8 +314,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     """
     global _MESH
     if _MESH is not None:
-        if mesh_shape is not None or tp != 1 or ep != 1:
-            _check_existing_shape(_MESH, tp, mesh_shape, names, ep)
+        if mesh_shape is not None or tp != 1 or ep != 1 or pp != 1:
+            _check_existing_shape(_MESH, tp, mesh_shape, names, ep, pp)
         return _MESH
     backend = backend or default_backend()
     if not dist.is_initialized():
@@ -308,7 +331,7 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
             # worker to the subprocesses it starts.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     topology = _join_topology()
-    _MESH = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name="default",
+    _MESH = _build_mesh(shard_size=shard_size, tp=tp, pp=pp, mesh_shape=mesh_shape, names=names, name="default",
                         ledger=None, topology=topology, allow_cross_host=allow_cross_host, ep=ep)
     return _MESH
 
@@ -347,7 +370,7 @@ def _join_topology() -> Topology:
     return topology
 
 
-def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tuple[int, ...] | None = None,
+def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, pp: int = 1, mesh_shape: tuple[int, ...] | None = None,
              names: tuple[str, ...] | None = None, name: str, ledger: Ledger | None = None,
              allow_cross_host: bool = False, ep: int = 1) -> Mesh:
     """Another parallel context over the process group ``zs.init`` joined, next to the default one.
@@ -364,24 +387,32 @@ def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, mesh_shape: tu
         raise ValueError(f"new_mesh needs a name of its own for the ledger (such as 'experts'), got {name!r}")
     if any(m.name == name for m in _OTHER_MESHES):
         raise ValueError(f"a mesh named {name!r} exists already; give each zs.new_mesh its own name")
-    mesh = _build_mesh(shard_size=shard_size, tp=tp, mesh_shape=mesh_shape, names=names, name=name, ledger=ledger,
-                       topology=_MESH.topology, allow_cross_host=allow_cross_host, ep=ep)
+    mesh = _build_mesh(shard_size=shard_size, tp=tp, pp=pp, mesh_shape=mesh_shape, names=names, name=name,
+                       ledger=ledger, topology=_MESH.topology, allow_cross_host=allow_cross_host, ep=ep)
     _OTHER_MESHES.append(mesh)
     return mesh
 
 
 def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger | None,
-                topology: Topology | None = None, allow_cross_host: bool = False, ep: int = 1) -> Mesh:
+                topology: Topology | None = None, allow_cross_host: bool = False, ep: int = 1,
+                pp: int = 1) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if mesh_shape is not None:
-        if shard_size is not None or tp != 1 or ep != 1:
-            raise ValueError("pass either mesh_shape/names or shard_size/tp/ep, not both")
-        shard_size, tp = _from_mesh_shape(mesh_shape, names, world)
+        if shard_size is not None or tp != 1 or ep != 1 or pp != 1:
+            raise ValueError("pass either mesh_shape/names or shard_size/tp/ep/pp, not both")
+        shard_size, tp, pp = _dims_of_shape(mesh_shape, names, world)
         ep = _ep_of_shape(mesh_shape, names)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp != 0:
-        raise ValueError(f"tp={tp!r} does not divide world size {world}; pick a divisor of {world} (tp=1 is no "
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp != 0:
+        raise ValueError(f"pp={pp!r} does not divide world size {world}; pick a divisor of {world} (pp=1 is no "
+                         "pipeline parallelism)")
+    if pp > 1 and ep != 1:
+        raise ValueError(f"pp={pp} with ep={ep} is not supported yet; use pp=1 with ep, or ep=1 with pp")
+    stage_world = world // pp
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or stage_world % tp != 0:
+        where = f"world size {world}" if pp == 1 else f"the {stage_world} ranks of a pipeline stage (world {world} / pp {pp})"
+        raise ValueError(f"tp={tp!r} does not divide {where}; pick a divisor of {stage_world} (tp=1 is no "
                          "tensor parallelism)")
-    dp = world // tp
+    dp = stage_world // tp
     if shard_size == "node" and topology is not None and topology.uneven_error() is None:
         # The hosts the ranks reported, not LOCAL_WORLD_SIZE: a launcher may not set it, and one
         # that runs several "hosts" on a machine (ZEROSHARD_HOST) sets it to the machine's count.
@@ -391,17 +422,22 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
     shard_size = _resolve_shard_size(shard_size, dp)
     if shard_size < 1 or dp % shard_size != 0:
         raise ValueError(
-            f"shard_size={shard_size} does not divide the {dp} data-parallel ranks (world {world} / tp {tp}); pick "
+            f"shard_size={shard_size} does not divide the {dp} data-parallel ranks (world {world} / tp {tp}"
+            f"{f' / pp {pp}' if pp > 1 else ''}); pick "
             f"a divisor of {dp} (shard_size == {dp} is plain full sharding)"
         )
     if ep != 1:
         _check_ep(ep, dp, tp)
     if topology is not None:  # before any group: a refused layout builds nothing
-        topology.check_placement({Dim.REPLICATE: dp // shard_size, Dim.SHARD: shard_size, Dim.TP: tp, Dim.EP: ep},
+        topology.check_placement({Dim.PP: pp, Dim.REPLICATE: dp // shard_size, Dim.SHARD: shard_size, Dim.TP: tp,
+                                  Dim.EP: ep},
                                  allow_cross_host=allow_cross_host)
-    if tp == 1:
+    groups: dict = {}
+    if pp > 1:
+        groups = _build_pp_mesh(world, rank, pp, shard_size, tp)
+        shard_group, replicate_group = groups.pop("shard_group"), groups.pop("replicate_group")
+    elif tp == 1:
         shard_group, replicate_group = _build_groups(world, rank, shard_size)
-        groups: dict = {}
     else:
         groups = _build_tp_mesh(world, rank, shard_size, tp)
         shard_group, replicate_group = groups.pop("shard_group"), groups.pop("replicate_group")
@@ -419,6 +455,7 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
         shard_group=shard_group,
         replicate_group=replicate_group,
         tp_size=tp,
+        pp_size=pp,
         name=name,
         ledger=ledger or process_ledger(),
         topology=topology,
@@ -487,6 +524,42 @@ def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
     return {
         "device_mesh": device_mesh,
         "tp_group": device_mesh.get_group("tp"),
+        "shard_group": device_mesh.get_group("shard"),
+        "replicate_group": device_mesh.get_group("replicate") if replicate > 1 else None,
+        "dp_group": dp_group,
+    }
+
+
+def _build_pp_mesh(world: int, rank: int, pp: int, shard_size: int, tp: int) -> dict:
+    """The ("pp", "replicate", "shard", "tp") DeviceMesh and its groups, the data-parallel group of
+    each stage (every rank of the stage with the same tp index) and the pp-ends group (a pp group's
+    first and last rank, over which a tied embedding/head grad is summed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    replicate = world // pp // tp // shard_size
+    device_mesh = init_device_mesh(device_type, (pp, replicate, shard_size, tp), mesh_dim_names=SHAPE_DIMS)
+    stage_world = world // pp
+    dp_group = ends_group = None
+    # new_group is collective over the world: every rank builds every group, in the same order.
+    for stage in range(pp):
+        for offset in range(tp):
+            ranks = list(range(stage * stage_world + offset, (stage + 1) * stage_world, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                dp_group = group
+    for inner in range(stage_world):
+        ranks = [inner, inner + (pp - 1) * stage_world]
+        group = device_mesh.get_group("pp") if pp == 2 and rank in ranks else None
+        if pp > 2:
+            group = dist.new_group(ranks)
+        if rank in ranks:
+            ends_group = group
+    return {
+        "device_mesh": device_mesh,
+        "pp_group": device_mesh.get_group("pp"),
+        "pp_ends_group": ends_group,
+        "tp_group": device_mesh.get_group("tp") if tp > 1 else None,
         "shard_group": device_mesh.get_group("shard"),
         "replicate_group": device_mesh.get_group("replicate") if replicate > 1 else None,
         "dp_group": dp_group,

@@ -47,6 +47,9 @@ class Group(_Name):
     DP = "dp"
     """replicate × shard: every rank with this rank's tp index (the world without tp)."""
     PP = "pp"
+    """One rank per pipeline stage, with this rank's (replicate, shard, tp) index: the sends and receives."""
+    PP_ENDS = "pp_ends"
+    """The first and last rank of a pp group: the tied embedding/head grad is summed over it."""
     EP = "ep"
 
 

@@ -24,6 +24,15 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     experts), so each expert element is counted once, next to each dense one.
     """
     engine = get_engine(model)
+    total = local_squares(engine)
+    sum_squares_over_shards(total, engine)
+    return total[0].sqrt().to(torch.float32)
+
+
+def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+    """This rank's float64 [dense squares, squares of tp-sharded params, expert squares] of the grad
+    shards, leaving out the params named in ``skip`` (a pipeline's copy of a tied param, counted on
+    its owner)."""
     device = engine.mesh.device
     # [all dense squares, squares of tensor-parallel-sharded params, expert squares]: a tp-sharded
     # param's parts differ across tp ranks and are summed over tp too; a replicated one is counted once.
@@ -34,9 +43,18 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
             if group.mesh is not engine.mesh:
                 total[2] += squares.sum()
                 continue
+            for piece in (group.layout.pieces(group.shard_rank) if skip else ()):
+                if group.layout.slots[piece.slot_index].fqn in skip:
+                    squares[piece.start - group.lo:piece.stop - group.lo] = 0
             total[0] += squares.sum()
             for start, stop in tp_sharded_ranges(group):
                 total[1] += squares[start:stop].sum()
+    return total
+
+
+def sum_squares_over_shards(total: torch.Tensor, engine) -> None:
+    """``local_squares`` summed over the shard group, tp-sharded params over tp and expert params
+    over the expert mesh, in place: ``total[0]`` is then the squared norm over the engine's whole model."""
     if engine.policy.shard_optimizer and engine.mesh.shard_size > 1:
         collectives.all_reduce(total[:2], group=Group.SHARD, phase=Phase.CLIP, mesh=engine.mesh)
     if engine.mesh.tp_size > 1:
@@ -50,7 +68,6 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
         expert_part = total[2:3].clone()
         collectives.all_reduce(expert_part, group=over, phase=Phase.CLIP, mesh=experts)
         total[0] += expert_part[0]
-    return total[0].sqrt().to(torch.float32)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

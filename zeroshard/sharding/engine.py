@@ -477,6 +477,29 @@ class Engine:
             for unit in self.units:
                 unit.reshard()
 
+    def reduce_accumulated(self) -> None:
+        """Launch, in the fixed order, the reductions of the grads accumulated under ``no_sync``,
+        without another backward: a pipeline stage runs every microbatch's backward deferred and
+        reduces once after the schedule (zeroshard/pipeline/runtime.py). Call it outside ``no_sync``;
+        a grad read finishes the reductions as after a synchronising backward."""
+        if self.sync_grads is False or self.state is TrainingState.BACKWARD:
+            raise RuntimeError("reduce_accumulated runs after the backward passes, outside no_sync")
+        for unit in self.reduce_order[self._next_reduce:]:
+            if unit.trainable_groups:
+                unit.launch_reduce()
+        self._next_reduce = len(self.reduce_order)
+        self._reap_finished()
+
+    def accumulated_grad(self, fqn: str) -> torch.Tensor:
+        """The full grad of param ``fqn`` accumulated under ``no_sync`` and not yet reduced: a flat
+        view into its group's grad buffer, which a caller may change in place before
+        ``reduce_accumulated`` (a pipeline sums a tied param's two stages' grads there)."""
+        for group in self.trainable_groups:
+            for slot in group.layout.slots:
+                if slot.fqn == fqn:
+                    return group.full_grads()[slot.offset:slot.end]
+        raise KeyError(f"no trainable param {fqn!r} in this engine")
+
     # -- optimizer-facing ---------------------------------------------------------------------
     @property
     def groups(self) -> list[FlatGroup]:

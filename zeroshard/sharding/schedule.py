@@ -134,7 +134,7 @@ class MeshSizes:
 
     @classmethod
     def of(cls, mesh: Mesh) -> MeshSizes:
-        return cls(world=mesh.world, shard=mesh.shard_size, tp=mesh.tp_size)
+        return cls(world=mesh.stage_world, shard=mesh.shard_size, tp=mesh.tp_size)  # one pipeline stage's ranks
 
     @property
     def dp(self) -> int:

@@ -1,0 +1,101 @@
+"""Workers for the pipeline tests: world 4 = pp 2 x shard 2, the built-in GPT and HF Llama (tied heads).
+
+Module level so spawned ranks can import it; one process group runs every case, each built from a
+`TrainConfig` through `zeroshard.step.build` exactly as `zeroshard train --pp 2` builds it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the configs are built in code
+
+
+import zeroshard as zs
+from zeroshard import step as step_mod
+from zeroshard.config import TrainConfig
+from zeroshard.train import train_step
+
+WORLD = 4
+STEPS = 10
+MODELS = {"gpt": "tiny", "llama": "hf:llama-tiny"}
+SCHEDULES = ("1f1b", "interleaved-1f1b")
+CASES = [(name, stage, sched) for name in MODELS for sched in SCHEDULES for stage in (1, 2, 3)]
+STAGE0_CASES = [("gpt", 0, "1f1b")]
+"""Our own stage 0 (DDP inside each stage) under the pipeline, held against our stage 0 without one."""
+
+
+def config(name: str, stage: int, schedule: str = "1f1b", *, pp: int = 2, **kw: Any) -> TrainConfig:
+    return TrainConfig(**{"model": MODELS[name], "nproc": WORLD, "pp": pp, "stage": stage, "pp_schedule": schedule,
+                          "steps": STEPS, "batch": 8, "seq_len": 32, "clip": 1.0, "num_samples": 256, **kw})
+
+
+def _train(cfg: TrainConfig, mesh) -> dict:
+    ledger = zs.ledger()
+    run = step_mod.build(cfg, mesh)
+    records, pp_bytes = [], []
+    for i in range(cfg.steps):
+        seq = ledger.next_seq
+        records.append(train_step(run, i))
+        pp_bytes.append(_p2p_bytes(ledger.since(seq)))
+    state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
+    facts = {}
+    if run.pipeline is not None:
+        pipe = run.pipeline
+        facts = {"stages": pipe.stage_indices, "num_stages": pipe.num_stages, "microbatches": pipe.microbatches,
+                 "act_bytes": cfg.batch // mesh.dp_size // pipe.microbatches * cfg.seq_len * pipe.hidden * 4,
+                 "tied": [(t.owner_fqn, t.copy_fqn) for t in pipe.tied],
+                 "names": sorted({n for m in pipe.modules for n, _ in m.named_parameters()})}
+    return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
+            "losses": [r.loss for r in records], "pp_bytes": pp_bytes, **facts}
+
+
+def _p2p_bytes(records) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        if str(r.group) in ("pp", "pp_ends"):
+            key = f"{r.group}:{r.op}:{r.phase}"
+            out[key] = out.get(key, 0) + r.bytes
+    return out
+
+
+def _errors(mesh) -> dict[str, str]:
+    """One line each for the layouts the runtime refuses (the config's own errors are unit-tested)."""
+    from zeroshard.models.gpt import GPT, GPTConfig
+    from zeroshard.pipeline import Pipeline
+
+    out = {}
+    for key, fn in {
+        "mesh_product": lambda: zs.new_mesh(mesh_shape=(2, 3), names=("pp", "shard"), name="bad"),
+        "pp_world": lambda: zs.new_mesh(pp=3, name="bad3"),
+        "blocks": lambda: Pipeline(GPT(GPTConfig.named("tiny", n_layer=3)), mesh=mesh, stage=1, microbatches=2),
+        "microbatches": lambda: Pipeline(GPT(GPTConfig.named("tiny")), mesh=mesh, stage=1,
+                                         microbatches=1).check_batch(4),
+        "batch": lambda: Pipeline(GPT(GPTConfig.named("tiny")), mesh=mesh, stage=1, microbatches=4).check_batch(6),
+    }.items():
+        try:
+            fn()
+            out[key] = "no error"
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
+def suite() -> dict:
+    mesh = zs.init(pp=2)
+    out: dict[str, Any] = {"mesh": {"pp": mesh.pp_size, "shard": mesh.shard_size, "dp": mesh.dp_size,
+                                    "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "shard_rank": mesh.shard_rank}}
+    times = {}
+    for case in CASES + STAGE0_CASES:
+        t0 = time.perf_counter()
+        out[case] = _train(config(*case), mesh)
+        times[case] = time.perf_counter() - t0
+    # Our stage 0 without a pipeline, on a mesh of the same world sharded 4 ways.
+    flat = zs.new_mesh(name="flat")
+    out["flat-stage0"] = _train(config("gpt", 0, pp=1), flat)
+    out["errors"] = _errors(mesh)
+    out["times"] = times
+    zs.shutdown()
+    return out

@@ -1,0 +1,111 @@
+"""Pipeline parallelism with ZeRO inside every stage: world 4 = pp 2 x shard 2, against one process.
+
+One spawned world-4 group runs every case (pp_workloads.CASES: GPT and Llama with tied heads,
+stages 1-3, 1F1B and interleaved 1F1B, 10 steps); the tests below read its results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pp_workloads as w
+from zeroshard.launch import spawn
+from zeroshard.train import reference_train
+
+pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return spawn(w.suite, w.WORLD, timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: reference_train(w.config(name, 0)) for name in w.MODELS}
+
+
+def _max_diff(got: dict, ref: dict) -> float:
+    assert set(got) == set(ref)
+    return max((got[k] - ref[k]).abs().max().item() for k in ref)
+
+
+@pytest.mark.parametrize("case", w.CASES, ids=[f"{n}-stage{s}-{sch}" for n, s, sch in w.CASES])
+def test_pipeline_matches_single_process(suite, references, case):
+    name, stage, schedule = case
+    got, ref = suite[0][case], references[name]
+    diff = _max_diff(got["params"], ref["params"])
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    print(f"{name} pp 2 x shard 2 stage {stage} {schedule}, {w.STEPS} steps: max abs param diff vs one process "
+          f"{diff:.2e}, loss {loss_diff:.2e} ({suite[0]['times'][case]:.1f} s)")
+    assert diff <= 1e-5
+    assert loss_diff <= 1e-5
+    # The tied head's copy on the last stage stays the owner's, bitwise.
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()
+    # Every rank reports the same loss (the last stage's, summed over pp).
+    assert all(other[case]["losses"] == got["losses"] for other in suite[1:])
+
+
+def test_pipeline_stage0_matches_our_stage0_without_a_pipeline(suite, references):
+    got, flat = suite[0][w.STAGE0_CASES[0]], suite[0]["flat-stage0"]
+    diff = _max_diff(got["params"], flat["params"])
+    print(f"gpt pp 2 x shard 2 stage 0 vs stage 0 over 4 ranks: {diff:.2e}; vs one process "
+          f"{_max_diff(got['params'], references['gpt']['params']):.2e}")
+    assert diff <= 1e-5
+
+
+def test_pipeline_stages_1_to_3_are_bitwise_its_stage_0(suite):
+    """Each stage's shard group has 2 ranks, so every reduction is one commutative add and the flat
+    buffers are aligned: ZeRO inside the pipeline changes no bit against DDP inside it."""
+    base = suite[0][w.STAGE0_CASES[0]]["params"]
+    for stage in (1, 2, 3):
+        got = suite[0][("gpt", stage, "1f1b")]["params"]
+        assert all((got[k] == base[k]).all() for k in base), stage
+
+
+def test_mesh_puts_pp_outermost(suite):
+    meshes = [r["mesh"] for r in suite]
+    assert [m["pp_rank"] for m in meshes] == [0, 0, 1, 1]  # a stage's ranks are consecutive
+    assert [m["shard_rank"] for m in meshes] == [0, 1, 0, 1]
+    assert [m["dp_rank"] for m in meshes] == [0, 1, 0, 1]  # pp ranks of one dp index share a batch
+    assert all(m["pp"] == 2 and m["shard"] == 2 and m["dp"] == 2 for m in meshes)
+
+
+@pytest.mark.parametrize("case", [c for c in w.CASES if c[1] == 3], ids=lambda c: f"{c[0]}-{c[2]}")
+def test_ledger_sends_and_receives_equal_theory(suite, case):
+    """Each stage boundary carries one activation forward and its grad backward per microbatch; the
+    tied head's grad is all-reduced once per step over pp_ends by the two end ranks."""
+    runs = [r[case] for r in suite]
+    facts = runs[0]
+    boundaries, m, act = facts["num_stages"] - 1, facts["microbatches"], facts["act_bytes"]
+    replicas = w.WORLD // 2  # data-parallel copies of the pipeline
+    for step in range(w.STEPS):
+        per_step = [r["pp_bytes"][step] for r in runs]
+        for phase in ("forward", "backward"):
+            sent = sum(b.get(f"pp:send:{phase}", 0) for b in per_step)
+            received = sum(b.get(f"pp:recv:{phase}", 0) for b in per_step)
+            assert sent == received == replicas * boundaries * m * act
+        # The tied grad: the embedding's bytes on each of the 4 ranks (each holds an end).
+        name = facts["tied"][0][0]
+        numel = facts["params"][name].numel()
+        assert all(b.get("pp_ends:all_reduce:backward", 0) == numel * 4 for b in per_step)
+
+
+def test_stage_params_keep_the_unsharded_names(suite, references):
+    case = ("gpt", 1, "interleaved-1f1b")
+    stages = {tuple(r[case]["stages"]): r[case]["names"] for r in suite}
+    assert set(stages) == {(0, 2), (1, 3)}
+    assert "tok_emb.weight" in stages[(0, 2)] and "blocks.2.attn.qkv.weight" in stages[(0, 2)]
+    assert "lm_head.weight" in stages[(1, 3)] and "blocks.3.mlp.fc.weight" in stages[(1, 3)]
+
+
+def test_refused_layouts_are_one_line(suite):
+    errors = suite[0]["errors"]
+    print(errors)
+    assert "covers 6 ranks but the world has 4" in errors["mesh_product"]
+    assert "pp=3 does not divide world size 4" in errors["pp_world"]
+    assert "do not divide the model's 3 blocks" in errors["blocks"]
+    assert "needs at least pp=2 microbatches" in errors["microbatches"]
+    assert "microbatches=4 does not split" in errors["batch"]
+    assert all("\n" not in e for e in errors.values())

@@ -1,0 +1,81 @@
+"""Pipeline stages without a process group: splits, schedule rules, the config's one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroshard.comm.mesh import _dims_of_shape
+from zeroshard.config import TrainConfig
+from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.pipeline.families import GPT_FAMILY, StageModule, block_names
+from zeroshard.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
+from zeroshard.pipeline.split import even_split, explicit_split
+from zeroshard.pipeline.tied import find_tied
+
+
+def test_even_split_and_its_error():
+    assert even_split(4, 2).blocks == ((0, 1), (2, 3))
+    assert even_split(4, 4).blocks == ((0,), (1,), (2,), (3,))
+    with pytest.raises(ValueError, match="3 pipeline stages do not divide the model's 4 blocks"):
+        even_split(4, 3)
+
+
+def test_explicit_split_names_blocks_in_order():
+    names = [f"blocks.{i}" for i in range(4)]
+    assert explicit_split([["blocks.0"], ["blocks.1", "blocks.2", "blocks.3"]], names, 2).blocks == ((0,), (1, 2, 3))
+    for bad, message in [([["blocks.1"], ["blocks.0", "blocks.2", "blocks.3"]], "in model order"),
+                         ([["tok_emb", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3"]], "not a block"),
+                         ([["blocks.0", "blocks.1", "blocks.2", "blocks.3"]], "1 stage lists but the pipeline has 2"),
+                         ([[], names], "is empty")]:
+        with pytest.raises(ValueError, match=message):
+            explicit_split(bad, names, 2)
+
+
+def test_stage_modules_keep_the_model_names_and_the_tie_is_found():
+    model = GPT(GPTConfig.named("tiny"))
+    split = even_split(4, 2)
+    first = StageModule(model, GPT_FAMILY, split.blocks[0], stage_index=0, num_stages=2)
+    last = StageModule(model, GPT_FAMILY, split.blocks[1], stage_index=1, num_stages=2)
+    assert [n for n, _ in first.named_parameters()][:3] == ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight"]
+    assert {n.split(".")[1] for n, _ in last.named_parameters() if n.startswith("blocks.")} == {"2", "3"}
+    assert "lm_head.weight" in dict(last.named_parameters(remove_duplicate=False))
+    assert block_names(model, GPT_FAMILY)[-1] == "blocks.3"
+    tied = find_tied(model, GPT_FAMILY, split)
+    assert [(t.owner_fqn, t.copy_fqn, t.owner_stage, t.copy_stage) for t in tied] == \
+        [("tok_emb.weight", "lm_head.weight", 0, 1)]
+
+
+def test_schedule_rules_are_one_line():
+    one, inter = schedule_spec("1f1b"), schedule_spec("interleaved-1f1b")
+    assert stages_per_rank(one, 0) == 1 and stages_per_rank(inter, 0) == 2
+    for call, message in [(lambda: schedule_spec("zb"), "pp_schedule='zb' is not a schedule"),
+                          (lambda: stages_per_rank(one, 2), "runs one stage per rank"),
+                          (lambda: check_microbatches(one, microbatches=1, pp=2, local_batch=4), "at least pp=2"),
+                          (lambda: check_microbatches(one, microbatches=4, pp=2, local_batch=6),
+                           "microbatches=4 does not split"),
+                          (lambda: check_microbatches(inter, microbatches=5, pp=2, local_batch=10), "rounds of pp=2")]:
+        with pytest.raises(ValueError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_mesh_shape_names_pp_outermost():
+    assert _dims_of_shape((2, 2), ("pp", "shard"), 4) == (2, 1, 2)
+    assert _dims_of_shape((2, 1, 2), ("pp", "shard", "tp"), 4) == (1, 2, 2)
+    with pytest.raises(ValueError, match="covers 6 ranks but the world has 4"):
+        _dims_of_shape((2, 3), ("pp", "shard"), 4)
+    with pytest.raises(ValueError, match="in that order"):
+        _dims_of_shape((2, 2), ("shard", "pp"), 4)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(pp=3, nproc=6), "pp=3 x 1 stages per rank does not divide the 4 blocks"),
+    (dict(pp=2, nproc=4, batch=8, microbatches=1), "at least pp=2 microbatches"),
+    (dict(pp=2, nproc=4, batch=12, microbatches=4), "microbatches=4 does not split"),
+    (dict(pp=2, nproc=4, batch=8, model="hf:gpt2-tiny"), "cannot be cut into pipeline stages"),
+    (dict(pp=2, nproc=4, batch=8, mp="fp16"), "mp=fp16 is not yet composed with pp > 1"),
+])
+def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
+    with pytest.raises(ValueError, match=message) as e:
+        TrainConfig(**kw)
+    assert "\n" not in str(e.value)

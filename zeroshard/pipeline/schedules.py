@@ -1,0 +1,76 @@
+"""The pipeline schedules zeroshard runs: torch's own, by name, with their rules checked up front.
+
+No schedule is written here: each name maps to a class of ``torch.distributed.pipelining``. What
+is added is the check torch makes late (or not at all), as one line that names the fix: too few
+microbatches for the schedule, a microbatch count an interleaved schedule cannot split into rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    torch_class: str
+    """The class's name in torch.distributed.pipelining."""
+    multi: bool
+    """Several stages per rank (torch's PipelineScheduleMulti)."""
+    default_stages_per_rank: int
+
+
+SCHEDULES = {
+    "gpipe": ScheduleSpec("gpipe", "ScheduleGPipe", False, 1),
+    "1f1b": ScheduleSpec("1f1b", "Schedule1F1B", False, 1),
+    "interleaved-1f1b": ScheduleSpec("interleaved-1f1b", "ScheduleInterleaved1F1B", True, 2),
+    "looped-bfs": ScheduleSpec("looped-bfs", "ScheduleLoopedBFS", True, 2),
+}
+"""Schedule names (``pp_schedule``). Zero-bubble schedules split backward into input and weight
+grads with ``torch.autograd.grad``, which fires no post-accumulate-grad hook, and the engine reduces
+from those hooks: they are not offered until the engine takes grads from that path too."""
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ValueError(f"pp_schedule={name!r} is not a schedule; use one of {', '.join(SCHEDULES)}")
+    return spec
+
+
+def stages_per_rank(spec: ScheduleSpec, asked: int) -> int:
+    """``asked`` (0: the schedule's default); single-stage schedules take exactly one."""
+    n = asked or spec.default_stages_per_rank
+    if not spec.multi and n != 1:
+        raise ValueError(f"pp_schedule={spec.name} runs one stage per rank, not pp_stages_per_rank={n}; use "
+                         "interleaved-1f1b or looped-bfs for several")
+    if spec.multi and n < 2:
+        raise ValueError(f"pp_schedule={spec.name} needs at least 2 stages per rank, got pp_stages_per_rank={n}; "
+                         "use 1f1b for one")
+    return n
+
+
+def check_microbatches(spec: ScheduleSpec, *, microbatches: int, pp: int, local_batch: int) -> None:
+    """One line for a microbatch count the schedule cannot run, or a batch it cannot split."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be >= 1")
+    if spec.name in ("1f1b", "interleaved-1f1b") and microbatches < pp:
+        raise ValueError(f"pp_schedule={spec.name} needs at least pp={pp} microbatches to fill the pipeline, got "
+                         f"microbatches={microbatches}; pass microbatches >= {pp}")
+    rounds = max(1, microbatches // pp)
+    if spec.multi and microbatches % rounds:
+        raise ValueError(f"pp_schedule={spec.name} runs microbatches in rounds of pp={pp}; {microbatches} is not a "
+                         f"multiple of {rounds} rounds: pass a multiple of {pp}")
+    if local_batch % microbatches:
+        raise ValueError(f"microbatches={microbatches} does not split each data-parallel rank's batch of "
+                         f"{local_batch} sequences; make batch / (data-parallel ranks x accum) a multiple of "
+                         f"{microbatches}")
+
+
+def make_schedule(spec: ScheduleSpec, stages: list, *, microbatches: int, loss_fn):
+    """The torch schedule over this rank's stages. Grads are not rescaled by torch (``scale_grads=False``):
+    the loss is already the global-batch mean's share (zeroshard/pipeline/runtime.py)."""
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, spec.torch_class)
+    return cls(stages if spec.multi else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)

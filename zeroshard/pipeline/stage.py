@@ -1,0 +1,43 @@
+"""torch's ``PipelineStage``, with every send and receive it posts stamped into the ledger.
+
+torch does the transport (``batch_isend_irecv`` on the pp group); zeroshard only observes: each
+``P2POp`` a schedule asks the stage for is recorded, when it is built, as a ``send`` or ``recv`` on
+group ``pp`` with its bytes, the phase (forward: activations, backward: their grads) and, as the
+record's unit, the stage and microbatch (``stage1.mb3``). Byte counts, the doctor and the desync
+fingerprint then cover the pipeline's traffic like any collective.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining import PipelineStage
+
+from zeroshard.comm import collectives
+from zeroshard.comm.names import Group, Phase
+
+
+class LedgeredStage(PipelineStage):
+    """A ``PipelineStage`` over ``mesh``'s pp group whose sends and receives reach ``mesh.ledger``."""
+
+    def __init__(self, submodule, stage_index: int, num_stages: int, *, mesh, input_args, output_args) -> None:
+        super().__init__(submodule, stage_index, num_stages, mesh.device, input_args=input_args,
+                         output_args=output_args, group=mesh.group(Group.PP))
+        self._zs_mesh = mesh
+
+    def _record(self, ops, op: str, phase: Phase, chunk: int):
+        for p2p in ops:
+            t = p2p.tensor
+            collectives.record_observed(op, numel=t.numel(), dtype=t.dtype, elem_size=t.element_size(), group=Group.PP,
+                                        unit=f"stage{self.stage_index}.mb{chunk}", phase=phase, mesh=self._zs_mesh)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        return self._record(super().get_fwd_send_ops(fwd_chunk_id), "send", Phase.FORWARD, fwd_chunk_id)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        return self._record(super().get_fwd_recv_ops(fwd_chunk_id), "recv", Phase.FORWARD, fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        return self._record(super().get_bwd_send_ops(bwd_chunk_id), "send", Phase.BACKWARD, bwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        return self._record(super().get_bwd_recv_ops(bwd_chunk_id), "recv", Phase.BACKWARD, bwd_chunk_id)
