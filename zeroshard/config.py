@@ -134,7 +134,8 @@ class TrainConfig:
     pp: int = 1
     """Pipeline parallelism: cut the model's blocks into this many stages, one per group of nproc/pp
     consecutive ranks, ZeRO (at `stage`) inside each stage over its ranks; torch's own schedules run
-    them (docs/pipeline.md). Needs zeroshard's GPT or hf:llama-tiny. 1 is no pipeline."""
+    them (docs/pipeline.md). Needs zeroshard's GPT or hf:llama-tiny; composes with tp (nproc = pp x
+    data-parallel x tp). 1 is no pipeline."""
 
     pp_schedule: str = "1f1b"
     """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b or

@@ -221,6 +221,7 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     dataset = build_data(cfg) if dataset is None else dataset
     model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=False) if model is None else model
     num_params = adapter.num_params(model)
+    apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks on the stage's tp dim, then cut
     options = engine_options(cfg, **{k: shard_overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in shard_overrides})
     pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                     stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,

@@ -25,6 +25,8 @@ SCHEDULES = ("1f1b", "interleaved-1f1b")
 CASES = [(name, stage, sched) for name in MODELS for sched in SCHEDULES for stage in (1, 2, 3)]
 STAGE0_CASES = [("gpt", 0, "1f1b")]
 """Our own stage 0 (DDP inside each stage) under the pipeline, held against our stage 0 without one."""
+TP_CASE = ("gpt", 3, "1f1b")
+"""pp 2 x tp 2 (shard 1) at stage 3, on a second mesh of the same world."""
 
 
 def config(name: str, stage: int, schedule: str = "1f1b", *, pp: int = 2, **kw: Any) -> TrainConfig:
@@ -95,6 +97,9 @@ def suite() -> dict:
     # Our stage 0 without a pipeline, on a mesh of the same world sharded 4 ways.
     flat = zs.new_mesh(name="flat")
     out["flat-stage0"] = _train(config("gpt", 0, pp=1), flat)
+    t0 = time.perf_counter()
+    out["pp-tp"] = _train(config(*TP_CASE, tp=2), zs.new_mesh(pp=2, tp=2, name="pptp"))
+    times["pp-tp"] = time.perf_counter() - t0
     out["errors"] = _errors(mesh)
     out["times"] = times
     zs.shutdown()

@@ -55,6 +55,14 @@ def test_pipeline_stage0_matches_our_stage0_without_a_pipeline(suite, references
     assert diff <= 1e-5
 
 
+def test_pipeline_with_tensor_parallel_stages_matches_single_process(suite, references):
+    got = suite[0]["pp-tp"]
+    diff = _max_diff(got["params"], references["gpt"]["params"])
+    print(f"gpt pp 2 x tp 2 stage 3 1f1b, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} "
+          f"({suite[0]['times']['pp-tp']:.1f} s)")
+    assert diff <= 1e-5
+
+
 def test_pipeline_stages_1_to_3_are_bitwise_its_stage_0(suite):
     """Each stage's shard group has 2 ranks, so every reduction is one commutative add and the flat
     buffers are aligned: ZeRO inside the pipeline changes no bit against DDP inside it."""

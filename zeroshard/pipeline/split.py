@@ -27,8 +27,8 @@ def even_split(n_blocks: int, n_stages: int) -> StageSplit:
     """``n_blocks / n_stages`` consecutive blocks per stage; a one-line error unless it divides."""
     if n_stages < 1 or n_blocks % n_stages:
         raise ValueError(f"{n_stages} pipeline stages do not divide the model's {n_blocks} blocks; pick pp (x stages "
-                         f"per rank) dividing {n_blocks}, or give an explicit split (pp_split: one list of block "
-                         "names per stage)")
+                         f"per rank) dividing {n_blocks}, or give an explicit split (Pipeline(split=...): one list "
+                         "of block names per stage)")
     per = n_blocks // n_stages
     return StageSplit(tuple(tuple(range(s * per, (s + 1) * per)) for s in range(n_stages)))
 
@@ -41,20 +41,20 @@ def explicit_split(names: Sequence[Sequence[str]], block_names: Sequence[str], n
     """
     index = {name: i for i, name in enumerate(block_names)}
     if len(names) != n_stages:
-        raise ValueError(f"pp_split has {len(names)} stage lists but the pipeline has {n_stages} stages (pp x stages "
+        raise ValueError(f"split has {len(names)} stage lists but the pipeline has {n_stages} stages (pp x stages "
                          "per rank); give one list of block names per stage")
     stages: list[tuple[int, ...]] = []
     for s, stage in enumerate(names):
         unknown = [n for n in stage if n not in index]
         if unknown:
-            raise ValueError(f"pp_split stage {s} names {unknown[0]!r}, which is not a block; name blocks only "
+            raise ValueError(f"split stage {s} names {unknown[0]!r}, which is not a block; name blocks only "
                              f"({block_names[0]} .. {block_names[-1]}): the first stage always keeps the embeddings "
                              "and the last the final norm and head")
         if not stage:
-            raise ValueError(f"pp_split stage {s} is empty; give every stage at least one block")
+            raise ValueError(f"split stage {s} is empty; give every stage at least one block")
         stages.append(tuple(index[n] for n in stage))
     flat = [i for stage in stages for i in stage]
     if flat != list(range(len(block_names))):
-        raise ValueError(f"pp_split must name each of the {len(block_names)} blocks once, in model order, stage after "
+        raise ValueError(f"split must name each of the {len(block_names)} blocks once, in model order, stage after "
                          f"stage; got {[list(s) for s in names]}")
     return StageSplit(tuple(stages))
