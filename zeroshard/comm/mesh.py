@@ -538,7 +538,7 @@ def _build_pp_mesh(world: int, rank: int, pp: int, shard_size: int, tp: int) -> 
 
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     replicate = world // pp // tp // shard_size
-    device_mesh = init_device_mesh(device_type, (pp, replicate, shard_size, tp), mesh_dim_names=SHAPE_DIMS)
+    device_mesh = init_device_mesh(device_type, (pp, replicate, shard_size, tp), mesh_dim_names=("pp",) + MESH_DIMS)
     stage_world = world // pp
     dp_group = ends_group = None
     # new_group is collective over the world: every rank builds every group, in the same order.
