@@ -1,41 +1,103 @@
 """zeroshard: sharded data-parallel training for PyTorch (DDP and ZeRO-1/2/3 in one runtime)."""
+# ruff: noqa: F401  (the TYPE_CHECKING imports at the end only declare the names of __all__)
 
-from zeroshard.checkpoint import CheckpointError, load, save
-from zeroshard.comm import get_ledger as ledger
-from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
-from zeroshard.comm.names import Dim, Group, Phase
-from zeroshard.experts import MoELayer, expert_parallel
-from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
-from zeroshard.materialize import meta_init
-from zeroshard.observing import Observer, observe
-from zeroshard.offload import OffloadPolicy
-from zeroshard.planner import plan
-from zeroshard.sharding import (
-    CommQuant,
-    EngineOptions,
-    MixedPrecision,
-    ShardedGradScaler,
-    clip_grad_norm_,
-    full_state_dict,
-    grad_norm,
-    mesh_of,
-    no_sync,
-    optim_groups,
-    optimizer,
-    precision_manifest,
-    shard,
-    unsharded,
-)
-from zeroshard.sharding.tp import tensor_parallel
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError", "CommQuant", "Dim", "EngineOptions", "Group", "Mesh", "Phase", "MixedPrecision",
-    "OffloadPolicy", "ShardedGradScaler",
-    "build_pretrained",
-    "MoELayer", "clip_grad_norm_", "expert_parallel",
-    "export_pretrained", "full_state_dict", "get_mesh", "grad_norm", "init", "ledger", "load",
-    "load_pretrained", "mesh_of", "meta_init", "new_mesh", "no_sync", "Observer", "observe", "optim_groups",
-    "optimizer", "plan", "precision_manifest", "save", "shard", "shutdown", "tensor_parallel", "unsharded",
-]
+# `import zeroshard` loads none of these: each name is imported on first use (PEP 562). A process
+# that needs only part of the package (the launcher forking ranks, the CLI parsing its flags before
+# anything starts, `zeroshard --version`) then does not pay for torch and the runtime up front.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "build_pretrained": ("zeroshard.hf", "build_pretrained"),
+    "CheckpointError": ("zeroshard.checkpoint", "CheckpointError"),
+    "clip_grad_norm_": ("zeroshard.sharding", "clip_grad_norm_"),
+    "CommQuant": ("zeroshard.sharding", "CommQuant"),
+    "Dim": ("zeroshard.comm.names", "Dim"),
+    "EngineOptions": ("zeroshard.sharding", "EngineOptions"),
+    "expert_parallel": ("zeroshard.experts", "expert_parallel"),
+    "export_pretrained": ("zeroshard.hf", "export_pretrained"),
+    "full_state_dict": ("zeroshard.sharding", "full_state_dict"),
+    "get_mesh": ("zeroshard.comm.mesh", "get_mesh"),
+    "grad_norm": ("zeroshard.sharding", "grad_norm"),
+    "Group": ("zeroshard.comm.names", "Group"),
+    "init": ("zeroshard.comm.mesh", "init"),
+    "ledger": ("zeroshard.comm", "get_ledger"),
+    "load": ("zeroshard.checkpoint", "load"),
+    "load_pretrained": ("zeroshard.hf", "load_pretrained"),
+    "Mesh": ("zeroshard.comm.mesh", "Mesh"),
+    "mesh_of": ("zeroshard.sharding", "mesh_of"),
+    "meta_init": ("zeroshard.materialize", "meta_init"),
+    "MixedPrecision": ("zeroshard.sharding", "MixedPrecision"),
+    "MoELayer": ("zeroshard.experts", "MoELayer"),
+    "new_mesh": ("zeroshard.comm.mesh", "new_mesh"),
+    "no_sync": ("zeroshard.sharding", "no_sync"),
+    "observe": ("zeroshard.observing", "observe"),
+    "Observer": ("zeroshard.observing", "Observer"),
+    "OffloadPolicy": ("zeroshard.offload", "OffloadPolicy"),
+    "optim_groups": ("zeroshard.sharding", "optim_groups"),
+    "optimizer": ("zeroshard.sharding", "optimizer"),
+    "Phase": ("zeroshard.comm.names", "Phase"),
+    "plan": ("zeroshard.planner", "plan"),
+    "precision_manifest": ("zeroshard.sharding", "precision_manifest"),
+    "save": ("zeroshard.checkpoint", "save"),
+    "shard": ("zeroshard.sharding", "shard"),
+    "ShardedGradScaler": ("zeroshard.sharding", "ShardedGradScaler"),
+    "shutdown": ("zeroshard.comm.mesh", "shutdown"),
+    "tensor_parallel": ("zeroshard.sharding.tp", "tensor_parallel"),
+    "unsharded": ("zeroshard.sharding", "unsharded"),
+}
+"""Public name -> (module, attribute there)."""
+
+__all__ = sorted(_EXPORTS, key=str.lower)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module, attribute = _EXPORTS[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    try:  # a subpackage not imported yet: zeroshard.sharding after a bare `import zeroshard`
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from zeroshard.checkpoint import CheckpointError, load, save  # type: ignore[no-redef]  # also module names there
+    from zeroshard.comm import get_ledger as ledger
+    from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
+    from zeroshard.comm.names import Dim, Group, Phase
+    from zeroshard.experts import MoELayer, expert_parallel
+    from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
+    from zeroshard.materialize import meta_init
+    from zeroshard.observing import Observer, observe
+    from zeroshard.offload import OffloadPolicy
+    from zeroshard.planner import plan
+    from zeroshard.sharding import (
+        CommQuant,
+        EngineOptions,
+        MixedPrecision,
+        ShardedGradScaler,
+        clip_grad_norm_,
+        full_state_dict,
+        grad_norm,
+        mesh_of,
+        no_sync,
+        optim_groups,
+        optimizer,
+        precision_manifest,
+        shard,
+        unsharded,
+    )
+    from zeroshard.sharding.tp import tensor_parallel

@@ -96,6 +96,27 @@ PRELOAD_ENV = "ZEROSHARD_SPAWN_PRELOAD"
 so its ranks skip them too. Read when the first world of a process starts."""
 
 
+def _preload(module: str) -> list[str]:
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    return [*_PRELOAD, *extra, module]
+
+
+def _forks() -> bool:
+    return "forkserver" in mp.get_all_start_methods()
+
+
+def start_rank_server(module: str) -> None:
+    """Start the server that local ranks fork from now, with ``module`` (where the ranks' entry
+    point lives) among its preloads, so that its imports run while the caller is still busy with
+    its own. A no-op under torchrun (no local ranks), where ranks cannot fork, or once it runs."""
+    if running_under_torchrun() or not _forks():
+        return
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(_preload(module))
+    forkserver.ensure_running()
+
+
 def _context(fn: Callable) -> Any:
     """The multiprocessing context ranks start from.
 
@@ -105,13 +126,12 @@ def _context(fn: Callable) -> Any:
     the caller's can be caught mid-use, and CUDA is never initialised before a fork. Elsewhere,
     ``spawn``: each rank is a fresh interpreter.
     """
-    if "forkserver" not in mp.get_all_start_methods():
+    if not _forks():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     # The server takes the list set before its first start; later calls change nothing. A module
     # that fails to import there is skipped, and the rank imports it itself.
-    ctx.set_forkserver_preload([*_PRELOAD, *extra, fn.__module__])
+    ctx.set_forkserver_preload(_preload(fn.__module__))
     return ctx
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 import zeroshard
 
 
@@ -36,3 +38,30 @@ def test_dtensor_loads_only_where_a_model_is_split():
             "print('torch.distributed.tensor' in sys.modules)")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"
+
+
+def test_every_public_name_loads_on_first_use_and_is_declared_for_type_checkers():
+    import ast
+    from pathlib import Path
+
+    source = Path(zeroshard.__file__).read_text()
+    guarded = next(node for node in ast.parse(source).body
+                   if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    declared = {alias.asname or alias.name for node in guarded.body for alias in node.names}
+    assert declared == set(zeroshard.__all__)
+    for name in zeroshard.__all__:
+        module, attribute = zeroshard._EXPORTS[name]  # noqa: SLF001 (the table under test)
+        assert getattr(zeroshard, name) is getattr(importlib.import_module(module), attribute)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        zeroshard.not_a_name  # noqa: B018
+
+
+def test_the_command_line_starts_the_rank_server_before_its_own_imports():
+    """`zeroshard train` forks its ranks from a server that imports torch on the other core while
+    the command itself imports and parses: nothing heavy may load before it starts."""
+    code = ("import sys, zeroshard.cli.main as m; "
+            "print(sorted(n for n in ('torch', 'zeroshard.sharding') if n in sys.modules), "
+            "m.starts_ranks(['train', '--nproc', '2']), m.starts_ranks(['plan', '--model', 'tiny']), "
+            "m.starts_ranks(['plan', '--measure']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] True False True"

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Sequence
 
-from zeroshard.cli import bench as bench_cmd
-from zeroshard.cli import ckpt as ckpt_cmd
-from zeroshard.cli import config as config_cmd
-from zeroshard.cli import data as data_cmd
-from zeroshard.cli import doctor as doctor_cmd
-from zeroshard.cli import generate as generate_cmd
-from zeroshard.cli import plan as plan_cmd
-from zeroshard.cli import report as report_cmd
-from zeroshard.cli import train as train_cmd
-from zeroshard.cli import tune as tune_cmd
-from zeroshard.cli import verify as verify_cmd
-from zeroshard.launch import prepare_exit
+from zeroshard.launch import prepare_exit, start_rank_server
+
+COMMANDS = ("train", "verify", "ckpt", "plan", "doctor", "report", "bench", "tune", "config", "generate", "data")
+"""Each subcommand is the module zeroshard.cli.<name>, with its own ``add_parser``."""
 
 
 def version_line() -> str:
@@ -39,21 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print zeroshard's version (and torch's and Python's) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train_cmd.add_parser(sub)
-    verify_cmd.add_parser(sub)
-    ckpt_cmd.add_parser(sub)
-    plan_cmd.add_parser(sub)
-    doctor_cmd.add_parser(sub)
-    report_cmd.add_parser(sub)
-    bench_cmd.add_parser(sub)
-    tune_cmd.add_parser(sub)
-    config_cmd.add_parser(sub)
-    generate_cmd.add_parser(sub)
-    data_cmd.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"zeroshard.cli.{name}").add_parser(sub)
     return parser
 
 
+def starts_ranks(argv: Sequence[str]) -> bool:
+    """Whether this command line will start local ranks: training, verifying, tuning, benchmarking
+    and measuring a plan do, unless torchrun already made the world (``start_rank_server`` checks)."""
+    command = argv[0] if argv else ""
+    return command in ("train", "verify", "tune", "bench") or (command == "plan" and "--measure" in argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    if argv is None and starts_ranks(words):
+        # The ranks' server imports torch and the runtime on the other core while this process
+        # imports its own and parses the flags, instead of after: seconds off every local launch.
+        start_rank_server(f"zeroshard.cli.{words[0]}")
     args = build_parser().parse_args(argv)
     code = int(args.run(args))
     if argv is None:  # the command line, not a caller in the same process that goes on afterwards
