@@ -105,7 +105,7 @@ def hidden_size(model: torch.nn.Module) -> int:
     return model.cfg.n_embd if isinstance(model, GPT) else model.config.hidden_size
 
 
-def reference(case: Case, *, balance: bool = True) -> dict:
+def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     """Plain single-process PyTorch over the whole global batch: the ground truth. tiny-moe's
     load-balancing loss is defined per micro-batch (a product of two batch means), so with
     accumulation its reference runs the distributed step's global micro-batches instead."""
@@ -115,7 +115,7 @@ def reference(case: Case, *, balance: bool = True) -> dict:
     opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=step.BETAS)
     sampler = GlobalBatchSampler(len(data), cfg.batch, world=1, rank=0, seed=SEED)
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x, y = collate(data, sampler.next_indices())
         if batch_nonlinear_loss(model) and cfg.accum > 1:  # as zeroshard.train.reference_train does
             count, loss = (y != -100).sum(), torch.zeros(())
@@ -216,13 +216,16 @@ def folder_config(folder: str) -> TrainConfig:
 
 
 def run_folder(folder: str, mesh) -> dict:
-    """The folder loaded at (shard 2, ep 2): its full tensors right after the load, then 3 steps."""
+    """The folder loaded at (shard 2, ep 2): its full tensors right after the load, 3 steps, then a
+    live export of the trained model (rank 0 writes it)."""
     from zeroshard.train import train_step
 
     run = step.build(folder_config(folder), mesh)
     loaded = zs.full_state_dict(run.model)
     losses = [train_step(run, i).loss for i in range(FOLDER_STEPS)]
+    exported = zs.export_pretrained(run.model, f"{folder}-trained", max_shard_size="20KB")
     return {"loaded": loaded, "losses": losses, "params": zs.full_state_dict(run.model),
+            "exported": str(exported) if exported else None,
             "expert_groups": sum(g.mesh is mesh.experts for g in get_engine(run.model).groups)}
 
 

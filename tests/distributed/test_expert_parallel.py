@@ -87,18 +87,18 @@ def test_experts_live_on_the_expert_mesh_and_hold_their_block(world4, references
     assert case["expert_full_bytes_per_layer"] * ep == all_experts
 
 
-@pytest.mark.parametrize("name", ["gpt-ep2-stage3"])
-def test_the_load_balancing_loss_is_the_global_batchs(world4, references, name):
-    """tiny-moe's aux loss uses routing shares summed over every rank (and, with accumulation, over
-    each global micro-batch): the runs above match a reference that has it, and that reference is far
-    from one without it, so the parity checks do see the aux loss."""
-    without = ew.reference(ew.CASES[name], balance=False)
-    ref, got = references[name]["params"], world4["cases"][name]["params"]
-    gap = max((without["params"][k] - ref[k]).abs().max().item() for k in ref)
-    loss_gap = max(a - b for a, b in zip(references[name]["losses"], without["losses"], strict=True))
-    print(f"{name}: the aux loss moves params by {gap:.1e} and the loss by {loss_gap:.1e} in {ew.STEPS} steps")
-    assert gap > 100 * TOL and loss_gap > 100 * TOL
-    assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= TOL
+def test_the_load_balancing_loss_is_the_global_batchs(world4, references):
+    """tiny-moe's aux loss uses routing shares summed over every rank and, with accumulation, over
+    each global micro-batch. The ep run's losses match a reference that has it, and that reference's
+    losses sit about coef x aux (0.02) above the same model's without it, so the parity checks see it."""
+    name = "gpt-ep2-stage3"
+    without = ew.reference(ew.CASES[name], balance=False, steps=2)["losses"]
+    ref, got = references[name]["losses"][:2], world4["cases"][name]["losses"][:2]
+    gaps = [a - b for a, b in zip(ref, without, strict=True)]
+    print(f"{name}: the aux loss adds {gaps[0]:.4f}, {gaps[1]:.4f} to the first two losses; the ep run is "
+          f"{max(abs(a - b) for a, b in zip(got, ref)):.1e} from the reference with it")
+    assert min(gaps) > 1000 * TOL
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= TOL
 
 
 def test_frozen_experts_get_no_grads_and_no_state(world4, references):
@@ -135,3 +135,16 @@ def test_a_mixtral_folder_loads_straight_into_split_experts_and_trains(world4, f
     print(f"mixtral folder at (shard 2, ep 2): loaded bitwise; after {ew.FOLDER_STEPS} steps params {diff:.2e}, "
           f"losses {loss:.2e} from one process")
     assert diff <= TOL and loss <= TOL
+
+
+def test_the_trained_split_model_exports_a_folder_from_pretrained_opens(world4):
+    """export_pretrained of the (shard 2, ep 2) model gathers every expert block: from_pretrained
+    opens the folder with no missing or unexpected keys, and its params are the trained ones."""
+    import transformers
+
+    got = world4["folder"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(got["exported"], dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state = model.state_dict()
+    assert all(torch.equal(state[k], got["params"][k]) for k in got["params"])

@@ -190,18 +190,19 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
     every rank gathers one flat group at a time; returns the folder on rank 0, None elsewhere."""
     from zeroshard.comm import collectives
     from zeroshard.comm.names import Phase
-    from zeroshard.experts.placement import refuse_expert_parallel
+    from zeroshard.experts.placement import all_experts, expert_rows
     from zeroshard.sharding import get_engine
     from zeroshard.sharding.state import gathered_master
 
     engine = get_engine(model)
-    refuse_expert_parallel(engine, "export_pretrained")
     rank, mesh = engine.mesh.rank, engine.mesh
     config, source = _hf_config(getattr(getattr(model, "cfg", None), "to_dict", dict)(), "this model")
     persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers (inv_freq) are derived
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+    # An expert param (expert parallelism) is written whole: every ep rank's block of it.
     entries = [e for group in engine.groups for slot, ref in zip(group.layout.slots, group.refs)
-               for e in _entries(saved_tensors(model, ref.fqn, _meta(slot.shape, dtype or group.master_dtype)))]
+               for e in _entries(saved_tensors(model, ref.fqn, _meta(expert_rows(group.mesh, slot.shape)[0],
+                                                                     dtype or group.master_dtype)))]
     entries += [e for n, b in buffers for e in _entries(saved_tensors(model, n, _meta(b.shape, b.dtype)))]
     problem, result, writer = "", None, None
     try:
@@ -214,12 +215,14 @@ def export_pretrained(model: nn.Module, out: str | Path, *, max_shard_size: int 
         raise PretrainedError(problem)
     for group in engine.groups:
         whole = gathered_master(group, Phase.EXPORT)  # every rank takes part, even after rank 0 failed, so none hangs
+        # Likewise the gather of an expert param's blocks over ep (a dense param comes back as it is).
+        values = [all_experts(whole[slot.offset:slot.end].view(slot.shape), group.mesh, unit=group.unit)
+                  for slot in group.layout.slots]
         if writer is None:
             continue
         try:
-            for slot, ref in zip(group.layout.slots, group.refs):
-                value = whole[slot.offset:slot.end].view(slot.shape).to(dtype or whole.dtype)
-                _write(writer, saved_tensors(model, ref.fqn, value))
+            for value, ref in zip(values, group.refs):
+                _write(writer, saved_tensors(model, ref.fqn, value.to(dtype or whole.dtype)))
         except Exception as e:
             writer.abort()
             writer, problem = None, f"{out}: export failed, nothing written: {e}"
