@@ -96,24 +96,25 @@ PRELOAD_ENV = "ZEROSHARD_SPAWN_PRELOAD"
 so its ranks skip them too. Read when the first world of a process starts."""
 
 
-def _preload(module: str) -> list[str]:
+def _preload(*modules: str) -> list[str]:
     extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
-    return [*_PRELOAD, *extra, module]
+    return [*_PRELOAD, *extra, *modules]
 
 
 def _forks() -> bool:
     return "forkserver" in mp.get_all_start_methods()
 
 
-def start_rank_server(module: str) -> None:
-    """Start the server that local ranks fork from now, with ``module`` (where the ranks' entry
-    point lives) among its preloads, so that its imports run while the caller is still busy with
-    its own. A no-op under torchrun (no local ranks), where ranks cannot fork, or once it runs."""
+def start_rank_server(*modules: str) -> None:
+    """Start the server that local ranks fork from now, with ``modules`` (where the ranks' entry
+    point lives, a model library they will import) among its preloads, so that its imports run
+    while the caller is still busy with its own. A no-op under torchrun (no local ranks), where
+    ranks cannot fork, or once it runs."""
     if running_under_torchrun() or not _forks():
         return
     from multiprocessing import forkserver
 
-    forkserver.set_forkserver_preload(_preload(module))
+    forkserver.set_forkserver_preload(_preload(*modules))
     forkserver.ensure_running()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -44,12 +45,23 @@ def starts_ranks(argv: Sequence[str]) -> bool:
     return command in ("train", "verify", "tune", "bench") or (command == "plan" and "--measure" in argv)
 
 
+def model_library(argv: Sequence[str]) -> tuple[str, ...]:
+    """transformers' model core when ``--model`` names a Hugging Face model (``hf:NAME`` or a
+    folder): after torch, the heaviest import a rank makes (seconds of CPU)."""
+    words = list(argv)
+    values = [w.split("=", 1)[1] for w in words if w.startswith("--model=")]
+    values += [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--model"]
+    if any(v.startswith("hf:") or os.path.isdir(v) for v in values):
+        return ("transformers.modeling_utils",)
+    return ()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     if argv is None and starts_ranks(words):
         # The ranks' server imports torch and the runtime on the other core while this process
         # imports its own and parses the flags, instead of after: seconds off every local launch.
-        start_rank_server(f"zeroshard.cli.{words[0]}")
+        start_rank_server(f"zeroshard.cli.{words[0]}", *model_library(words))
     args = build_parser().parse_args(argv)
     code = int(args.run(args))
     if argv is None:  # the command line, not a caller in the same process that goes on afterwards
