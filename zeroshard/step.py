@@ -229,8 +229,10 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     pipe.check_batch(cfg.batch // mesh.dp_size // cfg.accum)
     opts = pipe.optimizers(torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
+    # fp16: one scaler over all of this rank's stages, its overflow flag agreed over the world (every pp rank).
+    scaler = zs.ShardedGradScaler(pipe.modules) if cfg.mp == "fp16" else None
     return Run(cfg=cfg, mesh=mesh, model=pipe.modules[0], opt=Each(opts),
-               scheduler=Each([make_scheduler(cfg, o) for o in opts]), scaler=None, dataset=dataset, sampler=sampler,
+               scheduler=Each([make_scheduler(cfg, o) for o in opts]), scaler=scaler, dataset=dataset, sampler=sampler,
                model_cfg=getattr(model, "cfg", None), num_params=num_params, pipeline=pipe)
 
 
@@ -309,9 +311,9 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
     """One optimizer step of a pipeline run: `accum` runs of the schedule, every microbatch's grads
     accumulated unreduced, then one reduction, clipping over every stage, and each stage's optimizer
     and LR schedule once. The loss and grads are the global-batch mean, as in `accumulate_gradients`."""
-    pipe, cfg = run.pipeline, run.cfg
+    pipe, cfg, scaler = run.pipeline, run.cfg, run.scaler
     count = global_token_count(y, run.mesh)  # over the stage's data-parallel ranks: the same on every stage
-    scale = run.mesh.dp_size / count
+    scale = run.mesh.dp_size / count * (scaler.get_scale() if scaler is not None else 1.0)
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for xm, ym in zip(x.chunk(cfg.accum), y.chunk(cfg.accum)):
         with phase("pipeline"):
@@ -319,8 +321,14 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
     with phase("backward"):
         pipe.reduce()
     with phase("optimizer"):
+        if scaler is not None:
+            scaler.unscale_(run.opt)  # one overflow flag for every stage: all skip, or none
         norm = pipe.clip_grad_norm_(cfg.clip) if cfg.clip > 0 else None
-        run.opt.step()
+        if scaler is not None:
+            scaler.step(run.opt)
+            scaler.update()
+        else:
+            run.opt.step()
         run.scheduler.step()
         run.opt.zero_grad()
     loss_sum = pipe.pp_sum(total)  # only the last stage computed it

@@ -13,6 +13,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the configs are built in code
 
 
+import torch
+
 import zeroshard as zs
 from zeroshard import step as step_mod
 from zeroshard.config import TrainConfig
@@ -64,6 +66,28 @@ def _p2p_bytes(records) -> dict[str, int]:
     return out
 
 
+def _fp16_overflow(mesh) -> dict:
+    """fp16 at stage 2 for 3 steps, with an inf put into the first stage's grads alone at step 2: every
+    rank (both stages) must skip that step and back off the scale, and train on either side of it."""
+    from zeroshard.sharding import get_engine
+
+    run = step_mod.build(config("gpt", 2, mp="fp16", steps=3), mesh)
+    scales, skipped, moved = [], [], []
+    for i in range(3):
+        before = [g.shard.clone() for m in run.pipeline.modules for g in get_engine(m).trainable_groups]
+        handle = None
+        if i == 1 and mesh.pp_rank == 0:
+            handle = run.pipeline.modules[0].get_parameter("pos_emb.weight").register_hook(lambda g: g * float("inf"))
+        train_step(run, i)
+        if handle is not None:
+            handle.remove()
+        after = [g.shard for m in run.pipeline.modules for g in get_engine(m).trainable_groups]
+        moved.append(any(not torch.equal(a, b) for a, b in zip(after, before)))
+        scales.append(run.scaler.get_scale())
+        skipped.append(run.scaler.skipped_steps)
+    return {"scales": scales, "skipped": skipped, "moved": moved}
+
+
 def _errors(mesh) -> dict[str, str]:
     """One line each for the layouts the runtime refuses (the config's own errors are unit-tested)."""
     from zeroshard.models.gpt import GPT, GPTConfig
@@ -101,6 +125,7 @@ def suite() -> dict:
     t0 = time.perf_counter()
     out["pp-tp"] = _train(config(*TP_CASE, tp=2), zs.new_mesh(pp=2, tp=2, name="pptp"))
     times["pp-tp"] = time.perf_counter() - t0
+    out["fp16"] = _fp16_overflow(mesh)
     out["errors"] = _errors(mesh)
     out["times"] = times
     zs.shutdown()

@@ -72,6 +72,15 @@ def test_pipeline_stages_1_to_3_are_bitwise_its_stage_0(suite):
         assert all((got[k] == base[k]).all() for k in base), stage
 
 
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(suite):
+    runs = [r["fp16"] for r in suite]
+    print(runs[0], runs[-1])
+    for r in runs:  # ranks 0-1 hold the first stage (where the inf is), ranks 2-3 the last
+        assert r["skipped"] == [0, 1, 1]
+        assert r["moved"] == [True, False, True]
+        assert r["scales"][1] == r["scales"][0] * 0.5 == r["scales"][2]
+
+
 def test_mesh_puts_pp_outermost(suite):
     meshes = [r["mesh"] for r in suite]
     assert [m["pp_rank"] for m in meshes] == [0, 0, 1, 1]  # a stage's ranks are consecutive

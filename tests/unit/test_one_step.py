@@ -17,6 +17,7 @@ SCANNED = ("zeroshard", "bench")
 ALLOWED = {
     ("zeroshard/step.py", "accumulate_gradients"): "the step's micro-steps",
     ("zeroshard/step.py", "optimizer_step"): "the step's optimizer step",
+    ("zeroshard/step.py", "pipeline_step"): "a pipeline run's step: torch's schedule runs the micro-steps",
     ("zeroshard/step.py", "plain_step"): "the plain PyTorch step the benchmarks' peers take",
     ("zeroshard/train.py", "reference_train"): "the single-process plain-PyTorch reference",
     ("zeroshard/sharding/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",

@@ -73,7 +73,7 @@ def test_mesh_shape_names_pp_outermost():
     (dict(pp=2, nproc=4, batch=8, microbatches=1), "at least pp=2 microbatches"),
     (dict(pp=2, nproc=4, batch=12, microbatches=4), "microbatches=4 does not split"),
     (dict(pp=2, nproc=4, batch=8, model="hf:gpt2-tiny"), "cannot be cut into pipeline stages"),
-    (dict(pp=2, nproc=4, batch=8, mp="fp16"), "mp=fp16 is not yet composed with pp > 1"),
+    (dict(pp=2, nproc=4, batch=8, compile=True), "compile is not yet composed with pp > 1"),
 ])
 def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
     with pytest.raises(ValueError, match=message) as e:

@@ -3,7 +3,9 @@
 It follows torch's ``GradScaler`` contract (``scale``, ``unscale_``, ``step``, ``update``, same
 growth/backoff rule and state keys) but works on the grad shards the sharded optimizer steps on.
 A shard only sees its own slice, so an overflow in one rank's slice must stop every rank: the
-found-inf flag is max-reduced over the world before anyone decides, as DeepSpeed does.
+found-inf flag is max-reduced over the world before anyone decides, as DeepSpeed does. A pipeline
+rank passes all of its stages (a list of models): one flag covers them, and the world spans every
+pp rank, so all stages skip the same steps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class ShardedGradScaler:
             raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1), as for torch.amp.GradScaler")
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
-        self._engine = get_engine(model)
+        self._engines = [get_engine(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
         self.scale_value = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -47,14 +49,15 @@ class ShardedGradScaler:
         if not self.enabled or self._unscaled:
             return bool(self._found_inf)
         inv = 1.0 / self.scale_value
-        local_bad = torch.zeros(1, device=self._engine.mesh.device)
-        for group in self._engine.trainable_groups:
+        mesh = self._engines[0].mesh
+        local_bad = torch.zeros(1, device=mesh.device)
+        for group in (g for engine in self._engines for g in engine.trainable_groups):
             if group.grad_shard is None:
                 continue
             group.grad_shard.mul_(inv)
             if not torch.isfinite(group.grad_shard).all():
                 local_bad.fill_(1.0)
-        collectives.all_reduce(local_bad, op="max", group=Group.WORLD, phase=Phase.GRAD_SCALER, mesh=self._engine.mesh)
+        collectives.all_reduce(local_bad, op="max", group=Group.WORLD, phase=Phase.GRAD_SCALER, mesh=mesh)
         self._found_inf = bool(local_bad.item())
         self._unscaled = True
         return self._found_inf
