@@ -41,6 +41,7 @@ PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 (zeroshard/pipeline/families.py)."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
+WARMUP_SHAPES = ("linear", "log")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
 STAGES = (0, 1, 2, 3)
 
@@ -77,7 +78,11 @@ class TrainConfig:
     """Learning rate at the end of the cosine decay."""
 
     warmup: int = 10
-    """Linear warm-up steps from 0 to `lr`; cosine decay to `min_lr` follows."""
+    """Warm-up steps from 0 to `lr` (shaped by `warmup_shape`); cosine decay to `min_lr` follows."""
+
+    warmup_shape: str = "linear"
+    """How warm-up climbs: `linear` (lr·(s+1)/warmup at 0-based step s) or `log`
+    (lr·ln(s+2)/ln(warmup+1): most of the climb in the first steps, DeepSpeed WarmupLR's default)."""
 
     weight_decay: float = 0.1
     """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
@@ -363,6 +368,8 @@ class TrainConfig:
             raise ValueError(f"vocab_size={self.vocab_size} must be >= 2")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0 (0 disables warm-up)")
+        if self.warmup_shape not in WARMUP_SHAPES:
+            raise ValueError(f"warmup_shape={self.warmup_shape!r} is invalid; use one of {', '.join(WARMUP_SHAPES)}")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if not 0 <= self.min_lr <= self.lr:

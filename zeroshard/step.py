@@ -82,8 +82,11 @@ class StepOutcome:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step. `step` is 0-based."""
+    """Warm-up to `lr` (linear, or logarithmic as DeepSpeed's WarmupLR by default), then cosine
+    decay to `min_lr` at the last step. `step` is 0-based; either warm-up reaches `lr` at its last step."""
     if step < cfg.warmup:
+        if cfg.warmup_shape == "log":
+            return cfg.lr * math.log(step + 2) / math.log(cfg.warmup + 1)
         return cfg.lr * (step + 1) / cfg.warmup
     span = max(1, cfg.steps - 1 - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)

@@ -27,7 +27,7 @@ HF_ZERO3_OFFLOAD = {
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto", "warmup_type": "linear"}},
+                                                 "warmup_num_steps": "auto"}},
     "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
@@ -111,7 +111,7 @@ SMALL_RUN = ["--steps", "3", "--seq-len", "16", "--num-samples", "64"]
 SHAPES: dict[str, tuple] = {
     "hf_zero3_offload": (HF_ZERO3_OFFLOAD, ["--world", "2", "--batch", "8", "--lr", "3e-4", "--warmup", "1"], None,
                          dict(stage=3, nproc=2, batch=8, accum=1, offload="cpu", lr=3e-4, min_lr=3e-4, warmup=1,
-                              clip=1.0, mp="fp32")),
+                              warmup_shape="log", clip=1.0, mp="fp32")),
     "zero2_autotp4": (ZERO2_AUTOTP4, ["--world", "4"], None,
                       dict(stage=2, nproc=4, tp=4, batch=2, accum=1, mp="bf16", lr=1e-3, weight_decay=0.0)),
     "zero2_offload_zenflow": (ZERO2_OFFLOAD_ZENFLOW, [], "zero_optimization.zenflow",
@@ -181,6 +181,7 @@ def test_hf_auto_rows_say_where_each_value_came_from(tmp_path, capsys):
     assert "lr = 0.0003" in rows["optimizer.params.lr"] and "auto: --lr" in rows["optimizer.params.lr"]
     assert "offload = 'cpu'" in rows["zero_optimization.offload_param.device"]
     assert "ckpt export" in rows["zero_optimization.stage3_gather_16bit_weights_on_model_save"]
+    assert "warmup_shape = 'log'" in rows["scheduler.params.warmup_type"] and "DeepSpeed" in rows["scheduler.params.warmup_type"]
 
 
 TRAIN_ALL = os.environ.get("ZEROSHARD_DS_TRAIN") == "1"

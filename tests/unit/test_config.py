@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,11 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
     assert lrs[-1] == pytest.approx(1e-4)
     assert TrainConfig(steps=1, warmup=0).lr == lr_at(TrainConfig(steps=1, warmup=0), 0)
+    log = TrainConfig(steps=20, warmup=5, lr=1e-3, min_lr=1e-4, warmup_shape="log")
+    assert [lr_at(log, s) for s in range(5)] == pytest.approx([1e-3 * math.log(s + 2) / math.log(6) for s in range(5)])
+    assert [lr_at(log, s) for s in range(5, 20)] == pytest.approx(lrs[5:]), "the same decay after either warm-up"
+    with pytest.raises(ValueError, match="warmup_shape='cubic' is invalid; use one of linear, log"):
+        TrainConfig(warmup_shape="cubic")
 
 
 def test_comm_quant_validation() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 import subprocess
 import sys
@@ -79,15 +81,16 @@ ZERO3_HF_AUTO = {
 def test_zero1_bf16_exact_toml():
     conv = from_deepspeed(ZERO1_BF16, world=8)
     assert conv.values == dict(stage=1, nproc=8, batch=256, steps=1000, lr=3e-4, min_lr=3e-4 * 0.1, warmup=100,
-                               weight_decay=0.1, clip=1.0, accum=4, bucket_mb=5e8 * 4 / 2**20, mp="bf16", log_every=50)
+                               warmup_shape="linear", weight_decay=0.1, clip=1.0, accum=4, bucket_mb=5e8 * 4 / 2**20,
+                               mp="bf16", log_every=50)
     text = conv.toml("ds.json")
     comments = [ln for ln in text.splitlines() if ln.startswith("#")]
     assert comments[0] == "# Converted from the DeepSpeed config ds.json by `zeroshard config from-deepspeed`."
     assert comments[1:] == [f"# {ln}".rstrip() for ln in conv.table().splitlines()]
     assert text.splitlines()[len(comments):] == [  # TrainConfig's field order
         "stage = 1", "nproc = 8", "batch = 256", "steps = 1000", "lr = 0.0003", f"min_lr = {3e-4 * 0.1!r}",
-        "warmup = 100", "weight_decay = 0.1", "clip = 1.0", "accum = 4", f"bucket_mb = {5e8 * 4 / 2**20!r}",
-        'mp = "bf16"', "log_every = 50"]
+        "warmup = 100", 'warmup_shape = "linear"', "weight_decay = 0.1", "clip = 1.0", "accum = 4",
+        f"bucket_mb = {5e8 * 4 / 2**20!r}", 'mp = "bf16"', "log_every = 50"]
     rows = {d.key: d for d in conv.decisions}
     assert rows["train_batch_size"].source == "the JSON" and rows["gradient_accumulation_steps"].became == "accum = 4"
     assert "derived" in rows["gradient_accumulation_steps"].source
@@ -95,7 +98,8 @@ def test_zero1_bf16_exact_toml():
     assert conv.notes == [
         "optimizer.params.weight_decay=0.1: zeroshard decays matrices and embeddings only, not biases or norm weights",
         "scheduler.type='WarmupCosineLR': zeroshard's warm-up reaches lr one step earlier "
-        "(lr*(s+1)/warmup rather than lr*s/warmup)"]
+        "(linear: lr*(s+1)/warmup rather than lr*s/warmup; log: lr*ln(s+2)/ln(warmup+1) rather than "
+        "lr*ln(s+1)/ln(warmup))"]
 
 
 def test_zero2_fp16_loss_scaling_with_cpu_offload():
@@ -180,9 +184,16 @@ def test_warmup_lr_is_a_cosine_whose_floor_is_the_peak():
 
     cfg = config_from_sources(None, {**conv.values, "steps": 20})
     assert [lr_at(cfg, s) for s in range(7, 20)] == [3e-4] * 13, "constant after warm-up, as WarmupLR holds it"
-    log = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4}}}
-    with pytest.raises(UnsupportedKey, match="warmup_type='log' is unsupported .DeepSpeed default."):
-        from_deepspeed(log, world=8)
+    # Without warmup_type DeepSpeed warms up logarithmically, as HF Trainer configs leave it.
+    log = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 7}}}
+    conv = from_deepspeed(log, world=8)
+    assert conv.values["warmup_shape"] == "log" and conv.values["warmup"] == 7
+    cfg = config_from_sources(None, {**conv.values, "steps": 20})
+    climb = [lr_at(cfg, s) for s in range(8)]
+    assert climb[0] == pytest.approx(3e-4 * math.log(2) / math.log(8)) and climb[6] == pytest.approx(3e-4)
+    assert climb[1] - climb[0] > climb[6] - climb[5] > 0, "a log climb is steepest first"
+    with pytest.raises(UnsupportedKey, match="warmup_type='cubic' is unsupported: zeroshard warms up linear or log"):
+        from_deepspeed({**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, world=8)
     peak = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}
     with pytest.raises(UnsupportedKey, match="warmup_max_lr=0.001 .DeepSpeed default. and optimizer.params.lr"):
         from_deepspeed(peak, world=8)
@@ -254,8 +265,6 @@ def _with(base: dict, **zero) -> dict:
     ({**ZERO1_BF16, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 8, "scheduler.type='WarmupDecayLR'"),
     ({**ZERO1_BF16, "tensorboard_extra": 1}, 8, "unknown DeepSpeed key 'tensorboard_extra'"),
     ({**ZERO1_BF16, "sparse_attention": True}, 8, "sparse_attention=True is unsupported"),
-    ({**ZERO1_BF16, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}}, 8,
-     "scheduler.params.warmup_type='log' is unsupported"),
     ({**ZERO1_BF16, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, 8, "optimizer.type='Adam'"),
     ({**ZERO1_BF16, "bfloat16": {"enabled": True}}, 8, "bf16 and bfloat16"),
     ({**ZERO1_BF16, "activation_checkpointing": {"partition_activations": True}}, 8,

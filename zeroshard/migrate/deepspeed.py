@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from zeroshard.config import TrainConfig, field_names
+from zeroshard.config import WARMUP_SHAPES, TrainConfig, field_names
 from zeroshard.migrate.decisions import (AUTO, FROM_DERIVED, FROM_DS_DEFAULT, FROM_JSON, FROM_ZS_DEFAULT,
                                          MISSING, Conversion, Decision, UnsupportedKey)
 from zeroshard.migrate.ds_zero import convert_zero
@@ -294,13 +294,17 @@ def _scheduler(root: Section, out: Builder) -> None:
         raise UnsupportedKey(f"DeepSpeed key {sched.name('type')}={kind!r} is unsupported: zeroshard train runs linear "
                              "warm-up then cosine decay (WarmupCosineLR; WarmupLR is that with min_lr = lr); "
                              "--drop scheduler converts with zeroshard's schedule (--warmup, --min-lr)")
-    warmup_type = params.take("warmup_type", "log")  # DeepSpeed's default is "log"
-    if warmup_type != "linear":
-        raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_type')}={warmup_type!r} is unsupported"
-                             f"{' (DeepSpeed default)' if not params.has('warmup_type') else ''}: zeroshard warms up "
-                             "linearly; write \"warmup_type\": \"linear\", or --drop scheduler for zeroshard's schedule")
+    given_type = params.take("warmup_type", MISSING)
+    warmup_type = "log" if given_type is MISSING else given_type  # DeepSpeed's default is "log"
+    if warmup_type not in WARMUP_SHAPES:
+        raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_type')}={warmup_type!r} is unsupported: zeroshard "
+                             f"warms up {' or '.join(WARMUP_SHAPES)}; write one of them, or --drop scheduler for "
+                             "zeroshard's schedule")
+    out.set(params.name("warmup_type"), given_type, "warmup_shape", warmup_type,
+            FROM_JSON if given_type is not MISSING else f"{FROM_DS_DEFAULT} log")
     out.row(sched.name("type"), kind, "-", FROM_JSON, "zeroshard's warm-up reaches lr one step earlier "
-            "(lr*(s+1)/warmup rather than lr*s/warmup)", noted=True)
+            "(linear: lr*(s+1)/warmup rather than lr*s/warmup; log: lr*ln(s+2)/ln(warmup+1) rather than "
+            "lr*ln(s+1)/ln(warmup))", noted=True)
     out.refuse(params, "last_batch_iteration", "zeroshard resumes its schedule from checkpoints", off=(None, -1))
     out.refuse(params, "warmup_min_ratio", "zeroshard warms up from 0", off=(None, 0, 0.0))
     lr = out.values.get("lr", default_of("lr"))
