@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # Re-install when pyproject.toml changes, not on every make call.
 STAMP := $(VENV)/.zeroshard-installed
 TESTS ?= tests/
+# Two pytest workers, each test file on one of them (its module-scoped spawned worlds stay shared):
+# most tests wait on rank processes, interpreter starts and sockets, so one worker leaves a core idle.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test lint
 
@@ -28,7 +31,7 @@ demo: venv
 
 # pytest exits 5 when nothing was collected; that must fail CI, never pass it.
 test: venv
-	@$(PY) -m pytest $(TESTS) ; rc=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(TESTS) ; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected; failing" >&2; exit 1; fi; \
 	exit $$rc
 
