@@ -289,6 +289,23 @@ def global_micro_batches(x: torch.Tensor, y: torch.Tensor, *, dp: int,
     return out
 
 
+def reference_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, dp: int,
+                       accum: int) -> torch.Tensor:
+    """One process's backward of a global batch, as the distributed step computes it; returns the
+    step's mean loss. A loss that is not a sum over samples (an MoE load-balancing term) is
+    backpropagated over the distributed step's own global micro-batches, so both see the same ones."""
+    if batch_nonlinear_loss(model) and accum > 1:
+        count, loss = (y != IGNORE_INDEX).sum(), torch.zeros(())
+        for xm, ym in global_micro_batches(x, y, dp=dp, accum=accum):
+            loss_sum, _ = adapter.loss_sum(model, xm, ym)
+            (loss_sum / count).backward()
+            loss = loss + loss_sum.detach() / count
+        return loss
+    loss = adapter.mean_loss(model, x, y)
+    loss.backward()
+    return loss
+
+
 def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     """Plain single-process PyTorch: the numerical reference for `zeroshard verify`.
 
@@ -306,16 +323,7 @@ def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     losses: list[float] = []
     for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
-        if batch_nonlinear_loss(model) and cfg.accum > 1:
-            # The step's mean loss, backpropagated over the distributed step's own global micro-batches.
-            count, loss = (y != IGNORE_INDEX).sum(), torch.zeros(())
-            for xm, ym in global_micro_batches(x, y, dp=cfg.nproc // cfg.tp, accum=cfg.accum):
-                loss_sum, _ = adapter.loss_sum(model, xm, ym)
-                (loss_sum / count).backward()
-                loss = loss + loss_sum.detach() / count
-        else:
-            loss = adapter.mean_loss(model, x, y)
-            loss.backward()
+        loss = reference_backward(model, x, y, dp=cfg.nproc // cfg.tp, accum=cfg.accum)
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()

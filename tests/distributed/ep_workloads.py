@@ -20,9 +20,9 @@ from zeroshard import step
 from zeroshard.config import TrainConfig
 from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.experts import ep_forwards
-from zeroshard.models import GPT, GPTConfig, adapter
+from zeroshard.models import GPT, GPTConfig
 from zeroshard.sharding import get_engine
-from zeroshard.train import batch_nonlinear_loss, global_micro_batches
+from zeroshard.train import reference_backward
 
 SEED = 1234
 VOCAB = 64
@@ -117,15 +117,7 @@ def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     losses, norms = [], []
     for _ in range(steps):
         x, y = collate(data, sampler.next_indices())
-        if batch_nonlinear_loss(model) and cfg.accum > 1:  # as zeroshard.train.reference_train does
-            count, loss = (y != -100).sum(), torch.zeros(())
-            for xm, ym in global_micro_batches(x, y, dp=cfg.nproc, accum=cfg.accum):
-                loss_sum, _ = adapter.loss_sum(model, xm, ym)
-                (loss_sum / count).backward()
-                loss = loss + loss_sum.detach() / count
-        else:
-            loss = adapter.mean_loss(model, x, y)
-            loss.backward()
+        loss = reference_backward(model, x, y, dp=cfg.nproc, accum=cfg.accum)
         trainable = [p for p in model.parameters() if p.requires_grad]
         norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)))
         opt.step()

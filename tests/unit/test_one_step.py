@@ -20,6 +20,7 @@ ALLOWED = {
     ("zeroshard/step.py", "pipeline_step"): "a pipeline run's step: torch's schedule runs the micro-steps",
     ("zeroshard/step.py", "plain_step"): "the plain PyTorch step the benchmarks' peers take",
     ("zeroshard/train.py", "reference_train"): "the single-process plain-PyTorch reference",
+    ("zeroshard/train.py", "reference_backward"): "the reference's backward of a global batch",
     ("zeroshard/sharding/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",
     ("zeroshard/planner/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
     ("zeroshard/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
