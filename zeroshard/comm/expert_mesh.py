@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.ledger import Ledger
-from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.mesh import Mesh, runs_and_strides
 from zeroshard.comm.names import Group
 from zeroshard.comm.topology import Topology
 
@@ -83,17 +83,7 @@ def build_expert_mesh(*, rank: int, world: int, ep: int, device: torch.device, n
     the same order). Groups of one rank are real groups too, so ``group()`` never hands out None
     for a dim the engine communicates over."""
     edp = world // ep
-    ep_group = edp_group = None
-    for start in range(0, world, ep):
-        ranks = list(range(start, start + ep))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            ep_group = group
-    for offset in range(ep):
-        ranks = list(range(offset, world, ep))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            edp_group = group
+    ep_group, edp_group = runs_and_strides(world, rank, ep)
     return ExpertMesh(rank=rank, world=world, shard_size=edp, device=device, backend=dist.get_backend(),
                       world_group=dist.group.WORLD, shard_group=edp_group, replicate_group=None, tp_size=1,
                       dp_group=edp_group, name=expert_mesh_name(name), ledger=ledger, topology=topology, ep=ep,

@@ -488,23 +488,28 @@ def use_expert_mesh_builder(builder) -> None:
     _EXPERT_MESH_BUILDER[:] = [builder]
 
 
+def runs_and_strides(world: int, rank: int, size: int) -> tuple[object, object]:
+    """This rank's group among the runs of ``size`` consecutive ranks, and its group among the
+    ranks ``size`` apart. new_group is collective over the whole world, so every rank creates
+    every group, in the same order, and keeps only its own."""
+    run_group = stride_group = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            run_group = group
+    for offset in range(size):
+        ranks = list(range(offset, world, size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            stride_group = group
+    return run_group, stride_group
+
+
 def _build_groups(world: int, rank: int, shard_size: int):
     if shard_size == world:
         return dist.group.WORLD, None
-    # new_group is collective over the whole world, so every rank creates every group in the
-    # same order and keeps only its own.
-    shard_group = replicate_group = None
-    for start in range(0, world, shard_size):
-        ranks = list(range(start, start + shard_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            shard_group = group
-    for offset in range(shard_size):
-        ranks = list(range(offset, world, shard_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            replicate_group = group
-    return shard_group, replicate_group
+    return runs_and_strides(world, rank, shard_size)
 
 
 def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
