@@ -517,22 +517,33 @@ def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
     (every rank with the same tp index), which reduces a stage-0 gradient and broadcasts init values."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     replicate = world // tp // shard_size
-    device_mesh = init_device_mesh(device_type, (replicate, shard_size, tp), mesh_dim_names=MESH_DIMS)
-    dp_group = None
-    for offset in range(tp):
-        ranks = list(range(offset, world, tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = group
+    device_mesh = init_device_mesh(_device_type(), (replicate, shard_size, tp), mesh_dim_names=MESH_DIMS)
     return {
         "device_mesh": device_mesh,
         "tp_group": device_mesh.get_group("tp"),
         "shard_group": device_mesh.get_group("shard"),
         "replicate_group": device_mesh.get_group("replicate") if replicate > 1 else None,
-        "dp_group": dp_group,
+        "dp_group": _stage_dp_group(world, rank, 1, tp),
     }
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _stage_dp_group(world: int, rank: int, pp: int, tp: int):
+    """This rank's data-parallel group within its pipeline stage: the stage's ranks with its tp
+    index. new_group is collective over the world, so every rank builds every stage's groups, in
+    the same order."""
+    stage_world, mine = world // pp, None
+    for stage in range(pp):
+        for offset in range(tp):
+            ranks = list(range(stage * stage_world + offset, (stage + 1) * stage_world, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
 
 
 def _build_pp_mesh(world: int, rank: int, pp: int, shard_size: int, tp: int) -> dict:
@@ -541,18 +552,11 @@ def _build_pp_mesh(world: int, rank: int, pp: int, shard_size: int, tp: int) -> 
     first and last rank, over which a tied embedding/head grad is summed)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     replicate = world // pp // tp // shard_size
-    device_mesh = init_device_mesh(device_type, (pp, replicate, shard_size, tp), mesh_dim_names=("pp",) + MESH_DIMS)
+    device_mesh = init_device_mesh(_device_type(), (pp, replicate, shard_size, tp),
+                                   mesh_dim_names=("pp",) + MESH_DIMS)
     stage_world = world // pp
-    dp_group = ends_group = None
-    # new_group is collective over the world: every rank builds every group, in the same order.
-    for stage in range(pp):
-        for offset in range(tp):
-            ranks = list(range(stage * stage_world + offset, (stage + 1) * stage_world, tp))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                dp_group = group
+    dp_group, ends_group = _stage_dp_group(world, rank, pp, tp), None
     for inner in range(stage_world):
         ranks = [inner, inner + (pp - 1) * stage_world]
         group = device_mesh.get_group("pp") if pp == 2 and rank in ranks else None
