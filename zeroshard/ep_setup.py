@@ -1,9 +1,11 @@
 """Expert parallelism for a `TrainConfig` run (`ep` > 1): check the model can be split, then split it.
 
 `zeroshard.step.build` calls `apply_expert_parallel` between building the model and `zs.shard`,
-the order zeroshard/experts/apply.py needs. The CLI calls `check_expert_parallel` before any rank
-starts (a meta build of the model: nothing allocated), so an ep the model cannot take (no MoE
-layer, an expert count ep does not divide) is one line rather than every rank's failure.
+the order zeroshard/experts/apply.py needs (at ep 1 under data parallelism it only makes the
+routers' load-balancing counts global, so the loss is the global batch's at every ep). The CLI
+calls `check_expert_parallel` before any rank starts (a meta build of the model: nothing
+allocated), so an ep the model cannot take (no MoE layer, an expert count ep does not divide) is
+one line rather than every rank's failure.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def apply_expert_parallel(cfg: TrainConfig, model: torch.nn.Module, mesh: Any) -
         raise ValueError(f"ep={cfg.ep} but the mesh's ep dim is {mesh.ep_size}; build the mesh with "
                          f"zs.init(ep={cfg.ep}) (zeroshard train does)")
     if mesh.ep_size == 1:
+        if mesh.dp_size > 1:  # still one load-balancing loss over the global batch
+            from zeroshard.experts.apply import moe_layers, share_routing_counts
+
+            share_routing_counts(moe_layers(model), mesh)
         return
     from zeroshard.experts import expert_parallel
     from zeroshard.models import adapter

@@ -109,11 +109,6 @@ def test_frozen_experts_get_no_grads_and_no_state(world4, references):
     assert frozen and all((case["params"][k] == ref[k]).all() for k in frozen)  # untouched, as in the reference
 
 
-def test_a_checkpoint_of_split_experts_is_refused_in_one_line(world4):
-    err = world4["cases"]["gpt-ep2-stage3"]["save_error"]
-    assert err.startswith("zs.save of an expert-parallel model (ep=2) is not supported yet") and "\n" not in err
-
-
 def test_a_mixtral_folder_loads_straight_into_split_experts_and_trains(world4, folder):
     """A save_pretrained folder in >= 3 files (one tensor per expert) is read at (shard 2, ep 2):
     each rank its block of every stacked expert param. Right after the load the gathered tensors are

@@ -22,6 +22,7 @@ from zeroshard.checkpoint.pieces import TP_PART, owned_slots
 from zeroshard.checkpoint.save import commit
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
+from zeroshard.experts.placement import split_over
 from zeroshard.sharding import tp as tp_layout
 from zeroshard.sharding.layout import FlatLayout
 
@@ -111,7 +112,7 @@ def full_params(manifest: dict) -> list[dict]:
 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: int = 1, tp_plan: str | None = None,
-            overwrite: bool = False) -> Path:
+            ep: int = 1, overwrite: bool = False) -> Path:
     """Rewrite a checkpoint as ``world`` rank files laid out as (world / tp data-parallel, tp): each
     rank file holds the 1/dp shard of every flat group that a stage-1..3 run with that rank's tp
     index owns. Any checkpoint loads at any layout anyway; this makes each rank of a run with the
@@ -120,13 +121,20 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
 
     A tp-sharded param keeps its saved dim and chunks at the new degree; a checkpoint saved without
     TP has no placements, so going to tp > 1 takes them from ready plan ``tp_plan`` ("gpt", "llama").
-    The values go through the reader ``zs.load`` uses (saved parts joined, this rank's part cut)."""
+    The values go through the reader ``zs.load`` uses (saved parts joined, this rank's part cut).
+
+    ``ep`` lays the expert params (those the manifest places on ep, zeroshard/experts/placement.py)
+    out as a run at that expert-parallel degree holds them: rank r keeps the block of experts of
+    ep rank r % ep, sharded over the world / ep ranks with it; ep 1 puts them with the dense ones.
+    An expert param is stored whole at every degree (each block a run of its elements), so only
+    which rank file holds which run changes, moments included."""
     if world < 1 or tp < 1 or world % tp:
         raise CheckpointError(f"world {world} with tp {tp}: both must be >= 1 and tp must divide world "
                               "(world = data-parallel ranks x tp)")
     directory = resolve(src)
     manifest = verify(directory)
     whole = {p["fqn"]: p for p in full_params(manifest)}
+    _check_ep(whole, world, tp, ep, directory)
     saved_tp = any("tp" in p for p in manifest["params"])
     targets = {fqn: _target(p, tp, tp_plan, saved_tp, directory) for fqn, p in whole.items()}
     dst = Path(dst)
@@ -142,7 +150,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     try:
         for rank in range(world):
             name = fmt.rank_file(rank)
-            jobs = _rank_jobs(manifest, whole, targets, reader, rank, world // tp, tp, name, pieces)
+            jobs = _rank_jobs(manifest, whole, targets, reader, rank, world // tp, tp, ep, name, pieces)
             buffers = manifest["buffers"] if rank == 0 else []
             meta = {fmt.RANK_META_KEY: json.dumps({"rank": rank, "world": world, "rng": saved_rng(reader, rank)})}
             entries = [job[0] for job in jobs] + [
@@ -162,17 +170,43 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     new.pop("manifest_sha256", None)
     new.update(
         world=world, mesh={"world": world, "shard_size": world // tp, "replicate_size": 1, "tp_size": tp,
-                           "resharded_offline": True},
-        params=[entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces)],
+                           **({"ep_size": ep} if ep > 1 else {}), "resharded_offline": True},
+        params=[entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces, world, ep)],
         buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
         resharded_from={"path": str(directory), "world": manifest["world"],
-                        "tp": manifest["mesh"].get("tp_size", 1)},
+                        "tp": manifest["mesh"].get("tp_size", 1), "ep": manifest["mesh"].get("ep_size", 1)},
     )
     fmt.check_coverage(new, partial)
     fmt.write_manifest(partial, new)
     commit(partial, dst, overwrite=overwrite, latest=False)
     return dst
+
+
+def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: Path) -> None:
+    """An ep the checkpoint's experts and the new world can take, or one line naming the fix."""
+    if ep == 1:
+        return
+    experts = [p for p in whole.values() if "ep" in p]
+    if ep < 1 or world % ep:
+        raise CheckpointError(f"ep {ep} does not divide world {world}; pick an ep that divides it "
+                              "(world = ep x the ranks that shard each block of experts)")
+    if tp > 1:
+        raise CheckpointError(f"ep {ep} with tp {tp}: expert parallelism runs with tp 1; pass --tp 1")
+    if not experts:
+        raise CheckpointError(f"{directory} was saved without expert parallelism, so it records no expert placement; "
+                              "reshard it with --ep 1 (zs.load reads it at any ep as it is: each rank its block)")
+    for param in experts:
+        if param["shape"][0] % ep:
+            raise CheckpointError(f"ep {ep} does not divide the {param['shape'][0]} experts of {param['fqn']!r}; "
+                                  "pick an ep that divides them")
+
+
+def _expert_block(param: dict, ep: int) -> list[int] | None:
+    """The shape of one ep rank's block of expert param ``param`` at degree ``ep`` (None: not split)."""
+    if ep == 1 or "ep" not in param:
+        return None
+    return [param["shape"][0] // ep, *param["shape"][1:]]
 
 
 def _target(param: dict, tp: int, tp_plan: str | None, saved_tp: bool, directory: Path) -> dict | None:
@@ -223,20 +257,28 @@ def _part_name(fqn: str, target: dict | None, tp_rank: int) -> str:
 
 
 def _rank_jobs(manifest: dict, whole: dict[str, dict], targets: dict[str, dict | None], reader: PieceReader,
-               rank: int, dp: int, tp: int, file: str, pieces: dict[str, list[dict]]
+               rank: int, dp: int, tp: int, ep: int, file: str, pieces: dict[str, list[dict]]
                ) -> list[tuple[Entry, dict, str, int]]:
     """(entry, source, kind, start) for everything rank ``rank`` of (dp, tp) writes; records its pieces.
     Its flat groups are laid out from the tp-local shapes, as the runtime lays them out; a param
-    whole on every tp rank is written by tp rank 0 only (as ``pieces.saved_name``)."""
+    whole on every tp rank is written by tp rank 0 only (as ``pieces.saved_name``). A group of
+    expert params at ``ep`` > 1 is laid out from one block's shapes over the rank's edp ranks,
+    its pieces at the rank's block (``pieces.saved_extent``)."""
     tp_rank, dp_rank = rank % tp, rank // tp
     jobs = []
     for group in manifest["groups"]:
-        layout = FlatLayout([(f, torch.Size(_local_shape(whole[f], targets[f], tp))) for f in group["params"]], dp)
-        for _, slot, a, b in owned_slots(layout, *layout.shard_range(dp_rank)):
+        blocks = [_expert_block(whole[f], ep) for f in group["params"]]
+        experts = bool(blocks) and all(b is not None for b in blocks)
+        shapes = [b if experts and b is not None else _local_shape(whole[f], targets[f], tp)
+                  for f, b in zip(group["params"], blocks)]
+        shards, index = (dp // ep, dp_rank // ep) if experts else (dp, dp_rank)
+        layout = FlatLayout([(f, torch.Size(shape)) for f, shape in zip(group["params"], shapes)], shards)
+        for _, slot, a, b in owned_slots(layout, *layout.shard_range(index)):
             param, target = whole[slot.fqn], targets[slot.fqn]
             if target is None and tp_rank:
                 continue
-            name, start, stop = _part_name(slot.fqn, target, tp_rank), a - slot.offset, b - slot.offset
+            block = (dp_rank % ep) * slot.numel if experts else 0
+            name, start, stop = _part_name(slot.fqn, target, tp_rank), block + a - slot.offset, block + b - slot.offset
             pieces.setdefault(name, []).append({"file": file, "start": start, "stop": stop})
             source = _source(param, target, tp_rank)
             for kind in ["master"] + [f"optim.{s}" for s in param["state"]]:
@@ -245,11 +287,14 @@ def _rank_jobs(manifest: dict, whole: dict[str, dict], targets: dict[str, dict |
     return jobs
 
 
-def _entries(param: dict, target: dict | None, tp: int, pieces: dict[str, list[dict]]) -> list[dict]:
-    """The new manifest's entries for one whole param: itself, or one part per tp rank with its placement."""
-    plain = _plain(param)
+def _entries(param: dict, target: dict | None, tp: int, pieces: dict[str, list[dict]], world: int,
+             ep: int) -> list[dict]:
+    """The new manifest's entries for one whole param: itself (an expert param with its placement
+    at ``ep``), or one part per tp rank with its placement."""
+    plain = {k: v for k, v in _plain(param).items() if k != "ep"}
     if target is None:
-        return [dict(plain, pieces=pieces.get(param["fqn"], []))]
+        placement = split_over(ep, world // ep) if _expert_block(param, ep) is not None else None
+        return [dict(plain, pieces=pieces.get(param["fqn"], []), **({"ep": placement} if placement else {}))]
     shape = _local_shape(param, target, tp)
     return [dict(plain, fqn=_part_name(param["fqn"], target, r), aliases=[], shape=shape,
                  pieces=pieces.get(_part_name(param["fqn"], target, r), []),

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.experts.placement import refuse_expert_parallel
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import rng as rng_state
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.pieces import SegmentIndex, owned_slots, persistent_buffers
+from zeroshard.checkpoint.pieces import SegmentIndex, owned_slots, persistent_buffers, saved_extent
 from zeroshard.checkpoint.tensorfile import TensorFile, dtype_name
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.comm import collectives
@@ -216,7 +215,8 @@ class Plan:
         for group in engine.groups:
             for i, slot, a, b in owned_slots(group.layout, group.lo, group.hi):
                 param = self._param_of(group, i)
-                self.read(param, "master", a - slot.offset, group.shard[a - group.lo:b - group.lo])
+                self.read(param, "master", a - slot.offset + saved_extent(group, i)[1],
+                          group.shard[a - group.lo:b - group.lo])
             for i in range(len(group.layout.slots)):
                 param = self._param_of(group, i)
                 used.update(param.get("used", [param["fqn"]]))
@@ -257,7 +257,8 @@ class Plan:
                                           f"{sorted(missing)} though other params of its group do")
                 for n in names:
                     rel = a - lo - segment.start
-                    self.read(param, f"optim.{n}", a - slot.offset, state[n][rel:rel + b - a])
+                    self.read(param, f"optim.{n}", a - slot.offset + saved_extent(group, i)[1],
+                              state[n][rel:rel + b - a])
             on_device = self.options[segment.index].get("capturable") or self.options[segment.index].get("fused")
             for n, value in scalars.items():
                 value = fmt.from_json(value)
@@ -267,9 +268,8 @@ class Plan:
             self.new_state[segment.param] = state
 
     def _param_of(self, group, index: int) -> dict:
-        slot = group.layout.slots[index]
-        return self.resolve(group.refs[index].aliases, slot.shape, group.master_dtype, group.tp_specs[index],
-                            group.mesh.tp_rank)
+        return self.resolve(group.refs[index].aliases, saved_extent(group, index)[0], group.master_dtype,
+                            group.tp_specs[index], group.mesh.tp_rank)
 
     # -- plain model ---------------------------------------------------------------------------
     def plain(self, model: nn.Module) -> None:
@@ -350,8 +350,6 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler
     ``rng=True`` restores this rank's torch/numpy/python RNG states.
     """
     engine = find_engine(model)
-    if engine is not None:
-        refuse_expert_parallel(engine, "zs.load")
     rank = engine.mesh.rank if engine is not None else 0
     plan: Plan | None = None
     problem: str | None = None

@@ -1,8 +1,8 @@
 """What a manifest holds, built in two halves so that a lost manifest can be rebuilt.
 
 - The *skeleton* is what rank 0 knows before any file is written: versions, step, world, mesh,
-  stage, units, precision, model, the params' names, shapes, dtypes and tensor-parallel
-  placements, the flat groups, the optimizer's class and options, scheduler/sampler/scaler/extra
+  stage, units, precision, model, the params' names, shapes, dtypes and tensor- and
+  expert-parallel placements, the flat groups, the optimizer's class and options, scheduler/sampler/scaler/extra
   state and the run's lineage. Rank 0's file carries it in its header.
 - Each rank's *report* is what that rank wrote: its pieces (param, element range, state kinds,
   optimizer param group), per-group optimizer scalars and, on rank 0, the buffers. Every rank's
@@ -24,11 +24,15 @@ from torch import nn
 
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.pieces import TP_PART, ordered_refs
+from zeroshard.checkpoint.pieces import TP_PART, ordered_refs, saved_extent
 from zeroshard.checkpoint.tensorfile import dtype_name
+from zeroshard.experts.placement import placement as expert_placement
 from zeroshard.sharding.engine import Engine
 from zeroshard.sharding.optim import user_class
 
+PLACEMENTS = ("tp", "ep")
+"""A param entry's placement records, after its pieces: ``tp`` on each tensor-parallel part, ``ep``
+on an expert param (zeroshard/experts/placement.py's ``placement``)."""
 SKELETON_KEY = "zeroshard.skeleton"
 """Rank 0's file: the manifest skeleton (JSON) in its safetensors metadata."""
 REPORT_KEY = "zeroshard.report"
@@ -50,11 +54,14 @@ def skeleton(model: nn.Module, engine: Engine, optimizer, *, step: int | None, s
             [(slot.fqn, list(ref.aliases), None)] if spec is None or spec.shard_dim is None else \
             [(f"{slot.fqn}{TP_PART}{r}", [], dict(spec.describe(), of=slot.fqn, rank=r, aliases=list(ref.aliases),
                                                   full_shape=list(spec.shape))) for r in range(spec.mesh.size())]
+        # An expert param: saved whole, each ep rank's block of rows as that run of its elements.
+        shape, experts = saved_extent(group, i)[0], expert_placement(group.mesh)
         for fqn, aliases, placement in parts:
             params.append({
-                "fqn": fqn, "aliases": aliases, "shape": list(slot.shape),
+                "fqn": fqn, "aliases": aliases, "shape": list(shape),
                 "dtype": dtype_name(group.master_dtype), "trainable": group.trainable,
                 **({"tp": placement} if placement is not None else {}),
+                **({"ep": experts} if experts is not None else {}),
             })
     return {
         "format": fmt.FORMAT, "version": fmt.VERSION,
@@ -94,11 +101,10 @@ def assemble(skeleton: dict, reports: list[dict]) -> dict:
         states = kinds.get(fqn, {()})
         if len(states) != 1:
             raise CheckpointError(f"ranks saved different optimizer state for param {fqn!r}: {sorted(states)}")
-        entry = {k: v for k, v in param.items() if k != "tp"}
+        entry = {k: v for k, v in param.items() if k not in PLACEMENTS}
         entry.update(param_group=index_of.get(fqn), state=list(next(iter(states))),
                      pieces=sorted(pieces.get(fqn, []), key=lambda p: p["start"]))
-        if "tp" in param:
-            entry["tp"] = param["tp"]
+        entry.update({k: param[k] for k in PLACEMENTS if k in param})
         params.append(entry)
     first = min(reports, key=lambda r: r["rank"])
     manifest = {

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.comm.expert_mesh import ExpertMesh
+from zeroshard.experts.placement import expert_rows
 from zeroshard.sharding.flat import FlatGroup
 from zeroshard.sharding.optim import sharded_state
 from zeroshard.sharding.layout import ALIGN, FlatLayout, Slot
@@ -37,6 +39,12 @@ def writer_range(group: FlatGroup, rank: int, world: int) -> tuple[int, int]:
     ``rank // shards`` is the replica index (rank = replica * shard_size + shard_rank).
     """
     replicas = world // group.shards
+    if isinstance(group.mesh, ExpertMesh):
+        # Expert params: only the rank's edp group holds its experts' values (the other ep ranks
+        # hold other experts), so its replicas are the edp ranks that hold the same shard.
+        del rank
+        replicas = group.mesh.shard_size // group.shards
+        return split_range(group.lo, group.hi, replicas, group.mesh.shard_rank // group.shards)
     if group.mesh.tp_size > 1:
         # Tensor parallel: the ranks with this rank's tp index are the data-parallel ones that hold
         # copies of its values (ranks of one tp group hold different parts; see saved_name).
@@ -57,6 +65,15 @@ def saved_name(group: FlatGroup, index: int) -> str | None:
     if spec is not None and spec.shard_dim is not None:
         return f"{slot.fqn}{TP_PART}{group.mesh.tp_rank}"
     return slot.fqn if group.mesh.tp_rank == 0 else None
+
+
+def saved_extent(group: FlatGroup, index: int) -> tuple[torch.Size, int]:
+    """(the shape slot ``index`` is saved under, the element of it where the slot starts). An
+    expert param's slot is this rank's block of experts, rows [ep_rank·n, (ep_rank+1)·n) of the
+    model's own tensor, which are one contiguous run of it: it is saved as that run of the whole
+    tensor, so any ep degree reads its block by element range, as any world size reads its shard.
+    Any other slot is saved in its own shape (a tp part's is its part's), from element 0."""
+    return expert_rows(group.mesh, group.layout.slots[index].shape)
 
 
 def owned_slots(layout: FlatLayout, a: int, b: int) -> Iterator[tuple[int, Slot, int, int]]:

@@ -29,8 +29,8 @@ from zeroshard import faults
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.manifest import CHECKSUMS_KEY, REPORT_KEY, SKELETON_KEY
-from zeroshard.checkpoint.pieces import (SegmentIndex, owned_slots, persistent_buffers, saved_name, split_state,
-                                         writer_range)
+from zeroshard.checkpoint.pieces import (SegmentIndex, owned_slots, persistent_buffers, saved_extent, saved_name,
+                                         split_state, writer_range)
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, as_bytes, dtype_name
 from zeroshard.sharding.engine import Engine
 
@@ -69,7 +69,8 @@ def collect(model: nn.Module, engine: Engine, optimizer) -> RankPieces:
             fqn = saved_name(group, slot_index)
             if fqn is None:
                 continue
-            start, stop = a - slot.offset, b - slot.offset
+            start = a - slot.offset + saved_extent(group, slot_index)[1]
+            stop = start + b - a
             add(fmt.piece_key("master", fqn, start, stop), group.shard[a - lo:b - lo])
             kinds, index = [], None
             if segments is not None and group.trainable:

@@ -38,7 +38,6 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.manifest import assemble, skeleton
 from zeroshard.checkpoint.rotation import Rotation, clear_target, rotate
 from zeroshard.comm import collectives
-from zeroshard.experts.placement import refuse_expert_parallel
 from zeroshard.sharding.engine import Engine, get_engine
 
 
@@ -94,7 +93,6 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     0 waits for the other ranks' files before giving up on that commit.
     """
     engine = get_engine(model)
-    refuse_expert_parallel(engine, "zs.save")
     target = Target(Path(path), overwrite=overwrite, keep_last=keep_last, lineage=lineage, log=log)
     carried = async_save.finish_previous()  # at most one save in flight: this rank's, finished first
     frame = prepare(target, model, engine, optimizer, scheduler, sampler, scaler, extra, step=step, carried=carried)

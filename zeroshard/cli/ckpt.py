@@ -7,7 +7,8 @@
   export DIR OUT         one safetensors file for the plain model, streamed one param at a time
   export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index)
   reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway);
-                         --tp T lays them out as (M/T, T) tensor-parallel ranks
+                         --tp T lays them out as (M/T, T) tensor-parallel ranks; --ep E splits the
+                         experts over E ranks, each block sharded over M/E
   import-dcp DCP_DIR OUT a torch.distributed.checkpoint directory (FSDP2's dcp.save) -> a checkpoint
   export-dcp DIR OUT     a checkpoint -> a torch.distributed.checkpoint directory for dcp.load
 
@@ -42,6 +43,7 @@ def summary(directory: Path, manifest: dict) -> dict[str, Any]:
     opt = manifest.get("optimizer")
     return {
         "path": str(directory), "step": manifest["step"], "world": manifest["world"], "stage": manifest["stage"],
+        "ep": (manifest.get("mesh") or {}).get("ep_size", 1),
         "created": manifest.get("created"), "zeroshard": manifest.get("zeroshard"), "torch": manifest.get("torch"),
         "git": manifest.get("git"), "model": manifest.get("model"), "params": len(manifest["params"]),
         "param_elements": numel, "units": len(manifest.get("units", [])),
@@ -75,7 +77,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     model = info["model"] or {}
     print(f"checkpoint {info['path']}")
-    print(f"  step {info['step']}, saved on {info['world']} ranks at stage {info['stage']} ({info['created']})")
+    experts = f", experts split over ep {info['ep']}" if info["ep"] > 1 else ""
+    print(f"  step {info['step']}, saved on {info['world']} ranks at stage {info['stage']}{experts} ({info['created']})")
     print(f"  zeroshard {info['zeroshard']}, torch {info['torch']}, git {info['git'] or 'unknown'}")
     print(f"  model {model.get('class')} {json.dumps(model.get('config'))}")
     print(f"  {info['params']} params, {info['param_elements']:,} elements, {info['units']} units")
@@ -178,10 +181,12 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, reshard
 
     try:
-        out = reshard(args.src, args.dst, args.world, tp=args.tp, tp_plan=args.tp_plan, overwrite=args.overwrite)
+        out = reshard(args.src, args.dst, args.world, tp=args.tp, tp_plan=args.tp_plan, ep=args.ep,
+                      overwrite=args.overwrite)
     except CheckpointError as e:
         return _err(str(e))
-    print(f"wrote {out}: {args.world} rank files ({args.world // args.tp} data-parallel x {args.tp} tp)")
+    experts = f"; experts split over ep {args.ep}, each sharded over {args.world // args.ep}" if args.ep > 1 else ""
+    print(f"wrote {out}: {args.world} rank files ({args.world // args.tp} data-parallel x {args.tp} tp{experts})")
     return 0
 
 
@@ -249,6 +254,8 @@ def add_parser(sub: Any) -> None:
     q.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the new layout (world = dp x tp)")
     q.add_argument("--tp-plan", choices=("gpt", "llama"), default=None,
                    help="the model's ready TP plan, for a checkpoint saved without TP going to --tp > 1")
+    q.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree of the new layout: each rank holds 1/ep of the experts (default 1)")
     q.add_argument("--overwrite", action="store_true")
     q.set_defaults(run=cmd_reshard)
     q = cmds.add_parser("import-dcp", help="a torch.distributed.checkpoint (FSDP2) directory -> a checkpoint")

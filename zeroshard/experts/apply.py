@@ -73,9 +73,17 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
     layers = check_ep(model, experts.ep_size, plan)
     for layer in layers:
         _split(layer, experts, values_from_folder)
+    share_routing_counts(layers, mesh)
+    return model
+
+
+def share_routing_counts(layers: list[MoELayer], mesh: Mesh) -> None:
+    """Make each router's load-balancing loss the global batch's: its per-expert counts are summed
+    over every data-parallel rank first. Needed under data parallelism with or without ep (each
+    rank's own counts would give each rank a different loss)."""
+    for layer in layers:
         if layer.router is not None:
             setattr(layer.router, "reduce_counts", functools.partial(_all_reduce_counts, unit=layer.name, mesh=mesh))
-    return model
 
 
 def _all_reduce_counts(counts: torch.Tensor, *, unit: str, mesh: Mesh) -> None:

@@ -45,14 +45,18 @@ def all_experts(value: torch.Tensor, mesh: Any, *, unit: str = "") -> torch.Tens
     return whole
 
 
-def refuse_expert_parallel(engine: Any, what: str) -> None:
-    """One line for what cannot handle split experts yet (checkpoints, a live export): their files
-    would hold each rank's block of experts under the full tensor's name."""
-    experts = engine.mesh.experts
-    if experts is not None and any(g.mesh is experts for g in engine.groups):
-        raise ValueError(f"{what} of an expert-parallel model (ep={experts.ep_size}) is not supported yet: the "
-                         "experts' placement is not recorded; gather the weights with zs.full_state_dict(model), "
-                         "or train with ep=1")
+def placement(mesh: Any) -> dict | None:
+    """How a param on ``mesh`` is split over ep, as the checkpoint manifest records it: ep rank r
+    holds rows [r·n, (r+1)·n) of dim 0 (n = rows / ep), each block ZeRO-sharded over the edp
+    ranks. None for a dense param."""
+    if not isinstance(mesh, ExpertMesh) or mesh.ep_size == 1:
+        return None
+    return split_over(mesh.ep_size, mesh.shard_size)
+
+
+def split_over(ep: int, edp: int) -> dict:
+    """The manifest's record of an expert param split over ``ep`` ranks, each block sharded over ``edp``."""
+    return {"placement": "shard", "dim": 0, "ep": ep, "edp": edp}
 
 
 def expert_rows(mesh: Any, local_shape: torch.Size) -> tuple[torch.Size, int]:

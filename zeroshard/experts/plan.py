@@ -46,8 +46,8 @@ class MoELayer:
     the split) applied to the rows routed to it, before the routing weight."""
     router: nn.Module | None = None
     """The layer's router, when it computes a load-balancing loss from per-expert counts: it has a
-    ``reduce_counts`` attribute, which expert parallelism sets to an all-reduce of the counts over
-    the data-parallel ranks, so the loss is the global batch's (zeroshard's GPT: ``MoEMLP``)."""
+    ``reduce_counts`` attribute, which ``experts.apply.share_routing_counts`` sets to an all-reduce
+    of the counts over the data-parallel ranks, so the loss is the global batch's (zeroshard's GPT: ``MoEMLP``)."""
 
 
 def hf_stacked_expert(module: Any, e: int, rows: torch.Tensor) -> torch.Tensor:

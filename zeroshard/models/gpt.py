@@ -208,8 +208,8 @@ class MoEMLP(nn.Module):
     With ``aux_loss_coef > 0`` each forward leaves ``aux_sum``: the load-balancing loss of its
     rows in sum form, ``n_expert * sum_e f_e * (sum over rows of p_e)``, so that, like the token
     loss, it adds over rows and divides once by the token count. ``f_e`` is a share of the whole
-    batch's routing: ``reduce_counts``, when set (expert parallelism sets it to an all-reduce over
-    the data-parallel ranks), sums the per-expert counts over every rank first, which makes the
+    batch's routing: ``reduce_counts``, when set (``zeroshard.step.build`` and expert parallelism
+    set it to an all-reduce over the data-parallel ranks), sums the per-expert counts over every rank first, which makes the
     loss the one one process computes over the whole (micro-)batch.
     """
 
