@@ -1,10 +1,11 @@
-"""The step-time simulator replays the collectives the runtime's step schedule says a step issues.
+"""The step-time simulator launches exactly the collectives the runtime's step schedule issues.
 
-The simulator times a step of uniform blocks (zeroshard/sim/step.py); the schedule
-(zeroshard/sharding/schedule.py) is what the engine issues, checked against the ledger op by op in
-tests/distributed/test_schedule.py. Both are given the same unit sizes here, so what is compared
-is the schedule itself: which collectives the replay launches, in which order and group and how
-large, per stage, hybrid layout, prefetch, resharding, accumulation, bucket size and tp degree.
+The simulator walks the schedule (zeroshard/sim/replay.py) over the units the engine builds for
+uniform blocks; the schedule (zeroshard/sharding/schedule.py) is what the engine issues, checked
+against the ledger op by op in tests/distributed/test_schedule.py. Here the replay's launches, in
+order, group and size, are held to the schedule's collectives per stage, hybrid layout, prefetch,
+resharding, accumulation, bucket size and tp degree; and the units it builds to the engine's
+bucketing rule.
 """
 
 from __future__ import annotations
@@ -12,39 +13,18 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from zeroshard.models import GPTConfig
 from zeroshard.sharding.engine import merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes, step_schedule
+from zeroshard.sharding.schedule import MeshSizes, step_schedule
 from zeroshard.sim.hardware import load_hardware
+from zeroshard.sim.replay import schedule_units
 from zeroshard.sim.step import Layout, replayed_collectives
 from zeroshard.sim.workload import Workload, gpt_shape
 
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
 SHAPE = gpt_shape(GPTConfig.named("tiny"), "tiny")
-
-
-def schedule_units(layout: Layout) -> list[UnitSizes]:
-    """The engine's units for the simulated shape: each block's tp-local params and the root, in
-    reduction order; at stages 0-2 merged into the engine's buckets (by fp32 bytes, as it fills them)."""
-    shards = layout.shard_group
-
-    def unit(name: str, numel: int, root: bool = False) -> UnitSizes:
-        assert numel % shards == 0  # the shape needs no padding, so both sides count the same elements
-        return UnitSizes(name=name, is_root=root, groups=(GroupSizes(
-            numel=numel, shard_numel=numel // shards, compute_dtype=DTYPES[layout.param_bytes],
-            reduce_dtype=DTYPES[layout.reduce_bytes]),))
-
-    units = [unit(f"blocks.{i}", SHAPE.block_params // layout.tp) for i in reversed(range(SHAPE.n_layer))]
-    units.append(unit("<root>", SHAPE.root_params, root=True))
-    if layout.policy.shard_params:
-        return units
-    buckets = merge_in_order(units, lambda u: 4 * u.full_numel, EngineOptions(bucket_mb=layout.bucket_mb).bucket_bytes)
-    return [unit(f"bucket.{i}", sum(u.full_numel for u in b), root=any(u.is_root for u in b))
-            for i, b in enumerate(buckets)]
 
 
 LAYOUTS = [dict(world=w, stage=s, shards=sh, tp=tp, prefetch=p, reshard_after_forward=r, bucket_mb=b, offload=o)
@@ -63,7 +43,7 @@ def test_the_replay_launches_what_the_step_schedule_issues(accum):
     for kw in LAYOUTS:
         layout = Layout(**kw)
         sim = replayed_collectives(Workload(shape=SHAPE, micro_batch=1, seq=64, accum=accum), hw, layout)
-        units = schedule_units(layout)
+        units = schedule_units(Workload(shape=SHAPE, micro_batch=1, seq=64), layout).units
         schedule = step_schedule(units, policy=StagePolicy(layout.stage), accum=accum,
                                  mesh=MeshSizes(world=layout.world, shard=layout.shard_group, tp=layout.tp),
                                  options=EngineOptions(prefetch=layout.prefetch, bucket_mb=layout.bucket_mb,
@@ -80,3 +60,17 @@ def test_the_replay_launches_what_the_step_schedule_issues(accum):
         assert replay == runtime, f"{kw}: the replay launches\n{replay}\nthe schedule issues\n{runtime}"
         checked += 1
     assert checked == len(LAYOUTS) > 60
+
+
+@pytest.mark.parametrize("bucket_mb", (0.05, 25.0))
+def test_the_replays_buckets_are_the_engines(bucket_mb):
+    """Stages 0-2: the units the replay builds are the engine's buckets of its blocks and root
+    (``reduction_buckets``' rule over fp32 param bytes), each knowing how many blocks it holds."""
+    layout = Layout(world=2, stage=1, bucket_mb=bucket_mb)
+    built = schedule_units(Workload(shape=SHAPE, micro_batch=1, seq=64), layout).units
+    sizes = [4 * SHAPE.block_params] * SHAPE.n_layer + [4 * SHAPE.root_params]
+    engine = merge_in_order(list(range(SHAPE.n_layer + 1)), lambda i: sizes[i],
+                            EngineOptions(bucket_mb=bucket_mb).bucket_bytes)
+    assert [u.blocks for u in built] == [sum(i < SHAPE.n_layer for i in b) for b in engine]
+    assert [u.is_root for u in built] == [SHAPE.n_layer in b for b in engine]
+    assert sum(u.full_numel for u in built) >= SHAPE.root_params + SHAPE.n_layer * SHAPE.block_params

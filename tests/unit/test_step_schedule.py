@@ -162,3 +162,60 @@ def test_a_knob_changes_the_step_exactly_where_the_stage_policy_says_the_engine_
     a, b = (schedule(stage, world=4, shard=2, accum=2, options=EngineOptions.from_flat({knob: v}))
             for v in SCHEDULED_KNOBS[knob])
     assert (a.events != b.events) == StagePolicy(stage).reads(knob)
+
+
+# -- the marks: where compute runs and where the step blocks -------------------------------------
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+@pytest.mark.parametrize("checkpointing", ("none", "every:2"))
+def test_every_unit_computes_one_forward_and_one_backward_per_micro_step(stage, checkpointing):
+    """The compute marks' shares add up to one forward and one backward of each unit per
+    micro-step (at stages 0-2 of the model outside its buckets, and of each bucket's backward), a
+    rebuild for each block of a checkpoint segment at stage 3, and one update."""
+    accum = 2
+    s = schedule(stage, world=4, shard=2, accum=accum, options=EngineOptions(checkpointing=checkpointing))
+    shares: collections.Counter = collections.Counter()
+    for e in s.events:
+        if e.op == "compute":
+            shares[(e.unit, e.phase)] += e.share
+    if stage == 3:
+        expected = {(n, p): accum for n in NAMES + ["<root>"] for p in ("forward", "backward")}
+        if checkpointing != "none":  # segments of two blocks: all four rebuilt
+            expected |= {(n, "recompute"): accum for n in NAMES}
+    else:
+        expected = {("", "forward"): accum, ("", "backward"): accum} | {(u.name, "backward"): accum for u in units(1)}
+    optimizer = sum(v for (_, phase), v in shares.items() if phase == "optimizer")
+    assert optimizer == pytest.approx(1.0)
+    assert {k: pytest.approx(v) for k, v in shares.items() if k[1] != "optimizer"} == expected
+
+
+@pytest.mark.parametrize("options", (EngineOptions(), EngineOptions(prefetch=2), EngineOptions(checkpointing="every:2"),
+                                     EngineOptions(reshard_after_forward=False)))
+def test_stage3_computes_a_unit_only_after_waiting_for_its_latest_gather(options):
+    """Every all-gather of a unit is waited on before that unit's next compute mark, as the engine's
+    pre-forward, pre-backward and rebuild hooks wait (``Unit.wait_unshard``); a prefetch is issued
+    only after the unit that issued it has its own params."""
+    s = schedule(3, world=4, accum=2, options=options)
+    unwaited: set[str] = set()
+    for e in s.events:
+        if e.op == "all_gather":
+            unwaited.add(e.unit)
+        elif e.op == "wait":
+            unwaited.discard(e.unit)
+        elif e.op == "compute" and e.phase != "optimizer":
+            assert e.unit not in unwaited, f"{e.unit} computes {e.phase} before waiting for its gather"
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_every_reduction_is_waited_on_before_the_step_ends(stage):
+    """Each launched reduction (and, on a hybrid mesh, each replica all-reduce) is followed by a wait
+    for its unit, the replica all-reduce between the two waits of a finish."""
+    s = schedule(stage, world=4, shard=2, accum=2)
+    open_units: collections.Counter = collections.Counter()
+    for e in s.events:
+        if e.is_collective and e.op != "all_gather":
+            open_units[e.unit] += 1
+        elif e.op == "wait":
+            open_units.pop(e.unit, None)
+    assert not open_units
+    assert s.issued == tuple(e for e in s.events if e.op not in ("compute", "wait"))

@@ -7,11 +7,14 @@ dtypes) it derives the ordered ``Event`` list the engine issues in one step, wit
 group or a tensor. Each collective event carries what the ledger records for it
 (zeroshard/comm/ledger.py ``CollectiveRecord``: op, group, unit, phase, numel, dtype, bytes), so
 the two compare op by op (tests/distributed/test_schedule.py); ``free`` events are the engine's
-``EventKind.FREE`` (zeroshard/sharding/events.py). ``engine_schedule`` builds one for a live
-sharded model from its engine.
+``EventKind.FREE`` (zeroshard/sharding/events.py). ``compute`` and ``wait`` marks, which no ledger
+records, say where each unit's passes run and where the engine blocks on a gather or a reduction,
+so the list is the step's critical path too. ``engine_schedule`` builds one for a live sharded
+model from its engine.
 
-Tools that model the step (the planner's collectives, zeroshard/planner/comm.py) aggregate this
-list instead of restating the stage rules. The order the engine follows, and so this module
+Tools that model the step aggregate this list instead of restating the stage rules: the planner's
+collectives (zeroshard/planner/comm.py) and its gather window, and the step-time simulator, which
+prices it event by event (zeroshard/sim/replay.py). The order the engine follows, and so this module
 (docs/runtime.md, "The step schedule"):
 
 - each micro-step's forward first finishes the reductions the previous backward left running
@@ -66,8 +69,18 @@ if TYPE_CHECKING:
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 FREE = "free"
 """The op of a buffer event: a unit's full params freed (resharded)."""
+COMPUTE = "compute"
+"""A mark, not a collective: where a unit's compute runs (``Event.share`` of its pass). Unit ``""``
+is the model outside its units at stages 0-2: the whole forward, or the root's backward (the loss
+and head, before any bucket's grads are in)."""
+WAIT = "wait"
+"""A mark: the step blocks here until every collective ``unit`` has in flight is done: its gather
+(``Unit.wait_unshard``) or its reduction (``Unit.finish_reduce``)."""
+MARKS = (COMPUTE, WAIT)
 
 FORWARD, BACKWARD, RECOMPUTE, PARAM_SYNC, CLIP = "forward", "backward", "recompute", "param_sync", "clip"
+OPTIMIZER = "optimizer"
+"""The phase of the optimizer's compute marks, one per optimizer call (``optim._UnitPipeline``)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -103,6 +116,10 @@ class UnitSizes:
     name: str
     is_root: bool = False
     groups: tuple[GroupSizes, ...]
+    blocks: int | None = None
+    """Stages 0-2: how many of the model's blocks this bucket holds (its other params are the
+    root's). Given for every bucket, each block's backward (and its tp all-reduces) is placed
+    before the reduction it completes; otherwise the tp group's backward all-reduces come first."""
 
     @property
     def trainable(self) -> bool:
@@ -190,6 +207,9 @@ class Event:
     carry the last one."""
     quantized: bool = False
     """Sent as int8 plus fp32 scales (``CommQuant``): this event is the payload or its scales."""
+    share: float = 1.0
+    """A compute mark: the share of the unit's pass (or, phase "optimizer", of the whole update)
+    it stands for. Backward is split where the engine prefetches (``backward_prefetch_at``)."""
 
     @property
     def is_collective(self) -> bool:
@@ -214,6 +234,11 @@ class Schedule:
     @property
     def frees(self) -> tuple[Event, ...]:
         return tuple(e for e in self.events if e.op == FREE)
+
+    @property
+    def issued(self) -> tuple[Event, ...]:
+        """The collectives and frees, without the marks: what the engine's ledger and events show."""
+        return tuple(e for e in self.events if e.op not in MARKS)
 
     def peak_gathered_bytes(self, units: Sequence[UnitSizes]) -> int:
         """The most full-param bytes held gathered at once over the step (stage 3's all-gather
@@ -303,6 +328,9 @@ class _Replay:
         self.recomputes = bool(segment_bounds(options.checkpointing, len(blocks)))
         if tp is not None and policy.shard_params and tp.blocks != len(blocks):
             raise ValueError(f"tp sizes name {tp.blocks} blocks but the units hold {len(blocks)}")
+        counted = [u.blocks for u in units if u.blocks is not None]
+        if tp is not None and not policy.shard_params and len(counted) == len(units) and sum(counted) != tp.blocks:
+            raise ValueError(f"tp sizes name {tp.blocks} blocks but the buckets hold {sum(counted)}")
 
     # -- emitting -----------------------------------------------------------------------------
     def _emit(self, op: str, group: str, unit: str, phase: str, numel: int, dtype: torch.dtype,
@@ -310,6 +338,13 @@ class _Replay:
         self.events.append(Event(op=op, group=group, unit=unit, phase=phase, numel=numel, dtype=dtype_name(dtype),
                                  bytes=numel * dtype.itemsize, micro=self.micro if micro is None else micro,
                                  quantized=quantized))
+
+    def mark(self, op: str, unit: str, phase: str, share: float = 1.0, micro: int | None = None) -> None:
+        self.events.append(Event(op=op, group="", unit=unit, phase=phase, numel=0, dtype="", bytes=0,
+                                 micro=self.micro if micro is None else micro, share=share))
+
+    def compute(self, unit: str, phase: str, share: float = 1.0) -> None:
+        self.mark(COMPUTE, unit, phase, share)
 
     def _quantized_pair(self, op: str, unit: str, phase: str, shard_numel: int, micro: int | None = None) -> None:
         """qwZ / qgZ on the wire: int8 values padded to whole blocks, then one fp32 scale per block."""
@@ -350,6 +385,12 @@ class _Replay:
         else:
             self._emit("all_gather", "shard", unit.name, phase, g.numel, g.compute_dtype)
 
+    def gather_and_wait(self, unit: UnitSizes, phase: str) -> None:
+        """``Unit.unshard`` then ``Unit.wait_unshard``: the unit's compute needs its params now
+        (the wait is on the prefetch when one is in flight)."""
+        self.gather(unit, phase)
+        self.mark(WAIT, unit.name, phase)
+
     def reshard(self, unit: UnitSizes) -> None:
         """``Unit.reshard``: a no-op while sharded."""
         phase = self.gathered.pop(unit.name, None)
@@ -376,13 +417,16 @@ class _Replay:
         self.pending.append((unit, self.micro))
 
     def finish(self, unit: UnitSizes, micro: int) -> None:
-        """``Unit.finish_reduce``: with replicas, the reduced shard is all-reduced across them."""
+        """``Unit.finish_reduce``: waits for the reduction; with replicas, the reduced shard is then
+        all-reduced across them, a blocking call."""
+        self.mark(WAIT, unit.name, BACKWARD, micro=micro)
         if not (self.policy.shard_optimizer and self.mesh.replicate > 1):
             return
         for g in unit.groups:
             if g.trainable:
                 dtype = SCALE_DTYPE if self._grads_quantized(g) else g.reduce_dtype
                 self._emit("all_reduce", "replicate", unit.name, BACKWARD, g.shard_numel, dtype, micro)
+        self.mark(WAIT, unit.name, BACKWARD, micro=micro)
 
     def finish_reductions(self, through: UnitSizes | None = None) -> None:
         """``Engine.finish_reductions``: the pending ones in launch order, up to ``through``."""
@@ -427,15 +471,32 @@ class _Replay:
         else:
             # The blocks' tp all-reduces, in their own order: where they fall between the buckets'
             # reductions (other groups) is not modelled at these stages.
-            if self.tp is not None:
-                self.tensor_parallel(FORWARD, self.tp.per_block * self.tp.blocks)
-                last_of = {b - 1: b - a for a, b in segment_bounds(self.options.checkpointing, self.tp.blocks)}
-                for block in reversed(range(self.tp.blocks)):
-                    self.block_backward_tp(last_of.get(block))
-            for unit in self.units:  # buckets complete in reduction order
-                if unit.trainable:
-                    self.grads_complete(unit, defers)
+            self._backward_bucketed(defers)
         self._finish_backward(defers)
+
+    def _backward_bucketed(self, defers: bool) -> None:
+        """Stages 0-2: the whole forward, the loss and head, then the buckets in reduction order."""
+        self.compute("", FORWARD)
+        if self.tp is not None:
+            self.tensor_parallel(FORWARD, self.tp.per_block * self.tp.blocks)
+        self.compute("", BACKWARD)
+        placed = all(u.blocks is not None for u in self.units)
+        n = self.tp.blocks if self.tp is not None else sum(u.blocks or 0 for u in self.units)
+        last_of = {b - 1: b - a for a, b in segment_bounds(self.options.checkpointing, n)}
+        if self.tp is not None and not placed:
+            for block in reversed(range(n)):
+                self.block_backward_tp(last_of.get(block))
+        block = n - 1  # backward runs the blocks in reverse module order
+        for unit in self.units:  # buckets complete in reduction order
+            if placed and unit.blocks:
+                for _ in range(unit.blocks):
+                    self.compute(unit.name, BACKWARD, 1.0 / unit.blocks)
+                    self.block_backward_tp(last_of.get(block))
+                    block -= 1
+            else:
+                self.compute(unit.name, BACKWARD)
+            if unit.trainable:
+                self.grads_complete(unit, defers)
 
     def _forward(self, recorded: bool) -> None:
         blocks = [u for u in self.forward if not u.is_root]
@@ -443,13 +504,16 @@ class _Replay:
         k = self.options.prefetch
 
         def enter(unit: UnitSizes) -> None:
-            self.gather(unit, FORWARD)
+            self.gather_and_wait(unit, FORWARD)
             if recorded:
                 at = self.index[unit.name] + 1
                 for later in self.forward[at:at + k]:
                     self.gather(later, FORWARD)
-            if not unit.is_root and self.tp is not None:  # its attention's and MLP's outputs
-                self.tensor_parallel(FORWARD, self.tp.per_block)
+            # The root's entry is the embedding lookup, counted with the head, where forward ends.
+            if not unit.is_root:
+                self.compute(unit.name, FORWARD)
+                if self.tp is not None:  # its attention's and MLP's outputs
+                    self.tensor_parallel(FORWARD, self.tp.per_block)
 
         def leave(unit: UnitSizes) -> None:
             if self.options.reshard_after_forward and not unit.is_root and unit.name not in kept:
@@ -468,6 +532,8 @@ class _Replay:
             leave(segment[0])
             i += len(segment)
         # The root is left at forward's end and stays gathered into backward.
+        if self.root is not None:
+            self.compute(self.root.name, FORWARD)
 
     def _prefetch_backward(self, unit: UnitSizes) -> None:
         at = self.index.get(unit.name)
@@ -479,21 +545,29 @@ class _Replay:
     def _backward_sharded(self, defers: bool) -> None:
         last_of = {seg[-1].name: seg for seg in self.segments}
         if self.root is not None:  # backward starts at the loss: the root's output
-            self.gather(self.root, BACKWARD)
+            self.gather_and_wait(self.root, BACKWARD)
             if self.recomputes:
                 self._prefetch_backward(self.root)
+            self.compute(self.root.name, BACKWARD)  # the loss and head; the embeddings' grads come last
+        at = self.options.backward_prefetch_at
         for unit in reversed([u for u in self.forward if not u.is_root]):
-            self.gather(unit, BACKWARD)  # Engine._pre_backward
+            self.gather_and_wait(unit, BACKWARD)  # Engine._pre_backward
             if self.recomputes:
                 self._prefetch_backward(unit)
             segment = last_of.get(unit.name)
             if segment is not None:
                 # The first unpack rebuilds the whole segment: its sharded units are gathered, and
                 # checkpoint's early stop ends the rebuild before they are released.
+                for member in segment:  # Engine.gather_for_recompute, one after another
+                    self.gather_and_wait(member, RECOMPUTE)
                 for member in segment:
-                    self.gather(member, RECOMPUTE)
+                    self.compute(member.name, RECOMPUTE)
             if unit.trainable and not self.recomputes:
+                self.compute(unit.name, BACKWARD, at)
                 self._prefetch_backward(unit)  # once part of its grads are in
+                self.compute(unit.name, BACKWARD, 1.0 - at)
+            else:
+                self.compute(unit.name, BACKWARD)
             self.block_backward_tp(None if segment is None else len(segment))
             if unit.trainable:
                 self.grads_complete(unit, defers)
@@ -521,12 +595,16 @@ class _Replay:
                 self._emit("all_reduce", "tp", "", CLIP, 1, torch.float64)
         if self.options.offload.enabled:  # the whole-shard step (optim.py): every reduction, then every sync
             self.finish_reductions()
+            self.compute("", OPTIMIZER)
             for unit in self.units:
                 self._sync_params(unit)
         else:
-            for stage in _pipeline_stages(self.units):
+            stages = _pipeline_stages(self.units)
+            total = sum(g.segment_numel for u in self.units for g in u.groups)
+            for stage in stages:
                 if any(unit is stage[-1] for unit, _ in self.pending):
                     self.finish_reductions(through=stage[-1])
+                self.compute(stage[0].name, OPTIMIZER, sum(g.segment_numel for u in stage for g in u.groups) / total)
                 for unit in stage:
                     self._sync_params(unit)
         self.finish_reductions()  # zero_grad: a unit whose shard here is all padding

@@ -1,34 +1,25 @@
-"""Replay one optimizer step of zeroshard's schedule on two timelines: compute and communication.
+"""Time one optimizer step on two timelines, compute and communication: the step the runtime runs.
 
-The schedule is the engine's (zeroshard/sharding/engine.py), for one micro-batch per step:
+What the step does, and in which order, is not restated here: zeroshard/sim/replay.py walks the
+runtime's step schedule (zeroshard/sharding/schedule.py: gathers with their prefetch and
+resharding, reductions in the engine's order with its in-flight cap and buckets, replica
+all-reduces, checkpoint rebuilds, tp all-reduces, accumulation inside ``no_sync``, the post-step
+gathers) and prices each event. This module holds what the pricing needs:
 
-- stage 3 all-gathers each block before its forward, ``prefetch`` blocks ahead, and again before its
-  backward when ``reshard_after_forward``; the root unit is gathered once and stays gathered;
-- backward launches each unit's reduction when its grads are ready: a reduce-scatter at stages 1-3
-  over the shard group, an all-reduce at stage 0, blocks merged into buckets of ``bucket_bytes`` when
-  params are not sharded; at stages 2-3 the oldest reduction is waited on while more than the
-  engine's ``MAX_INFLIGHT_REDUCTIONS`` are pending, so compute can stall on communication;
-- hybrid layouts all-reduce each reduced shard across replicas when the reduction is finished,
-  which the engine does synchronously (a blocking call on the compute timeline);
-- stages 1-2 all-gather the updated params after the optimizer step;
-- with accumulation (``Workload.accum`` micro-steps), as inside ``zs.no_sync``: every micro-step
-  runs its forward and backward, stage 3 gathering every unit again (the root too: backward's end
-  reshards everything); stages 0-1 reduce only in the last micro-step (their full grads accumulate
-  locally), stages 2-3 in every one (into the grad shard). A micro-step's last reductions are left
-  running into the next micro-step, whose forward first finishes them (as the engine does);
-- with offload (``Layout.offload``, the runtime's ``OffloadPolicy``): fp32 masters and AdamW state
-  live in host memory. Each finished reduction's fp32 grad shard is copied out over the host link,
-  asynchronously (pinned), one copy at a time; the optimizer waits for them all, then steps on the
-  CPU at host memory bandwidth (disk: also reading and writing its state files, prefetched a slice
-  ahead). Masters go back over the link synchronously, on the compute stream, before every gather
-  of a unit's own slice: at stage 3 before each all-gather, at stages 1-2 before the post-step
-  all-gather, at stage 0 the whole model after the step;
-- with a tp mesh dim (``Layout.tp``), each block's matmuls and attention are split over tp
-  consecutive ranks of a node (Megatron's column/row split; elementwise work is taken as whole,
-  a bound), ZeRO shards each rank's tp-local block params over the data-parallel ranks (every
-  tp-th rank), and every block's forward ends its attention and its MLP with an all-reduce of
-  the activations on the intra-node link, as does its backward (and a rebuild with checkpointing):
-  on the critical path, since the next op needs the sum.
+- ``Layout``: the mesh and the engine knobs the replay models (``SIMULATED_KNOBS``);
+- the seconds of each unit's passes (``_Durations``): measured on this host by ``plan --calibrate``,
+  or matmuls and attention at their efficiencies and the rest at memory bandwidth. With a tp
+  mesh dim (``Layout.tp``) each block's matmuls and attention are split over tp consecutive ranks
+  of a node (Megatron's column/row split; elementwise work is taken as whole, a bound), and ZeRO
+  shards each rank's tp-local params over the data-parallel ranks (every tp-th rank);
+- offload (``Layout.offload``, the runtime's ``OffloadPolicy``): fp32 masters and AdamW state live
+  in host memory. Each finished reduction's fp32 grad shard is copied out over the host link,
+  asynchronously (pinned), one copy at a time; the optimizer waits for them all, then steps on
+  the CPU at host memory bandwidth (disk: also reading and writing its state files, prefetched a
+  slice ahead). Masters come back synchronously, on the compute stream, before each gather of a
+  unit's own slice at stage 3, before the post-step all-gather at stages 1-2, and for the whole
+  model after the step at stage 0;
+- the optimizer's update at the measured or modelled AdamW rate.
 
 Collectives of one process group share one stream in launch order (they compete for the same
 links), as on one NCCL stream; with a measured concurrency figure (``Hardware.concurrency``, gloo
@@ -44,14 +35,13 @@ import dataclasses
 from typing import Any
 
 from zeroshard.offload.policy import OFFLOAD_KINDS
-from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.recompute import segment_bounds
 from zeroshard.sim.hardware import Hardware
 from zeroshard.sim.measured import pick_compute, pick_concurrency
 from zeroshard.sim.network import collective_seconds, wire_bytes
-from zeroshard.sim.workload import TORCHTITAN_POLICIES, Workload
+from zeroshard.sim.replay import walk
+from zeroshard.sim.workload import Workload
 
 ADAMW_BYTES_PER_PARAM = 34
 """fp32 AdamW update moves param, grad, two moments in (16 B) and param, moments out (12 B), plus the
@@ -317,10 +307,8 @@ class _Durations:
     root_fwd: float
     root_bwd: float
     parts: dict[str, float]
-    tp_fwd: float = 0.0
-    """Seconds of a block's tp all-reduces in forward (blocking: the next op needs their sum)."""
-    tp_bwd: float = 0.0
-    """The same in backward: its two, and a rebuild's two with checkpointing."""
+    block_recompute: float = 0.0
+    """The share of ``block_bwd`` that reruns the block's forward under checkpointing."""
 
 
 def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: bool) -> _Durations:
@@ -343,12 +331,11 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
         root_b = max(0.0, c.root_slowest_s - root_f)
     bf, bb = fwd * scale, bwd * scale
     rf, rb = root_f * scale, root_b * scale
-    if w.checkpointing != "none":  # a checkpointed block runs its forward again in backward
-        bb += bf * w.recompute_fraction()[0]
+    recompute = bf * w.recompute_fraction()[0] if w.checkpointing != "none" else 0.0
     L = w.shape.n_layer
-    parts = {"blocks (measured)": L * (bf + bwd * scale), "root (measured)": rf + rb,
-             "recompute": L * (bb - bwd * scale)}
-    return _Durations(block_fwd=bf, block_bwd=bb, root_fwd=rf, root_bwd=rb, parts=parts)
+    parts = {"blocks (measured)": L * (bf + bb), "root (measured)": rf + rb, "recompute": L * recompute}
+    return _Durations(block_fwd=bf, block_bwd=bb + recompute, root_fwd=rf, root_bwd=rb, parts=parts,
+                      block_recompute=recompute)
 
 
 def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_per_unit: bool = False) -> _Durations:
@@ -367,27 +354,9 @@ def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_pe
     L = w.shape.n_layer
     parts = {"matmul": 3 * (L * g_f + root_g), "attention": 3 * L * a_f, "memory-bound": 3 * (L * e_f + root_e),
              "recompute": L * recompute}
-    tp_fwd = tp_bwd = 0.0
-    if tp > 1:  # two all-reduces of the block's activations per pass, inside a node, and a rebuild's
-        one = collective_seconds("all_reduce", w.tokens * w.shape.hidden * w.compute_bytes, tp, hw, spans=False)
-        tp_fwd, tp_bwd = 2 * one, one * (2 + _rebuilt_all_reduces(w) / L)
     return _Durations(block_fwd=g_f + a_f + e_f, block_bwd=2 * (g_f + a_f + e_f) + recompute,
-                      root_fwd=root_g + root_e, root_bwd=2 * (root_g + root_e), parts=parts, tp_fwd=tp_fwd,
-                      tp_bwd=tp_bwd)
-
-
-def _rebuilt_all_reduces(w: Workload) -> int:
-    """TP all-reduces a micro-step's checkpoint rebuilds run again, over every block: each block's
-    forward two, but the last of each checkpoint segment. torch's non-reentrant checkpoint stops once
-    the last tensor backward needs is back, and nothing saves a segment's last row-wise output (as
-    zeroshard.planner.tp.layer_collectives counts it; the ledger agrees: tests/distributed/test_tp.py).
-    torchtitan's op-level policy is taken to run both again."""
-    L = w.shape.n_layer
-    if w.checkpointing == "none":
-        return 0
-    if w.checkpointing in TORCHTITAN_POLICIES:
-        return 2 * L - (L if w.checkpointing == "full" else 0)  # full: one checkpoint per block
-    return 2 * L - len(segment_bounds(w.checkpointing, L))
+                      root_fwd=root_g + root_e, root_bwd=2 * (root_g + root_e), parts=parts,
+                      block_recompute=recompute)
 
 
 def simulate(w: Workload, hw: Hardware, layout: Layout) -> StepResult:
@@ -406,31 +375,17 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
     d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params)
     pol, s = layout.policy, w.shape
     comm, host = CommLink(hw, layout), HostLink(hw, layout)
-    t = 0.0
-    carried: list[tuple[Collective, float]] = []  # reductions left running into the next micro-step
-    for micro in range(w.accum):
-        while carried:  # the engine's forward first finishes what the previous backward left running
-            t = _finish_oldest(carried, t, layout, comm, host)
-        t = _forward(w, layout, d, comm, host, t)
-        t = comm.compute(t, d.root_fwd + d.root_bwd)
-        last = micro == w.accum - 1
-        t, carried = _backward(w, layout, d, comm, host, t, reduce=last or pol.transient_grads, finish=last)
+    walked = walk(w, layout, d, comm, host)
     compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
     group = layout.shard_group  # 1 at stage 0
     params = _local_params(w, layout)
-    t = host.drain(t)
-    optimizer = _optimizer_seconds(w, hw, layout, params / group)
+    t = host.drain(walked.t)
+    optimizer = _optimizer_seconds(w, hw, layout, params / group) * walked.optimizer_share
     t = comm.compute(t, optimizer)
     if not pol.shard_params:  # offloaded masters back to the device: this rank's slice (all of it at stage 0)
         t += host.copy_in(params / group)
-    if pol.shard_optimizer and not pol.shard_params:
-        t = comm.when(comm.launch("all_gather", params * layout.param_bytes, group, t))
-    tp_bytes = 0.0
-    if layout.tp > 1:  # on the critical path, so all exposed
-        tp_ops = w.accum * (4 * s.n_layer + _rebuilt_all_reduces(w))
-        comm.busy += w.accum * s.n_layer * (d.tp_fwd + d.tp_bwd)
-        tp_bytes = tp_ops * w.tokens * s.hidden * w.compute_bytes
-        comm.wire += tp_ops * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, layout.tp)
+    if walked.param_sync_bytes:
+        t = comm.when(comm.launch("all_gather", walked.param_sync_bytes, group, t))
     exposed = max(0.0, t - compute - optimizer - host.blocking)
     # Communication that runs under compute still takes the measured share of the cores from it.
     under = comm.under_compute()
@@ -445,7 +400,7 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()),
-                      tp_bytes=tp_bytes), comm
+                      tp_bytes=walked.tp_bytes), comm
 
 
 def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, under: dict[str, float]) -> float:
@@ -483,106 +438,3 @@ def _optimizer_s_per_param(w: Workload, hw: Hardware, world: int) -> float:
 def _local_params(w: Workload, layout: Layout) -> float:
     """Params each rank's ZeRO buffers hold: its tp part of every block (taken as wholly split), the root."""
     return w.shape.root_params + w.shape.n_layer * w.shape.block_params / layout.tp
-
-
-def _forward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink, t: float) -> float:
-    """One micro-step's forward from ``t``: the root (embeddings) first, then each block, gathered
-    ``prefetch`` ahead at stage 3 (each gather after its own slice's copy back when offloaded)."""
-    pol, s = layout.policy, w.shape
-    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
-    block_param = s.block_params / layout.tp * layout.param_bytes
-    own_block = s.block_params / layout.tp / group  # this rank's slice, in elements
-    start_at = t
-    root: Collective | float = t
-    ready: list[Collective | float] = [start_at] * L
-    if pol.shard_params:
-        start_at += host.copy_in(s.root_params / group)
-        root = comm.launch("all_gather", s.root_params * layout.param_bytes, group, start_at)
-        for i in range(min(k, L)):
-            start_at += host.copy_in(own_block)
-            ready[i] = comm.launch("all_gather", block_param, group, start_at)
-    t = max(start_at, comm.when(root))
-    for i in range(L):
-        start = max(t, comm.when(ready[i]))
-        if pol.shard_params and i + k < L:
-            start += host.copy_in(own_block)
-            ready[i + k] = comm.launch("all_gather", block_param, group, start)
-        t = comm.compute(start, d.block_fwd) + d.tp_fwd
-    return t
-
-
-def _backward(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink, t: float, *,
-              reduce: bool = True, finish: bool = True) -> tuple[float, list[tuple[Collective, float]]]:
-    """Blocks in reverse with their gathers and, when ``reduce``, their reductions. With ``finish``
-    the step waits for the last reductions (the optimizer reads every shard); otherwise they are
-    returned still running, for the next micro-step's forward to finish first. Returns (time,
-    reductions still running)."""
-    pol, s = layout.policy, w.shape
-    group, L, k = layout.shard_group, s.n_layer, max(1, layout.prefetch)
-    block_param = s.block_params / layout.tp * layout.param_bytes
-    block_grad = s.block_params / layout.tp * layout.reduce_bytes
-    own_block = s.block_params / layout.tp / group
-    regather = pol.shard_params and layout.reshard_after_forward
-    ready: list[Collective | float] = [t] * L
-    if regather:  # the last block of forward stays gathered into backward (Engine.kept_for_backward)
-        for j in range(1, min(k, L)):
-            t += host.copy_in(own_block)
-            ready[L - 1 - j] = comm.launch("all_gather", block_param, group, t)
-    # Reductions: per block at stage 3, per bucket otherwise (the root last, in backward order).
-    sizes = [float(block_grad)] * L + [float(s.root_params * layout.reduce_bytes)]
-    if pol.shard_params:
-        units = sizes
-    else:  # the engine's buckets, which it fills by fp32 param bytes (reduce_bytes is the wire's)
-        buckets = merge_in_order(list(range(L + 1)), lambda u: sizes[u] / layout.reduce_bytes * 4,
-                                 EngineOptions(bucket_mb=layout.bucket_mb).bucket_bytes)
-        units = [sum(sizes[u] for u in bucket) for bucket in buckets]
-    owner = _bucket_ends(sizes, units)  # index of the block whose backward completes each unit
-    op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
-    reduce_group = group if pol.shard_optimizer else layout.dp  # DDP all-reduces over every data-parallel rank
-    pending: list[tuple[Collective, float]] = []  # (reduction, replica all-reduce bytes)
-    next_unit = 0 if reduce else len(units)
-
-    for step, i in enumerate(range(L - 1, -1, -1)):
-        start = max(t, comm.when(ready[i]))
-        j = i - k
-        held = 0.0  # compute held by the prefetched unit's copy back (offload)
-        if regather and j >= 0:  # issued once this unit's grads are partly ready, as the engine does
-            held = host.copy_in(own_block)
-            ready[j] = comm.launch("all_gather", block_param, group, start + BACKWARD_PREFETCH_AT * d.block_bwd + held)
-        t = comm.compute(start, d.block_bwd) + held + d.tp_bwd
-        while next_unit < len(units) and owner[next_unit] <= step:
-            pending.append((comm.launch(op, units[next_unit], reduce_group, t), units[next_unit] / group))
-            next_unit += 1
-        while pol.transient_grads and len(pending) > MAX_INFLIGHT_REDUCTIONS:
-            t = _finish_oldest(pending, t, layout, comm, host)
-    for u in range(next_unit, len(units)):  # the root's reduction
-        pending.append((comm.launch(op, units[u], reduce_group, t), units[u] / group))
-    while pending and finish:
-        t = _finish_oldest(pending, t, layout, comm, host)
-    return t, pending
-
-
-def _finish_oldest(pending: list[tuple[Collective, float]], now: float, layout: Layout, comm: CommLink,
-                   host: HostLink) -> float:
-    """``Engine.finish_reductions`` for the oldest pending reduction: wait for it and, with replicas,
-    all-reduce its shard across them, a blocking call on the compute timeline (the replicate group is
-    its own process group, its own stream, but the engine waits on it). With offload the reduced
-    shard then goes to the host."""
-    done, nbytes = pending.pop(0)
-    now = max(now, comm.when(done))
-    if layout.replicas > 1 and layout.policy.shard_optimizer:
-        now = comm.when(comm.launch("all_reduce", nbytes, layout.replicas, now,
-                                    spans=layout.world > comm.hw.gpus_per_node, stream="replicate"))
-    host.copy_out(nbytes / layout.reduce_bytes, now)
-    return now
-
-
-def _bucket_ends(sizes: list[float], units: list[float]) -> list[int]:
-    """For each bucket, the index (in backward order) of the last unit it holds."""
-    ends, total, b = [], 0.0, 0
-    for idx, size in enumerate(sizes):
-        total += size
-        while b < len(units) and total >= sum(units[: b + 1]) - 1e-6:
-            ends.append(idx)
-            b += 1
-    return ends
