@@ -134,7 +134,8 @@ class TrainConfig:
     ranks and route tokens to them by all-to-all (docs/expert_parallel.md). Dense params are sharded
     as without it; each expert over the nproc/ep ranks that hold it. Needs an MoE model whose expert
     count ep divides: tiny-moe, or an HF Mixtral or Qwen-MoE save_pretrained folder (each rank reads
-    its block of experts). 1 is no expert parallelism."""
+    its block of experts). Checkpoints record each expert's placement: a run resumes at any ep. 1 is no
+    expert parallelism."""
 
     pp: int = 1
     """Pipeline parallelism: cut the model's blocks into this many stages, one per group of nproc/pp
@@ -290,9 +291,6 @@ class TrainConfig:
                              f"product with the other dims is not nproc={self.nproc}; pick an ep that divides them")
         if self.tp > 1:
             raise ValueError(f"ep={self.ep} with tp={self.tp} is not supported yet; use tp=1 with ep")
-        if self.save_every or self.resume:
-            raise ValueError(f"ep={self.ep} with checkpoints (save_every, resume) is not supported yet: the experts' "
-                             "placement is not recorded; use ep=1 to checkpoint")
         if self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
             # (a pretrained folder's layers are checked before launch, on a meta build of it)
             raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "

@@ -39,6 +39,10 @@ def _say(line: str) -> None:
     print(f"zeroshard train: {line}", flush=True)
 
 
+def _layout(world: int, stage: int, ep: int) -> str:
+    return f"{world} ranks at stage {stage}" + (f", experts split over ep {ep}" if ep > 1 else "")
+
+
 def new_lineage() -> str:
     """A run's id, recorded in every checkpoint it (and every resume of it) writes."""
     return uuid.uuid4().hex[:16]
@@ -107,8 +111,10 @@ class TrainingCheckpoints:
             raise CheckpointError(f"checkpoint {loaded.path} is at step {loaded.step}, which already reaches "
                                   f"steps={cfg.steps}; raise --steps to train further")
         if run.mesh.rank == 0:
-            self.log(f"resumed from {loaded.path} at step {loaded.step} (saved on {loaded.saved_world} ranks at stage "
-                     f"{loaded.saved_stage}; now {run.mesh.world} ranks at stage {cfg.stage})")
+            saved_ep = ((loaded.manifest or {}).get("mesh") or {}).get("ep_size", 1)
+            self.log(f"resumed from {loaded.path} at step {loaded.step} (saved on "
+                     f"{_layout(loaded.saved_world, loaded.saved_stage, saved_ep)}; now "
+                     f"{_layout(run.mesh.world, cfg.stage, run.mesh.ep_size)})")
         self.loaded = loaded
         if loaded.lineage is not None:
             self.lineage = loaded.lineage
