@@ -110,6 +110,7 @@ def _check(command: str, table: dict[str, list[Entry]], run: Callable[[list[str]
 def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entry]]]:
     png, hw_out = str(tmp / "plan.png"), str(tmp / "hw.toml")
     m = ["plan", "--model", "tiny", "--world", "4", "--json"]
+    moe = swap(m, "--model", "tiny-moe")
     # inter-node links only price collectives that span nodes: 16 ranks over nodes of 8
     rec = ["plan", "--model", "tiny", "--world", "16", "--device-mem", "1GB", "--json"]
     memory: dict[str, list[Entry]] = {
@@ -124,6 +125,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--world": [(swap(m, "--world", "8"), m, CHANGES)],
         "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
         "--sequence-parallel": [(plus(m, "--tp", "2", "--sequence-parallel"), plus(m, "--tp", "2"), CHANGES)],
+        "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(m, "--ep", "2"), None, REFUSED)],  # tiny has no experts
+        "--routing-skew": [(plus(moe, "--ep", "2", "--routing-skew", "0.5"), plus(moe, "--ep", "2"), CHANGES),
+                           (plus(moe, "--routing-skew", "0.5"), None, REFUSED)],
         "--stage": [(plus(m, "--stage", "3"), m, CHANGES)],
         "--batch": [(plus(m, "--batch", "8"), m, CHANGES)],
         "--seq": [(plus(m, "--seq", "32"), m, CHANGES)],
@@ -171,6 +175,8 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--world": [(swap(t, "--world", "8"), t, CHANGES), (plus(t, "--sweep", "2,4"), None, REFUSED)],
         "--tp": [(plus(t, "--tp", "2"), t, CHANGES)],
         "--sequence-parallel": [(plus(t, "--tp", "2", "--sequence-parallel"), None, REFUSED)],
+        "--ep": [(plus(swap(t, "--model", "tiny-moe"), "--ep", "2"), None, REFUSED)],
+        "--routing-skew": [(plus(swap(t, "--model", "tiny-moe"), "--routing-skew", "0.5"), None, REFUSED)],
         "--stage": [(plus(t, "--stage", "3"), t, CHANGES)],
         "--batch": [(plus(t, "--batch", "8"), t, CHANGES)],
         "--seq": [(plus(t, "--seq", "32"), t, CHANGES)],

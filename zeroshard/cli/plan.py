@@ -27,8 +27,8 @@ from rich.table import Table
 
 from zeroshard.models.targets import Target, is_module_spec, is_preset
 from zeroshard.cli.train import fail, one_line
-from zeroshard.config import MODEL_NAMES
-from zeroshard.cli.typed_flags import add_knob_flags, given_knobs
+from zeroshard.config import MODEL_NAMES, field_help, field_type
+from zeroshard.cli.typed_flags import add_knob_flags, add_typed_flag, given_knobs
 from zeroshard.planner.comm import Network
 from zeroshard.planner.spec import PLANNED_KNOBS
 from zeroshard.sim.step import SIMULATED_KNOBS
@@ -58,6 +58,7 @@ def plan_table(p) -> Table:
     count = f"{p.params / 1e6:,.1f}M" if p.params >= 1e6 else f"{p.params:,}"  # a test model is not "0.0M"
     what = f"{p.model.name}: {count} params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)"
     where = f"world {spec.world}" + (f" = {spec.dp} data-parallel x tp {spec.tp}" if spec.tp > 1 else "")
+    where += f", experts split over ep {spec.ep} x edp {spec.edp}" if spec.ep > 1 else ""
     table = Table(title=f"{what}, per-rank {unit}, {where}",
                   caption=f"micro-batch {spec.micro_batch} x seq {spec.seq}, accum {spec.accum}, "
                           f"{spec.optimizer.__name__}, {spec.accounting} accounting; decimal units"
@@ -79,6 +80,15 @@ def plan_table(p) -> Table:
     if any(p[n].host_bytes for n in names):
         table.add_row("host (offload)", *[fmt(p[n].host_bytes) for n in names])
     table.add_row("comm / step", *[fmt(p[n].comm_bytes) for n in names])
+    if spec.ep > 1:  # the experts' part of the rows above (zeroshard/planner/experts.py)
+        table.add_section()
+        for key, label in (("expert_params", "of which expert params"), ("expert_grads", "expert grads"),
+                           ("expert_optimizer", "expert optimizer"),
+                           ("expert_held_in_forward", "experts held in forward"),
+                           ("all_to_all_buffers", "all-to-all buffers")):
+            table.add_row(f"[dim]{label}", *[f"[dim]{fmt(p[n].experts.get(key, 0))}" for n in names])
+        table.add_row("[dim]all-to-all / step", *[f"[dim]{fmt(sum(c.wire_bytes for c in p[n].collectives if c.group == 'ep'))}"
+                                                  for n in names])
     return table
 
 
@@ -133,7 +143,8 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
                   headroom=args.headroom, accounting=args.accounting,
                   comm_quant=args.comm_quant or "none", comm_quant_block=args.comm_quant_block or DEFAULT_COMM_QUANT_BLOCK,
                   device="cpu" if args.measure else args.device, tp=args.tp,
-                  sequence_parallel=args.sequence_parallel)
+                  sequence_parallel=args.sequence_parallel, ep=args.ep or 1,
+                  routing_skew=args.routing_skew or 0.0)
     return target, kwargs
 
 
@@ -186,6 +197,8 @@ def unread_flag(args: argparse.Namespace) -> str | None:
         return "--hw-out is where --calibrate writes its hardware TOML; add --calibrate or drop --hw-out"
     if args.calibrate:
         return None
+    if args.routing_skew is not None and (args.ep or 1) == 1:
+        return "--routing-skew sizes the expert-parallel all-to-alls; add --ep N (N > 1) or drop --routing-skew"
     if not args.time:
         if flags := _given(args, "hw", "micro_batch", "sweep", "shard_sizes"):
             return f"{flags[0]} is read only with --time (the step-time simulator); add --time or drop {flags[0]}"
@@ -208,7 +221,11 @@ def unread_flag(args: argparse.Namespace) -> str | None:
            "inter_gbps": "--time takes its links from --hw (a preset, or a TOML file's inter_bandwidth)",
            "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node) or "
                             "from --topology",
-           "measure": "--measure checks the memory planner against one real step; run it without --time"}
+           "measure": "--measure checks the memory planner against one real step; run it without --time",
+           "ep": "--time does not simulate expert parallelism yet (the memory planner, without --time, plans it)",
+           "routing_skew": "--time does not simulate expert parallelism yet (the memory planner, without --time, "
+                           "plans it)"}
+
     if unsimulated := sorted(given_knobs(args, tuple(k for k in PLAN_KNOBS if k not in SIMULATED_KNOBS))):
         flag = "--" + unsimulated[0].replace("_", "-")
         return f"--time does not simulate {flag} (the memory planner, without --time, plans it); drop {flag}"
@@ -341,6 +358,10 @@ def add_parser(sub: Any) -> None:
                       "too; default: 1)")
     run_.add_argument("--sequence-parallel", action="store_true", help="with --tp: also split the norms' and "
                       "residual's activations along the sequence")
+    add_typed_flag(run_, "ep", field_type("ep"), f"{field_help('ep')} (default: 1)")  # train's own key
+    run_.add_argument("--routing-skew", type=float, help="with --ep: extra rows the busiest ep rank receives, as a "
+                      "share of its balanced tokens x top_k (0: balanced, the default; 1: twice its share); sizes "
+                      "its all-to-all buffers, activations and traffic")
     run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
                       "the one measured by --measure); every stage is planned")
     run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")

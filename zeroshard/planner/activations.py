@@ -12,6 +12,16 @@ count is exact), with C = n_embd, c = bytes of the compute dtype, h = heads:
   fp32 log-probabilities (4·V, kept by log_softmax whatever the compute dtype), token ids and
   targets (int64, 16). Per sequence position: the position ids (8).
 
+A block with an MoE MLP (``n_expert > 0``) saves, in place of the dense MLP's 2·hidden·c per token,
+what its router and its routed rows keep (counted against ``saved_tensors_hooks`` on the unsplit
+layer): per token the router's fp32 probabilities (4·E), top-k indices and renormalised weights
+(12·k) and their sum (4); per routed row (k per token) its input, the expert's fc and GELU outputs,
+the expert's output (saved by the routing-weight product) and one more C-wide copy (3·C + 2·hidden,
+in c), its weight (4) and its (token, slot) index (16). Under expert parallelism a rank's rows are
+the ones routed to its experts, ``tokens × k`` when balanced, ``× (1 + skew)`` on the busiest rank
+(an estimate: the split layer's dispatch keeps index tensors of its own). With a load-balancing
+loss each layer call also keeps its per-expert shares (4·E).
+
 ZeRO does not divide any of this by N: it shards model states, while activations scale with the
 micro-batch each rank runs. Checkpointing follows the runtime's segments (``Checkpointing.segments``,
 which are ``zeroshard.sharding.recompute.segment_bounds``): each segment keeps only its input
@@ -50,8 +60,16 @@ class ActivationEstimate:
         return self.saved + self.recompute
 
 
+def moe_mlp_per_token(cfg, compute_bytes: int, skew: float = 0.0) -> int:
+    """Bytes an MoE MLP saves per token beyond the dense MLP's (see the module docstring)."""
+    C, k, E = cfg.n_embd, cfg.expert_top_k, cfg.n_expert
+    hidden = cfg.mlp_ratio * C
+    row = (3 * C + 2 * hidden) * compute_bytes + 4 + 16
+    return int(round(k * (1.0 + skew) * row)) + 4 * E + 12 * k + 4 - 2 * hidden * compute_bytes
+
+
 def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing,
-                    tp: int = 1, sequence_parallel: bool = False) -> ActivationEstimate:
+                    tp: int = 1, sequence_parallel: bool = False, skew: float = 0.0) -> ActivationEstimate:
     """Per rank. Under tensor parallelism (Megatron's split, zeroshard.planner.tp) the tensors inside
     the split linears are divided by ``tp``: qkv, the attention output, fc and GELU (4·C + 2·hidden
     per token) and the heads' log-sum-exp; the block input, the norms' outputs and the residual
@@ -69,6 +87,9 @@ def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, poli
     # whole either way; 8·C outside the MLP plus its two hidden-size tensors: 16·C for a 4× MLP.
     outside = (2 * C * c + 4 * c) // whole + 2 * C * c
     per_layer = tokens * (outside + (4 * C + 2 * hidden) * c // tp + 4 * h // tp)
+    if getattr(cfg, "n_expert", 0):  # (tp is refused with experts)
+        # plus the load-balancing loss's per-expert shares (E fp32), once per layer call
+        per_layer += tokens * moe_mlp_per_token(cfg, c, skew) + (4 * cfg.n_expert if cfg.aux_loss_coef > 0 else 0)
     root = tokens * (2 * C * c + 2 * c + 4 * V + 16) + seq * 8 + 4
     boundary = tokens * C * c // whole  # what a checkpointed block keeps: its input
 

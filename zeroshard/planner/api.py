@@ -11,6 +11,7 @@ from torch import nn
 from zeroshard.comm.quant import CommQuant
 from zeroshard.planner.activations import ActivationEstimate, gpt_activations
 from zeroshard.planner.comm import Collective
+from zeroshard.planner.experts import ExpertSplit, expert_split
 from zeroshard.planner.inventory import Inventory, meta_gpt
 from zeroshard.planner.memory import Estimator, variants
 from zeroshard.planner.result import LayoutPlan, Plan
@@ -65,7 +66,8 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
     compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
     c = torch.empty(0, dtype=compute).element_size()
     activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
-                                  policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel)
+                                  policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel,
+                                  skew=spec.routing_skew)
     tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
                                 micro_steps=spec.accum, gpus_per_node=gpus_per_node,
                                 norm_vectors=2 * (2 if cfg.bias else 1),  # ln1, ln2: weight (and bias)
@@ -79,8 +81,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          seq: int | None = None, accum: int = 1, shard_size: int | None = None, headroom: float = 0.10,
          accounting: str | None = None, units: UnitsArg = None, device: str = "cuda",
          gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
-         tp: int = 1, sequence_parallel: bool = False, engine: EngineOptions | None = None,
-         **knobs: Any) -> Plan:
+         tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
+         engine: EngineOptions | None = None, **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -91,7 +93,10 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     gloo's worker threads), so the grad buffers in flight are planned the same way for both: the
     bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
     blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
-    parallel); see zeroshard/planner/tp.py and docs/planner.md.
+    parallel); see zeroshard/planner/tp.py and docs/planner.md. ``ep`` splits an MoE model's experts
+    over that many data-parallel ranks, each expert sharded over the ``dp / ep`` that hold it;
+    ``routing_skew`` is the busiest ep rank's extra share of routed rows (zeroshard/planner/experts.py,
+    docs/expert_parallel.md).
 
     The engine's knobs are the runtime's ``EngineOptions``: pass one as ``engine``, or its knobs
     flat as ``zs.shard`` and ``zeroshard train`` spell them (``checkpointing="sqrt"``,
@@ -112,7 +117,11 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
     inventory, cfg = None, None
     notes = []
+    experts = ExpertSplit()
     if analytic:
+        if ep > 1:
+            raise ValueError(f"ep={ep} splits a model's MoE layers; pass --model (tiny-moe, an HF Mixtral or "
+                             "Qwen-MoE folder or hf: name), not a bare parameter count")
         psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
         if tp > 1:  # no layers to tell split params from replicated ones
             psi //= tp
@@ -124,14 +133,18 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                              "plan a preset or a GPTConfig, or tp=1")
         if cfg is not None:
             split.check_gpt(cfg)
-        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split)
+        if ep > 1 and tp > 1:
+            raise ValueError(f"ep={ep} with tp={tp} is not supported by the runtime yet; plan tp=1 with ep")
+        experts = expert_split(model, ep)
+        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
+                              dp=max(1, world // tp))
         psi, frozen = inventory.facts.trainable, inventory.facts.frozen
     spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
                     optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,
                     engine=options, shard_size=shard_size, headroom=headroom,
                     accounting=accounting or ("textbook" if analytic else "runtime"),
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
-                    tp=tp, sequence_parallel=sequence_parallel)
+                    tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew)
     activations: ActivationEstimate | None = None
     tp_comm: tuple[Collective, ...] = ()
     if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
@@ -154,7 +167,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
-                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm)
+                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=experts)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     if spec.comm_quant != "none":
         layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=counted is None)

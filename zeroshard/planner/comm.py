@@ -25,7 +25,7 @@ from typing import Sequence
 from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import MeshSizes, Schedule, UnitSizes, step_schedule
+from zeroshard.sharding.schedule import EXPERTS, MeshSizes, Schedule, UnitSizes, step_schedule
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -36,7 +36,9 @@ class Collective:
     group: str
     """As the ledger names it: ``world`` (every rank; stage 0's all-reduce without tp), ``dp`` (the
     data-parallel ranks under tp), ``shard`` (the ranks a buffer is sharded over), ``replicate``
-    (hybrid) or ``tp`` (the ranks one layer is split over)."""
+    (hybrid), ``tp`` (the ranks one layer is split over), ``ep`` (the ranks one MoE layer's experts
+    are split over: the token all-to-alls) or ``edp`` (the ranks holding the same experts, which
+    shard and reduce them)."""
     size: int
     """Ranks in the group."""
     buffer_bytes: int
@@ -86,34 +88,43 @@ class Network:
 
 def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
                      comm: CommQuant | None = None, accum: int = 1,
-                     gpus_per_node: int | None = None) -> tuple[Collective, ...]:
+                     gpus_per_node: int | None = None, ep: int = 1) -> tuple[Collective, ...]:
     """Collectives of one steady-state optimizer step of ``units`` (the engine's communication units,
-    in its reduction order), from the runtime's step schedule."""
+    in its reduction order), from the runtime's step schedule. ``ep``: the expert groups' degree."""
     schedule = step_schedule(units, policy=policy, mesh=mesh, options=options, comm=comm, accum=accum)
-    return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node)
+    return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node, ep=ep)
 
 
-def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | None = None) -> tuple[Collective, ...]:
+def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | None = None,
+                  ep: int = 1) -> tuple[Collective, ...]:
     """The schedule's collectives summed into rows, in the order the step first issues them: per
     (op, group, phase, wire format), the bytes of each micro-step that moves any, one row per
-    distinct figure with ``count`` the micro-steps that move it."""
+    distinct figure with ``count`` the micro-steps that move it. An expert group's collectives
+    (``Event.mesh``) run over its ``dp / ep`` expert-data-parallel ranks: group ``edp``."""
     per_micro: dict[tuple[str, str, str, bool], dict[int, int]] = {}
     for e in schedule.collectives:
-        moved = per_micro.setdefault((e.op, e.group, e.phase, e.quantized), {})
+        group = EDP if e.mesh == EXPERTS else e.group
+        moved = per_micro.setdefault((e.op, group, e.phase, e.quantized), {})
         moved[e.micro] = moved.get(e.micro, 0) + e.bytes
     out = []
     for (op, group, phase, _), moved in per_micro.items():
         counts: dict[int, int] = {}
         for nbytes in moved.values():
             counts[nbytes] = counts.get(nbytes, 0) + 1
+        size = mesh.dp // ep if group == EDP else mesh.size(group)
         for nbytes, count in counts.items():
-            out.append(Collective(op=op, group=group, size=mesh.size(group), buffer_bytes=nbytes, count=count,
+            out.append(Collective(op=op, group=group, size=size, buffer_bytes=nbytes, count=count,
                                   spans_nodes=_spans_nodes(group, mesh, gpus_per_node), phase=phase))
     return tuple(out)
 
 
+EDP = "edp"
+"""The planner's name for an expert group's ranks (the expert mesh's shard group, every ep-th rank)."""
+
+
 def _spans_nodes(group: str, mesh: MeshSizes, gpus_per_node: int | None) -> bool:
-    """Whether ``group`` crosses nodes of ``gpus_per_node`` data-parallel ranks (default: one node)."""
+    """Whether ``group`` crosses nodes of ``gpus_per_node`` data-parallel ranks (default: one node).
+    An edp group (every ep-th rank) spans them exactly when the data-parallel ranks do."""
     gpn = gpus_per_node or mesh.dp
     return (mesh.shard if group == "shard" else mesh.dp) > gpn
 

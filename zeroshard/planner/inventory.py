@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.planner.experts import ExpertSplit
 from zeroshard.planner.tp import TensorParallel
-from zeroshard.sharding.engine import reduction_buckets
+from zeroshard.sharding.engine import merge_in_order, reduction_buckets
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.optim import decays
@@ -35,6 +36,19 @@ class GroupShape:
     layout: FlatLayout
     decay: tuple[bool, ...]
     """Per slot: whether the default optimizer groups decay it (decides segment boundaries)."""
+    ep: int = 1
+    """An expert group's ep degree (it holds this rank's 1/ep of the experts, sharded over the ranks
+    that hold the same ones: the expert mesh); 1 for a dense group."""
+
+    @property
+    def expert(self) -> bool:
+        return self.ep > 1
+
+    def shard_of(self, rank: int) -> int:
+        """The shard of this buffer a data-parallel ``rank`` (its index in the dense shard group)
+        holds: the same index for a dense group; for an expert group, its expert-data-parallel index
+        (ranks are laid out with ep innermost: zeroshard/comm/expert_mesh.py)."""
+        return rank // self.ep if self.expert else rank
 
     @property
     def numel(self) -> int:
@@ -52,7 +66,7 @@ class GroupShape:
 
     def optimizer_numel(self, shard_rank: int) -> int:
         """Elements of this rank's optimizer segments: its shard, less the buffer tail."""
-        lo, hi = self.layout.shard_range(shard_rank)
+        lo, hi = self.layout.shard_range(self.shard_of(shard_rank))
         return max(0, min(hi, self.span_end) - lo)
 
     def segments(self, shard_rank: int) -> int:
@@ -62,7 +76,7 @@ class GroupShape:
     def segment_numels(self, shard_rank: int) -> list[tuple[bool, int]]:
         """(decays, elements) of each optimizer param on this rank, in buffer order."""
         runs: list[list] = []
-        for piece in self.layout.pieces(shard_rank):
+        for piece in self.layout.pieces(self.shard_of(shard_rank)):
             flag = self.decay[piece.slot_index]
             if runs and runs[-1][0] == flag:
                 runs[-1][1] += piece.numel
@@ -112,17 +126,21 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype, device="meta").element_size()
 
 
-def _groups(name: str, refs: list[ParamRef], shards: int, tp: TensorParallel) -> tuple[GroupShape, ...]:
-    # Same split as the engine: one buffer per (dtype, trainable), in first-seen order, of each
-    # param's tp-local part (what zs.shard flattens under tensor parallelism).
-    keyed: dict[tuple[torch.dtype, bool], list[ParamRef]] = {}
+def _groups(name: str, refs: list[ParamRef], shards: int, tp: TensorParallel, experts: ExpertSplit,
+            expert_shards: int) -> tuple[GroupShape, ...]:
+    # Same split as the engine: one buffer per (dtype, trainable, mesh), in first-seen order, of
+    # each param's tp-local part (what zs.shard flattens under tensor parallelism), or of an expert
+    # param's ep block, sharded over the expert-data-parallel ranks (Engine's _split_groups).
+    keyed: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
-        keyed.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
+        keyed.setdefault((ref.param.dtype, ref.param.requires_grad, experts.is_expert(ref.fqn)), []).append(ref)
     out = []
-    for (dtype, trainable), group_refs in keyed.items():
-        layout = FlatLayout([(r.fqn, tp.local_shape(r.fqn, r.param.shape)) for r in group_refs], shards)
+    for (dtype, trainable, expert), group_refs in keyed.items():
+        shapes = [(r.fqn, experts.local_shape(r.fqn, tp.local_shape(r.fqn, r.param.shape))) for r in group_refs]
+        layout = FlatLayout(shapes, expert_shards if expert else shards)
         out.append(GroupShape(unit=name, dtype=dtype, trainable=trainable, layout=layout,
-                              decay=tuple(decays(r.fqn, r.param.shape) for r in group_refs)))
+                              decay=tuple(decays(r.fqn, r.param.shape) for r in group_refs),
+                              ep=experts.ep if expert else 1))
     return tuple(out)
 
 
@@ -130,8 +148,12 @@ class Inventory:
     """The units of one model, and the comm units the runtime builds for each stage and shard count."""
 
     def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: GPTConfig | None = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, experts: ExpertSplit | None = None, dp: int = 1) -> None:
         self.tp = tp or TensorParallel()
+        self.experts = experts or ExpertSplit()
+        # The ranks that hold the same experts, which shard them wherever the dense params are
+        # sharded (with hybrid sharding too: the expert mesh has no replicas).
+        self.expert_dp = max(1, dp // self.experts.ep)
         self.specs: list[UnitSpec] = plan_units(model, units)
         refs = [r for s in self.specs for r in s.refs]
         dtypes: dict[str, int] = {}
@@ -149,8 +171,8 @@ class Inventory:
         self._cache: dict[tuple, tuple[CommUnit, ...]] = {}
 
     def local_numel(self, ref: ParamRef) -> int:
-        """Elements of this rank's tp part of a param (all of it without tensor parallelism)."""
-        return self.tp.local_shape(ref.fqn, ref.param.shape).numel()
+        """Elements of this rank's tp part, or ep block, of a param (all of it without either)."""
+        return self.experts.local_shape(ref.fqn, self.tp.local_shape(ref.fqn, ref.param.shape)).numel()
 
     @property
     def dtypes(self) -> set[torch.dtype]:
@@ -169,17 +191,28 @@ class Inventory:
     def _build(self, stage: int, shards: int, bucket_bytes: int) -> tuple[CommUnit, ...]:
         # The engine lists blocks in reverse module order, then the root: roughly backward order.
         order = [s for s in reversed(self.specs) if not s.is_root] + [s for s in self.specs if s.is_root]
+        expert_shards = self.expert_dp if StagePolicy(stage).shard_optimizer else 1
         if StagePolicy(stage).shard_params:
-            return tuple(CommUnit(name=s.name, is_root=s.is_root, groups=_groups(s.name, s.refs, shards, self.tp))
+            return tuple(CommUnit(name=s.name, is_root=s.is_root,
+                                  groups=_groups(s.name, s.refs, shards, self.tp, self.experts, expert_shards))
                          for s in order if s.refs)
         out = []
-        for bucket in reduction_buckets(order, bucket_bytes):
+        for bucket in self._buckets(order, bucket_bytes):
             name = "+".join(s.name for s in bucket)
             refs = [r for s in bucket for r in s.refs]
             if refs:
                 out.append(CommUnit(name=name, is_root=any(s.is_root for s in bucket),
-                                    groups=_groups(name, refs, shards, self.tp)))
+                                    groups=_groups(name, refs, shards, self.tp, self.experts, expert_shards)))
         return tuple(out)
+
+    def _buckets(self, order: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
+        """The engine's stage 0-2 buckets. It sizes them by the params it is given, which under ep
+        are each rank's blocks of the experts (zs.expert_parallel ran first): the same rule over
+        those sizes."""
+        if self.experts.ep == 1:
+            return reduction_buckets(order, bucket_bytes)
+        return merge_in_order(order, lambda spec: sum(self.experts.local_shape(r.fqn, r.param.shape).numel()
+                                                      * r.param.element_size() for r in spec.refs), bucket_bytes)
 
 
 def meta_gpt(config) -> nn.Module:

@@ -184,31 +184,51 @@ def _peak_tracker(device: torch.device, externals: list):
     return tracker, peak, "storage accounting (torch MemTracker)"
 
 
-def _build(req: dict, stage: int, options) -> tuple[torch.nn.Module, list, int]:
+def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list, int]:
     """(sharded model, its blocks, token vocabulary): zeroshard's GPT, or the planned target built
     as ``zeroshard train`` builds it: on meta, sharded, then filled (a folder's weights read shard by
-    shard, an hf: model's init replayed, a module's own reset)."""
+    shard, an hf: model's init replayed, a module's own reset). With an ep dim on ``mesh`` the
+    experts are split first, as train splits them (a folder's blocks of experts read per rank)."""
     import zeroshard as zs
     from zeroshard.models import GPT, GPTConfig, adapter
     from zeroshard.sharding.wrap import find_blocks
 
-    mesh = zs.get_mesh()
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_dict(req["gpt"])).to(mesh.device) if req["gpt"] is not None else req["target"].build()
     blocks = [m for _, m in find_blocks(model)]  # the units zs.shard picks (no units are given)
     vocab = adapter.token_vocab(model)
     assert vocab is not None  # request() refused a model without one
-    zs.shard(model, stage=stage, mp=req["mp"], options=options, **adapter.shard_kwargs(model))
+    if mesh.ep_size > 1:
+        zs.expert_parallel(model, mesh=mesh, values_from_folder=adapter.is_pretrained_model(model))
+    zs.shard(model, stage=stage, mp=req["mp"], options=options, mesh=mesh, **adapter.shard_kwargs(model))
     adapter.after_shard(model)
     return model, blocks, vocab
 
 
-def _measure_stage(stage: int, req: dict) -> dict:
+def _expert_bytes_in_forward(model, engine) -> tuple[dict[str, int], list]:
+    """The most expert bytes a rank holds in full while its MoE layers run: in a forward pre-hook
+    of each layer's experts module, the expert params' slots in every flat group whose full buffer
+    is allocated at that moment (at ep > 1 the experts' own groups; without ep, their slots in
+    their block's group)."""
+    from zeroshard.experts import moe_layers
+
+    layers = moe_layers(model)
+    names = {f"{layer.name}.{p}" for layer in layers for p in layer.params}
+    sink: dict[str, int] = {"peak": 0}
+
+    def read(module, args) -> None:
+        held = sum(slot.numel * g.full.element_size() for g in engine.groups if g.full.untyped_storage().nbytes()
+                   for slot in g.layout.slots if slot.fqn in names)
+        sink["peak"] = max(sink["peak"], held)
+
+    return sink, [layer.module.register_forward_pre_hook(read) for layer in layers]
+
+
+def _measure_stage(stage: int, req: dict, mesh) -> dict:
     import zeroshard as zs
     from zeroshard.sharding import get_engine
     from zeroshard.step import one_step
 
-    mesh = zs.get_mesh()
     # reap_when_done=False: the engine reaps (frees) a reduction's buffers as soon as it completes,
     # which on gloo's worker threads or NCCL's stream depends on timing (in one run a unit's flat
     # grads are gone before the next unit collects its own, in another not; seen on rank 0 and not
@@ -217,7 +237,7 @@ def _measure_stage(stage: int, req: dict) -> dict:
     # compute would. A reduction that finishes sooner only lowers the peak.
     options = dataclasses.replace(req["engine"], reap_when_done=False)
     offloaded = options.offload.kind != "none"
-    model, blocks, vocab = _build(req, stage, options)
+    model, blocks, vocab = _build(req, stage, options, mesh)
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
     gen = torch.Generator().manual_seed(1000 + mesh.rank)
@@ -258,19 +278,22 @@ def _measure_stage(stage: int, req: dict) -> dict:
         states.update(model_state_bytes(model, opt))
 
     sampler = _GradSampler(engine)
+    experts, expert_hooks = _expert_bytes_in_forward(model, engine)
     with tracker, warnings.catch_warnings():
         # MemTracker's grad hook can read param.grad after the engine has moved it into the flat
         # buffer (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(saved, tracker), before_zero_grad=read_grads)
     sampler.close()
+    for handle in expert_hooks:
+        handle.remove()
     times = _timed_steps(lambda: one_step(model, opt, x, y, accum=req["accum"]), req["timed_steps"], mesh.device)
     host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
         **{k: states[k] for k in MODEL_STATES}, "host": host if offloaded else {}, "activations": saved.get("peak", 0),
         "window": engine.peak_full_bytes if engine.policy.shard_params else 0, "buckets": sampler.peak,
         "total": int(peak()), "method": method, "max_inflight_reductions": engine.options.max_inflight_reductions,
-        "step_times": times,
+        "step_times": times, "expert_held_in_forward": experts["peak"],
     }
     return out
 
@@ -326,24 +349,32 @@ def model_state_bytes(model, opt) -> dict[str, int]:
     return out
 
 
-def measure_worker(req: dict) -> dict:
-    """Runs on every rank: each requested stage on a fresh model, one after the other."""
+def measure_worker(req: dict, mesh=None) -> dict:
+    """Runs on every rank: each requested stage on a fresh model, one after the other, on ``mesh``
+    (default: the world's, built with the plan's shard_size and ep)."""
     import zeroshard as zs
 
-    zs.init(shard_size=req["shard_size"])
+    mesh = mesh or zs.init(shard_size=req["shard_size"], ep=req["ep"])
     out = {}
     for stage in req["stages"]:
-        out[stage] = _measure_stage(stage, req)
+        out[stage] = _measure_stage(stage, req, mesh)
         gc.collect()  # the previous stage's model and optimizer go before the next is built
     return out
 
 
 def measure_many_worker(reqs: list[dict]) -> list[dict]:
-    """Several plans in one world (one spawn): ``measure_worker`` for each request, in order.
-    They must agree on ``shard_size``, the one thing the world is built with."""
-    if len({r["shard_size"] for r in reqs}) > 1:
-        raise ValueError("measure_many_worker: every request must have the same shard_size")
-    return [measure_worker(r) for r in reqs]
+    """Several plans in one world (one spawn): ``measure_worker`` for each request, in order, each
+    on a mesh of its (shard_size, ep), built once."""
+    import zeroshard as zs
+
+    first = reqs[0]
+    meshes = {(first["shard_size"], first["ep"]): zs.init(shard_size=first["shard_size"], ep=first["ep"])}
+    for r in reqs:
+        key = (r["shard_size"], r["ep"])
+        if key not in meshes:
+            meshes[key] = zs.new_mesh(shard_size=r["shard_size"], ep=r["ep"],
+                                      name=f"measure-{r['shard_size'] or 'all'}-ep{r['ep']}")
+    return [measure_worker(r, meshes[(r["shard_size"], r["ep"])]) for r in reqs]
 
 
 def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None, timed_steps: int = 0) -> dict:
@@ -379,6 +410,7 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
         "mp": spec.mp, "optimizer": spec.optimizer,
         "optimizer_kwargs": dict(spec.optimizer_kwargs), "engine": spec.engine,
         "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
+        "ep": spec.ep,
     }
 
 

@@ -22,6 +22,7 @@ import torch
 from zeroshard.offload.policy import OffloadPolicy
 from zeroshard.planner import comm
 from zeroshard.planner.activations import ActivationEstimate
+from zeroshard.planner.experts import ExpertSplit, ep_collectives
 from zeroshard.planner.inventory import CommUnit, Inventory
 from zeroshard.planner.optim_probe import OptimStateCost, probe
 from zeroshard.planner.result import Components, LayoutPlan
@@ -128,8 +129,10 @@ class Estimator:
     def __init__(self, spec: PlanSpec, *, inventory: Inventory | None = None, psi: int = 0, frozen: int = 0,
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, reduce_in_place: bool = False, host_is_device: bool = False,
-                 tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None) -> None:
+                 tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None,
+                 experts: ExpertSplit | None = None) -> None:
         self.spec = spec
+        self.experts = experts or ExpertSplit()
         # The engine finishes the oldest reduction while more than this many are pending; with 0,
         # each launch first finishes the one before it, so one is still in flight.
         self.max_inflight = max(1, spec.engine.max_inflight_reductions)
@@ -169,12 +172,17 @@ class Estimator:
             states, host, t = self._runtime_states(v, units)
         activations = self.act.total if self.act else 0
         largest_grad = self._largest_param_grad()
-        backward_ws = (self.act.workspace if self.act else 0) + largest_grad
+        # An MoE layer's backward all-to-all buffers (ep > 1) live inside the layer, next to its
+        # backward temporaries: counted with a block's. (Forward's four are next to fewer saved
+        # activations than backward's start holds.)
+        a2a = self._all_to_all_buffers(backward=True)
+        backward_ws = max(self.act.head, self.act.block + a2a) if self.act else a2a
+        backward_ws += largest_grad
         # At backward's start: every saved activation and, at the larger of the two moments, the
         # loss head's gradients or the first segment rebuilt with one block's gradients (recompute
         # is 0 without checkpointing, when this is saved + workspace).
-        start = (self.act.saved + max(self.act.head, self.act.recompute + self.act.block) if self.act else 0) \
-            + largest_grad
+        start = (self.act.saved + max(self.act.head, self.act.recompute + self.act.block + a2a) if self.act
+                 else a2a) + largest_grad
         # Each component is reported at its own peak; the step's peak is the largest of three moments:
         # backward's start (every saved activation, the window, backward temporaries, but not yet
         # the grads the reductions create), backward's worst later moment (``Transient.during``: at
@@ -197,10 +205,12 @@ class Estimator:
         during = t.during_combined if v.offload != "none" else t.during
         combined = max(phases[0] + host_total - t.host_late, states_total + host_total + during,
                        phases[2] + host_total)
-        collectives = self._collectives(v, units, padded if self.inventory is None else 0) + self.tp_collectives
+        collectives = self._collectives(v, units, padded if self.inventory is None else 0) + self.tp_collectives \
+            + self._ep_collectives()
         return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.dp // v.shards,
                           offload=v.offload, checkpointing=str(self.spec.checkpointing), device=device,
-                          host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives)
+                          host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives,
+                          experts=self._expert_bytes(v, units, self._all_to_all_buffers()))
 
     def _collectives(self, v: Variant, units: tuple[CommUnit, ...], padded: int) -> tuple[comm.Collective, ...]:
         """The layout's data-parallel collectives per step: the runtime's step schedule over its units
@@ -219,7 +229,51 @@ class Estimator:
         # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
         options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
         return comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
-                                     accum=spec.accum, gpus_per_node=dp_per_node)
+                                     accum=spec.accum, gpus_per_node=dp_per_node, ep=spec.ep)
+
+    # -- expert parallelism -------------------------------------------------------------------
+    def _compute_bytes(self) -> int:
+        return _size(self.compute(next(iter(self.master_dtypes))))
+
+    def _all_to_all_buffers(self, backward: bool = False) -> int:
+        """One MoE layer call's all-to-all buffers on the busiest ep rank, in forward or in one
+        exchange of backward (0 without ep)."""
+        if not self.experts.calls():
+            return 0
+        size = self.experts.backward_buffer_bytes if backward else self.experts.buffer_bytes
+        return size(self.spec.tokens, self._compute_bytes(), self.spec.routing_skew)
+
+    def _ep_collectives(self) -> tuple[comm.Collective, ...]:
+        if not self.experts.calls():
+            return ()
+        return ep_collectives(self.experts, tokens=self.spec.tokens, compute_bytes=self._compute_bytes(),
+                              micro_steps=self.spec.accum, skew=self.spec.routing_skew,
+                              gpus_per_node=self.gpus_per_node)
+
+    def _expert_held(self, v: Variant, units: tuple[CommUnit, ...]) -> int:
+        """The most expert bytes held in full at once during forward: every local expert at stages
+        0-2, and at stage 3 the window's expert part (the units gathered at once; a group over one
+        expert-data-parallel rank is gathered into a full buffer and freed like the others)."""
+        compute_map = {d: self.compute(d) for d in self.master_dtypes}
+        if not v.policy.shard_params:
+            return sum(u.full_bytes(compute_map) for u in units)
+        return self._window(units)
+
+    def _expert_bytes(self, v: Variant, units: tuple[CommUnit, ...], a2a: int) -> dict[str, int]:
+        """Under ep: this rank's expert bytes by model state, the most expert bytes it holds in full
+        at once in forward (``_expert_held``), one layer call's all-to-all buffers, and the element
+        counts of its dense and expert params."""
+        if not self.experts.calls():
+            return {}
+        expert = [g for u in units for g in u.groups if g.expert]
+        dense = [g for u in units for g in u.groups if not g.expert]
+        only = tuple(CommUnit(name=u.name, is_root=u.is_root, groups=tuple(g for g in u.groups if g.expert))
+                     for u in units if any(g.expert for g in u.groups))
+        states = self._runtime_states(v, only)[0]
+        held = self._expert_held(v, only)
+        return {**{f"expert_{k}": value for k, value in states.items()},
+                "expert_held_in_forward": held, "dense_numel": sum(g.layout.param_numel for g in dense),
+                "expert_numel": sum(g.layout.param_numel for g in expert), "all_to_all_buffers": a2a}
 
     @property
     def _bucket_bytes(self) -> int:
@@ -493,7 +547,8 @@ class Estimator:
         # Over one shard the engine still allocates each unit's full buffer when it "gathers" it, but
         # issues no all-gather for the schedule to show; the window's timing does not depend on the
         # shard count, so it is read off a schedule over two.
-        shard = max(2, spec.dp)
+        # (Expert groups shard over shard / ep of them: at least two as well.)
+        shard = max(2 * spec.ep, spec.dp)
         mesh = MeshSizes(world=shard * spec.tp, shard=shard, tp=spec.tp)
         schedule = step_schedule(sizes, policy=StagePolicy(3), mesh=mesh,
                                  options=dataclasses.replace(spec.engine, offload=OffloadPolicy()), accum=spec.accum)
@@ -504,7 +559,7 @@ class Estimator:
         return [UnitSizes(name=u.name, is_root=u.is_root, groups=tuple(
             GroupSizes(numel=g.numel, shard_numel=g.shard_numel, trainable=g.trainable,
                        compute_dtype=self.compute(g.dtype), reduce_dtype=self.reduce(g.dtype),
-                       optimizer_numel=g.optimizer_numel(0)) for g in u.groups)) for u in units]
+                       optimizer_numel=g.optimizer_numel(0), ep=g.ep) for g in u.groups)) for u in units]
 
     def _largest_param_grad(self) -> int:
         """Stages 0-3 all see autograd produce one param's grad as a fresh tensor before it is moved

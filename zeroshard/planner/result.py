@@ -89,6 +89,12 @@ class LayoutPlan:
     combined_peak: int = 0
     """Device and host bytes together at the step's worst moment (the allocated peak without
     offload): what a CPU run measures, where host and device are one memory."""
+    experts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Under expert parallelism: the expert params' share of each model state on this rank
+    (``expert_params`` .. ``expert_optimizer``, bytes, in ``device`` already), the expert bytes it
+    holds in full while a layer runs (``expert_held_in_forward``), one MoE layer call's all-to-all
+    buffers (``all_to_all_buffers``, counted in ``device.workspace``), and the element counts of
+    its dense and expert params (``dense_numel``, ``expert_numel``). Empty without ep."""
 
     @property
     def comm_bytes(self) -> int:
@@ -102,6 +108,7 @@ class LayoutPlan:
                    comm_bytes=self.comm_bytes,
                    stage=self.stage, shard_size=self.shard_size, replicas=self.replicas, offload=self.offload,
                    checkpointing=self.checkpointing, host={f"{k}_bytes": v for k, v in self.host.items()},
+                   experts=dict(self.experts),
                    collectives=[dataclasses.asdict(c) | {"wire_bytes": c.wire_bytes} for c in self.collectives])
         return out
 

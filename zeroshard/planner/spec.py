@@ -161,6 +161,12 @@ class PlanSpec:
     """Tensor-parallel degree: ranks one layer is split over (Megatron's column/row split)."""
     sequence_parallel: bool = False
     """With tp > 1: also split the norms' and residual's activations along the sequence."""
+    ep: int = 1
+    """Expert parallelism: each MoE layer's experts split over ``ep`` consecutive data-parallel ranks,
+    each expert sharded over the ``dp / ep`` ranks that hold it (zeroshard/planner/experts.py)."""
+    routing_skew: float = 0.0
+    """With ep > 1: extra rows the busiest ep rank receives, as a share of the balanced
+    ``tokens × top_k`` (0 balanced, 1 twice its share); sizes its all-to-all buffers and traffic."""
 
     def __post_init__(self) -> None:
         _positive_int("world", self.world)
@@ -173,6 +179,7 @@ class PlanSpec:
                              "so pick a tp that divides it")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tp ranks; it needs tp > 1")
+        self._check_ep()
         if self.stage is not None:
             StagePolicy(self.stage)  # the runtime's own check
         if self.batch % (self.dp * self.accum):
@@ -189,6 +196,25 @@ class PlanSpec:
         if self.accounting not in ACCOUNTINGS:
             raise ValueError(f"accounting must be 'runtime' or 'textbook', got {self.accounting!r}")
         self._check_comm_quant()
+
+    def _check_ep(self) -> None:
+        _positive_int("ep", self.ep)
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the {self.dp} data-parallel ranks, so its product with the "
+                             f"expert-data-parallel ranks is not world {self.world}; pick an ep that divides {self.dp}")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"ep={self.ep} with tp={self.tp} is not supported by the runtime yet; plan tp=1 with ep")
+        if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) or \
+                not 0 <= self.routing_skew < float("inf"):
+            raise ValueError(f"routing_skew is the busiest ep rank's extra share of routed rows, a number >= 0 "
+                             f"(0 balanced, 1 twice its share), got {self.routing_skew!r}")
+        if self.routing_skew and self.ep == 1:
+            raise ValueError("routing_skew sizes the expert-parallel all-to-alls; it needs ep > 1")
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: those holding the same experts, which shard them."""
+        return self.dp // self.ep
 
     def _check_comm_quant(self) -> None:
         from zeroshard.comm.quant import CommQuant
@@ -237,6 +263,7 @@ class PlanSpec:
             "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
             "comm_quant": self.comm_quant, "comm_quant_block": self.comm_quant_block,
             "tp": self.tp, "dp": self.dp, "sequence_parallel": self.sequence_parallel,
+            "ep": self.ep, "edp": self.edp, "routing_skew": self.routing_skew,
         }
 
 

@@ -81,6 +81,8 @@ MARKS = (COMPUTE, WAIT)
 FORWARD, BACKWARD, RECOMPUTE, PARAM_SYNC, CLIP = "forward", "backward", "recompute", "param_sync", "clip"
 OPTIMIZER = "optimizer"
 """The phase of the optimizer's compute marks, one per optimizer call (``optim._UnitPipeline``)."""
+EXPERTS = "experts"
+"""``Event.mesh`` of an expert group's collective (the dense mesh's is empty)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,6 +103,10 @@ class GroupSizes:
     reduce_dtype: torch.dtype = torch.float32
     optimizer_numel: int | None = None
     """This rank's optimizer segment elements (its shard less the buffer tail); default the shard."""
+    ep: int = 1
+    """An expert group's ep degree (zeroshard/comm/expert_mesh.py): its collectives run on the expert
+    mesh, sharded over the ``dp / ep`` ranks that hold the same experts, with no replicas; 1 for a
+    dense group."""
 
     @property
     def segment_numel(self) -> int:
@@ -210,6 +216,8 @@ class Event:
     share: float = 1.0
     """A compute mark: the share of the unit's pass (or, phase "optimizer", of the whole update)
     it stands for. Backward is split where the engine prefetches (``backward_prefetch_at``)."""
+    mesh: str = ""
+    """``experts`` for an expert group's collective (the ledger's expert mesh); empty on the dense mesh."""
 
     @property
     def is_collective(self) -> bool:
@@ -334,10 +342,10 @@ class _Replay:
 
     # -- emitting -----------------------------------------------------------------------------
     def _emit(self, op: str, group: str, unit: str, phase: str, numel: int, dtype: torch.dtype,
-              micro: int | None = None, quantized: bool = False) -> None:
+              micro: int | None = None, quantized: bool = False, g: GroupSizes | None = None) -> None:
         self.events.append(Event(op=op, group=group, unit=unit, phase=phase, numel=numel, dtype=dtype_name(dtype),
                                  bytes=numel * dtype.itemsize, micro=self.micro if micro is None else micro,
-                                 quantized=quantized))
+                                 quantized=quantized, mesh=EXPERTS if g is not None and g.ep > 1 else ""))
 
     def mark(self, op: str, unit: str, phase: str, share: float = 1.0, micro: int | None = None) -> None:
         self.events.append(Event(op=op, group="", unit=unit, phase=phase, numel=0, dtype="", bytes=0,
@@ -346,11 +354,18 @@ class _Replay:
     def compute(self, unit: str, phase: str, share: float = 1.0) -> None:
         self.mark(COMPUTE, unit, phase, share)
 
-    def _quantized_pair(self, op: str, unit: str, phase: str, shard_numel: int, micro: int | None = None) -> None:
+    def _shards(self, g: GroupSizes) -> int:
+        """Ranks ``g``'s buffer is sharded over: the mesh's shard dim, or an expert group's
+        expert-data-parallel ranks."""
+        if g.ep == 1 or not self.policy.shard_optimizer:
+            return self.shards
+        return self.mesh.dp // g.ep
+
+    def _quantized_pair(self, op: str, unit: str, phase: str, g: GroupSizes, micro: int | None = None) -> None:
         """qwZ / qgZ on the wire: int8 values padded to whole blocks, then one fp32 scale per block."""
-        blocks = num_blocks(shard_numel, self.comm.block_size)
-        self._emit(op, "shard", unit, phase, self.shards * blocks * self.comm.block_size, WIRE_DTYPE, micro, True)
-        self._emit(op, "shard", unit, phase, self.shards * blocks, SCALE_DTYPE, micro, True)
+        blocks, shards = num_blocks(g.shard_numel, self.comm.block_size), self._shards(g)
+        self._emit(op, "shard", unit, phase, shards * blocks * self.comm.block_size, WIRE_DTYPE, micro, True, g)
+        self._emit(op, "shard", unit, phase, shards * blocks, SCALE_DTYPE, micro, True, g)
 
     # -- params (stage 3, and the stage 1-2 sync) -----------------------------------------------
     def tensor_parallel(self, phase: str, count: int) -> None:
@@ -378,12 +393,12 @@ class _Replay:
         self.gathered[unit.name] = phase
 
     def _gather_group(self, unit: UnitSizes, g: GroupSizes, phase: str) -> None:
-        if self.shards == 1:
+        if self._shards(g) == 1:
             return  # nothing to gather (FlatGroup.gather_full)
         if self.policy.shard_params and self.comm.quantizes(g.numel, unit.is_root) and phase in QUANTIZED_PHASES:
-            self._quantized_pair("all_gather", unit.name, phase, g.shard_numel)
+            self._quantized_pair("all_gather", unit.name, phase, g)
         else:
-            self._emit("all_gather", "shard", unit.name, phase, g.numel, g.compute_dtype)
+            self._emit("all_gather", "shard", unit.name, phase, g.numel, g.compute_dtype, g=g)
 
     def gather_and_wait(self, unit: UnitSizes, phase: str) -> None:
         """``Unit.unshard`` then ``Unit.wait_unshard``: the unit's compute needs its params now
@@ -401,7 +416,7 @@ class _Replay:
 
     # -- grads --------------------------------------------------------------------------------
     def _grads_quantized(self, g: GroupSizes) -> bool:
-        return self.policy.transient_grads and g.trainable and self.comm.quantizes_grads(g.numel) and self.shards > 1
+        return self.policy.transient_grads and g.trainable and self.comm.quantizes_grads(g.numel) and self._shards(g) > 1
 
     def launch(self, unit: UnitSizes) -> None:
         """``Unit.launch_reduce``: each trainable group's reduction (none for a frozen unit)."""
@@ -409,11 +424,13 @@ class _Replay:
             if not g.trainable:
                 continue
             if self._grads_quantized(g):
-                self._quantized_pair("all_to_all", unit.name, BACKWARD, g.shard_numel)
+                self._quantized_pair("all_to_all", unit.name, BACKWARD, g)
             elif not self.policy.shard_optimizer:
-                self._emit("all_reduce", self.mesh.dp_group, unit.name, BACKWARD, g.numel, g.reduce_dtype)
+                # An expert group's identical copies are its expert-data-parallel ranks (ExpertMesh.dp_name).
+                group = "dp" if g.ep > 1 else self.mesh.dp_group
+                self._emit("all_reduce", group, unit.name, BACKWARD, g.numel, g.reduce_dtype, g=g)
             else:
-                self._emit("reduce_scatter", "shard", unit.name, BACKWARD, g.numel, g.reduce_dtype)
+                self._emit("reduce_scatter", "shard", unit.name, BACKWARD, g.numel, g.reduce_dtype, g=g)
         self.pending.append((unit, self.micro))
 
     def finish(self, unit: UnitSizes, micro: int) -> None:
@@ -423,7 +440,7 @@ class _Replay:
         if not (self.policy.shard_optimizer and self.mesh.replicate > 1):
             return
         for g in unit.groups:
-            if g.trainable:
+            if g.trainable and g.ep == 1:  # the expert mesh has no replicas
                 dtype = SCALE_DTYPE if self._grads_quantized(g) else g.reduce_dtype
                 self._emit("all_reduce", "replicate", unit.name, BACKWARD, g.shard_numel, dtype, micro)
         self.mark(WAIT, unit.name, BACKWARD, micro=micro)
@@ -647,7 +664,8 @@ def engine_units(engine: Engine) -> tuple[UnitSizes, ...]:
         UnitSizes(name=unit.name, is_root=unit.is_root, groups=tuple(
             GroupSizes(numel=g.layout.numel, shard_numel=g.layout.shard_numel, trainable=g.trainable,
                        compute_dtype=g.compute_dtype, reduce_dtype=g.reduce_dtype,
-                       optimizer_numel=sum(p.numel for p in g.layout.pieces(g.shard_rank)))
+                       optimizer_numel=sum(p.numel for p in g.layout.pieces(g.shard_rank)),
+                       ep=g.mesh.ep_size if g.mesh is engine.mesh.experts else 1)
             for g in unit.groups))
         for unit in engine.units)
 

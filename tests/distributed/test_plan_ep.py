@@ -1,0 +1,83 @@
+"""The planner under expert parallelism against real ep runs of tiny-moe (2 layers) on gloo.
+
+One spawn of world 4 measures stage 3 three times, each on a mesh of its own: without ep (ZeRO-3
+over all 4 ranks), at (ep 2 x edp 2) and at ep 4 (`zeroshard.planner.measure.measure_many_worker`,
+what `plan --measure` runs). Every model-state component, stage 3's window and the expert bytes a
+rank holds in full during forward must be what the plan says, and the peak within 10%; the
+expert bytes held fall by ep against ZeRO-3 without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroshard.launch import spawn
+from zeroshard.models import GPTConfig
+from zeroshard.planner import plan
+from zeroshard.planner.measure import MODEL_STATES, checks, measure_many_worker, request
+
+pytestmark = pytest.mark.timeout(900)
+
+WORLD, BATCH, SEQ = 4, 8, 16
+EPS = (1, 2, 4)
+CONFIG = GPTConfig.named("tiny-moe", n_layer=2, vocab_size=64, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    return {ep: plan(CONFIG, world=WORLD, batch=BATCH, seq=SEQ, ep=ep, device="cpu") for ep in EPS}
+
+
+@pytest.fixture(scope="module")
+def measured(plans) -> dict:
+    """ep -> (the stage-3 ComponentCheck, the expert bytes each rank held in full during forward)."""
+    per_rank = spawn(measure_many_worker, WORLD, args=([request(plans[ep], (3,)) for ep in EPS],), timeout_s=600)
+    return {ep: (checks(plans[ep], [r[i] for r in per_rank])[0], [r[i][3]["expert_held_in_forward"] for r in per_rank])
+            for i, ep in enumerate(EPS)}
+
+
+@pytest.mark.parametrize("ep", EPS)
+def test_per_rank_memory_is_the_plans(plans, measured, ep):
+    check, _ = measured[ep]
+    for name in (*MODEL_STATES, "window", "buckets"):
+        predicted, got = getattr(check.predicted, name), check.measured[name]
+        assert abs(predicted - got) <= max(0.001 * got, 64), (name, predicted, got)
+    print(f"ep {ep}: model states {check.predicted.model_states} B planned, "
+          f"{sum(check.measured[k] for k in MODEL_STATES)} B measured; peak {check.predicted.allocated} B planned, "
+          f"{check.measured_total} B measured ({check.total_error:.1%})")
+    assert check.total_error <= 0.10
+
+
+@pytest.mark.parametrize("ep", EPS[1:])
+def test_expert_bytes_held_in_forward(plans, measured, ep):
+    """A rank holds its ep block of the gathered layers' experts: the plan's figure, 1/ep of what
+    ZeRO-3 without ep holds (it gathers every expert of a layer)."""
+    held = measured[ep][1]
+    without = measured[1][1]
+    print(f"ep {ep}: experts held in full during forward {max(held)} B per rank (planned "
+          f"{plans[ep]['zero3'].experts['expert_held_in_forward']} B); ZeRO-3 without ep {max(without)} B")
+    assert set(held) == {plans[ep]["zero3"].experts["expert_held_in_forward"]}
+    assert max(held) * ep == max(without)
+
+
+def test_expert_states_split_over_ep_and_edp(plans):
+    """Each rank keeps 1/ep of the experts, sharded over the dp/ep ranks that hold them; the dense
+    params stay sharded over all 4 (stage 3 therefore holds the same model states either way)."""
+    stacked = [p for n, p in _meta().named_parameters() if ".experts." in n]
+    experts = sum(p.numel() for p in stacked)
+    for ep in EPS[1:]:
+        zero3, zero1 = plans[ep]["zero3"].experts, plans[ep]["zero1"].experts
+        assert zero3["expert_numel"] * ep == experts
+        # fp32; each stacked param padded to at most 64 elements more, per shard
+        assert 0 <= zero3["expert_params"] - experts * 4 / WORLD <= 4 * 64 * len(stacked)
+        assert zero1["expert_params"] == zero1["expert_numel"] * 4  # stage 1 keeps the local experts whole
+    assert plans[2]["zero3"].device.model_states == plans[4]["zero3"].device.model_states
+
+
+def _meta():
+    import torch
+
+    from zeroshard.models import GPT
+
+    with torch.device("meta"):
+        return GPT(CONFIG)
