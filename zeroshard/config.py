@@ -324,8 +324,7 @@ class TrainConfig:
         if layers % (self.pp * per_rank):
             raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
                              f"{self.model}; pick pp x pp_stages_per_rank dividing {layers}")
-        refused = {"ep": self.ep > 1, "save_every": self.save_every > 0,
-                   "resume": self.resume is not None, "compile": self.compile, "init=meta": self.init == "meta",
+        refused = {"ep": self.ep > 1, "compile": self.compile, "init=meta": self.init == "meta",
                    "checkpointing": self.engine.checkpointing != "none", "offload": self.engine.offload.kind != "none",
                    "comm_quant": self.comm_quant != "none", "check_schedule": self.engine.check_schedule}
         for name, on in refused.items():

@@ -211,6 +211,14 @@ class Each:
         for item in self.items:
             item.zero_grad()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The first stage's (LR schedulers): every stage's steps with it, so they hold the same state."""
+        return self.items[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for item in self.items:
+            item.load_state_dict(state)
+
 
 def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None, dataset: Any,
                     **shard_overrides: Any) -> Run:

@@ -168,6 +168,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
         reader.close()
     new = dict(manifest)
     new.pop("manifest_sha256", None)
+    new.pop("pipeline", None)  # the rank files are laid out for (dp, tp) ranks that each run every stage
     new.update(
         world=world, mesh={"world": world, "shard_size": world // tp, "replicate_size": 1, "tp_size": tp,
                            **({"ep_size": ep} if ep > 1 else {}), "resharded_offline": True},
@@ -175,7 +176,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
         buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
         resharded_from={"path": str(directory), "world": manifest["world"],
-                        "tp": manifest["mesh"].get("tp_size", 1), "ep": manifest["mesh"].get("ep_size", 1)},
+                        "tp": manifest["mesh"].get("tp_size", 1), "ep": manifest["mesh"].get("ep_size", 1),
+                        "pp": manifest["mesh"].get("pp_size", 1)},
     )
     fmt.check_coverage(new, partial)
     fmt.write_manifest(partial, new)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,12 +28,15 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import rng as rng_state
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.pieces import SegmentIndex, owned_slots, persistent_buffers, saved_extent
+from zeroshard.checkpoint.stages import has_engine, parts_of
 from zeroshard.checkpoint.tensorfile import TensorFile, dtype_name
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.comm import collectives
-from zeroshard.sharding.engine import find_engine
 from zeroshard.sharding import tp
 from zeroshard.sharding.optim import user_class
+
+if TYPE_CHECKING:
+    from zeroshard.pipeline import Pipeline
 
 
 @dataclasses.dataclass
@@ -210,7 +213,9 @@ class Plan:
                                   f"{' ...' if len(unused) > 5 else ''}; the checkpoint is from a different model")
 
     # -- sharded model -------------------------------------------------------------------------
-    def engine(self, engine) -> None:
+    def engine(self, engine, *, check_unused: bool = True) -> None:
+        """Plan the reads of ``engine``'s shard. ``check_unused``: the engine holds the whole model,
+        so a saved param it does not use is an error (a pipeline stage's does not: ``check_names``)."""
         used = set()
         for group in engine.groups:
             for i, slot, a, b in owned_slots(group.layout, group.lo, group.hi):
@@ -222,7 +227,20 @@ class Plan:
                 used.update(param.get("used", [param["fqn"]]))
         if engine.mesh.tp_size > 1:  # other tp ranks read the other parts
             used.update(p["fqn"] for parts in self.reader.parts.values() for p in parts)
-        self.check_all_used(used)
+        if check_unused:
+            self.check_all_used(used)
+
+    def check_names(self, names: frozenset[str]) -> None:
+        """Every saved param and buffer is one of ``names`` (the whole model's, for a pipeline rank,
+        which holds only its stages' and so cannot tell from its own reads)."""
+        unused = [p["fqn"] for p in self.manifest["params"]
+                  if not ({p["fqn"], *p["aliases"]} | ({p["tp"]["of"]} if "tp" in p else set())) & names]
+        if unused:
+            raise CheckpointError(f"{self.where} holds params the model does not have: {unused[:5]}"
+                                  f"{' ...' if len(unused) > 5 else ''}; the checkpoint is from a different model")
+        buffers = sorted(b["name"] for b in self.manifest["buffers"] if b["name"] not in names)
+        if buffers:
+            raise CheckpointError(f"{self.where} holds buffers the model does not have: {buffers[:5]}")
 
     def optimizer(self, optimizer) -> None:
         saved = self.manifest.get("optimizer")
@@ -286,7 +304,9 @@ class Plan:
             self.read(param, "master", 0, value.detach().view(-1))
         self.check_all_used(used)
 
-    def buffers(self, model: nn.Module) -> list[tuple[torch.Tensor, dict]]:
+    def buffers(self, model: nn.Module, *, strict: bool = True) -> list[tuple[torch.Tensor, dict]]:
+        """(buffer, saved entry) of each persistent buffer of ``model``; ``strict``: ``model`` holds
+        every buffer of the model (not only one pipeline stage's), so a saved one it lacks is an error."""
         saved = {b["name"]: b for b in self.manifest["buffers"]}
         out = []
         for name, buffer in persistent_buffers(model):
@@ -298,7 +318,7 @@ class Plan:
                                       f"{entry['shape']} in {self.where}")
             self.files.add(entry["file"])
             out.append((buffer, entry))
-        if saved:
+        if saved and strict:
             raise CheckpointError(f"{self.where} holds buffers the model does not have: {sorted(saved)[:5]}")
         return out
 
@@ -341,32 +361,42 @@ def saved_rng(reader: PieceReader, rank: int) -> dict:
     return state if rank in ranks else rng_state.derive(state, rank)
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler=None, sampler=None, scaler=None,
-         rng: bool = True) -> Loaded:
+def load(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, *, scheduler=None, sampler=None,
+         scaler=None, rng: bool = True) -> Loaded:
     """Load a checkpoint (a checkpoint directory, or a root with a ``latest`` pointer) into ``model``.
 
     A sharded model loads on every rank (collective); any world size and stage works. An unsharded
     ``nn.Module`` loads the full params with no process group (``optimizer`` must then be None).
+    A ``Pipeline`` loads each of the rank's stages (``optimizer``: the list of its per-stage
+    optimizers) from any checkpoint of the whole model, saved at any pp (1 included).
     ``rng=True`` restores this rank's torch/numpy/python RNG states.
     """
-    engine = find_engine(model)
+    parts = parts_of(model, optimizer) if has_engine(model) else None
+    engine = parts.engine if parts is not None else None
     rank = engine.mesh.rank if engine is not None else 0
     plan: Plan | None = None
     problem: str | None = None
+    buffers: list[tuple[torch.Tensor, dict]] = []
     try:
         directory = resolve(path)
         plan = Plan(directory, fmt.read_manifest(directory))
         fmt.check_coverage(plan.manifest, directory)
-        if engine is not None:
-            plan.engine(engine)
-            if optimizer is not None:
-                plan.optimizer(optimizer)
+        if parts is not None:
+            whole = parts.state_names  # a pipeline rank: checked against the whole model's names
+            for part in parts.parts:
+                plan.engine(part.engine, check_unused=whole is None)
+                if part.optimizer is not None:
+                    plan.optimizer(part.optimizer)
+                buffers += plan.buffers(part.module, strict=whole is None)
+            if whole is not None:
+                plan.check_names(whole)
         else:
             if optimizer is not None:
                 raise CheckpointError("optimizer state can only be loaded into a sharded model's optimizer "
                                       "(zs.shard + zs.optimizer); load the plain model with optimizer=None")
+            assert isinstance(model, nn.Module)  # has_engine: a Pipeline always has parts
             plan.plain(model)
-        buffers = plan.buffers(model)
+            buffers = plan.buffers(model)
         ranks = {r["rank"]: r["file"] for r in plan.manifest["ranks"]}
         if rng:
             plan.files.add(ranks.get(rank, ranks[0]))
@@ -393,13 +423,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, scheduler
             rng_state.restore(saved_rng(plan.reader, rank))
     finally:
         plan.reader.close()
-    if optimizer is not None:
-        for group, options in zip(optimizer.param_groups, plan.options):
-            group.update({k: v for k, v in options.items() if k != "params"})
-        for param, state in plan.new_state.items():
-            optimizer.state[param] = state
-    if engine is not None:
-        _publish(engine)
+    for part in parts.parts if parts is not None else []:
+        if part.optimizer is not None:
+            for group, options in zip(part.optimizer.param_groups, plan.options):
+                group.update({k: v for k, v in options.items() if k != "params"})
+            mine = {p for g in part.optimizer.param_groups for p in g["params"]}  # its stage's segments
+            for param, state in plan.new_state.items():
+                if param in mine:
+                    part.optimizer.state[param] = state
+        _publish(part.engine)
     m = plan.manifest
     return Loaded(path=directory, step=m["step"], extra=fmt.from_json(m.get("extra")), saved_world=m["world"],
                   saved_stage=m["stage"], files_read=sorted(plan.files), lineage=m.get("lineage"), manifest=m)

@@ -45,9 +45,10 @@ def writer_range(group: FlatGroup, rank: int, world: int) -> tuple[int, int]:
         del rank
         replicas = group.mesh.shard_size // group.shards
         return split_range(group.lo, group.hi, replicas, group.mesh.shard_rank // group.shards)
-    if group.mesh.tp_size > 1:
+    if group.mesh.tp_size > 1 or group.mesh.pp_size > 1:
         # Tensor parallel: the ranks with this rank's tp index are the data-parallel ones that hold
-        # copies of its values (ranks of one tp group hold different parts; see saved_name).
+        # copies of its values (ranks of one tp group hold different parts; see saved_name). Under
+        # pp, only the data-parallel ranks of this rank's stage hold its groups at all.
         del rank
         replicas = group.mesh.dp_size // group.shards
         return split_range(group.lo, group.hi, replicas, group.mesh.dp_rank // group.shards)

@@ -29,6 +29,7 @@ from zeroshard import faults
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.manifest import CHECKSUMS_KEY, REPORT_KEY, SKELETON_KEY
+from zeroshard.checkpoint.stages import Parts
 from zeroshard.checkpoint.pieces import (SegmentIndex, owned_slots, persistent_buffers, saved_extent, saved_name,
                                          split_state, writer_range)
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, as_bytes, dtype_name
@@ -50,8 +51,11 @@ class RankPieces:
         return sum(e.nbytes for e in self.entries)
 
 
-def collect(model: nn.Module, engine: Engine, optimizer) -> RankPieces:
-    """This rank's pieces, as views of the live shards (nothing is copied)."""
+def collect(model: nn.Module, engine: Engine, optimizer, *, skip: frozenset[str] = frozenset(),
+            write_buffers: bool | None = None, buffers_done: frozenset[str] = frozenset()) -> RankPieces:
+    """This rank's pieces, as views of the live shards (nothing is copied). ``skip``: params another
+    part saves (a tied copy); ``write_buffers``: whether this rank writes ``model``'s persistent
+    buffers (default: rank 0, which holds every buffer without a pipeline), except ``buffers_done``."""
     rank, world = engine.mesh.rank, engine.mesh.world
     segments = SegmentIndex(optimizer) if optimizer is not None else None
     entries: list[Entry] = []
@@ -67,7 +71,7 @@ def collect(model: nn.Module, engine: Engine, optimizer) -> RankPieces:
         lo = group.lo
         for slot_index, slot, a, b in owned_slots(group.layout, *writer_range(group, rank, world)):
             fqn = saved_name(group, slot_index)
-            if fqn is None:
+            if fqn is None or slot.fqn in skip:
                 continue
             start = a - slot.offset + saved_extent(group, slot_index)[1]
             stop = start + b - a
@@ -85,13 +89,46 @@ def collect(model: nn.Module, engine: Engine, optimizer) -> RankPieces:
                 _merge_scalars(scalars.setdefault(index, {}), values_0d, index)
             pieces.append([fqn, start, stop, kinds, index])
     buffers = []
-    if rank == 0:
+    if rank == 0 if write_buffers is None else write_buffers:
         for name, buffer in persistent_buffers(model):
+            if name in buffers_done:
+                continue  # a param-free module every stage keeps: its buffers are written once
             add(fmt.buffer_key(name), buffer)
             buffers.append({"name": name, "shape": list(buffer.shape), "dtype": dtype_name(buffer.dtype)})
     report = {"rank": rank, "file": fmt.rank_file(rank), "pieces": pieces,
               "scalars": {str(k): v for k, v in scalars.items()}, "buffers": buffers}
     return RankPieces(rank, world, entries, values, report)
+
+
+def collect_parts(parts: Parts) -> RankPieces:
+    """This rank's pieces of every part (one per pipeline stage it runs) as one file's worth. The
+    optimizer scalars of param group i are every stage's group i: the stages step together, so
+    they agree (a mismatch is an error, as between two params of one group)."""
+    if parts.pipeline is None:
+        part = parts.first
+        return collect(part.module, part.engine, part.optimizer)
+    mesh = parts.engine.mesh
+    first_of_stage = mesh.dp_rank == 0 and mesh.tp_rank == 0  # a stage's buffers: written once, here
+    merged: RankPieces | None = None
+    for p in parts.parts:
+        done = frozenset(b["name"] for b in merged.report["buffers"]) if merged is not None else frozenset()
+        more = collect(p.module, p.engine, p.optimizer, skip=p.skip, write_buffers=first_of_stage, buffers_done=done)
+        if merged is None:
+            merged = more
+            continue
+        merged.entries += more.entries
+        merged.values += more.values
+        merged.report["pieces"] += more.report["pieces"]
+        merged.report["buffers"] += more.report["buffers"]
+        for index, values in more.report["scalars"].items():
+            into = merged.report["scalars"].setdefault(index, {})
+            for name, value in values.items():
+                if name in into and into[name] != value:
+                    raise CheckpointError(f"optimizer scalar state {name!r} of param group {index} differs between "
+                                          f"pipeline stages ({into[name]} vs {value}); the stages must step together")
+                into[name] = value
+    assert merged is not None  # a pipeline rank runs at least one stage
+    return merged
 
 
 def _merge_scalars(into: dict[str, Any], new: dict[str, Any], index: int) -> None:

@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Literal, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from torch import nn
 
@@ -35,11 +35,13 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import async_save, rankfile, rng
 from zeroshard.checkpoint.async_save import PendingSave
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.manifest import assemble, skeleton
+from zeroshard.checkpoint.manifest import assemble, group_entries, param_entries, skeleton
 from zeroshard.checkpoint.rotation import Rotation, clear_target, rotate
+from zeroshard.checkpoint.stages import Parts, parts_of, placement
 from zeroshard.comm import collectives
-from zeroshard.sharding.engine import Engine, get_engine
 
+if TYPE_CHECKING:
+    from zeroshard.pipeline import Pipeline
 
 PHASE = "checkpoint"
 
@@ -58,20 +60,20 @@ def _agree(problem: str | None) -> None:
 
 
 @overload
-def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
+def save(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, scheduler=None, sampler=None, scaler=None,
          extra: Any = None, *, step: int | None = None, keep_last: int | None = None, overwrite: bool = False,
          lineage: str | None = None, log: Callable[[str], None] = ..., async_: Literal[False] = False,
          timeout_s: float = ...) -> Path: ...
 
 
 @overload
-def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
+def save(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, scheduler=None, sampler=None, scaler=None,
          extra: Any = None, *, step: int | None = None, keep_last: int | None = None, overwrite: bool = False,
          lineage: str | None = None, log: Callable[[str], None] = ..., async_: Literal[True],
          timeout_s: float = ...) -> PendingSave: ...
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, sampler=None, scaler=None,
+def save(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, scheduler=None, sampler=None, scaler=None,
          extra: Any = None, *, step: int | None = None, keep_last: int | None = None, overwrite: bool = False,
          lineage: str | None = None, log: Callable[[str], None] = say, async_: bool = False,
          timeout_s: float = 600.0) -> Path | PendingSave:
@@ -91,17 +93,22 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     :class:`PendingSave` whose ``wait()`` gives the committed directory or raises. At most one save
     is in flight: the next one (either kind) waits for it first. ``timeout_s`` bounds how long rank
     0 waits for the other ranks' files before giving up on that commit.
+
+    Under pipeline parallelism ``model`` is the rank's ``Pipeline`` and ``optimizer`` the list of its
+    per-stage optimizers (``pipe.optimizers(...)``); every stage's pieces go into one checkpoint of
+    the whole model, with its pp placement recorded (zeroshard/checkpoint/stages.py).
     """
-    engine = get_engine(model)
+    parts = parts_of(model, optimizer)
+    engine = parts.engine
     target = Target(Path(path), overwrite=overwrite, keep_last=keep_last, lineage=lineage, log=log)
     carried = async_save.finish_previous()  # at most one save in flight: this rank's, finished first
-    frame = prepare(target, model, engine, optimizer, scheduler, sampler, scaler, extra, step=step, carried=carried)
+    frame = prepare(target, parts, scheduler, sampler, scaler, extra, step=step, carried=carried)
     if async_:
-        return _save_in_background(target, frame, model, engine, optimizer, step=step, timeout_s=timeout_s)
+        return _save_in_background(target, frame, parts, step=step, timeout_s=timeout_s)
 
     report, problem = None, None
     try:
-        report = rankfile.write(target.partial, rankfile.collect(model, engine, optimizer), rng_state=rng.capture(),
+        report = rankfile.write(target.partial, rankfile.collect_parts(parts), rng_state=rng.capture(),
                                 step=step, skeleton=frame)
     except Exception as e:  # noqa: BLE001 - reported to every rank instead of hanging them
         problem = f"rank {engine.mesh.rank} could not write its checkpoint file in {target.partial}: " \
@@ -120,10 +127,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     return target.final
 
 
-def _save_in_background(target: Target, frame: dict | None, model: nn.Module, engine: Engine, optimizer, *,
-                        step: int | None, timeout_s: float) -> PendingSave:
-    rank, world = engine.mesh.rank, engine.mesh.world
-    pieces = async_save.SNAPSHOT.take(rankfile.collect(model, engine, optimizer))
+def _save_in_background(target: Target, frame: dict | None, parts: Parts, *, step: int | None,
+                        timeout_s: float) -> PendingSave:
+    rank, world = parts.engine.mesh.rank, parts.engine.mesh.world
+    pieces = async_save.SNAPSHOT.take(rankfile.collect_parts(parts))
     rng_state = rng.capture()  # now, with the state: training goes on drawing random numbers
     pending = PendingSave(target.final, rank)
 
@@ -162,17 +169,20 @@ class Target:
         return self.final.parent / f".{self.final.name}.partial"
 
 
-def prepare(target: Target, model: nn.Module, engine: Engine, optimizer, scheduler, sampler, scaler, extra, *,
+def prepare(target: Target, parts: Parts, scheduler, sampler, scaler, extra, *,
             step: int | None, carried: str | None = None) -> dict | None:
     """Step 1 (collective): rank 0 checks the target, makes the partial directory and builds the
     manifest skeleton, which it returns (the other ranks get None); every rank fails together, also
     when a rank ``carried`` the failure of its previous asynchronous save."""
     faults.armed("ckpt.write")  # a malformed ZEROSHARD_CKPT_FAULT fails here, before any file is written
-    problem, frame = carried, None
+    engine, part = parts.engine, parts.first
+    layout, problem = _pipeline_layout(parts) if parts.pipeline is not None else (None, None)
+    problem, frame = carried or problem, None
     if engine.mesh.rank == 0 and problem is None:
         try:
             side = _side_state(scheduler, sampler, scaler, extra)
-            frame = skeleton(model, engine, optimizer, step=step, side=side, lineage=target.lineage)
+            frame = skeleton(part.module, engine, part.optimizer, step=step, side=side, lineage=target.lineage,
+                             layout=layout, model_class=parts.model_class())
             problem = _prepare(target.final, target.partial, target.overwrite)
         except CheckpointError as e:
             problem = str(e)
@@ -180,6 +190,29 @@ def prepare(target: Target, model: nn.Module, engine: Engine, optimizer, schedul
             problem = f"cannot save checkpoint {target.final}: {type(e).__name__}: {e}"
     _agree(problem)
     return frame
+
+
+def _pipeline_layout(parts: Parts) -> tuple[dict | None, str | None]:
+    """(the skeleton's params, groups, units and pp placement of every stage, or None; a problem, or
+    None) on rank 0, gathered from every rank (collective): rank 0 holds only its own stages."""
+    mine, problem = [], None
+    try:
+        for p in parts.parts:
+            params = param_entries(p.module, p.engine, skip=p.skip, aliases=p.aliases)
+            mine.append({"stage": p.stage, "params": params, "groups": group_entries(p.engine, skip=p.skip),
+                         "units": [u.name for u in p.engine.units],
+                         "names": [e["tp"]["of"] if "tp" in e else e["fqn"] for e in params
+                                   if "tp" not in e or e["tp"]["rank"] == 0]})
+    except Exception as e:  # noqa: BLE001 - reported to every rank instead of hanging them
+        problem = f"rank {parts.engine.mesh.rank} could not describe its pipeline stages: {type(e).__name__}: {e}"
+    gathered = collectives.all_gather_object((mine, problem), phase=PHASE)
+    problem = next((p for _, p in gathered if p), None)
+    if problem is not None or parts.engine.mesh.rank != 0:
+        return None, problem
+    by_stage = {f["stage"]: f for fragments, _ in gathered for f in fragments}
+    stages = [by_stage[s] for s in sorted(by_stage)]
+    return {"params": [e for f in stages for e in f["params"]], "groups": [g for f in stages for g in f["groups"]],
+            "units": [u for f in stages for u in f["units"]], "pipeline": placement(parts, stages)}, None
 
 
 def finish(target: Target, frame: dict, reports: list[dict]) -> None:

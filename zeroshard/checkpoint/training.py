@@ -39,8 +39,9 @@ def _say(line: str) -> None:
     print(f"zeroshard train: {line}", flush=True)
 
 
-def _layout(world: int, stage: int, ep: int) -> str:
-    return f"{world} ranks at stage {stage}" + (f", experts split over ep {ep}" if ep > 1 else "")
+def _layout(world: int, stage: int, ep: int, pp: int = 1) -> str:
+    return (f"{world} ranks at stage {stage}" + (f", experts split over ep {ep}" if ep > 1 else "")
+            + (f", in pp {pp} pipeline stages" if pp > 1 else ""))
 
 
 def new_lineage() -> str:
@@ -103,7 +104,8 @@ class TrainingCheckpoints:
 
     def _load(self, path: Path) -> int:
         run, cfg = self.run, self.run.cfg
-        loaded = load(path, run.model, run.opt, scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
+        model, opt = saved_state(run)
+        loaded = load(path, model, opt, scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
                       scaler=getattr(run, "scaler", None))
         if loaded.step is None:
             raise CheckpointError(f"checkpoint {loaded.path} records no step, so training cannot continue from it")
@@ -111,10 +113,12 @@ class TrainingCheckpoints:
             raise CheckpointError(f"checkpoint {loaded.path} is at step {loaded.step}, which already reaches "
                                   f"steps={cfg.steps}; raise --steps to train further")
         if run.mesh.rank == 0:
-            saved_ep = ((loaded.manifest or {}).get("mesh") or {}).get("ep_size", 1)
+            manifest = loaded.manifest or {}
+            saved_ep = (manifest.get("mesh") or {}).get("ep_size", 1)
+            saved_pp = (manifest.get("pipeline") or {}).get("pp", 1)
             self.log(f"resumed from {loaded.path} at step {loaded.step} (saved on "
-                     f"{_layout(loaded.saved_world, loaded.saved_stage, saved_ep)}; now "
-                     f"{_layout(run.mesh.world, cfg.stage, run.mesh.ep_size)})")
+                     f"{_layout(loaded.saved_world, loaded.saved_stage, saved_ep, saved_pp)}; now "
+                     f"{_layout(run.mesh.world, cfg.stage, run.mesh.ep_size, run.mesh.pp_size)})")
         self.loaded = loaded
         if loaded.lineage is not None:
             self.lineage = loaded.lineage
@@ -127,7 +131,8 @@ class TrainingCheckpoints:
         saved = loaded.extra.get("train") if isinstance(loaded.extra, dict) else None
         if not isinstance(saved, dict) or "nproc" not in saved or loaded.step is None:
             return  # saved by a loop of its own: its batch is the caller's business
-        self.resize = plan_resize(step=loaded.step, batch=run.cfg.batch, saved_world=saved["nproc"] // saved.get("tp", 1),
+        saved_dp = saved["nproc"] // saved.get("tp", 1) // saved.get("pp", 1)  # ranks that saw different data
+        self.resize = plan_resize(step=loaded.step, batch=run.cfg.batch, saved_world=saved_dp,
                                   saved_accum=saved.get("accum", 1), world=run.mesh.dp_size)
         if self.resize is None:
             return
@@ -159,7 +164,8 @@ class TrainingCheckpoints:
         # overwrite=True: a resumed run replays the steps after its checkpoint, and what it saves
         # supersedes a verified checkpoint of the abandoned attempt; one that does not verify is set
         # aside instead (zeroshard/checkpoint/rotation.py).
-        save(Path(cfg.ckpt_dir) / checkpoint_name(step), run.model, run.opt,
+        model, opt = saved_state(run)
+        save(Path(cfg.ckpt_dir) / checkpoint_name(step), model, opt,
              scheduler=getattr(run, "scheduler", None), sampler=run.sampler,
              scaler=getattr(run, "scaler", None), extra={"train": cfg.to_dict()}, step=step,
              keep_last=cfg.keep_last or None, overwrite=True, lineage=self.lineage, log=self.log,
@@ -175,6 +181,14 @@ class TrainingCheckpoints:
         first = next((p for p in problems if p), None)
         if first:
             raise CheckpointError(first)
+
+
+def saved_state(run: Any) -> tuple[Any, Any]:
+    """(model, optimizer) as ``zs.save``/``zs.load`` take them: under pp the rank's ``Pipeline`` and
+    its per-stage optimizers (``run.opt`` drives them as one), else the sharded model and its optimizer."""
+    if run.pipeline is None:
+        return run.model, run.opt
+    return run.pipeline, run.opt.items
 
 
 def open_metrics(path: Path, start: int) -> IO[str]:

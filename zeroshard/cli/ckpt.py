@@ -53,6 +53,7 @@ def summary(directory: Path, manifest: dict) -> dict[str, Any]:
         "sampler": manifest.get("sampler"), "files": manifest["files"],
         "bytes": sum(f["bytes"] for f in manifest["files"].values()),
         "resharded_from": manifest.get("resharded_from"),
+        "pipeline": manifest.get("pipeline"),
     }
 
 
@@ -85,10 +86,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  optimizer {info['optimizer'] or '-'} (state: {', '.join(info['optimizer_state']) or '-'}); "
           f"scheduler {'yes' if info['scheduler'] else 'no'}, scaler {'yes' if info['scaler'] else 'no'}, "
           f"sampler {json.dumps(info['sampler'])}")
+    if info["pipeline"] is not None:
+        print(f"  {_pipeline_line(info['pipeline'])}")
     print(f"  {len(info['files'])} files, {_fmt_bytes(info['bytes'])}:")
     for name, f in info["files"].items():
         print(f"    {name}  {_fmt_bytes(f['bytes'])}  sha256 {f['sha256'][:16]}...")
     return 0
+
+
+def _pipeline_line(placement: dict) -> str:
+    """The pp placement a checkpoint was saved with (zeroshard/checkpoint/stages.py), in one line."""
+    stages = "; ".join(f"stage {s} on pp rank {r}: blocks {blocks[0]}-{blocks[-1]}, {len(names)} params"
+                       for s, (r, blocks, names) in enumerate(zip(placement["pp_rank_of_stage"], placement["blocks"],
+                                                                  placement["stage_params"])))
+    tied = "".join(f"; tied {t['param']} = {t['copy']} (owned by stage {t['owner_stage']}, saved once)"
+                   for t in placement["tied"])
+    return f"pipeline: pp {placement['pp']}, {placement['stages']} stages ({placement['schedule']}): {stages}{tied}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

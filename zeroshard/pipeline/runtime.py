@@ -74,6 +74,12 @@ class Pipeline:
         self.split = explicit_split(split, names, self.num_stages) if split else even_split(len(names),
                                                                                             self.num_stages)
         self.tied = find_tied(model, self.family, self.split)
+        cls = type(model)
+        self.model_class = f"{cls.__module__}.{cls.__qualname__}"
+        """The whole model's class, which a checkpoint of the stages records (zeroshard/checkpoint/stages.py)."""
+        self.state_names = frozenset(model.state_dict(keep_vars=True))
+        """Every param and persistent buffer name of the whole model: a checkpoint loaded into this
+        rank's stages is checked against them (the stages hold only some)."""
         self.stage_indices = [mesh.pp_rank + k * mesh.pp_size for k in range(per_rank)]
         self.vocab = int(getattr(model.get_submodule(self.family.last[-1]), "weight").shape[0])  # the head's rows
         self.hidden = self.family.hidden(model)
