@@ -94,6 +94,11 @@ def _resume(case: ew.Case, mesh, stage: int, path: str) -> dict:
     return out
 
 
+def resume_alone(root: str, name: str, *, stage: int) -> dict:
+    """The ep-2 checkpoint of ``name`` resumed on this process's world (of one)."""
+    return _resume(CASES[name], zs.get_mesh(), stage, f"{root}/{name}-ep2")
+
+
 def reshard_offline(root: str, name: str) -> None:
     """What ``zeroshard ckpt reshard --ep`` does, on rank 0 with no process group in use."""
     from zeroshard.checkpoint.export import reshard
