@@ -27,18 +27,20 @@ STEPS_BEFORE = 3
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
-    mesh: str  # "ep1" (shard 4) or "ep4"
+    mesh: str  # "ep1" (shard 4), "ep2" (shard 2 x ep 2) or "ep4"
     stage: int
-    source: str  # "saved" (the ep-2 checkpoint itself) or "reshard" (its reshard to this ep)
+    source: str  # "ep2" (the saved checkpoint itself) or "reshard-epN" (its offline reshard to ep N)
 
 
 CASES = {"gpt": ew.Case("gpt", 3, "ep2"), "mixtral": ew.Case("mixtral", 2, "ep2")}
 """What each model saves at (shard 2 x ep 2)."""
 RESUMES = {
-    "gpt": (Resume("ep1", 2, "saved"), Resume("ep4", 1, "saved"), Resume("ep1", 3, "reshard"),
-            Resume("ep4", 3, "reshard")),
-    "mixtral": (Resume("ep1", 3, "saved"), Resume("ep4", 3, "saved")),
+    "gpt": (Resume("ep1", 2, "ep2"), Resume("ep4", 1, "ep2"), Resume("ep1", 3, "reshard-ep1"),
+            Resume("ep4", 3, "reshard-ep4"), Resume("ep2", 1, "reshard-ep1")),
+    "mixtral": (Resume("ep1", 3, "ep2"), Resume("ep4", 3, "ep2")),
 }
+"""Where each checkpoint resumes; the last gpt one goes back up from a checkpoint without experts
+placed (its ep-1 reshard, as an ep-1 run saves it) to ep 2."""
 EP = {"ep1": 1, "ep2": 2, "ep4": 4}
 
 
@@ -123,7 +125,6 @@ def suite(root: str) -> dict:
             reshard_offline(root, name)
         collectives.all_gather_object(None, phase="checkpoint")  # the reshards are written
         for resume in RESUMES[name]:
-            path = f"{root}/{name}-ep2" if resume.source == "saved" else f"{root}/{name}-reshard-{resume.mesh}"
-            got[resume] = _resume(case, meshes[resume.mesh], resume.stage, path)
+            got[resume] = _resume(case, meshes[resume.mesh], resume.stage, f"{root}/{name}-{resume.source}")
         out[name] = got
     return out

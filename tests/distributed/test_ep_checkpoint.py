@@ -1,6 +1,7 @@
 """Checkpoints of split experts: saved at (shard 2 x ep 2), resumed at ep 1 (shard 4) and ep 4,
-directly and after an offline ``ckpt reshard --ep``; exported whole, to one file and to a
-``from_pretrained`` folder; loaded into a plain model in this process.
+directly and after an offline ``ckpt reshard --ep``, and at ep 2 again from the ep-1 reshard (a
+checkpoint with no experts placed); in a world of 1; exported whole, to one file and to a
+``from_pretrained`` folder; loaded into a plain model in this process; its manifest repaired.
 
 One spawned world of 4 runs every resume (ep_ckpt_workloads.suite): tiny-moe (with its
 load-balancing loss) saved at stage 3, HF Mixtral saved at stage 2, resumed at other stages too.
@@ -93,7 +94,7 @@ def test_resume_at_another_ep_equals_continuous(suite, name, resume):
 def test_reshard_to_ep4_is_the_runtimes_layout(suite):
     """At ep 4 and the saved stage, each rank of the resharded checkpoint reads its own file only."""
     for rank, out in enumerate(suite):
-        assert out["gpt"][w.Resume("ep4", 3, "reshard")]["files"] == [rank_file(rank)]
+        assert out["gpt"][w.Resume("ep4", 3, "reshard-ep4")]["files"] == [rank_file(rank)]
 
 
 def test_reshard_records_the_new_placement(root, suite):
@@ -130,6 +131,20 @@ def test_resume_in_one_process_equals_continuous(root, suite):
     diff = _diff(out["next"], got["continuous"])
     print(f"mixtral saved at (shard 2 x ep 2) -> world 1, stage 1: next update vs continuous {diff:.2e}")
     assert diff <= TOL
+
+
+def test_repair_rebuilds_the_expert_placement(root, suite, tmp_path):
+    """A lost manifest comes back from the rank files' headers with every expert's placement and pieces."""
+    import shutil
+
+    from zeroshard.checkpoint.repair import repair
+
+    shutil.copytree(root / "gpt-ep2", tmp_path / "lost")
+    (tmp_path / "lost" / "manifest.json").unlink()
+    repair(tmp_path / "lost")
+    rebuilt, saved = _manifest(tmp_path / "lost"), _manifest(root / "gpt-ep2")
+    assert rebuilt["params"] == saved["params"] and rebuilt["mesh"] == saved["mesh"]
+    verify(tmp_path / "lost")
 
 
 def test_export_gives_full_tensors(root, suite, tmp_path):
