@@ -298,10 +298,11 @@ class TrainConfig:
 
     @property
     def pp_microbatches(self) -> int:
-        """`microbatches`, or its default (pp x stages per rank) when 0."""
-        from zeroshard.pipeline.schedules import schedule_spec, stages_per_rank
+        """`microbatches`, or its default (pp x stages per rank) when 0; 1 without a pipeline."""
+        from zeroshard.pipeline.schedules import microbatches_of
 
-        return self.microbatches or self.pp * stages_per_rank(schedule_spec(self.pp_schedule), self.pp_stages_per_rank)
+        return microbatches_of(self.pp, schedule=self.pp_schedule, microbatches=self.microbatches,
+                               stages_per_rank_asked=self.pp_stages_per_rank)
 
     def _check_pp(self) -> None:
         if self.pp < 1 or (self.nproc // self.tp) % self.pp or self.nproc % self.tp:

@@ -23,6 +23,7 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import Loaded, load
 from zeroshard.checkpoint.resize import Resize, plan_resize
 from zeroshard.checkpoint.save import save
+from zeroshard.pipeline.schedules import microbatches_of
 from zeroshard.comm import collectives
 
 AUTO = "auto"
@@ -132,8 +133,13 @@ class TrainingCheckpoints:
         if not isinstance(saved, dict) or "nproc" not in saved or loaded.step is None:
             return  # saved by a loop of its own: its batch is the caller's business
         saved_dp = saved["nproc"] // saved.get("tp", 1) // saved.get("pp", 1)  # ranks that saw different data
+        saved_mb = microbatches_of(saved.get("pp", 1), schedule=saved.get("pp_schedule", "1f1b"),
+                                   microbatches=saved.get("microbatches", 0),
+                                   stages_per_rank_asked=saved.get("pp_stages_per_rank", 0))
         self.resize = plan_resize(step=loaded.step, batch=run.cfg.batch, saved_world=saved_dp,
-                                  saved_accum=saved.get("accum", 1), world=run.mesh.dp_size)
+                                  saved_accum=saved.get("accum", 1), world=run.mesh.dp_size,
+                                  saved_microbatches=saved_mb,
+                                  microbatches=run.pipeline.microbatches if run.pipeline is not None else 1)
         if self.resize is None:
             return
         run.cfg = dataclasses.replace(run.cfg, accum=self.resize.to_accum)

@@ -50,6 +50,14 @@ def stages_per_rank(spec: ScheduleSpec, asked: int) -> int:
     return n
 
 
+def microbatches_of(pp: int, *, schedule: str, microbatches: int, stages_per_rank_asked: int) -> int:
+    """The microbatches a run splits each schedule run into: ``microbatches``, or when 0 the fewest
+    that fill the pipeline (pp x stages per rank); 1 without a pipeline."""
+    if pp == 1:
+        return 1
+    return microbatches or pp * stages_per_rank(schedule_spec(schedule), stages_per_rank_asked)
+
+
 def check_microbatches(spec: ScheduleSpec, *, microbatches: int, pp: int, local_batch: int) -> None:
     """One line for a microbatch count the schedule cannot run, or a batch it cannot split."""
     if microbatches < 1:

@@ -1,0 +1,75 @@
+"""`zeroshard train --pp 2 --save-every`, then `--resume auto` at `--pp 4`: the resumed run continues
+the uninterrupted one (tiny GPT, tied head, stage 3, 4 ranks), and the offline tools take the pp
+checkpoint as any other.
+
+Two `zeroshard train` runs: the uninterrupted one at pp 2 saving every step, and its step-2
+checkpoint resumed at pp 4 (one pipeline of one block per stage) for the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_cli import read_metrics, run_cli
+from test_resize_cli import max_diff, params
+
+TOL = 1e-5  # the stage-0 tolerance of the parity tests
+GPT = ["--model", "tiny", "--batch", "8", "--seq-len", "32", "--num-samples", "256", "--nproc", "4",
+       "--stage", "3", "--steps", "3", "--warmup", "1", "--save-every", "1", "--keep-last", "0"]
+
+
+def train(tmp: Path, name: str, *extra: str) -> tuple[Path, Path, str]:
+    ckpt, run_dir = tmp / f"{name}-ck", tmp / f"{name}-run"
+    done = run_cli(["train", *GPT, "--ckpt-dir", str(ckpt), "--run-dir", str(run_dir), *extra])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return ckpt, run_dir, done.stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
+    return train(tmp_path_factory.mktemp("pp_resume"), "pp2", "--pp", "2")[:2]
+
+
+def test_resume_at_another_pp_continues_the_run(tmp_path, uninterrupted):
+    ckpt2, run2 = uninterrupted
+    shutil.copytree(ckpt2 / "step-00000002", tmp_path / "pp4-ck" / "step-00000002")
+    shutil.copytree(run2, tmp_path / "pp4-run")  # a relaunch keeps its run dir
+    ckpt4, run4, out = train(tmp_path, "pp4", "--pp", "4", "--resume", "auto")
+    assert "saved on 4 ranks at stage 3, in pp 2 pipeline stages; now 4 ranks at stage 3, in pp 4 pipeline " \
+           "stages" in out, out
+    # 2 data-parallel ranks of 2 microbatches of 2 -> one pipeline of 4 microbatches of 2: no accumulation.
+    assert "resized from 2 to 1 data-parallel ranks at step 2: accumulation 1 -> 1" in out, out
+    update = max_diff(params(ckpt2 / "step-00000003", tmp_path), params(ckpt4 / "step-00000003", tmp_path))
+    ours, theirs = read_metrics(run4), read_metrics(run2)
+    losses = max(abs(a["loss"] - b["loss"]) for a, b in zip(ours, theirs, strict=True))
+    print(f"pp 2 -> pp 4 at step 2: next update max|param diff| {update:.1e} against the uninterrupted pp-2 run; "
+          f"loss max|diff| {losses:.1e}")
+    assert update <= TOL and losses <= TOL
+    assert [m["step"] for m in ours] == [1, 2, 3]
+    placement = json.loads((ckpt4 / "step-00000003" / "manifest.json").read_text())["pipeline"]
+    assert placement["pp"] == 4 and placement["blocks"] == [[0], [1], [2], [3]]
+
+
+def test_a_pp_that_does_not_divide_the_blocks_is_refused_before_launch(tmp_path, uninterrupted):
+    shutil.copytree(uninterrupted[0] / "step-00000002", tmp_path / "ck" / "step-00000002")
+    done = run_cli(["train", *GPT, "--nproc", "3", "--pp", "3", "--ckpt-dir", str(tmp_path / "ck"), "--resume",
+                    "auto"])
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "pp=3 x 1 stages per rank does not divide the 4 blocks of tiny" in done.stderr, done.stderr
+
+
+def test_offline_tools_take_a_pp_checkpoint(tmp_path, uninterrupted):
+    source = uninterrupted[0] / "step-00000003"
+    shown = run_cli(["ckpt", "inspect", str(source)])
+    assert shown.returncode == 0 and "pipeline: pp 2, 2 stages (1f1b): stage 0 on pp rank 0: blocks 0-1" in shown.stdout
+    done = run_cli(["ckpt", "reshard", str(source), str(tmp_path / "flat"), "-w", "2"])
+    assert done.returncode == 0, done.stderr
+    checked = run_cli(["ckpt", "verify", str(source), str(tmp_path / "flat")])
+    assert checked.returncode == 0 and checked.stdout.count("OK") == 2, checked.stdout + checked.stderr
+    full = params(source, tmp_path)
+    assert max_diff(full, params(tmp_path / "flat", tmp_path)) == 0
+    assert (full["lm_head.weight"] == full["tok_emb.weight"]).all()
