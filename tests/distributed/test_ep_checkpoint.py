@@ -91,10 +91,14 @@ def test_resume_at_another_ep_equals_continuous(suite, name, resume):
           f"({resume.source}): loaded bitwise, next update vs continuous {diff:.2e}")
 
 
-def test_reshard_to_ep4_is_the_runtimes_layout(suite):
-    """At ep 4 and the saved stage, each rank of the resharded checkpoint reads its own file only."""
+@pytest.mark.parametrize("resume", [w.Resume("ep4", 3, "reshard-ep4"), w.Resume("ep1", 3, "reshard-ep1")],
+                         ids=["ep4", "ep1"])
+def test_reshard_is_the_runtimes_layout(suite, resume):
+    """At the saved stage, each rank of a run at the new ep reads its own file of the reshard only:
+    at ep 4 each expert group is one block, and at ep 1 the expert groups join their units' dense
+    ones, as the engine lays them out."""
     for rank, out in enumerate(suite):
-        assert out["gpt"][w.Resume("ep4", 3, "reshard-ep4")]["files"] == [rank_file(rank)]
+        assert out["gpt"][resume]["files"] == [rank_file(rank)]
 
 
 def test_reshard_records_the_new_placement(root, suite):

@@ -135,6 +135,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     manifest = verify(directory)
     whole = {p["fqn"]: p for p in full_params(manifest)}
     _check_ep(whole, world, tp, ep, directory)
+    groups = _groups_at(manifest, whole, ep)
     saved_tp = any("tp" in p for p in manifest["params"])
     targets = {fqn: _target(p, tp, tp_plan, saved_tp, directory) for fqn, p in whole.items()}
     dst = Path(dst)
@@ -150,7 +151,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     try:
         for rank in range(world):
             name = fmt.rank_file(rank)
-            jobs = _rank_jobs(manifest, whole, targets, reader, rank, world // tp, tp, ep, name, pieces)
+            jobs = _rank_jobs(groups, whole, targets, reader, rank, world // tp, tp, ep, name, pieces)
             buffers = manifest["buffers"] if rank == 0 else []
             meta = {fmt.RANK_META_KEY: json.dumps({"rank": rank, "world": world, "rng": saved_rng(reader, rank)})}
             entries = [job[0] for job in jobs] + [
@@ -173,7 +174,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
         world=world, mesh={"world": world, "shard_size": world // tp, "replicate_size": 1, "tp_size": tp,
                            **({"ep_size": ep} if ep > 1 else {}), "resharded_offline": True},
         params=[entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces, world, ep)],
-        buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
+        groups=groups, buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
         resharded_from={"path": str(directory), "world": manifest["world"],
                         "tp": manifest["mesh"].get("tp_size", 1), "ep": manifest["mesh"].get("ep_size", 1),
@@ -202,6 +203,23 @@ def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: P
         if param["shape"][0] % ep:
             raise CheckpointError(f"ep {ep} does not divide the {param['shape'][0]} experts of {param['fqn']!r}; "
                                   "pick an ep that divides them")
+
+
+def _groups_at(manifest: dict, whole: dict[str, dict], ep: int) -> list[dict]:
+    """The flat groups a run at ``ep`` has: the saved ones, except that at ep 1 each expert group
+    joins its unit's dense group of the same dtypes and grad policy, in the model's param order, as
+    the engine groups params when there is no expert mesh (``engine._split_groups``)."""
+    if ep > 1 or not any("ep" in p for p in whole.values()):
+        return manifest["groups"]
+    order = {p["fqn"]: i for i, p in enumerate(full_params(manifest))}
+    merged: dict[tuple, dict] = {}
+    for group in manifest["groups"]:
+        key = (group["unit"], group["trainable"], group["master_dtype"], group["compute_dtype"])
+        if key in merged:
+            merged[key]["params"] = sorted(merged[key]["params"] + group["params"], key=order.__getitem__)
+        else:
+            merged[key] = dict(group, params=list(group["params"]))
+    return list(merged.values())
 
 
 def _expert_block(param: dict, ep: int) -> list[int] | None:
@@ -258,7 +276,7 @@ def _part_name(fqn: str, target: dict | None, tp_rank: int) -> str:
     return fqn if target is None else f"{fqn}{TP_PART}{tp_rank}"
 
 
-def _rank_jobs(manifest: dict, whole: dict[str, dict], targets: dict[str, dict | None], reader: PieceReader,
+def _rank_jobs(groups: list[dict], whole: dict[str, dict], targets: dict[str, dict | None], reader: PieceReader,
                rank: int, dp: int, tp: int, ep: int, file: str, pieces: dict[str, list[dict]]
                ) -> list[tuple[Entry, dict, str, int]]:
     """(entry, source, kind, start) for everything rank ``rank`` of (dp, tp) writes; records its pieces.
@@ -268,7 +286,7 @@ def _rank_jobs(manifest: dict, whole: dict[str, dict], targets: dict[str, dict |
     its pieces at the rank's block (``pieces.saved_extent``)."""
     tp_rank, dp_rank = rank % tp, rank // tp
     jobs = []
-    for group in manifest["groups"]:
+    for group in groups:
         blocks = [_expert_block(whole[f], ep) for f in group["params"]]
         experts = bool(blocks) and all(b is not None for b in blocks)
         shapes = [b if experts and b is not None else _local_shape(whole[f], targets[f], tp)
