@@ -25,10 +25,13 @@ WORLD = 4
 K = 3
 """Steps before the save; every continuous run does 2K."""
 PARITY_STEPS = 10
-LAYOUTS = {"pp2": dict(pp=2), "pp1": dict(pp=1), "pp4": dict(pp=4), "pp2i": dict(pp=2, pp_schedule="interleaved-1f1b")}
-"""Each layout's config over the 4 ranks: pp stages of 4/pp shard ranks each; pp2i runs two stages
-per rank (interleaved 1F1B: stages 0 and 2 on pp rank 0), so a rank file holds two stages' pieces."""
-RESUMES = [("pp2", 3, "pp1", 3), ("pp2", 3, "pp4", 1), ("pp1", 2, "pp2", 3), ("pp2i", 1, "pp1", 1)]
+LAYOUTS = {"pp2": dict(pp=2), "pp1": dict(pp=1), "pp4": dict(pp=4),
+           "pp2i": dict(pp=2, pp_schedule="interleaved-1f1b", save_async=True), "pp2tp2": dict(pp=2, tp=2)}
+"""Each layout's config over the 4 ranks: pp stages of 4/pp shard ranks each. pp2i runs two stages
+per rank (interleaved 1F1B: stages 0 and 2 on pp rank 0), so a rank file holds two stages' pieces,
+and saves in the background; pp2tp2 splits each stage's blocks over 2 tp ranks (shard 1)."""
+RESUMES = [("pp2", 3, "pp1", 3), ("pp2", 3, "pp4", 1), ("pp1", 2, "pp2", 3), ("pp2i", 1, "pp1", 1),
+           ("pp2tp2", 3, "pp1", 3)]
 """(saved layout, saved stage, resumed layout, resumed stage)."""
 
 
@@ -58,6 +61,7 @@ def _run(cfg: TrainConfig, mesh, *, start_from: Path | None = None) -> dict:
         ckpts.after_step(i + 1)
         if i + 1 in (K, K + 1):
             out["at_save" if i + 1 == K else "after_first"] = full_params(run)
+    ckpts.close()  # a background save still in flight commits (or fails) here
     out["params"] = full_params(run)
     out["lr"] = run.opt.param_groups[0]["lr"]
     out["accum"] = run.cfg.accum
@@ -100,6 +104,7 @@ def suite(root: str) -> dict:
     zs.init(pp=2)
     meshes = {"pp2": zs.get_mesh(), "pp1": zs.new_mesh(name="pp1"), "pp4": zs.new_mesh(pp=4, name="pp4")}
     meshes["pp2i"] = meshes["pp2"]
+    meshes["pp2tp2"] = zs.new_mesh(pp=2, tp=2, name="pp2tp2")
     out: dict[str, Any] = {"times": {}}
 
     def timed(key: Any, fn) -> None:

@@ -1,7 +1,7 @@
 """Checkpoints under pipeline parallelism: saved at (pp 2, shard 2), resumed at (pp 1, shard 4) and
 (pp 4, shard 1); a (pp 1, shard 4) checkpoint resumed at (pp 2, shard 2); an interleaved one (two
-stages per rank) resumed at pp 1; pp 4 against one process; the offline tools (verify, inspect,
-export, export --hf, reshard) on a pp checkpoint.
+stages per rank, saved in the background) and a (pp 2, tp 2) one resumed at pp 1; pp 4 against one
+process; the offline tools (verify, inspect, export, export --hf, reshard, repair) on a pp checkpoint.
 
 One spawned world-4 group runs every layout in turn, each on its own mesh, saving and resuming
 through the train loop's own TrainingCheckpoints (pp_ckpt_workloads.suite); the tests read its
@@ -67,7 +67,7 @@ def test_resume_at_another_pp_equals_the_continuous_run(suite, case):
     assert update <= TOL and end <= TOL and losses <= TOL
     assert len(run["losses"]) == w.K and run["lr"] == continuous["lr"]
     # The global batch stays: 2 data-parallel ranks -> 4 (pp 1) or 1 (pp 4, accumulating 2 micro-steps).
-    saved_dp, now_dp = w.WORLD // w.LAYOUTS[case[0]]["pp"], w.WORLD // w.LAYOUTS[case[2]]["pp"]
+    saved_dp, now_dp = (w.WORLD // w.LAYOUTS[k]["pp"] // w.LAYOUTS[k].get("tp", 1) for k in (case[0], case[2]))
     assert run["resize"]["from_world"] == saved_dp and run["resize"]["to_world"] == now_dp
 
 
@@ -110,6 +110,12 @@ def test_manifest_records_the_pp_placement(root, suite):
     looped = zs.checkpoint.verify(_saved(root, "pp2i", 1))["pipeline"]
     assert looped["stages"] == 4 and looped["blocks"] == [[0], [1], [2], [3]]
     assert looped["pp_rank_of_stage"] == [0, 1, 0, 1] and looped["tied"][0]["copy_stage"] == 3
+    # pp x tp: each stage's tp-split params as one part per tp rank, placed like a tp checkpoint's.
+    with_tp = zs.checkpoint.verify(_saved(root, "pp2tp2", 3))
+    parts = {p["fqn"]: p["tp"] for p in with_tp["params"] if "tp" in p}
+    assert parts["blocks.3.attn.qkv.weight#tp1"]["of"] == "blocks.3.attn.qkv.weight" and parts[
+        "blocks.3.attn.qkv.weight#tp1"]["tp"] == 2
+    assert "blocks.3.attn.qkv.weight" in with_tp["pipeline"]["stage_params"][1]
 
 
 def test_export_and_plain_load_give_the_full_tensors(root, suite, tmp_path):
@@ -158,3 +164,17 @@ def test_saving_one_stage_or_the_wrong_optimizers_is_one_clear_line(root, suite)
     assert "pass the list pipe.optimizers(...) returned" in errors["optimizers"]
     assert all("\n" not in e for e in errors.values())
     assert not (root / "bad").exists()
+
+
+def test_repair_rebuilds_a_lost_pp_manifest(root, suite, tmp_path):
+    """Rank 0's header carries the skeleton of every stage (gathered from the pp ranks), so a lost
+    manifest comes back whole from the rank files."""
+    import shutil
+
+    copy = Path(shutil.copytree(_saved(root, "pp2", 3), tmp_path / "lost"))
+    original = json.loads((copy / fmt.MANIFEST).read_text())
+    (copy / fmt.MANIFEST).unlink()
+    assert cli(["ckpt", "repair", str(copy)]) == 0
+    rebuilt = zs.checkpoint.verify(copy)
+    assert rebuilt["params"] == original["params"] and rebuilt["pipeline"] == original["pipeline"]
+    assert rebuilt["buffers"] == original["buffers"] and rebuilt["groups"] == original["groups"]
