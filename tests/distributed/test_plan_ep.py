@@ -1,10 +1,13 @@
 """The planner under expert parallelism against real ep runs of tiny-moe (2 layers) on gloo.
 
-One spawn of world 4 measures stage 3 three times, each on a mesh of its own: without ep (ZeRO-3
-over all 4 ranks), at (ep 2 x edp 2) and at ep 4 (`zeroshard.planner.measure.measure_many_worker`,
-what `plan --measure` runs). Every model-state component, stage 3's window and the expert bytes a
-rank holds in full during forward must be what the plan says, and the peak within 10%; the
-expert bytes held fall by ep against ZeRO-3 without it.
+One spawn of world 4 (plan_ep_workloads.suite) measures stage 3 three times, each on a mesh of its
+own: without ep (ZeRO-3 over all 4 ranks), at (ep 2 x edp 2) and at ep 4
+(`zeroshard.planner.measure.measure_many_worker`, what `plan --measure` runs). Every model-state
+component, stage 3's window and the expert bytes a rank holds in full during forward must be what
+the plan says, and the peak within 10%; the expert bytes held fall by ep against ZeRO-3 without it.
+The same spawn trains tiny-moe at ep 2 and 4 and records the ledger's ep all-to-all bytes and the
+routing counts: the planner's balanced figure is the ranks' mean exactly, and with each rank's
+recorded skew it is that rank's bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import pytest
 from zeroshard.launch import spawn
 from zeroshard.models import GPTConfig
 from zeroshard.planner import plan
-from zeroshard.planner.measure import MODEL_STATES, checks, measure_many_worker, request
+import plan_ep_workloads as pw
+from zeroshard.planner.measure import MODEL_STATES, checks, request
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -29,9 +33,14 @@ def plans() -> dict:
 
 
 @pytest.fixture(scope="module")
-def measured(plans) -> dict:
+def world4(plans) -> list[dict]:
+    return spawn(pw.suite, WORLD, args=([request(plans[ep], (3,)) for ep in EPS], EPS[1:]), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def measured(plans, world4) -> dict:
     """ep -> (the stage-3 ComponentCheck, the expert bytes each rank held in full during forward)."""
-    per_rank = spawn(measure_many_worker, WORLD, args=([request(plans[ep], (3,)) for ep in EPS],), timeout_s=600)
+    per_rank = [r["measured"] for r in world4]
     return {ep: (checks(plans[ep], [r[i] for r in per_rank])[0], [r[i][3]["expert_held_in_forward"] for r in per_rank])
             for i, ep in enumerate(EPS)}
 
@@ -81,3 +90,35 @@ def _meta():
 
     with torch.device("meta"):
         return GPT(CONFIG)
+
+
+def _planned_ep_bytes(ep: int, skew: float = 0.0) -> int:
+    cfg = pw.routed_config(ep)
+    p = plan(pw.ROUTED, world=WORLD, batch=cfg.batch, seq=pw.SEQ, accum=cfg.accum, ep=ep, routing_skew=skew)
+    return sum(c.buffer_bytes * c.count for c in p["zero3"].collectives if c.group == "ep")
+
+
+@pytest.mark.parametrize("ep", EPS[1:])
+def test_all_to_all_bytes_are_the_ledgers(world4, ep):
+    """Every rank sends its own tokens x top_k rows, so the ranks' mean of the ledger's ep bytes
+    is the planner's balanced figure exactly; what a rank receives is its routing, and the plan
+    with the skew those counts give (its mean received rows over tokens x top_k, less 1) is that
+    rank's bytes, to the rounding of a row per layer call."""
+    cfg = pw.routed_config(ep)
+    rows = cfg.batch // (WORLD * cfg.accum) * pw.SEQ * pw.ROUTED.expert_top_k  # a micro-batch's, per rank
+    row_bytes = pw.ROUTED.n_embd * 4
+    balanced = _planned_ep_bytes(ep)
+    for s in range(pw.STEPS):
+        ledger = [r["routed"][ep]["ledger_bytes"][s] for r in world4]
+        assert all(n == rows for r in world4 for n in r["routed"][ep]["sent"][s])
+        assert sum(ledger) == WORLD * balanced, (ledger, balanced)
+        for rank, r in enumerate(world4):
+            received = r["routed"][ep]["received"][s]
+            skew = sum(received) / len(received) / rows - 1
+            planned = _planned_ep_bytes(ep, skew) if skew >= 0 else None
+            if planned is not None:
+                assert abs(planned - ledger[rank]) <= 2 * len(received) * row_bytes, (rank, planned, ledger[rank])
+        print(f"ep {ep}, step {s}: ledger ep bytes per rank {ledger}, planned balanced {balanced} "
+              f"(mean {sum(ledger) / WORLD:.0f})")
+    skews = [sum(r["routed"][ep]["received"][0]) / len(r["routed"][ep]["received"][0]) / rows - 1 for r in world4]
+    assert max(skews) > 0, "the routing must be uneven for the skewed check to test anything"

@@ -221,10 +221,7 @@ def unread_flag(args: argparse.Namespace) -> str | None:
            "inter_gbps": "--time takes its links from --hw (a preset, or a TOML file's inter_bandwidth)",
            "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node) or "
                             "from --topology",
-           "measure": "--measure checks the memory planner against one real step; run it without --time",
-           "ep": "--time does not simulate expert parallelism yet (the memory planner, without --time, plans it)",
-           "routing_skew": "--time does not simulate expert parallelism yet (the memory planner, without --time, "
-                           "plans it)"}
+           "measure": "--measure checks the memory planner against one real step; run it without --time"}
 
     if unsimulated := sorted(given_knobs(args, tuple(k for k in PLAN_KNOBS if k not in SIMULATED_KNOBS))):
         flag = "--" + unsimulated[0].replace("_", "-")

@@ -57,11 +57,14 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
     mb = args.micro_batch or (max(1, args.batch // (world // tp * accum)) if args.batch else 1)
     # --mp fp32 computes (and all-reduces tp activations) in fp32; otherwise the bf16 of GPU runs.
     compute_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
+    ep = getattr(args, "ep", None) or 1
+    skew = getattr(args, "routing_skew", None) or 0.0
     if args.model in SHAPES:
         shape = SHAPES[args.model]
         _check_tp_split(shape, tp)
         w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
                      checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
+        _check_ep(shape, ep)
         return w, None
     from zeroshard.models.targets import is_preset
 
@@ -73,8 +76,12 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
                              config=getattr(args, "model_config", None))
         shape = hf_shape(model, args.model)
         _check_tp_split(shape, tp)
+        if ep > 1:  # the runtime's own check of the model's MoE layers (no MoE layer, an ep not dividing them)
+            from zeroshard.experts import check_ep
+
+            check_ep(model, ep)
         w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
-                     checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
+                     checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes, routing_skew=skew)
         return w, None
     from zeroshard.models import GPTConfig
 
@@ -82,8 +89,13 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
         raise ValueError(f"--checkpointing {checkpointing} is for the Llama shapes; zeroshard's GPT takes "
                          "none, all, every:K or sqrt")
     cfg = GPTConfig.named(args.model, **({"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}))
+    if ep > 1:
+        from zeroshard.experts import check_ep
+        from zeroshard.planner.inventory import meta_gpt
+
+        check_ep(meta_gpt(cfg), ep)
     w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
-                 checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
+                 checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes, routing_skew=skew)
     return w, lambda layout: gpt_peak_bytes(args.model, w, layout, headroom=headroom)
 
 
@@ -100,6 +112,13 @@ def _headroom(args: argparse.Namespace) -> float:
     """plan's --headroom (allocator headroom on top of the peak), the planner's 10% when absent."""
     value = getattr(args, "headroom", None)
     return 0.10 if value is None else value
+
+
+def _check_ep(shape, ep: int) -> None:
+    """The Llama shapes are dense: ep has no experts to split there."""
+    if ep > 1 and not shape.n_expert:
+        raise ValueError(f"--ep {ep} splits MoE experts, but {shape.name} has a dense MLP; drop --ep or plan an MoE "
+                         "model (tiny-moe, an HF Mixtral or Qwen-MoE folder)")
 
 
 def _check_tp_split(shape, tp: int) -> None:
@@ -143,7 +162,7 @@ def run_time(args: argparse.Namespace) -> list:
         param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
         knobs = {k: v for k, v in _knobs(args).items() if k != "checkpointing"}  # the workload's
         layouts = layouts_for(world, stages, shard_sizes, param_bytes=param_bytes, tp=getattr(args, "tp", 1) or 1,
-                              **knobs)
+                              ep=getattr(args, "ep", None) or 1, **knobs)
         rows += evaluate(w, hw, layouts, memory or (lambda layout: peak_bytes(w, layout, headroom=_headroom(args))))
     return [w, hw, rows, topology]
 

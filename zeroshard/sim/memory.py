@@ -1,8 +1,9 @@
 """Per-rank peak memory for the simulator, built on zeroshard.planner's estimator.
 
 zeroshard's GPT is planned by ``zeroshard.planner.plan`` whole (it has the exact activation count).
-Other shapes (Llama) take model states and optimizer scratch from the planner's textbook accounting
-of their parameter count and add what the planner leaves out in that mode: the workload's activations,
+Other shapes (Llama, a folder's) take model states and optimizer scratch from the planner's textbook
+accounting of their parameter count (without expert parallelism's split: ``plan --ep`` without
+``--time`` lays out a folder's experts) and add what the planner leaves out in that mode: the workload's activations,
 the stage-3 all-gather window and the full grads of the reductions in flight.
 """
 
@@ -46,5 +47,6 @@ def gpt_peak_bytes(name: str, w: Workload, layout: Layout, *, headroom: float = 
              tp=layout.tp,
              checkpointing=w.checkpointing, shard_size=layout.shard_group if layout.hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom,
-             reshard_after_forward=layout.reshard_after_forward, offload=layout.offload)
+             reshard_after_forward=layout.reshard_after_forward, offload=layout.offload, ep=layout.ep,
+             routing_skew=w.routing_skew if layout.ep > 1 else 0.0)
     return float(p[_layout_name(layout)].device.total)

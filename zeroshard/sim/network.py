@@ -5,6 +5,8 @@ and Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPC
 
 - ring all-gather / reduce-scatter: (p-1) alpha + (p-1)/p * n * beta
 - ring all-reduce (reduce-scatter then all-gather): 2 (p-1) alpha + 2 (p-1)/p * n * beta
+- pairwise all-to-all (expert parallelism's token exchange; n what each rank sends): (p-1) alpha +
+  (p-1)/p * n * beta, as the ring all-gather (nccl-tests' alltoall busbw factor is (p-1)/p too)
 - tree (recursive doubling / halving): ceil(log2 p) steps of latency instead of p-1, same bandwidth term
   for all-gather and reduce-scatter; NCCL's pipelined double binary tree all-reduce (NCCL 2.4 release
   notes, "Massively Scale Your Deep Learning Training with NCCL 2.4") has 2 log2(p) latency steps and
@@ -34,8 +36,8 @@ ALGORITHMS = ("ring", "tree")
 
 def bus_factor(op: str, p: int) -> float:
     """nccl-tests' busbw / algbw for ``op`` on ``p`` ranks."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
+    if op not in OPS + ("all_to_all",):
+        raise ValueError(f"unknown collective {op!r}; use one of {', '.join(OPS)} or all_to_all")
     if p <= 1:
         return 0.0
     return (2 if op == "all_reduce" else 1) * (p - 1) / p

@@ -30,8 +30,8 @@ import torch
 from zeroshard.offload.policy import OffloadPolicy
 from zeroshard.sharding.engine import merge_in_order
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import (BACKWARD, COMPUTE, FORWARD, FREE, OPTIMIZER, PARAM_SYNC, RECOMPUTE, WAIT,
-                                         GroupSizes, MeshSizes, Schedule, TensorParallelSizes, UnitSizes,
+from zeroshard.sharding.schedule import (BACKWARD, COMPUTE, EXPERTS, FORWARD, FREE, OPTIMIZER, PARAM_SYNC, RECOMPUTE,
+                                         WAIT, GroupSizes, MeshSizes, Schedule, TensorParallelSizes, UnitSizes,
                                          step_schedule)
 from zeroshard.sim.network import collective_seconds, wire_bytes
 from zeroshard.sim.workload import TORCHTITAN_POLICIES, Workload
@@ -61,22 +61,31 @@ class ScheduleUnits:
 def schedule_units(w: Workload, layout: Layout) -> ScheduleUnits:
     """The units the engine builds for ``w``'s blocks on ``layout``, in its reduction order: the
     blocks in reverse module order, then the root; at stages 0-2 merged into buckets, filled by
-    fp32 param bytes as the engine fills them. Each flat buffer is padded to whole shards."""
+    fp32 param bytes as the engine fills them. Each flat buffer is padded to whole shards. Under
+    ep a block's experts are a flat group of their own (this rank's ep block, sharded over the
+    ranks that hold it), as ``zs.shard`` groups them."""
     shards, s = layout.shard_group, w.shape
+    expert_shards = layout.expert_group if layout.policy.shard_optimizer else 1
     compute, reduce = _dtype(layout.param_bytes, "param_bytes"), _dtype(layout.reduce_bytes, "reduce_bytes")
 
-    def unit(name: str, numel: int, root: bool = False) -> UnitSizes:
-        padded = -(-numel // shards) * shards
-        return UnitSizes(name=name, is_root=root, groups=(GroupSizes(
-            numel=padded, shard_numel=padded // shards, compute_dtype=compute, reduce_dtype=reduce),))
+    def group(numel: int, over: int, ep: int = 1) -> GroupSizes:
+        padded = -(-numel // over) * over
+        return GroupSizes(numel=padded, shard_numel=padded // over, compute_dtype=compute, reduce_dtype=reduce, ep=ep)
 
-    block_numel = -(-s.block_params // layout.tp)  # its tp part, taken as wholly split
-    blocks = [unit(f"blocks.{i}", block_numel) for i in reversed(range(s.n_layer))]
+    def unit(name: str, numel: int, root: bool = False, experts: int = 0) -> UnitSizes:
+        groups = (group(numel, shards),) + ((group(experts, expert_shards, layout.ep),) if experts else ())
+        return UnitSizes(name=name, is_root=root, groups=groups)
+
+    split = layout.ep > 1 and s.n_expert > 0
+    expert_numel = s.expert_params // layout.ep if split else 0
+    block_numel = -(-(s.block_params - (s.expert_params if split else 0)) // layout.tp)  # its tp part, wholly split
+    blocks = [unit(f"blocks.{i}", block_numel, experts=expert_numel) for i in reversed(range(s.n_layer))]
     units = blocks + [unit(ROOT, s.root_params, root=True)]
     if layout.policy.shard_params:
         return ScheduleUnits(tuple(units), {u.name: 0 if u.is_root else 1 for u in units})
     buckets = merge_in_order(units, lambda u: 4 * u.full_numel, EngineOptions(bucket_mb=layout.bucket_mb).bucket_bytes)
-    merged = [dataclasses.replace(unit(f"bucket.{i}", sum(u.full_numel for u in b), root=any(u.is_root for u in b)),
+    merged = [dataclasses.replace(unit(f"bucket.{i}", sum(u.groups[0].numel for u in b), root=any(u.is_root for u in b),
+                                       experts=expert_numel * sum(not u.is_root for u in b)),
                                   blocks=sum(not u.is_root for u in b)) for i, b in enumerate(buckets)]
     return ScheduleUnits(tuple(merged), {u.name: u.blocks or 0 for u in merged})
 
@@ -109,6 +118,9 @@ class Walked:
     optimizer_share: float
     param_sync_bytes: float
     tp_bytes: float
+    ep_bytes: float = 0.0
+    ep_s: float = 0.0
+    """Seconds compute waited on the ep all-to-alls (all of theirs: nothing overlaps them)."""
 
 
 def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink) -> Walked:
@@ -126,6 +138,7 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
     # all-reduces run again in backward, spread over the blocks.
     rebuilt_tp = _torchtitan_rebuilt_all_reduces(w) / w.shape.n_layer if layout.tp > 1 else 0.0
     out = Walked(t=0.0, optimizer_share=0.0, param_sync_bytes=0.0, tp_bytes=0.0)
+    a2a = _AllToAlls(w, layout, comm)
     inflight: dict[str, list[Collective]] = {}
 
     def seconds(unit: str, phase: str) -> float:
@@ -147,6 +160,10 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
             out.optimizer_share += e.share
         elif e.op == COMPUTE:
             out.t = comm.compute(out.t, e.share * seconds(e.unit, e.phase))
+            if a2a.on:  # each MoE block's token exchanges, on the critical path
+                # unit "": stages 0-2's whole forward, or the root's backward (no block)
+                blocks = (w.shape.n_layer if e.phase == FORWARD else 0) if e.unit == "" else units.blocks[e.unit]
+                out.t = a2a.price(out.t, e.share * blocks, e.phase, out)
             if rebuilt_tp and e.phase == BACKWARD and e.unit:  # a block or bucket (the root holds no block)
                 tp_all_reduces(e.share * rebuilt_tp * units.blocks[e.unit], w.tokens * w.shape.hidden * w.compute_bytes)
         elif e.op == WAIT:
@@ -162,6 +179,9 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
             tp_all_reduces(1, e.bytes)
         elif e.op == "all_gather" and e.phase == PARAM_SYNC:
             out.param_sync_bytes += e.bytes
+        elif e.op == "all_gather" and e.mesh == EXPERTS:  # an expert group: over the ranks holding its experts
+            inflight.setdefault(e.unit, []).append(comm.launch("all_gather", e.bytes, layout.expert_group, out.t,
+                                                               stream="experts"))
         elif e.op == "all_gather":
             out.t += host.copy_in(sum(g.shard_numel for g in sizes[e.unit].groups))
             inflight.setdefault(e.unit, []).append(comm.launch("all_gather", e.bytes, layout.shard_group, out.t))
@@ -169,10 +189,48 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
             item = comm.launch(e.op, e.bytes, layout.replicas, out.t, spans=layout.world > comm.hw.gpus_per_node,
                                stream="replicate")
             inflight.setdefault(e.unit, []).append(item)
+        elif e.mesh == EXPERTS:  # an expert group's reduction, on its own group's stream
+            inflight.setdefault(e.unit, []).append(comm.launch(e.op, e.bytes, layout.expert_group, out.t,
+                                                               stream="experts"))
         else:  # a reduction: over the shard group, or every data-parallel rank at stage 0
             group = layout.shard_group if layout.policy.shard_optimizer else layout.dp
             inflight.setdefault(e.unit, []).append(comm.launch(e.op, e.bytes, group, out.t))
     return out
+
+
+class _AllToAlls:
+    """Expert parallelism's token exchanges (zeroshard/experts/dispatch.py), which the engine's
+    schedule does not hold: per MoE block and micro-step, forward exchanges the counts then the
+    rows there and the outputs back, backward the two row exchanges reversed, and a checkpoint
+    rebuild runs forward's again. Each blocks compute (the layer needs its rows), so it is priced
+    like the tp all-reduces: on the ep link (``ep`` consecutive ranks; across nodes when ep
+    exceeds a node). The busiest rank receives ``1 + routing_skew`` times its share of rows, so
+    both row exchanges take that long; the bytes are the ledger's (what each rank sends, its own
+    rows and the skewed ones it returns)."""
+
+    def __init__(self, w: Workload, layout: Layout, comm: CommLink) -> None:
+        s = w.shape
+        self.on = layout.ep > 1 and s.n_expert > 0
+        self.comm, self.ep = comm, layout.ep
+        own = w.tokens * s.top_k * s.hidden * w.compute_bytes
+        self.rows, self.skewed = float(own), (1.0 + w.routing_skew) * own
+        self.counts = 8.0 * s.n_expert
+        spans = layout.ep > comm.hw.gpus_per_node
+        self.exchange = collective_seconds("all_to_all", self.skewed, layout.ep, comm.hw, spans=spans) \
+            if self.on else 0.0
+        self.count_exchange = collective_seconds("all_to_all", self.counts, layout.ep, comm.hw, spans=spans) \
+            if self.on else 0.0
+
+    def price(self, t: float, blocks: float, phase: str, out: Walked) -> float:
+        forward = phase in (FORWARD, RECOMPUTE)
+        seconds = blocks * (2 * self.exchange + (self.count_exchange if forward else 0.0))
+        nbytes = blocks * (self.rows + self.skewed + (self.counts if forward else 0.0))
+        self.comm.busy += seconds
+        self.comm.wire += wire_bytes("all_to_all", nbytes, self.ep)
+        self.comm.by_op["all_to_all"] = self.comm.by_op.get("all_to_all", 0.0) + seconds
+        out.ep_bytes += nbytes
+        out.ep_s += seconds
+        return t + seconds
 
 
 def _torchtitan_rebuilt_all_reduces(w: Workload) -> int:

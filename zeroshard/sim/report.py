@@ -19,6 +19,7 @@ def layout_label(layout: Layout) -> str:
     name = STAGE_NAMES[layout.stage]
     name = f"{name} shard={layout.shard_group}" if layout.hybrid else name
     name += f" tp={layout.tp}" if layout.tp > 1 else ""
+    name += f" ep={layout.ep}" if layout.ep > 1 else ""
     return name + (f" offload={layout.offload}" if layout.offload != "none" else "")
 
 
@@ -44,7 +45,8 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": layout_label(self.layout), "world": self.layout.world, "stage": self.layout.stage,
-                "tp": self.layout.tp, "shard_group": self.layout.shard_group, "peak_bytes": self.peak_bytes, "fits": self.fits,
+                "tp": self.layout.tp, "ep": self.layout.ep, "shard_group": self.layout.shard_group,
+                "peak_bytes": self.peak_bytes, "fits": self.fits,
                 **self.result.to_dict()}
 
 

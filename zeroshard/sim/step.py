@@ -81,6 +81,9 @@ class Layout:
     counts every rank; ``world / tp`` are data parallel."""
     offload: str = "none"
     """Where masters and optimizer state live: none, cpu or disk (``zeroshard.offload``)."""
+    ep: int = 1
+    """Expert parallelism: each MoE block's experts split over ``ep`` consecutive data-parallel
+    ranks, each sharded over the ``dp / ep`` that hold it; tokens go to them by all-to-all."""
 
     def __post_init__(self) -> None:
         StagePolicy(self.stage)  # validates
@@ -93,6 +96,8 @@ class Layout:
         s = self.shard_group
         if self.dp % s:
             raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
+        if self.ep < 1 or self.dp % self.ep or (self.ep > 1 and self.tp > 1):
+            raise ValueError(f"ep {self.ep} must be a positive divisor of the {self.dp} data-parallel ranks, with tp 1")
         if self.offload != "none" and self.hybrid:
             raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
                              "shard size or the offload")
@@ -121,6 +126,12 @@ class Layout:
     def replicas(self) -> int:
         return self.dp // self.shard_group
 
+    @property
+    def expert_group(self) -> int:
+        """Ranks an expert group is sharded over and reduced on: the ``dp / ep`` holding the same
+        experts (every data-parallel rank without ep; one at stage 0, which reduces over them)."""
+        return self.dp // self.ep
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepResult:
@@ -129,6 +140,8 @@ class StepResult:
     optimizer_s: float
     comm_s: float
     exposed_comm_s: float
+    """Data-parallel and tp communication compute waited for (the ep all-to-alls are apart, in
+    ``breakdown``: compute always waits for them)."""
     tokens_per_s_per_gpu: float
     mfu: float
     wire_bytes: float
@@ -139,6 +152,9 @@ class StepResult:
     tp_bytes: float = 0.0
     """Bytes of the tp all-reduces' buffers per step on each rank: what the runtime's ledger records for
     group "tp" (a ring all-reduce sends 2(tp-1)/tp of it, which ``wire_bytes`` counts)."""
+    ep_bytes: float = 0.0
+    """Bytes of the ep all-to-alls per step on the busiest rank, as the runtime's ledger records them
+    (each by what the rank sends): the same figure as the planner's ep rows."""
 
     def dominant(self) -> str:
         return max(self.breakdown, key=lambda k: self.breakdown[k])
@@ -378,7 +394,7 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
     walked = walk(w, layout, d, comm, host)
     compute = w.accum * (s.n_layer * (d.block_fwd + d.block_bwd) + d.root_fwd + d.root_bwd)
     group = layout.shard_group  # 1 at stage 0
-    params = _local_params(w, layout)
+    params = _shard_params(w, layout) * group  # (what a rank's optimizer steps, times the shards)
     t = host.drain(walked.t)
     optimizer = _optimizer_seconds(w, hw, layout, params / group) * walked.optimizer_share
     t = comm.compute(t, optimizer)
@@ -386,7 +402,7 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
         t += host.copy_in(params / group)
     if walked.param_sync_bytes:
         t = comm.when(comm.launch("all_gather", walked.param_sync_bytes, group, t))
-    exposed = max(0.0, t - compute - optimizer - host.blocking)
+    exposed = max(0.0, t - compute - optimizer - host.blocking - walked.ep_s)
     # Communication that runs under compute still takes the measured share of the cores from it.
     under = comm.under_compute()
     stolen = _contention_seconds(w, hw, layout, under)
@@ -397,10 +413,12 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
         breakdown["comm contention"] = stolen
     if host.on:
         breakdown["host copies (offload)"] = host.blocking
+    if walked.ep_s:
+        breakdown["all-to-all (ep)"] = walked.ep_s
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()),
-                      tp_bytes=walked.tp_bytes), comm
+                      tp_bytes=walked.tp_bytes, ep_bytes=walked.ep_bytes), comm
 
 
 def _contention_seconds(w: Workload, hw: Hardware, layout: Layout, under: dict[str, float]) -> float:
@@ -435,6 +453,10 @@ def _optimizer_s_per_param(w: Workload, hw: Hardware, world: int) -> float:
     return ADAMW_BYTES_PER_PARAM / hw.hbm_bandwidth
 
 
-def _local_params(w: Workload, layout: Layout) -> float:
-    """Params each rank's ZeRO buffers hold: its tp part of every block (taken as wholly split), the root."""
-    return w.shape.root_params + w.shape.n_layer * w.shape.block_params / layout.tp
+def _shard_params(w: Workload, layout: Layout) -> float:
+    """Params of each rank's ZeRO shards: its tp part of every block (taken as wholly split) and the
+    root over the shard group, its ep block of the experts over the ranks that hold them."""
+    s = w.shape
+    dense = s.root_params + s.n_layer * (s.block_params - s.expert_params) / layout.tp
+    experts = s.n_layer * s.expert_params / layout.ep
+    return dense / layout.shard_group + experts / (layout.expert_group if layout.policy.shard_optimizer else 1)

@@ -35,14 +35,37 @@ class Shape:
     """SwiGLU (three MLP matmuls) rather than GELU (two)."""
     tied: bool = False
     bias: bool = False
+    n_expert: int = 0
+    """Experts of each block's MoE MLP (each an MLP of ``ffn``, stacked), with a router of
+    ``hidden × n_expert``; 0: a dense MLP."""
+    top_k: int = 0
+    """Experts each token runs (with ``n_expert``)."""
+
+    @property
+    def mlp_params(self) -> int:
+        """One MLP's (one expert's) params."""
+        h, f = self.hidden, self.ffn
+        return (3 if self.gated else 2) * h * f + ((f + h) if self.bias else 0)
+
+    @property
+    def expert_params(self) -> int:
+        """A block's stacked expert params (what expert parallelism splits); 0 for a dense MLP."""
+        return self.n_expert * self.mlp_params
 
     @property
     def block_params(self) -> int:
-        h, f = self.hidden, self.ffn
+        h = self.hidden
         attn = 2 * h * h + 2 * h * self.kv_dim + (3 * h + self.kv_dim if self.bias else 0)
-        mlp = (3 if self.gated else 2) * h * f + ((f + h) if self.bias else 0)
+        mlp = self.expert_params + h * self.n_expert if self.n_expert else self.mlp_params
         norms = (4 if self.bias else 2) * h
         return attn + mlp + norms
+
+    @property
+    def active_block_params(self) -> int:
+        """What one token runs through: the router and ``top_k`` experts in place of every expert."""
+        if not self.n_expert:
+            return self.block_params
+        return self.block_params - self.expert_params + self.top_k * self.mlp_params
 
     @property
     def embedding_params(self) -> int:
@@ -58,7 +81,8 @@ class Shape:
 
     @property
     def block_matmuls(self) -> list[int]:
-        """Weights of the block's matmuls in forward order (k*m each)."""
+        """Weights of the block's matmuls in forward order (k*m each); an MoE block's MLP part is
+        one expert's (``block_gemm_flops`` adds the router and the ``top_k`` a token runs)."""
         h, f, kv = self.hidden, self.ffn, self.kv_dim
         mlp = [h * f, h * f, h * f] if self.gated else [h * f, h * f]
         return [h * h, h * kv, h * kv, h * h, *mlp]
@@ -73,10 +97,10 @@ SHAPES = {
 
 
 def gpt_shape(cfg, name: str = "GPT") -> Shape:
-    """zeroshard's GPT: full multi-head attention, GELU MLP, tied head, biases."""
+    """zeroshard's GPT: full multi-head attention, GELU MLP (or MoE MLPs of that shape), tied head, biases."""
     return Shape(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, ffn=cfg.mlp_ratio * cfg.n_embd,
                  n_head=cfg.n_head, kv_dim=cfg.n_embd, vocab=cfg.vocab_size, gated=False, tied=True,
-                 bias=cfg.bias)
+                 bias=cfg.bias, n_expert=cfg.n_expert, top_k=cfg.expert_top_k if cfg.n_expert else 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +112,9 @@ class Workload:
     compute_bytes: int = 2
     accum: int = 1
     """Micro-steps per optimizer step (gradient accumulation); ``tokens`` is one micro-step's."""
+    routing_skew: float = 0.0
+    """Under expert parallelism, the busiest ep rank's extra share of routed rows (0: balanced):
+    its experts run, and its all-to-alls carry, ``1 + routing_skew`` times its balanced share."""
 
     def __post_init__(self) -> None:
         if isinstance(self.accum, bool) or not isinstance(self.accum, int) or self.accum < 1:
@@ -102,7 +129,13 @@ class Workload:
     # --- FLOPs per micro-batch -------------------------------------------------------------
     @property
     def block_gemm_flops(self) -> float:
-        return 2.0 * self.tokens * sum(self.shape.block_matmuls)
+        """An MoE block runs its router and, on the busiest rank, its share of the routed rows
+        through its experts: ``top_k`` MLPs per token, times ``1 + routing_skew``."""
+        s = self.shape
+        if not s.n_expert:
+            return 2.0 * self.tokens * sum(s.block_matmuls)
+        routed = (1.0 + self.routing_skew) * s.top_k * sum(s.block_matmuls[4:])
+        return 2.0 * self.tokens * (sum(s.block_matmuls[:4]) + s.hidden * s.n_expert + routed)
 
     @property
     def block_attention_flops(self) -> float:
@@ -124,8 +157,9 @@ class Workload:
         return 0.0, 0.0
 
     def mfu_flops_per_token(self) -> float:
-        s = self.shape
-        return 6.0 * (s.params - s.embedding_params) + 12.0 * s.n_layer * s.hidden * self.seq
+        s = self.shape  # an MoE block counts the params a token runs through
+        active = s.params - s.n_layer * (s.block_params - s.active_block_params)
+        return 6.0 * (active - s.embedding_params) + 12.0 * s.n_layer * s.hidden * self.seq
 
     # --- memory-bound bytes per micro-batch (forward; backward moves about twice) ------------
     @property
@@ -150,10 +184,13 @@ class Workload:
         h, f, kv = s.hidden, s.ffn, s.kv_dim
         policy = self.checkpointing if policy is None else policy
         lse = 4 * s.n_head  # SDPA's fp32 log-sum-exp per token
+        per_token: float
         if policy == "op":
             per_token = c * (h + h + kv + f + h + h) + lse  # input, wq, wv, w1, w2 outputs, SDPA output
         elif policy == "none":
-            mlp = 4 * f if s.gated else 2 * f
+            mlp: float = 4 * f if s.gated else 2 * f
+            if s.n_expert:  # each routed row keeps its input, the MLP's and its output (planner/activations.py)
+                mlp = (1.0 + self.routing_skew) * s.top_k * (mlp + 3 * h)
             per_token = c * (5 * h + 2 * kv + mlp) + lse
         else:
             per_token = c * h  # only the block input

@@ -1,0 +1,50 @@
+"""Workers for tests/distributed/test_plan_ep.py: one world of 4 measures the planned memory
+(`plan --measure`'s workers) and trains tiny-moe for a few steps at each ep, recording the ledger's
+ep all-to-all bytes and the routing counts behind them. Module level so spawned ranks import it."""
+
+from __future__ import annotations
+
+import zeroshard as zs
+from zeroshard import step
+from zeroshard.config import TrainConfig
+from zeroshard.data import build_dataset, collate
+from zeroshard.experts import ep_forwards
+from zeroshard.models import GPT, GPTConfig
+from zeroshard.planner.measure import measure_many_worker
+
+SEED, VOCAB, SEQ, STEPS = 1234, 64, 16, 2
+ROUTED = GPTConfig.named("tiny-moe", n_layer=2, vocab_size=VOCAB, seq_len=SEQ)
+
+
+def routed_config(ep: int) -> TrainConfig:
+    return TrainConfig(model="tiny-moe", stage=3, nproc=4, ep=ep, batch=8, accum=2, seq_len=SEQ, vocab_size=VOCAB,
+                       lr=1e-3, warmup=0, seed=SEED, num_samples=64, profile=False)
+
+
+def routed_run(ep: int, mesh) -> dict:
+    """``STEPS`` steps of tiny-moe at stage 3 on ``mesh``: per step this rank's ledger bytes of the ep
+    all-to-alls, and the rows it received at each MoE layer call (its routing counts)."""
+    import torch
+
+    cfg = routed_config(ep)
+    torch.manual_seed(SEED)
+    run = step.build(cfg, mesh, model=GPT(ROUTED).train(),
+                     dataset=build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED))
+    forwards = ep_forwards(run.model)
+    ledger, experts = zs.ledger(), mesh.experts
+    out: dict[str, list] = {"ledger_bytes": [], "received": [], "sent": []}
+    for _ in range(STEPS):
+        marks = {name: len(f.received_rows) for name, f in forwards.items()}
+        start = ledger.next_seq
+        step.step(run, *collate(run.dataset, run.sampler.next_indices()))
+        out["ledger_bytes"].append(sum(r.bytes for r in ledger.since(start) if r.op == "all_to_all"
+                                       and r.group == "ep" and r.mesh == experts.ledger_name))
+        out["received"].append([n for name, f in forwards.items() for n in f.received_rows[marks[name]:]])
+        out["sent"].append([n for name, f in forwards.items() for n in f.sent_rows[marks[name]:]])
+    return out
+
+
+def suite(requests: list[dict], eps: tuple[int, ...]) -> dict:
+    measured = measure_many_worker(requests)  # builds the world's default mesh
+    routed = {ep: routed_run(ep, zs.new_mesh(ep=ep, name=f"routed-ep{ep}")) for ep in eps}
+    return {"measured": measured, "routed": routed}
