@@ -2,8 +2,8 @@
 continues the uninterrupted one (tiny-moe with its load-balancing loss, stage 3, 4 ranks), and
 the offline tools take the ep checkpoint as any other.
 
-Two `zeroshard train` runs: the uninterrupted one at ep 2 saving every step, and its step-2
-checkpoint resumed at ep 4 for the last step.
+Two `zeroshard train` runs: the uninterrupted one at ep 2 saving every step (asynchronously), and
+its step-2 checkpoint resumed at ep 4 for the last step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def train(tmp: Path, name: str, *extra: str) -> tuple[Path, Path, str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
-    return train(tmp_path_factory.mktemp("ep_resume"), "ep2", "--ep", "2")[:2]
+    # Saved in the background: the asynchronous save's snapshot takes each rank's block of experts too.
+    return train(tmp_path_factory.mktemp("ep_resume"), "ep2", "--ep", "2", "--save-async")[:2]
 
 
 def test_resume_at_another_ep_continues_the_run(tmp_path, uninterrupted):
