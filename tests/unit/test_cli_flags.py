@@ -165,6 +165,17 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--shard-sizes": [(plus(m, "--shard-sizes", "2"), None, REFUSED)],
         "--calibrate": [(plus(m, "--calibrate", "all_reduce"), m, CHANGES)],
         "--hw-out": [(plus(m, "--hw-out", hw_out), None, REFUSED)],
+        "--pp": [(plus(m, "--pp", "2"), m, CHANGES), (plus(m, "--pp", "2", "--shard-size", "2"), None, REFUSED)],
+        "--pp-schedule": [(plus(m, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
+                           plus(m, "--pp", "2", "--microbatches", "4"), CHANGES),
+                          (plus(m, "--pp-schedule", "gpipe"), None, REFUSED)],
+        "--microbatches": [(plus(m, "--pp", "2", "--microbatches", "4"), plus(m, "--pp", "2"), CHANGES),
+                           (plus(m, "--pp", "2", "--microbatches", "1"), None, REFUSED)],
+        "--pp-stages-per-rank": [(plus(swap(m, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                       "--pp-stages-per-rank", "4", "--microbatches", "4"),
+                                  plus(swap(m, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                       "--microbatches", "4"), CHANGES),
+                                 (plus(m, "--pp", "2", "--pp-stages-per-rank", "2"), None, REFUSED)],
     }
     t = ["plan", "--time", "--model", "tiny", "--world", "4", "--json"]
     time: dict[str, list[Entry]] = {
@@ -218,6 +229,10 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--shard-sizes": [(plus(t, "--shard-sizes", "2"), t, CHANGES)],
         "--calibrate": [(plus(t, "--calibrate", "all_reduce"), t, CHANGES)],
         "--hw-out": [(plus(t, "--hw-out", hw_out), None, REFUSED)],
+        "--pp": [(plus(t, "--pp", "2"), None, REFUSED)],
+        "--pp-schedule": [(plus(t, "--pp-schedule", "gpipe"), None, REFUSED)],
+        "--microbatches": [(plus(t, "--microbatches", "4"), None, REFUSED)],
+        "--pp-stages-per-rank": [(plus(t, "--pp-stages-per-rank", "2"), None, REFUSED)],
     }
     return memory, time
 

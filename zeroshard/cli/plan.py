@@ -8,6 +8,7 @@ on arithmetic rather than on "a higher stage is better".
   zeroshard plan --model path/to/hf-folder --world 2 --batch 4 --seq 64 --measure   the same for a folder
   zeroshard plan --model path/to/hf-folder --world 8 --batch 32 --seq 2048    the folder you will train
   zeroshard plan --model mypkg.nets:Net --model-config '{"width": 1024}' --world 4
+  zeroshard plan --model small --world 8 --pp 4 --pp-schedule 1f1b --microbatches 8 --batch 16   per stage
 
 A model is built on the meta device: planning allocates nothing. --measure builds it on gloo CPU
 ranks as train does, runs one real step per stage (with the same --checkpointing and --offload),
@@ -29,6 +30,8 @@ from zeroshard.models.targets import Target, is_module_spec, is_preset
 from zeroshard.cli.train import fail, one_line
 from zeroshard.config import MODEL_NAMES, field_help, field_type
 from zeroshard.cli.typed_flags import add_knob_flags, add_typed_flag, given_knobs
+from zeroshard.cli import plan_pipeline
+from zeroshard.cli.plan_pipeline import add_pp_flags, size_unit
 from zeroshard.planner.comm import Network
 from zeroshard.planner.spec import PLANNED_KNOBS
 from zeroshard.sim.step import SIMULATED_KNOBS
@@ -44,16 +47,11 @@ DEFAULT_COMM_QUANT_BLOCK = 256
 """zs.plan's (and TrainConfig's) quantization block when --comm-quant-block is not given."""
 
 
-def _unit(largest: int) -> tuple[float, str, int]:
-    # kB below a megabyte: a small test model's components would all print as 0.0 MB.
-    return (1e9, "GB", 2) if largest >= 1e9 else (1e6, "MB", 1) if largest >= 1e6 else (1e3, "kB", 1)
-
-
 def plan_table(p) -> Table:
     from zeroshard.planner.result import COMPONENTS
 
     names = list(p.layouts)
-    div, unit, digits = _unit(max(p[n].device.total for n in names))
+    div, unit, digits = size_unit(max(p[n].device.total for n in names))
     spec = p.spec
     count = f"{p.params / 1e6:,.1f}M" if p.params >= 1e6 else f"{p.params:,}"  # a test model is not "0.0M"
     what = f"{p.model.name}: {count} params" if p.model else f"{p.params / 1e9:.3g}B params (analytic)"
@@ -95,7 +93,7 @@ def plan_table(p) -> Table:
 def measure_table(checks) -> Table:
     from zeroshard.planner.measure import MEASURED
 
-    div, unit, digits = _unit(max(c.measured_total for c in checks))
+    div, unit, digits = size_unit(max(c.measured_total for c in checks))
     table = Table(title=f"predicted vs measured, per rank ({unit}; {checks[0].method})")
     table.add_column("component", no_wrap=True)
     for c in checks:
@@ -249,9 +247,11 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.planner import plan
     from zeroshard.planner.recommend import recommend
 
-    unread = unread_flag(args)
+    unread = unread_flag(args) or plan_pipeline.unread_flag(args)
     if unread is not None:
         return fail("plan", unread)
+    if plan_pipeline.wants_pipeline(args):
+        return plan_pipeline.run(args)  # per-stage memory and the bubble
     if args.time or args.calibrate:  # the step-time simulator (zeroshard.sim) instead of the memory tables
         from zeroshard.sim.cli import print_time
 
@@ -359,6 +359,7 @@ def add_parser(sub: Any) -> None:
     run_.add_argument("--routing-skew", type=float, help="with --ep: extra rows the busiest ep rank receives, as a "
                       "share of its balanced tokens x top_k (0: balanced, the default; 1: twice its share); sizes "
                       "its all-to-all buffers, activations and traffic")
+    add_pp_flags(run_)  # --pp, --pp-schedule, --microbatches, --pp-stages-per-rank: TrainConfig's fields
     run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
                       "the one measured by --measure); every stage is planned")
     run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")

@@ -154,7 +154,9 @@ class Pipeline:
         with contextlib.ExitStack() as stack:
             for module in self.modules:
                 stack.enter_context(no_sync(module))
-            self._schedule.step(x, target=y)
+            # return_outputs=False: torch would otherwise keep every microbatch's logits to the step's
+            # end and concatenate them (twice the batch's logits), and the loss is all the step needs.
+            self._schedule.step(x, target=y, return_outputs=False)
         return total
 
     # -- after the schedule ------------------------------------------------------------------

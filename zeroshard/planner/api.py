@@ -82,7 +82,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          accounting: str | None = None, units: UnitsArg = None, device: str = "cuda",
          gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
-         engine: EngineOptions | None = None, **knobs: Any) -> Plan:
+         engine: EngineOptions | None = None, activations: ActivationEstimate | None = None,
+         **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -101,6 +102,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     The engine's knobs are the runtime's ``EngineOptions``: pass one as ``engine``, or its knobs
     flat as ``zs.shard`` and ``zeroshard train`` spell them (``checkpointing="sqrt"``,
     ``prefetch=2``, ``offload="cpu"``; the names in ``zeroshard.sharding.options.KNOB_NAMES``).
+
+    ``activations`` replaces the activation estimate: the pipeline planner passes what a stage keeps
+    in flight under its schedule (zeroshard/planner/pipeline.py), for a stage that is not a whole GPT.
     """
     unknown = sorted(set(knobs) - set(KNOB_NAMES))
     if unknown:
@@ -145,9 +149,10 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     accounting=accounting or ("textbook" if analytic else "runtime"),
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
                     tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew)
-    activations: ActivationEstimate | None = None
     tp_comm: tuple[Collective, ...] = ()
-    if cfg is not None and inventory is not None:  # a GPT config comes with its inventory
+    if activations is not None:
+        pass  # the caller's estimate (a pipeline stage's activations in flight)
+    elif cfg is not None and inventory is not None:  # a GPT config comes with its inventory
         activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
     elif analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "

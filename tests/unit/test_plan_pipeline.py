@@ -1,0 +1,85 @@
+"""The pipeline planner without a run: torch's schedules decide what is in flight, the stages are
+the runtime's split, the bubble is (p - 1) / (v·m + p - 1), and bad pipelines fail in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroshard.cli.main import main
+from zeroshard.config import field_help
+from zeroshard.models import GPT, GPTConfig
+from zeroshard.pipeline.order import bubble_fraction, schedule_order
+from zeroshard.planner import plan
+from zeroshard.planner.pipeline import plan_pipeline
+
+
+def test_1f1b_holds_pp_minus_rank_microbatches_and_gpipe_all_of_them():
+    ones = plan_pipeline("tiny", world=4, pp=4, microbatches=8, batch=32, seq=16, device="cpu")
+    assert [r.in_flight[r.pp_rank] for r in ones.ranks] == [4, 3, 2, 1]
+    gpipe = plan_pipeline("tiny", world=4, pp=4, pp_schedule="gpipe", microbatches=8, batch=32, seq=16, device="cpu")
+    assert [r.in_flight[r.pp_rank] for r in gpipe.ranks] == [8, 8, 8, 8]
+    # Same blocks' width on the middle stages: more in flight is more memory.
+    assert gpipe.ranks[1].plan["ddp"].device.allocated > ones.ranks[1].plan["ddp"].device.allocated
+
+
+def test_interleaved_order_is_torchs_and_holds_more_microbatches_of_smaller_stages():
+    order = schedule_order("interleaved-1f1b", pp=2, stages_per_rank=2, microbatches=4)
+    assert {a.stage for a in order[0]} == {0, 2} and {a.stage for a in order[1]} == {1, 3}
+    assert sum(a.kind == "F" for a in order[0]) == sum(a.kind == "B" for a in order[0]) == 2 * 4
+    p = plan_pipeline("tiny", world=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=4, batch=4, seq=16,
+                      device="cpu")
+    assert p.ranks[0].stages == (0, 2) and p.ranks[0].blocks == ((0,), (2,))
+    assert sum(p.ranks[0].in_flight.values()) > 2
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 2, 1), (4, 8, 1), (4, 8, 2)])
+def test_bubble_fraction(pp, m, v):
+    assert bubble_fraction(pp=pp, microbatches=m, stages_per_rank=v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
+def test_stage_model_states_add_up_to_the_model_with_the_tied_copy():
+    """DDP inside each stage holds that stage's params in full: summed over the pp ranks, every
+    param of the model once plus the last stage's copy of the tied embedding."""
+    cfg = GPTConfig.named("tiny", seq_len=16)
+    p = plan_pipeline(cfg, world=4, pp=2, batch=4, seq=16, device="cpu")
+    whole = sum(t.numel() for t in GPT(cfg).parameters())  # the tied weight once
+    tied = cfg.vocab_size * cfg.n_embd
+    assert sum(r.plan.params for r in p.ranks) == whole + tied
+    flat = plan(cfg, world=2, batch=4, seq=16, device="cpu")
+    # Stage 0 shards nothing: a stage's param bytes are its own params', and together more than half
+    # the unpipelined model's each (the tied copy), less than all of it.
+    per_rank = [r.plan["ddp"].device.params for r in p.ranks]
+    assert all(flat["ddp"].device.params / 2 < b < flat["ddp"].device.params for b in per_rank)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pp=3), "3 pipeline stages do not divide the model's 4 blocks"),
+    (dict(pp=2, microbatches=1), "needs at least pp=2 microbatches"),
+    (dict(pp=2, microbatches=4, batch=6), "does not split each data-parallel rank's batch"),
+    (dict(pp=2, pp_schedule="zb"), "pp_schedule='zb' is not a schedule"),
+])
+def test_bad_pipelines_fail_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_pipeline("tiny", world=kwargs.pop("world", 6 if kwargs.get("pp") == 3 else 4), seq=16,
+                      device="cpu", **kwargs)
+
+
+def test_plan_cli_takes_trainconfigs_pp_flags(capsys):
+    assert main(["plan", "--model", "tiny", "--world", "4", "--pp", "2", "--microbatches", "4", "--batch", "8",
+                 "--seq", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipeline"] == {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4, "pp_stages_per_rank": 1,
+                               "bubble_fraction": pytest.approx(1 / 5)}
+    assert [r["stages"] for r in out["ranks"]] == [[0], [1]]
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert " ".join(field_help("microbatches").split()[:4]) in " ".join(help_text.split())
+
+
+def test_plan_cli_refuses_what_it_does_not_plan_with_pp(capsys):
+    assert main(["plan", "--model", "tiny", "--world", "4", "--pp", "2", "--device-mem", "80GB"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zeroshard plan: error: ") and "--device-mem" in err and "\n" not in err

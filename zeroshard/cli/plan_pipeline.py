@@ -1,0 +1,164 @@
+"""`zeroshard plan --pp N`: per-stage memory of a pipeline-parallel run and its bubble.
+
+The pp flags are TrainConfig's own fields (`pp`, `pp_schedule`, `microbatches`,
+`pp_stages_per_rank`), added from its table as `train` adds them, so both commands read them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from zeroshard.cli.typed_flags import add_typed_flag
+
+PP_FIELDS = ("pp", "pp_schedule", "microbatches", "pp_stages_per_rank")
+"""The TrainConfig fields that describe a pipeline: `plan` takes them as `train` does."""
+
+_UNPLANNED = {
+    "params": "--pp plans a model's stages; pass --model (a zeroshard GPT preset)",
+    "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
+    "device_mem": "--pp does not recommend yet; drop --device-mem (the table shows each stage's total)",
+    "plot": "--pp has no chart yet; drop --plot",
+    "topology": "--pp takes --world; drop --topology",
+    "comm_quant": "quantized communication is not composed with pp > 1 (docs/pipeline.md); drop --comm-quant",
+    "checkpointing": "activation checkpointing is not composed with pp > 1 (docs/pipeline.md); drop --checkpointing",
+    "offload": "offload is not composed with pp > 1 (docs/pipeline.md); drop --offload",
+    "ep": "expert parallelism is not composed with pp > 1 (docs/pipeline.md); drop --ep",
+    "routing_skew": "--routing-skew sizes expert parallelism, which is not composed with pp > 1; drop it",
+}
+
+
+def size_unit(largest: int) -> tuple[float, str, int]:
+    """(divisor, unit, digits) for a table whose largest figure is ``largest`` bytes."""
+    # kB below a megabyte: a small test model's components would all print as 0.0 MB.
+    return (1e9, "GB", 2) if largest >= 1e9 else (1e6, "MB", 1) if largest >= 1e6 else (1e3, "kB", 1)
+
+
+def add_pp_flags(group: Any) -> None:
+    from zeroshard.config import TrainConfig, field_help, field_type
+
+    shown = TrainConfig().to_dict()
+    for name in PP_FIELDS:
+        add_typed_flag(group, name, field_type(name), f"{field_help(name)} (default: {shown[name]})")
+
+
+def wants_pipeline(args: argparse.Namespace) -> bool:
+    return (getattr(args, "pp", None) or 1) > 1
+
+
+def unread_flag(args: argparse.Namespace) -> str | None:
+    """A flag --pp would not read, as one line; or a pp flag given without --pp."""
+    if not wants_pipeline(args):
+        given = [f for f in PP_FIELDS[1:] if getattr(args, f, None) is not None]
+        return (f"--{given[0].replace('_', '-')} describes a pipeline; add --pp N (N >= 2) or drop it"
+                if given else None)
+    if args.time or args.calibrate:
+        return "--time does not replay a pipeline schedule yet; drop --pp (the memory planner takes it)"
+    for dest, why in _UNPLANNED.items():
+        if getattr(args, dest, None) not in (None, False, "none"):
+            return why
+    return None
+
+
+def _preset(args: argparse.Namespace) -> str:
+    from zeroshard.models.targets import is_preset
+
+    if args.model is None or not is_preset(args.model):
+        raise ValueError(f"--pp plans zeroshard's GPT presets; got --model {args.model}: pass tiny, small or medium")
+    return args.model
+
+
+def plan_of(args: argparse.Namespace):
+    from zeroshard.cli.typed_flags import given_knobs
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.pipeline import plan_pipeline
+    from zeroshard.planner.spec import PLANNED_KNOBS
+
+    name = _preset(args)
+    target: Any = GPTConfig.named(name, vocab_size=args.vocab_size) if args.vocab_size else name
+    return plan_pipeline(target, world=args.world, pp=args.pp, pp_schedule=args.pp_schedule or "1f1b",
+                         microbatches=args.microbatches or 0, pp_stages_per_rank=args.pp_stages_per_rank or 0,
+                         batch=args.batch, seq=args.seq, accum=args.accum, tp=args.tp, mp=args.mp,
+                         optimizer=args.optimizer, headroom=args.headroom, accounting=args.accounting,
+                         gpus_per_node=args.gpus_per_node,
+                         device="cpu" if args.measure else args.device, stage=args.stage,
+                         **given_knobs(args, PLANNED_KNOBS))
+
+
+def stages_table(pplan) -> Table:
+    names = list(pplan.ranks[0].plan.layouts)
+    div, unit, digits = size_unit(max(r.plan[n].device.total for r in pplan.ranks for n in names))
+    shape = pplan.shape
+    table = Table(title=f"{pplan.gpt.n_layer}-block GPT in {shape.num_stages} stages on pp {shape.pp}, "
+                        f"{shape.schedule}, {shape.microbatches} microbatches: per-rank {unit} (allocated peak), "
+                        f"world {pplan.world} = pp {shape.pp} x {pplan.dp} data-parallel"
+                        + (f" x tp {pplan.world // shape.pp // pplan.dp}" if pplan.world // shape.pp // pplan.dp > 1
+                           else ""),
+                  caption=f"microbatch {pplan.micro_batch} x seq {pplan.seq}, accum {pplan.accum}; bubble "
+                          f"{pplan.bubble:.1%}; decimal units")
+    for col in ("pp rank", "stages", "blocks", "in flight", "activations", "p2p buffers"):
+        table.add_column(col, justify="right" if col not in ("stages", "blocks") else "left", no_wrap=True)
+    for n in names:
+        table.add_column(n, justify="right")
+    fmt = lambda v: f"{v / div:,.{digits}f}"  # noqa: E731
+    for r in pplan.ranks:
+        blocks = " ".join(f"{b[0]}-{b[-1]}" if len(b) > 1 else str(b[0]) for b in r.blocks)
+        held = " ".join(f"{r.in_flight[s]}" for s in r.stages)
+        table.add_row(str(r.pp_rank), " ".join(map(str, r.stages)), blocks, held, fmt(r.activation_bytes),
+                      fmt(r.buffer_bytes), *[fmt(r.plan[n].device.allocated) for n in names])
+    return table
+
+
+def measure_table(checks) -> Table:
+    div, unit, digits = size_unit(max(c.measured for c in checks))
+    table = Table(title=f"predicted vs measured peak per pp rank ({unit}; one step on gloo, storage accounting)")
+    for col in ("layout", "pp rank", "predicted", "measured", "error"):
+        table.add_column(col, justify="right")
+    for c in checks:
+        table.add_row(c.layout, str(c.pp_rank), f"{c.predicted / div:,.{digits}f}", f"{c.measured / div:,.{digits}f}",
+                      f"{c.error:.1%}")
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    """`plan --pp`, after `plan`'s own check of the flags given (zeroshard/cli/plan.py)."""
+    from zeroshard.cli.train import fail, one_line
+
+    if args.world is None:
+        return fail("plan", "--world is required: every rank of the run (pp x data-parallel x tp)")
+    try:
+        pplan = plan_of(args)
+        checks = None
+        if args.measure:
+            from zeroshard.planner.measure_pipeline import measure
+
+            stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
+            checks = measure(pplan, stages, name=_preset(args))
+    except ValueError as e:
+        return fail("plan", str(e))
+    except Exception as e:  # a failed measurement rank arrives as WorkerError
+        from zeroshard.launch import WorkerError
+
+        if isinstance(e, WorkerError):
+            return fail("plan", one_line(e))
+        raise
+    if args.json:
+        out = pplan.to_dict()
+        if checks:
+            out["measurement"] = [{"layout": c.layout, "pp_rank": c.pp_rank, "predicted_bytes": c.predicted,
+                                   "measured_bytes": c.measured, "error": c.error} for c in checks]
+        print(json.dumps(out, indent=1), flush=True)
+        return 0
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
+    console.print(stages_table(pplan))
+    for note in pplan.notes:
+        console.print(f"[dim]note: {note}")
+    if checks:
+        console.print(measure_table(checks))
+    return 0

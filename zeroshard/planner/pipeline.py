@@ -1,0 +1,275 @@
+"""Per-stage memory of a pipeline-parallel run, and its bubble (docs/pipeline.md, "Planning").
+
+The model is cut as the runtime cuts it (zeroshard/pipeline/split.py, families.py, tied.py: the
+same functions, on a meta-device build), and each virtual stage is planned by ``zs.plan`` as the
+``zs.shard`` engine the runtime makes of it: its blocks as units, over the stage's world / pp
+ranks, with the pipeline's accumulation (grads of every microbatch kept unreduced until the step's
+end) and one planned micro-step per microbatch. What a stage keeps for backward is counted per
+microbatch and multiplied by the microbatches its schedule holds in flight at the rank's worst
+moment, read off torch's own action order (zeroshard/pipeline/order.py). torch's stages also keep
+one receive buffer per microbatch for the activations (every stage but the first) and for their
+grads (every stage but the last), for the whole run.
+
+A rank with several stages (interleaved schedules) runs one engine per stage: its peak is taken
+as every stage's model states plus the largest one stage's transients, with the rank's in-flight
+activations charged to its first stage; the stages' transients do not peak together, so this is
+the bound, not a moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zeroshard.pipeline.order import bubble_fraction, peak_in_flight, schedule_order
+from zeroshard.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
+from zeroshard.planner.activations import ActivationEstimate, gpt_activations
+from zeroshard.planner.result import COMPONENTS, MODEL_STATES, Components, Plan
+from zeroshard.planner.spec import Checkpointing
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineShape:
+    """The pipeline of a run, as TrainConfig's pp fields give it, resolved and checked."""
+
+    pp: int
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+
+    @classmethod
+    def resolve(cls, *, pp: int, pp_schedule: str = "1f1b", microbatches: int = 0,
+                pp_stages_per_rank: int = 0) -> PipelineShape:
+        if pp < 2:
+            raise ValueError(f"pp={pp}: a pipeline has at least 2 stages; plan without --pp for none")
+        spec = schedule_spec(pp_schedule)
+        per_rank = stages_per_rank(spec, pp_stages_per_rank)
+        return cls(pp=pp, schedule=spec.name, microbatches=microbatches or pp * per_rank, stages_per_rank=per_rank)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The virtual stages on ``pp_rank`` (torch's looped placement: stage s on rank s % pp)."""
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(pp=self.pp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp": self.pp, "pp_schedule": self.schedule, "microbatches": self.microbatches,
+                "pp_stages_per_rank": self.stages_per_rank, "bubble_fraction": self.bubble}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageRank:
+    """One pp rank's plan: its stages, what it holds in flight, and every layout's bytes per rank."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    """The model's block indices per stage of this rank."""
+    in_flight: dict[int, int]
+    """Microbatches held between forward and backward, per stage, at the rank's activation peak."""
+    activation_bytes: int
+    """Activations kept for backward at that moment, summed over the rank's stages."""
+    buffer_bytes: int
+    """torch's receive buffers (activations in, their grads back), one per microbatch, held all run."""
+    plan: Plan
+    """Every layout of this rank (its stages' engines together), as ``zs.plan`` reports one model."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    shape: PipelineShape
+    world: int
+    dp: int
+    """Data-parallel ranks inside each stage (replicate x shard): what its ZeRO spans."""
+    micro_batch: int
+    """Sequences per microbatch on one rank."""
+    gpt: Any
+    """The planned GPTConfig."""
+    batch: int
+    """Global batch per optimizer step."""
+    seq: int
+    accum: int
+    ranks: tuple[StageRank, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def bubble(self) -> float:
+        return self.shape.bubble
+
+    def peak(self, layout: str) -> int:
+        """The worst pp rank's allocated peak for ``layout``: what every device must hold."""
+        return max(r.plan[layout].device.allocated for r in self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pipeline": self.shape.to_dict(), "world": self.world, "dp": self.dp, "micro_batch": self.micro_batch,
+                "ranks": [{"pp_rank": r.pp_rank, "stages": list(r.stages), "blocks": [list(b) for b in r.blocks],
+                           "in_flight": {str(k): v for k, v in r.in_flight.items()},
+                           "activation_bytes": r.activation_bytes, "buffer_bytes": r.buffer_bytes,
+                           "layouts": {n: lay.to_dict() for n, lay in r.plan.layouts.items()}} for r in self.ranks],
+                "notes": list(self.notes)}
+
+
+def _stage_activations(cfg, est: ActivationEstimate, *, blocks: int, first: bool, last: bool, tokens: int,
+                       seq: int, c: int) -> int:
+    """Bytes one microbatch leaves alive on a stage from its forward to its backward.
+
+    Its blocks save ``per_layer`` each (zeroshard/planner/activations.py). torch keeps the stage's
+    output for the backward call: on the last stage the logits (V·c a token), with the head's own
+    saved tensors (norm_f's input and output and stats, fp32 log-probs, targets); elsewhere the
+    last block's output (C·c), which the next stage saves on its side. A stage after the first
+    receives its input into torch's buffer, counted with the buffers, so its first block's saved
+    input is not counted twice. The first stage's position ids are one row per sequence position.
+    """
+    C, V = cfg.n_embd, cfg.vocab_size
+    out = blocks * est.per_layer
+    out += tokens * (2 * C * c + 2 * c + 4 * V + 8 + V * c) if last else tokens * C * c
+    if first:
+        out += seq * 8
+    else:
+        out -= tokens * C * c
+    return out
+
+
+def _buffers(shape: PipelineShape, stage: int, *, tokens: int, width: int, c: int) -> int:
+    """torch's receive buffers of one stage: per microbatch, its input (after the first stage) and
+    its output's grad (before the last)."""
+    one = tokens * width * c
+    return shape.microbatches * one * ((stage > 0) + (stage < shape.num_stages - 1))
+
+
+def _combine(plans: list[Plan], buffers: int, headroom: float) -> Plan:
+    """One rank's layouts from its stages' plans: states summed, the largest one stage's transients
+    on top, and the receive buffers (resident all run) on top of that."""
+    if len(plans) == 1 and not buffers:
+        return plans[0]
+    layouts = {}
+    for name in plans[0].layouts:
+        parts = [p[name] for p in plans]
+        summed = {k: sum(getattr(lay.device, k) for lay in parts) for k in COMPONENTS if k != "headroom"}
+        summed["activations"] += buffers
+        states = sum(summed[k] for k in MODEL_STATES)
+        allocated = states + buffers + max(lay.device.allocated - lay.device.model_states for lay in parts)
+        over = sum(summed.values()) - allocated
+        device = Components(**summed, headroom=int(round(headroom * allocated)), overlap=max(0, over))
+        layouts[name] = dataclasses.replace(
+            parts[0], device=device, collectives=tuple(c for lay in parts for c in lay.collectives),
+            combined_peak=sum(lay.combined_peak for lay in parts) + buffers,
+            host_bytes=sum(lay.host_bytes for lay in parts))
+    first = plans[0]
+    return dataclasses.replace(first, params=sum(p.params for p in plans), trainable=sum(p.trainable for p in plans),
+                               layouts=layouts)
+
+
+def _larger(a: Plan, b: Plan) -> Plan:
+    """Per layout, the plan of the moment with the higher allocated peak."""
+    layouts = {n: max(a[n], b[n], key=lambda lay: lay.device.allocated) for n in a.layouts}
+    return dataclasses.replace(b, layouts=layouts)
+
+
+def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str = "1f1b", microbatches: int = 0,
+                  pp_stages_per_rank: int = 0, batch: int | None = None, seq: int | None = None, accum: int = 1,
+                  tp: int = 1, mp: Any = None, device: str = "cuda", headroom: float = 0.10,
+                  **kwargs: Any) -> PipelinePlan:
+    """Per pp rank, every layout's bytes (``zs.plan``'s table per stage) with the pipeline's
+    activations in flight and buffers, and the bubble. ``model_or_config``: a preset name, a
+    ``GPTConfig`` or zeroshard's GPT (activations are planned for zeroshard's GPT). ``batch`` is the
+    global batch per step, as ``zeroshard train --pp`` reads it. Other keywords are ``zs.plan``'s."""
+    from zeroshard.models import GPT, GPTConfig
+    from zeroshard.pipeline.families import StageModule, block_names, family_of
+    from zeroshard.pipeline.runtime import PIPELINE_ACCUMULATION, PIPELINE_RESHARD_AFTER_FORWARD
+    from zeroshard.pipeline.split import even_split
+    from zeroshard.pipeline.tied import find_tied, untie_copy
+    from zeroshard.planner.api import plan
+    from zeroshard.planner.inventory import meta_gpt
+    from zeroshard.planner.spec import resolve_mp
+
+    shape = PipelineShape.resolve(pp=pp, pp_schedule=pp_schedule, microbatches=microbatches,
+                                  pp_stages_per_rank=pp_stages_per_rank)
+    if isinstance(model_or_config, str):
+        cfg = GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
+    elif isinstance(model_or_config, GPTConfig):
+        cfg = dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config
+    elif isinstance(model_or_config, GPT):
+        cfg = model_or_config.cfg
+    else:
+        raise ValueError("the pipeline planner plans zeroshard's GPT (a preset name, a GPTConfig or a GPT); "
+                         f"got {type(model_or_config).__name__}")
+    seq = seq or cfg.seq_len
+    if world % (pp * tp):
+        raise ValueError(f"pp {pp} x tp {tp} does not divide world {world}; each stage has world / (pp x tp) "
+                         "data-parallel ranks, so pick pp and tp dividing it")
+    stage_world = world // pp
+    dp = stage_world // tp
+    batch = batch or dp * accum * shape.microbatches
+    if batch % (dp * accum):
+        raise ValueError(f"global batch {batch} does not split over the {dp} data-parallel ranks of a stage x accum "
+                         f"{accum}; use a multiple of {dp * accum}")
+    local = batch // (dp * accum)
+    check_microbatches(schedule_spec(shape.schedule), microbatches=shape.microbatches, pp=pp, local_batch=local)
+    micro = local // shape.microbatches
+
+    model = meta_gpt(cfg)
+    family = family_of(model)
+    split = even_split(len(block_names(model, family)), shape.num_stages)
+    tied = find_tied(model, family, split)
+    modules = []
+    for s in range(shape.num_stages):
+        module = StageModule(model, family, split.blocks[s], stage_index=s, num_stages=shape.num_stages)
+        for t in tied:
+            if s == t.copy_stage:
+                untie_copy(module, t)
+        modules.append(module)
+
+    precision = resolve_mp(mp, analytic=False)
+    c = torch.empty(0, dtype=precision.compute_dtype(torch.float32)).element_size()
+    tokens = micro * seq
+    est = gpt_activations(cfg, micro_batch=micro, seq=seq, compute_bytes=c, policy=Checkpointing("none"), tp=tp)
+    weight = {s: _stage_activations(cfg, est, blocks=len(split.blocks[s]), first=s == 0,
+                                    last=s == shape.num_stages - 1, tokens=tokens, seq=seq, c=c)
+              for s in range(shape.num_stages)}
+    order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
+                           microbatches=shape.microbatches)
+    # The pipeline's engine: one reduction per step after every microbatch (the runtime's own choice).
+    knobs = {"accumulation": PIPELINE_ACCUMULATION, "reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
+             **kwargs}
+    steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
+    ranks = []
+    for r in range(pp):
+        stages = shape.stages_of(r)
+        moments = peak_in_flight(order[r], {s: weight[s] for s in stages})
+        buffers = sum(_buffers(shape, s, tokens=tokens, width=cfg.n_embd, c=c) for s in stages)
+        combined = []
+        # Two moments: the activation peak before the rank's first backward has accumulated any
+        # grads (one planned micro-step: no carried grad buffers), and the one after it (every
+        # micro-step's grads carried in their full buffers, as the engine accumulates them).
+        for moment, micro_steps in zip(moments, (1, steps)):
+            plans = []
+            for k, s in enumerate(stages):
+                last = s == shape.num_stages - 1
+                carried = ActivationEstimate(
+                    saved=moment.bytes if k == 0 else 0, recompute=0, per_layer=0, root=0,
+                    workspace=max(est.head, est.block) if last else est.block,
+                    head=est.head if last else 0, block=est.block)
+                plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
+                                  accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
+                                  units=modules[s].block_modules(), activations=carried, **knobs))
+            combined.append(_combine(plans, buffers, headroom))
+        worst = max(moments, key=lambda m: m.bytes)
+        ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
+                               in_flight=worst.held, activation_bytes=worst.bytes, buffer_bytes=buffers,
+                               plan=_larger(*combined)))
+    notes = [f"{shape.schedule}: bubble (p - 1) / (v·m + p - 1) = {shape.bubble:.1%} of each rank's step "
+             f"(p {pp}, m {shape.microbatches}, v {shape.stages_per_rank})"]
+    if tied:
+        notes.append(f"tied {tied[0].owner_fqn} = {tied[0].copy_fqn}: the last stage holds its own copy "
+                     "(params, grads and optimizer state)")
+    return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
+                        accum=accum, ranks=tuple(ranks), notes=tuple(notes))
