@@ -90,7 +90,11 @@ def _threads_per_rank(nproc: int) -> int:
 
 # What every rank imports before it runs anything: a rank forked from a server that already holds
 # them starts in a fraction of a second instead of paying torch's import (seconds of CPU) again.
-_PRELOAD = ("torch", "torch.distributed", "zeroshard.comm.mesh", "zeroshard.sharding", "zeroshard.step")
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "zeroshard.comm.mesh", "zeroshard.sharding", "zeroshard.step")
+"""What every rank imports anyway. torch._dynamo among them: building a model on the meta device
+(zeroshard's GPT always does; HF models from a config, the planner's inventory) runs torch's meta
+decompositions, whose first call imports dynamo, inductor's lowering tables and sympy, about 860
+modules and 1.5-2.5 s of CPU per process."""
 PRELOAD_ENV = "ZEROSHARD_SPAWN_PRELOAD"
 """Comma-separated modules to add to the preload: a program's own heavy imports (a model library),
 so its ranks skip them too. Read when the first world of a process starts."""
