@@ -88,3 +88,44 @@ def test_bad_ep_is_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
         plan(model, world=8, **kwargs)
     assert "\n" not in str(err.value)
+
+
+# -- the recommender: EP against ZeRO-3 ------------------------------------------------------------
+WIDE = GPTConfig.named("tiny-moe", n_embd=256, n_head=4, n_layer=4, vocab_size=512, seq_len=64)
+
+
+def _rec(mem: str, **kwargs):
+    from zeroshard.planner.comm import Network
+    from zeroshard.planner.recommend import recommend
+
+    return recommend(WIDE, device_mem=mem, world=8, batch=16, seq=64, network=Network(gpus_per_node=8), **kwargs)
+
+
+def test_the_recommender_weighs_ep_against_zero3_with_a_row_for_each():
+    """ZeRO-3 without ep gathers every expert of a layer; with ep a rank gathers its block over
+    fewer ranks, so the ep rows need less memory, and the recommender takes them at their price."""
+    zero3 = plan(WIDE, world=8, batch=16, seq=64)["zero3"].device.total
+    rec = _rec(f"{zero3 * 0.9:.0f}")  # ZeRO-3 without ep does not fit
+    rows = {c.ep: c for c in rec.expert_rows}
+    assert set(rows) == {1, 2, 4}  # every ep dividing the 4 experts (and the 8 ranks, in a node)
+    assert all(c.layout == "zero3" for c in rows.values())
+    assert rows[1].total_bytes == zero3 and not rows[1].fits
+    for ep, row in rows.items():
+        planned = plan(WIDE, world=8, batch=16, seq=64, ep=ep)["zero3"]
+        assert row.total_bytes == planned.device.total and row.comm_seconds > 0
+    assert rows[4].total_bytes < rows[2].total_bytes < rows[1].total_bytes
+    assert rec.fits and rec.ep > 1 and rec.plan.spec.ep == rec.ep
+    assert "EP against ZeRO-3" in rec.reason and "with ep" in rec.reason
+    assert rec.to_dict()["expert_rows"][0]["ep"] == 1
+
+
+def test_a_dense_model_gets_no_ep_rows():
+    from zeroshard.planner.recommend import recommend
+
+    rec = recommend("tiny", device_mem="1GB", world=8, batch=16, seq=64)
+    assert rec.expert_rows == () and rec.ep == 1
+
+
+def test_an_asked_ep_is_weighed_against_none():
+    rec = _rec("1GB", ep=2)
+    assert {c.ep for c in rec.expert_rows} == {1, 2}

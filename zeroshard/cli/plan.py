@@ -319,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         pick = rec.layout or "nothing fits"
         extra = "" if rec.checkpointing == "none" else f" + {rec.checkpointing} checkpointing"
         extra += f" with tp {rec.tp}" if rec.tp > 1 else ""
+        extra += f" with ep {rec.ep}" if rec.ep > 1 else ""
         console.print(f"[bold]recommendation:[/bold] {pick}{extra} - {rec.reason}")
     if checks:
         console.print(measure_table(checks))

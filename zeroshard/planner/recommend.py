@@ -10,6 +10,10 @@ resort when nothing fits cheaply:
    *activations* are its largest term, enable sqrt checkpointing on the cheaper layout instead
    (one extra forward beats ZeRO-3's 1.5x communication, and raising the stage does not divide
    activations at all);
+   For an MoE model, expert parallelism is a candidate next to every layout: each ep that divides
+   the data-parallel ranks and the experts and fits in a node (the all-to-alls sit on the critical
+   path), priced with its all-to-alls; the recommendation always carries a row for ZeRO-3 with and
+   without ep (memory and communication time), whichever wins;
 3. tensor parallelism, when the largest layer's full params and working buffers (stage 3's
    gathered window, grad buffers in flight and workspace: ``layer_floor``) exceed the device even
    at ZeRO-3: sharding never splits a layer while it computes, so more ranks cannot help, while a
@@ -51,6 +55,8 @@ class Candidate:
     comm_seconds: float
     dominant: str
     """The largest component of this layout's total."""
+    ep: int = 1
+    """Expert parallelism's degree for this candidate (1: none)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,11 +73,17 @@ class Recommendation:
     """The plan the chosen layout comes from (with the recommended checkpointing and offload)."""
     tp: int = 1
     """The tensor-parallel degree the chosen layout needs (1: none)."""
+    ep: int = 1
+    """The expert-parallel degree the chosen layout needs (1: none)."""
+    expert_rows: tuple[Candidate, ...] = ()
+    """For an MoE model: ZeRO-3 without ep and at each ep tried, with their memory and
+    communication time, whichever was chosen."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout, "checkpointing": self.checkpointing, "offload": self.offload, "tp": self.tp,
-                "fits": self.fits, "reason": self.reason, "device_mem_bytes": self.device_mem,
-                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+                "ep": self.ep, "fits": self.fits, "reason": self.reason, "device_mem_bytes": self.device_mem,
+                "candidates": [dataclasses.asdict(c) for c in self.candidates],
+                "expert_rows": [dataclasses.asdict(c) for c in self.expert_rows]}
 
 
 def _dominant(layout: LayoutPlan) -> str:
@@ -87,10 +99,55 @@ def _candidates(p: Plan, net: Network, device_mem: int, names: list[str]) -> lis
         layout = p[name]
         out.append(Candidate(layout=name, checkpointing=layout.checkpointing, offload=layout.offload,
                              total_bytes=layout.device.total, fits=layout.device.total <= device_mem,
-                             comm_seconds=net.seconds(layout.collectives), dominant=_dominant(layout)))
-    # Within 1% of each other counts as a tie, and a tie goes to the lower stage / plain layout.
-    floor = min((c.comm_seconds for c in out if c.comm_seconds > 0), default=1.0)
-    return sorted(out, key=lambda c: (round(c.comm_seconds / floor, 2), p[c.layout].stage, c.layout))
+                             comm_seconds=net.seconds(layout.collectives), dominant=_dominant(layout), ep=p.spec.ep))
+    return _ranked(out, p)
+
+
+def _ranked(cands: list[Candidate], p: Plan) -> list[Candidate]:
+    """By communication time; within 1% of each other counts as a tie, and a tie goes to the lower
+    stage, then to fewer moving parts (no ep), then the plain layout."""
+    floor = min((c.comm_seconds for c in cands if c.comm_seconds > 0), default=1.0)
+    return sorted(cands, key=lambda c: (round(c.comm_seconds / floor, 2), p[c.layout].stage, c.ep, c.layout))
+
+
+def label(c: Candidate) -> str:
+    return pretty(c.layout) + (f" with ep {c.ep}" if c.ep > 1 else "")
+
+
+def _expert_options(model_or_config: Any, kwargs: dict, net: Network) -> tuple[int, ...]:
+    """The ep degrees to weigh for an MoE model: the one asked for, or every one that divides the
+    data-parallel ranks and each layer's experts and keeps an ep group inside a node."""
+    if kwargs.get("tp", 1) > 1:
+        return ()  # the runtime does not compose them
+    asked, dp = kwargs.get("ep", 1), kwargs["world"]
+    if asked > 1:
+        return (1,)  # weighed against no ep
+    from zeroshard.planner.api import _resolve_model
+    from zeroshard.planner.experts import expert_split
+
+    try:
+        model = _resolve_model(model_or_config, kwargs.get("seq"))[0]
+    except ValueError:  # a bare parameter count: no layers
+        return ()
+    out = []
+    for ep in (2, 4, 8, 16, 32, 64):
+        if ep > min(dp, net.gpus_per_node) or dp % ep:
+            continue
+        try:
+            expert_split(model, ep)
+        except ValueError:  # no MoE layer, or ep does not divide its experts
+            continue
+        out.append(ep)
+    return tuple(out)
+
+
+def _expert_note(rows: tuple[Candidate, ...]) -> str:
+    """ZeRO-3 with and without ep, side by side: what EP buys in memory and costs in time."""
+    if len(rows) < 2:
+        return ""
+    parts = [f"{label(c)} {gb(c.total_bytes)}, {c.comm_seconds * 1e3:.2f} ms of communication per step"
+             for c in rows]
+    return "; EP against ZeRO-3: " + ", ".join(parts)
 
 
 def _comm_note(chosen: Candidate, cands: list[Candidate]) -> str:
@@ -133,13 +190,30 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
 
     def plan_with(**extra: Any) -> Plan:
         return make_plan(model_or_config, gpus_per_node=net.gpus_per_node, shard_size=hybrid,
-                         checkpointing=extra.pop("checkpointing", ckpt), **plan_kwargs, **extra)
+                         checkpointing=extra.pop("checkpointing", ckpt), **dict(plan_kwargs, **extra))
 
     base = plan_with()
     names = [n for n in base.layouts if not n.endswith("_offload")]
     cands = _candidates(base, net, mem, names)
     fitting = [c for c in cands if c.fits]
     plain = fitting[0] if fitting else None
+
+    # Expert parallelism for an MoE model: the other degrees' layouts next to these (every ep that
+    # fits when none was asked, else none), and ZeRO-3's row of each.
+    others = {ep: plan_with(ep=ep) for ep in _expert_options(model_or_config, dict(plan_kwargs, world=dp), net)
+              if ep != base.spec.ep}
+    expert_rows: tuple[Candidate, ...] = ()
+    other_cands: list[Candidate] = []
+    if others:
+        other_cands = [c for p in others.values() for c in _candidates(p, net, mem, names)]
+        expert_rows = tuple(sorted((c for c in [*cands, *other_cands] if c.layout == "zero3"), key=lambda c: c.ep))
+        ranked = _ranked([*cands, *other_cands], base)
+        best = next((c for c in ranked if c.fits), None)
+        if best is not None and best.ep != base.spec.ep:
+            reason = f"{label(best)} fits with {gb(mem - best.total_bytes)} headroom" + _expert_note(expert_rows)
+            return Recommendation(layout=best.layout, checkpointing=str(base.spec.checkpointing), offload="none",
+                                  fits=True, reason=reason, device_mem=mem, candidates=tuple(ranked),
+                                  plan=others[best.ep], ep=best.ep, expert_rows=expert_rows)
 
     # 2. Prefer recompute over a costly stage when activations are what overflows a cheaper layout.
     if base.activations is not None and str(base.spec.checkpointing) == "none" and (
@@ -157,16 +231,17 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
                                       device_mem=mem, candidates=tuple(cands) + (after,), plan=sqrt_plan)
 
     if plain is not None:
-        reason = f"{pretty(plain.layout)} fits with {gb(mem - plain.total_bytes)} headroom" + _comm_note(plain, cands)
+        reason = f"{label(plain)} fits with {gb(mem - plain.total_bytes)} headroom" + _comm_note(plain, cands)
         lower = [c for c in cands if base[c.layout].stage < base[plain.layout].stage and not c.fits]
         if lower:
             worst = min(lower, key=lambda c: c.total_bytes)
             reason += f"; {pretty(worst.layout)} would need {gb(worst.total_bytes)}"
         return Recommendation(layout=plain.layout, checkpointing=str(base.spec.checkpointing), offload="none",
-                              fits=True, reason=reason, device_mem=mem, candidates=tuple(cands), plan=base)
+                              fits=True, reason=reason + _expert_note(expert_rows), device_mem=mem,
+                              candidates=tuple(cands), plan=base, ep=base.spec.ep, expert_rows=expert_rows)
 
-    smallest = min(cands, key=lambda c: c.total_bytes)
-    head = (f"nothing fits in {gb(mem)} on the device: the smallest, {pretty(smallest.layout)}, needs "
+    smallest = min([*cands, *other_cands], key=lambda c: c.total_bytes)
+    head = (f"nothing fits in {gb(mem)} on the device: the smallest, {label(smallest)}, needs "
             f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
     # 3. A layer too large for the device even fully sharded: split it.
     split = _tensor_parallel(model_or_config, base, net, mem, plan_kwargs, ckpt, head)
