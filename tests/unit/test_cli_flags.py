@@ -229,10 +229,17 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--shard-sizes": [(plus(t, "--shard-sizes", "2"), t, CHANGES)],
         "--calibrate": [(plus(t, "--calibrate", "all_reduce"), t, CHANGES)],
         "--hw-out": [(plus(t, "--hw-out", hw_out), None, REFUSED)],
-        "--pp": [(plus(t, "--pp", "2"), None, REFUSED)],
-        "--pp-schedule": [(plus(t, "--pp-schedule", "gpipe"), None, REFUSED)],
-        "--microbatches": [(plus(t, "--microbatches", "4"), None, REFUSED)],
-        "--pp-stages-per-rank": [(plus(t, "--pp-stages-per-rank", "2"), None, REFUSED)],
+        "--pp": [(plus(t, "--pp", "2"), t, CHANGES), (plus(t, "--pp", "2", "--shard-sizes", "2"), None, REFUSED)],
+        "--pp-schedule": [(plus(t, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
+                           plus(t, "--pp", "2", "--microbatches", "4"), CHANGES),
+                          (plus(t, "--pp-schedule", "gpipe"), None, REFUSED)],
+        "--microbatches": [(plus(t, "--pp", "2", "--microbatches", "4"), plus(t, "--pp", "2"), CHANGES)],
+        "--pp-stages-per-rank": [(plus(swap(t, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                       "--microbatches", "4", "--pp-stages-per-rank", "4"),
+                                  plus(swap(t, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                       "--microbatches", "4"), CHANGES),
+                                 (plus(t, "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "2",
+                                       "--pp-stages-per-rank", "1"), None, REFUSED)],
     }
     return memory, time
 

@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if unread is not None:
         return fail("plan", unread)
     if plan_pipeline.wants_pipeline(args):
-        return plan_pipeline.run(args)  # per-stage memory and the bubble
+        return plan_pipeline.run(args)  # per-stage memory and the bubble, or (--time) the schedule's replay
     if args.time or args.calibrate:  # the step-time simulator (zeroshard.sim) instead of the memory tables
         from zeroshard.sim.cli import print_time
 

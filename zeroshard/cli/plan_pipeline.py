@@ -7,6 +7,7 @@ The pp flags are TrainConfig's own fields (`pp`, `pp_schedule`, `microbatches`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -56,8 +57,17 @@ def unread_flag(args: argparse.Namespace) -> str | None:
         given = [f for f in PP_FIELDS[1:] if getattr(args, f, None) is not None]
         return (f"--{given[0].replace('_', '-')} describes a pipeline; add --pp N (N >= 2) or drop it"
                 if given else None)
-    if args.time or args.calibrate:
-        return "--time does not replay a pipeline schedule yet; drop --pp (the memory planner takes it)"
+    if args.calibrate:
+        return "--calibrate times this host's units, not a pipeline; drop --pp"
+    if args.time:
+        for dest in ("sweep", "shard_sizes", "shard_size", "plot", "topology", "offload", "checkpointing", "ep",
+                     "routing_skew"):
+            if getattr(args, dest, None) not in (None, False, "none"):
+                flag = "--" + dest.replace("_", "-")
+                return f"--time --pp does not replay {flag} yet; drop {flag}"
+        if (args.accum or 1) > 1:
+            return "--time --pp replays one run of the schedule per step; drop --accum (or fold it into --microbatches)"
+        return None
     for dest, why in _UNPLANNED.items():
         if getattr(args, dest, None) not in (None, False, "none"):
             return why
@@ -124,10 +134,85 @@ def measure_table(checks) -> Table:
     return table
 
 
+def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
+    """(workload, hardware, ZeRO stage -> the pipeline replay): `plan --time --pp`."""
+    from zeroshard.sim.cli import DEFAULT_HW, _workload
+    from zeroshard.sim.hardware import load_hardware
+    from zeroshard.sim.pipeline import simulate_pipeline
+    from zeroshard.sim.step import Layout
+    from zeroshard.planner.pipeline import PipelineShape
+
+    shape = PipelineShape.resolve(pp=args.pp, pp_schedule=args.pp_schedule or "1f1b",
+                                  microbatches=args.microbatches or 0, pp_stages_per_rank=args.pp_stages_per_rank or 0)
+    tp = args.tp or 1
+    if args.world % (args.pp * tp):
+        raise ValueError(f"--pp {args.pp} x --tp {tp} does not divide --world {args.world}; each stage has world / "
+                         "(pp x tp) data-parallel ranks")
+    dp = args.world // args.pp // tp
+    w, _ = _workload(args, args.world)
+    if args.micro_batch is None:  # the global batch over the stage's data-parallel ranks and the microbatches
+        batch = args.batch or dp * shape.microbatches
+        if batch % (dp * shape.microbatches):
+            raise ValueError(f"--batch {batch} does not split over {dp} data-parallel ranks x {shape.microbatches} "
+                             f"microbatches; use a multiple of {dp * shape.microbatches}")
+        w = dataclasses.replace(w, micro_batch=batch // (dp * shape.microbatches))
+    hw = load_hardware(args.hw or DEFAULT_HW)
+    param_bytes = 4 if args.mp == "fp32" else 2
+    knobs = {k: getattr(args, k) for k in ("prefetch", "bucket_mb", "reshard_after_forward")
+             if getattr(args, k, None) is not None}
+    stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
+    out = {}
+    for stage in stages:
+        layout = Layout(world=args.world // args.pp, stage=stage, tp=tp, param_bytes=param_bytes, **knobs)
+        out[stage] = simulate_pipeline(w, hw, layout, pp=args.pp, schedule=shape.schedule,
+                                       microbatches=shape.microbatches, stages_per_rank=shape.stages_per_rank,
+                                       world=args.world)
+    return w, hw, out
+
+
+def time_table(w, hw, results: dict[int, Any], args: argparse.Namespace) -> Table:
+    from zeroshard.planner.spec import STAGE_NAMES
+
+    table = Table(title=f"{w.shape.name} on {hw.name}, world {args.world} = pp {args.pp} x "
+                        f"{args.world // args.pp} per stage: one step replayed ({args.pp_schedule or '1f1b'})",
+                  caption=f"microbatch {w.micro_batch} x seq {w.seq} per rank; bubble: the mean over pp ranks of "
+                          "each one's idle share of the schedule")
+    for col in ("layout", "step (ms)", "bubble", "p2p one way (ms)", "tokens/s/GPU", "slowest rank: schedule + tail"):
+        table.add_column(col, justify="right")
+    for stage, r in results.items():
+        worst = max(r.ranks, key=lambda x: x.schedule_s + x.tail_s)
+        table.add_row(STAGE_NAMES[stage], f"{r.step_s * 1e3:,.2f}", f"{r.bubble:.1%}", f"{r.p2p_s * 1e3:,.3f}",
+                      f"{r.tokens_per_s_per_gpu:,.0f}",
+                      f"rank {worst.pp_rank}: {worst.schedule_s * 1e3:,.2f} + {worst.tail_s * 1e3:,.2f}")
+    return table
+
+
+def run_time(args: argparse.Namespace) -> int:
+    """`plan --time --pp`: the pipeline replay (zeroshard/sim/pipeline.py) for each ZeRO stage."""
+    from zeroshard.cli.train import fail
+
+    if args.world is None:
+        return fail("plan", "--time --pp needs --world: every rank of the run (pp x data-parallel x tp)")
+    try:
+        w, hw, results = simulated(args)
+    except ValueError as e:
+        return fail("plan", str(e))
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "workload": {"model": w.shape.name, "micro_batch": w.micro_batch,
+                                                            "seq": w.seq},
+                          "pipeline": {"pp": args.pp, "pp_schedule": args.pp_schedule or "1f1b"},
+                          "rows": {str(k): v.to_dict() for k, v in results.items()}}, indent=1))
+        return 0
+    Console(width=160).print(time_table(w, hw, results, args))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """`plan --pp`, after `plan`'s own check of the flags given (zeroshard/cli/plan.py)."""
     from zeroshard.cli.train import fail, one_line
 
+    if args.time:
+        return run_time(args)
     if args.world is None:
         return fail("plan", "--world is required: every rank of the run (pp x data-parallel x tp)")
     try:

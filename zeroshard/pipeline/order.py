@@ -56,10 +56,19 @@ def schedule_order(spec: ScheduleSpec | str, *, pp: int, stages_per_rank: int,
     out: dict[int, list[Action]] = {}
     for rank in range(pp):
         actions = []
+        seen: dict[tuple[str, int], int] = {}
         for a in schedule.pipeline_order[rank]:
             kind = getattr(a, "computation_type", None) if a is not None else None
-            if kind is not None and kind.value in ("F", "B"):
-                actions.append(Action(kind.value, a.stage_index, a.microbatch_index))
+            if kind is None or kind.value not in ("F", "B"):
+                continue
+            mb = a.microbatch_index
+            if not spec.multi:
+                # A single-stage class runs its own loop, microbatches in increasing order both ways;
+                # its action list says in which order F and B alternate, but Schedule1F1B's numbers
+                # the last rank's forwards from 1: number them as they come instead.
+                mb = seen.get((kind.value, a.stage_index), 0)
+                seen[(kind.value, a.stage_index)] = mb + 1
+            actions.append(Action(kind.value, a.stage_index, mb))
         out[rank] = actions
     return out
 

@@ -1,0 +1,78 @@
+"""The pipeline replay: torch's order walked with unit times gives the textbook bubble when every
+stage takes the same time, and the step holds each rank's reduction and update after its schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroshard.models import GPTConfig
+from zeroshard.pipeline.order import bubble_fraction, schedule_order
+from zeroshard.sim.hardware import load_hardware
+from zeroshard.sim.pipeline import _replay, simulate_pipeline
+from zeroshard.sim.step import Layout
+from zeroshard.sim.workload import Workload, gpt_shape
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1),
+                                             ("1f1b", 4, 4, 1), ("interleaved-1f1b", 2, 4, 2),
+                                             ("interleaved-1f1b", 4, 8, 2)])
+def test_equal_stages_idle_the_textbook_bubble(schedule, pp, m, v):
+    order = schedule_order(schedule, pp=pp, stages_per_rank=v, microbatches=m)
+    walked = _replay(order, [1.0] * (pp * v), [2.0] * (pp * v), p2p=0.0)
+    span = max(end for end, _ in walked.values())
+    for end, busy in walked.values():
+        assert busy == pytest.approx(3.0 * m * v)
+        assert 1 - busy / span == pytest.approx(bubble_fraction(pp=pp, microbatches=m, stages_per_rank=v))
+
+
+def test_more_microbatches_shrink_the_bubble_and_the_link_delays_the_step():
+    hw = load_hardware("h100")
+    w = Workload(shape=gpt_shape(GPTConfig.named("small", seq_len=256), "small"), micro_batch=1, seq=256)
+    layout = Layout(world=2, stage=2)
+    runs = [simulate_pipeline(w, hw, layout, pp=4, microbatches=m) for m in (4, 8, 16)]
+    assert runs[0].bubble > runs[1].bubble > runs[2].bubble
+    # Every rank's step ends with its own reduction and update: the step is no shorter than any rank's.
+    for r in runs:
+        assert r.step_s == pytest.approx(max(x.schedule_s + x.tail_s for x in r.ranks))
+        assert all(x.tail_s > 0 for x in r.ranks)
+    import dataclasses
+
+    slow = dataclasses.replace(hw, intra_latency=hw.intra_latency + 1e-3, inter_latency=hw.inter_latency + 1e-3)
+    assert simulate_pipeline(w, slow, layout, pp=4, microbatches=4).step_s > runs[0].step_s
+
+
+def test_a_split_the_blocks_do_not_take_is_refused():
+    w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
+    with pytest.raises(ValueError, match="3 pipeline stages do not divide the model's 4 blocks"):
+        simulate_pipeline(w, load_hardware("h100"), Layout(world=1, stage=0), pp=3, microbatches=3)
+    with pytest.raises(ValueError, match="needs at least pp=2 microbatches"):
+        simulate_pipeline(w, load_hardware("h100"), Layout(world=1, stage=0), pp=2, microbatches=1)
+
+
+def test_ranks_sharing_cores_slow_down_only_while_more_run_than_there_are_cores():
+    order = schedule_order("gpipe", pp=4, stages_per_rank=1, microbatches=4)
+    fwd, bwd = [1.0] * 4, [2.0] * 4
+    own = _replay(order, fwd, bwd, p2p=0.0)
+    assert _replay(order, fwd, bwd, p2p=0.0, cores=4) == own
+    one = _replay(order, fwd, bwd, p2p=0.0, cores=1)
+    # One core runs one action at a time: the step is at least all the work, one after the other.
+    assert max(end for end, _ in one.values()) >= 4 * 4 * 3.0 - 1e-9
+    assert max(end for end, _ in one.values()) > max(end for end, _ in own.values())
+
+
+def test_plan_time_pp_replays_each_stage(capsys):
+    import json
+
+    from zeroshard.cli.main import main
+
+    argv = ["plan", "--time", "--model", "small", "--world", "8", "--pp", "4", "--batch", "16", "--seq", "256",
+            "--json"]
+    assert main([*argv, "--microbatches", "4"]) == 0
+    few = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--microbatches", "8"]) == 0
+    many = json.loads(capsys.readouterr().out)
+    assert set(few["rows"]) == {"0", "1", "2", "3"}
+    assert few["workload"]["micro_batch"] == 2 and many["workload"]["micro_batch"] == 1
+    for stage in few["rows"]:
+        assert many["rows"][stage]["bubble"] < few["rows"][stage]["bubble"]
+        assert len(few["rows"][stage]["ranks"]) == 4

@@ -1,0 +1,195 @@
+"""The pipeline replay of `plan --time --pp`: torch's schedule walked microbatch by microbatch.
+
+Each pp rank runs its actions in torch's own order (zeroshard/pipeline/order.py, the class the
+runtime runs): a forward of microbatch j on stage s starts once the rank is free and stage s − 1's
+forward of j has arrived over the pp link; a backward once stage s + 1's backward of j has sent
+its grad back (the last stage: once its own forward is done). A stage's forward and backward take
+its blocks' times (the unit times of zeroshard/sim/step.py, per microbatch); the last stage also
+runs the head and the loss (the root; the embedding lookup of the first stage is left out). At
+ZeRO-3 every block is gathered again in each microbatch's forward and backward: the first block's
+gather is waited for, the others' hidden behind the block before them when shorter.
+
+After its last action a rank does what ``Pipeline.reduce`` and the step do: the tied embedding's
+grad all-reduced over the first and last stage, one reduction of its stages' grads over the
+stage's data-parallel ranks (``Engine.reduce_accumulated``: all-reduce at stage 0, reduce-scatter
+from stage 1), the optimizer's update of its shard and, at stages 1-2, the all-gather of the
+updated params. The step lasts as long as its slowest rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeroshard.pipeline.order import schedule_order
+from zeroshard.sim.hardware import Hardware
+from zeroshard.sim.network import collective_seconds, link
+from zeroshard.sim.step import Layout, _durations, _optimizer_seconds
+from zeroshard.sim.workload import Workload
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankTime:
+    pp_rank: int
+    schedule_s: float
+    """From the step's start to the rank's last backward."""
+    busy_s: float
+    """Its forwards and backwards (and ZeRO-3's exposed gathers)."""
+    tail_s: float
+    """After the schedule: tied-grad sum, reduction, optimizer step, stage 1-2 all-gather."""
+    span_s: float
+    """The whole pipeline's schedule: until the last rank's last backward."""
+
+    @property
+    def bubble(self) -> float:
+        """Its idle share of the pipeline's schedule (waiting for inputs, or for the others to finish)."""
+        return 1.0 - self.busy_s / self.span_s if self.span_s else 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineTime:
+    step_s: float
+    ranks: tuple[RankTime, ...]
+    p2p_s: float
+    """One activation's (or its grad's) trip between two stages."""
+    stage_forward_s: tuple[float, ...]
+    stage_backward_s: tuple[float, ...]
+    tokens_per_s_per_gpu: float
+
+    @property
+    def bubble(self) -> float:
+        """The mean over pp ranks of each rank's idle share of the pipeline's schedule."""
+        return sum(r.bubble for r in self.ranks) / len(self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "bubble": self.bubble, "p2p_s": self.p2p_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "stage_forward_s": list(self.stage_forward_s), "stage_backward_s": list(self.stage_backward_s),
+                "ranks": [dataclasses.asdict(r) | {"bubble": r.bubble} for r in self.ranks]}
+
+
+def _replay(order: dict[int, list], fwd: list[float], bwd: list[float], p2p: float,
+            cores: int | None = None) -> dict[int, tuple[float, float]]:
+    """pp rank -> (end of its last action, seconds its actions ran), walking every rank's actions in
+    order and starting each as soon as its rank is free and its input has arrived.
+
+    ``cores``: the ranks share that many processors (a CPU host with more ranks than cores): while
+    k > cores actions run, each advances at cores / k of its own speed. None: one device per rank."""
+    last = len(fwd) - 1
+    done: dict[tuple[str, int, int], float] = {}
+    busy = dict.fromkeys(order, 0.0)
+    nxt = dict.fromkeys(order, 0)
+    free_at = dict.fromkeys(order, 0.0)  # when the rank finished its previous action
+    running: dict[int, list[float]] = {}  # rank -> [work left (own seconds), started at]
+    now = 0.0
+
+    def ready_at(r: int) -> float | None:
+        """When rank r's next action may start (None: its input is not computed yet)."""
+        a = order[r][nxt[r]]
+        if a.kind == "F":
+            dep = None if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
+        else:
+            dep = ("F", a.stage, a.microbatch) if a.stage == last else ("B", a.stage + 1, a.microbatch)
+        if dep is None:
+            return free_at[r]
+        if dep not in done:
+            return None
+        return max(free_at[r], done[dep] + (p2p if dep[1] != a.stage else 0.0))
+
+    while any(nxt[r] < len(order[r]) for r in order) or running:
+        for r in order:
+            if r not in running and nxt[r] < len(order[r]):
+                at = ready_at(r)
+                if at is not None and at <= now:
+                    a = order[r][nxt[r]]
+                    running[r] = [fwd[a.stage] if a.kind == "F" else bwd[a.stage], now]
+        rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
+        waits = [at for r in order if r not in running and nxt[r] < len(order[r])
+                 for at in [ready_at(r)] if at is not None and at > now]
+        finish = min((left / rate for left, _ in running.values()), default=None)
+        candidates = ([now + finish] if finish is not None else []) + waits
+        if not candidates:
+            raise RuntimeError("pipeline replay stalled: the schedule's order has an action whose input never comes")
+        t = min(candidates)
+        for r in list(running):
+            running[r][0] -= (t - now) * rate
+            if running[r][0] <= 1e-12 * max(1.0, t):
+                a = order[r][nxt[r]]
+                done[(a.kind, a.stage, a.microbatch)] = t
+                busy[r] += t - running[r][1]
+                free_at[r] = t
+                nxt[r] += 1
+                del running[r]
+        now = t
+    return {r: (free_at[r], busy[r]) for r in order}
+
+
+def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, schedule: str = "1f1b",
+                      microbatches: int = 0, stages_per_rank: int = 1, world: int | None = None,
+                      cores: int | None = None) -> PipelineTime:
+    """One optimizer step of ``w`` (its ``micro_batch``: one microbatch's sequences on a rank) cut
+    into ``pp × stages_per_rank`` stages. ``layout`` is one stage's ZeRO layout (its world: the
+    stage's ranks, world / pp); ``world`` every rank of the run (default ``layout.world × pp``),
+    which picks the unit times measured under that load. ``cores``: processors the ranks share
+    (a CPU host); None gives every rank its own device."""
+    from zeroshard.pipeline.schedules import check_microbatches, schedule_spec
+
+    world = world or layout.world * pp
+    spec = schedule_spec(schedule)
+    m = microbatches or pp * stages_per_rank
+    check_microbatches(spec, microbatches=m, pp=pp, local_batch=m)
+    s = w.shape
+    n_stages = pp * stages_per_rank
+    if s.n_layer % n_stages:
+        raise ValueError(f"{n_stages} pipeline stages do not divide the model's {s.n_layer} blocks; pick pp x stages "
+                         f"per rank dividing {s.n_layer}")
+    blocks = s.n_layer // n_stages
+    d = _durations(w, hw, layout.tp, world, synced_per_unit=layout.policy.shard_params)
+    gather = 0.0
+    if layout.policy.shard_params:  # each block gathered again per microbatch and pass
+        group = layout.shard_group
+        full = s.block_params / layout.tp * layout.param_bytes
+        gather = collective_seconds("all_gather", full, group, hw, world=world)
+    def exposed(block_s: float) -> float:
+        return gather + (blocks - 1) * max(0.0, gather - block_s) if gather else 0.0
+
+    fwd = [blocks * d.block_fwd + exposed(d.block_fwd) + (d.root_fwd if i == n_stages - 1 else 0.0)
+           for i in range(n_stages)]
+    bwd = [blocks * d.block_bwd + exposed(d.block_bwd) + (d.root_bwd if i == n_stages - 1 else 0.0)
+           for i in range(n_stages)]
+    # Consecutive stages are world / pp ranks apart: on two nodes once a stage fills a node.
+    alpha, bandwidth = link(hw, 2, spans=layout.world >= hw.gpus_per_node)
+    p2p = alpha + w.tokens * s.hidden * w.compute_bytes / bandwidth
+    order = schedule_order(spec, pp=pp, stages_per_rank=stages_per_rank, microbatches=m)
+    walked = _replay(order, fwd, bwd, p2p, cores)
+    span = max(end for end, _ in walked.values())
+    ranks = []
+    for r, (end, busy) in walked.items():
+        ranks.append(RankTime(pp_rank=r, schedule_s=end, busy_s=busy, span_s=span,
+                              tail_s=_tail(w, hw, layout, blocks * stages_per_rank, r, pp, world)))
+    step = max(r.schedule_s + r.tail_s for r in ranks)
+    tokens = w.tokens * m / layout.tp  # each stage's dp ranks share the global batch; a rank sees its slice
+    return PipelineTime(step_s=step, ranks=tuple(ranks), p2p_s=p2p, stage_forward_s=tuple(fwd),
+                        stage_backward_s=tuple(bwd), tokens_per_s_per_gpu=tokens / pp / step)
+
+
+def _tail(w: Workload, hw: Hardware, layout: Layout, blocks: int, pp_rank: int, pp: int, world: int) -> float:
+    """A rank's work after its schedule: the tied grad's sum over pp_ends (first and last rank),
+    one reduction of its stages' grads, the update, and stages 1-2's all-gather of the update."""
+    s = w.shape
+    pol = layout.policy
+    params = blocks * s.block_params / layout.tp
+    if pp_rank in (0, pp - 1):
+        params += s.root_params  # the first stage's embeddings, the last stage's head (tied: a copy)
+    t = 0.0
+    if s.tied and pp_rank in (0, pp - 1):
+        t += collective_seconds("all_reduce", s.embedding_params * layout.reduce_bytes, 2, hw,
+                                spans=layout.world * (pp - 1) >= hw.gpus_per_node, world=world)
+    group = layout.shard_group
+    op = "reduce_scatter" if pol.shard_optimizer else "all_reduce"
+    p = group if pol.shard_optimizer else layout.dp
+    t += collective_seconds(op, params * layout.reduce_bytes, p, hw, world=world)
+    t += _optimizer_seconds(w, hw, layout, params / group)
+    if pol.shard_optimizer and not pol.shard_params:
+        t += collective_seconds("all_gather", params * layout.param_bytes, group, hw, world=world)
+    return t
