@@ -7,7 +7,9 @@ meta model under a ``TorchFunctionMode``. Every in-place call that writes a para
 ``nn.init.trunc_normal_``, ``p.data.zero_()``, ...) is re-run on a temporary full-size real tensor
 of that one param, with the same generator, shape and dtype a single-process build would use; the
 rank then keeps its slice and drops the tensor (for a tensor-parallel DTensor param the full
-tensor is cut to this tp rank's part first, see ``FlatGroup.load_param_values``). Because the
+tensor is cut to this tp rank's part first, see ``FlatGroup.load_param_values``; a split expert
+param is drawn at its stacked shape one expert at a time, keeping this rank's experts, see
+zeroshard/expert_init.py). Because the
 replay consumes the global RNG in the same order and amounts as ``torch.manual_seed(s); Model()``,
 the global tensors are bitwise equal to the single-process init at every world size and stage.
 
@@ -30,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zeroshard import expert_init
 from zeroshard.lazy_dtensor import is_dtensor
 
 if TYPE_CHECKING:  # the engine calls this module from Engine.materialize
@@ -84,11 +87,16 @@ def _storage_key(t: torch.Tensor) -> int:
 class _Target:
     """One meta param and where its values go."""
 
-    def __init__(self, fqn: str, meta: torch.Tensor, sinks: list) -> None:
+    def __init__(self, fqn: str, meta: torch.Tensor, sinks: list, rows: tuple[int, int] | None = None) -> None:
         self.fqn = fqn
         self.meta = meta
         self.sinks = sinks  # (flat group, slot index) pairs
+        self.rows = rows  # a split expert param: (first, count) of the dim-0 rows this rank keeps
         self.done = False
+
+    def kept(self, values: torch.Tensor) -> torch.Tensor:
+        """What of the whole ``values`` this rank's sinks take (its rows, for an expert param)."""
+        return values if self.rows is None else values[self.rows[0]:self.rows[0] + self.rows[1]]
 
 
 class _InitReplay(TorchFunctionMode):
@@ -98,7 +106,9 @@ class _InitReplay(TorchFunctionMode):
         self.device = device
         self.current: _Target | None = None
         self.real: torch.Tensor | None = None
+        self.real_is_block = False  # self.real holds only current's kept rows (expert_init.py)
         self.peak_temp_bytes = 0
+        self.peak_expert_temp_bytes = 0  # the same, over split expert params only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,6 +127,18 @@ class _InitReplay(TorchFunctionMode):
         return self.run_on_real(written, func, name, args, kwargs)
 
     def run_on_real(self, written: _Target, func, name: str, args, kwargs):
+        if written.rows is not None and (written is not self.current or self.real_is_block) and \
+                expert_init.by_rows(name, written.meta, args, self.device):
+            self._materialise(written, name, block=True)
+            assert self.real is not None
+            expert_init.run_by_rows(func, name, self.real, written.rows[0], written.meta.shape[0], args, kwargs)
+            return args[0]
+        if written is self.current and self.real_is_block:
+            if name not in _OVERWRITES:
+                raise ValueError(f"init code runs {name} on {written.fqn}, a split expert param drawn one expert "
+                                 "at a time; initialise it with normal_, uniform_, trunc_normal_ or a fill, or "
+                                 "build the model with values")
+            self.current, self.real = None, None  # overwritten whole: drop the rows drawn so far
         self._materialise(written, name)
         real_args, real_kwargs = tree_map(self._to_real, (args, kwargs))
         func(*real_args, **real_kwargs)
@@ -132,7 +154,7 @@ class _InitReplay(TorchFunctionMode):
             return self.real.as_strided(value.shape, value.stride(), value.storage_offset())
         return value
 
-    def _materialise(self, target: _Target, op: str) -> None:
+    def _materialise(self, target: _Target, op: str, block: bool = False) -> None:
         if target is self.current:
             return
         self.flush()
@@ -141,14 +163,25 @@ class _InitReplay(TorchFunctionMode):
                              "meta-device init replays one param at a time, so finish each param's init "
                              "before moving to the next")
         self.current = target
-        self.real = torch.empty(target.meta.shape, dtype=target.meta.dtype, device=self.device)
-        self.peak_temp_bytes = max(self.peak_temp_bytes, self.real.numel() * self.real.element_size())
+        shape = target.meta.shape
+        if block:
+            assert target.rows is not None
+            shape = torch.Size((target.rows[1], *shape[1:]))
+        self.real = torch.empty(shape, dtype=target.meta.dtype, device=self.device)
+        self.real_is_block = block
+        # (a block's replay also holds one scratch row)
+        temp = self.real.numel() + (self.real[0].numel() if block and self.real.shape[0] else 0)
+        self.peak_temp_bytes = max(self.peak_temp_bytes, temp * self.real.element_size())
+        if target.rows is not None:
+            self.peak_expert_temp_bytes = max(self.peak_expert_temp_bytes, temp * self.real.element_size())
 
     def flush(self) -> None:
         if self.current is None:
             return
+        assert self.real is not None
+        values = self.real if self.real_is_block else self.current.kept(self.real)
         for group, index in self.current.sinks:
-            group.load_param_values(index, self.real)
+            group.load_param_values(index, values)
         self.current.done = True
         self.current, self.real = None, None
 
@@ -181,7 +214,12 @@ def _route_meta_shortcuts(replay: _InitReplay):
 
 def _whole_meta(param: nn.Parameter) -> nn.Parameter:
     """The param the init code writes: a tensor-parallel (DTensor) param is replayed at its full
-    shape, as a plain build draws it; ``load_param_values`` then keeps this tp rank's part."""
+    shape, as a plain build draws it; ``load_param_values`` then keeps this tp rank's part. A split
+    expert param is replayed at its stacked shape (every expert), this rank keeping its rows."""
+    split = expert_init.rows_kept(param)
+    if split is not None:
+        return nn.Parameter(torch.empty(split[0], dtype=param.dtype, device="meta"),
+                            requires_grad=param.requires_grad)
     if not is_dtensor(param):
         return param
     return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
@@ -195,7 +233,8 @@ def materialize(model: nn.Module, engine: Engine, init_fn: Callable[[nn.Module],
     for group in engine.groups:
         for index, ref in enumerate(group.refs):
             meta = whole[id(ref.param)]
-            target = targets.setdefault(_storage_key(meta), _Target(ref.fqn, meta, []))
+            split = expert_init.rows_kept(ref.param)
+            target = targets.setdefault(_storage_key(meta), _Target(ref.fqn, meta, [], split and split[1]))
             target.sinks.append((group, index))
     # The replay needs the meta params registered on the modules, where the init code finds them.
     for group in engine.groups:
@@ -216,7 +255,7 @@ def materialize(model: nn.Module, engine: Engine, init_fn: Callable[[nn.Module],
     _check_buffers(model)
     engine.sync_params()
     return {"path": "meta" if require_all else "meta (values left for a checkpoint load)",
-            "peak_temp_bytes": replay.peak_temp_bytes}
+            "peak_temp_bytes": replay.peak_temp_bytes, "peak_expert_temp_bytes": replay.peak_expert_temp_bytes}
 
 
 def _check_buffers(model: nn.Module) -> None:

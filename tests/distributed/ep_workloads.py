@@ -39,6 +39,7 @@ class Case:
     mesh: str  # "ep2" = (shard 2, ep 2); "ep4" = ep 4
     freeze: bool = False
     accum: int = 2
+    meta: bool = False  # built on the meta device: zs.shard replays the init, each rank drawing its experts
 
 
 CASES = {
@@ -48,6 +49,8 @@ CASES = {
     "gpt-ep4-stage3-accum1": Case("gpt", 3, "ep4", accum=1),
     "mixtral-ep2-stage3": Case("mixtral", 3, "ep2"),
     "qwen2moe-ep2-stage1": Case("qwen2moe", 1, "ep2"),
+    "gpt-ep2-stage3-meta": Case("gpt", 3, "ep2", meta=True),
+    "mixtral-ep4-stage2-meta": Case("mixtral", 2, "ep4", meta=True),
 }
 
 
@@ -56,8 +59,9 @@ def train_config(case: Case) -> TrainConfig:
                        min_lr=1e-3, warmup=0, weight_decay=0.1, clip=0.5, seed=SEED, num_samples=256, profile=False)
 
 
-def _hf_model(name: str):
-    """A tiny transformers 5 MoE model, initialised as zeroshard's hf: models are (models/hf.py)."""
+def _hf_model(name: str, meta: bool = False):
+    """A tiny transformers 5 MoE model, initialised as zeroshard's hf: models are (models/hf.py);
+    ``meta``: left on meta but for its buffers (zs.shard then replays init_weights)."""
     import transformers as tf
 
     from zeroshard.models.hf import HFSpec, init_weights
@@ -79,6 +83,8 @@ def _hf_model(name: str):
         for key, buf in list(module.named_buffers(recurse=False)):
             if buf.is_meta:
                 setattr(module, key, torch.empty(buf.shape, dtype=buf.dtype))
+    if meta:
+        return model
     model.to_empty(device="cpu")
     model.tie_weights()
     init_weights(model)
@@ -91,9 +97,11 @@ def build_model(case: Case, *, balance: bool = True) -> torch.nn.Module:
     torch.manual_seed(SEED)
     if case.model == "gpt":
         extra = {} if balance else {"aux_loss_coef": 0.0}
-        model: torch.nn.Module = GPT(GPTConfig.named("tiny-moe", n_layer=2, vocab_size=VOCAB, seq_len=SEQ, **extra))
+        with torch.device("meta" if case.meta else "cpu"):
+            model: torch.nn.Module = GPT(GPTConfig.named("tiny-moe", n_layer=2, vocab_size=VOCAB, seq_len=SEQ,
+                                                         **extra))
     else:
-        model = _hf_model(case.model)
+        model = _hf_model(case.model, meta=case.meta)
     if case.freeze:
         for name, param in model.named_parameters():
             if name.startswith(FROZEN):
@@ -111,7 +119,7 @@ def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     accumulation its reference runs the distributed step's global micro-batches instead."""
     cfg = train_config(case)
     data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
-    model = build_model(case, balance=balance)
+    model = build_model(dataclasses.replace(case, meta=False), balance=balance)  # a plain build
     opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=step.BETAS)
     sampler = GlobalBatchSampler(len(data), cfg.batch, world=1, rank=0, seed=SEED)
     losses, norms = [], []
@@ -142,6 +150,7 @@ def run_case(case: Case, mesh) -> dict:
     cfg = train_config(case)
     data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
     run = step.build(cfg, mesh, model=build_model(case), dataset=data)
+    initial = zs.full_state_dict(run.model) if case.meta else None  # collective: every rank gathers
     forwards = ep_forwards(run.model)
     experts = mesh.experts
     ledger = zs.ledger()
@@ -175,6 +184,8 @@ def run_case(case: Case, mesh) -> dict:
         "frozen_trainable": [g.trainable for g in frozen],
         "frozen_in_optimizer": any(id(g) in optimized for g in frozen),
         "frozen_grads": any(p.grad is not None for g in frozen for p in (g.params or ())),
+        "initial": initial,
+        "init_stats": dict(engine.init_stats) if case.meta else None,
     }
     return result
 

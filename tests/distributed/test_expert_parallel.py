@@ -143,3 +143,19 @@ def test_the_trained_split_model_exports_a_folder_from_pretrained_opens(world4):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     state = model.state_dict()
     assert all(torch.equal(state[k], got["params"][k]) for k in got["params"])
+
+
+
+@pytest.mark.parametrize("name", [n for n, c in ew.CASES.items() if c.meta])
+def test_meta_init_with_ep_is_seed_exact(world4, name):
+    """A model built on meta and split over ep: zs.shard replays its init at the stacked shapes,
+    each rank keeping its experts. The gathered weights are bitwise a plain seeded build's."""
+    import dataclasses
+
+    got = world4["cases"][name]
+    plain = ew.build_model(dataclasses.replace(ew.CASES[name], meta=False)).state_dict()
+    assert got["init_stats"]["path"] == "meta"
+    assert set(got["initial"]) == set(plain)
+    assert all(torch.equal(got["initial"][k], plain[k]) for k in plain)
+    print(f"{name}: init bitwise a plain build; peak init scratch for an expert param "
+          f"{got['init_stats']['peak_expert_temp_bytes']} B")

@@ -57,9 +57,10 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
     ``experts`` (from ``zs.init(ep=N)``) says how the experts are split. ``plan`` finds the MoE
     layers (zeroshard/experts/plan.py); the ready one for the model's class by default. Call it on
     every rank, on a model built with the same seed, before ``zs.shard``. Returns the model.
-    ``values_from_folder=True`` takes a meta model whose values a pretrained folder fills after
-    ``zs.shard`` (each rank reads its block of experts); a meta model whose init would be replayed
-    is refused, since the replay would draw the split shapes, not the model's.
+    A model on the meta device keeps meta blocks, filled after ``zs.shard``: by the replay of the
+    model's init, which draws the stacked experts as a plain build does and keeps this rank's rows
+    (zeroshard/materialize.py), or by a pretrained folder's read (each rank its block;
+    ``values_from_folder=True`` says so, and changes nothing here).
     """
     from zeroshard.sharding.attached import find_engine
 
@@ -72,7 +73,7 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
                                   "build a fresh model, call zs.expert_parallel(model), then zs.shard(model)")
     layers = check_ep(model, experts.ep_size, plan)
     for layer in layers:
-        _split(layer, experts, values_from_folder)
+        _split(layer, experts)
     share_routing_counts(layers, mesh)
     return model
 
@@ -91,16 +92,13 @@ def _all_reduce_counts(counts: torch.Tensor, *, unit: str, mesh: Mesh) -> None:
     collectives.all_reduce(counts, group=mesh.dp_name, unit=unit, phase=Phase.FORWARD, mesh=mesh)
 
 
-def _split(layer: MoELayer, experts: Any, values_from_folder: bool) -> None:
+def _split(layer: MoELayer, experts: Any) -> None:
     local = layer.num_experts // experts.ep_size
     first = experts.ep_rank * local
     for name in layer.params:
         param = getattr(layer.module, name)
         if expert_mesh_of(param) is not None:
             raise ExpertParallelError(f"{layer.name}.{name} is split already; call zs.expert_parallel once per model")
-        if param.is_meta and not values_from_folder:
-            raise ExpertParallelError("expert parallelism needs a model with values; build it without zs.meta_init() "
-                                      "(meta init with ep is not supported yet)")
         if param.shape[0] != layer.num_experts:
             raise ExpertParallelError(f"{layer.name}.{name} has {param.shape[0]} rows on dim 0, not one per expert "
                                       f"({layer.num_experts}); a plan's params must stack the experts on dim 0")
