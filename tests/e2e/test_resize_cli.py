@@ -74,7 +74,8 @@ def test_resume_on_another_world_keeps_the_global_batch(tmp_path, references, sa
     assert [(m["world"], m["accum"]) for m in ours[2:]] == [(now, accum)] * 2
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resize"] == {"at_step": 2, "batch": 8, "from_world": saved, "to_world": now,
-                                 "from_accum": int(WORLDS[saved][-1]), "to_accum": accum, "micro_batch": 2}
+                                 "from_accum": int(WORLDS[saved][-1]), "to_accum": accum, "micro_batch": 2,
+                                 "from_microbatches": 1, "to_microbatches": 1}  # no pipeline either side
 
 
 def test_a_world_that_cannot_keep_the_global_batch_is_refused_before_launch(tmp_path, references):
