@@ -150,14 +150,13 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
                     tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew)
     tp_comm: tuple[Collective, ...] = ()
-    if activations is not None:
-        pass  # the caller's estimate (a pipeline stage's activations in flight)
-    elif cfg is not None and inventory is not None:  # a GPT config comes with its inventory
+    # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
+    if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory
         activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
-    elif analytic:
+    elif activations is None and analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
                      "workspace is the optimizer's scratch")
-    else:
+    elif activations is None:
         notes.append("activations not estimated: the formula covers zeroshard's GPT only")
     if spec.offload != "none":
         notes.append(f"{spec.offload} offload keeps masters, optimizer state and the reduced grads off the device "
