@@ -36,6 +36,10 @@ test: venv
 	exit $$rc
 
 # ruff (style, and SLF001: no reads of another class's _private fields) and mypy over the package.
+# Test folders have no __init__.py, so pytest imports each test module by its basename: two
+# files of one name in different folders break collection. Fail here, with the names, instead.
 lint: venv
+	@dups=$$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d); \
+	if [ -n "$$dups" ]; then echo "lint: test files share a basename; rename one of each: $$dups" >&2; exit 1; fi
 	$(VENV)/bin/ruff check zeroshard tests bench
 	$(VENV)/bin/mypy
