@@ -144,7 +144,7 @@ class TrainConfig:
     data-parallel x tp). 1 is no pipeline."""
 
     pp_schedule: str = "1f1b"
-    """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b or
+    """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or
     looped-bfs (the last two run several stages per rank)."""
 
     microbatches: int = 0

@@ -26,6 +26,9 @@ MODELS = {"gpt": "tiny", "llama": "hf:llama-tiny"}
 SCHEDULES = ("1f1b", "interleaved-1f1b")
 CASES = [(name, stage, sched) for name in MODELS for sched in SCHEDULES for stage in (1, 2, 3)]
 CASES += [("gpt", 3, "gpipe"), ("gpt", 2, "looped-bfs")]  # torch's other two schedules, one case each
+# The zero-bubble schedule splits each backward into input and weight halves that run no grad hook.
+CASES += [("gpt", 1, "interleaved-zero-bubble"), ("gpt", 3, "interleaved-zero-bubble"),
+          ("llama", 3, "interleaved-zero-bubble")]
 STAGE0_CASES = [("gpt", 0, "1f1b")]
 """Our own stage 0 (DDP inside each stage) under the pipeline, held against our stage 0 without one."""
 TP_CASE = ("gpt", 3, "1f1b")

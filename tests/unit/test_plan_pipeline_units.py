@@ -34,6 +34,19 @@ def test_interleaved_order_is_torchs_and_holds_more_microbatches_of_smaller_stag
     assert sum(p.ranks[0].in_flight.values()) > 2
 
 
+def test_zero_bubble_keeps_a_microbatch_in_flight_until_its_weight_half():
+    order = schedule_order("interleaved-zero-bubble", pp=2, stages_per_rank=2, microbatches=4)
+    assert sum(a.kind == "F" for a in order[0]) == sum(a.kind == "W" for a in order[0]) == 2 * 4
+    zb = plan_pipeline("tiny", world=2, pp=2, pp_schedule="interleaved-zero-bubble", microbatches=4, batch=4, seq=16,
+                       device="cpu")
+    inter = plan_pipeline("tiny", world=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=4, batch=4, seq=16,
+                          device="cpu")
+    assert zb.ranks[0].stages == inter.ranks[0].stages == (0, 2)
+    assert all(sum(r.in_flight.values()) >= 1 for r in zb.ranks)
+    assert zb.bubble < inter.bubble == pytest.approx(bubble_fraction(pp=2, microbatches=4, stages_per_rank=2))
+    assert "replayed from torch's order" in zb.notes[0]
+
+
 @pytest.mark.parametrize("pp,m,v", [(2, 2, 1), (4, 8, 1), (4, 8, 2)])
 def test_bubble_fraction(pp, m, v):
     assert bubble_fraction(pp=pp, microbatches=m, stages_per_rank=v) == pytest.approx((pp - 1) / (v * m + pp - 1))

@@ -8,7 +8,7 @@ import pytest
 from zeroshard.models import GPTConfig
 from zeroshard.pipeline.order import bubble_fraction, schedule_order
 from zeroshard.sim.hardware import load_hardware
-from zeroshard.sim.pipeline import _replay, simulate_pipeline
+from zeroshard.sim.pipeline import _replay, _StageTimes, equal_time_bubble, simulate_pipeline
 from zeroshard.sim.step import Layout
 from zeroshard.sim.workload import Workload, gpt_shape
 
@@ -18,11 +18,35 @@ from zeroshard.sim.workload import Workload, gpt_shape
                                              ("interleaved-1f1b", 4, 8, 2)])
 def test_equal_stages_idle_the_textbook_bubble(schedule, pp, m, v):
     order = schedule_order(schedule, pp=pp, stages_per_rank=v, microbatches=m)
-    walked = _replay(order, [1.0] * (pp * v), [2.0] * (pp * v), p2p=0.0)
+    walked = _replay(order, _equal(pp * v), p2p=0.0)
     span = max(end for end, _ in walked.values())
     for end, busy in walked.values():
         assert busy == pytest.approx(3.0 * m * v)
         assert 1 - busy / span == pytest.approx(bubble_fraction(pp=pp, microbatches=m, stages_per_rank=v))
+    assert equal_time_bubble(schedule, pp=pp, stages_per_rank=v, microbatches=m) == pytest.approx(
+        bubble_fraction(pp=pp, microbatches=m, stages_per_rank=v))
+
+
+def _equal(n: int) -> _StageTimes:
+    return _StageTimes([1.0] * n, [2.0] * n, [1.0] * n)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_fills_interleaved_1f1bs_bubble_with_weight_halves(pp, m):
+    """torch's ZB1P order splits every backward into I then W on the same stage; with equal stages
+    every rank still does all its work (3 per microbatch and stage) but idles less than interleaved 1F1B."""
+    order = schedule_order("interleaved-zero-bubble", pp=pp, stages_per_rank=2, microbatches=m)
+    for actions in order.values():
+        seen = [(a.kind, a.stage, a.microbatch) for a in actions]
+        assert not any(k == "B" for k, _, _ in seen)
+        for k, s, j in seen:
+            if k == "W":
+                assert seen.index(("I", s, j)) < seen.index((k, s, j))
+    walked = _replay(order, _equal(2 * pp), p2p=0.0)
+    # The first stage's I is empty and its W the whole backward: busy is still 3 per microbatch and stage.
+    assert all(busy == pytest.approx(3.0 * m * 2) for _, busy in walked.values())
+    zb = equal_time_bubble("interleaved-zero-bubble", pp=pp, stages_per_rank=2, microbatches=m)
+    assert 0 < zb < bubble_fraction(pp=pp, microbatches=m, stages_per_rank=2)
 
 
 def test_more_microbatches_shrink_the_bubble_and_the_link_delays_the_step():
@@ -51,10 +75,9 @@ def test_a_split_the_blocks_do_not_take_is_refused():
 
 def test_ranks_sharing_cores_slow_down_only_while_more_run_than_there_are_cores():
     order = schedule_order("gpipe", pp=4, stages_per_rank=1, microbatches=4)
-    fwd, bwd = [1.0] * 4, [2.0] * 4
-    own = _replay(order, fwd, bwd, p2p=0.0)
-    assert _replay(order, fwd, bwd, p2p=0.0, cores=4) == own
-    one = _replay(order, fwd, bwd, p2p=0.0, cores=1)
+    own = _replay(order, _equal(4), p2p=0.0)
+    assert _replay(order, _equal(4), p2p=0.0, cores=4) == own
+    one = _replay(order, _equal(4), p2p=0.0, cores=1)
     # One core runs one action at a time: the step is at least all the work, one after the other.
     assert max(end for end, _ in one.values()) >= 4 * 4 * 3.0 - 1e-9
     assert max(end for end, _ in one.values()) > max(end for end, _ in own.values())

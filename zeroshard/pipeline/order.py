@@ -10,6 +10,7 @@ that carry only those counts, so neither restates a schedule.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from zeroshard.pipeline.schedules import SCHEDULES, ScheduleSpec
 
@@ -17,7 +18,9 @@ from zeroshard.pipeline.schedules import SCHEDULES, ScheduleSpec
 @dataclasses.dataclass(frozen=True)
 class Action:
     kind: str
-    """``F`` (forward of one microbatch through one stage) or ``B`` (its full backward)."""
+    """``F`` (forward of one microbatch through one stage), ``B`` (its full backward), or, in a
+    zero-bubble schedule, ``I`` (the backward's input half, whose grads go upstream) and ``W`` (its
+    weight half, later)."""
     stage: int
     """The virtual stage (stage ``s`` runs on pp rank ``s % pp``)."""
     microbatch: int
@@ -32,6 +35,8 @@ class _Placeholder:
     group_size: int
     group_rank: int
     stage_index_to_group_rank: dict = dataclasses.field(default_factory=dict)
+    submod: Any = None
+    """An empty module: the zero-bubble schedules check that no stage's module is compiled."""
 
     @property
     def is_first(self) -> bool:
@@ -50,7 +55,9 @@ def schedule_order(spec: ScheduleSpec | str, *, pp: int, stages_per_rank: int,
     spec = SCHEDULES[spec] if isinstance(spec, str) else spec
     cls = getattr(pipelining, spec.torch_class)
     num_stages = pp * stages_per_rank
-    stages = [_Placeholder(k * pp, num_stages, pp, 0) for k in range(stages_per_rank)]
+    from torch import nn
+
+    stages = [_Placeholder(k * pp, num_stages, pp, 0, submod=nn.Module()) for k in range(stages_per_rank)]
     schedule = cls(stages if spec.multi else stages[0], microbatches, loss_fn=lambda out, target: out,
                    scale_grads=False)
     out: dict[int, list[Action]] = {}
@@ -59,7 +66,7 @@ def schedule_order(spec: ScheduleSpec | str, *, pp: int, stages_per_rank: int,
         seen: dict[tuple[str, int], int] = {}
         for a in schedule.pipeline_order[rank]:
             kind = getattr(a, "computation_type", None) if a is not None else None
-            if kind is None or kind.value not in ("F", "B"):
+            if kind is None or kind.value not in ("F", "B", "I", "W"):
                 continue
             mb = a.microbatch_index
             if not spec.multi:
@@ -83,8 +90,9 @@ class InFlight:
 def peak_in_flight(actions: list[Action], weight: dict[int, int]) -> tuple[InFlight, InFlight]:
     """The most ``weight`` bytes held at once before the rank's first backward ends, and after it
     (when the grads of one microbatch are already accumulated). A microbatch is in flight on a
-    stage from its forward to its backward, holding ``weight[stage]``; a backward's moment counts
-    its own microbatch, whose activations are alive until it is done."""
+    stage from its forward to its backward (to its weight half in a zero-bubble schedule, which
+    reads the saved activations), holding ``weight[stage]``; a backward's moment counts its own
+    microbatch, whose activations are alive until it is done."""
     held = dict.fromkeys(weight, 0)
     best = [InFlight(0, dict(held)), InFlight(0, dict(held))]
     after = 0
@@ -94,7 +102,7 @@ def peak_in_flight(actions: list[Action], weight: dict[int, int]) -> tuple[InFli
         total = sum(weight[s] * n for s, n in held.items())
         if total > best[after].bytes:
             best[after] = InFlight(total, dict(held))
-        if a.kind == "B":
+        if a.kind in ("B", "W"):
             held[a.stage] -= 1
             after = 1
     return best[0], best[1]

@@ -157,6 +157,9 @@ class Pipeline:
             # return_outputs=False: torch would otherwise keep every microbatch's logits to the step's
             # end and concatenate them (twice the batch's logits), and the loss is all the step needs.
             self._schedule.step(x, target=y, return_outputs=False)
+            if self.spec.split_backward:
+                for module in self.modules:
+                    get_engine(module).split_backward_done()
         return total
 
     # -- after the schedule ------------------------------------------------------------------

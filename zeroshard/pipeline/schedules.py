@@ -18,6 +18,8 @@ class ScheduleSpec:
     multi: bool
     """Several stages per rank (torch's PipelineScheduleMulti)."""
     default_stages_per_rank: int
+    split_backward: bool = False
+    """Each backward runs as an input half and a later weight half (a zero-bubble schedule)."""
 
 
 SCHEDULES = {
@@ -25,10 +27,13 @@ SCHEDULES = {
     "1f1b": ScheduleSpec("1f1b", "Schedule1F1B", False, 1),
     "interleaved-1f1b": ScheduleSpec("interleaved-1f1b", "ScheduleInterleaved1F1B", True, 2),
     "looped-bfs": ScheduleSpec("looped-bfs", "ScheduleLoopedBFS", True, 2),
+    "interleaved-zero-bubble": ScheduleSpec("interleaved-zero-bubble", "ScheduleInterleavedZeroBubble", True, 2,
+                                            split_backward=True),
 }
-"""Schedule names (``pp_schedule``). Zero-bubble schedules split backward into input and weight
-grads with ``torch.autograd.grad``, which fires no post-accumulate-grad hook, and the engine reduces
-from those hooks: they are not offered until the engine takes grads from that path too."""
+"""Schedule names (``pp_schedule``). The zero-bubble one (ZB1P, stages looped over the ranks as in
+interleaved 1F1B) fills the bubble with the weight halves of earlier backwards
+(zeroshard/pipeline/stage.py). torch's V-shaped ones (ZBV, DualPipeV) place a rank's two stages
+at both ends of the pipeline, a placement zeroshard's stage split and checkpoints do not take yet."""
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
@@ -62,7 +67,7 @@ def check_microbatches(spec: ScheduleSpec, *, microbatches: int, pp: int, local_
     """One line for a microbatch count the schedule cannot run, or a batch it cannot split."""
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches} must be >= 1")
-    if spec.name in ("1f1b", "interleaved-1f1b") and microbatches < pp:
+    if spec.name in ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble") and microbatches < pp:
         raise ValueError(f"pp_schedule={spec.name} needs at least pp={pp} microbatches to fill the pipeline, got "
                          f"microbatches={microbatches}; pass microbatches >= {pp}")
     rounds = max(1, microbatches // pp)

@@ -5,6 +5,13 @@ torch does the transport (``batch_isend_irecv`` on the pp group); zeroshard only
 group ``pp`` with its bytes, the phase (forward: activations, backward: their grads) and, as the
 record's unit, the stage and microbatch (``stage1.mb3``). Byte counts, the doctor and the desync
 fingerprint then cover the pipeline's traffic like any collective.
+
+Zero-bubble schedules split each microbatch's backward into an input half (I: grads to the stage's
+inputs, sent upstream at once) and a weight half (W, run later to fill the bubble). torch computes
+both with ``torch.autograd.grad``, which runs none of the accumulate-grad hooks the engine gathers,
+frees and reduces from (the first stage's W is a plain backward and does run them), so the stage
+drives its engine around each half: stage 3 gathers the stage's blocks before each half and frees
+them after it, and after W the engine takes the grads torch assigned to ``param.grad``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from zeroshard.comm import collectives
 from zeroshard.comm.names import Group, Phase
+from zeroshard.sharding import get_engine
 
 
 class LedgeredStage(PipelineStage):
@@ -41,3 +49,18 @@ class LedgeredStage(PipelineStage):
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
         return self._record(super().get_bwd_recv_ops(bwd_chunk_id), "recv", Phase.BACKWARD, bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        split = not full_backward and not self.is_first  # the first stage's I is empty: its W is the whole backward
+        if split:
+            get_engine(self.submod).gather_for_split_backward()
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if split:
+            get_engine(self.submod).input_backward_done()
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        engine = get_engine(self.submod)
+        if not self.is_first:
+            engine.gather_for_split_backward()
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        engine.take_assigned_grads()

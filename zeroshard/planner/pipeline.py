@@ -58,7 +58,19 @@ class PipelineShape:
 
     @property
     def bubble(self) -> float:
+        if schedule_spec(self.schedule).split_backward:
+            from zeroshard.sim.pipeline import equal_time_bubble  # the sim imports the planner
+
+            return equal_time_bubble(self.schedule, pp=self.pp, stages_per_rank=self.stages_per_rank,
+                                     microbatches=self.microbatches)
         return bubble_fraction(pp=self.pp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank)
+
+    @property
+    def bubble_rule(self) -> str:
+        """How ``bubble`` is worked out, for the plan's note."""
+        if schedule_spec(self.schedule).split_backward:
+            return "replayed from torch's order with equal stages (forward 1, input and weight halves 1 each)"
+        return "(p - 1) / (v·m + p - 1)"
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "pp_schedule": self.schedule, "microbatches": self.microbatches,
@@ -266,7 +278,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
         ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
                                in_flight=worst.held, activation_bytes=worst.bytes, buffer_bytes=buffers,
                                plan=_larger(*combined)))
-    notes = [f"{shape.schedule}: bubble (p - 1) / (v·m + p - 1) = {shape.bubble:.1%} of each rank's step "
+    notes = [f"{shape.schedule}: bubble {shape.bubble_rule} = {shape.bubble:.1%} of each rank's step "
              f"(p {pp}, m {shape.microbatches}, v {shape.stages_per_rank})"]
     if tied:
         notes.append(f"tied {tied[0].owner_fqn} = {tied[0].copy_fqn}: the last stage holds its own copy "

@@ -490,6 +490,59 @@ class Engine:
         self._next_reduce = len(self.reduce_order)
         self._reap_finished()
 
+    # -- split backward (zero-bubble pipeline schedules) ----------------------------------------
+    def input_backward_done(self) -> None:
+        """The input half of a split backward has run for one microbatch: torch's
+        ``stage_backward_input`` differentiates to the stage's inputs only, so no param's
+        accumulate-grad hook fired and nothing resharded stage 3's blocks. Free them here; the
+        next forward, input half or weight half gathers them again."""
+        self._prefetch_after_first_grad = None
+        if self.policy.shard_params:
+            for unit in self.units:
+                if not unit.is_root:
+                    unit.reshard()
+
+    def gather_for_split_backward(self) -> None:
+        """Stage 3: gather every unit before either half of a split backward. torch finds the
+        params each half differentiates to through the module's registered params, which are the
+        unsharded ones only while gathered, and the weight half's graph reads the full params (a
+        layer norm's weight, a linear's transposed weight)."""
+        for unit in self.units:
+            unit.unshard(Phase.BACKWARD)
+        for unit in self.units:
+            unit.wait_unshard()
+        self._track_memory()
+
+    def split_backward_done(self) -> None:
+        """Every microbatch's weight half has run: stage 3 frees every unit, the root included,
+        which the hooked backward's end would have done (the next step gathers the updated values)."""
+        if self.policy.shard_params:
+            for unit in self.units:
+                unit.reshard()
+
+    def take_assigned_grads(self) -> None:
+        """Take the grads a split backward's weight half assigned to ``param.grad`` itself (torch's
+        ``stage_backward_weight`` computes them with ``torch.autograd.grad``, which runs no
+        accumulate-grad hook) into the flat grad buffers, as the hooks do under ``no_sync``, and
+        free stage 3's blocks again. A param whose grad a hook already took holds none (stages 2-3)
+        or our own buffer view (stages 0-1), so calling this after a hooked backward changes nothing."""
+        if not self.defers_reduction:
+            raise RuntimeError("take_assigned_grads runs inside no_sync (a pipeline schedule's backward passes)")
+        for unit in self.units:
+            took = False
+            for group_index, group in enumerate(unit.groups):
+                if not group.trainable or group.params is None:
+                    continue
+                for param_index, param in enumerate(group.created_params()):
+                    if param.grad is not None:
+                        unit.mark_ready(group_index, param_index)
+                        took = True
+            if took:
+                unit.collect_grads()
+                unit.clear_ready()
+            if self.policy.shard_params and not unit.is_root:
+                unit.reshard()
+
     def accumulated_grad(self, fqn: str) -> torch.Tensor:
         """The full grad of param ``fqn`` accumulated under ``no_sync`` and not yet reduced: a flat
         view into its group's grad buffer, which a caller may change in place before

@@ -4,7 +4,9 @@ Each pp rank runs its actions in torch's own order (zeroshard/pipeline/order.py,
 runtime runs): a forward of microbatch j on stage s starts once the rank is free and stage s − 1's
 forward of j has arrived over the pp link; a backward once stage s + 1's backward of j has sent
 its grad back (the last stage: once its own forward is done). A stage's forward and backward take
-its blocks' times (the unit times of zeroshard/sim/step.py, per microbatch); the last stage also
+its blocks' times (the unit times of zeroshard/sim/step.py, per microbatch); a zero-bubble
+schedule's input half waits like a backward, its weight half for its own input half, each taking
+half the backward (the first stage: none, and all of it); the last stage also
 runs the head and the loss (the root; the embedding lookup of the first stage is left out). At
 ZeRO-3 every block is gathered again in each microbatch's forward and backward: the first block's
 gather is waited for, the others' hidden behind the block before them when shorter.
@@ -68,14 +70,15 @@ class PipelineTime:
                 "ranks": [dataclasses.asdict(r) | {"bubble": r.bubble} for r in self.ranks]}
 
 
-def _replay(order: dict[int, list], fwd: list[float], bwd: list[float], p2p: float,
+def _replay(order: dict[int, list], times: _StageTimes, p2p: float,
             cores: int | None = None) -> dict[int, tuple[float, float]]:
     """pp rank -> (end of its last action, seconds its actions ran), walking every rank's actions in
     order and starting each as soon as its rank is free and its input has arrived.
 
     ``cores``: the ranks share that many processors (a CPU host with more ranks than cores): while
     k > cores actions run, each advances at cores / k of its own speed. None: one device per rank."""
-    last = len(fwd) - 1
+    last = len(times.fwd) - 1
+    upstream = "I" if any(a.kind == "I" for actions in order.values() for a in actions) else "B"
     done: dict[tuple[str, int, int], float] = {}
     busy = dict.fromkeys(order, 0.0)
     nxt = dict.fromkeys(order, 0)
@@ -88,8 +91,10 @@ def _replay(order: dict[int, list], fwd: list[float], bwd: list[float], p2p: flo
         a = order[r][nxt[r]]
         if a.kind == "F":
             dep = None if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
-        else:
-            dep = ("F", a.stage, a.microbatch) if a.stage == last else ("B", a.stage + 1, a.microbatch)
+        elif a.kind == "W":  # the weight half follows its own input half
+            dep = ("I", a.stage, a.microbatch)
+        else:  # B or I: the grad of the stage's output, from the next stage's B or I
+            dep = ("F", a.stage, a.microbatch) if a.stage == last else (upstream, a.stage + 1, a.microbatch)
         if dep is None:
             return free_at[r]
         if dep not in done:
@@ -102,7 +107,7 @@ def _replay(order: dict[int, list], fwd: list[float], bwd: list[float], p2p: flo
                 at = ready_at(r)
                 if at is not None and at <= now:
                     a = order[r][nxt[r]]
-                    running[r] = [fwd[a.stage] if a.kind == "F" else bwd[a.stage], now]
+                    running[r] = [times.seconds(a), now]
         rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
         waits = [at for r in order if r not in running and nxt[r] < len(order[r])
                  for at in [ready_at(r)] if at is not None and at > now]
@@ -122,6 +127,40 @@ def _replay(order: dict[int, list], fwd: list[float], bwd: list[float], p2p: flo
                 del running[r]
         now = t
     return {r: (free_at[r], busy[r]) for r in order}
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageTimes:
+    """Each virtual stage's seconds per microbatch: forward, full backward, and the two halves of a
+    split one (zero-bubble schedules)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    half: list[float]
+    """Input or weight half of a stage's split backward: half of its compute (the two matmuls of
+    every linear layer), and at ZeRO-3 the stage's blocks gathered at once before each half
+    (nothing hides them: ``Engine.gather_for_split_backward``)."""
+
+    def seconds(self, action) -> float:
+        kind, stage = action.kind, action.stage
+        if kind == "F":
+            return self.fwd[stage]
+        if kind == "B":
+            return self.bwd[stage]
+        if stage == 0:  # nothing upstream needs the first stage's input grads: its W is the whole backward
+            return 0.0 if kind == "I" else self.bwd[stage]
+        return self.half[stage]
+
+
+def equal_time_bubble(schedule: str, *, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The mean idle share of torch's order for ``schedule`` with every stage equally fast (forward 1,
+    backward 2, each half of a split one 1) and free transfers: the closed form (p − 1)/(v·m + p − 1)
+    for the schedules with a full backward; a zero-bubble schedule has none, the replay gives its figure."""
+    n = pp * stages_per_rank
+    order = schedule_order(schedule, pp=pp, stages_per_rank=stages_per_rank, microbatches=microbatches)
+    walked = _replay(order, _StageTimes([1.0] * n, [2.0] * n, [1.0] * n), 0.0)
+    span = max(end for end, _ in walked.values())
+    return sum(1.0 - busy / span for _, busy in walked.values()) / len(walked)
 
 
 def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, schedule: str = "1f1b",
@@ -157,11 +196,13 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
            for i in range(n_stages)]
     bwd = [blocks * d.block_bwd + exposed(d.block_bwd) + (d.root_bwd if i == n_stages - 1 else 0.0)
            for i in range(n_stages)]
+    half = [(blocks * d.block_bwd + (d.root_bwd if i == n_stages - 1 else 0.0)) / 2 + blocks * gather
+            for i in range(n_stages)]
     # Consecutive stages are world / pp ranks apart: on two nodes once a stage fills a node.
     alpha, bandwidth = link(hw, 2, spans=layout.world >= hw.gpus_per_node)
     p2p = alpha + w.tokens * s.hidden * w.compute_bytes / bandwidth
     order = schedule_order(spec, pp=pp, stages_per_rank=stages_per_rank, microbatches=m)
-    walked = _replay(order, fwd, bwd, p2p, cores)
+    walked = _replay(order, _StageTimes(fwd, bwd, half), p2p, cores)
     span = max(end for end, _ in walked.values())
     ranks = []
     for r, (end, busy) in walked.items():
