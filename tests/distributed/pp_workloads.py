@@ -52,7 +52,8 @@ def _train(cfg: TrainConfig, mesh) -> dict:
     facts = {}
     if run.pipeline is not None:
         pipe = run.pipeline
-        facts = {"stages": pipe.stage_indices, "num_stages": pipe.num_stages, "microbatches": pipe.microbatches,
+        facts = {"stages": pipe.stage_indices, "replicate": mesh.replicate_size, "shard": mesh.shard_size,
+ "num_stages": pipe.num_stages, "microbatches": pipe.microbatches,
                  "act_bytes": cfg.batch // mesh.dp_size // pipe.microbatches * cfg.seq_len * pipe.hidden * 4,
                  "tied": [(t.owner_fqn, t.copy_fqn) for t in pipe.tied],
                  "names": sorted({n for m in pipe.modules for n, _ in m.named_parameters()})}
@@ -126,8 +127,16 @@ def suite() -> dict:
     flat = zs.new_mesh(name="flat")
     out["flat-stage0"] = _train(config("gpt", 0, pp=1), flat)
     t0 = time.perf_counter()
-    out["pp-tp"] = _train(config(*TP_CASE, tp=2), zs.new_mesh(pp=2, tp=2, name="pptp"))
+    pptp = zs.new_mesh(pp=2, tp=2, name="pptp")
+    out["pp-tp"] = _train(config(*TP_CASE, tp=2), pptp)
     times["pp-tp"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out["pp-tp-llama"] = _train(config("llama", 3, tp=2), pptp)
+    times["pp-tp-llama"] = time.perf_counter() - t0
+    # A replicate dim inside each stage: 2 replicas of 1 shard rank, the hybrid path's all-reduce.
+    t0 = time.perf_counter()
+    out["pp-replicate"] = _train(config("gpt", 3, shard_size=1), zs.new_mesh(pp=2, shard_size=1, name="pprep"))
+    times["pp-replicate"] = time.perf_counter() - t0
     out["fp16"] = _fp16_overflow(mesh)
     out["errors"] = _errors(mesh)
     out["times"] = times

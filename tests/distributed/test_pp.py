@@ -63,6 +63,20 @@ def test_pipeline_with_tensor_parallel_stages_matches_single_process(suite, refe
     assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("case,name,what", [("pp-tp-llama", "llama", "pp 2 x tp 2"),
+                                             ("pp-replicate", "gpt", "pp 2 x replicate 2 x shard 1")])
+def test_pipeline_of_other_layouts_matches_single_process(suite, references, case, name, what):
+    got = suite[0][case]
+    diff = _max_diff(got["params"], references[name]["params"])
+    print(f"{name} {what} stage 3 1f1b, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} "
+          f"({suite[0]['times'][case]:.1f} s)")
+    assert diff <= 1e-5
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()
+    if case == "pp-replicate":
+        assert (got["replicate"], got["shard"]) == (2, 1)
+
+
 def test_pipeline_stages_1_to_3_are_bitwise_its_stage_0(suite):
     """Each stage's shard group has 2 ranks, so every reduction is one commutative add and the flat
     buffers are aligned: ZeRO inside the pipeline changes no bit against DDP inside it."""
