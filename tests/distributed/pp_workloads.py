@@ -53,7 +53,7 @@ def _train(cfg: TrainConfig, mesh) -> dict:
     if run.pipeline is not None:
         pipe = run.pipeline
         facts = {"stages": pipe.stage_indices, "replicate": mesh.replicate_size, "shard": mesh.shard_size,
- "num_stages": pipe.num_stages, "microbatches": pipe.microbatches,
+                 "num_stages": pipe.num_stages, "microbatches": pipe.microbatches,
                  "act_bytes": cfg.batch // mesh.dp_size // pipe.microbatches * cfg.seq_len * pipe.hidden * 4,
                  "tied": [(t.owner_fqn, t.copy_fqn) for t in pipe.tied],
                  "names": sorted({n for m in pipe.modules for n, _ in m.named_parameters()})}
