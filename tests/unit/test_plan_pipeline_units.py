@@ -45,6 +45,11 @@ def test_zero_bubble_keeps_a_microbatch_in_flight_until_its_weight_half():
     assert all(sum(r.in_flight.values()) >= 1 for r in zb.ranks)
     assert zb.bubble < inter.bubble == pytest.approx(bubble_fraction(pp=2, microbatches=4, stages_per_rank=2))
     assert "replayed from torch's order" in zb.notes[0]
+    from zeroshard.planner.measure_pipeline import measure
+
+    with pytest.raises(ValueError, match="MemTracker, whose module hooks fail") as refused:
+        measure(zb, (3,), name="tiny")  # refused before any rank starts
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("pp,m,v", [(2, 2, 1), (4, 8, 1), (4, 8, 2)])

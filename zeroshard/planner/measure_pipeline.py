@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import warnings
 from typing import Any
 
 import torch
@@ -41,7 +42,9 @@ def _live_tensors(skip: frozenset[int] = frozenset()) -> list[torch.Tensor]:
     """Every tensor the garbage collector can reach, and their grads: the model states, the
     optimizer's, torch's receive buffers and whatever else outlives a step; storages in ``skip``
     left out."""
-    found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta"]
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta"]
     found += [t.grad for t in found if t.grad is not None]
     return [t for t in found if t.untyped_storage().data_ptr() not in skip]
 
@@ -63,8 +66,6 @@ def _tracker():
 
 def pipeline_measure_worker(req: dict) -> dict:
     """Runs on every rank: each requested stage on a fresh model; returns this rank's peaks."""
-    import warnings
-
     import zeroshard as zs
     from zeroshard import step as step_mod
     from zeroshard.config import TrainConfig
@@ -125,6 +126,12 @@ def checks(pplan: PipelinePlan, per_rank: list[dict]) -> list[StageCheck]:
 
 def measure(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, timeout_s: float = 600.0) -> list[StageCheck]:
     from zeroshard.launch import spawn
+    from zeroshard.pipeline.schedules import schedule_spec
+
+    if schedule_spec(pplan.shape.schedule).split_backward:
+        raise ValueError(f"--measure reads each rank's peak with torch's MemTracker, whose module hooks fail inside "
+                         f"the torch.autograd.grad calls of {pplan.shape.schedule}'s split backward; plan it without "
+                         "--measure, or measure interleaved-1f1b (the same stages, each backward whole)")
 
     return checks(pplan, spawn(pipeline_measure_worker, pplan.world, args=(request(pplan, stages, name=name),),
                                timeout_s=timeout_s))
