@@ -22,7 +22,8 @@ from zeroshard.data import build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.sharding import EventKind, get_engine
 from zeroshard.sharding.precision import parse_dtype
-from zeroshard.sharding.schedule import TensorParallelSizes, engine_schedule
+from zeroshard.sharding.schedule import engine_schedule
+from zeroshard.sharding.schedule_events import TensorParallelSizes
 
 SEED = 1234
 SEQ = 16

@@ -18,7 +18,8 @@ from zeroshard.models import GPTConfig
 from zeroshard.sharding.engine import merge_in_order
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import MeshSizes, step_schedule
+from zeroshard.sharding.schedule import step_schedule
+from zeroshard.sharding.schedule_events import MeshSizes
 from zeroshard.sim.hardware import load_hardware
 from zeroshard.sim.replay import schedule_units
 from zeroshard.sim.step import Layout, replayed_collectives

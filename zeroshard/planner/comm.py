@@ -25,7 +25,8 @@ from typing import Sequence
 from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import EXPERTS, MeshSizes, Schedule, UnitSizes, step_schedule
+from zeroshard.sharding.schedule import step_schedule
+from zeroshard.sharding.schedule_events import EXPERTS, MeshSizes, Schedule, UnitSizes
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 

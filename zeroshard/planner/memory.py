@@ -31,7 +31,8 @@ from zeroshard.planner.spec import STAGE_NAMES, PlanSpec
 from zeroshard.comm.quant import CommQuant
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.optim import PIPELINE_MIN_NUMEL
-from zeroshard.sharding.schedule import GroupSizes, MeshSizes, UnitSizes, step_schedule
+from zeroshard.sharding.schedule import step_schedule
+from zeroshard.sharding.schedule_events import GroupSizes, MeshSizes, UnitSizes
 
 
 def _size(dtype: torch.dtype) -> int:

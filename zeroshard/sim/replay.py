@@ -30,9 +30,10 @@ import torch
 from zeroshard.offload.policy import OffloadPolicy
 from zeroshard.sharding.engine import merge_in_order
 from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import (BACKWARD, COMPUTE, EXPERTS, FORWARD, FREE, OPTIMIZER, PARAM_SYNC, RECOMPUTE,
-                                         WAIT, GroupSizes, MeshSizes, Schedule, TensorParallelSizes, UnitSizes,
-                                         step_schedule)
+from zeroshard.sharding.schedule import step_schedule
+from zeroshard.sharding.schedule_events import (BACKWARD, COMPUTE, EXPERTS, FORWARD, FREE, OPTIMIZER, PARAM_SYNC,
+                                                RECOMPUTE, WAIT, GroupSizes, MeshSizes, Schedule, TensorParallelSizes,
+                                                UnitSizes)
 from zeroshard.sim.network import collective_seconds, wire_bytes
 from zeroshard.sim.workload import TORCHTITAN_POLICIES, Workload
 
