@@ -18,6 +18,7 @@ import torch
 import zeroshard as zs
 from zeroshard import step as step_mod
 from zeroshard.config import TrainConfig
+from zeroshard.sharding import get_engine
 from zeroshard.train import train_step
 
 WORLD = 4
@@ -33,21 +34,27 @@ STAGE0_CASES = [("gpt", 0, "1f1b")]
 """Our own stage 0 (DDP inside each stage) under the pipeline, held against our stage 0 without one."""
 TP_CASE = ("gpt", 3, "1f1b")
 """pp 2 x tp 2 (shard 1) at stage 3, on a second mesh of the same world."""
+GRAD_REDUCE_CASES = [("gpt", stage, sched, "microbatch") for sched in SCHEDULES for stage in (2, 3)]
+"""pp_grad_reduce="microbatch": stages 2-3 reduce-scatter after every microbatch into the grad shard.
+Each is held to one process and to its CASES twin, which reduces once per step."""
 
 
-def config(name: str, stage: int, schedule: str = "1f1b", *, pp: int = 2, **kw: Any) -> TrainConfig:
+def config(name: str, stage: int, schedule: str = "1f1b", pp_grad_reduce: str = "step", *, pp: int = 2,
+           **kw: Any) -> TrainConfig:
     return TrainConfig(**{"model": MODELS[name], "nproc": WORLD, "pp": pp, "stage": stage, "pp_schedule": schedule,
-                          "steps": STEPS, "batch": 8, "seq_len": 32, "clip": 1.0, "num_samples": 256, **kw})
+                          "pp_grad_reduce": pp_grad_reduce, "steps": STEPS, "batch": 8, "seq_len": 32, "clip": 1.0,
+                          "num_samples": 256, **kw})
 
 
 def _train(cfg: TrainConfig, mesh) -> dict:
     ledger = zs.ledger()
     run = step_mod.build(cfg, mesh)
-    records, pp_bytes = [], []
+    records, traffic, counts = [], [], []
     for i in range(cfg.steps):
         seq = ledger.next_seq
         records.append(train_step(run, i))
-        pp_bytes.append(_p2p_bytes(ledger.since(seq)))
+        traffic.append(_traffic(ledger.since(seq)))
+        counts.append(_traffic(ledger.since(seq), count=True))
     state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
     facts = {}
     if run.pipeline is not None:
@@ -56,25 +63,27 @@ def _train(cfg: TrainConfig, mesh) -> dict:
                  "num_stages": pipe.num_stages, "microbatches": pipe.microbatches,
                  "act_bytes": cfg.batch // mesh.dp_size // pipe.microbatches * cfg.seq_len * pipe.hidden * 4,
                  "tied": [(t.owner_fqn, t.copy_fqn) for t in pipe.tied],
-                 "names": sorted({n for m in pipe.modules for n, _ in m.named_parameters()})}
+                 "names": sorted({n for m in pipe.modules for n, _ in m.named_parameters()}),
+                 # What one reduction of each of this rank's flat groups carries: its padded grads.
+                 "group_grad_bytes": [g.layout.numel * g.reduce_dtype.itemsize for m in pipe.modules
+                                      for g in get_engine(m).trainable_groups]}
     return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
-            "losses": [r.loss for r in records], "pp_bytes": pp_bytes, **facts}
+            "losses": [r.loss for r in records], "bytes": traffic, "counts": counts, **facts}
 
 
-def _p2p_bytes(records) -> dict[str, int]:
+def _traffic(records, *, count: bool = False) -> dict[str, int]:
+    """Bytes (or records) per group:op:phase of the pp groups and the stage's shard group."""
     out: dict[str, int] = {}
     for r in records:
-        if str(r.group) in ("pp", "pp_ends"):
+        if str(r.group) in ("pp", "pp_ends", "shard"):
             key = f"{r.group}:{r.op}:{r.phase}"
-            out[key] = out.get(key, 0) + r.bytes
+            out[key] = out.get(key, 0) + (1 if count else r.bytes)
     return out
 
 
 def _fp16_overflow(mesh) -> dict:
     """fp16 at stage 2 for 3 steps, with an inf put into the first stage's grads alone at step 2: every
     rank (both stages) must skip that step and back off the scale, and train on either side of it."""
-    from zeroshard.sharding import get_engine
-
     run = step_mod.build(config("gpt", 2, mp="fp16", steps=3), mesh)
     scales, skipped, moved = [], [], []
     for i in range(3):
@@ -96,6 +105,7 @@ def _errors(mesh) -> dict[str, str]:
     """One line each for the layouts the runtime refuses (the config's own errors are unit-tested)."""
     from zeroshard.models.gpt import GPT, GPTConfig
     from zeroshard.pipeline import Pipeline
+    from zeroshard.sharding.options import EngineOptions
 
     out = {}
     for key, fn in {
@@ -105,6 +115,8 @@ def _errors(mesh) -> dict[str, str]:
         "microbatches": lambda: Pipeline(GPT(GPTConfig.named("tiny")), mesh=mesh, stage=1,
                                          microbatches=1).check_batch(4),
         "batch": lambda: Pipeline(GPT(GPTConfig.named("tiny")), mesh=mesh, stage=1, microbatches=4).check_batch(6),
+        "grad_reduce_stage": lambda: Pipeline(GPT(GPTConfig.named("tiny")), mesh=mesh, stage=1,
+                                              options=EngineOptions(pp_grad_reduce="microbatch")),
     }.items():
         try:
             fn()
@@ -119,7 +131,7 @@ def suite() -> dict:
     out: dict[str, Any] = {"mesh": {"pp": mesh.pp_size, "shard": mesh.shard_size, "dp": mesh.dp_size,
                                     "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "shard_rank": mesh.shard_rank}}
     times = {}
-    for case in CASES + STAGE0_CASES:
+    for case in CASES + STAGE0_CASES + GRAD_REDUCE_CASES:
         t0 = time.perf_counter()
         out[case] = _train(config(*case), mesh)
         times[case] = time.perf_counter() - t0
@@ -135,8 +147,15 @@ def suite() -> dict:
     times["pp-tp-llama"] = time.perf_counter() - t0
     # A replicate dim inside each stage: 2 replicas of 1 shard rank, the hybrid path's all-reduce.
     t0 = time.perf_counter()
-    out["pp-replicate"] = _train(config("gpt", 3, shard_size=1), zs.new_mesh(pp=2, shard_size=1, name="pprep"))
+    pprep = zs.new_mesh(pp=2, shard_size=1, name="pprep")
+    out["pp-replicate"] = _train(config("gpt", 3, shard_size=1), pprep)
     times["pp-replicate"] = time.perf_counter() - t0
+    # pp_grad_reduce="microbatch" on the same two layouts (the tied sum over a shard group of 1).
+    for case, layout, mesh_of_case in (("pp-tp-microbatch", {"tp": 2}, pptp),
+                                       ("pp-replicate-microbatch", {"shard_size": 1}, pprep)):
+        t0 = time.perf_counter()
+        out[case] = _train(config("gpt", 3, "1f1b", "microbatch", **layout), mesh_of_case)
+        times[case] = time.perf_counter() - t0
     out["fp16"] = _fp16_overflow(mesh)
     out["errors"] = _errors(mesh)
     out["times"] = times

@@ -1,7 +1,8 @@
 """Pipeline parallelism with ZeRO inside every stage: world 4 = pp 2 x shard 2, against one process.
 
 One spawned world-4 group runs every case (pp_workloads.CASES: GPT and Llama with tied heads,
-stages 1-3, 1F1B and interleaved 1F1B, 10 steps); the tests below read its results.
+stages 1-3, 1F1B and interleaved 1F1B, 10 steps; GRAD_REDUCE_CASES: the GPT reducing its grads
+after every microbatch); the tests below read its results.
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def test_pipeline_with_tensor_parallel_stages_matches_single_process(suite, refe
     assert diff <= 1e-5
 
 
-@pytest.mark.parametrize("case,name,what", [("pp-tp-llama", "llama", "pp 2 x tp 2"),
-                                             ("pp-replicate", "gpt", "pp 2 x replicate 2 x shard 1")])
+@pytest.mark.parametrize("case,name,what", [
+    ("pp-tp-llama", "llama", "pp 2 x tp 2"), ("pp-replicate", "gpt", "pp 2 x replicate 2 x shard 1"),
+    ("pp-tp-microbatch", "gpt", "pp 2 x tp 2, pp_grad_reduce=microbatch,"),
+    ("pp-replicate-microbatch", "gpt", "pp 2 x replicate 2 x shard 1, pp_grad_reduce=microbatch,")])
 def test_pipeline_of_other_layouts_matches_single_process(suite, references, case, name, what):
     got = suite[0][case]
     diff = _max_diff(got["params"], references[name]["params"])
@@ -73,7 +76,7 @@ def test_pipeline_of_other_layouts_matches_single_process(suite, references, cas
     assert diff <= 1e-5
     owner, copy = got["tied"][0]
     assert (got["params"][owner] == got["params"][copy]).all()
-    if case == "pp-replicate":
+    if case.startswith("pp-replicate"):
         assert (got["replicate"], got["shard"]) == (2, 1)
 
 
@@ -115,7 +118,7 @@ def test_ledger_sends_and_receives_equal_theory(suite, case):
     boundaries, m, act = facts["num_stages"] - 1, facts["microbatches"], facts["act_bytes"]
     replicas = w.WORLD // 2  # data-parallel copies of the pipeline
     for step in range(w.STEPS):
-        per_step = [r["pp_bytes"][step] for r in runs]
+        per_step = [r["bytes"][step] for r in runs]
         for phase in ("forward", "backward"):
             sent = sum(b.get(f"pp:send:{phase}", 0) for b in per_step)
             received = sum(b.get(f"pp:recv:{phase}", 0) for b in per_step)
@@ -124,6 +127,62 @@ def test_ledger_sends_and_receives_equal_theory(suite, case):
         name = facts["tied"][0][0]
         numel = facts["params"][name].numel()
         assert all(b.get("pp_ends:all_reduce:backward", 0) == numel * 4 for b in per_step)
+
+
+@pytest.mark.parametrize("case", w.GRAD_REDUCE_CASES, ids=lambda c: f"{c[0]}-stage{c[1]}-{c[2]}")
+def test_grad_reduce_per_microbatch_matches_single_process_and_the_step_reduction(suite, references, case):
+    got, once, ref = suite[0][case], suite[0][case[:3]], references[case[0]]
+    diff, vs_step = _max_diff(got["params"], ref["params"]), _max_diff(got["params"], once["params"])
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    print(f"{case[0]} pp 2 x shard 2 stage {case[1]} {case[2]} pp_grad_reduce=microbatch, {w.STEPS} steps: max abs "
+          f"param diff vs one process {diff:.2e}, vs pp_grad_reduce=step {vs_step:.2e}, loss {loss_diff:.2e} "
+          f"({suite[0]['times'][case]:.1f} s)")
+    assert diff <= 1e-5 and loss_diff <= 1e-5
+    # Not bitwise the step reduction: each microbatch's grads are summed over the shard ranks and then
+    # over microbatches, instead of over microbatches and then over ranks (another fp32 add order).
+    assert vs_step <= 1e-5
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()  # the shard-level tied sum keeps them equal
+    assert all(other[case]["losses"] == got["losses"] for other in suite[1:])
+
+
+@pytest.mark.parametrize("case", w.GRAD_REDUCE_CASES, ids=lambda c: f"{c[0]}-stage{c[1]}-{c[2]}")
+def test_grad_reduce_per_microbatch_traffic_is_microbatches_times_the_step_reduction(suite, case):
+    """Each flat group of the rank's stages is reduce-scattered once per step under "step" and once
+    per microbatch under "microbatch", its padded grads each time; the tied param adds one all-reduce
+    of its size over shard (rebuilding the reduced grad from the shards) and the usual one over pp_ends."""
+    key = "shard:reduce_scatter:backward"
+    tied_bytes = 4 * suite[0][case]["params"][suite[0][case]["tied"][0][0]].numel()  # fp32 grads
+    for rank in suite:
+        got, once = rank[case], rank[case[:3]]
+        m, groups = got["microbatches"], got["group_grad_bytes"]
+        for step in range(w.STEPS):
+            assert once["counts"][step][key] == len(groups) and once["bytes"][step][key] == sum(groups)
+            assert got["counts"][step][key] == m * len(groups) and got["bytes"][step][key] == m * sum(groups)
+            assert got["bytes"][step][key] == m * once["bytes"][step][key]
+            assert got["bytes"][step]["shard:all_reduce:backward"] == tied_bytes
+            assert "shard:all_reduce:backward" not in once["bytes"][step]
+            assert got["bytes"][step]["pp_ends:all_reduce:backward"] == once["bytes"][step][
+                "pp_ends:all_reduce:backward"] == tied_bytes
+
+
+@pytest.mark.parametrize("case", w.GRAD_REDUCE_CASES, ids=lambda c: f"{c[0]}-stage{c[1]}-{c[2]}")
+def test_planned_reduce_scatters_equal_the_ledger_under_either_choice(suite, case):
+    """plan --pp's reduce-scatter bytes per step, per pp rank, at the case's stage, are the ledger's:
+    the planner reads pp_grad_reduce through the runtime's own stage options."""
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.pipeline import plan_pipeline
+    from zeroshard.planner.spec import STAGE_NAMES
+
+    for twin in (case, case[:3]):
+        cfg = w.config(*twin)
+        pplan = plan_pipeline(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size), world=w.WORLD, pp=cfg.pp,
+                              pp_schedule=cfg.pp_schedule, batch=cfg.batch, seq=cfg.seq_len, device="cpu",
+                              stage=cfg.stage, pp_grad_reduce=cfg.engine.pp_grad_reduce)
+        for rank in suite:
+            layout = pplan.ranks[rank["mesh"]["pp_rank"]].plan[STAGE_NAMES[cfg.stage]]
+            planned = sum(c.buffer_bytes * c.count for c in layout.collectives if c.op == "reduce_scatter")
+            assert all(b["shard:reduce_scatter:backward"] == planned for b in rank[twin]["bytes"]), twin
 
 
 def test_stage_params_keep_the_unsharded_names(suite, references):
@@ -142,4 +201,5 @@ def test_refused_layouts_are_one_line(suite):
     assert "do not divide the model's 3 blocks" in errors["blocks"]
     assert "needs at least pp=2 microbatches" in errors["microbatches"]
     assert "microbatches=4 does not split" in errors["batch"]
+    assert "pp_grad_reduce='microbatch' needs stage 2 or 3: stage 1 keeps full grads" in errors["grad_reduce_stage"]
     assert all("\n" not in e for e in errors.values())

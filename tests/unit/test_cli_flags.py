@@ -169,6 +169,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--pp-schedule": [(plus(m, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
                            plus(m, "--pp", "2", "--microbatches", "4"), CHANGES),
                           (plus(m, "--pp-schedule", "gpipe"), None, REFUSED)],
+        "--pp-grad-reduce": [(plus(m, "--pp", "2", "--pp-grad-reduce", "microbatch"), plus(m, "--pp", "2"), CHANGES),
+                             (plus(m, "--pp", "2", "--stage", "1", "--pp-grad-reduce", "microbatch"), None, REFUSED),
+                             (plus(m, "--pp-grad-reduce", "microbatch"), None, REFUSED)],
         "--microbatches": [(plus(m, "--pp", "2", "--microbatches", "4"), plus(m, "--pp", "2"), CHANGES),
                            (plus(m, "--pp", "2", "--microbatches", "1"), None, REFUSED)],
         "--pp-stages-per-rank": [(plus(swap(m, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
@@ -233,6 +236,7 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--pp-schedule": [(plus(t, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
                            plus(t, "--pp", "2", "--microbatches", "4"), CHANGES),
                           (plus(t, "--pp-schedule", "gpipe"), None, REFUSED)],
+        "--pp-grad-reduce": [(plus(t, "--pp", "2", "--pp-grad-reduce", "microbatch"), None, REFUSED)],
         "--microbatches": [(plus(t, "--pp", "2", "--microbatches", "4"), plus(t, "--pp", "2"), CHANGES)],
         "--pp-stages-per-rank": [(plus(swap(t, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
                                        "--microbatches", "4", "--pp-stages-per-rank", "4"),
@@ -428,7 +432,8 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
              "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
              "save_every": (["--ckpt-dir", "ckpt"], "10"),
-             "ep": (["--model", "tiny-moe", "--nproc", "4"], "2")}
+             "ep": (["--model", "tiny-moe", "--nproc", "4"], "2"),
+             "pp_grad_reduce": (["--pp", "2", "--stage", "2"], "microbatch")}
     table: dict[str, list[Entry]] = {"--config": [(plus(t, "--config", str(toml)), t, CHANGES)],
                                      "--tp": [(plus(t, "--tp", "3"), None, REFUSED),
                                               (plus(t, "--model", "hf:gpt2-tiny", "--tp", "2"), None, REFUSED)],
@@ -442,6 +447,13 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                                         (plus(t, "--pp", "2", "--microbatches", "3"), None, REFUSED)],
                                      "--pp-stages-per-rank": [(plus(t, "--pp", "2", "--pp-stages-per-rank", "2"), None,
                                                                REFUSED)],
+                                     "--pp-grad-reduce": [(plus(t, "--pp", "2", "--stage", "1", "--pp-grad-reduce",
+                                                                "microbatch"), None, REFUSED),
+                                                          (plus(t, "--pp", "2", "--pp-grad-reduce", "once"), None,
+                                                           REFUSED),
+                                                          (plus(t, "--pp", "2", "--stage", "3", "--pp-schedule",
+                                                                "interleaved-zero-bubble", "--pp-grad-reduce",
+                                                                "microbatch"), None, REFUSED)],
                                      "--backward-prefetch-at": [(plus(t, "--backward-prefetch-at", "1.5"), None,
                                                                  REFUSED)]}
     for name in field_names():

@@ -112,7 +112,8 @@ def test_every_engine_knob_is_a_train_config_key_nested_in_one_engine_options(tm
     assert cfg.engine == EngineOptions() and engine_options(cfg) == EngineOptions()
     assert {k.name: k.default for k in KNOBS} == EngineOptions().flat()
     changed_values = {"checkpointing": "all", "offload": "disk", "offload_dir": str(tmp_path / "off"),
-                      "offload_slice_mb": 8.0, "accumulation": "unsharded"}
+                      "offload_slice_mb": 8.0, "accumulation": "unsharded",
+                      "pp_grad_reduce": "microbatch"}
     for knob in KNOBS:
         if knob.name not in changed_values:
             changed_values[knob.name] = (not knob.default if knob.type is bool else

@@ -18,6 +18,8 @@ from zeroshard.cli.typed_flags import add_typed_flag
 
 PP_FIELDS = ("pp", "pp_schedule", "microbatches", "pp_stages_per_rank")
 """The TrainConfig fields that describe a pipeline: `plan` takes them as `train` does."""
+PP_KNOBS = ("pp_grad_reduce",)
+"""The engine's knobs read only under a pipeline (among plan's knob flags, from the engine's table)."""
 
 _UNPLANNED = {
     "params": "--pp plans a model's stages; pass --model (a zeroshard GPT preset)",
@@ -54,7 +56,7 @@ def wants_pipeline(args: argparse.Namespace) -> bool:
 def unread_flag(args: argparse.Namespace) -> str | None:
     """A flag --pp would not read, as one line; or a pp flag given without --pp."""
     if not wants_pipeline(args):
-        given = [f for f in PP_FIELDS[1:] if getattr(args, f, None) is not None]
+        given = [f for f in PP_FIELDS[1:] + PP_KNOBS if getattr(args, f, None) is not None]
         return (f"--{given[0].replace('_', '-')} describes a pipeline; add --pp N (N >= 2) or drop it"
                 if given else None)
     if args.calibrate:

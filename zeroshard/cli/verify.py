@@ -66,7 +66,8 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
     missing = sorted(set(miss_single) | set(miss_stage0))
     result: dict[str, Any] = {
         "model": cfg.model, "stage": cfg.stage, "nproc": cfg.nproc, "tp": cfg.tp, "ep": cfg.ep, "steps": cfg.steps,
-        **({"pp": cfg.pp, "pp_schedule": cfg.pp_schedule} if cfg.pp > 1 else {}),
+        **({"pp": cfg.pp, "pp_schedule": cfg.pp_schedule, "pp_grad_reduce": cfg.engine.pp_grad_reduce}
+           if cfg.pp > 1 else {}),
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
         "tol": tol, "loss_tol": loss_tol, "comm_quant": cfg.comm_quant,
         "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else "exact communication",
@@ -164,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         ref = reference_train(cfg)
         dist = _distributed(cfg)
-        # The stage-0 reference communicates exactly (stage 0 cannot quantize: it all-reduces).
-        stage0 = dist if cfg.stage == 0 else _distributed(dataclasses.replace(cfg, stage=0, comm_quant="none"))
+        # The stage-0 reference communicates exactly (stage 0 cannot quantize: it all-reduces), and
+        # reduces once per step under a pipeline (it keeps full grads; pp_grad_reduce="microbatch" is refused there).
+        stage0 = dist if cfg.stage == 0 else _distributed(dataclasses.replace(
+            cfg, stage=0, comm_quant="none", engine=dataclasses.replace(cfg.engine, pp_grad_reduce="step")))
     except WorkerError as e:
         return fail("verify", one_line(e))
     except ValueError as e:

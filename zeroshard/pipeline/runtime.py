@@ -8,16 +8,16 @@ runs over the stage's replicate × shard ranks, exactly as without a pipeline. t
 drives the stages (stage.py records its sends and receives).
 
 One optimizer step (zeroshard/step.py ``pipeline_step``): ``run`` once per accumulation step, every
-microbatch's backward under ``no_sync`` (grads accumulate unreduced), then ``reduce`` (a tied
-param's two grads summed over ``pp_ends``, then each engine's reductions, once), ``clip_grad_norm_``
-over every stage and shard, and ``step`` of each stage's optimizer. docs/pipeline.md gives the
-reasons, the memory and the traffic.
+microbatch's backward under ``no_sync``, then ``reduce`` (a tied param's two grads summed over
+``pp_ends``, then each engine's reductions, once), ``clip_grad_norm_`` over every stage and shard,
+and ``step`` of each stage's optimizer. Under ``no_sync`` stages 2-3 keep every microbatch's grads
+unreduced (``pp_grad_reduce="step"``) or reduce-scatter each into the grad shard ("microbatch";
+grad_reduce.py). docs/pipeline.md gives the reasons, the memory and the traffic.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,22 +28,18 @@ from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Group, Phase
 from zeroshard.pipeline.families import StageModule, block_names, family_of
+from zeroshard.pipeline.grad_reduce import stage_options
 from zeroshard.pipeline.schedules import check_microbatches, make_schedule, schedule_spec
 from zeroshard.pipeline.schedules import stages_per_rank as resolve_stages_per_rank
 from zeroshard.pipeline.split import explicit_split, even_split
 from zeroshard.pipeline.stage import LedgeredStage
-from zeroshard.pipeline.tied import find_tied, sum_tied_grad, untie_copy
+from zeroshard.pipeline.tied import find_tied, sum_tied_grad, sum_tied_reduced_grad, untie_copy
 from zeroshard.sharding import get_engine, no_sync, optimizer, shard
 from zeroshard.sharding.clip import local_squares, sum_squares_over_shards
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.state import full_state_dict
 
 IGNORE_INDEX = -100
-
-PIPELINE_ACCUMULATION = "unsharded"
-"""What stages 2-3 do with a microbatch's grads under the pipeline: keep them full and unreduced
-until the step's last microbatch (the engine's ``accumulation="unsharded"``), then reduce once.
-docs/pipeline.md weighs it against a reduce-scatter per microbatch."""
 
 PIPELINE_RESHARD_AFTER_FORWARD = True
 """Stage 3 frees a block's full params after each microbatch's forward (docs/pipeline.md: under
@@ -66,6 +62,8 @@ class Pipeline:
             raise ValueError("activation checkpointing and offload are not yet composed with pp > 1; turn them off")
         self.mesh = mesh
         self.spec = schedule_spec(schedule)
+        # pp_grad_reduce as the engine's accumulation (grad_reduce.py)
+        opts = stage_options(options, stage=stage, schedule=self.spec.name)
         per_rank = resolve_stages_per_rank(self.spec, stages_per_rank)
         self.microbatches = microbatches or mesh.pp_size * per_rank  # 0: one per stage, the fewest that fill it
         self.num_stages = mesh.pp_size * per_rank
@@ -83,7 +81,6 @@ class Pipeline:
         self.stage_indices = [mesh.pp_rank + k * mesh.pp_size for k in range(per_rank)]
         self.vocab = int(getattr(model.get_submodule(self.family.last[-1]), "weight").shape[0])  # the head's rows
         self.hidden = self.family.hidden(model)
-        opts = dataclasses.replace(options, accumulation=PIPELINE_ACCUMULATION)
         self.modules: list[StageModule] = []
         for s in self.stage_indices:
             module = StageModule(model, self.family, self.split.blocks[s], stage_index=s, num_stages=self.num_stages)
@@ -131,9 +128,10 @@ class Pipeline:
         self._shape = (batch, seq)
 
     def run(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every microbatch of this rank's batch slice, grads left accumulated
-        and unreduced. Each microbatch backpropagates its token-loss sum × ``loss_scale`` (the
-        data-parallel size over the global token count), so the step's grad is the global-batch mean.
+        """Forward and backward of every microbatch of this rank's batch slice, grads left accumulated:
+        unreduced, or at stages 2-3 with ``pp_grad_reduce="microbatch"`` reduced into the grad shard.
+        Each microbatch backpropagates its token-loss sum × ``loss_scale`` (the data-parallel size over
+        the global token count), so the step's grad is the global-batch mean.
         Returns the summed token loss (float64): this slice's on the last stage, 0 elsewhere."""
         if self._schedule is None:
             self._build_schedule(x.shape[0], x.shape[1])
@@ -164,14 +162,23 @@ class Pipeline:
 
     # -- after the schedule ------------------------------------------------------------------
     def reduce(self) -> None:
-        """Sum each tied param's two grads over ``pp_ends``, then reduce every stage's grads once."""
+        """Sum each tied param's two grads over ``pp_ends``, then reduce every stage's grads once;
+        where a stage reduced after every microbatch (stages 2-3, ``pp_grad_reduce="microbatch"``),
+        finish those reductions and sum the tied param's reduced grads instead."""
         for tied in self.tied:
             for s, module in zip(self.stage_indices, self.modules):
                 fqn = tied.owner_fqn if s == tied.owner_stage else tied.copy_fqn if s == tied.copy_stage else None
-                if fqn is not None:
-                    sum_tied_grad(get_engine(module).accumulated_grad(fqn), mesh=self.mesh, unit=tied.owner_fqn)
+                if fqn is None:
+                    continue
+                engine = get_engine(module)
+                if engine.reduces_inside_no_sync:
+                    sum_tied_reduced_grad(engine, fqn, mesh=self.mesh, unit=tied.owner_fqn)
+                else:
+                    sum_tied_grad(engine.accumulated_grad(fqn), mesh=self.mesh, unit=tied.owner_fqn)
         for module in self.modules:
-            get_engine(module).reduce_accumulated()
+            engine = get_engine(module)
+            if not engine.reduces_inside_no_sync:
+                engine.reduce_accumulated()
 
     def _skip(self, stage_index: int) -> frozenset[str]:
         return frozenset(t.copy_fqn for t in self.tied if t.copy_stage == stage_index)

@@ -4,7 +4,9 @@ Megatron's rule: the first stage owns the param; the last stage holds a copy of 
 of its own, made from the same initial values. After the step's last microbatch each side's
 accumulated full grad is summed over the ``pp_ends`` group (the first and last rank of a pp
 group) *before* the stage's own ZeRO reduction, so both stages reduce the grad of the tied whole,
-step it with the same optimizer arithmetic and stay bitwise equal. The owner's name is the
+step it with the same optimizer arithmetic and stay bitwise equal. Where stages 2-3 reduced every
+microbatch into the grad shard (``pp_grad_reduce="microbatch"``), the two reduced grads are summed
+instead (``sum_tied_reduced_grad``), and both sides again hold the same bits. The owner's name is the
 param's name in checkpoints; the copy's (``lm_head.weight``) is its alias there, and clipping
 counts the copy's squares zero times.
 """
@@ -80,3 +82,20 @@ def sum_tied_grad(grad: torch.Tensor, *, mesh, unit: str) -> None:
     from zeroshard.comm.names import Group, Phase
 
     collectives.all_reduce(grad, group=Group.PP_ENDS, unit=unit, phase=Phase.BACKWARD, mesh=mesh)
+
+
+def sum_tied_reduced_grad(engine, fqn: str, *, mesh, unit: str) -> None:
+    """The same sum when each side's grad is already reduced into its 1/N shard (``pp_grad_reduce=
+    "microbatch"``). The two sides' flat groups lay the param out at different offsets, so their
+    shards hold different pieces of it: each side rebuilds its whole reduced grad (every shard rank's
+    piece in place, summed over ``shard``), the two sides are summed over ``pp_ends``, and each rank
+    keeps its own piece. Both all-reduces are of the param's size, once per step."""
+    from zeroshard.comm import collectives
+    from zeroshard.comm.names import Group, Phase
+
+    piece, first, numel = engine.reduced_grad_piece(fqn)
+    whole = torch.zeros(numel, dtype=piece.dtype, device=piece.device)
+    whole[first:first + piece.numel()] = piece
+    collectives.all_reduce(whole, group=Group.SHARD, unit=unit, phase=Phase.BACKWARD, mesh=mesh)
+    collectives.all_reduce(whole, group=Group.PP_ENDS, unit=unit, phase=Phase.BACKWARD, mesh=mesh)
+    piece.copy_(whole[first:first + piece.numel()])

@@ -66,15 +66,28 @@ def _tracker():
 
 def pipeline_measure_worker(req: dict) -> dict:
     """Runs on every rank: each requested stage on a fresh model; returns this rank's peaks."""
+    return pipeline_measure_many([req])[0]
+
+
+def pipeline_measure_many(reqs: list[dict]) -> list[dict]:
+    """``pipeline_measure_worker`` for several requests of one pp layout, in one process group."""
     import zeroshard as zs
+
+    mesh = zs.init(pp=reqs[0]["pp"], shard_size=reqs[0]["shard_size"])
+    return [_measure_stages(req, mesh) for req in reqs]
+
+
+def _measure_stages(req: dict, mesh) -> dict:
     from zeroshard import step as step_mod
     from zeroshard.config import TrainConfig
     from zeroshard.models import GPT, GPTConfig
+    from zeroshard.sharding.flat import StagePolicy
 
-    mesh = zs.init(pp=req["pp"], shard_size=req["shard_size"])
     out: dict[str, Any] = {"pp_rank": mesh.pp_rank}
     for stage in req["stages"]:
-        cfg = TrainConfig(**req["config"], stage=stage, nproc=mesh.world)
+        # A knob the stage does not read is left out (pp_grad_reduce="microbatch" is refused at stages 0-1).
+        knobs = {k: v for k, v in req["knobs"].items() if StagePolicy(stage).reads(k)}
+        cfg = TrainConfig(**req["config"], **knobs, stage=stage, nproc=mesh.world)
         # What is alive before the build is not this run's (an earlier stage's run can outlive its
         # gc.collect(): torch's pipelining keeps references outside Python's reach).
         # They are held here until the measurement ends, so no storage of this run can take the
@@ -107,10 +120,11 @@ def request(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, knobs: d
     preset the config check reads; the model built is the planned config)."""
     shape = pplan.shape
     return {"pp": shape.pp, "shard_size": None, "stages": tuple(stages), "gpt": pplan.gpt.to_dict(),
+            "knobs": {**pplan.knobs, **(knobs or {})},
             "config": {"model": name, "pp": shape.pp, "pp_schedule": shape.schedule,
                        "microbatches": shape.microbatches, "pp_stages_per_rank": shape.stages_per_rank,
                        "batch": pplan.batch, "seq_len": pplan.seq, "accum": pplan.accum,
-                       "num_samples": max(4096, pplan.batch), "clip": 0.0, **(knobs or {})}}
+                       "num_samples": max(4096, pplan.batch), "clip": 0.0}}
 
 
 def checks(pplan: PipelinePlan, per_rank: list[dict]) -> list[StageCheck]:

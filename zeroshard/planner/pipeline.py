@@ -3,8 +3,10 @@
 The model is cut as the runtime cuts it (zeroshard/pipeline/split.py, families.py, tied.py: the
 same functions, on a meta-device build), and each virtual stage is planned by ``zs.plan`` as the
 ``zs.shard`` engine the runtime makes of it: its blocks as units, over the stage's world / pp
-ranks, with the pipeline's accumulation (grads of every microbatch kept unreduced until the step's
-end) and one planned micro-step per microbatch. What a stage keeps for backward is counted per
+ranks, with the engine options the runtime gives a stage (zeroshard/pipeline/grad_reduce.py: at
+stages 2-3 every microbatch's grads kept unreduced until the step's end, or with
+``pp_grad_reduce="microbatch"`` reduce-scattered after each into the grad shard) and one planned
+micro-step per microbatch. What a stage keeps for backward is counted per
 microbatch and multiplied by the microbatches its schedule holds in flight at the rank's worst
 moment, read off torch's own action order (zeroshard/pipeline/order.py). torch's stages also keep
 one receive buffer per microbatch for the activations (every stage but the first) and for their
@@ -110,6 +112,9 @@ class PipelinePlan:
     seq: int
     accum: int
     ranks: tuple[StageRank, ...]
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The engine's knobs the caller gave, flat (``pp_grad_reduce="microbatch"``): ``plan --pp
+    --measure`` runs with them."""
     notes: tuple[str, ...] = ()
 
     @property
@@ -181,8 +186,10 @@ def _combine(plans: list[Plan], buffers: int, headroom: float) -> Plan:
 
 
 def _larger(a: Plan, b: Plan) -> Plan:
-    """Per layout, the plan of the moment with the higher allocated peak."""
-    layouts = {n: max(a[n], b[n], key=lambda lay: lay.device.allocated) for n in a.layouts}
+    """Per layout, the memory of the moment with the higher allocated peak, and the collectives of
+    ``b``, the plan of the whole step (``a`` plans its first micro-step only)."""
+    layouts = {n: dataclasses.replace(max(a[n], b[n], key=lambda lay: lay.device.allocated),
+                                      collectives=b[n].collectives) for n in a.layouts}
     return dataclasses.replace(b, layouts=layouts)
 
 
@@ -196,12 +203,14 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     global batch per step, as ``zeroshard train --pp`` reads it. Other keywords are ``zs.plan``'s."""
     from zeroshard.models import GPT, GPTConfig
     from zeroshard.pipeline.families import StageModule, block_names, family_of
-    from zeroshard.pipeline.runtime import PIPELINE_ACCUMULATION, PIPELINE_RESHARD_AFTER_FORWARD
+    from zeroshard.pipeline.grad_reduce import stage_options
+    from zeroshard.pipeline.runtime import PIPELINE_RESHARD_AFTER_FORWARD
     from zeroshard.pipeline.split import even_split
     from zeroshard.pipeline.tied import find_tied, untie_copy
     from zeroshard.planner.api import plan
     from zeroshard.planner.inventory import meta_gpt
     from zeroshard.planner.spec import resolve_mp
+    from zeroshard.sharding.options import KNOB_NAMES, EngineOptions
 
     shape = PipelineShape.resolve(pp=pp, pp_schedule=pp_schedule, microbatches=microbatches,
                                   pp_stages_per_rank=pp_stages_per_rank)
@@ -249,9 +258,12 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
               for s in range(shape.num_stages)}
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
-    # The pipeline's engine: one reduction per step after every microbatch (the runtime's own choice).
-    knobs = {"accumulation": PIPELINE_ACCUMULATION, "reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
-             **kwargs}
+    # The engine each stage runs: the runtime's own options for a stage (pp_grad_reduce as its
+    # accumulation), with the pipeline's resharding default unless a knob says otherwise.
+    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in KNOB_NAMES}
+    engine = stage_options(EngineOptions.from_flat({"reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
+                                                    **knobs}), stage=kwargs.get("stage"),
+                           schedule=shape.schedule)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
     ranks = []
     for r in range(pp):
@@ -272,7 +284,8 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
                     head=est.head if last else 0, block=est.block)
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
                                   accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
-                                  units=modules[s].block_modules(), activations=carried, **knobs))
+                                  units=modules[s].block_modules(), activations=carried, engine=engine,
+                                  **kwargs))
             combined.append(_combine(plans, buffers, headroom))
         worst = max(moments, key=lambda m: m.bytes)
         ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
@@ -283,5 +296,9 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     if tied:
         notes.append(f"tied {tied[0].owner_fqn} = {tied[0].copy_fqn}: the last stage holds its own copy "
                      "(params, grads and optimizer state)")
+    if engine.pp_grad_reduce == "microbatch":
+        notes.append(f"pp_grad_reduce=microbatch: zero2 and zero3 reduce-scatter after each of the {steps} microbatches "
+                     "of a step into the 1/N grad shard; ddp and zero1 keep full grads and reduce once (a run "
+                     "refuses microbatch at those stages)")
     return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
-                        accum=accum, ranks=tuple(ranks), notes=tuple(notes))
+                        accum=accum, ranks=tuple(ranks), knobs=knobs, notes=tuple(notes))

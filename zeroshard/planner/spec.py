@@ -23,9 +23,9 @@ from zeroshard.sharding.recompute import segment_bounds, segment_length
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 PLANNED_KNOBS = ("checkpointing", "offload", "bucket_mb", "prefetch", "reshard_after_forward",
-                 "max_inflight_reductions", "accumulation")
+                 "max_inflight_reductions", "accumulation", "pp_grad_reduce")
 """The engine's knobs (zeroshard.sharding.options.KNOBS) a memory plan depends on, and so the ones
-`zeroshard plan` takes. The others change when things happen, not what is resident at the peak
+`zeroshard plan` takes (pp_grad_reduce with --pp only). The others change when things happen, not what is resident at the peak
 (backward_prefetch_at, reap_when_done), or nothing a plan counts (check_schedule, the disk files'
 directory and slice size)."""
 ACCOUNTINGS = ("runtime", "textbook")

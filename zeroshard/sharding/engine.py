@@ -378,7 +378,12 @@ class Engine:
         micro-step and accumulate into the 1/N grad shard unless ``accumulation="unsharded"``
         asked to trade full-grad memory for fewer reduce-scatters.
         """
-        return not self.sync_grads and (not self.policy.transient_grads or self.options.accumulation == "unsharded")
+        return not self.sync_grads and not self.reduces_inside_no_sync
+
+    @property
+    def reduces_inside_no_sync(self) -> bool:
+        """Stages 2-3 accumulating sharded: every backward reduces, inside ``no_sync`` too."""
+        return self.policy.transient_grads and self.options.accumulation != "unsharded"
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
         if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
@@ -551,6 +556,24 @@ class Engine:
             for slot in group.layout.slots:
                 if slot.fqn == fqn:
                     return group.full_grads()[slot.offset:slot.end]
+        raise KeyError(f"no trainable param {fqn!r} in this engine")
+
+    def reduced_grad_piece(self, fqn: str) -> tuple[torch.Tensor, int, int]:
+        """The part of param ``fqn``'s reduced grad in this rank's grad shard, after the reductions
+        finished: ``(view, first, numel)``, the view holding the param's elements from ``first`` on
+        (empty where the shard holds none of it) and ``numel`` the whole param's. A caller may change
+        the view in place (a pipeline sums a tied param's two stages' reduced grads there)."""
+        self.finish_reductions()
+        for group in self.trainable_groups:
+            for slot in group.layout.slots:
+                if slot.fqn == fqn:
+                    shard = group.grad_shard
+                    if shard is None:
+                        raise RuntimeError(f"param {fqn!r} has no reduced grad yet: call it after the backward")
+                    lo, hi = max(slot.offset, group.lo), min(slot.end, group.hi)
+                    if hi <= lo:
+                        return shard[:0], 0, slot.numel
+                    return shard[lo - group.lo:hi - group.lo], lo - slot.offset, slot.numel
         raise KeyError(f"no trainable param {fqn!r} in this engine")
 
     # -- optimizer-facing ---------------------------------------------------------------------

@@ -91,7 +91,7 @@ class StagePolicy:
 
 _SHARDED_PARAM_KNOBS = frozenset({"prefetch", "reshard_after_forward", "backward_prefetch_at"})
 _UNSHARDED_PARAM_KNOBS = frozenset({"bucket_mb"})
-_TRANSIENT_GRAD_KNOBS = frozenset({"max_inflight_reductions", "accumulation"})
+_TRANSIENT_GRAD_KNOBS = frozenset({"max_inflight_reductions", "accumulation", "pp_grad_reduce"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,7 @@ BACKWARD_PREFETCH_AT = 0.5
 """Fraction of a unit's grads ready before its backward prefetch of earlier units is issued."""
 
 ACCUMULATIONS = ("sharded", "unsharded")
+PP_GRAD_REDUCES = ("step", "microbatch")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,7 +77,16 @@ class EngineOptions:
 
     accumulation: str = "sharded"
     """Stages 2-3 with gradient accumulation: 'sharded' reduce-scatters every micro-step into the 1/N
-    grad shard; 'unsharded' keeps full fp32 grads across micro-steps and reduces once per step."""
+    grad shard; 'unsharded' keeps full fp32 grads across micro-steps and reduces once per step.
+    Under a pipeline (pp > 1) pp_grad_reduce decides instead."""
+
+    pp_grad_reduce: str = "step"
+    """Pipeline (pp > 1), stages 2-3: when a stage's grads are reduced. 'step' keeps every
+    microbatch's full grads unreduced and reduces once after the step's last microbatch (the stage's
+    full grads resident all step); 'microbatch' reduce-scatters after each microbatch's backward into
+    the 1/N grad shard (microbatches x the reduce-scatters, 1/N grad memory). Refused at stages 0-1,
+    which keep full grads and reduce once anyway; ignored at pp 1, where accumulation is its
+    counterpart. docs/pipeline.md."""
 
     def __post_init__(self) -> None:
         if self.offload is None or isinstance(self.offload, str):
@@ -88,6 +98,9 @@ class EngineOptions:
                              "or sqrt") from None
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r} is invalid; use 'sharded' or 'unsharded'")
+        if self.pp_grad_reduce not in PP_GRAD_REDUCES:
+            raise ValueError(f"pp_grad_reduce={self.pp_grad_reduce!r} is invalid; use 'step' (once after the last "
+                             "microbatch) or 'microbatch' (a reduce-scatter after each)")
         if self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (units gathered ahead; 0 gathers on demand)")
         if self.bucket_mb <= 0:
