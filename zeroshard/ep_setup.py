@@ -42,9 +42,10 @@ def apply_expert_parallel(cfg: TrainConfig, model: torch.nn.Module, mesh: Any) -
                          f"zs.init(ep={cfg.ep}) (zeroshard train does)")
     if mesh.ep_size == 1:
         if mesh.dp_size > 1:  # still one load-balancing loss over the global batch
-            from zeroshard.experts.apply import moe_layers, share_routing_counts
+            from zeroshard.experts.apply import moe_layers, share_router_aux_counts, share_routing_counts
 
             share_routing_counts(moe_layers(model), mesh)
+            share_router_aux_counts(model, mesh)
         return
     from zeroshard.experts import expert_parallel
     from zeroshard.models import adapter

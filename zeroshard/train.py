@@ -271,10 +271,13 @@ def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
 
 def batch_nonlinear_loss(model: torch.nn.Module) -> bool:
     """Whether the model's loss is not a sum over its rows: an MoE load-balancing loss multiplies two
-    means over the batch (zeroshard's GPT with aux_loss_coef > 0), so it depends on how a step is cut
-    into micro-batches, and a reference must cut it the same way."""
+    means over the batch (zeroshard's GPT with aux_loss_coef > 0, a Hugging Face MoE config with
+    output_router_logits), so it depends on how a step is cut into micro-batches, and a reference
+    must cut it the same way."""
+    from zeroshard.models.router_aux import router_aux_coef
+
     cfg = getattr(model, "cfg", None)
-    return bool(getattr(cfg, "n_expert", 0) and getattr(cfg, "aux_loss_coef", 0.0))
+    return bool(getattr(cfg, "n_expert", 0) and getattr(cfg, "aux_loss_coef", 0.0)) or bool(router_aux_coef(model))
 
 
 def global_micro_batches(x: torch.Tensor, y: torch.Tensor, *, dp: int,

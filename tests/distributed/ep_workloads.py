@@ -22,7 +22,7 @@ from zeroshard.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.experts import ep_forwards
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.sharding import get_engine
-from zeroshard.train import reference_backward
+from zeroshard.train import global_micro_batches, reference_backward
 
 SEED = 1234
 VOCAB = 64
@@ -40,6 +40,7 @@ class Case:
     freeze: bool = False
     accum: int = 2
     meta: bool = False  # built on the meta device: zs.shard replays the init, each rank drawing its experts
+    router_aux: bool = False  # an HF config with output_router_logits: transformers' load-balancing loss
 
 
 CASES = {
@@ -51,7 +52,10 @@ CASES = {
     "qwen2moe-ep2-stage1": Case("qwen2moe", 1, "ep2"),
     "gpt-ep2-stage3-meta": Case("gpt", 3, "ep2", meta=True),
     "mixtral-ep4-stage2-meta": Case("mixtral", 2, "ep4", meta=True),
+    "mixtral-ep2-stage3-router-aux": Case("mixtral", 3, "ep2", router_aux=True),
 }
+ROUTER_AUX_COEF = 0.05
+"""router_aux_loss_coef of the router-aux case: large enough that its term shows in the losses."""
 
 
 def train_config(case: Case) -> TrainConfig:
@@ -59,16 +63,18 @@ def train_config(case: Case) -> TrainConfig:
                        min_lr=1e-3, warmup=0, weight_decay=0.1, clip=0.5, seed=SEED, num_samples=256, profile=False)
 
 
-def _hf_model(name: str, meta: bool = False):
+def _hf_model(name: str, meta: bool = False, router_aux: bool = False):
     """A tiny transformers 5 MoE model, initialised as zeroshard's hf: models are (models/hf.py);
-    ``meta``: left on meta but for its buffers (zs.shard then replays init_weights)."""
+    ``meta``: left on meta but for its buffers (zs.shard then replays init_weights); ``router_aux``:
+    its config asks for the routers' load-balancing loss, as an HF Trainer user sets it."""
     import transformers as tf
 
     from zeroshard.models.hf import HFSpec, init_weights
 
     common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=SEQ, vocab_size=VOCAB, tie_word_embeddings=True, use_cache=False,
-                  attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  output_router_logits=router_aux, router_aux_loss_coef=ROUTER_AUX_COEF)
     if name == "mixtral":
         config = tf.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
         cls = tf.MixtralForCausalLM
@@ -93,7 +99,7 @@ def _hf_model(name: str, meta: bool = False):
 
 def build_model(case: Case, *, balance: bool = True) -> torch.nn.Module:
     """The case's model, seeded: bitwise the same on every rank and in the reference. ``balance=False``
-    drops tiny-moe's load-balancing loss (to show the parity checks see it)."""
+    drops the load-balancing loss (tiny-moe's, or the HF config's; to show the parity checks see it)."""
     torch.manual_seed(SEED)
     if case.model == "gpt":
         extra = {} if balance else {"aux_loss_coef": 0.0}
@@ -101,7 +107,7 @@ def build_model(case: Case, *, balance: bool = True) -> torch.nn.Module:
             model: torch.nn.Module = GPT(GPTConfig.named("tiny-moe", n_layer=2, vocab_size=VOCAB, seq_len=SEQ,
                                                          **extra))
     else:
-        model = _hf_model(case.model, meta=case.meta)
+        model = _hf_model(case.model, meta=case.meta, router_aux=case.router_aux and balance)
     if case.freeze:
         for name, param in model.named_parameters():
             if name.startswith(FROZEN):
@@ -125,7 +131,10 @@ def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     losses, norms = [], []
     for _ in range(steps):
         x, y = collate(data, sampler.next_indices())
-        loss = reference_backward(model, x, y, dp=cfg.nproc, accum=cfg.accum)
+        if case.router_aux and balance:
+            loss = transformers_backward(model, x, y, dp=cfg.nproc, accum=cfg.accum)
+        else:
+            loss = reference_backward(model, x, y, dp=cfg.nproc, accum=cfg.accum)
         trainable = [p for p in model.parameters() if p.requires_grad]
         norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)))
         opt.step()
@@ -133,6 +142,22 @@ def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
         losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def transformers_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, dp: int,
+                          accum: int) -> torch.Tensor:
+    """One process's backward with transformers' own loss (mean CE + router_aux_loss_coef x
+    load_balancing_loss_func), one forward per global micro-batch (the whole global batch at
+    accumulation 1), each weighted by its share of the step's scored targets. Our batches carry
+    shifted targets, which transformers takes as ``shift_labels``."""
+    count, loss = (y != -100).sum(), torch.zeros(())
+    for xm, ym in global_micro_batches(x, y, dp=dp, accum=accum):
+        out = model(input_ids=xm, labels=ym, shift_labels=ym, use_cache=False)
+        assert out.aux_loss is not None
+        part = out.loss * ((ym != -100).sum() / count)
+        part.backward()
+        loss = loss + part.detach()
+    return loss
 
 
 def _expected_a2a_bytes(forwards: dict, marks: dict, hidden: int, elem: int) -> int:
@@ -154,14 +179,17 @@ def run_case(case: Case, mesh) -> dict:
     forwards = ep_forwards(run.model)
     experts = mesh.experts
     ledger = zs.ledger()
-    losses, norms, ledger_bytes, routed_bytes = [], [], [], []
+    losses, norms, ledger_bytes, routed_bytes, router_aux = [], [], [], [], []
     for _ in range(STEPS):
         x, y = collate(run.dataset, run.sampler.next_indices())
         marks = {name: len(f.sent_rows) for name, f in forwards.items()}
         start = ledger.next_seq
         out = step.step(run, x, y)
-        ledger_bytes.append(sum(r.bytes for r in ledger.since(start)
+        records = ledger.since(start)
+        ledger_bytes.append(sum(r.bytes for r in records
                                 if r.op == "all_to_all" and r.group == "ep" and r.mesh == experts.ledger_name))
+        router_aux.append(sorted((r.op, r.group, r.numel, r.dtype, r.phase, r.mesh) for r in records
+                                 if r.unit == "router_aux"))
         routed_bytes.append(_expected_a2a_bytes(forwards, marks, hidden_size(run.model), 4))
         totals = torch.stack([out.loss_sum, (y != -100).sum().double()])
         zs.comm.collectives.all_reduce(totals, op="sum", phase="metrics", mesh=mesh)
@@ -174,6 +202,7 @@ def run_case(case: Case, mesh) -> dict:
     optimized = {id(group) for _, group, _, _ in run.opt.zeroshard_state.segments.entries}
     result = {
         "losses": losses, "norms": norms, "ledger_a2a_bytes": ledger_bytes, "routed_a2a_bytes": routed_bytes,
+        "router_aux_records": router_aux, "dense_ledger_name": mesh.ledger_name,
         "params": zs.full_state_dict(run.model),  # collective: expert params gathered over ep too
         "received_from_others": sum(f.received_rows[-1] for f in forwards.values()),
         "expert_groups": len(expert_groups),

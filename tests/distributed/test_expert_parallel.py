@@ -2,7 +2,8 @@
 
 One spawn of world 4 runs every case (ep_workloads.CASES), each on a mesh of its own: (shard 2 x
 ep 2) at stages 1, 2 (with frozen experts) and 3, ep 4 at stage 3, for zeroshard's GPT with MoE,
-HF Mixtral and HF Qwen2-MoE; accumulation 2 (and 1 once) and clipping on. Every case is held against plain
+HF Mixtral (also with the config's load-balancing loss) and HF Qwen2-MoE; accumulation 2 (and 1
+once) and clipping on. Every case is held against plain
 single-process PyTorch over 10 steps, and its all-to-all bytes against its own routing counts.
 """
 
@@ -99,6 +100,28 @@ def test_the_load_balancing_loss_is_the_global_batchs(world4, references):
           f"{max(abs(a - b) for a, b in zip(got, ref)):.1e} from the reference with it")
     assert min(gaps) > 1000 * TOL
     assert max(abs(a - b) for a, b in zip(got, ref)) <= TOL
+
+
+def test_an_hf_config_with_router_logits_trains_with_transformers_aux_loss_of_the_global_batch(world4, references):
+    """Mixtral with output_router_logits and router_aux_loss_coef: the (shard 2 x ep 2) run's losses
+    and params match one process whose loss is transformers' own (labels= loss with aux_loss), one
+    forward per global micro-batch; that loss sits coef x aux above the same model's without it. Each
+    forward's counts are one all-reduce of E + 2 float64 over the dense mesh's data-parallel ranks,
+    in the ledger with their dim; a config without router logits sends none."""
+    name = "mixtral-ep2-stage3-router-aux"
+    spec, case = ew.CASES[name], world4["cases"][name]
+    without = ew.reference(spec, balance=False, steps=2)["losses"]
+    ref = references[name]["losses"]
+    gaps = [a - b for a, b in zip(ref[:2], without, strict=True)]
+    print(f"{name}: the aux loss adds {gaps[0]:.4f}, {gaps[1]:.4f} to the first two losses (coef "
+          f"{ew.ROUTER_AUX_COEF}); the ep run's losses are {max(abs(a - b) for a, b in zip(case['losses'], ref)):.1e} "
+          f"from the reference with it; router_aux records of step 1: {case['router_aux_records'][0]}")
+    assert min(gaps) > 1000 * TOL
+    experts = 4
+    one = ("all_reduce", "world", experts + 2, "float64", "forward", case["dense_ledger_name"])
+    assert case["dense_ledger_name"] == spec.mesh
+    assert case["router_aux_records"] == [[one] * spec.accum] * ew.STEPS
+    assert all(r == [] for r in world4["cases"]["mixtral-ep2-stage3"]["router_aux_records"])
 
 
 def test_frozen_experts_get_no_grads_and_no_state(world4, references):

@@ -75,6 +75,7 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
     for layer in layers:
         _split(layer, experts)
     share_routing_counts(layers, mesh)
+    share_router_aux_counts(model, mesh)
     return model
 
 
@@ -85,6 +86,14 @@ def share_routing_counts(layers: list[MoELayer], mesh: Mesh) -> None:
     for layer in layers:
         if layer.router is not None:
             setattr(layer.router, "reduce_counts", functools.partial(_all_reduce_counts, unit=layer.name, mesh=mesh))
+
+
+def share_router_aux_counts(model: nn.Module, mesh: Mesh) -> None:
+    """The same for a Hugging Face MoE model whose config asks for its routers' load-balancing loss
+    (zeroshard/models/router_aux.py): its assignment and row counts are summed over the batch's ranks."""
+    from zeroshard.models.router_aux import set_count_reduction
+
+    set_count_reduction(model, functools.partial(_all_reduce_counts, unit="router_aux", mesh=mesh))
 
 
 def _all_reduce_counts(counts: torch.Tensor, *, unit: str, mesh: Mesh) -> None:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroshard.config import HF_MODEL_NAMES, HF_PREFIX
+from zeroshard.models.router_aux import aux_loss_sum, router_aux_coef
 
 IGNORE_INDEX = -100
 
@@ -167,9 +168,16 @@ def hf_loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> t
 
     Our batches carry already-shifted targets. HF's ``labels=`` loss shifts again inside the model
     (dropping the last position), so we take the output's ``logits`` and apply the same fp32
-    cross-entropy as zeroshard's GPT.
+    cross-entropy as zeroshard's GPT. An MoE config with ``output_router_logits`` adds its
+    load-balancing loss, ``router_aux_loss_coef`` times transformers' ``aux_loss`` of the global
+    micro-batch, in sum form (zeroshard/models/router_aux.py).
     """
-    return token_loss_sum(model(input_ids=idx, use_cache=False).logits, targets)
+    coef = router_aux_coef(model)
+    if not coef:
+        return token_loss_sum(model(input_ids=idx, use_cache=False).logits, targets)
+    out = model(input_ids=idx, use_cache=False, output_router_logits=True)
+    total, count = token_loss_sum(out.logits, targets)
+    return total + coef * aux_loss_sum(model, out.router_logits, count), count
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

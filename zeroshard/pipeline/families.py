@@ -81,6 +81,12 @@ def family_of(model: nn.Module) -> Family:
     names = {n for n, _ in model.named_modules()}
     if {"model.layers", "model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"} <= names and \
             isinstance(model.get_submodule("model.layers"), nn.ModuleList):
+        from zeroshard.models.router_aux import router_aux_coef
+
+        if router_aux_coef(model):  # a stage's loss is the token loss of the last stage's logits
+            raise ValueError(f"{type(model).__name__}'s config asks for its routers' load-balancing loss "
+                             "(output_router_logits), which pipeline stages do not compute yet; set "
+                             "output_router_logits to false in its config or use pp=1")
         return HF_DECODER_FAMILY
     raise ValueError(f"pipeline stages can be cut from zeroshard's GPT and Hugging Face decoders whose blocks are "
                      f"model.layers (Llama, Qwen2, Mistral), not from {type(model).__name__}; use pp=1 for this model")
