@@ -127,6 +127,9 @@ class _InitReplay(TorchFunctionMode):
         return self.run_on_real(written, func, name, args, kwargs)
 
     def run_on_real(self, written: _Target, func, name: str, args, kwargs):
+        if not args and "tensor" in kwargs:  # nn.init.* hands torch-function modes its tensor by keyword
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("tensor"),)
         if written.rows is not None and (written is not self.current or self.real_is_block) and \
                 expert_init.by_rows(name, written.meta, args, self.device):
             self._materialise(written, name, block=True)

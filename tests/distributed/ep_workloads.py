@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import zeroshard as zs
 from zeroshard import step
@@ -171,10 +174,49 @@ def _expected_a2a_bytes(forwards: dict, marks: dict, hidden: int, elem: int) -> 
     return total
 
 
+class AllocationCounter(TorchDispatchMode):
+    """Counts the host bytes of the storages allocated under it and still alive: their peak is what
+    the code run under it held at once (views and in-place writes of existing storages add nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        if func.is_view:
+            return out
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs:
+                storage = t.untyped_storage()
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, storage.nbytes())
+        return out
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def count_init_allocations(model: torch.nn.Module) -> AllocationCounter:
+    """Count what the model's init_weights (which zs.shard's meta replay runs) allocates."""
+    counter, init = AllocationCounter(), model.init_weights
+
+    def counted() -> None:
+        with counter:
+            init()
+
+    object.__setattr__(model, "init_weights", counted)  # this instance only
+    return counter
+
+
 def run_case(case: Case, mesh) -> dict:
     cfg = train_config(case)
     data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
-    run = step.build(cfg, mesh, model=build_model(case), dataset=data)
+    model = build_model(case)
+    counter = count_init_allocations(model) if case.meta else None
+    run = step.build(cfg, mesh, model=model, dataset=data)
     initial = zs.full_state_dict(run.model) if case.meta else None  # collective: every rank gathers
     forwards = ep_forwards(run.model)
     experts = mesh.experts
@@ -215,6 +257,7 @@ def run_case(case: Case, mesh) -> dict:
         "frozen_grads": any(p.grad is not None for g in frozen for p in (g.params or ())),
         "initial": initial,
         "init_stats": dict(engine.init_stats) if case.meta else None,
+        "init_peak_allocated": counter.peak if counter is not None else None,
     }
     return result
 

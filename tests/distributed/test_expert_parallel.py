@@ -172,13 +172,23 @@ def test_the_trained_split_model_exports_a_folder_from_pretrained_opens(world4):
 @pytest.mark.parametrize("name", [n for n, c in ew.CASES.items() if c.meta])
 def test_meta_init_with_ep_is_seed_exact(world4, name):
     """A model built on meta and split over ep: zs.shard replays its init at the stacked shapes,
-    each rank keeping its experts. The gathered weights are bitwise a plain seeded build's."""
+    each rank drawing one expert at a time and keeping its own. The gathered weights are bitwise a
+    plain seeded build's, and the init's peak allocation (counted by ep_workloads.AllocationCounter)
+    is one expert plus the rank's block of the largest expert param, never the whole stacked one."""
     import dataclasses
 
-    got = world4["cases"][name]
-    plain = ew.build_model(dataclasses.replace(ew.CASES[name], meta=False)).state_dict()
+    spec, got = ew.CASES[name], world4["cases"][name]
+    plain = ew.build_model(dataclasses.replace(spec, meta=False)).state_dict()
     assert got["init_stats"]["path"] == "meta"
     assert set(got["initial"]) == set(plain)
     assert all(torch.equal(got["initial"][k], plain[k]) for k in plain)
-    print(f"{name}: init bitwise a plain build; peak init scratch for an expert param "
-          f"{got['init_stats']['peak_expert_temp_bytes']} B")
+    ep = world4["meshes"][spec.mesh]["experts"]["ep_size"]
+    experts = {k: v for k, v in plain.items() if ".mlp.experts." in k}
+    dense = max(v.numel() * v.element_size() for k, v in plain.items() if k not in experts)
+    one_expert_and_block = max(v[0].numel() * v.element_size() * (v.shape[0] // ep + 1) for v in experts.values())
+    whole = max(v.numel() * v.element_size() for v in experts.values())
+    print(f"{name}: init bitwise a plain build; peak allocated by the init {got['init_peak_allocated']} B "
+          f"(one expert + the rank's block {one_expert_and_block} B, the whole stacked param {whole} B, "
+          f"largest dense param {dense} B)")
+    assert dense < one_expert_and_block < whole
+    assert got["init_peak_allocated"] == one_expert_and_block == got["init_stats"]["peak_expert_temp_bytes"]
