@@ -334,7 +334,7 @@ class TrainConfig:
                                  "use pp=1")
         from zeroshard.pipeline.grad_reduce import check_grad_reduce
 
-        check_grad_reduce(self.engine.pp_grad_reduce, stage=self.stage, schedule=self.pp_schedule)
+        check_grad_reduce(self.engine.pp_grad_reduce, stage=self.stage)
         dp = self.nproc // self.tp // self.pp
         if self.batch % (dp * self.accum) == 0:
             check_microbatches(spec, microbatches=self.pp_microbatches, pp=self.pp,

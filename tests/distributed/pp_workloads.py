@@ -35,8 +35,9 @@ STAGE0_CASES = [("gpt", 0, "1f1b")]
 TP_CASE = ("gpt", 3, "1f1b")
 """pp 2 x tp 2 (shard 1) at stage 3, on a second mesh of the same world."""
 GRAD_REDUCE_CASES = [("gpt", stage, sched, "microbatch") for sched in SCHEDULES for stage in (2, 3)]
-"""pp_grad_reduce="microbatch": stages 2-3 reduce-scatter after every microbatch into the grad shard.
-Each is held to one process and to its CASES twin, which reduces once per step."""
+GRAD_REDUCE_CASES += [("gpt", 3, "interleaved-zero-bubble", "microbatch")]  # grads taken after each weight half
+# pp_grad_reduce="microbatch": stages 2-3 reduce-scatter after every microbatch into the grad shard.
+# Each is held to one process and to its CASES twin, which reduces once per step.
 
 
 def config(name: str, stage: int, schedule: str = "1f1b", pp_grad_reduce: str = "step", *, pp: int = 2,

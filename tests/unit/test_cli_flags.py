@@ -450,10 +450,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                      "--pp-grad-reduce": [(plus(t, "--pp", "2", "--stage", "1", "--pp-grad-reduce",
                                                                 "microbatch"), None, REFUSED),
                                                           (plus(t, "--pp", "2", "--pp-grad-reduce", "once"), None,
-                                                           REFUSED),
-                                                          (plus(t, "--pp", "2", "--stage", "3", "--pp-schedule",
-                                                                "interleaved-zero-bubble", "--pp-grad-reduce",
-                                                                "microbatch"), None, REFUSED)],
+                                                           REFUSED)],
                                      "--backward-prefetch-at": [(plus(t, "--backward-prefetch-at", "1.5"), None,
                                                                  REFUSED)]}
     for name in field_names():

@@ -63,7 +63,7 @@ class Pipeline:
         self.mesh = mesh
         self.spec = schedule_spec(schedule)
         # pp_grad_reduce as the engine's accumulation (grad_reduce.py)
-        opts = stage_options(options, stage=stage, schedule=self.spec.name)
+        opts = stage_options(options, stage=stage)
         per_rank = resolve_stages_per_rank(self.spec, stages_per_rank)
         self.microbatches = microbatches or mesh.pp_size * per_rank  # 0: one per stage, the fewest that fill it
         self.num_stages = mesh.pp_size * per_rank

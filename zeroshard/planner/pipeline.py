@@ -262,8 +262,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     # accumulation), with the pipeline's resharding default unless a knob says otherwise.
     knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in KNOB_NAMES}
     engine = stage_options(EngineOptions.from_flat({"reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
-                                                    **knobs}), stage=kwargs.get("stage"),
-                           schedule=shape.schedule)
+                                                    **knobs}), stage=kwargs.get("stage"))
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
     ranks = []
     for r in range(pp):

@@ -530,9 +530,15 @@ class Engine:
         ``stage_backward_weight`` computes them with ``torch.autograd.grad``, which runs no
         accumulate-grad hook) into the flat grad buffers, as the hooks do under ``no_sync``, and
         free stage 3's blocks again. A param whose grad a hook already took holds none (stages 2-3)
-        or our own buffer view (stages 0-1), so calling this after a hooked backward changes nothing."""
-        if not self.defers_reduction:
+        or our own buffer view (stages 0-1), so calling this after a hooked backward changes nothing.
+        Where stages 2-3 reduce inside ``no_sync`` (``reduces_inside_no_sync``), the grads taken are
+        reduce-scattered at once instead, every unit in the fixed order, as a hooked backward's end does."""
+        if self.sync_grads:
             raise RuntimeError("take_assigned_grads runs inside no_sync (a pipeline schedule's backward passes)")
+        reduce_now = self.reduces_inside_no_sync
+        if reduce_now:
+            self.finish_reductions()  # the previous microbatch's, so this one's launch from the first unit
+        took_any = False
         for unit in self.units:
             took = False
             for group_index, group in enumerate(unit.groups):
@@ -542,11 +548,18 @@ class Engine:
                     if param.grad is not None:
                         unit.mark_ready(group_index, param_index)
                         took = True
-            if took:
+            took_any |= took
+            if took and not reduce_now:
                 unit.collect_grads()
                 unit.clear_ready()
             if self.policy.shard_params and not unit.is_root:
                 unit.reshard()
+        if reduce_now and took_any:
+            for unit in self.reduce_order:
+                if unit.trainable_groups:
+                    unit.launch_reduce()
+            self._next_reduce = len(self.reduce_order)
+            self._reap_finished()
 
     def accumulated_grad(self, fqn: str) -> torch.Tensor:
         """The full grad of param ``fqn`` accumulated under ``no_sync`` and not yet reduced: a flat
