@@ -12,6 +12,7 @@ help, so a knob added to the engine is a flag and a TOML key with no edit here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import typing
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ TP_MODEL_NAMES = tuple(n for n in MODEL_NAMES if n not in MOE_MODEL_NAMES) + ("h
 pretrained folder's weights are read shard by shard without a tp split (zeroshard/hf/pretrained.py)."""
 PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
-(zeroshard/pipeline/families.py)."""
+(zeroshard/pipeline/families.py); a pretrained folder of one of PP_FOLDER_TYPES too."""
+PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""``model_type`` of the pretrained folders `pp` > 1 cuts: dense decoders whose blocks are model.layers."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 WARMUP_SHAPES = ("linear", "log")
@@ -140,8 +143,9 @@ class TrainConfig:
     pp: int = 1
     """Pipeline parallelism: cut the model's blocks into this many stages, one per group of nproc/pp
     consecutive ranks, ZeRO (at `stage`) inside each stage over its ranks; torch's own schedules run
-    them (docs/pipeline.md). Needs zeroshard's GPT or hf:llama-tiny; composes with tp (nproc = pp x
-    data-parallel x tp). 1 is no pipeline."""
+    them (docs/pipeline.md). Needs zeroshard's GPT, hf:llama-tiny or a pretrained folder of a Llama,
+    Mistral, Qwen2 or Qwen3 decoder; composes with tp (nproc = pp x data-parallel x tp). 1 is no
+    pipeline."""
 
     pp_schedule: str = "1f1b"
     """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or
@@ -314,14 +318,7 @@ class TrainConfig:
 
         spec = schedule_spec(self.pp_schedule)
         per_rank = stages_per_rank(spec, self.pp_stages_per_rank)
-        if self.model not in PP_MODEL_NAMES:
-            raise ValueError(f"model={self.model!r} cannot be cut into pipeline stages; use pp=1, or one of "
-                             f"{', '.join(PP_MODEL_NAMES)}")
-        layers = 4 if self.model.startswith(HF_PREFIX) else None
-        if layers is None:
-            from zeroshard.models.gpt import GPTConfig
-
-            layers = GPTConfig.named(self.model).n_layer
+        layers = self._pp_blocks()
         if layers % (self.pp * per_rank):
             raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
                              f"{self.model}; pick pp x pp_stages_per_rank dividing {layers}")
@@ -339,6 +336,29 @@ class TrainConfig:
         if self.batch % (dp * self.accum) == 0:
             check_microbatches(spec, microbatches=self.pp_microbatches, pp=self.pp,
                                local_batch=self.batch // (dp * self.accum))
+
+    def _pp_blocks(self) -> int:
+        """The blocks pp cuts into stages: a preset's, or a pretrained decoder folder's layers."""
+        from zeroshard.hf.folder import CONFIG, is_pretrained_folder
+
+        if is_pretrained_folder(self.model):
+            try:
+                hf = json.loads((Path(self.model) / CONFIG).read_text())
+            except ValueError as e:
+                raise ValueError(f"{Path(self.model) / CONFIG} is not JSON ({e}); fix or rewrite the folder") from e
+            kind, layers = hf.get("model_type"), hf.get("num_hidden_layers")
+            if kind not in PP_FOLDER_TYPES or not isinstance(layers, int):
+                raise ValueError(f"the {kind!r} model in {self.model} cannot be cut into pipeline stages; use pp=1, "
+                                 f"or a folder of one of {', '.join(PP_FOLDER_TYPES)}")
+            return layers
+        if self.model not in PP_MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} cannot be cut into pipeline stages; use pp=1, one of "
+                             f"{', '.join(PP_MODEL_NAMES)}, or a pretrained folder of {', '.join(PP_FOLDER_TYPES)}")
+        if self.model.startswith(HF_PREFIX):
+            return 4  # zeroshard/models/hf.py builds the tiny HF decoders with 4 layers
+        from zeroshard.models.gpt import GPTConfig
+
+        return GPTConfig.named(self.model).n_layer
 
     def _check_ranges(self) -> None:
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():

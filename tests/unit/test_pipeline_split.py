@@ -79,3 +79,22 @@ def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
     with pytest.raises(ValueError, match=message) as e:
         TrainConfig(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_a_pretrained_folder_is_cut_by_its_config(tmp_path):
+    """pp reads a folder's config.json: a dense decoder's layers are its blocks, another model is refused."""
+    import json
+
+    def folder(name: str, **config) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    assert TrainConfig(pp=2, nproc=4, batch=8, model=folder("llama", model_type="llama", num_hidden_layers=4)).pp == 2
+    for model, message in [(folder("odd", model_type="qwen2", num_hidden_layers=3), "does not divide the 3 blocks"),
+                           (folder("moe", model_type="mixtral", num_hidden_layers=4),
+                            "the 'mixtral' model in .* cannot be cut into pipeline stages")]:
+        with pytest.raises(ValueError, match=message) as e:
+            TrainConfig(pp=2, nproc=4, batch=8, model=model)
+        assert "\n" not in str(e.value)
+
