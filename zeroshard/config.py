@@ -322,7 +322,10 @@ class TrainConfig:
         if layers % (self.pp * per_rank):
             raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
                              f"{self.model}; pick pp x pp_stages_per_rank dividing {layers}")
-        refused = {"ep": self.ep > 1, "compile": self.compile, "init=meta": self.init == "meta",
+        if self.init == "meta" and (self.tp > 1 or self.model.startswith(HF_PREFIX)):
+            raise ValueError("init=meta under pp > 1 is not yet composed with tp or a Hugging Face model; use "
+                             "init=full (or auto), or tp=1 with a GPT preset")
+        refused = {"ep": self.ep > 1, "compile": self.compile,
                    "checkpointing": self.engine.checkpointing != "none", "offload": self.engine.offload.kind != "none",
                    "comm_quant": self.comm_quant != "none", "check_schedule": self.engine.check_schedule}
         for name, on in refused.items():

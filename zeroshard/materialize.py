@@ -231,34 +231,63 @@ def _whole_meta(param: nn.Parameter) -> nn.Parameter:
 def materialize(model: nn.Module, engine: Engine, init_fn: Callable[[nn.Module], None] | None,
                 require_all: bool = True) -> dict:
     """Fill the engine's buffers by replaying ``init_fn`` (see the note above); return stats."""
+    stats = replay_into(model, [engine], init_fn, require_all=require_all)
+    return {"path": "meta" if require_all else "meta (values left for a checkpoint load)", **stats}
+
+
+def materialize_stages(model: nn.Module, engines: list[Engine], init_fn: Callable[[nn.Module], None] | None,
+                       aliases: dict[str, str]) -> dict:
+    """Fill the engines of this rank's pipeline stages by replaying the *whole* model's init.
+
+    ``model`` is the whole meta model the stages were cut from (they hold its own modules). Every
+    param outside the stages is drawn too, on a temporary full tensor that is dropped at once, so
+    the global RNG advances exactly as in a plain build and the stages' values are bitwise that
+    build's; only the stages' shards are ever kept. ``aliases`` maps a stage's own copy of a tied
+    param (the last stage's head, zeroshard/pipeline/tied.py) to the param it copies: the copy
+    takes the values drawn for it, as a plain build's tied head shares them."""
+    stats = replay_into(model, engines, init_fn, require_all=True, aliases=aliases, draw_rest=True)
+    return {"path": "meta", **stats}
+
+
+def replay_into(model: nn.Module, engines: list[Engine], init_fn: Callable[[nn.Module], None] | None, *,
+                require_all: bool, aliases: dict[str, str] | None = None, draw_rest: bool = False) -> dict:
+    """Replay ``init_fn(model)`` into ``engines``' buffers. ``aliases``: param name -> the name whose
+    draw it takes. ``draw_rest``: the model's meta params that no engine holds are drawn and dropped."""
+    aliases = aliases or {}
+    named = dict(model.named_parameters(remove_duplicate=False))
     targets: dict[int, _Target] = {}
-    whole = {id(ref.param): _whole_meta(ref.param) for group in engine.groups for ref in group.refs}
-    for group in engine.groups:
-        for index, ref in enumerate(group.refs):
-            meta = whole[id(ref.param)]
-            split = expert_init.rows_kept(ref.param)
-            target = targets.setdefault(_storage_key(meta), _Target(ref.fqn, meta, [], split and split[1]))
-            target.sinks.append((group, index))
+    refs = [(group, index, ref) for engine in engines for group in engine.groups for index, ref in enumerate(group.refs)]
+    whole = {id(ref.param): _whole_meta(ref.param) for _, _, ref in refs}
+    for group, index, ref in refs:
+        fqn = aliases.get(ref.fqn, ref.fqn)
+        meta = named[fqn] if fqn != ref.fqn else whole[id(ref.param)]
+        split = expert_init.rows_kept(ref.param)
+        target = targets.setdefault(_storage_key(meta), _Target(fqn, meta, [], split and split[1]))
+        target.sinks.append((group, index))
+    if draw_rest:
+        for fqn, param in named.items():
+            if param.is_meta and not is_dtensor(param):
+                targets.setdefault(_storage_key(param), _Target(fqn, param, []))
     # The replay needs the meta params registered on the modules, where the init code finds them.
-    for group in engine.groups:
-        for ref in group.refs:
-            for module, attr in ref.places:
-                module._parameters[attr] = whole[id(ref.param)]  # noqa: SLF001 (swaps a registered param; torch has no public API)
-    replay = _InitReplay(targets, engine.mesh.device)
+    for _, _, ref in refs:
+        for module, attr in ref.places:
+            module._parameters[attr] = whole[id(ref.param)]  # noqa: SLF001 (swaps a registered param; torch has no public API)
+    replay = _InitReplay(targets, engines[0].mesh.device)
     with replay, _route_meta_shortcuts(replay), torch.no_grad():
         (init_fn or default_init_fn)(model)
     replay.flush()
-    for unit in engine.units:
-        for group in unit.groups:
-            group.register(unsharded=not engine.policy.shard_params)
-    missing = sorted(t.fqn for t in targets.values() if not t.done)
+    for engine in engines:
+        for unit in engine.units:
+            for group in unit.groups:
+                group.register(unsharded=not engine.policy.shard_params)
+    missing = sorted(t.fqn for t in targets.values() if t.sinks and not t.done)
     if missing and require_all:
         raise ValueError(f"the init code never wrote {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
                          "give zs.shard an init_fn that initialises every param")
-    _check_buffers(model)
-    engine.sync_params()
-    return {"path": "meta" if require_all else "meta (values left for a checkpoint load)",
-            "peak_temp_bytes": replay.peak_temp_bytes, "peak_expert_temp_bytes": replay.peak_expert_temp_bytes}
+    for engine in engines:
+        _check_buffers(engine.model)
+        engine.sync_params()
+    return {"peak_temp_bytes": replay.peak_temp_bytes, "peak_expert_temp_bytes": replay.peak_expert_temp_bytes}
 
 
 def _check_buffers(model: nn.Module) -> None:

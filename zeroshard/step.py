@@ -230,7 +230,10 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
         raise ValueError(f"pp={cfg.pp} but the mesh's pp dim is {mesh.pp_size}; build the mesh with "
                          f"zs.init(pp={cfg.pp}) (zeroshard train does)")
     dataset = build_data(cfg) if dataset is None else dataset
-    model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=False) if model is None else model
+    # On the meta device (init="meta", or "auto" above the threshold) each rank keeps only its stages'
+    # values (Pipeline, zeroshard/materialize.py); not yet with tp or a Hugging Face model.
+    allow_meta = cfg.tp == 1 and not adapter.is_hf_name(cfg.model)
+    model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=allow_meta) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks on the stage's tp dim, then cut
     options = engine_options(cfg, **{k: shard_overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in shard_overrides})

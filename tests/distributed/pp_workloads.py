@@ -102,6 +102,29 @@ def _fp16_overflow(mesh) -> dict:
     return {"scales": scales, "skipped": skipped, "moved": moved}
 
 
+def _meta_init(mesh) -> dict:
+    """init="meta" under pp at stage 3: the whole model built on meta, this rank's stage cut and only
+    its shards materialised. Against a plain seeded build cut the same way, bitwise; the params outside
+    the stage are never given storage, and the replay holds at most one full param at a time."""
+    from zeroshard.pipeline import Pipeline
+    from zeroshard.sharding.state import full_state_dict
+
+    cfg = config("gpt", 3, init="meta")
+    vocab = step_mod.build_data(cfg).vocab_size
+    model = step_mod.build_model(cfg, vocab, mesh.device)
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    pipe = Pipeline(model, mesh=mesh, stage=3, microbatches=2)
+    kept = {n for m in pipe.modules for n, _ in m.named_parameters()}
+    outside = {n: p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in kept}
+    mine = {n: t for m in pipe.modules for n, t in full_state_dict(m).items()}
+    plain = step_mod.build_model(config("gpt", 3, init="full"), vocab, torch.device("cpu")).state_dict()
+    return {"built_on_meta": built_on_meta, "kept": sorted(kept), "outside_meta": outside,
+            "mismatched": [n for n, t in mine.items() if not torch.equal(t.cpu(), plain[n])],
+            "compared": sorted(mine), "peak_temp_bytes": get_engine(pipe.modules[0]).init_stats["peak_temp_bytes"],
+            "init_path": get_engine(pipe.modules[0]).init_stats["path"],
+            "largest_param_bytes": max(t.numel() * t.element_size() for t in plain.values())}
+
+
 def _errors(mesh) -> dict[str, str]:
     """One line each for the layouts the runtime refuses (the config's own errors are unit-tested)."""
     from zeroshard.models.gpt import GPT, GPTConfig
@@ -157,6 +180,10 @@ def suite() -> dict:
         t0 = time.perf_counter()
         out[case] = _train(config("gpt", 3, "1f1b", "microbatch", **layout), mesh_of_case)
         times[case] = time.perf_counter() - t0
+    out["meta-init"] = _meta_init(mesh)
+    t0 = time.perf_counter()
+    out["meta-init-train"] = _train(config("gpt", 3, init="meta"), mesh)
+    times["meta-init-train"] = time.perf_counter() - t0
     out["fp16"] = _fp16_overflow(mesh)
     out["errors"] = _errors(mesh)
     out["times"] = times

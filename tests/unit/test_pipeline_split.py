@@ -68,12 +68,17 @@ def test_mesh_shape_names_pp_outermost():
         _dims_of_shape((2, 2), ("shard", "pp"), 4)
 
 
+def test_train_config_takes_meta_init_under_pp():
+    assert TrainConfig(pp=2, nproc=4, batch=8, init="meta").init == "meta"
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(pp=3, nproc=6), "pp=3 x 1 stages per rank does not divide the 4 blocks"),
     (dict(pp=2, nproc=4, batch=8, microbatches=1), "at least pp=2 microbatches"),
     (dict(pp=2, nproc=4, batch=12, microbatches=4), "microbatches=4 does not split"),
     (dict(pp=2, nproc=4, batch=8, model="hf:gpt2-tiny"), "cannot be cut into pipeline stages"),
     (dict(pp=2, nproc=4, batch=8, compile=True), "compile is not yet composed with pp > 1"),
+    (dict(pp=2, nproc=4, batch=8, tp=2, init="meta"), "init=meta under pp > 1 is not yet composed with tp"),
 ])
 def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
     with pytest.raises(ValueError, match=message) as e:

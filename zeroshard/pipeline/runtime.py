@@ -27,6 +27,8 @@ from torch import nn
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Group, Phase
+from zeroshard.lazy_dtensor import is_dtensor
+from zeroshard.materialize import materialize_stages
 from zeroshard.pipeline.families import StageModule, block_names, family_of
 from zeroshard.pipeline.grad_reduce import stage_options
 from zeroshard.pipeline.schedules import check_microbatches, make_schedule, schedule_spec
@@ -81,6 +83,12 @@ class Pipeline:
         self.stage_indices = [mesh.pp_rank + k * mesh.pp_size for k in range(per_rank)]
         self.vocab = int(getattr(model.get_submodule(self.family.last[-1]), "weight").shape[0])  # the head's rows
         self.hidden = self.family.hidden(model)
+        # A meta-device model: each stage is sharded with zeroed buffers, then the whole model's init
+        # is replayed once, keeping only these stages' shards (zeroshard/materialize.py).
+        meta = any(p.is_meta for p in model.parameters())
+        if meta and any(is_dtensor(p) for p in model.parameters()):
+            raise ValueError("meta-device init under pp is not composed with tp yet; build the model with values "
+                             "(init='full') or use tp=1")
         self.modules: list[StageModule] = []
         for s in self.stage_indices:
             module = StageModule(model, self.family, self.split.blocks[s], stage_index=s, num_stages=self.num_stages)
@@ -88,8 +96,14 @@ class Pipeline:
                 if s == tied.copy_stage:
                     untie_copy(module, tied)
             shard(module, stage=stage, units=module.block_modules(), mp=mp, options=opts, comm=comm, mesh=mesh,
-                  init_fn=init_fn)
+                  skip_init=meta)
             self.modules.append(module)
+        if meta:
+            aliases = {t.copy_fqn: t.owner_fqn for t in self.tied if t.copy_stage in self.stage_indices}
+            engines = [get_engine(module) for module in self.modules]
+            stats = materialize_stages(model, engines, init_fn, aliases)
+            for engine in engines:
+                engine.init_stats = stats
         self.act_dtype = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
         self._schedule: Any = None
         self._shape: tuple[int, int] | None = None
