@@ -21,7 +21,7 @@ import torch
 import zeroshard as zs
 from zeroshard.comm import faults
 from zeroshard.comm.collectives import all_reduce
-from zeroshard.config import TrainConfig, check_batch_split
+from zeroshard.config import HF_PREFIX, TrainConfig, check_batch_split
 from zeroshard.data import GlobalBatchSampler, build_dataset
 from zeroshard.models import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
@@ -230,16 +230,19 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
         raise ValueError(f"pp={cfg.pp} but the mesh's pp dim is {mesh.pp_size}; build the mesh with "
                          f"zs.init(pp={cfg.pp}) (zeroshard train does)")
     dataset = build_data(cfg) if dataset is None else dataset
-    # On the meta device (init="meta", or "auto" above the threshold) each rank keeps only its stages'
-    # values (Pipeline, zeroshard/materialize.py); not yet with tp or a Hugging Face model.
-    allow_meta = cfg.tp == 1 and not adapter.is_hf_name(cfg.model)
+    # On the meta device (init="meta", or "auto" above the threshold; a pretrained folder always) each
+    # rank keeps only its stages' values (Pipeline, zeroshard/materialize.py; a folder's are read stage
+    # by stage below); not yet with tp or an hf: model.
+    allow_meta = cfg.tp == 1 and not cfg.model.startswith(HF_PREFIX)
     model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=allow_meta) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks on the stage's tp dim, then cut
     options = engine_options(cfg, **{k: shard_overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in shard_overrides})
     pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                     stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,
-                    **shard_overrides)
+                    **{**adapter.shard_kwargs(model), **shard_overrides})
+    for module in pipe.modules:  # a pretrained folder on meta: each stage reads only its own tensors
+        adapter.after_shard(module, whole=model, tied=pipe.tied_copies)
     pipe.check_batch(cfg.batch // mesh.dp_size // cfg.accum)
     opts = pipe.optimizers(torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)

@@ -125,6 +125,44 @@ def _meta_init(mesh) -> dict:
             "largest_param_bytes": max(t.numel() * t.element_size() for t in plain.values())}
 
 
+def _pretrained_folder(mesh) -> dict:
+    """A save_pretrained Llama folder (tied head) under pp at stage 3: built on meta, each stage reads
+    only its own shard of the files' tensors; the values are bitwise transformers' own load of them."""
+    import shutil
+    import tempfile
+
+    import transformers as tf
+
+    from zeroshard.hf.pretrained import build_pretrained, load_pretrained, plain_pretrained
+    from zeroshard.pipeline import Pipeline
+    from zeroshard.sharding.state import full_state_dict
+
+    # Rank 0 writes the folder (transformers saves on the main process only), at a path the ranks of
+    # this spawn share; the others wait for it.
+    folder = os.path.join(tempfile.gettempdir(), f"zs-pp-folder-{os.getppid()}")
+    if mesh.rank == 0:
+        torch.manual_seed(0)
+        hf = tf.LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                            intermediate_size=128, vocab_size=256, max_position_embeddings=64,
+                            tie_word_embeddings=True)
+        tf.LlamaForCausalLM(hf).save_pretrained(folder, max_shard_size="100KB")
+    torch.distributed.barrier()
+    model = build_pretrained(folder)
+    pipe = Pipeline(model, mesh=mesh, stage=3, microbatches=2, skip_init=True)
+    stats = [load_pretrained(m, folder, whole=model, tied=pipe.tied_copies) for m in pipe.modules]
+    kept = {n for m in pipe.modules for n, _ in m.named_parameters()}
+    mine = {n: t for m in pipe.modules for n, t in full_state_dict(m).items()}
+    plain = plain_pretrained(folder).state_dict()
+    torch.distributed.barrier()
+    if mesh.rank == 0:
+        shutil.rmtree(folder)  # this test's own folder
+    return {"mismatched": [n for n, t in mine.items() if not torch.equal(t.cpu(), plain[n])], "compared": sorted(mine),
+            "outside_meta": [p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in kept],
+            "bytes_read": sum(s["bytes_read"] for s in stats), "bytes_held": sum(s["bytes_held"] for s in stats),
+            "folder_bytes": sum(t.numel() * t.element_size() for n, t in plain.items() if n != "lm_head.weight"),
+            "tied": pipe.tied_copies, "folder": folder}
+
+
 def _errors(mesh) -> dict[str, str]:
     """One line each for the layouts the runtime refuses (the config's own errors are unit-tested)."""
     from zeroshard.models.gpt import GPT, GPTConfig
@@ -181,6 +219,7 @@ def suite() -> dict:
         out[case] = _train(config("gpt", 3, "1f1b", "microbatch", **layout), mesh_of_case)
         times[case] = time.perf_counter() - t0
     out["meta-init"] = _meta_init(mesh)
+    out["pretrained-folder"] = _pretrained_folder(mesh)
     t0 = time.perf_counter()
     out["meta-init-train"] = _train(config("gpt", 3, init="meta"), mesh)
     times["meta-init-train"] = time.perf_counter() - t0

@@ -227,3 +227,17 @@ def test_meta_init_trains_like_one_process(suite, references):
     print(f"gpt pp 2 x shard 2 stage 3 init=meta, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} "
           f"({suite[0]['times']['meta-init-train']:.1f} s)")
     assert diff <= 1e-5
+
+
+def test_a_pretrained_folder_is_read_stage_by_stage(suite):
+    """A save_pretrained Llama (tied head) at pp 2 x shard 2 stage 3: each rank reads only its stage's
+    shard of the files (the last stage's head copy under the embedding's name), bitwise transformers'
+    own load, and the other stage's params never get storage."""
+    for rank, got in enumerate(suite):
+        folder = got["pretrained-folder"]
+        assert folder["mismatched"] == [] and folder["outside_meta"] and all(folder["outside_meta"])
+        assert folder["bytes_read"] == folder["bytes_held"] < folder["folder_bytes"] / 2
+        print(f"rank {rank}: read {folder['bytes_read']} of the folder's {folder['folder_bytes']} B, "
+              f"{len(folder['compared'])} stage params bitwise")
+    assert suite[2]["pretrained-folder"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" in suite[2]["pretrained-folder"]["compared"]

@@ -121,14 +121,16 @@ def plain_pretrained(path: str | Path, device: torch.device | str = "cpu") -> nn
     return model
 
 
-def _plan(engine, reader: FolderReader, names: FileNames, model: nn.Module) -> list[tuple[Any, int, str, Merge | None]]:
+def _plan(engine, reader: FolderReader, names: FileNames, model: nn.Module,
+          tied: dict[str, str]) -> list[tuple[Any, int, str, Merge | None]]:
     """(group, param index, file tensor name or merged param name, Merge or None) for every param;
     checks names and shapes first (a merged param's on meta tensors), so a bad folder is refused
-    before any value is written. ``names``: where transformers converts the model's names."""
+    before any value is written. ``names``: where transformers converts the model's names;
+    ``tied``: a param's other name, for a pipeline stage's own copy of a tied param."""
     plan = []
     for group in engine.groups:
         for index, (slot, ref) in enumerate(zip(group.layout.slots, group.refs)):
-            aliases = sorted(ref.aliases)
+            aliases = sorted(ref.aliases) + sorted(tied[n] for n in ref.aliases if n in tied)
             found = [n for n in aliases if n in reader.weight_map] or [names.renamed[n] for n in aliases
                                                                        if n in names.renamed]
             merged = next((n for n in aliases if n in names.merged), None)
@@ -152,10 +154,9 @@ def _plan(engine, reader: FolderReader, names: FileNames, model: nn.Module) -> l
     return plan
 
 
-def _fill_buffers(model: nn.Module, reader: FolderReader, renamed: dict[str, str]) -> None:
-    """Persistent buffers from the files; the rest from the model's per-module init where it has
-    one for them, else as the constructor wrote them (``build_pretrained``)."""
-    init_module = getattr(model, "_init_weights", None)
+def _fill_buffers(model: nn.Module, reader: FolderReader, renamed: dict[str, str], init_module: Any) -> None:
+    """Persistent buffers from the files; the rest from the model's per-module init
+    (``init_module``) where it has one for them, else as the constructor wrote them (``build_pretrained``)."""
     for module_name, module in model.named_modules():
         buffers = dict(module.named_buffers(recurse=False))
         if callable(init_module) and buffers and not list(module.parameters(recurse=False)):
@@ -170,18 +171,23 @@ def _fill_buffers(model: nn.Module, reader: FolderReader, renamed: dict[str, str
                     buf.copy_(reader.read(key).reshape(buf.shape))
 
 
-def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
+def load_pretrained(model: nn.Module, path: str | Path, *, whole: nn.Module | None = None,
+                    tied: dict[str, str] | None = None) -> dict[str, Any]:
     """Fill a sharded model (``zs.shard(..., skip_init=True)`` of ``build_pretrained(path)``) from
     the folder: each rank reads only the elements it holds. Returns ``bytes_held`` (the values
-    copied into this rank's shard), ``bytes_read`` (the rows read for them) and ``tensors``."""
+    copied into this rank's shard), ``bytes_read`` (the rows read for them) and ``tensors``.
+    A pipeline stage (zeroshard/pipeline) passes ``whole``, the model it was cut from (whose class
+    says how transformers renames the files' tensors), and ``tied``: its copy of a tied param's
+    name -> the owner's, either of which the files may hold it under."""
     from zeroshard.sharding import get_engine
 
     engine = get_engine(model)
     reader = FolderReader(path)
     held = 0
+    whole = model if whole is None else whole
     try:
-        names = file_names(model, reader.weight_map)
-        plan = _plan(engine, reader, names, model)
+        names = file_names(whole, reader.weight_map)
+        plan = _plan(engine, reader, names, whole, tied or {})
         for group, index, name, merge in plan:
             slot = group.layout.slots[index]
             start, stop = max(slot.offset, group.lo), min(slot.end, group.hi)
@@ -197,7 +203,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, Any]:
             held += values.numel() * values.element_size()
             with torch.no_grad():
                 group.shard[start - group.lo:stop - group.lo].copy_(values)
-        _fill_buffers(model, reader, names.renamed)
+        _fill_buffers(model, reader, names.renamed, init_module=getattr(whole, "_init_weights", None))
     finally:
         reader.close()
     if engine.policy.shard_params:

@@ -94,12 +94,14 @@ def shard_kwargs(model: nn.Module) -> dict:
     return {"init_fn": init_weights} if is_hf_model(model) else {}
 
 
-def after_shard(model: nn.Module) -> None:
-    """A model built from a pretrained folder reads its weights now: each rank only its shard."""
-    if _is_pretrained(model):
+def after_shard(model: nn.Module, *, whole: nn.Module | None = None, tied: dict[str, str] | None = None) -> None:
+    """A model built from a pretrained folder reads its weights now: each rank only its shard. A
+    pipeline stage passes ``whole``, the model it was cut from, and its tied copies' names."""
+    source = whole if whole is not None else model
+    if _is_pretrained(source) and (whole is None or any(p.is_meta for p in whole.parameters())):
         from zeroshard.hf.pretrained import load_pretrained
 
-        load_pretrained(model, getattr(model, "cfg").source)
+        load_pretrained(model, getattr(source, "cfg").source, whole=whole, tied=tied)
 
 
 def build_hf(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool,

@@ -54,7 +54,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, *, mesh: Mesh, stage: int, schedule: str = "1f1b", microbatches: int = 0,
                  stages_per_rank: int = 0, split: Sequence[Sequence[str]] | None = None, mp: Any = None,
-                 options: EngineOptions | None = None, comm: Any = None, init_fn: Callable | None = None) -> None:
+                 options: EngineOptions | None = None, comm: Any = None, init_fn: Callable | None = None,
+                 skip_init: bool = False) -> None:
         if mesh.pp_size < 2:
             raise ValueError("a pipeline needs a mesh with pp >= 2: build it with zs.init(pp=N)")
         options = options or EngineOptions()
@@ -98,10 +99,11 @@ class Pipeline:
             shard(module, stage=stage, units=module.block_modules(), mp=mp, options=opts, comm=comm, mesh=mesh,
                   skip_init=meta)
             self.modules.append(module)
-        if meta:
-            aliases = {t.copy_fqn: t.owner_fqn for t in self.tied if t.copy_stage in self.stage_indices}
+        self.tied_copies = {t.copy_fqn: t.owner_fqn for t in self.tied if t.copy_stage in self.stage_indices}
+        """This rank's own copies of tied params -> the names they copy (a loader may find either)."""
+        if meta and not skip_init:  # skip_init: the values come from a load next (a pretrained folder)
             engines = [get_engine(module) for module in self.modules]
-            stats = materialize_stages(model, engines, init_fn, aliases)
+            stats = materialize_stages(model, engines, init_fn, self.tied_copies)
             for engine in engines:
                 engine.init_stats = stats
         self.act_dtype = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
