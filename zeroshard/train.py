@@ -231,6 +231,8 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
         write_config(obs.run_dir, run, info)
     obs.attach(run.model, start_step=start)
     run.profiler = obs.profiler
+    if run.profiler is not None and run.pipeline is not None:
+        run.profiler.watch_pipeline(run.pipeline)
     reporter.start(info)
     run_loop(run, reporter, obs, start, ckpts)
     ckpts.close()  # an asynchronous save still in flight commits (or fails) before the summary

@@ -54,6 +54,37 @@ def test_resume_at_another_pp_continues_the_run(tmp_path, uninterrupted):
     assert placement["pp"] == 4 and placement["blocks"] == [[0], [1], [2], [3]]
 
 
+def test_profile_shows_each_stage_share_and_the_bubble(uninterrupted):
+    """The pp-2 run's profile (on by default): per pp rank, each stage's forward and backward compute
+    (timed by the stages' compute events) plus idle fill the schedule, and with the rest fill the
+    step; the bubble is measured on every rank and the theory is the planner's."""
+    from zeroshard.planner.pipeline import PipelineShape
+
+    run_dir = uninterrupted[1]
+    pipe = json.loads((run_dir / "summary.json").read_text())["profile"]["pipeline"]
+    shape = PipelineShape.resolve(pp=2)  # the run's defaults: 1f1b, one microbatch per stage
+    assert (pipe["schedule"], pipe["pp"], pipe["microbatches"]) == ("1f1b", 2, shape.microbatches)
+    assert pipe["theory_bubble"] == shape.bubble
+    assert [r["rank"] for r in pipe["by_rank"]] == [0, 1, 2, 3]
+    for r in pipe["by_rank"]:
+        assert r["pp_rank"] == r["rank"] // 2  # pp is the outermost dim
+        assert list(r["stages"]) == [str(r["pp_rank"])]
+        (stage,) = r["stages"].values()
+        assert stage["forward"] > 0 and stage["backward"] > 0 and stage["backward_weight"] == 0  # no split backward
+        assert stage["forward"] + stage["backward"] == pytest.approx(r["compute_s"])
+        # A pipeline of two stages always waits: the last for the first forward, the first for the last grads.
+        assert 0 < r["idle_s"] and r["compute_s"] + r["idle_s"] == pytest.approx(r["schedule_s"])
+        assert r["schedule_s"] < r["step_s"] and r["bubble"] == pytest.approx(r["idle_s"] / r["schedule_s"])
+    for rank in range(4):
+        steps = [json.loads(line) for line in (run_dir / "profile" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        for s in steps:
+            # Every microbatch of the step was bracketed once per phase, on this rank's one stage.
+            calls = s["pipeline"]["calls"][str(rank // 2)]
+            assert calls == {"forward": shape.microbatches, "backward": shape.microbatches, "backward_weight": 0}
+            assert s["pipeline"]["schedule_s"] + s["optimizer_s"] <= s["step_s"]
+
+
 def test_a_pp_that_does_not_divide_the_blocks_is_refused_before_launch(tmp_path, uninterrupted):
     shutil.copytree(uninterrupted[0] / "step-00000002", tmp_path / "ck" / "step-00000002")
     done = run_cli(["train", *GPT, "--nproc", "3", "--pp", "3", "--ckpt-dir", str(tmp_path / "ck"), "--resume",

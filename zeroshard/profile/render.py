@@ -48,6 +48,25 @@ def profile_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
         peak = p["peak_flops"]
         hfu = "" if p["hfu"] == p["mfu"] else f", HFU {_pct(p['hfu'])} with recompute"
         rows.append(("MFU", f"{_pct(p['mfu'])}{hfu} of {peak / 1e9:,.1f} GFLOP/s per rank"))
+    if p.get("pipeline"):
+        rows += pipeline_rows(p["pipeline"])
     spread = p["straggler_excess_s"]
     rows.append(("straggler", f"{straggler_text(p)} (+{_ms(spread)} compute/step over the fastest)"))
+    return rows
+
+
+def pipeline_rows(pipe: dict[str, Any]) -> list[tuple[str, str]]:
+    """Per pp rank: its step split into each stage's forward and backward compute, idle inside the
+    schedule (the bubble) and the rest of the step, and the bubble against the planner's theory."""
+    rows = [("pipeline", f"{pipe['schedule']}, pp {pipe['pp']}, {pipe['microbatches']} microbatches: bubble theory "
+                         f"{_pct(pipe['theory_bubble'])} of the schedule")]
+    for r in pipe["by_rank"]:
+        parts = []
+        for stage, t in r["stages"].items():
+            weight = f" + W {_ms(t['backward_weight'])}" if t["backward_weight"] > 0 else ""
+            parts.append(f"stage {stage} F {_ms(t['forward'])} B {_ms(t['backward'])}{weight}")
+        rest = r["step_s"] - r["schedule_s"]
+        rows.append((f"  rank {r['rank']} (pp rank {r['pp_rank']})",
+                     f"step {_ms(r['step_s'])} = {'; '.join(parts)} + idle {_ms(r['idle_s'])} + rest {_ms(rest)}; "
+                     f"bubble {_pct(r['bubble'])} measured"))
     return rows

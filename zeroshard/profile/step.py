@@ -24,6 +24,7 @@ from zeroshard.comm import collectives
 from zeroshard.profile import timeline as tl
 from zeroshard.profile.breakdown import PHASES, breakdown, comm_stats, percentile
 from zeroshard.profile.flops import utilisation
+from zeroshard.profile.pipeline import PipelineClock, mean_of
 from zeroshard.profile.trace import TraceWriter
 
 MB = 2**20
@@ -50,6 +51,12 @@ class StepProfiler:
         self._window_start: float | None = None
         self._last: tuple | None = None
         self._window_seq = 0
+        self.pipeline: PipelineClock | None = None
+
+    def watch_pipeline(self, pipeline: Any) -> None:
+        """Under pp: time each of ``pipeline``'s stages (a ``zeroshard.pipeline.Pipeline``) from its
+        engine's compute events, for the per-stage compute and bubble (zeroshard/profile/pipeline.py)."""
+        self.pipeline = PipelineClock(pipeline)
 
     @property
     def last_window(self) -> tuple | None:
@@ -79,6 +86,8 @@ class StepProfiler:
         if self._subscription is not None:
             self._subscription.remove()
             self._subscription = None
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self._file is not None:
             self._file.close()
         if self._last is not None and self.run_dir is not None:
@@ -123,6 +132,8 @@ class StepProfiler:
         prof: dict[str, Any] = {"step": step + 1, "step_s": step_s, **{f"{k}_s": v for k, v in parts.items()}}
         prof.update(comm_stats(records))
         prof.update(self._memory(samples))
+        if self.pipeline is not None:
+            prof["pipeline"] = self.pipeline.take(spans)
         prof["samples_per_s"] = self.batch / step_s
         prof["tokens"] = self.tokens_per_step if tokens is None else tokens
         prof["tokens_per_s"] = prof["tokens"] / step_s
@@ -195,6 +206,11 @@ class StepProfiler:
             "peak_flops": self.peak_flops,
             "checkpoint_after_last_s": checkpoint_after_last_s,
         }
+        if self.pipeline is not None:
+            # Every pp rank's mean figures, so the summary shows each stage's share and bubble.
+            by_rank = collectives.all_gather_object(mean_of(steps), group="world", phase="metrics")
+            out["pipeline"] = {**self.pipeline.describe(),
+                               "by_rank": [{"rank": r, **m} for r, m in enumerate(by_rank) if m is not None]}
         if self.flops is not None:
             out["flops_per_token"] = self.flops
             out["mfu"] = utilisation(self.flops["model"], out["tokens_per_s"], self.world, self.peak_flops)

@@ -17,6 +17,12 @@ thread, at each of these moments (``EventKind``):
 - ``reduce_done``: the engine finished that reduction (waited on it, averaged it, freed its
   buffers); ``bytes`` is the grad shard it left for the optimizer.
 - ``step``: the sharded optimizer stepped; ``unit`` is empty, ``bytes`` this rank's master values.
+- ``compute_begin`` / ``compute_end``: under pp, the engine's pipeline stage started / finished one
+  microbatch's compute (zeroshard/pipeline/stage.py); ``unit`` is the stage and microbatch
+  (``stage1.mb3``, the ledger's unit for its sends and receives), ``phase`` "forward", "backward"
+  (a whole backward, or a zero-bubble schedule's input half) or "backward_weight" (its weight half),
+  ``bytes`` 0. Each begin is followed by its end before any other begin; what lies between two of
+  them (waits on sends and receives, the schedule's own work) is the stage's idle time.
 
 The order, which tests/distributed/test_events.py checks: a unit's gathers and frees alternate,
 starting with a gather. Its grads_collected comes right before its reduce_launched (inside
@@ -46,6 +52,8 @@ class EventKind(enum.Enum):
     REDUCE_LAUNCHED = "reduce_launched"
     REDUCE_DONE = "reduce_done"
     STEP = "step"
+    COMPUTE_BEGIN = "compute_begin"
+    COMPUTE_END = "compute_end"
 
 
 @dataclasses.dataclass(frozen=True)
