@@ -198,7 +198,8 @@ def unread_flag(args: argparse.Namespace) -> str | None:
     if args.routing_skew is not None and (args.ep or 1) == 1:
         return "--routing-skew sizes the expert-parallel all-to-alls; add --ep N (N > 1) or drop --routing-skew"
     if not args.time:
-        if flags := _given(args, "hw", "micro_batch", "sweep", "shard_sizes"):
+        pp_recommend = plan_pipeline.wants_pipeline(args) and args.device_mem is not None
+        if flags := _given(args, *(() if pp_recommend else ("hw",)), "micro_batch", "sweep", "shard_sizes"):
             return f"{flags[0]} is read only with --time (the step-time simulator); add --time or drop {flags[0]}"
         if args.device_mem is None and (flags := _given(args, "intra_gbps", "inter_gbps")):
             return f"{flags[0]} prices the recommender's candidates; add --device-mem SIZE or drop {flags[0]}"

@@ -24,7 +24,6 @@ PP_KNOBS = ("pp_grad_reduce",)
 _UNPLANNED = {
     "params": "--pp plans a model's stages; pass --model (a zeroshard GPT preset)",
     "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
-    "device_mem": "--pp does not recommend yet; drop --device-mem (the table shows each stage's total)",
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
     "comm_quant": "quantized communication is not composed with pp > 1 (docs/pipeline.md); drop --comm-quant",
@@ -73,6 +72,13 @@ def unread_flag(args: argparse.Namespace) -> str | None:
     for dest, why in _UNPLANNED.items():
         if getattr(args, dest, None) not in (None, False, "none"):
             return why
+    if args.device_mem is not None:
+        for dest in ("intra_gbps", "inter_gbps"):
+            if getattr(args, dest, None) is not None:
+                flag = "--" + dest.replace("_", "-")
+                return f"--pp --device-mem times each candidate on --hw (its links and node size); drop {flag}"
+        if args.measure:
+            return "--measure checks one --pp plan; drop --device-mem (the recommender weighs several pp)"
     return None
 
 
@@ -209,6 +215,57 @@ def run_time(args: argparse.Namespace) -> int:
     return 0
 
 
+def recommended(args: argparse.Namespace):
+    """`plan --pp N --device-mem SIZE`: no pipeline against every pp up to N (planner/recommend_pipeline.py)."""
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.recommend_pipeline import recommend_pipeline
+    from zeroshard.sim.cli import DEFAULT_HW
+    from zeroshard.sim.hardware import load_hardware
+
+    if (args.tp or 1) > 1 or (args.accum or 1) > 1:
+        raise ValueError("--pp --device-mem weighs pipelines with tp 1 and accum 1; drop --tp and --accum")
+    name = _preset(args)
+    cfg = GPTConfig.named(name, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
+    hw = load_hardware(args.hw or DEFAULT_HW)
+    if args.gpus_per_node:
+        hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
+    return recommend_pipeline(cfg, device_mem=args.device_mem, world=args.world, max_pp=args.pp, hw=hw,
+                              pp_schedule=args.pp_schedule or "1f1b", microbatches=args.microbatches or 0,
+                              pp_stages_per_rank=args.pp_stages_per_rank or 0, batch=args.batch, seq=args.seq,
+                              mp=args.mp, optimizer=args.optimizer, headroom=args.headroom, device=args.device,
+                              accounting=args.accounting)
+
+
+def recommend_table(rec) -> Table:
+    table = Table(title=f"pp against none, device {rec.device_mem / 1e9:.1f} GB",
+                  caption="memory: the worst rank's, headroom included; step: one replayed, bubble included")
+    for col in ("pp", "layout", "memory (GB)", "step (ms)", "bubble", "fits"):
+        table.add_column(col, justify="right")
+    for c in rec.candidates:
+        table.add_row(str(c.pp), c.layout, f"{c.total_bytes / 1e9:,.2f}", f"{c.step_s * 1e3:,.2f}",
+                      f"{c.bubble:.1%}", "yes" if c.fits else "no")
+    return table
+
+
+def run_recommend(args: argparse.Namespace) -> int:
+    from zeroshard.cli.train import fail
+
+    try:
+        rec = recommended(args)
+    except ValueError as e:
+        return fail("plan", str(e))
+    if args.json:
+        print(json.dumps({"recommendation": rec.to_dict()}, indent=1), flush=True)
+        return 0
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
+    console.print(recommend_table(rec))
+    pick = f"{rec.layout} at pp {rec.pp}" if rec.fits else "nothing fits"
+    console.print(f"[bold]recommendation:[/bold] {pick} - {rec.reason}", highlight=False)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """`plan --pp`, after `plan`'s own check of the flags given (zeroshard/cli/plan.py)."""
     from zeroshard.cli.train import fail, one_line
@@ -217,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
         return run_time(args)
     if args.world is None:
         return fail("plan", "--world is required: every rank of the run (pp x data-parallel x tp)")
+    if args.device_mem is not None:
+        return run_recommend(args)
     try:
         pplan = plan_of(args)
         checks = None
