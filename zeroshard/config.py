@@ -314,10 +314,11 @@ class TrainConfig:
                              "pick a pp that divides it (nproc/pp ranks per pipeline stage; pp=1 is no pipeline)")
         if self.pp == 1:
             return
-        from zeroshard.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
+        from zeroshard.pipeline.schedules import check_checkpointing, check_microbatches, schedule_spec, stages_per_rank
 
         spec = schedule_spec(self.pp_schedule)
         per_rank = stages_per_rank(spec, self.pp_stages_per_rank)
+        check_checkpointing(spec, self.engine.checkpointing)
         layers = self._pp_blocks()
         if layers % (self.pp * per_rank):
             raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
@@ -326,7 +327,7 @@ class TrainConfig:
             raise ValueError("init=meta under pp > 1 is not yet composed with tp or a Hugging Face model; use "
                              "init=full (or auto), or tp=1 with a GPT preset")
         refused = {"ep": self.ep > 1, "compile": self.compile,
-                   "checkpointing": self.engine.checkpointing != "none", "offload": self.engine.offload.kind != "none",
+                   "offload": self.engine.offload.kind != "none",
                    "comm_quant": self.comm_quant != "none", "check_schedule": self.engine.check_schedule}
         for name, on in refused.items():
             if on:

@@ -47,9 +47,29 @@ def config(name: str, stage: int, schedule: str = "1f1b", pp_grad_reduce: str = 
                           "num_samples": 256, **kw})
 
 
+CHECKPOINTING_CASES = [("gpt", 3, "1f1b", "all"), ("gpt", 2, "interleaved-1f1b", "sqrt")]
+"""Activation checkpointing inside each stage (the engine's own), held to one process."""
+
+
+def _count_block_runs(run) -> list[int]:
+    """Counts every run of the first block of this rank's first stage, a recompute included: the
+    checkpointed block's own forward, which torch's checkpoint calls again in backward."""
+    block = run.pipeline.modules[0].block_modules()[0]
+    segment = block.forward.__self__  # the checkpoint segment the engine installed as its forward
+    original, runs = segment.forwards[0], [0]
+
+    def counted(*args, **kwargs):
+        runs[0] += 1
+        return original(*args, **kwargs)
+
+    segment.forwards[0] = counted
+    return runs
+
+
 def _train(cfg: TrainConfig, mesh) -> dict:
     ledger = zs.ledger()
     run = step_mod.build(cfg, mesh)
+    block_runs = _count_block_runs(run) if cfg.engine.checkpointing != "none" else None
     records, traffic, counts = [], [], []
     for i in range(cfg.steps):
         seq = ledger.next_seq
@@ -68,6 +88,8 @@ def _train(cfg: TrainConfig, mesh) -> dict:
                  # What one reduction of each of this rank's flat groups carries: its padded grads.
                  "group_grad_bytes": [g.layout.numel * g.reduce_dtype.itemsize for m in pipe.modules
                                       for g in get_engine(m).trainable_groups]}
+    if block_runs is not None:
+        facts["block_runs"] = block_runs[0]
     return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
             "losses": [r.loss for r in records], "bytes": traffic, "counts": counts, **facts}
 
@@ -218,6 +240,10 @@ def suite() -> dict:
         t0 = time.perf_counter()
         out[case] = _train(config("gpt", 3, "1f1b", "microbatch", **layout), mesh_of_case)
         times[case] = time.perf_counter() - t0
+    for name, stage, sched, policy in CHECKPOINTING_CASES:
+        t0 = time.perf_counter()
+        out[("checkpointing", stage, sched, policy)] = _train(config(name, stage, sched, checkpointing=policy), mesh)
+        times[("checkpointing", stage, sched, policy)] = time.perf_counter() - t0
     out["meta-init"] = _meta_init(mesh)
     out["pretrained-folder"] = _pretrained_folder(mesh)
     t0 = time.perf_counter()

@@ -21,9 +21,10 @@ TARGET = 0.10
 ZERO3_PP2_TARGET = 0.20
 CASES = {"pp2-shard2": dict(pp=2, microbatches=2, stages=(0, 2, 3)),
          "pp2-shard2-microbatch": dict(pp=2, microbatches=2, stages=(2, 3), knobs={"pp_grad_reduce": "microbatch"}),
+         "pp2-shard2-checkpointing": dict(pp=2, microbatches=2, stages=(2, 3), knobs={"checkpointing": "all"}),
          "pp4": dict(pp=4, microbatches=4, stages=(0, 2, 3))}
-"""pp2-shard2-microbatch reduce-scatters after every microbatch (pp_grad_reduce), measured in the
-pp2-shard2 spawn."""
+"""pp2-shard2-microbatch reduce-scatters after every microbatch (pp_grad_reduce), and
+pp2-shard2-checkpointing checkpoints every block inside each stage; both measured in the pp2-shard2 spawn."""
 
 pytestmark = pytest.mark.timeout(600)
 

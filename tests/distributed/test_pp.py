@@ -241,3 +241,19 @@ def test_a_pretrained_folder_is_read_stage_by_stage(suite):
               f"{len(folder['compared'])} stage params bitwise")
     assert suite[2]["pretrained-folder"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "lm_head.weight" in suite[2]["pretrained-folder"]["compared"]
+
+
+@pytest.mark.parametrize("case", w.CHECKPOINTING_CASES, ids=[f"stage{s}-{sch}-{pol}" for _, s, sch, pol in
+                                                             w.CHECKPOINTING_CASES])
+def test_activation_checkpointing_inside_each_stage_matches_single_process(suite, references, case):
+    name, stage, schedule, policy = case
+    key = ("checkpointing", stage, schedule, policy)
+    got = suite[0][key]
+    diff = _max_diff(got["params"], references[name]["params"])
+    print(f"{name} pp 2 x shard 2 stage {stage} {schedule} checkpointing={policy}, {w.STEPS} steps: max abs param "
+          f"diff vs one process {diff:.2e} ({suite[0]['times'][key]:.1f} s)")
+    assert diff <= 1e-5
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()
+    for rank in suite:  # every microbatch's first block ran twice a step: forward, then its recompute
+        assert rank[key]["block_runs"] == 2 * rank[key]["microbatches"] * w.STEPS

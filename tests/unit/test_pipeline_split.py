@@ -79,6 +79,8 @@ def test_train_config_takes_meta_init_under_pp():
     (dict(pp=2, nproc=4, batch=8, model="hf:gpt2-tiny"), "cannot be cut into pipeline stages"),
     (dict(pp=2, nproc=4, batch=8, compile=True), "compile is not yet composed with pp > 1"),
     (dict(pp=2, nproc=4, batch=8, tp=2, init="meta"), "init=meta under pp > 1 is not yet composed with tp"),
+    (dict(pp=2, nproc=4, batch=8, checkpointing="all", pp_schedule="interleaved-zero-bubble"),
+     "checkpointing='all' is not composed with the interleaved-zero-bubble schedule"),
 ])
 def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
     with pytest.raises(ValueError, match=message) as e:

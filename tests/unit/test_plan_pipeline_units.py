@@ -101,3 +101,15 @@ def test_plan_cli_refuses_what_it_does_not_plan_with_pp(capsys):
     assert main(["plan", "--model", "tiny", "--world", "4", "--pp", "2", "--offload", "cpu"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("zeroshard plan: error: ") and "--offload" in err and "\n" not in err
+
+
+def test_checkpointing_plans_each_stage_over_its_own_blocks():
+    """Each stage's engine checkpoints its own blocks: a microbatch in flight keeps its segments'
+    inputs only, so every pp rank's planned activations fall; the zero-bubble schedule refuses it
+    as the runtime does."""
+    kw = dict(world=4, pp=2, microbatches=2, batch=8, seq=32, device="cpu")
+    plain, checkpointed = plan_pipeline("tiny", **kw), plan_pipeline("tiny", checkpointing="all", **kw)
+    for a, b in zip(plain.ranks, checkpointed.ranks):
+        assert 0 < b.activation_bytes < a.activation_bytes
+    with pytest.raises(ValueError, match="not composed with the interleaved-zero-bubble schedule"):
+        plan_pipeline("tiny", checkpointing="all", pp_schedule="interleaved-zero-bubble", **kw)

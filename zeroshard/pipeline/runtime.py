@@ -31,7 +31,7 @@ from zeroshard.lazy_dtensor import is_dtensor
 from zeroshard.materialize import materialize_stages
 from zeroshard.pipeline.families import StageModule, block_names, family_of
 from zeroshard.pipeline.grad_reduce import stage_options
-from zeroshard.pipeline.schedules import check_microbatches, make_schedule, schedule_spec
+from zeroshard.pipeline.schedules import check_checkpointing, check_microbatches, make_schedule, schedule_spec
 from zeroshard.pipeline.schedules import stages_per_rank as resolve_stages_per_rank
 from zeroshard.pipeline.split import explicit_split, even_split
 from zeroshard.pipeline.stage import LedgeredStage
@@ -61,10 +61,11 @@ class Pipeline:
         options = options or EngineOptions()
         if options.check_schedule:
             raise ValueError("check_schedule does not cover a pipeline's steps yet; turn it off with pp > 1")
-        if options.checkpointing != "none" or options.offload.kind != "none":
-            raise ValueError("activation checkpointing and offload are not yet composed with pp > 1; turn them off")
+        if options.offload.kind != "none":
+            raise ValueError("offload is not yet composed with pp > 1; turn it off")
         self.mesh = mesh
         self.spec = schedule_spec(schedule)
+        check_checkpointing(self.spec, options.checkpointing)
         # pp_grad_reduce as the engine's accumulation (grad_reduce.py)
         opts = stage_options(options, stage=stage)
         per_rank = resolve_stages_per_rank(self.spec, stages_per_rank)

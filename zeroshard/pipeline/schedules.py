@@ -87,3 +87,13 @@ def make_schedule(spec: ScheduleSpec, stages: list, *, microbatches: int, loss_f
 
     cls = getattr(pipelining, spec.torch_class)
     return cls(stages if spec.multi else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def check_checkpointing(spec: ScheduleSpec, checkpointing: str) -> None:
+    """Activation checkpointing inside a stage runs under every schedule but the zero-bubble one,
+    whose input and weight halves (two ``autograd.grad`` calls) each rebuild the checkpointed
+    blocks again: refused there rather than paying those recomputes unplanned."""
+    if checkpointing != "none" and spec.split_backward:
+        raise ValueError(f"checkpointing={checkpointing!r} is not composed with the {spec.name} schedule (its split "
+                         "backward recomputes every block more than once); use another pp_schedule or "
+                         "checkpointing none")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from zeroshard.pipeline.order import bubble_fraction, peak_in_flight, schedule_order
-from zeroshard.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
+from zeroshard.pipeline.schedules import check_checkpointing, check_microbatches, schedule_spec, stages_per_rank
 from zeroshard.planner.activations import ActivationEstimate, gpt_activations
 from zeroshard.planner.result import COMPONENTS, MODEL_STATES, Components, Plan
 from zeroshard.planner.spec import Checkpointing
@@ -138,7 +138,9 @@ def _stage_activations(cfg, est: ActivationEstimate, *, blocks: int, first: bool
                        seq: int, c: int) -> int:
     """Bytes one microbatch leaves alive on a stage from its forward to its backward.
 
-    Its blocks save ``per_layer`` each (zeroshard/planner/activations.py). torch keeps the stage's
+    Its blocks save ``per_layer`` each (zeroshard/planner/activations.py); with activation
+    checkpointing (``est`` planned over this stage's blocks, the runtime's segments of them) each
+    segment keeps only its input, ``boundary``. torch keeps the stage's
     output for the backward call: on the last stage the logits (V·c a token), with the head's own
     saved tensors (norm_f's input and output and stats, fp32 log-probs, targets); elsewhere the
     last block's output (C·c), which the next stage saves on its side. A stage after the first
@@ -146,7 +148,7 @@ def _stage_activations(cfg, est: ActivationEstimate, *, blocks: int, first: bool
     input is not counted twice. The first stage's position ids are one row per sequence position.
     """
     C, V = cfg.n_embd, cfg.vocab_size
-    out = blocks * est.per_layer
+    out = len(est.segments) * est.boundary if est.segments else blocks * est.per_layer
     out += tokens * (2 * C * c + 2 * c + 4 * V + 8 + V * c) if last else tokens * C * c
     if first:
         out += seq * 8
@@ -252,17 +254,23 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     precision = resolve_mp(mp, analytic=False)
     c = torch.empty(0, dtype=precision.compute_dtype(torch.float32)).element_size()
     tokens = micro * seq
-    est = gpt_activations(cfg, micro_batch=micro, seq=seq, compute_bytes=c, policy=Checkpointing("none"), tp=tp)
-    weight = {s: _stage_activations(cfg, est, blocks=len(split.blocks[s]), first=s == 0,
-                                    last=s == shape.num_stages - 1, tokens=tokens, seq=seq, c=c)
-              for s in range(shape.num_stages)}
-    order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
-                           microbatches=shape.microbatches)
     # The engine each stage runs: the runtime's own options for a stage (pp_grad_reduce as its
     # accumulation), with the pipeline's resharding default unless a knob says otherwise.
     knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in KNOB_NAMES}
     engine = stage_options(EngineOptions.from_flat({"reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
                                                     **knobs}), stage=kwargs.get("stage"))
+    # Each stage's engine checkpoints its own blocks (the runtime's segments of them), so a
+    # stage's activations are planned over its blocks alone.
+    check_checkpointing(schedule_spec(shape.schedule), engine.checkpointing)  # as the runtime refuses it
+    policy = Checkpointing(engine.checkpointing)
+    est_of = {s: gpt_activations(dataclasses.replace(cfg, n_layer=len(split.blocks[s])), micro_batch=micro, seq=seq,
+                                 compute_bytes=c, policy=policy, tp=tp) for s in range(shape.num_stages)}
+    est = est_of[0]  # the per-block workspace and the head's, the same on every stage
+    weight = {s: _stage_activations(cfg, est_of[s], blocks=len(split.blocks[s]), first=s == 0,
+                                    last=s == shape.num_stages - 1, tokens=tokens, seq=seq, c=c)
+              for s in range(shape.num_stages)}
+    order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
+                           microbatches=shape.microbatches)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
     ranks = []
     for r in range(pp):
@@ -277,8 +285,8 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
             plans = []
             for k, s in enumerate(stages):
                 last = s == shape.num_stages - 1
-                carried = ActivationEstimate(
-                    saved=moment.bytes if k == 0 else 0, recompute=0, per_layer=0, root=0,
+                carried = ActivationEstimate(  # (recompute: the longest segment rebuilt in backward)
+                    saved=moment.bytes if k == 0 else 0, recompute=est_of[s].recompute, per_layer=0, root=0,
                     workspace=max(est.head, est.block) if last else est.block,
                     head=est.head if last else 0, block=est.block)
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
