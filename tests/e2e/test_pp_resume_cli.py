@@ -85,6 +85,57 @@ def test_profile_shows_each_stage_share_and_the_bubble(uninterrupted):
             assert s["pipeline"]["schedule_s"] + s["optimizer_s"] <= s["step_s"]
 
 
+def stopped_ledgers(run_dir: Path, dest: Path, ranks: list[int]) -> tuple[Path, int]:
+    """The run's real ledger dumps, with ``ranks`` cut right after their step-2 forward receive of
+    microbatch 1, as a rank hung there would have left them (their crash-safe rings are left out,
+    since the doctor would merge the full history back). Returns the copy and the cut's seq."""
+    from zeroshard.comm.ledger import read_dump
+
+    (dest / "ledger").mkdir(parents=True)
+    cut = -1
+    for rank in range(4):
+        header, records = read_dump(run_dir / "ledger" / f"rank-{rank}.jsonl")
+        if rank in ranks:
+            cut = next(r["seq"] for r in records if r["op"] == "recv" and r["step"] == 2
+                       and r["phase"] == "forward" and r["unit"].endswith(".mb1"))
+            records = [r for r in records if r["seq"] <= cut]
+            header = {**header, "reason": "hang", "message": "cut for the test", "next_seq": cut + 1}
+        lines = [json.dumps(header)] + [json.dumps(r) for r in records]
+        (dest / "ledger" / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    return dest, cut
+
+
+def test_doctor_names_the_pp_stage_and_microbatch_where_a_rank_stopped(tmp_path, uninterrupted):
+    """Real pp-2 ledgers: the healthy run is OK (the stages' calls differ by design); cut one rank of
+    stage 1 and the doctor names its stage and microbatch and the receive its peer waits for; cut
+    both ranks of stage 1 and it names the send stage 0 never got an answer to."""
+    ok = run_cli(["doctor", str(uninterrupted[1])])
+    assert ok.returncode == 0 and "verdict: OK" in ok.stdout, ok.stdout + ok.stderr
+
+    one, cut = stopped_ledgers(uninterrupted[1], tmp_path / "one", [2])
+    done = run_cli(["doctor", str(one), "--json"])
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "never_entered" and report["never_entered"]["missing"] == [2]
+    assert report["never_entered"]["seq"] == cut + 1 and report["never_entered"]["entered"] == [3]
+    assert report["pp"]["stages"] == {"0": [0], "1": [0], "2": [1], "3": [1]}
+    assert report["pp"]["stopped"]["2"] == {"op": "recv", "stage": 1, "mb": 1, "phase": "forward", "step": 2,
+                                            "seq": cut}
+    summary = report["summary"]
+    assert "rank 2 (pp stage 1) stopped at mb 1 of forward (step 2): its last receive from stage 0" in summary
+    # Its stage-0 partner went on to wait for the grads rank 2 never sent back.
+    u = report["pp"]["unmatched"]
+    assert (u["rank"], u["op"], u["phase"], u["step"], u["peer"]) == (0, "recv", "backward", 2, 2)
+    assert (f"rank 0 (pp stage 0) posted its receive of mb {u['mb']} of backward (step 2) from stage 1, which "
+            "never came: rank 2 (pp stage 1) never sent it") in summary
+
+    both = run_cli(["doctor", str(stopped_ledgers(uninterrupted[1], tmp_path / "both", [2, 3])[0])])
+    assert both.returncode == 1
+    assert "verdict: PP_UNMATCHED: rank 0 (pp stage 0) posted its receive of mb" in both.stdout, both.stdout
+    assert "rank 2 (pp stage 1) stopped at mb 1 of forward (step 2)" in both.stdout
+    print(summary, both.stdout.splitlines()[1], sep="\n")
+
+
 def test_a_pp_that_does_not_divide_the_blocks_is_refused_before_launch(tmp_path, uninterrupted):
     shutil.copytree(uninterrupted[0] / "step-00000002", tmp_path / "ck" / "step-00000002")
     done = run_cli(["train", *GPT, "--nproc", "3", "--pp", "3", "--ckpt-dir", str(tmp_path / "ck"), "--resume",

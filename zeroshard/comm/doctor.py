@@ -26,6 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from zeroshard.comm.doctor_pp import analyse_pp, stage_groups, stopped_text, unmatched_text
+
 FIELDS = ("op", "numel", "dtype", "group", "unit", "phase")
 LAST_ENTRIES = 4
 USER_PHASE = "user"  # zeroshard.comm.collectives.USER_PHASE (not imported: the doctor needs no torch)
@@ -120,35 +122,49 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
         elif header.get("reason") == "hang":
             report["hang"].append({"rank": r, "message": header.get("message", "")})
 
-    lo = max(first_seq.values())
-    hi = min(next_seq.values())
+    # Under pp only the ranks of one stage issue the same calls; the stages' sends and receives are
+    # paired instead (zeroshard/comm/doctor_pp.py).
+    groups = stage_groups({r: records for r, (_, records) in ranks.items()})
+    report["pp"] = None if groups is None else analyse_pp({r: records for r, (_, records) in ranks.items()}, groups)
+    members = sorted(ranks)
+    for members in ([members] if groups is None else list(groups.values())):
+        _compare(report, members, by_seq, first_seq, next_seq)
+        if report["mismatch"] is not None or report["never_entered"] is not None:
+            break
+    if report["mismatch"] is not None:
+        report["at"] = report["mismatch"]["at"]
+        report["user_collective"] = _user_collective(report["mismatch"]["seq"], {r: ranks[r] for r in members},
+                                                     by_seq, report["ranks"])
+        if report["user_collective"] is not None:
+            report["at"] = report["user_collective"]["at"]
+    report["verdict"], report["summary"] = _verdict(report)
+    return report
+
+
+def _compare(report: dict, members: list[int], by_seq: dict, first_seq: dict, next_seq: dict) -> None:
+    """Compare ``members``' calls seq by seq: the first mismatch, else the first call some never entered."""
+    lo = max(first_seq[r] for r in members)
+    hi = min(next_seq[r] for r in members)
     report["compared"] = [lo, hi]
     for seq in range(lo, hi):
-        found = {r: by_seq[r].get(seq) for r in ranks}
+        found = {r: by_seq[r].get(seq) for r in members}
         entries = {r: e for r, e in found.items() if e is not None}
         if len(entries) < len(found):
             continue
         prints = {r: _fingerprint(e) for r, e in entries.items()}
         if len(set(prints.values())) > 1:
             report["mismatch"] = _mismatch(seq, entries, prints, by_seq)
-            break
-    if report["mismatch"] is None and len(set(next_seq.values())) > 1:
+            return
+    if len({next_seq[r] for r in members}) > 1:
         k = hi
-        entered = sorted(r for r in ranks if next_seq[r] > k)
-        absent = sorted(r for r in ranks if next_seq[r] == k)
+        entered = sorted(r for r in members if next_seq[r] > k)
+        absent = sorted(r for r in members if next_seq[r] == k)
         entry = by_seq[entered[0]].get(k)
         report["never_entered"] = {
             **(_where(entry) if entry else {"seq": k}), "entered": entered, "missing": absent,
             "entry": entry_text(entry),
         }
         report["at"] = {**(_where(entry) if entry else {"seq": k}), "ranks": absent}
-    if report["mismatch"] is not None:
-        report["at"] = report["mismatch"]["at"]
-        report["user_collective"] = _user_collective(report["mismatch"]["seq"], ranks, by_seq, report["ranks"])
-        if report["user_collective"] is not None:
-            report["at"] = report["user_collective"]["at"]
-    report["verdict"], report["summary"] = _verdict(report)
-    return report
 
 
 def rank_hosts(ranks: dict[int, tuple[dict, list[dict]]]) -> dict[int, str]:
@@ -269,7 +285,7 @@ def _verdict(report: dict) -> tuple[str, str]:
                               for f, vals in m["values"].items())
             text = (f"first divergence at collective #{m['seq']} ({at['op']} of unit {at['unit'] or '-'} in phase "
                     f"{at['phase'] or '-'}, step {at['step']}): {diffs}")
-        return "mismatch", text + tail
+        return "mismatch", text + _pp_tail(report, m["at"]["ranks"]) + tail
     if report["never_entered"] is not None:
         n = report["never_entered"]
         who = ", ".join(str(r) for r in n["missing"])
@@ -277,15 +293,34 @@ def _verdict(report: dict) -> tuple[str, str]:
                 f"({n.get('op', '?')} of unit {n.get('unit') or '-'} in phase {n.get('phase') or '-'}, step "
                 f"{n.get('step', '?')}) that rank{'s' if len(n['entered']) > 1 else ''} "
                 f"{', '.join(str(r) for r in n['entered'])} entered")
-        return "never_entered", text + tail
+        return "never_entered", text + _pp_tail(report, n["missing"]) + tail
+    pp = report.get("pp")
+    if pp is not None and pp["unmatched"] is not None:
+        # Every stage's ranks agree among themselves, but one stage stopped short of the schedule.
+        # The peer is the one that stopped short: it never sent, or never posted the receive.
+        return "pp_unmatched", unmatched_text(pp) + "; " + stopped_text(pp["unmatched"]["peer"], pp) + tail
     if died:
         return "died", dead
     if report["missing_ranks"]:
         return "incomplete", f"no ledger from ranks {report['missing_ranks']}; the others agree"
     if report["hang"]:
         return "hang", "every rank issued the same collectives, but a rank reported a hang: " + report["hang"][0]["message"]
+    if pp is not None:
+        return "ok", (f"no divergence: the ranks of each of the {len(set(map(tuple, pp['stages'].values())))} pp "
+                      f"stage groups issued the same collectives, and every send has its receive")
     lo, hi = report["compared"]
     return "ok", f"no divergence: collectives #{lo}..#{hi - 1} match on all {len(report['ranks'])} ranks"
+
+
+def _pp_tail(report: dict, ranks: list[int]) -> str:
+    """Under pp: where in the schedule the ranks at fault stopped, and the send or receive left unpaired."""
+    pp = report.get("pp")
+    if pp is None:
+        return ""
+    parts = [stopped_text(r, pp) for r in ranks]
+    if pp["unmatched"] is not None:
+        parts.append(unmatched_text(pp))
+    return ". " + "; ".join(parts)
 
 
 def _user_text(seq: int, u: dict) -> str:
