@@ -31,7 +31,8 @@ def train(tmp: Path, name: str, *extra: str) -> tuple[Path, Path, str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
-    return train(tmp_path_factory.mktemp("pp_resume"), "pp2", "--pp", "2")[:2]
+    # --desync-check 1: every step, the ranks of each stage must agree (the stages differ by design).
+    return train(tmp_path_factory.mktemp("pp_resume"), "pp2", "--pp", "2", "--desync-check", "1")[:2]
 
 
 def test_resume_at_another_pp_continues_the_run(tmp_path, uninterrupted):

@@ -1,14 +1,17 @@
 """``--desync-check K``: every K steps, prove that all ranks issued the same collectives so far.
 
 Each rank's ledger keeps a running CRC-32 of every collective's (op, numel, dtype, group, unit,
-phase), in order. One all-gather of four int64 per rank compares (count, hash) across ranks. Unit
+phase), in order. One all-gather of five int64 per rank compares (count, hash) across ranks. Unit
 and phase are in the hash, not only op/numel/dtype/group: at stage 3 identical blocks have
 identically shaped all-gathers, so a rank running its blocks in another order pairs them silently
 and only the unit names tell.
 
 Only when the hashes differ does anything else happen: the ranks gather their recent fingerprints
 (a failure path, so the extra collective is fine), run the doctor's analysis on them, dump their
-ledgers and raise `DesyncError` with the doctor's one-line finding. Every rank sees the same
+ledgers and raise `DesyncError` with the doctor's one-line finding. Under pp the stages issue
+different calls by design (their own blocks' gathers, sends where the next stage receives), so the
+hashes are compared among the ranks of one pp stage only (the row carries the rank's pp rank); the
+doctor pairs the stages' sends and receives. Every rank sees the same
 gathered hashes, so every rank takes the failure path together and nothing hangs.
 """
 
@@ -40,11 +43,12 @@ def check(step: int) -> int:
     ledger = collectives.get_ledger()
     mesh_world = collectives.group_size("world")
     # Snapshot before issuing: the check's own all-gather is not part of what it compares.
-    mine = torch.tensor([_MAGIC, step, ledger.next_seq, ledger.hash], dtype=torch.int64)
-    out = torch.empty(mesh_world * 4, dtype=torch.int64)
+    mine = torch.tensor([_MAGIC, step, ledger.next_seq, ledger.hash, get_mesh().pp_rank], dtype=torch.int64)
+    out = torch.empty(mesh_world * 5, dtype=torch.int64)
     collectives.all_gather(out, mine, group="world", phase=PHASE)
-    rows = out.view(mesh_world, 4).tolist()
-    if all(row[2:] == rows[0][2:] for row in rows):
+    rows = out.view(mesh_world, 5).tolist()
+    first_of_stage = {row[4]: row for row in reversed(rows)}  # each pp rank's first row
+    if all(row[2:4] == first_of_stage[row[4]][2:4] for row in rows):
         return out.numel() * out.element_size()
     report = compare_recent(mesh_world)
     raise DesyncError(f"desync check at step {step}: {report['summary']}", report)
