@@ -327,7 +327,7 @@ class TrainConfig:
             raise ValueError("init=meta under pp > 1 is not yet composed with tp or a Hugging Face model; use "
                              "init=full (or auto), or tp=1 with a GPT preset")
         refused = {"ep": self.ep > 1, "compile": self.compile,
-                   "offload": self.engine.offload.kind != "none",
+
                    "comm_quant": self.comm_quant != "none", "check_schedule": self.engine.check_schedule}
         for name, on in refused.items():
             if on:

@@ -49,6 +49,8 @@ def config(name: str, stage: int, schedule: str = "1f1b", pp_grad_reduce: str = 
 
 CHECKPOINTING_CASES = [("gpt", 3, "1f1b", "all"), ("gpt", 2, "interleaved-1f1b", "sqrt")]
 """Activation checkpointing inside each stage (the engine's own), held to one process."""
+OFFLOAD_CASES = [("gpt", 3, "1f1b"), ("gpt", 2, "interleaved-1f1b"), ("gpt", 3, "interleaved-zero-bubble")]
+"""offload="cpu" inside each stage: masters and optimizer state in host memory, the CPU optimizer step."""
 
 
 def _count_block_runs(run) -> list[int]:
@@ -85,6 +87,7 @@ def _train(cfg: TrainConfig, mesh) -> dict:
                  "act_bytes": cfg.batch // mesh.dp_size // pipe.microbatches * cfg.seq_len * pipe.hidden * 4,
                  "tied": [(t.owner_fqn, t.copy_fqn) for t in pipe.tied],
                  "names": sorted({n for m in pipe.modules for n, _ in m.named_parameters()}),
+                 "offloaded": [get_engine(m).memory_snapshot().offloaded for m in pipe.modules],
                  # What one reduction of each of this rank's flat groups carries: its padded grads.
                  "group_grad_bytes": [g.layout.numel * g.reduce_dtype.itemsize for m in pipe.modules
                                       for g in get_engine(m).trainable_groups]}
@@ -244,6 +247,10 @@ def suite() -> dict:
         t0 = time.perf_counter()
         out[("checkpointing", stage, sched, policy)] = _train(config(name, stage, sched, checkpointing=policy), mesh)
         times[("checkpointing", stage, sched, policy)] = time.perf_counter() - t0
+    for name, stage, sched in OFFLOAD_CASES:
+        t0 = time.perf_counter()
+        out[("offload", stage, sched)] = _train(config(name, stage, sched, offload="cpu"), mesh)
+        times[("offload", stage, sched)] = time.perf_counter() - t0
     out["meta-init"] = _meta_init(mesh)
     out["pretrained-folder"] = _pretrained_folder(mesh)
     t0 = time.perf_counter()

@@ -257,3 +257,17 @@ def test_activation_checkpointing_inside_each_stage_matches_single_process(suite
     assert (got["params"][owner] == got["params"][copy]).all()
     for rank in suite:  # every microbatch's first block ran twice a step: forward, then its recompute
         assert rank[key]["block_runs"] == 2 * rank[key]["microbatches"] * w.STEPS
+
+
+@pytest.mark.parametrize("case", w.OFFLOAD_CASES, ids=[f"stage{s}-{sch}" for _, s, sch in w.OFFLOAD_CASES])
+def test_cpu_offload_inside_each_stage_matches_single_process(suite, references, case):
+    name, stage, schedule = case
+    key = ("offload", stage, schedule)
+    got = suite[0][key]
+    diff = _max_diff(got["params"], references[name]["params"])
+    print(f"{name} pp 2 x shard 2 stage {stage} {schedule} offload=cpu, {w.STEPS} steps: max abs param diff vs one "
+          f"process {diff:.2e} ({suite[0]['times'][key]:.1f} s)")
+    assert diff <= 1e-5
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()
+    assert all(all(rank[key]["offloaded"]) for rank in suite)  # every stage's engine keeps its masters on the host

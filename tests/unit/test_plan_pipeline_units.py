@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+import zeroshard as zs
+
 from zeroshard.cli.main import main
 from zeroshard.config import field_help
 from zeroshard.models import GPT, GPTConfig
@@ -98,9 +100,9 @@ def test_plan_cli_takes_trainconfigs_pp_flags(capsys):
 
 
 def test_plan_cli_refuses_what_it_does_not_plan_with_pp(capsys):
-    assert main(["plan", "--model", "tiny", "--world", "4", "--pp", "2", "--offload", "cpu"]) == 1
+    assert main(["plan", "--model", "tiny", "--world", "4", "--pp", "2", "--plot", "out.png"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("zeroshard plan: error: ") and "--offload" in err and "\n" not in err
+    assert err.startswith("zeroshard plan: error: ") and "--plot" in err and "\n" not in err
 
 
 def test_checkpointing_plans_each_stage_over_its_own_blocks():
@@ -113,3 +115,18 @@ def test_checkpointing_plans_each_stage_over_its_own_blocks():
         assert 0 < b.activation_bytes < a.activation_bytes
     with pytest.raises(ValueError, match="not composed with the interleaved-zero-bubble schedule"):
         plan_pipeline("tiny", checkpointing="all", pp_schedule="interleaved-zero-bubble", **kw)
+
+
+def test_offload_plans_each_stage_as_zs_plan_does():
+    """offload="cpu" under pp: each stage is zs.plan's model, so its offload rows are zs.plan's
+    (masters and optimizer state in host memory, off the device total)."""
+    kw = dict(world=4, pp=2, microbatches=2, batch=8, seq=32, device="cpu")
+    offloaded = plan_pipeline("tiny", offload="cpu", **kw)
+    with zs.meta_init():
+        flat = plan(GPT(GPTConfig.named("tiny")), world=2, batch=8, seq=32, device="cpu", offload="cpu")
+    for rank in offloaded.ranks:
+        layouts = rank.plan.layouts
+        assert list(layouts) == list(flat.layouts)
+        for name in ("zero1", "zero2", "zero3"):
+            assert layouts[f"{name}_offload"].device.total < layouts[name].device.total
+            assert layouts[f"{name}_offload"].host_bytes > 0 == layouts[name].host_bytes

@@ -27,7 +27,6 @@ _UNPLANNED = {
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
     "comm_quant": "quantized communication is not composed with pp > 1 (docs/pipeline.md); drop --comm-quant",
-    "offload": "offload is not composed with pp > 1 (docs/pipeline.md); drop --offload",
     "ep": "expert parallelism is not composed with pp > 1 (docs/pipeline.md); drop --ep",
     "routing_skew": "--routing-skew sizes expert parallelism, which is not composed with pp > 1; drop it",
 }

@@ -61,8 +61,6 @@ class Pipeline:
         options = options or EngineOptions()
         if options.check_schedule:
             raise ValueError("check_schedule does not cover a pipeline's steps yet; turn it off with pp > 1")
-        if options.offload.kind != "none":
-            raise ValueError("offload is not yet composed with pp > 1; turn it off")
         self.mesh = mesh
         self.spec = schedule_spec(schedule)
         check_checkpointing(self.spec, options.checkpointing)
