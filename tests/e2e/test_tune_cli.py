@@ -55,3 +55,21 @@ def test_a_failing_candidate_is_reported_and_the_rest_still_measured(tmp_path: P
     assert rows[0]["tokens_per_s"] > 0
     assert "each rebuilt in its turn" in proc.stderr and f"failed {broken}" in proc.stderr
     assert merge_config(load_toml(out)).stage == 3
+
+
+def test_tune_under_a_pipeline_measures_its_schedules_and_writes_a_pp_config(tmp_path: Path) -> None:
+    # One spawn of 2 gloo ranks as pp 2: stages 0 and 3 inside each stage x two microbatch counts.
+    proc = run_cli(["tune", "--model", "tiny", "--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--batch", "8",
+                    "--seq-len", "32", "--steps", "2", "--rounds", "2", "--warmup", "1", "--bucket-mb", "25",
+                    "--prefetch", "1", "--reshard", "true", "--stages", "0,3", "--microbatch-counts", "2,4",
+                    "--checkpointing", "none", "--device-mem", "1GB", "--json"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = rows_of(proc.stdout)
+    assert sorted((r["stage"], r["microbatches"]) for r in rows) == [(0, 2), (0, 4), (3, 2), (3, 4)]
+    for r in rows:
+        assert r["status"] == "ok" and r["timed_steps"] == 4 and r["tokens_per_s"] > 0
+        assert r["tokens_per_s"] * r["median_step_s"] == pytest.approx(8 * 32)
+        assert r["checkpointing"] == "none" and r["measured_peak_bytes"] is None
+    cfg = merge_config(load_toml(tmp_path / "tuned.toml"))
+    assert (cfg.pp, cfg.pp_schedule, cfg.nproc) == (2, "gpipe", 2)
+    assert (cfg.stage, cfg.microbatches) == (rows[0]["stage"], rows[0]["microbatches"])

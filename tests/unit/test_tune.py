@@ -186,3 +186,38 @@ def test_comm_quant_axis_only_where_the_stage_accepts_it():
         axes(comm_quant="weight")
     with pytest.raises(ValueError, match="--comm-quant"):
         axes(comm_quant="grads/grads+ef")
+
+
+def test_pipeline_axes_predictions_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    from zeroshard.cli.main import main
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.pipeline import plan_pipeline
+
+    grid = candidates(axes(stages="0,3", checkpointing="none", bucket_mb="25", prefetch="1", reshard="true",
+                           pp_schedules="1f1b,gpipe", microbatches="2,4"))
+    assert sorted({(c.pp_schedule, c.microbatches) for c in grid}) == [
+        ("1f1b", 2), ("1f1b", 4), ("gpipe", 2), ("gpipe", 4)]
+    assert len(grid) == 8 and "gpipe, 4 microbatches" in grid[-1].name
+    base = TrainConfig(model="tiny", nproc=2, batch=8, seq_len=32, pp=2, stage=3)
+    predicted = predict(grid, base)
+    for c in grid:  # the pipeline planner's worst pp rank, as `plan --pp` plans it
+        gpt = GPTConfig.named("tiny", vocab_size=base.vocab_size, seq_len=32)  # the model train builds
+        pplan = plan_pipeline(gpt, world=2, pp=2, mp=base.mp, pp_schedule=c.pp_schedule, microbatches=c.microbatches,
+                              batch=8, seq=32, device="cpu", prefetch=1, reshard_after_forward=True, bucket_mb=25)
+        layout = "ddp" if c.stage == 0 else "zero3"
+        assert predicted[c].total == max(r.plan[layout].device.total for r in pplan.ranks)
+        TrainConfig(**{**base.to_dict(), **c.train_keys()})  # each is a config train accepts
+    zb = candidates(axes(stages="3", checkpointing="none,sqrt", prefetch="1", reshard="true",
+                         pp_schedules="1f1b,interleaved-zero-bubble"))
+    assert sorted((c.pp_schedule, c.checkpointing) for c in zb) == [
+        ("1f1b", "none"), ("1f1b", "sqrt"), ("interleaved-zero-bubble", "none")]  # as the runtime refuses it
+    gpipe = {c.microbatches: predicted[c].allocated for c in grid if c.pp_schedule == "gpipe" and c.stage == 0}
+    assert gpipe[4] != gpipe[2]
+    quick = ["tune", "--model", "tiny", "--nproc", "2", "--batch", "8", "--seq-len", "32"]
+    for extra, needle in ((["--microbatch-counts", "2,4"], "add --pp N"),
+                          (["--pp", "2", "--pp-schedule", "interleaved-zero-bubble", "--checkpointing", "sqrt"],
+                           "zero-bubble"),
+                          (["--pp", "2", "--pp-schedules", "1f1b,nope"], "nope")):
+        assert main([*quick, *extra]) == 1
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err

@@ -26,7 +26,7 @@ from zeroshard.models.targets import is_module_spec
 from zeroshard.tune.grid import DEFAULT_AXES
 
 WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
-                  "weight_decay", "clip", "accumulation")
+                  "weight_decay", "clip", "accumulation", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank")
 """TrainConfig fields tune takes as flags: what shapes a step's cost. Others come from --config. `tp` is
 fixed for the search (every candidate runs at it), not searched: it decides which model fits at all."""
 
@@ -36,9 +36,11 @@ def _mb(n: int | None) -> str:
 
 
 def _knobs(r: dict) -> str:
+    pipe = "".join([f", {r['pp_schedule']}" if r.get("pp_schedule") else "",
+                    f", {r['microbatches']} microbatches" if r.get("microbatches") else ""])
     if r["stage"] == 3:
-        return f"prefetch {r['prefetch']}, {'reshard' if r['reshard_after_forward'] else 'no reshard'}"
-    return f"bucket {r['bucket_mb']:g} MB"
+        return f"prefetch {r['prefetch']}, {'reshard' if r['reshard_after_forward'] else 'no reshard'}{pipe}"
+    return f"bucket {r['bucket_mb']:g} MB{pipe}"
 
 
 def ranking_table(ranked: list[dict], title: str) -> Table:
@@ -92,6 +94,22 @@ def _all_fit(kept: list, predictions: dict, base: Any, budget: int | None, cuda:
     return fits_resident([predictions[c] for c in kept], world=base.nproc, limit=limit, shared_host=not cuda)
 
 
+def _checkpointing_axis(args: argparse.Namespace, base: Any) -> str:
+    """The checkpointing axis. Under the zero-bubble schedule the runtime refuses checkpointing, so
+    the default axis is none there (an explicit one is refused by the planner's own check)."""
+    from zeroshard.pipeline.schedules import schedule_spec
+
+    if base.pp == 1:
+        for flag, value in (("--pp-schedules", args.pp_schedules), ("--microbatch-counts", args.microbatch_counts)):
+            if value is not None:
+                raise ValueError(f"{flag} is searched under a pipeline; add --pp N (N >= 2) or drop {flag}")
+        return args.grid_checkpointing
+    if args.grid_comm_quant != "none":
+        raise ValueError("quantized communication is not composed with pp > 1 (docs/pipeline.md); drop --comm-quant")
+    split = args.pp_schedules is None and schedule_spec(base.pp_schedule).split_backward
+    return "none" if split and args.grid_checkpointing == DEFAULT_AXES["checkpointing"] else args.grid_checkpointing
+
+
 def run(args: argparse.Namespace) -> int:
     from zeroshard.launch import WorkerError
     from zeroshard.planner.spec import parse_bytes
@@ -106,8 +124,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         base = _base_config(args)
         axes = parse_axes(stages=args.stages, prefetch=args.grid_prefetch, bucket_mb=args.grid_bucket_mb,
-                          checkpointing=args.grid_checkpointing, reshard=args.reshard,
-                          comm_quant=args.grid_comm_quant)
+                          checkpointing=_checkpointing_axis(args, base), reshard=args.reshard,
+                          comm_quant=args.grid_comm_quant, pp_schedules=args.pp_schedules,
+                          microbatches=args.microbatch_counts)
         budget = parse_bytes(args.device_mem) if args.device_mem else None
         # Built now so that a bad --steps/--rounds/--warmup fails before any planning.
         spec = MeasureSpec(base=base, candidates=(), steps=args.tune_steps, rounds=args.rounds,
@@ -153,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         for row in ranked:
             print(json.dumps(row), flush=True)
     else:
-        ranks = f"{base.nproc} ranks" + (f" (tp {base.tp})" if base.tp > 1 else "")
+        ranks = f"{base.nproc} ranks" + (f" (tp {base.tp})" if base.tp > 1 else "") + (
+            f" in pp {base.pp}" if base.pp > 1 else "")
         console.print(ranking_table(ranked, f"zeroshard tune: {base.model}, {ranks}, global batch "
                                             f"{base.batch} x {base.seq_len}, {base.mp}; useful tokens/s"))
     for r in ranked:
@@ -188,6 +208,10 @@ def add_parser(sub: Any) -> None:
     grid.add_argument("--comm-quant", dest="grid_comm_quant", metavar="LIST", default=DEFAULT_AXES["comm_quant"],
                       help="quantized communication settings, '/' joining parts of one: none, weights, grads, "
                            "grads+ef, weights/grads (kept only at stages that accept them; default: %(default)s)")
+    grid.add_argument("--pp-schedules", metavar="LIST",
+                      help="under --pp, torch's schedules to search, e.g. 1f1b,gpipe (default: --pp-schedule's)")
+    grid.add_argument("--microbatch-counts", metavar="LIST",
+                      help="under --pp, microbatches per schedule run to search, e.g. 2,4 (default: --microbatches')")
     m = p.add_argument_group("measurement")
     m.add_argument("--device-mem", metavar="SIZE",
                    help="per-rank memory budget (2GB, 512MB, 24GiB); the planner prunes what would not fit")

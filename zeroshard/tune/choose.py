@@ -40,7 +40,7 @@ def tuned_values(base: TrainConfig, winner: dict) -> dict[str, Any]:
     (plus the workload), so the file reads as the decisions rather than a dump of every field."""
     # Every key a candidate sets (Candidate.train_keys), so the file runs what was measured.
     keys = {k: winner[k] for k in ("stage", "checkpointing", "bucket_mb", "prefetch", "reshard_after_forward",
-                                   "comm_quant") if k in winner}
+                                   "comm_quant", "pp_schedule", "microbatches") if k in winner}
     cfg = dataclasses.replace(base, **keys)  # validates the result before anything is written
     defaults = TrainConfig().to_dict()
     values = cfg.to_dict()

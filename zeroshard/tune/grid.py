@@ -21,7 +21,8 @@ T = TypeVar("T")
 
 DEFAULT_AXES = {"stages": "0,1,2,3", "prefetch": "1,2", "bucket_mb": "5,25", "checkpointing": "none,sqrt",
                 "reshard": "true,false", "comm_quant": "none"}
-_EXAMPLES = {"--" + axis.replace("_", "-"): text for axis, text in DEFAULT_AXES.items()}
+_EXAMPLES = {"--" + axis.replace("_", "-"): text for axis, text in DEFAULT_AXES.items()} | {
+    "--pp-schedules": "1f1b,gpipe", "--microbatch-counts": "2,4,8"}
 LAYOUT = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 """The planner's name for each stage's layout."""
 
@@ -38,6 +39,10 @@ class Candidate:
     """None at stages 0-2."""
     comm_quant: str = "none"
     """Quantized communication (TrainConfig.comm_quant), only where the stage accepts it."""
+    pp_schedule: str | None = None
+    """Under a pipeline (pp > 1), torch's schedule; None keeps the base config's."""
+    microbatches: int | None = None
+    """Under a pipeline, microbatches per schedule run; None keeps the base config's."""
 
     @property
     def name(self) -> str:
@@ -49,14 +54,16 @@ class Candidate:
         if self.bucket_mb is not None:
             knobs.append(f"bucket {self.bucket_mb:g} MB")
         comm = "" if self.comm_quant == "none" else f", comm {self.comm_quant}"
-        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}"
+        pipe = "".join([f", {self.pp_schedule}" if self.pp_schedule else "",
+                        f", {self.microbatches} microbatches" if self.microbatches else ""])
+        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}{pipe}"
 
     def train_keys(self) -> dict[str, Any]:
         """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
         keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing,
                                 "comm_quant": self.comm_quant}
         searched = {"prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
-                    "bucket_mb": self.bucket_mb}
+                    "bucket_mb": self.bucket_mb, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches}
         keys.update({knob: value for knob, value in searched.items() if value is not None})
         return keys
 
@@ -69,6 +76,9 @@ class Axes:
     checkpointing: tuple[str, ...]
     reshard: tuple[bool, ...]
     comm_quant: tuple[str, ...] = ("none",)
+    pp_schedules: tuple[str | None, ...] = (None,)
+    """Searched only under a pipeline; (None,): the base config's schedule."""
+    microbatches: tuple[int | None, ...] = (None,)
 
 
 def _split(flag: str, text: str, convert: Callable[[str], T]) -> tuple[T, ...]:
@@ -130,10 +140,39 @@ def comm_quant_applies(comm_quant: str, stage: int) -> bool:
     return CommQuant.parse(comm_quant).problem_with(StagePolicy(stage)) is None
 
 
+def _schedule(part: str) -> str:
+    from zeroshard.pipeline.schedules import schedule_spec
+
+    return schedule_spec(part).name  # torch's schedules, as the runtime names them; refuses the rest
+
+
+def _count(part: str) -> int:
+    if not part.isdigit() or int(part) < 1:
+        raise ValueError(f"--microbatch-counts: {part!r} is not a count of microbatches; e.g. 2,4,8")
+    return int(part)
+
+
+def _schedule_takes(schedule: str | None, checkpointing: str) -> bool:
+    """Whether the runtime runs ``checkpointing`` under ``schedule`` (None: the base config's, checked
+    when the candidate is planned)."""
+    from zeroshard.pipeline.schedules import check_checkpointing, schedule_spec
+
+    if schedule is None:
+        return True
+    try:
+        check_checkpointing(schedule_spec(schedule), checkpointing)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str,
-               comm_quant: str = "none") -> Axes:
+               comm_quant: str = "none", pp_schedules: str | None = None,
+               microbatches: str | None = None) -> Axes:
     """Comma-separated flag values to typed axes; a bad value raises ValueError naming its flag."""
-    return Axes(stages=_split("--stages", stages, _stage),
+    return Axes(pp_schedules=_split("--pp-schedules", pp_schedules, _schedule) if pp_schedules else (None,),
+                microbatches=_split("--microbatch-counts", microbatches, _count) if microbatches else (None,),
+                stages=_split("--stages", stages, _stage),
                 prefetch=_split("--prefetch", prefetch, _knob("--prefetch", "prefetch")),
                 bucket_mb=_split("--bucket-mb", bucket_mb, _knob("--bucket-mb", "bucket_mb")),
                 checkpointing=_split("--checkpointing", checkpointing, _knob("--checkpointing", "checkpointing")),
@@ -153,8 +192,9 @@ def candidates(axes: Axes) -> list[Candidate]:
 
         comms = [q for q in axes.comm_quant if comm_quant_applies(q, stage)]
         out += [Candidate(stage=stage, checkpointing=ckpt, comm_quant=comm, prefetch=p, reshard_after_forward=r,
-                          bucket_mb=b)
-                for ckpt in axes.checkpointing for comm in comms
+                          bucket_mb=b, pp_schedule=sched, microbatches=m)
+                for sched in axes.pp_schedules for m in axes.microbatches
+                for ckpt in axes.checkpointing if _schedule_takes(sched, ckpt) for comm in comms
                 for p in values("prefetch", axes.prefetch)
                 for r in values("reshard_after_forward", axes.reshard)
                 for b in values("bucket_mb", axes.bucket_mb)]

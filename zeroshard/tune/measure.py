@@ -89,6 +89,10 @@ class _Built:
     def step(self, x, y, tracker: Any = None) -> None:
         from zeroshard import step
 
+        if self.run.pipeline is not None:  # torch's schedule runs the microbatches: no per-micro hook
+            step.step(self.run, x, y)
+            return
+
         def micro(index: int) -> contextlib.AbstractContextManager[None]:
             if index and tracker is not None:
                 tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
@@ -111,10 +115,13 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def _peak_bytes(built: _Built, x, y, device: Any) -> int:
+def _peak_bytes(built: _Built, x, y, device: Any) -> int | None:
     """Peak live tensor storage over one step: the engine's flat buffers, the optimizer's state, and
     everything the step allocates. Stage 3's shards live in the engine, not the module, hence
-    tracking its buffers explicitly (as the planner's own --measure does)."""
+    tracking its buffers explicitly (as the planner's own --measure does). None under a pipeline:
+    its peak per pp rank is `plan --pp --measure`'s (every stage's engine tracked), not read here."""
+    if built.run.pipeline is not None:
+        return None
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -152,7 +159,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
     from zeroshard.comm.collectives import all_gather_object
 
     base = spec.base
-    mesh = zs.init(timeout_s=base.hang_timeout_s, tp=base.tp)
+    mesh = zs.init(timeout_s=base.hang_timeout_s, tp=base.tp, pp=base.pp)
     torch.set_num_threads(1)  # one core per rank: ranks must not fight over threads
     # The ranks of one tp group compute on the same batch (their matmuls are split, not their data).
     gen = torch.Generator().manual_seed(base.seed + mesh.dp_rank)
@@ -209,7 +216,8 @@ def summarise(spec: MeasureSpec, per_rank: list[list[dict]]) -> list[dict]:
         q = statistics.quantiles(steps, n=4) if len(steps) >= 2 else [median, median, median]
         rows.append({**row, "status": "ok", "tokens_per_s": tokens / median if median > 0 else math.inf,
                      "median_step_s": median, "spread": (q[2] - q[0]) / median if median > 0 else 0.0,
-                     "timed_steps": len(steps), "measured_peak_bytes": max(r[i]["peak_bytes"] for r in per_rank)})
+                     "timed_steps": len(steps), "measured_peak_bytes": max((r[i]["peak_bytes"] for r in per_rank
+                                                                    if r[i]["peak_bytes"] is not None), default=None)})
     return rows
 
 

@@ -60,6 +60,9 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
                      reshard_after_forward=True if c.reshard_after_forward is None else c.reshard_after_forward,
                      bucket_mb=base.engine.bucket_mb if c.bucket_mb is None else c.bucket_mb,
                      comm_quant=c.comm_quant, comm_quant_block=base.comm_quant_block)
+        if base.pp > 1:
+            out[c] = _pipeline_prediction(gpt, c, base, knobs, device, plans)
+            continue
         key = tuple(sorted(knobs.items()))
         if key not in plans:
             plans[key] = plan(gpt, world=base.nproc, tp=base.tp, mp=base.mp, batch=base.batch, seq=base.seq_len, accum=base.accum,
@@ -71,6 +74,29 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
         layout = plans[key][name].device  # type: ignore[index]
         out[c] = Prediction(total=layout.total, allocated=layout.allocated)
     return out
+
+
+def _pipeline_prediction(gpt: Any, c: Candidate, base: TrainConfig, knobs: dict[str, Any], device: str,
+                         plans: dict[tuple, Any]) -> Prediction:
+    """The worst pp rank's memory (``plan_pipeline``, as `plan --pp` plans it) for ``c`` under
+    ``base``'s pipeline, with the candidate's schedule and microbatches where it sets them."""
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.pipeline import plan_pipeline
+
+    if not isinstance(gpt, GPTConfig):
+        raise ValueError(f"tune --pp plans zeroshard's GPT presets (tiny, small, medium); got --model {base.model}")
+    pipe: dict[str, Any] = {"pp_schedule": c.pp_schedule or base.pp_schedule,
+                            "microbatches": c.microbatches or base.microbatches}
+    engine = {k: v for k, v in knobs.items() if k not in ("comm_quant", "comm_quant_block")}
+    key = tuple(sorted({**engine, **pipe}.items()))
+    if key not in plans:
+        plans[key] = plan_pipeline(gpt, world=base.nproc, pp=base.pp, pp_stages_per_rank=base.pp_stages_per_rank,
+                                   batch=base.batch, seq=base.seq_len, accum=base.accum, tp=base.tp, mp=base.mp,
+                                   device=device, optimizer="adamw", **pipe, **engine)
+    name = LAYOUT[c.stage]
+    ranks = plans[key].ranks
+    return Prediction(total=max(r.plan[name].device.total for r in ranks),
+                      allocated=max(r.plan[name].device.allocated for r in ranks))
 
 
 def prune(cands: list[Candidate], predictions: dict[Candidate, Prediction],
