@@ -53,6 +53,12 @@ def test_resume_at_another_pp_continues_the_run(tmp_path, uninterrupted):
     assert [m["step"] for m in ours] == [1, 2, 3]
     placement = json.loads((ckpt4 / "step-00000003" / "manifest.json").read_text())["pipeline"]
     assert placement["pp"] == 4 and placement["blocks"] == [[0], [1], [2], [3]]
+    # The doctor on the pp-4 ledgers: the middle stages send and receive both ways, and every send is paired.
+    ok = run_cli(["doctor", str(run4)])
+    assert ok.returncode == 0 and "verdict: OK: no divergence: the ranks of each of the 4 pp stage groups" in ok.stdout
+    cut = run_cli(["doctor", str(stopped_ledgers(run4, tmp_path / "cut", [1], step=3)[0])])
+    assert cut.returncode == 1 and "verdict: PP_UNMATCHED: " in cut.stdout, cut.stdout
+    assert "rank 1 (pp stage 1) stopped at mb 1 of forward (step 3): its last receive from stage 0" in cut.stdout
 
 
 def test_profile_shows_each_stage_share_and_the_bubble(uninterrupted):
@@ -86,23 +92,24 @@ def test_profile_shows_each_stage_share_and_the_bubble(uninterrupted):
             assert s["pipeline"]["schedule_s"] + s["optimizer_s"] <= s["step_s"]
 
 
-def stopped_ledgers(run_dir: Path, dest: Path, ranks: list[int]) -> tuple[Path, int]:
-    """The run's real ledger dumps, with ``ranks`` cut right after their step-2 forward receive of
+def stopped_ledgers(run_dir: Path, dest: Path, ranks: list[int], step: int = 2) -> tuple[Path, int]:
+    """The run's real ledger dumps, with ``ranks`` cut right after their ``step``'s forward receive of
     microbatch 1, as a rank hung there would have left them (their crash-safe rings are left out,
     since the doctor would merge the full history back). Returns the copy and the cut's seq."""
     from zeroshard.comm.ledger import read_dump
 
     (dest / "ledger").mkdir(parents=True)
     cut = -1
-    for rank in range(4):
-        header, records = read_dump(run_dir / "ledger" / f"rank-{rank}.jsonl")
+    for path in sorted((run_dir / "ledger").glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        header, records = read_dump(path)
         if rank in ranks:
-            cut = next(r["seq"] for r in records if r["op"] == "recv" and r["step"] == 2
+            cut = next(r["seq"] for r in records if r["op"] == "recv" and r["step"] == step
                        and r["phase"] == "forward" and r["unit"].endswith(".mb1"))
             records = [r for r in records if r["seq"] <= cut]
             header = {**header, "reason": "hang", "message": "cut for the test", "next_seq": cut + 1}
         lines = [json.dumps(header)] + [json.dumps(r) for r in records]
-        (dest / "ledger" / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+        (dest / "ledger" / path.name).write_text("\n".join(lines) + "\n")
     return dest, cut
 
 
