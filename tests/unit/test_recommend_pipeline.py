@@ -57,6 +57,8 @@ def test_plan_pp_device_mem_from_the_command_line(capsys):
     assert main([*args, "--device-mem", "80GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["recommendation"]
     assert out["fits"] and {c["pp"] for c in out["candidates"]} == {1, 2, 4}
-    assert main([*args, "--device-mem", "80GB", "--inter-gbps", "100"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "drop --inter-gbps" in err[0]
+    for extra, flag in ((["--inter-gbps", "100"], "--inter-gbps"), (["--checkpointing", "sqrt"], "--checkpointing"),
+                        (["--stage", "3"], "--stage")):
+        assert main([*args, "--device-mem", "80GB", *extra]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"drop {flag}" in err[0], err

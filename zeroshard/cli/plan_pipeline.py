@@ -77,6 +77,15 @@ def unread_flag(args: argparse.Namespace) -> str | None:
                 return f"--pp --device-mem times each candidate on --hw (its links and node size); drop {flag}"
         if args.measure:
             return "--measure checks one --pp plan; drop --device-mem (the recommender weighs several pp)"
+        if args.stage is not None:
+            return "--pp --device-mem weighs every ZeRO stage inside the stages; drop --stage"
+        from zeroshard.cli.typed_flags import given_knobs
+        from zeroshard.planner.spec import PLANNED_KNOBS
+
+        if knobs := sorted(k for k, v in given_knobs(args, PLANNED_KNOBS).items() if v != "none"):
+            flag = "--" + knobs[0].replace("_", "-")
+            return (f"--pp --device-mem times its candidates with the engine's defaults (the pipeline replay does "
+                    f"not model {flag}); drop {flag}, or plan one pp with it by dropping --device-mem")
     return None
 
 
