@@ -328,7 +328,7 @@ class TrainConfig:
                              "init=full (or auto), or tp=1 with a GPT preset")
         refused = {"ep": self.ep > 1, "compile": self.compile,
 
-                   "comm_quant": self.comm_quant != "none", "check_schedule": self.engine.check_schedule}
+                   "check_schedule": self.engine.check_schedule}
         for name, on in refused.items():
             if on:
                 raise ValueError(f"{name} is not yet composed with pp > 1 (docs/pipeline.md, limits); drop it or "

@@ -49,6 +49,9 @@ def config(name: str, stage: int, schedule: str = "1f1b", pp_grad_reduce: str = 
 
 CHECKPOINTING_CASES = [("gpt", 3, "1f1b", "all"), ("gpt", 2, "interleaved-1f1b", "sqrt")]
 """Activation checkpointing inside each stage (the engine's own), held to one process."""
+QUANT_CASES = [("gpt", 3, "1f1b", "step", "weights"), ("gpt", 3, "1f1b", "step", "grads"),
+               ("gpt", 3, "1f1b", "microbatch", "grads")]
+"""comm_quant inside each stage (qwZ weights, qgZ grads), held to their unquantized CASES twin."""
 OFFLOAD_CASES = [("gpt", 3, "1f1b"), ("gpt", 2, "interleaved-1f1b"), ("gpt", 3, "interleaved-zero-bubble")]
 """offload="cpu" inside each stage: masters and optimizer state in host memory, the CPU optimizer step."""
 
@@ -247,6 +250,9 @@ def suite() -> dict:
         t0 = time.perf_counter()
         out[("checkpointing", stage, sched, policy)] = _train(config(name, stage, sched, checkpointing=policy), mesh)
         times[("checkpointing", stage, sched, policy)] = time.perf_counter() - t0
+    for name, stage, sched, grad_reduce, quant in QUANT_CASES:
+        key = ("comm_quant", stage, sched, grad_reduce, quant)
+        out[key] = _train(config(name, stage, sched, grad_reduce, comm_quant=quant), mesh)
     for name, stage, sched in OFFLOAD_CASES:
         t0 = time.perf_counter()
         out[("offload", stage, sched)] = _train(config(name, stage, sched, offload="cpu"), mesh)

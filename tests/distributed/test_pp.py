@@ -271,3 +271,58 @@ def test_cpu_offload_inside_each_stage_matches_single_process(suite, references,
     owner, copy = got["tied"][0]
     assert (got["params"][owner] == got["params"][copy]).all()
     assert all(all(rank[key]["offloaded"]) for rank in suite)  # every stage's engine keeps its masters on the host
+
+
+@pytest.mark.parametrize("case", w.QUANT_CASES, ids=[f"stage{s}-{sch}-{gr}-{q}" for _, s, sch, gr, q in w.QUANT_CASES])
+def test_comm_quant_inside_each_stage_tracks_the_unquantized_run(suite, case):
+    """The stage's int8 wire (qwZ weights at stage 3, qgZ grads at stages 2-3) under the pipeline: the
+    same tolerances as without one (tests/distributed/test_quant_comm.py) against the same pipeline
+    with fp32 comm, fewer bytes on the stage's shard group, and the tied head still the owner's bits."""
+    name, stage, schedule, grad_reduce, quant = case
+    got = suite[0][("comm_quant", stage, schedule, grad_reduce, quant)]
+    twin = suite[0][(name, stage, schedule)] if grad_reduce == "step" else suite[0][(name, stage, schedule, grad_reduce)]
+    diffs = [abs(a - b) for a, b in zip(got["losses"], twin["losses"])]
+    wire = {k: v for k, v in got["bytes"][1].items() if k.startswith("shard:")}
+    plain = {k: v for k, v in twin["bytes"][1].items() if k.startswith("shard:")}
+    print(f"{name} pp 2 x shard 2 stage {stage} {schedule} pp_grad_reduce={grad_reduce} comm_quant={quant}: loss vs "
+          f"fp32 comm first {diffs[0]:.2e}, max {max(diffs):.2e}; shard-group bytes/step {sum(wire.values())} vs "
+          f"{sum(plain.values())}")
+    assert diffs[0] < 5e-3 and max(diffs) < 2e-2
+    assert got["losses"][-1] < got["losses"][0]  # it trains
+    assert _max_diff(got["params"], twin["params"]) > 0  # the int8 wire really changed the numerics
+    if quant == "weights":
+        assert wire["shard:all_gather:forward"] < 0.5 * plain["shard:all_gather:forward"]
+    else:
+        assert wire["shard:all_to_all:backward"] > 0
+        assert wire["shard:reduce_scatter:backward"] < plain["shard:reduce_scatter:backward"]
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()
+
+
+GRAD_QUANT_CASES = [c for c in w.QUANT_CASES if c[4] == "grads"]
+
+
+@pytest.mark.parametrize("case", GRAD_QUANT_CASES, ids=[f"stage{s}-{sch}-{gr}-{q}" for _, s, sch, gr, q in
+                                                        GRAD_QUANT_CASES])
+def test_planned_quantized_grad_traffic_equals_the_ledger(suite, case):
+    """plan --pp --comm-quant grads: the bytes per step of the stage's int8 all-to-all and of the
+    reduce-scatters left unquantized are the ledger's (as test_planned_reduce_scatters_equal_the_ledger;
+    the planner's all-gather totals under pp are not held to the ledger, with or without qwZ)."""
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.pipeline import plan_pipeline
+    from zeroshard.planner.spec import STAGE_NAMES
+
+    name, stage, schedule, grad_reduce, quant = case
+    cfg = w.config(name, stage, schedule, grad_reduce, comm_quant=quant)
+    pplan = plan_pipeline(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size), world=w.WORLD, pp=cfg.pp,
+                          pp_schedule=cfg.pp_schedule, batch=cfg.batch, seq=cfg.seq_len, device="cpu",
+                          stage=cfg.stage, pp_grad_reduce=grad_reduce, comm_quant=quant)
+    keys = ("shard:all_to_all:backward", "shard:reduce_scatter:backward")
+    for rank in suite:
+        layout = pplan.ranks[rank["mesh"]["pp_rank"]].plan[STAGE_NAMES[cfg.stage]]
+        planned: dict[str, int] = {}
+        for c in layout.collectives:
+            key = f"{c.group}:{c.op}:{c.phase}"
+            planned[key] = planned.get(key, 0) + c.buffer_bytes * c.count
+        got = rank[("comm_quant", stage, schedule, grad_reduce, quant)]["bytes"][1]
+        assert {k: got.get(k, 0) for k in keys} == {k: planned.get(k, 0) for k in keys}, rank["mesh"]

@@ -26,7 +26,6 @@ _UNPLANNED = {
     "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
-    "comm_quant": "quantized communication is not composed with pp > 1 (docs/pipeline.md); drop --comm-quant",
     "ep": "expert parallelism is not composed with pp > 1 (docs/pipeline.md); drop --ep",
     "routing_skew": "--routing-skew sizes expert parallelism, which is not composed with pp > 1; drop it",
 }
