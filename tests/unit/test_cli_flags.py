@@ -335,6 +335,7 @@ def _tune_table(tmp: Path, out: Path) -> dict[str, list[Entry]]:
     b = ["tune", "--model", "tiny", "--nproc", "2", "--batch", "4", "--seq-len", "16", "--stages", "0,3",
          "--checkpointing", "none", "--bucket-mb", "25", "--prefetch", "1", "--reshard", "true", "--json",
          "--out", str(out)]
+    pp = plus(b, "--pp", "2")
     return {
         "--config": [(plus(b, "--config", str(toml)), b, CHANGES)],
         "--model": [(swap(b, "--model", "small"), b, CHANGES)],
@@ -364,6 +365,15 @@ def _tune_table(tmp: Path, out: Path) -> dict[str, list[Entry]]:
         "--resident": [(plus(b, "--no-resident"), b, CHANGES)],
         "--out": [(swap(b, "--out", str(out.with_name("other.toml"))), b, CHANGES)],
         "--json": [(b, drop(b, "--json", 0), CHANGES)],
+        # The pipeline's flags, against the same tune at pp 2 (the grid axes need a pipeline).
+        "--pp": [(pp, b, CHANGES), (plus(b, "--pp", "3"), None, REFUSED)],
+        "--pp-schedule": [(plus(pp, "--pp-schedule", "gpipe"), pp, CHANGES)],
+        "--microbatches": [(plus(pp, "--microbatches", "4"), pp, CHANGES)],
+        "--pp-stages-per-rank": [(plus(pp, "--pp-stages-per-rank", "2"), None, REFUSED)],  # 1f1b runs one
+        "--pp-schedules": [(plus(pp, "--pp-schedules", "1f1b,gpipe"), pp, CHANGES),
+                           (plus(b, "--pp-schedules", "1f1b"), None, REFUSED)],
+        "--microbatch-counts": [(plus(pp, "--microbatch-counts", "2,4"), pp, CHANGES),
+                                (plus(b, "--microbatch-counts", "2"), None, REFUSED)],
     }
 
 
