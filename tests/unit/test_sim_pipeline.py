@@ -99,3 +99,17 @@ def test_plan_time_pp_replays_each_stage(capsys):
     for stage in few["rows"]:
         assert many["rows"][stage]["bubble"] < few["rows"][stage]["bubble"]
         assert len(few["rows"][stage]["ranks"]) == 4
+
+
+def test_a_stages_data_parallel_ranks_share_the_cores_with_their_pipeline():
+    """dp pipelines run side by side, each rank of a stage doing the same action at the same moment:
+    on shared cores one pipeline gets cores / (ranks per stage) of them."""
+    hw = load_hardware("h100")
+    w = Workload(shape=gpt_shape(GPTConfig.named("small", seq_len=128), "small"), micro_batch=1, seq=128)
+    layout = Layout(world=2, stage=2)
+    own = simulate_pipeline(w, hw, layout, pp=2, microbatches=4)
+    enough = simulate_pipeline(w, hw, layout, pp=2, microbatches=4, cores=4)  # a core for each of the 4 ranks
+    shared = simulate_pipeline(w, hw, layout, pp=2, microbatches=4, cores=2)
+    assert [r.schedule_s for r in enough.ranks] == pytest.approx([r.schedule_s for r in own.ranks])
+    assert all(s.schedule_s > e.schedule_s for s, e in zip(shared.ranks, enough.ranks))
+

@@ -71,7 +71,7 @@ class PipelineTime:
 
 
 def _replay(order: dict[int, list], times: _StageTimes, p2p: float,
-            cores: int | None = None) -> dict[int, tuple[float, float]]:
+            cores: float | None = None) -> dict[int, tuple[float, float]]:
     """pp rank -> (end of its last action, seconds its actions ran), walking every rank's actions in
     order and starting each as soon as its rank is free and its input has arrived.
 
@@ -165,7 +165,7 @@ def equal_time_bubble(schedule: str, *, pp: int, stages_per_rank: int, microbatc
 
 def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, schedule: str = "1f1b",
                       microbatches: int = 0, stages_per_rank: int = 1, world: int | None = None,
-                      cores: int | None = None) -> PipelineTime:
+                      cores: float | None = None) -> PipelineTime:
     """One optimizer step of ``w`` (its ``micro_batch``: one microbatch's sequences on a rank) cut
     into ``pp × stages_per_rank`` stages. ``layout`` is one stage's ZeRO layout (its world: the
     stage's ranks, world / pp); ``world`` every rank of the run (default ``layout.world × pp``),
@@ -202,7 +202,10 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
     alpha, bandwidth = link(hw, 2, spans=layout.world >= hw.gpus_per_node)
     p2p = alpha + w.tokens * s.hidden * w.compute_bytes / bandwidth
     order = schedule_order(spec, pp=pp, stages_per_rank=stages_per_rank, microbatches=m)
-    walked = _replay(order, _StageTimes(fwd, bwd, half), p2p, cores)
+    # The replay walks one pipeline; the stage's other data-parallel (and tp) ranks run the same
+    # actions at the same moments in pipelines of their own, so on shared processors one pipeline
+    # has cores / (ranks per stage) of them.
+    walked = _replay(order, _StageTimes(fwd, bwd, half), p2p, None if cores is None else cores / layout.world)
     span = max(end for end, _ in walked.values())
     ranks = []
     for r, (end, busy) in walked.items():
