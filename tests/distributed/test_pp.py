@@ -31,6 +31,15 @@ def _max_diff(got: dict, ref: dict) -> float:
     return max((got[k] - ref[k]).abs().max().item() for k in ref)
 
 
+def _assert_matches_one_process(got: dict, ref: dict, label: str, seconds: float) -> None:
+    """Within 1e-5 of one process after the run's steps, the tied head's copy bitwise its owner."""
+    diff = _max_diff(got["params"], ref["params"])
+    print(f"{label}, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} ({seconds:.1f} s)")
+    assert diff <= 1e-5
+    owner, copy = got["tied"][0]
+    assert (got["params"][owner] == got["params"][copy]).all()
+
+
 @pytest.mark.parametrize("case", w.CASES, ids=[f"{n}-stage{s}-{sch}" for n, s, sch in w.CASES])
 def test_pipeline_matches_single_process(suite, references, case):
     name, stage, schedule = case
@@ -70,12 +79,7 @@ def test_pipeline_with_tensor_parallel_stages_matches_single_process(suite, refe
     ("pp-replicate-microbatch", "gpt", "pp 2 x replicate 2 x shard 1, pp_grad_reduce=microbatch,")])
 def test_pipeline_of_other_layouts_matches_single_process(suite, references, case, name, what):
     got = suite[0][case]
-    diff = _max_diff(got["params"], references[name]["params"])
-    print(f"{name} {what} stage 3 1f1b, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} "
-          f"({suite[0]['times'][case]:.1f} s)")
-    assert diff <= 1e-5
-    owner, copy = got["tied"][0]
-    assert (got["params"][owner] == got["params"][copy]).all()
+    _assert_matches_one_process(got, references[name], f"{name} {what} stage 3 1f1b", suite[0]["times"][case])
     if case.startswith("pp-replicate"):
         assert (got["replicate"], got["shard"]) == (2, 1)
 
@@ -249,12 +253,8 @@ def test_activation_checkpointing_inside_each_stage_matches_single_process(suite
     name, stage, schedule, policy = case
     key = ("checkpointing", stage, schedule, policy)
     got = suite[0][key]
-    diff = _max_diff(got["params"], references[name]["params"])
-    print(f"{name} pp 2 x shard 2 stage {stage} {schedule} checkpointing={policy}, {w.STEPS} steps: max abs param "
-          f"diff vs one process {diff:.2e} ({suite[0]['times'][key]:.1f} s)")
-    assert diff <= 1e-5
-    owner, copy = got["tied"][0]
-    assert (got["params"][owner] == got["params"][copy]).all()
+    _assert_matches_one_process(got, references[name], f"{name} pp 2 x shard 2 stage {stage} {schedule} "
+                                f"checkpointing={policy}", suite[0]["times"][key])
     for rank in suite:  # every microbatch's first block ran twice a step: forward, then its recompute
         assert rank[key]["block_runs"] == 2 * rank[key]["microbatches"] * w.STEPS
 
@@ -264,12 +264,8 @@ def test_cpu_offload_inside_each_stage_matches_single_process(suite, references,
     name, stage, schedule = case
     key = ("offload", stage, schedule)
     got = suite[0][key]
-    diff = _max_diff(got["params"], references[name]["params"])
-    print(f"{name} pp 2 x shard 2 stage {stage} {schedule} offload=cpu, {w.STEPS} steps: max abs param diff vs one "
-          f"process {diff:.2e} ({suite[0]['times'][key]:.1f} s)")
-    assert diff <= 1e-5
-    owner, copy = got["tied"][0]
-    assert (got["params"][owner] == got["params"][copy]).all()
+    _assert_matches_one_process(got, references[name], f"{name} pp 2 x shard 2 stage {stage} {schedule} offload=cpu",
+                                suite[0]["times"][key])
     assert all(all(rank[key]["offloaded"]) for rank in suite)  # every stage's engine keeps its masters on the host
 
 
