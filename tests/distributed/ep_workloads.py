@@ -56,6 +56,7 @@ CASES = {
     "gpt-ep2-stage3-meta": Case("gpt", 3, "ep2", meta=True),
     "mixtral-ep4-stage2-meta": Case("mixtral", 2, "ep4", meta=True),
     "mixtral-ep2-stage3-router-aux": Case("mixtral", 3, "ep2", router_aux=True),
+    "qwen2moe-ep2-stage3-router-aux": Case("qwen2moe", 3, "ep2", router_aux=True),
 }
 ROUTER_AUX_COEF = 0.05
 """router_aux_loss_coef of the router-aux case: large enough that its term shows in the losses."""

@@ -102,13 +102,14 @@ def test_the_load_balancing_loss_is_the_global_batchs(world4, references):
     assert max(abs(a - b) for a, b in zip(got, ref)) <= TOL
 
 
-def test_an_hf_config_with_router_logits_trains_with_transformers_aux_loss_of_the_global_batch(world4, references):
-    """Mixtral with output_router_logits and router_aux_loss_coef: the (shard 2 x ep 2) run's losses
-    and params match one process whose loss is transformers' own (labels= loss with aux_loss), one
-    forward per global micro-batch; that loss sits coef x aux above the same model's without it. Each
-    forward's counts are one all-reduce of E + 2 float64 over the dense mesh's data-parallel ranks,
-    in the ledger with their dim; a config without router logits sends none."""
-    name = "mixtral-ep2-stage3-router-aux"
+@pytest.mark.parametrize("name", ["mixtral-ep2-stage3-router-aux", "qwen2moe-ep2-stage3-router-aux"])
+def test_an_hf_config_with_router_logits_trains_with_transformers_aux_loss_of_the_global_batch(world4, references,
+                                                                                                  name):
+    """Mixtral and Qwen2-MoE with output_router_logits and router_aux_loss_coef: the (shard 2 x ep 2)
+    run's losses and params match one process whose loss is transformers' own (labels= loss with
+    aux_loss), one forward per global micro-batch; that loss sits coef x aux above the same model's
+    without it. Each forward's counts are one all-reduce of E + 2 float64 over the dense mesh's
+    data-parallel ranks, in the ledger with their dim; a config without router logits sends none."""
     spec, case = ew.CASES[name], world4["cases"][name]
     without = ew.reference(spec, balance=False, steps=2)["losses"]
     ref = references[name]["losses"]
