@@ -502,9 +502,13 @@ class Engine:
         accumulate-grad hook fired and nothing resharded stage 3's blocks. Free them here; the
         next forward, input half or weight half gathers them again."""
         self._prefetch_after_first_grad = None
+        self._reshard_units(root=False)
+
+    def _reshard_units(self, *, root: bool) -> None:
+        """Stage 3: free every unit's gathered params (the root's too when ``root``)."""
         if self.policy.shard_params:
             for unit in self.units:
-                if not unit.is_root:
+                if root or not unit.is_root:
                     unit.reshard()
 
     def gather_for_split_backward(self) -> None:
@@ -521,9 +525,7 @@ class Engine:
     def split_backward_done(self) -> None:
         """Every microbatch's weight half has run: stage 3 frees every unit, the root included,
         which the hooked backward's end would have done (the next step gathers the updated values)."""
-        if self.policy.shard_params:
-            for unit in self.units:
-                unit.reshard()
+        self._reshard_units(root=True)
 
     def take_assigned_grads(self) -> None:
         """Take the grads a split backward's weight half assigned to ``param.grad`` itself (torch's
@@ -552,8 +554,7 @@ class Engine:
             if took and not reduce_now:
                 unit.collect_grads()
                 unit.clear_ready()
-            if self.policy.shard_params and not unit.is_root:
-                unit.reshard()
+        self._reshard_units(root=False)
         if reduce_now and took_any:
             for unit in self.reduce_order:
                 if unit.trainable_groups:
@@ -565,10 +566,15 @@ class Engine:
         """The full grad of param ``fqn`` accumulated under ``no_sync`` and not yet reduced: a flat
         view into its group's grad buffer, which a caller may change in place before
         ``reduce_accumulated`` (a pipeline sums a tied param's two stages' grads there)."""
+        group, slot = self._slot_of(fqn)
+        return group.full_grads()[slot.offset:slot.end]
+
+    def _slot_of(self, fqn: str):
+        """The trainable flat group holding param ``fqn``, and the param's slot in it."""
         for group in self.trainable_groups:
             for slot in group.layout.slots:
                 if slot.fqn == fqn:
-                    return group.full_grads()[slot.offset:slot.end]
+                    return group, slot
         raise KeyError(f"no trainable param {fqn!r} in this engine")
 
     def reduced_grad_piece(self, fqn: str) -> tuple[torch.Tensor, int, int]:
@@ -577,17 +583,14 @@ class Engine:
         (empty where the shard holds none of it) and ``numel`` the whole param's. A caller may change
         the view in place (a pipeline sums a tied param's two stages' reduced grads there)."""
         self.finish_reductions()
-        for group in self.trainable_groups:
-            for slot in group.layout.slots:
-                if slot.fqn == fqn:
-                    shard = group.grad_shard
-                    if shard is None:
-                        raise RuntimeError(f"param {fqn!r} has no reduced grad yet: call it after the backward")
-                    lo, hi = max(slot.offset, group.lo), min(slot.end, group.hi)
-                    if hi <= lo:
-                        return shard[:0], 0, slot.numel
-                    return shard[lo - group.lo:hi - group.lo], lo - slot.offset, slot.numel
-        raise KeyError(f"no trainable param {fqn!r} in this engine")
+        group, slot = self._slot_of(fqn)
+        shard = group.grad_shard
+        if shard is None:
+            raise RuntimeError(f"param {fqn!r} has no reduced grad yet: call it after the backward")
+        lo, hi = max(slot.offset, group.lo), min(slot.end, group.hi)
+        if hi <= lo:
+            return shard[:0], 0, slot.numel
+        return shard[lo - group.lo:hi - group.lo], lo - slot.offset, slot.numel
 
     # -- optimizer-facing ---------------------------------------------------------------------
     @property
