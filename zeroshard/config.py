@@ -33,6 +33,8 @@ MOE_MODEL_NAMES = ("tiny-moe",)
 HF_PREFIX = "hf:"
 HF_MODEL_NAMES = ("hf:gpt2-tiny", "hf:llama-tiny")
 """Hugging Face models built from small configs in code (zeroshard/models/hf.py); need the `hf` extra."""
+HF_TINY_LAYERS = 4
+"""The blocks of each HF_MODEL_NAMES config: what pp > 1 divides without building one."""
 TP_MODEL_NAMES = tuple(n for n in MODEL_NAMES if n not in MOE_MODEL_NAMES) + ("hf:llama-tiny",)
 """The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.sharding.tp.PLANS
 (zeroshard's GPT and HF Llama; a unit test keeps the two lists in step). HF GPT-2 has none, and a
@@ -359,7 +361,7 @@ class TrainConfig:
             raise ValueError(f"model={self.model!r} cannot be cut into pipeline stages; use pp=1, one of "
                              f"{', '.join(PP_MODEL_NAMES)}, or a pretrained folder of {', '.join(PP_FOLDER_TYPES)}")
         if self.model.startswith(HF_PREFIX):
-            return 4  # zeroshard/models/hf.py builds the tiny HF decoders with 4 layers
+            return HF_TINY_LAYERS
         from zeroshard.models.gpt import GPTConfig
 
         return GPTConfig.named(self.model).n_layer

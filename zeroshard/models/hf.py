@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard.config import HF_MODEL_NAMES, HF_PREFIX
+from zeroshard.config import HF_MODEL_NAMES, HF_PREFIX, HF_TINY_LAYERS
 from zeroshard.models.router_aux import aux_loss_sum, router_aux_coef
 
 IGNORE_INDEX = -100
@@ -88,10 +88,10 @@ def hf_config(name: str, *, vocab_size: int, seq_len: int) -> Any:
     common = dict(vocab_size=vocab_size, tie_word_embeddings=True, use_cache=False,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if name == "hf:gpt2-tiny":
-        return tf.GPT2Config(n_layer=4, n_head=4, n_embd=64, n_positions=seq_len, resid_pdrop=0.0,
+        return tf.GPT2Config(n_layer=HF_TINY_LAYERS, n_head=4, n_embd=64, n_positions=seq_len, resid_pdrop=0.0,
                              embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    return tf.LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                          intermediate_size=256, max_position_embeddings=seq_len, attention_dropout=0.0,
+    return tf.LlamaConfig(num_hidden_layers=HF_TINY_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                          hidden_size=64, intermediate_size=256, max_position_embeddings=seq_len, attention_dropout=0.0,
                           **common)
 
 
