@@ -150,6 +150,22 @@ def test_peak_gathered_bytes_is_the_root_and_the_blocks_gathered_at_once(prefetc
     assert schedule(3, world=1, options=options).peak_gathered_bytes(units(1)) == 0
 
 
+@pytest.mark.parametrize("prefetch, reshard, accum, blocks_held", [
+    (1, True, 1, 1),    # the last forward block is kept for backward; the next is prefetched only after its start
+    (2, True, 1, 1),
+    (1, False, 1, 4),   # nothing was resharded in forward
+    (1, True, 2, 1),    # every micro-step's backward starts the same way
+])
+def test_backward_starts_with_what_forward_left_gathered(prefetch, reshard, accum, blocks_held):
+    """The window next to every saved activation, which the planner's backward-start moment reads:
+    the root and the blocks forward did not free, before backward's first prefetch."""
+    options = EngineOptions(prefetch=prefetch, reshard_after_forward=reshard)
+    s = schedule(3, options=options, accum=accum)
+    assert s.gathered_at_backward_start(units(2)) == 4 * (ROOT + blocks_held * BLOCK)
+    assert s.gathered_at_backward_start(units(2)) <= s.peak_gathered_bytes(units(2))
+    assert schedule(2).gathered_at_backward_start(units(2)) == 0
+
+
 SCHEDULED_KNOBS = {"prefetch": (0, 2), "reshard_after_forward": (True, False), "max_inflight_reductions": (0, 4),
                    "accumulation": ("sharded", "unsharded")}
 """Knobs the schedule models, each with two values that change it wherever the engine reads the knob."""

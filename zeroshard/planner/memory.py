@@ -52,6 +52,9 @@ class Transient:
     collected or reduced, with the activations, gathered params and grad shards of that moment, or
     backward's end."""
     window: int = 0
+    start_window: int = 0
+    """Stage 3: the full params gathered when backward starts (what forward left gathered, before
+    backward's prefetch): the window next to every saved activation."""
     scratch: int = 0
     """Optimizer step temporaries (the largest one unit's step makes)."""
     step: int = 0
@@ -193,7 +196,7 @@ class Estimator:
         # optimizer.step (a unit's scratch, next to the reductions still running; ``_step``). What
         # the components over-count together is the overlap.
         states_total = sum(states.values())
-        phases = (states_total - t.late_grads + start + t.window + t.early,
+        phases = (states_total - t.late_grads + start + t.start_window + t.early,
                   states_total + t.during,
                   states_total + t.step)
         workspace = max(backward_ws, t.scratch)
@@ -258,7 +261,7 @@ class Estimator:
         compute_map = {d: self.compute(d) for d in self.master_dtypes}
         if not v.policy.shard_params:
             return sum(u.full_bytes(compute_map) for u in units)
-        return self._window(units)
+        return self._window(units)[0]
 
     def _expert_bytes(self, v: Variant, units: tuple[CommUnit, ...], a2a: int) -> dict[str, int]:
         """Under ep: this rank's expert bytes by model state, the most expert bytes it holds in full
@@ -306,7 +309,7 @@ class Estimator:
         moved["optimizer"] = self._optimizer(groups, v)
         created = [sum(late_of[id(g)] for g in u.groups) for u in units]
         late = [0] * len(units) if off else created  # device grads the reductions create
-        window = self._window(units) if v.policy.shard_params else 0
+        window, start_window = self._window(units) if v.policy.shard_params else (0, 0)
         buckets, during, early, running = self._backward(units, v, late)
         # Offloaded, the reductions create host grads instead: the same moments over both memories.
         during_combined = self._backward(units, v, created)[1] if off else during
@@ -322,7 +325,7 @@ class Estimator:
         # shard from the first micro-step on, so the last micro-step's backward starts with it.
         unsharded = self.spec.accum == 1 or self.spec.engine.accumulation == "unsharded"
         host_late = host["grads"] if off and (unsharded or not v.policy.transient_grads) else 0
-        transient = Transient(buckets=buckets, during=during, early=early, window=window,
+        transient = Transient(buckets=buckets, during=during, early=early, window=window, start_window=start_window,
                               scratch=max(scratch, default=0), step=step, late_grads=sum(late), host_late=host_late,
                               during_combined=during_combined)
         return dev, (host if off else {}), transient
@@ -457,8 +460,12 @@ class Estimator:
         """
         if self.act is None:
             return [0] * len(units)
-        firsts = [min((int(s.fqn.split(".")[1]) for g in u.groups for s in g.layout.slots
-                       if s.fqn.startswith("blocks.")), default=None) for u in units]
+        found = [min((int(s.fqn.split(".")[1]) for g in u.groups for s in g.layout.slots
+                      if s.fqn.startswith("blocks.")), default=None) for u in units]
+        # A pipeline stage keeps the unsplit model's names (its blocks are blocks.4, blocks.5, ...):
+        # counted from the first block it holds.
+        lowest = min((k for k in found if k is not None), default=0)
+        firsts = [None if k is None else k - lowest for k in found]
         depth = 1 + max((k for k in firsts if k is not None), default=-1)
         segments = self.spec.checkpointing.segments(depth)
         out = []
@@ -539,10 +546,10 @@ class Estimator:
         moments.append((end, end + root))
         return max(m[0] for m in moments), max(m[1] for m in moments), early, running
 
-    def _window(self, units: tuple[CommUnit, ...]) -> int:
-        """Stage 3's all-gather window: the most full-param bytes gathered at once, read off the
-        runtime's step schedule (its gathers and frees, with prefetch, resharding and checkpoint
-        segments as the engine runs them)."""
+    def _window(self, units: tuple[CommUnit, ...]) -> tuple[int, int]:
+        """Stage 3's all-gather window: the most full-param bytes gathered at once, and at
+        backward's start, read off the runtime's step schedule (its gathers and frees, with
+        prefetch, resharding and checkpoint segments as the engine runs them)."""
         spec = self.spec
         sizes = self._unit_sizes(units)
         # Over one shard the engine still allocates each unit's full buffer when it "gathers" it, but
@@ -553,7 +560,7 @@ class Estimator:
         mesh = MeshSizes(world=shard * spec.tp, shard=shard, tp=spec.tp)
         schedule = step_schedule(sizes, policy=StagePolicy(3), mesh=mesh,
                                  options=dataclasses.replace(spec.engine, offload=OffloadPolicy()), accum=spec.accum)
-        return schedule.peak_gathered_bytes(sizes)
+        return schedule.peak_gathered_bytes(sizes), schedule.gathered_at_backward_start(sizes)
 
     def _unit_sizes(self, units: tuple[CommUnit, ...]) -> list[UnitSizes]:
         """The units as the step schedule takes them, in this plan's compute and reduce dtypes."""

@@ -134,6 +134,12 @@ class PipelinePlan:
                 "notes": list(self.notes)}
 
 
+def _blocks_saved(est: ActivationEstimate, *, blocks: int) -> int:
+    """What one microbatch's pass saves in a stage's blocks: each block's ``per_layer``, or with
+    activation checkpointing each segment's input."""
+    return len(est.segments) * est.boundary if est.segments else blocks * est.per_layer
+
+
 def _stage_activations(cfg, est: ActivationEstimate, *, blocks: int, first: bool, last: bool, tokens: int,
                        seq: int, c: int) -> int:
     """Bytes one microbatch leaves alive on a stage from its forward to its backward.
@@ -148,7 +154,7 @@ def _stage_activations(cfg, est: ActivationEstimate, *, blocks: int, first: bool
     input is not counted twice. The first stage's position ids are one row per sequence position.
     """
     C, V = cfg.n_embd, cfg.vocab_size
-    out = len(est.segments) * est.boundary if est.segments else blocks * est.per_layer
+    out = _blocks_saved(est, blocks=blocks)
     out += tokens * (2 * C * c + 2 * c + 4 * V + 8 + V * c) if last else tokens * C * c
     if first:
         out += seq * 8
@@ -285,8 +291,14 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
             plans = []
             for k, s in enumerate(stages):
                 last = s == shape.num_stages - 1
+                # The microbatch whose backward runs frees its blocks' activations block by block
+                # (per_layer, or a segment's boundary with checkpointing); the rest of what the
+                # rank holds in flight stays until later backwards (root, to the planner).
+                held = moment.bytes if k == 0 else 0
+                mine = _blocks_saved(est_of[s], blocks=len(split.blocks[s])) if k == 0 else 0
                 carried = ActivationEstimate(  # (recompute: the longest segment rebuilt in backward)
-                    saved=moment.bytes if k == 0 else 0, recompute=est_of[s].recompute, per_layer=0, root=0,
+                    saved=held, recompute=est_of[s].recompute, per_layer=est_of[s].per_layer if k == 0 else 0,
+                    root=held - mine, boundary=est_of[s].boundary if k == 0 else 0, segments=est_of[s].segments,
                     workspace=max(est.head, est.block) if last else est.block,
                     head=est.head if last else 0, block=est.block)
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,

@@ -203,18 +203,35 @@ class Schedule:
         """The most full-param bytes held gathered at once over the step (stage 3's all-gather
         window): a unit's full params count from its first all-gather until its free. The stage 1-2
         post-step all-gather writes into params that are always resident, so it holds nothing more."""
+        return max(self._gathered_bytes(units), default=0)
+
+    def gathered_at_backward_start(self, units: Sequence[UnitSizes]) -> int:
+        """The most full-param bytes gathered when a micro-step's backward begins (its first
+        compute after forward's): the units forward left gathered, before backward prefetches.
+        Every activation forward saved is alive at that moment, so it is the window that moment holds."""
+        held = self._gathered_bytes(units)
+        starts, last = [0], None
+        for i, e in enumerate(self.events):
+            if e.op == COMPUTE:
+                if last == FORWARD and e.phase != FORWARD:
+                    starts.append(held[i])
+                last = e.phase
+        return max(starts)
+
+    def _gathered_bytes(self, units: Sequence[UnitSizes]) -> list[int]:
+        """Full-param bytes gathered after each event."""
         full = {u.name: u.full_bytes for u in units}
         held: set[str] = set()
-        now = peak = 0
+        now, out = 0, []
         for e in self.events:
             if e.op == "all_gather" and e.phase != PARAM_SYNC and e.unit not in held and e.unit in full:
                 held.add(e.unit)
                 now += full[e.unit]
-                peak = max(peak, now)
             elif e.op == FREE and e.unit in held:
                 held.discard(e.unit)
                 now -= full[e.unit]
-        return peak
+            out.append(now)
+        return out
 
     def bytes_by(self) -> dict[tuple[str, str], int]:
         """Collective bytes per (op, group) over the step."""
