@@ -1,6 +1,6 @@
 """The HF routers' load-balancing loss in sum form (zeroshard/models/router_aux.py) is transformers'
 own: divided by the scored targets it is ``load_balancing_loss_func`` of the same router logits
-(Mixtral, Qwen2-MoE; with and without an attention mask), the terms of two ranks holding halves of
+(Mixtral, Qwen2-MoE, Qwen3-MoE; with and without an attention mask), the terms of two ranks holding halves of
 a batch add up to the whole batch's loss (values and gradients), and ``hf_loss_sum`` over the
 scored targets is the model's own ``labels=`` loss with the aux term."""
 
@@ -16,7 +16,7 @@ from zeroshard.models.hf import hf_loss_sum  # noqa: E402
 from zeroshard.models.router_aux import aux_loss_sum, router_aux_coef, set_count_reduction  # noqa: E402
 
 VOCAB, BATCH, SEQ = 48, 4, 8
-FAMILIES = ("mixtral", "qwen2moe")
+FAMILIES = ("mixtral", "qwen2moe", "qwen3moe")
 
 
 def tiny(family: str, **extra) -> torch.nn.Module:
@@ -28,15 +28,19 @@ def tiny(family: str, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=48, num_local_experts=4, **common))
+    if family == "qwen3moe":  # no shared expert; its router renormalises the top-k weights
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                                         head_dim=8, norm_topk_prob=True, **common))
     return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                                                      shared_expert_intermediate_size=48, **common))
 
 
 def transformers_aux(model, router_logits, mask=None) -> torch.Tensor:
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as mixtral_lb
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func as qwen_lb
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func as qwen2_lb
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as qwen3_lb
 
-    func = mixtral_lb if model.config.model_type == "mixtral" else qwen_lb
+    func = {"mixtral": mixtral_lb, "qwen2_moe": qwen2_lb, "qwen3_moe": qwen3_lb}[model.config.model_type]
     experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
     return func(router_logits, experts, model.config.num_experts_per_tok, mask)
 
