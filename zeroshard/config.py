@@ -35,9 +35,10 @@ HF_MODEL_NAMES = ("hf:gpt2-tiny", "hf:llama-tiny")
 """Hugging Face models built from small configs in code (zeroshard/models/hf.py); need the `hf` extra."""
 HF_TINY_LAYERS = 4
 """The blocks of each HF_MODEL_NAMES config: what pp > 1 divides without building one."""
-TP_MODEL_NAMES = tuple(n for n in MODEL_NAMES if n not in MOE_MODEL_NAMES) + ("hf:llama-tiny",)
+TP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.sharding.tp.PLANS
-(zeroshard's GPT and HF Llama; a unit test keeps the two lists in step). HF GPT-2 has none, and a
+(zeroshard's GPT, its MoE preset's attention included, and HF Llama; a unit test keeps the two
+lists in step). HF GPT-2 has none, and a
 pretrained folder's weights are read shard by shard without a tp split (zeroshard/hf/pretrained.py)."""
 PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
@@ -292,11 +293,14 @@ class TrainConfig:
     def _check_ep(self) -> None:
         if self.ep == 1:
             return
-        if self.ep < 1 or (self.nproc // self.tp) % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide the {self.nproc // self.tp} data-parallel ranks, so its "
-                             f"product with the other dims is not nproc={self.nproc}; pick an ep that divides them")
-        if self.tp > 1:
-            raise ValueError(f"ep={self.ep} with tp={self.tp} is not supported yet; use tp=1 with ep")
+        # ep borrows its ranks from dp x tp (zeroshard/comm/mesh.py's _check_ep, the same rule).
+        if self.ep < 1 or self.nproc % self.ep:
+            ranks = f"{self.nproc} data-parallel" if self.tp == 1 else f"{self.nproc} data-parallel x tp"
+            raise ValueError(f"ep={self.ep} does not divide the {ranks} ranks, so its product with the other dims "
+                             f"is not nproc={self.nproc}; pick an ep that divides {self.nproc}")
+        if self.tp > 1 and self.ep % self.tp and self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} with tp={self.tp}: an ep group must hold whole tp groups or lie inside "
+                             f"one; pick an ep that is a multiple or a divisor of tp={self.tp}")
         if self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
             # (a pretrained folder's layers are checked before launch, on a meta build of it)
             raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "

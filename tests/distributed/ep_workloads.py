@@ -1,6 +1,7 @@
 """Workers for the expert-parallel tests: MoE models trained with experts split over ep ranks.
 
-One world of 4 runs every case, each on a mesh of its own (``zs.new_mesh(ep=...)``), through
+One world of 4 runs every case, each on a mesh of its own (``zs.new_mesh(ep=...)``, with tp=2
+for the ep-with-tp cases), through
 `zeroshard.step` (accumulation 2, clipping on). The single-process reference (`reference`) trains
 the same model, built by the same function under the same seed, with plain PyTorch.
 Module level so spawned ranks can import it.
@@ -39,7 +40,7 @@ FROZEN = "blocks.0.mlp.experts."
 class Case:
     model: str  # "gpt" or "mixtral"
     stage: int
-    mesh: str  # "ep2" = (shard 2, ep 2); "ep4" = ep 4
+    mesh: str  # a key of MESHES
     freeze: bool = False
     accum: int = 2
     meta: bool = False  # built on the meta device: zs.shard replays the init, each rank drawing its experts
@@ -57,14 +58,37 @@ CASES = {
     "mixtral-ep4-stage2-meta": Case("mixtral", 2, "ep4", meta=True),
     "mixtral-ep2-stage3-router-aux": Case("mixtral", 3, "ep2", router_aux=True),
     "qwen2moe-ep2-stage3-router-aux": Case("qwen2moe", 3, "ep2", router_aux=True),
+    # ep with tp: the attention tensor parallel, the experts split over ep ranks borrowed from dp x tp
+    "gpt-tp2ep2-stage1": Case("gpt", 1, "tp2ep2"),
+    "gpt-tp2ep2-stage3": Case("gpt", 3, "tp2ep2"),
+    "mixtral-tp2ep2-stage1": Case("mixtral", 1, "tp2ep2"),
+    "mixtral-tp2ep2-stage3": Case("mixtral", 3, "tp2ep2"),
+    "gpt-tp2ep4-stage3": Case("gpt", 3, "tp2ep4"),
 }
+MESHES = {
+    "ep2": dict(mesh_shape=(2, 2), names=("shard", "ep")),
+    "ep4": dict(ep=4),
+    "tp2ep2": dict(tp=2, ep=2),  # (shard 2 x tp 2); ep groups = the tp groups, edp 2
+    "tp2ep4": dict(tp=2, ep=4),  # (shard 2 x tp 2); one ep group of the world, edp 1
+}
+"""The suite's meshes (``zs.new_mesh`` keywords) by name."""
+
+
+def tp_of(case: Case) -> int:
+    return MESHES[case.mesh].get("tp", 1)
+
+
+def ep_of(case: Case) -> int:
+    kwargs = MESHES[case.mesh]
+    return kwargs.get("ep") or dict(zip(kwargs["names"], kwargs["mesh_shape"]))["ep"]
 ROUTER_AUX_COEF = 0.05
 """router_aux_loss_coef of the router-aux case: large enough that its term shows in the losses."""
 
 
 def train_config(case: Case) -> TrainConfig:
-    return TrainConfig(stage=case.stage, nproc=4, batch=8, accum=case.accum, seq_len=SEQ, vocab_size=VOCAB, lr=1e-3,
-                       min_lr=1e-3, warmup=0, weight_decay=0.1, clip=0.5, seed=SEED, num_samples=256, profile=False)
+    return TrainConfig(stage=case.stage, nproc=4, tp=tp_of(case), batch=8, accum=case.accum, seq_len=SEQ,
+                       vocab_size=VOCAB, lr=1e-3, min_lr=1e-3, warmup=0, weight_decay=0.1, clip=0.5, seed=SEED,
+                       num_samples=256, profile=False)
 
 
 def _hf_model(name: str, meta: bool = False, router_aux: bool = False):
@@ -123,6 +147,10 @@ def hidden_size(model: torch.nn.Module) -> int:
     return model.cfg.n_embd if isinstance(model, GPT) else model.config.hidden_size
 
 
+def top_k(model: torch.nn.Module) -> int:
+    return model.cfg.expert_top_k if isinstance(model, GPT) else model.config.num_experts_per_tok
+
+
 def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     """Plain single-process PyTorch over the whole global batch: the ground truth. tiny-moe's
     load-balancing loss is defined per micro-batch (a product of two batch means), so with
@@ -136,9 +164,9 @@ def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     for _ in range(steps):
         x, y = collate(data, sampler.next_indices())
         if case.router_aux and balance:
-            loss = transformers_backward(model, x, y, dp=cfg.nproc, accum=cfg.accum)
+            loss = transformers_backward(model, x, y, dp=cfg.nproc // cfg.tp, accum=cfg.accum)
         else:
-            loss = reference_backward(model, x, y, dp=cfg.nproc, accum=cfg.accum)
+            loss = reference_backward(model, x, y, dp=cfg.nproc // cfg.tp, accum=cfg.accum)
         trainable = [p for p in model.parameters() if p.requires_grad]
         norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)))
         opt.step()
@@ -173,6 +201,14 @@ def _expected_a2a_bytes(forwards: dict, marks: dict, hidden: int, elem: int) -> 
         for sent, received in zip(fwd.sent_rows[start:], fwd.received_rows[start:]):
             total += fwd.layer.num_experts * 8 + 2 * (sent + received) * hidden * elem
     return total
+
+
+def _expected_tp_bytes(forwards: dict, marks: dict, tp: int, hidden: int, k: int, elem: int) -> int:
+    """What the tp all-gathers of the MoE layers moved since ``marks`` (ep with tp): per layer call,
+    forward the outputs (tp runs of ``hidden``), backward the input grads (``hidden``) and the
+    routing weights' grads (``k``), each run padded to the call's run length."""
+    return sum(tp * run * (2 * hidden + k) * elem for name, fwd in forwards.items()
+               for run in fwd.tp_runs[marks[name]:])
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -222,7 +258,8 @@ def run_case(case: Case, mesh) -> dict:
     forwards = ep_forwards(run.model)
     experts = mesh.experts
     ledger = zs.ledger()
-    losses, norms, ledger_bytes, routed_bytes, router_aux = [], [], [], [], []
+    losses, norms, ledger_bytes, routed_bytes, router_aux, tp_bytes, tp_expected = [], [], [], [], [], [], []
+    tp = mesh.tp_size
     for _ in range(STEPS):
         x, y = collate(run.dataset, run.sampler.next_indices())
         marks = {name: len(f.sent_rows) for name, f in forwards.items()}
@@ -234,10 +271,19 @@ def run_case(case: Case, mesh) -> dict:
         router_aux.append(sorted((r.op, r.group, r.numel, r.dtype, r.phase, r.mesh) for r in records
                                  if r.unit == "router_aux"))
         routed_bytes.append(_expected_a2a_bytes(forwards, marks, hidden_size(run.model), 4))
+        tp_bytes.append(sum(r.bytes for r in records if r.op == "all_gather" and r.group == "tp" and
+                            r.unit in forwards and r.mesh == mesh.ledger_name))
+        tp_expected.append(_expected_tp_bytes(forwards, marks, tp, hidden_size(run.model), top_k(run.model), 4)
+                           if tp > 1 else 0)
         totals = torch.stack([out.loss_sum, (y != -100).sum().double()])
         zs.comm.collectives.all_reduce(totals, op="sum", phase="metrics", mesh=mesh)
         losses.append(float(totals[0] / totals[1]))
         norms.append(out.grad_norm)
+    # Under tp each token reaches its experts once per tp group: the tp ranks' dispatched rows add
+    # up to the layer's tokens x top_k (every model here is dropless).
+    dispatched = torch.tensor([float(sum(f.sent_rows)) for f in forwards.values()], dtype=torch.float64)
+    if tp > 1:
+        zs.comm.collectives.all_reduce(dispatched, group="tp", phase="metrics", mesh=mesh)
     engine = get_engine(run.model)
     expert_groups = [g for g in engine.groups if g.mesh is experts]
     layers = [f.layer for f in forwards.values()]
@@ -246,9 +292,14 @@ def run_case(case: Case, mesh) -> dict:
     result = {
         "losses": losses, "norms": norms, "ledger_a2a_bytes": ledger_bytes, "routed_a2a_bytes": routed_bytes,
         "router_aux_records": router_aux, "dense_ledger_name": mesh.ledger_name,
+        "tp_ledger_bytes": tp_bytes, "tp_expected_bytes": tp_expected,
+        "dispatched_rows_over_tp": dispatched.tolist(),
+        "tokens_times_top_k": [float(sum(f.tokens) * top_k(run.model)) for f in forwards.values()],
         "params": zs.full_state_dict(run.model),  # collective: expert params gathered over ep too
         "received_from_others": sum(f.received_rows[-1] for f in forwards.values()),
         "expert_groups": len(expert_groups),
+        "tp_split_params": sum(spec is not None and spec.shard_dim is not None for g in engine.groups
+                               for spec in g.tp_specs),
         "expert_group_meshes": sorted({g.mesh.name for g in expert_groups}),
         # Bytes of one MoE layer's experts a rank holds in full while the layer runs (the flat
         # groups' full extent: stage 3's gathered buffer), to hold against all of the layer's experts.
@@ -300,11 +351,11 @@ def run_folder(folder: str, mesh) -> dict:
 
 
 def suite(names: tuple[str, ...] = tuple(CASES), folder: str | None = None) -> dict:
-    """The cases ``names`` (default all) on world 4, each on its mesh: (shard 2 x ep 2) or ep 4;
+    """The cases ``names`` (default all) on world 4, each on its mesh (MESHES): (shard 2 x ep 2), ep 4,
+    or (shard 2 x tp 2) with ep 2 or ep 4;
     then, given ``folder``, a pretrained Mixtral folder loaded straight into split experts."""
     zs.init()
-    meshes = {"ep2": zs.new_mesh(mesh_shape=(2, 2), names=("shard", "ep"), name="ep2"),
-              "ep4": zs.new_mesh(ep=4, name="ep4")}
+    meshes = {name: zs.new_mesh(**kwargs, name=name) for name, kwargs in MESHES.items()}
     described = {name: {"dense": m.describe(), "experts": m.experts.describe()} for name, m in meshes.items()}
     out = {name: run_case(CASES[name], meshes[CASES[name].mesh]) for name in names}
     loaded = run_folder(folder, meshes["ep2"]) if folder is not None else None

@@ -2,7 +2,8 @@
 
 One spawn of world 4 runs every case (ep_workloads.CASES), each on a mesh of its own: (shard 2 x
 ep 2) at stages 1, 2 (with frozen experts) and 3, ep 4 at stage 3, for zeroshard's GPT with MoE,
-HF Mixtral (also with the config's load-balancing loss) and HF Qwen2-MoE; accumulation 2 (and 1
+HF Mixtral (also with the config's load-balancing loss) and HF Qwen2-MoE, and ep with tp ((shard 2
+x tp 2) with ep 2 at stages 1 and 3, GPT and Mixtral; ep 4 at stage 3); accumulation 2 (and 1
 once) and clipping on. Every case is held against plain
 single-process PyTorch over 10 steps, and its all-to-all bytes against its own routing counts.
 """
@@ -76,9 +77,9 @@ def test_experts_live_on_the_expert_mesh_and_hold_their_block(world4, references
     spec, case = ew.CASES[name], world4["cases"][name]
     mesh = world4["meshes"][spec.mesh]
     assert case["expert_group_meshes"] == [f"{spec.mesh}.experts"]
-    ep = mesh["experts"]["ep_size"]
-    assert (ep, mesh["experts"]["edp_size"]) == ({"ep2": 2, "ep4": 4}[spec.mesh], 4 // ep)
-    assert mesh["dense"]["shard_size"] == 4  # dense params stay sharded over every data-parallel rank
+    ep, tp = mesh["experts"]["ep_size"], ew.tp_of(spec)
+    assert (ep, mesh["experts"]["edp_size"], mesh["dense"]["tp_size"]) == (ew.ep_of(spec), 4 // ep, tp)
+    assert mesh["dense"]["shard_size"] == 4 // tp  # dense params stay sharded over every data-parallel rank
     ref = references[name]["params"]
     layer0 = {"gpt": "blocks.0.mlp.experts.", "mixtral": "model.layers.0.mlp.experts.",
               "qwen2moe": "model.layers.0.mlp.experts."}[spec.model]
@@ -86,6 +87,20 @@ def test_experts_live_on_the_expert_mesh_and_hold_their_block(world4, references
     print(f"{name}: one layer's experts held in full during its forward: {case['expert_full_bytes_per_layer']} B "
           f"of {all_experts} B (ep {ep})")
     assert case["expert_full_bytes_per_layer"] * ep == all_experts
+
+
+@pytest.mark.parametrize("name", [n for n, c in ew.CASES.items() if ew.tp_of(c) > 1])
+def test_under_tp_each_token_reaches_its_experts_once_and_every_tp_rank_gets_the_output(world4, name):
+    """ep with tp: the tp ranks of a group dispatch disjoint runs of its replicated tokens, whose
+    rows add up to tokens x top_k, and the tp all-gathers in the ledger (outputs forward; input and
+    routing-weight grads backward, unit the layer) are exactly what the recorded runs say."""
+    case = world4["cases"][name]
+    print(f"{name}: rows dispatched by the tp group per layer {case['dispatched_rows_over_tp']} = tokens x top_k "
+          f"{case['tokens_times_top_k']}; tp all-gather bytes per step {case['tp_ledger_bytes'][:3]}..., from the "
+          f"runs {case['tp_expected_bytes'][:3]}...")
+    assert case["tp_split_params"] > 0  # the attention really is tensor parallel
+    assert case["dispatched_rows_over_tp"] == case["tokens_times_top_k"]
+    assert case["tp_ledger_bytes"] == case["tp_expected_bytes"] and all(b > 0 for b in case["tp_ledger_bytes"])
 
 
 def test_the_load_balancing_loss_is_the_global_batchs(world4, references):

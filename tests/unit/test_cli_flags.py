@@ -554,8 +554,7 @@ def test_the_tp_plan_models_are_the_runtimes_plans() -> None:
         else:
             with zs.meta_init():
                 model = GPT(GPTConfig.named(name, vocab_size=16))
-        # An MoE GPT has the class's plan but no dense MLP for it to split.
-        splits = type(model).__name__ in PLANS and not getattr(getattr(model, "cfg", None), "n_expert", 0)
+        splits = type(model).__name__ in PLANS
         assert splits == (name in TP_MODEL_NAMES), name
 
 

@@ -24,7 +24,8 @@ def test_ep_in_a_named_shape_is_carved_out_of_the_dense_shard():
 
 @pytest.mark.parametrize("ep, dp, tp, message", [
     (3, 4, 1, "ep=3 does not divide the 4 data-parallel ranks"),
-    (2, 2, 2, "ep=2 with tp=2 is not supported yet"),
+    (4, 3, 2, r"ep=4 does not divide the 6 data-parallel x tp ranks \(dp 3 x tp 2\)"),
+    (3, 3, 2, "ep=3 with tp=2: an ep group must hold whole tp groups or lie inside one"),
     (0, 4, 1, "ep=0 must be a positive int"),
 ])
 def test_mesh_refuses_an_ep_that_does_not_fit(ep, dp, tp, message):
@@ -75,7 +76,9 @@ def test_the_gpt_moe_layer_is_the_dense_mlp_per_expert():
     (("--model", "tiny-moe", "--nproc", "4", "--ep", "3"), "ep=3 does not divide the 4 data-parallel ranks"),
     (("--model", "tiny", "--nproc", "4", "--ep", "2"), "ep=2 needs a mixture-of-experts model, but tiny has no MoE"),
     (("--model", "tiny-moe", "--nproc", "8", "--batch", "8", "--ep", "8"), "ep=8 does not divide the 4 experts"),
-    (("--model", "tiny-moe", "--nproc", "4", "--tp", "2", "--ep", "2"), "has no tensor-parallel plan"),
+    (("--model", "tiny-moe", "--nproc", "6", "--batch", "12", "--tp", "2", "--ep", "3"),
+     "ep=3 with tp=2: an ep group must hold whole tp groups or lie inside one"),
+    (("--model", "hf:gpt2-tiny", "--nproc", "4", "--tp", "2", "--ep", "2"), "has no tensor-parallel plan"),
 ])
 def test_train_and_verify_refuse_a_bad_ep_in_one_line(capsys, argv, message):
     for command in ("train", "verify"):

@@ -1,17 +1,21 @@
 """The mesh the expert params live on: ep ranks split the experts, the rest shard each expert.
 
 ``zs.init(ep=E)`` (and ``new_mesh(ep=E)``) builds one next to the dense mesh, as ``Mesh.experts``.
-Ranks are laid out with ``ep`` innermost (tp is 1 under ep): rank = edp_index * E + ep_index, so an
-ep group is a run of E consecutive ranks (inside a node when E fits: its all-to-alls carry
+Ranks are laid out over the whole world with ``ep`` innermost: rank = edp_index * E + ep_index, so
+an ep group is a run of E consecutive ranks (inside a node when E fits: its all-to-alls carry
 activations on every MoE layer, forward and backward, on the critical path) and an
 expert-data-parallel (edp) group is every E-th rank: the W / E ranks that hold the same experts.
+Under tp the ep ranks are borrowed from dp × tp (the experts are not tensor parallel): with tp
+innermost on the dense mesh too, an ep group is whole tp groups, or lies inside one.
 
 For the engine this is a mesh like any other whose ``shard`` group is the edp group, with no
 replicate group: a flat group of expert params is all-gathered and reduce-scattered over the
 ranks that hold the same experts. What differs from a dense mesh is the gradient's divisor:
-``dp_size`` stays the world, because an expert's grad, after the combine all-to-all's backward
-and the sum over edp, holds the contributions of every rank's tokens, exactly as a dense param's
-grad after its reduction does. ``dp_name`` (the group holding identical values: init broadcast,
+``dp_size`` is the dense mesh's data-parallel degree (the world without tp), because an expert's
+grad, after the combine all-to-all's backward and the sum over edp, holds the contributions of
+every data-parallel batch's tokens once, exactly as a dense param's grad after its reduction does
+(under tp each rank of a tp group dispatches its own share of the group's one batch:
+zeroshard/experts/layer.py). ``dp_name`` (the group holding identical values: init broadcast,
 stage 0's all-reduce) is the edp group.
 """
 
@@ -34,6 +38,13 @@ class ExpertMesh(Mesh):
 
     ep: int = 1
     ep_group: object | None = dataclasses.field(default=None, repr=False)
+    dense_dp: int = 0
+    """The dense mesh's data-parallel degree (ranks that see different batches); 0: the world."""
+
+    @property
+    def dp_size(self) -> int:
+        """The divisor of the averaged expert grad: the data-parallel batches its sum covers."""
+        return self.dense_dp or self.world
 
     @property
     def ep_size(self) -> int:
@@ -63,8 +74,8 @@ class ExpertMesh(Mesh):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # The ranks that hold the same values are the edp group; the world (dp_size) stays the
-        # divisor of the averaged grad, see the module docstring.
+        # The ranks that hold the same values are the edp group; the dense data-parallel degree
+        # (dp_size) is the divisor of the averaged grad, see the module docstring.
         self._sizes.update({Group.DP: self.shard_size, Group.EP: self.ep, Group.REPLICATE: 1})
         self._handles.update({Group.DP: self.shard_group, Group.EP: self.ep_group})
 
@@ -78,13 +89,13 @@ def expert_mesh_name(dense_name: str) -> str:
 
 
 def build_expert_mesh(*, rank: int, world: int, ep: int, device: torch.device, name: str, ledger: Ledger,
-                      topology: Topology | None) -> ExpertMesh:
+                      topology: Topology | None, dp: int = 0) -> ExpertMesh:
     """The ep and edp groups over the whole world (collective: every rank builds every group, in
     the same order). Groups of one rank are real groups too, so ``group()`` never hands out None
-    for a dim the engine communicates over."""
+    for a dim the engine communicates over. ``dp``: the dense mesh's data-parallel degree (0: the world)."""
     edp = world // ep
     ep_group, edp_group = runs_and_strides(world, rank, ep)
     return ExpertMesh(rank=rank, world=world, shard_size=edp, device=device, backend=dist.get_backend(),
                       world_group=dist.group.WORLD, shard_group=edp_group, replicate_group=None, tp_size=1,
                       dp_group=edp_group, name=expert_mesh_name(name), ledger=ledger, topology=topology, ep=ep,
-                      ep_group=ep_group)
+                      ep_group=ep_group, dense_dp=dp)

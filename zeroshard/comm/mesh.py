@@ -93,7 +93,7 @@ class Mesh:
     def ep_size(self) -> int:
         """Expert-parallel degree: how many ranks split each MoE layer's experts (1: every rank
         holds every expert). Not a factor of the world of its own: ep groups are runs of
-        consecutive data-parallel ranks (docs/expert_parallel.md)."""
+        consecutive ranks borrowed from the data-parallel and tp ranks (docs/expert_parallel.md)."""
         return self.experts.ep_size if self.experts is not None else 1
 
     @property
@@ -444,7 +444,7 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
     experts = None
     if ep > 1:  # after the dense groups, in the same order on every rank (new_group is collective)
         experts = _EXPERT_MESH_BUILDER[0](rank=rank, world=world, ep=ep, device=_device_for(dist.get_backend()),
-                                         name=name, ledger=ledger or process_ledger(), topology=topology)
+                                         name=name, ledger=ledger or process_ledger(), topology=topology, dp=dp)
     return Mesh(
         rank=rank,
         world=world,
@@ -465,15 +465,19 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
 
 
 def _check_ep(ep, dp: int, tp: int) -> None:
-    """One line naming the problem and the fix, before any group exists."""
+    """One line naming the problem and the fix, before any group exists. ep borrows its ranks from
+    dp x tp (the experts are not tensor parallel): an ep group is whole tp groups (ep a multiple of
+    tp) or a tp group is whole ep groups (tp a multiple of ep), so the two stay aligned."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive int (ep=1 is no expert parallelism)")
-    if tp > 1:
-        raise ValueError(f"ep={ep} with tp={tp} is not supported yet: the experts are not tensor parallel; use tp=1 "
-                         "with ep, or ep=1 with tp")
-    if dp % ep:
-        raise ValueError(f"ep={ep} does not divide the {dp} data-parallel ranks (world {dp * tp} / tp {tp}), so its "
-                         f"product with the expert-data-parallel ranks is not the world size; pick a divisor of {dp}")
+    world = dp * tp
+    if world % ep:
+        ranks = f"{dp} data-parallel ranks" if tp == 1 else f"{world} data-parallel x tp ranks (dp {dp} x tp {tp})"
+        raise ValueError(f"ep={ep} does not divide the {ranks}, so its product with the expert-data-parallel ranks "
+                         f"is not the world size; pick a divisor of {world}")
+    if tp > 1 and ep % tp and tp % ep:
+        raise ValueError(f"ep={ep} with tp={tp}: an ep group must hold whole tp groups or lie inside one; pick an ep "
+                         f"that is a multiple or a divisor of tp={tp}")
 
 
 _EXPERT_MESH_BUILDER: list = []
@@ -483,7 +487,7 @@ would be circular."""
 
 
 def use_expert_mesh_builder(builder) -> None:
-    """Make ``builder(rank=, world=, ep=, device=, name=, ledger=, topology=) -> Mesh`` what
+    """Make ``builder(rank=, world=, ep=, device=, name=, ledger=, topology=, dp=) -> Mesh`` what
     ``init(ep=)`` and ``new_mesh(ep=)`` call."""
     _EXPERT_MESH_BUILDER[:] = [builder]
 

@@ -7,8 +7,8 @@ list (tests, the planner's ``--topology 2x4``).
 The mesh lays ranks out pp-major with tp innermost (zeroshard/comm/mesh.py):
 rank = ((pp_i * replicate + replicate_i) * shard + shard_i) * tp + tp_i. A dim's groups are the
 ranks that differ only in that dim's index. ``ep`` is no factor of the world of its own: an expert
-group is ``ep`` consecutive data-parallel ranks (the same pp and tp index), so it follows the shard
-dim's locality when it divides it.
+group is ``ep`` consecutive ranks borrowed from the data-parallel and tp ranks (the same pp index),
+so it follows the tp and shard dims' locality when it divides them.
 
 Two placements are refused or flagged, because a run with them is correct and only slow:
 
@@ -97,9 +97,10 @@ def rank_groups(sizes: Mapping[Dim, int], dim: Dim) -> list[list[int]]:
     shape = [int(sizes.get(d, 1)) for d in LAYOUT]
     if dim == Dim.EP:
         ep = int(sizes.get(Dim.EP, 1))
-        dp = [g for g in _groups_over(shape, (LAYOUT.index(Dim.REPLICATE), LAYOUT.index(Dim.SHARD)))]
+        dp = [g for g in _groups_over(shape, (LAYOUT.index(Dim.REPLICATE), LAYOUT.index(Dim.SHARD),
+                                                LAYOUT.index(Dim.TP)))]
         if ep < 1 or any(len(g) % ep for g in dp):
-            raise TopologyError(f"ep={ep} does not divide the {len(dp[0])} data-parallel ranks; pick a divisor")
+            raise TopologyError(f"ep={ep} does not divide the {len(dp[0])} data-parallel x tp ranks; pick a divisor")
         return [g[i:i + ep] for g in dp for i in range(0, len(g), ep)]
     return _groups_over(shape, (LAYOUT.index(dim),))
 

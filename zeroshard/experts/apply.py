@@ -73,7 +73,7 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
                                   "build a fresh model, call zs.expert_parallel(model), then zs.shard(model)")
     layers = check_ep(model, experts.ep_size, plan)
     for layer in layers:
-        _split(layer, experts)
+        _split(layer, experts, mesh)
     share_routing_counts(layers, mesh)
     share_router_aux_counts(model, mesh)
     return model
@@ -101,7 +101,7 @@ def _all_reduce_counts(counts: torch.Tensor, *, unit: str, mesh: Mesh) -> None:
     collectives.all_reduce(counts, group=mesh.dp_name, unit=unit, phase=Phase.FORWARD, mesh=mesh)
 
 
-def _split(layer: MoELayer, experts: Any) -> None:
+def _split(layer: MoELayer, experts: Any, dense: Mesh) -> None:
     local = layer.num_experts // experts.ep_size
     first = experts.ep_rank * local
     for name in layer.params:
@@ -118,7 +118,7 @@ def _split(layer: MoELayer, experts: Any) -> None:
     # An instance attribute wins over the class's forward (transformers' experts-implementation
     # dispatch included) and keeps every param's name, so checkpoints and exports see the model's
     # own names.
-    layer.module.forward = ExpertParallelForward(layer, experts)
+    layer.module.forward = ExpertParallelForward(layer, experts, dense)
 
 
 def ep_forwards(model: nn.Module) -> dict[str, ExpertParallelForward]:

@@ -13,6 +13,11 @@ chose. On each rank:
 
 Per-expert rows are computed with the model's own expert function, so a token's output is the
 one one process computes, up to the order of the top-k sum.
+
+Under tensor parallelism (the dense mesh has tp > 1) the layer's input is replicated over the tp
+group: each tp rank runs steps 1-4 on its own run of the tokens only, and the outputs are
+all-gathered over tp (zeroshard/experts/tp_tokens.py), so every token reaches its experts once.
+The routing weights are cut the same way, so the router's grads are whole on every tp rank.
 """
 
 from __future__ import annotations
@@ -23,22 +28,41 @@ import torch
 
 from zeroshard.experts.dispatch import all_to_all_rows, exchange_counts
 from zeroshard.experts.plan import MoELayer
+from zeroshard.experts.tp_tokens import all_rows, own_rows, run_of
 
 
 class ExpertParallelForward:
-    """The replacement forward of ``layer.module``; this rank holds experts [first, first + local)."""
+    """The replacement forward of ``layer.module``; this rank holds experts [first, first + local).
+    ``dense`` is the mesh the model's dense params are on: its tp group shares the layer's tokens."""
 
-    def __init__(self, layer: MoELayer, mesh: Any) -> None:
+    def __init__(self, layer: MoELayer, mesh: Any, dense: Any = None) -> None:
         self.layer = layer
         self.mesh = mesh  # the expert mesh: its ep group carries the rows
+        self.dense = dense if dense is not None and dense.tp_size > 1 else None
         self.ep = mesh.ep_size
         self.local = layer.num_experts // self.ep
         self.sent_rows: list[int] = []
         """Rows this rank sent to other ranks' experts and its own at each call (the tests' record)."""
         self.received_rows: list[int] = []
+        self.tokens: list[int] = []
+        """The layer's tokens at each call, and (under tp) the padded run each tp rank gathers."""
+        self.tp_runs: list[int] = []
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, unit = hidden_states.shape[0], self.layer.name
+        self.tokens.append(tokens)
+        if self.dense is None:
+            return self._route(hidden_states, top_k_index, top_k_weights)
+        start, stop, chunk = run_of(tokens, self.dense.tp_size, self.dense.tp_rank)
+        self.tp_runs.append(chunk)
+        out = self._route(own_rows(hidden_states, unit=unit, mesh=self.dense), top_k_index[start:stop],
+                          own_rows(top_k_weights, unit=unit, mesh=self.dense))
+        return all_rows(out, tokens, unit=unit, mesh=self.dense)
+
+    def _route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Steps 1-4 on these rows."""
         layer, unit = self.layer, self.layer.name
         tokens, k = top_k_index.shape
         experts = top_k_index.reshape(-1)

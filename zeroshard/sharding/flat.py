@@ -212,7 +212,7 @@ class FlatGroup:
                 whole[slot.offset:slot.end].copy_(tp.local(ref.param.detach()).reshape(-1))
         # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins (among
         # the ranks that hold the same tp part).
-        if self.mesh.dp_size > 1:
+        if self.mesh.group_size(self.mesh.dp_name) > 1:
             collectives.broadcast(whole, src=0, group=self.mesh.dp_name, phase=Phase.INIT, unit=self.unit,
                                   mesh=self.mesh)
         return whole

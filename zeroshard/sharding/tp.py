@@ -151,6 +151,11 @@ GPT_TP_STYLES: dict[str, str] = {"attn.qkv": COLWISE, "attn.proj": ROWWISE, "mlp
 """Submodule of each GPT block -> its split; the planner (zeroshard/planner/tp.py) reads the same table."""
 
 
+GPT_MOE_TP_STYLES: dict[str, str] = {name: style for name, style in GPT_TP_STYLES.items() if name.startswith("attn.")}
+"""A GPT block whose MLP is routed experts (``n_expert > 0``): the attention alone is split. The
+MoE layer stays whole on every tp rank (its router computes on every token); with ep its experts
+are split over ep instead, each tp rank dispatching its share of the tokens (zeroshard/experts/)."""
+
 GPT_FUSED = {"attn.qkv": 3}
 """The GPT's fused projections: q, k and v stacked by rows in one linear, each split on its own."""
 
@@ -158,6 +163,11 @@ LLAMA_TP_STYLES: dict[str, str] = {
     "self_attn.q_proj": COLWISE, "self_attn.k_proj": COLWISE, "self_attn.v_proj": COLWISE,
     "self_attn.o_proj": ROWWISE, "mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
 """Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
+
+MIXTRAL_TP_STYLES: dict[str, str] = {name: style for name, style in LLAMA_TP_STYLES.items()
+                                     if name.startswith("self_attn.")}
+"""HF Mixtral's decoder layer: its attention is Llama's, split the same way; its sparse MoE block
+(router and stacked experts) stays whole, its experts split by ep instead (zeroshard/experts/)."""
 
 NAMED_PLANS: dict[str, tuple[str, dict[str, str], dict[str, int]]] = {
     "gpt": ("blocks", GPT_TP_STYLES, GPT_FUSED), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
@@ -194,14 +204,23 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     cfg: Any = model.cfg
-    _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
+    moe = bool(getattr(cfg, "n_expert", 0))
+    if moe:
+        _check_divides(tp, {"n_head": cfg.n_head}, "GPT")
+        if sequence_parallel:
+            raise ValueError("sequence parallelism with an MoE GPT (n_expert > 0) is not supported: its MoE layer "
+                             "needs the whole sequence on every tp rank; call zs.tensor_parallel without "
+                             "sequence_parallel")
+    else:
+        _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
+    styles = GPT_MOE_TP_STYLES if moe else GPT_TP_STYLES
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel()
-                                      for name, style in GPT_TP_STYLES.items()}
+                                      for name, style in styles.items()}
     if sequence_parallel:
         # The residual stream stays split by sequence: each column-wise linear all-gathers its
         # input, each row-wise linear reduce-scatters its output (Megatron-SP).
         plan = {name: ColwiseParallel(input_layouts=Shard(1)) if style == COLWISE
-                else RowwiseParallel(output_layouts=Shard(1)) for name, style in GPT_TP_STYLES.items()}
+                else RowwiseParallel(output_layouts=Shard(1)) for name, style in styles.items()}
         plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
     blocks: Any = model.blocks
     return list(blocks), plan, dict(GPT_FUSED)
@@ -235,8 +254,29 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
     return list(decoder.layers), plan, {}
 
 
+def mixtral_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
+                 ) -> tuple[list[nn.Module], dict, dict[str, int]]:
+    """HF Mixtral: the attention as Llama's (q/k/v column-wise, o_proj row-wise to a replicated
+    output); the sparse MoE block stays whole (experts split by ep, zeroshard/experts/)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    cfg: Any = model.config
+    if sequence_parallel:
+        raise ValueError("sequence parallelism with HF Mixtral is not supported: its MoE block needs the whole "
+                         "sequence on every tp rank; call zs.tensor_parallel without sequence_parallel")
+    _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
+                        "num_key_value_heads": cfg.num_key_value_heads}, "Mixtral")
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel()
+                                      for name, style in MIXTRAL_TP_STYLES.items()}
+    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    decoder: Any = model.model
+    return list(decoder.layers), plan, {}
+
+
 PlanFn = Callable[..., tuple[list[nn.Module], dict, dict[str, int]]]
-PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
+PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan, "MixtralForCausalLM": mixtral_plan}
 
 
 def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_parallel: bool = False,
