@@ -35,7 +35,7 @@ def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     inflight = 0.0
     if layout.policy.transient_grads:
         inflight = (MAX_INFLIGHT_REDUCTIONS + 1) * s.block_params / layout.tp * layout.reduce_bytes
-    backward = w.activation_peak_bytes() + window + inflight
+    backward = w.activation_peak_bytes(tp=layout.tp) + window + inflight
     # Optimizer scratch and the backward peak happen at different moments: the larger one counts.
     allocated = device.model_states + max(backward, device.workspace)
     return allocated * (1 + headroom)

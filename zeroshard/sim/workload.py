@@ -178,30 +178,39 @@ class Workload:
         return float(self.tokens * 16 * self.shape.vocab)
 
     # --- activations per rank, bytes ---------------------------------------------------------
-    def per_layer_activation_bytes(self, policy: str | None = None) -> float:
-        """What autograd keeps per block for backward under ``policy`` (default: the workload's)."""
+    def per_layer_activation_bytes(self, policy: str | None = None, tp: int = 1) -> float:
+        """What autograd keeps per block for backward under ``policy`` (default: the workload's), on
+        one of ``tp`` tensor-parallel ranks. The tp plan splits the heads and the MLP's hidden
+        width, so q, k, v, the attention output, the MLP's hidden tensors and SDPA's log-sum-exp are
+        1/tp on each rank; the block input, the norms' outputs and the residual stay whole (no
+        sequence parallelism; as zeroshard.planner.activations counts it for our GPT)."""
         s, c = self.shape, self.compute_bytes
         h, f, kv = s.hidden, s.ffn, s.kv_dim
         policy = self.checkpointing if policy is None else policy
         lse = 4 * s.n_head  # SDPA's fp32 log-sum-exp per token
-        per_token: float
+        whole: float
+        split: float
         if policy == "op":
-            per_token = c * (h + h + kv + f + h + h) + lse  # input, wq, wv, w1, w2 outputs, SDPA output
+            # kept: the block input, wq's and wv's outputs, w1's, w2's (after the row-wise sum: whole), SDPA's
+            whole, split = c * 2 * h, c * (h + kv + f + h) + lse
         elif policy == "none":
             mlp: float = 4 * f if s.gated else 2 * f
             if s.n_expert:  # each routed row keeps its input, the MLP's and its output (planner/activations.py)
                 mlp = (1.0 + self.routing_skew) * s.top_k * (mlp + 3 * h)
-            per_token = c * (5 * h + 2 * kv + mlp) + lse
+            # whole: the input, the two norms' outputs and the residual between the two halves;
+            # split: q, the attention output, k, v and the MLP's hidden tensors
+            whole, split = c * 4 * h, c * (2 * h + 2 * kv + mlp) + lse
         else:
-            per_token = c * h  # only the block input
-        return float(self.tokens * per_token)
+            whole, split = c * h, 0.0  # only the block input
+        return float(self.tokens * (whole + split / tp))
 
-    def activation_peak_bytes(self) -> float:
-        """At the start of backward: every block's saved tensors, the root's, the loss gradients,
-        and (when checkpointing) one block being rebuilt."""
+    def activation_peak_bytes(self, tp: int = 1) -> float:
+        """At the start of backward, on one of ``tp`` tensor-parallel ranks: every block's saved
+        tensors, the root's, the loss gradients (the head is not split), and (when checkpointing)
+        one block being rebuilt."""
         s, c = self.shape, self.compute_bytes
-        saved = s.n_layer * self.per_layer_activation_bytes()
+        saved = s.n_layer * self.per_layer_activation_bytes(tp=tp)
         root = self.tokens * (2 * s.hidden * c + 4 * s.vocab)  # final norm in/out, fp32 log-probs
         loss_grads = self.tokens * (4 + c) * s.vocab           # grad of the fp32 logits and its bf16 cast
-        rebuilt = self.per_layer_activation_bytes("none") if self.checkpointing != "none" else 0.0
+        rebuilt = self.per_layer_activation_bytes("none", tp=tp) if self.checkpointing != "none" else 0.0
         return saved + root + loss_grads + rebuilt
