@@ -203,7 +203,8 @@ class PlanSpec:
             raise ValueError(f"ep={self.ep} does not divide the {self.dp} data-parallel ranks, so its product with the "
                              f"expert-data-parallel ranks is not world {self.world}; pick an ep that divides {self.dp}")
         if self.ep > 1 and self.tp > 1:
-            raise ValueError(f"ep={self.ep} with tp={self.tp} is not supported by the runtime yet; plan tp=1 with ep")
+            raise ValueError(f"ep={self.ep} with tp={self.tp} is not modelled by the planner yet (train and verify run it); "
+                             "plan tp=1 with ep")
         if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) or \
                 not 0 <= self.routing_skew < float("inf"):
             raise ValueError(f"routing_skew is the busiest ep rank's extra share of routed rows, a number >= 0 "
