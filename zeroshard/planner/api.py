@@ -140,7 +140,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
         if ep > 1 and tp > 1:
             raise ValueError(f"ep={ep} with tp={tp} is not modelled by the planner yet (train and verify run it); "
                              "plan tp=1 with ep")
-        if tp > 1 and getattr(cfg, "n_expert", 0):
+        if tp > 1 and cfg is not None and cfg.n_expert > 0:
             raise ValueError(f"tp={tp} with an MoE model is not modelled by the planner yet (its MoE layers stay whole "
                              "under tp; train and verify run it); plan tp=1")
         experts = expert_split(model, ep)
