@@ -1,7 +1,8 @@
 """Checkpoints of split experts: saved at (shard 2 x ep 2), resumed at ep 1 (shard 4) and ep 4,
 directly and after an offline ``ckpt reshard --ep``, and at ep 2 again from the ep-1 reshard (a
 checkpoint with no experts placed); in a world of 1; exported whole, to one file and to a
-``from_pretrained`` folder; loaded into a plain model in this process; its manifest repaired.
+``from_pretrained`` folder; loaded into a plain model in this process; its manifest repaired. HF
+Mixtral saved under ep with tp ((shard 2 x tp 2), ep 2) resumes at tp 1 and at (tp 2, ep 4).
 
 One spawned world of 4 runs every resume (ep_ckpt_workloads.suite): tiny-moe (with its
 load-balancing loss) saved at stage 3, HF Mixtral saved at stage 2, resumed at other stages too.
@@ -87,7 +88,7 @@ def test_resume_at_another_ep_equals_continuous(suite, name, resume):
         assert min(v.abs().max().item() for k, v in got["moments"].items() if ".experts." in k) > 0
         diff = _diff(out["next"], got["continuous"])
         assert diff <= TOL
-    print(f"{name} saved at (shard 2 x ep 2) stage {w.CASES[name].stage} -> {resume.mesh} stage {resume.stage} "
+    print(f"{name} saved at {w.CASES[name].mesh} stage {w.CASES[name].stage} -> {resume.mesh} stage {resume.stage} "
           f"({resume.source}): loaded bitwise, next update vs continuous {diff:.2e}")
 
 

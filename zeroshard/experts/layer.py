@@ -45,8 +45,9 @@ class ExpertParallelForward:
         """Rows this rank sent to other ranks' experts and its own at each call (the tests' record)."""
         self.received_rows: list[int] = []
         self.tokens: list[int] = []
-        """The layer's tokens at each call, and (under tp) the padded run each tp rank gathers."""
+        """The layer's tokens at each call (under tp: the tp group's, before the cut)."""
         self.tp_runs: list[int] = []
+        """Under tp, the padded run of tokens each tp rank dispatches and gathers back, at each call."""
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
