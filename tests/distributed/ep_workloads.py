@@ -45,6 +45,7 @@ class Case:
     accum: int = 2
     meta: bool = False  # built on the meta device: zs.shard replays the init, each rank drawing its experts
     router_aux: bool = False  # an HF config with output_router_logits: transformers' load-balancing loss
+    seq: int = SEQ  # the samples' length (the models hold SEQ positions)
 
 
 CASES = {
@@ -63,7 +64,8 @@ CASES = {
     "gpt-tp2ep2-stage3": Case("gpt", 3, "tp2ep2"),
     "mixtral-tp2ep2-stage1": Case("mixtral", 1, "tp2ep2"),
     "mixtral-tp2ep2-stage3": Case("mixtral", 3, "tp2ep2"),
-    "gpt-tp2ep4-stage3": Case("gpt", 3, "tp2ep4"),
+    # 15 tokens per micro-batch: the tp ranks' runs are 8 and 7 tokens, the gather pads the short one
+    "gpt-tp2ep4-stage3-uneven": Case("gpt", 3, "tp2ep4", accum=4, seq=15),
 }
 MESHES = {
     "ep2": dict(mesh_shape=(2, 2), names=("shard", "ep")),
@@ -86,7 +88,7 @@ ROUTER_AUX_COEF = 0.05
 
 
 def train_config(case: Case) -> TrainConfig:
-    return TrainConfig(stage=case.stage, nproc=4, tp=tp_of(case), batch=8, accum=case.accum, seq_len=SEQ,
+    return TrainConfig(stage=case.stage, nproc=4, tp=tp_of(case), batch=8, accum=case.accum, seq_len=case.seq,
                        vocab_size=VOCAB, lr=1e-3, min_lr=1e-3, warmup=0, weight_decay=0.1, clip=0.5, seed=SEED,
                        num_samples=256, profile=False)
 
@@ -156,7 +158,7 @@ def reference(case: Case, *, balance: bool = True, steps: int = STEPS) -> dict:
     load-balancing loss is defined per micro-batch (a product of two batch means), so with
     accumulation its reference runs the distributed step's global micro-batches instead."""
     cfg = train_config(case)
-    data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
+    data = build_dataset(seq_len=cfg.seq_len, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
     model = build_model(dataclasses.replace(case, meta=False), balance=balance)  # a plain build
     opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=step.BETAS)
     sampler = GlobalBatchSampler(len(data), cfg.batch, world=1, rank=0, seed=SEED)
@@ -250,7 +252,7 @@ def count_init_allocations(model: torch.nn.Module) -> AllocationCounter:
 
 def run_case(case: Case, mesh) -> dict:
     cfg = train_config(case)
-    data = build_dataset(seq_len=SEQ, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
+    data = build_dataset(seq_len=cfg.seq_len, num_samples=cfg.num_samples, vocab_size=VOCAB, seed=SEED)
     model = build_model(case)
     counter = count_init_allocations(model) if case.meta else None
     run = step.build(cfg, mesh, model=model, dataset=data)
