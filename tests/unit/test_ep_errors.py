@@ -93,3 +93,7 @@ def test_ep_is_a_flag_and_a_toml_key(tmp_path):
     assert config_from_sources(path, {}).ep == 2
     assert config_from_sources(path, {"ep": 4}).ep == 4  # a flag overrides the file
     assert TrainConfig(model="tiny-moe", nproc=4, ep=4, batch=8).ep == 4
+    both = tmp_path / "tp.toml"  # ep with tp: the ep ranks are borrowed from dp x tp
+    both.write_text('model = "tiny-moe"\nnproc = 4\ntp = 2\nep = 2\nstage = 3\n')
+    assert (config_from_sources(both, {}).tp, config_from_sources(both, {}).ep) == (2, 2)
+    assert TrainConfig(model="tiny-moe", nproc=4, tp=2, ep=4, batch=8).ep == 4
