@@ -96,8 +96,11 @@ class Layout:
         s = self.shard_group
         if self.dp % s:
             raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
-        if self.ep < 1 or self.dp % self.ep or (self.ep > 1 and self.tp > 1):
-            raise ValueError(f"ep {self.ep} must be a positive divisor of the {self.dp} data-parallel ranks, with tp 1")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"ep {self.ep} with tp {self.tp} is not modelled by the simulator yet (train and verify "
+                             "run it); simulate tp 1 with ep")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep {self.ep} must be a positive divisor of the {self.dp} data-parallel ranks")
         if self.offload != "none" and self.hybrid:
             raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
                              "shard size or the offload")
