@@ -320,11 +320,13 @@ class TrainConfig:
                              "pick a pp that divides it (nproc/pp ranks per pipeline stage; pp=1 is no pipeline)")
         if self.pp == 1:
             return
-        from zeroshard.pipeline.schedules import check_checkpointing, check_microbatches, schedule_spec, stages_per_rank
+        from zeroshard.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches, schedule_spec,
+                                                  stages_per_rank)
 
         spec = schedule_spec(self.pp_schedule)
         per_rank = stages_per_rank(spec, self.pp_stages_per_rank)
         check_checkpointing(spec, self.engine.checkpointing)
+        check_compile(spec, self.compile)
         layers = self._pp_blocks()
         if layers % (self.pp * per_rank):
             raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
@@ -332,9 +334,7 @@ class TrainConfig:
         if self.init == "meta" and (self.tp > 1 or self.model.startswith(HF_PREFIX)):
             raise ValueError("init=meta under pp > 1 is not yet composed with tp or a Hugging Face model; use "
                              "init=full (or auto), or tp=1 with a GPT preset")
-        refused = {"ep": self.ep > 1, "compile": self.compile,
-
-                   "check_schedule": self.engine.check_schedule}
+        refused = {"ep": self.ep > 1, "check_schedule": self.engine.check_schedule}
         for name, on in refused.items():
             if on:
                 raise ValueError(f"{name} is not yet composed with pp > 1 (docs/pipeline.md, limits); drop it or "

@@ -54,6 +54,10 @@ QUANT_CASES = [("gpt", 3, "1f1b", "step", "weights"), ("gpt", 3, "1f1b", "step",
 """comm_quant inside each stage (qwZ weights, qgZ grads), held to their unquantized CASES twin."""
 OFFLOAD_CASES = [("gpt", 3, "1f1b"), ("gpt", 2, "interleaved-1f1b"), ("gpt", 3, "interleaved-zero-bubble")]
 """offload="cpu" inside each stage: masters and optimizer state in host memory, the CPU optimizer step."""
+COMPILE_CASES = [("gpt", 3, "1f1b", 1), ("llama", 1, "interleaved-1f1b", 1), ("gpt", 3, "1f1b", 2)]
+"""Each stage's block forwards compiled (aot_eager: inductor takes minutes a block on a loaded CPU),
+held to one process and to their eager twin (CASES, or pp-tp at tp 2: DTensor's collectives inside
+the compiled blocks still reach the ledger)."""
 
 
 def _count_block_runs(run) -> list[int]:
@@ -75,12 +79,15 @@ def _train(cfg: TrainConfig, mesh) -> dict:
     ledger = zs.ledger()
     run = step_mod.build(cfg, mesh)
     block_runs = _count_block_runs(run) if cfg.engine.checkpointing != "none" else None
-    records, traffic, counts = [], [], []
+    records, traffic, counts, tp_counts = [], [], [], {}
     for i in range(cfg.steps):
         seq = ledger.next_seq
         records.append(train_step(run, i))
         traffic.append(_traffic(ledger.since(seq)))
         counts.append(_traffic(ledger.since(seq), count=True))
+        for r in ledger.since(seq):  # DTensor's own collectives, as the ledger's dispatch mode saw them
+            if str(r.group) == "tp":
+                tp_counts[f"{r.op}:{r.phase}"] = tp_counts.get(f"{r.op}:{r.phase}", 0) + 1
     state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
     facts = {}
     if run.pipeline is not None:
@@ -97,7 +104,7 @@ def _train(cfg: TrainConfig, mesh) -> dict:
     if block_runs is not None:
         facts["block_runs"] = block_runs[0]
     return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
-            "losses": [r.loss for r in records], "bytes": traffic, "counts": counts, **facts}
+            "losses": [r.loss for r in records], "bytes": traffic, "counts": counts, "tp_counts": tp_counts, **facts}
 
 
 def _traffic(records, *, count: bool = False) -> dict[str, int]:
@@ -257,6 +264,16 @@ def suite() -> dict:
         t0 = time.perf_counter()
         out[("offload", stage, sched)] = _train(config(name, stage, sched, offload="cpu"), mesh)
         times[("offload", stage, sched)] = time.perf_counter() - t0
+    from torch._dynamo.utils import counters
+
+    for name, stage, sched, tp in COMPILE_CASES:
+        t0 = time.perf_counter()
+        counters.clear()
+        key = ("compile", stage, sched, name, tp)
+        out[key] = _train(config(name, stage, sched, compile=True, compile_backend="aot_eager", tp=tp),
+                          pptp if tp > 1 else mesh)
+        out[key]["graphs"] = counters["stats"]["unique_graphs"]
+        times[key] = time.perf_counter() - t0
     out["meta-init"] = _meta_init(mesh)
     out["pretrained-folder"] = _pretrained_folder(mesh)
     t0 = time.perf_counter()

@@ -269,6 +269,22 @@ def test_cpu_offload_inside_each_stage_matches_single_process(suite, references,
     assert all(all(rank[key]["offloaded"]) for rank in suite)  # every stage's engine keeps its masters on the host
 
 
+@pytest.mark.parametrize("case", w.COMPILE_CASES, ids=[f"{n}-stage{s}-{sch}-tp{tp}" for n, s, sch, tp in w.COMPILE_CASES])
+def test_compiled_block_forwards_inside_each_stage_match_single_process_and_eager(suite, references, case):
+    name, stage, schedule, tp = case
+    key = ("compile", *case[1:3], name, tp)
+    got, eager = suite[0][key], suite[0][(name, stage, schedule) if tp == 1 else "pp-tp"]
+    _assert_matches_one_process(got, references[name], f"{name} pp 2 x {'tp' if tp > 1 else 'shard'} 2 stage {stage} "
+                                f"{schedule} compiled (aot_eager)", suite[0]["times"][key])
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], eager["losses"]))
+    print(f"  max |loss compiled - eager| {loss_diff:.2e}, graphs per rank {[rank[key]['graphs'] for rank in suite]}")
+    assert loss_diff <= 1e-5
+    assert all(rank[key]["graphs"] >= 1 for rank in suite), "a stage's blocks fell back to eager"
+    assert all(rank[key]["counts"] == rank[(name, stage, schedule) if tp == 1 else "pp-tp"]["counts"] for rank in suite)
+    if tp > 1:  # the tp all-reduces inside the compiled blocks, as many as eager
+        assert all(rank[key]["tp_counts"] == rank["pp-tp"]["tp_counts"] and rank[key]["tp_counts"] for rank in suite)
+
+
 @pytest.mark.parametrize("case", w.QUANT_CASES, ids=[f"stage{s}-{sch}-{gr}-{q}" for _, s, sch, gr, q in w.QUANT_CASES])
 def test_comm_quant_inside_each_stage_tracks_the_unquantized_run(suite, case):
     """The stage's int8 wire (qwZ weights at stage 3, qgZ grads at stages 2-3) under the pipeline: the

@@ -72,12 +72,18 @@ def test_train_config_takes_meta_init_under_pp():
     assert TrainConfig(pp=2, nproc=4, batch=8, init="meta").init == "meta"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"])
+def test_train_config_takes_compile_under_every_schedule_with_one_backward_pass(schedule):
+    assert TrainConfig(pp=2, nproc=4, batch=8, compile=True, pp_schedule=schedule).compile
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(pp=3, nproc=6), "pp=3 x 1 stages per rank does not divide the 4 blocks"),
     (dict(pp=2, nproc=4, batch=8, microbatches=1), "at least pp=2 microbatches"),
     (dict(pp=2, nproc=4, batch=12, microbatches=4), "microbatches=4 does not split"),
     (dict(pp=2, nproc=4, batch=8, model="hf:gpt2-tiny"), "cannot be cut into pipeline stages"),
-    (dict(pp=2, nproc=4, batch=8, compile=True), "compile is not yet composed with pp > 1"),
+    (dict(pp=2, nproc=4, batch=8, compile=True, pp_schedule="interleaved-zero-bubble"),
+     "compile is not composed with the interleaved-zero-bubble schedule"),
     (dict(pp=2, nproc=4, batch=8, tp=2, init="meta"), "init=meta under pp > 1 is not yet composed with tp"),
     (dict(pp=2, nproc=4, batch=8, checkpointing="all", pp_schedule="interleaved-zero-bubble"),
      "checkpointing='all' is not composed with the interleaved-zero-bubble schedule"),

@@ -60,6 +60,12 @@ class DTensorLedger(TorchDispatchMode):
 
         self.dtensor = DTensor
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without it torch.compile skips every frame while this mode is on the stack (it is on for
+        # the whole process once a model is split): compiled blocks would silently run eagerly.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(issubclass(t, self.dtensor) for t in types):

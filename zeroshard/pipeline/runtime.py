@@ -31,13 +31,15 @@ from zeroshard.lazy_dtensor import is_dtensor
 from zeroshard.materialize import materialize_stages
 from zeroshard.pipeline.families import StageModule, block_names, family_of
 from zeroshard.pipeline.grad_reduce import stage_options
-from zeroshard.pipeline.schedules import check_checkpointing, check_microbatches, make_schedule, schedule_spec
+from zeroshard.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches, make_schedule,
+                                          schedule_spec)
 from zeroshard.pipeline.schedules import stages_per_rank as resolve_stages_per_rank
 from zeroshard.pipeline.split import explicit_split, even_split
 from zeroshard.pipeline.stage import LedgeredStage
 from zeroshard.pipeline.tied import find_tied, sum_tied_grad, sum_tied_reduced_grad, untie_copy
 from zeroshard.sharding import get_engine, no_sync, optimizer, shard
 from zeroshard.sharding.clip import local_squares, sum_squares_over_shards
+from zeroshard.sharding.compiled import CompileArg
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.state import full_state_dict
 
@@ -55,7 +57,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, *, mesh: Mesh, stage: int, schedule: str = "1f1b", microbatches: int = 0,
                  stages_per_rank: int = 0, split: Sequence[Sequence[str]] | None = None, mp: Any = None,
                  options: EngineOptions | None = None, comm: Any = None, init_fn: Callable | None = None,
-                 skip_init: bool = False) -> None:
+                 skip_init: bool = False, compile: CompileArg = None) -> None:
         if mesh.pp_size < 2:
             raise ValueError("a pipeline needs a mesh with pp >= 2: build it with zs.init(pp=N)")
         options = options or EngineOptions()
@@ -64,6 +66,7 @@ class Pipeline:
         self.mesh = mesh
         self.spec = schedule_spec(schedule)
         check_checkpointing(self.spec, options.checkpointing)
+        check_compile(self.spec, compile)
         # pp_grad_reduce as the engine's accumulation (grad_reduce.py)
         opts = stage_options(options, stage=stage)
         per_rank = resolve_stages_per_rank(self.spec, stages_per_rank)
@@ -96,7 +99,7 @@ class Pipeline:
                 if s == tied.copy_stage:
                     untie_copy(module, tied)
             shard(module, stage=stage, units=module.block_modules(), mp=mp, options=opts, comm=comm, mesh=mesh,
-                  skip_init=meta)
+                  skip_init=meta, compile=compile)
             self.modules.append(module)
         self.tied_copies = {t.copy_fqn: t.owner_fqn for t in self.tied if t.copy_stage in self.stage_indices}
         """This rank's own copies of tied params -> the names they copy (a loader may find either)."""

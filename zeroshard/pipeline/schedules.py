@@ -89,6 +89,17 @@ def make_schedule(spec: ScheduleSpec, stages: list, *, microbatches: int, loss_f
     return cls(stages if spec.multi else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+def check_compile(spec: ScheduleSpec, compile_arg: object) -> None:
+    """Compiled block forwards run under every schedule whose backward is one autograd pass. The
+    zero-bubble schedule's input and weight halves are two ``torch.autograd.grad`` calls over the
+    stage's graph, which torch does not support for compiled stages (it refuses compiled stage
+    modules itself): refused here, by name, before any stage is built."""
+    if compile_arg not in (None, False) and spec.split_backward:
+        raise ValueError(f"compile is not composed with the {spec.name} schedule (torch splits its backward with "
+                         "autograd.grad, which compiled stages do not support); use another pp_schedule or drop "
+                         "compile")
+
+
 def check_checkpointing(spec: ScheduleSpec, checkpointing: str) -> None:
     """Activation checkpointing inside a stage runs under every schedule but the zero-bubble one,
     whose input and weight halves (two ``autograd.grad`` calls) each rebuild the checkpointed
