@@ -3,7 +3,7 @@
 One spawn of world 4 runs every case (ep_workloads.CASES), each on a mesh of its own: (shard 2 x
 ep 2) at stages 1, 2 (with frozen experts) and 3, ep 4 at stage 3, for zeroshard's GPT with MoE,
 HF Mixtral (also with the config's load-balancing loss) and HF Qwen2-MoE, and ep with tp ((shard 2
-x tp 2) with ep 2 at stages 1 and 3, GPT and Mixtral; ep 4 at stage 3 with tokens tp does not
+x tp 2) with ep 2 at stages 1 and 3, GPT and Mixtral, Qwen2-MoE at 3; ep 4 at stage 3 with tokens tp does not
 divide); accumulation 2 (and 1 and 4 once each) and clipping on. Every case is held against plain
 single-process PyTorch over 10 steps, and its all-to-all bytes against its own routing counts.
 """

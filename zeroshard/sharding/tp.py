@@ -164,10 +164,11 @@ LLAMA_TP_STYLES: dict[str, str] = {
     "self_attn.o_proj": ROWWISE, "mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
 """Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
 
-MIXTRAL_TP_STYLES: dict[str, str] = {name: style for name, style in LLAMA_TP_STYLES.items()
-                                     if name.startswith("self_attn.")}
-"""HF Mixtral's decoder layer: its attention is Llama's, split the same way; its sparse MoE block
-(router and stacked experts) stays whole, its experts split by ep instead (zeroshard/experts/)."""
+HF_MOE_TP_STYLES: dict[str, str] = {name: style for name, style in LLAMA_TP_STYLES.items()
+                                    if name.startswith("self_attn.")}
+"""An HF MoE decoder layer (Mixtral, Qwen2-MoE): its attention is Llama's, split the same way; its
+sparse MoE block (router, stacked experts, Qwen2-MoE's shared expert) stays whole, its experts split
+by ep instead (zeroshard/experts/)."""
 
 NAMED_PLANS: dict[str, tuple[str, dict[str, str], dict[str, int]]] = {
     "gpt": ("blocks", GPT_TP_STYLES, GPT_FUSED), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
@@ -254,21 +255,23 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
     return list(decoder.layers), plan, {}
 
 
-def mixtral_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
-                 ) -> tuple[list[nn.Module], dict, dict[str, int]]:
-    """HF Mixtral: the attention as Llama's (q/k/v column-wise, o_proj row-wise to a replicated
-    output); the sparse MoE block stays whole (experts split by ep, zeroshard/experts/)."""
+def hf_moe_attention_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
+                          ) -> tuple[list[nn.Module], dict, dict[str, int]]:
+    """HF Mixtral and Qwen2-MoE: the attention as Llama's (q/k/v column-wise, o_proj row-wise to a
+    replicated output); the sparse MoE block stays whole (experts split by ep, zeroshard/experts/).
+    Not Qwen3-MoE: its per-head q/k norms hold one weight that every tp rank's heads would use, whose
+    grad would then be a partial sum on each tp rank."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     cfg: Any = model.config
     if sequence_parallel:
-        raise ValueError("sequence parallelism with HF Mixtral is not supported: its MoE block needs the whole "
-                         "sequence on every tp rank; call zs.tensor_parallel without sequence_parallel")
+        raise ValueError(f"sequence parallelism with HF {type(model).__name__} is not supported: its MoE block "
+                         "needs the whole sequence on every tp rank; call zs.tensor_parallel without sequence_parallel")
     _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
-                        "num_key_value_heads": cfg.num_key_value_heads}, "Mixtral")
+                        "num_key_value_heads": cfg.num_key_value_heads}, type(model).__name__)
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel()
-                                      for name, style in MIXTRAL_TP_STYLES.items()}
+                                      for name, style in HF_MOE_TP_STYLES.items()}
     plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
     decoder: Any = model.model
@@ -276,7 +279,8 @@ def mixtral_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
 
 
 PlanFn = Callable[..., tuple[list[nn.Module], dict, dict[str, int]]]
-PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan, "MixtralForCausalLM": mixtral_plan}
+PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan,
+                            "MixtralForCausalLM": hf_moe_attention_plan, "Qwen2MoeForCausalLM": hf_moe_attention_plan}
 
 
 def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_parallel: bool = False,
