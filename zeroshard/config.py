@@ -293,14 +293,20 @@ class TrainConfig:
     def _check_ep(self) -> None:
         if self.ep == 1:
             return
-        # ep borrows its ranks from dp x tp (zeroshard/comm/mesh.py's _check_ep, the same rule).
-        if self.ep < 1 or self.nproc % self.ep:
-            ranks = f"{self.nproc} data-parallel" if self.tp == 1 else f"{self.nproc} data-parallel x tp"
-            raise ValueError(f"ep={self.ep} does not divide the {ranks} ranks, so its product with the other dims "
-                             f"is not nproc={self.nproc}; pick an ep that divides {self.nproc}")
+        # ep borrows its ranks from dp x tp (zeroshard/comm/mesh.py's _check_ep, the same rule), inside
+        # each pipeline stage under pp.
+        pp = self.pp if self.pp >= 1 and self.nproc % self.pp == 0 else 1
+        ranks, where = self.nproc // pp, " of a pipeline stage" if pp > 1 else ""
+        if self.ep < 1 or ranks % self.ep:
+            kind = "data-parallel" if self.tp == 1 else "data-parallel x tp"
+            raise ValueError(f"ep={self.ep} does not divide the {ranks} {kind} ranks{where}, so its product with the "
+                             f"other dims is not nproc={self.nproc}; pick an ep that divides {ranks}")
         if self.tp > 1 and self.ep % self.tp and self.tp % self.ep:
             raise ValueError(f"ep={self.ep} with tp={self.tp}: an ep group must hold whole tp groups or lie inside "
                              f"one; pick an ep that is a multiple or a divisor of tp={self.tp}")
+        if pp > 1 and self.tp > 1:
+            raise ValueError(f"ep={self.ep} with tp={self.tp} under pp={pp} is not composed yet; use tp=1 with pp and "
+                             "ep, or pp=1")
         if self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
             # (a pretrained folder's layers are checked before launch, on a meta build of it)
             raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "
@@ -334,7 +340,7 @@ class TrainConfig:
         if self.init == "meta" and (self.tp > 1 or self.model.startswith(HF_PREFIX)):
             raise ValueError("init=meta under pp > 1 is not yet composed with tp or a Hugging Face model; use "
                              "init=full (or auto), or tp=1 with a GPT preset")
-        refused = {"ep": self.ep > 1, "check_schedule": self.engine.check_schedule}
+        refused = {"check_schedule": self.engine.check_schedule}
         for name, on in refused.items():
             if on:
                 raise ValueError(f"{name} is not yet composed with pp > 1 (docs/pipeline.md, limits); drop it or "

@@ -267,6 +267,11 @@ def replay_into(model: nn.Module, engines: list[Engine], init_fn: Callable[[nn.M
     if draw_rest:
         for fqn, param in named.items():
             if param.is_meta and not is_dtensor(param):
+                if id(param) not in whole and expert_init.rows_kept(param) is not None:
+                    # Another stage's split experts: drawn at the stacked shape, as a plain build draws them.
+                    param = _whole_meta(param)
+                    prefix, _, attr = fqn.rpartition(".")
+                    model.get_submodule(prefix)._parameters[attr] = param  # noqa: SLF001 (as below)
                 targets.setdefault(_storage_key(param), _Target(fqn, param, []))
     # The replay needs the meta params registered on the modules, where the init code finds them.
     for _, _, ref in refs:

@@ -237,6 +237,9 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=allow_meta) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks on the stage's tp dim, then cut
+    # An ep dim: every MoE layer keeps this rank's experts (its stage's ep group routes the tokens);
+    # without one, the routers' load-balancing counts are still summed over the stage's batch.
+    apply_expert_parallel(cfg, model, mesh)
     options = engine_options(cfg, **{k: shard_overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in shard_overrides})
     pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                     stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,

@@ -311,7 +311,7 @@ def reference_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return loss
 
 
-def reference_train(cfg: TrainConfig) -> dict[str, Any]:
+def reference_train(cfg: TrainConfig, model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Plain single-process PyTorch: the numerical reference for `zeroshard verify`.
 
     Same seed, data, global batch, schedule, weight-decay groups and clipping as the
@@ -319,16 +319,18 @@ def reference_train(cfg: TrainConfig) -> dict[str, Any]:
     accumulation: one fp32 forward/backward over the whole global batch per step. A loss that is
     not a sum over rows (an MoE load-balancing loss, ``batch_nonlinear_loss``) is accumulated
     over the distributed step's own global micro-batches instead, where that loss is defined.
+    ``model`` replaces the model ``cfg`` names (a test's own, built as its distributed run's is).
     """
     dataset = build_data(cfg)
-    model = build_model(cfg, dataset.vocab_size, torch.device("cpu"), allow_meta=False)
+    model = build_model(cfg, dataset.vocab_size, torch.device("cpu"), allow_meta=False) if model is None else model
     opt = torch.optim.AdamW(zs.optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=BETAS)
     scheduler = make_scheduler(cfg, opt)
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=1, rank=0, seed=cfg.seed)
     losses: list[float] = []
     for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
-        loss = reference_backward(model, x, y, dp=cfg.nproc // cfg.tp, accum=cfg.accum)
+        # Under pp each accumulation step's slice is cut into the schedule's microbatches too.
+        loss = reference_backward(model, x, y, dp=cfg.nproc // cfg.tp // cfg.pp, accum=cfg.accum * cfg.pp_microbatches)
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()

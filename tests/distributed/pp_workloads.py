@@ -18,6 +18,7 @@ import torch
 import zeroshard as zs
 from zeroshard import step as step_mod
 from zeroshard.config import TrainConfig
+from zeroshard.experts import ep_forwards
 from zeroshard.sharding import get_engine
 from zeroshard.train import train_step
 
@@ -38,6 +39,45 @@ GRAD_REDUCE_CASES = [("gpt", stage, sched, "microbatch") for sched in SCHEDULES 
 GRAD_REDUCE_CASES += [("gpt", 3, "interleaved-zero-bubble", "microbatch")]  # grads taken after each weight half
 # pp_grad_reduce="microbatch": stages 2-3 reduce-scatter after every microbatch into the grad shard.
 # Each is held to one process and to its CASES twin, which reduces once per step.
+
+
+EP_CASES = [("moe", stage, sched) for sched in SCHEDULES for stage in (1, 3)] + [("moe", 0, "1f1b"), ("moe", 2, "1f1b")]
+EP_CASES += [("mixtral", 3, sched) for sched in SCHEDULES] + [("mixtral", 1, "1f1b")]
+"""pp 2 x ep 2 (shard 2 inside each stage, each stage's experts split over its 2 ranks, edp 1):
+tiny-moe with its per-layer load-balancing loss, and HF Mixtral without router logits. 4
+microbatches under both schedules: tiny-moe's loss is defined per microbatch, so one reference
+(cut the same way) serves every case."""
+
+
+def ep_config(name: str, stage: int, schedule: str = "1f1b", **kw: Any) -> TrainConfig:
+    """An EP_CASES run: tiny-moe by name; Mixtral is a test model (``mixtral``) given to the run, so
+    its config names tiny-moe, which has the same 4 blocks and MoE layers for the config's checks."""
+    return TrainConfig(**{"model": "tiny-moe", "nproc": WORLD, "pp": 2, "ep": 2, "stage": stage,
+                          "pp_schedule": schedule, "microbatches": 4, "steps": STEPS, "batch": 8, "seq_len": 32,
+                          "clip": 1.0, "num_samples": 256, **kw})
+
+
+def mixtral(cfg: TrainConfig) -> torch.nn.Module:
+    """A tiny HF Mixtral (4 layers, 4 experts, top 2, tied head; no router logits), seeded: the same
+    on every rank and in the reference."""
+    import transformers as tf
+
+    from zeroshard.models.hf import HFSpec
+
+    torch.manual_seed(cfg.seed)
+    config = tf.MixtralConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=cfg.seq_len, vocab_size=cfg.vocab_size, tie_word_embeddings=True,
+                              use_cache=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None,
+                              pad_token_id=None, output_router_logits=False)
+    model = tf.MixtralForCausalLM(config).train()
+    model.cfg = HFSpec("test:mixtral", config.to_dict())  # read as an HF model: its loss is transformers' logits'
+    return model
+
+
+def _ep_train(name: str, stage: int, schedule: str, mesh) -> dict:
+    cfg = ep_config(name, stage, schedule)
+    return _train(cfg, mesh, model=mixtral(cfg) if name == "mixtral" else None)
 
 
 def config(name: str, stage: int, schedule: str = "1f1b", pp_grad_reduce: str = "step", *, pp: int = 2,
@@ -75,19 +115,23 @@ def _count_block_runs(run) -> list[int]:
     return runs
 
 
-def _train(cfg: TrainConfig, mesh) -> dict:
+def _train(cfg: TrainConfig, mesh, model: torch.nn.Module | None = None) -> dict:
     ledger = zs.ledger()
-    run = step_mod.build(cfg, mesh)
+    run = step_mod.build(cfg, mesh, model=model)
     block_runs = _count_block_runs(run) if cfg.engine.checkpointing != "none" else None
-    records, traffic, counts, tp_counts = [], [], [], {}
+    records, traffic, counts, tp_counts, a2a = [], [], [], {}, []
+    forwards = {n: f for m in (run.pipeline.modules if run.pipeline else [run.model]) for n, f in ep_forwards(m).items()}
     for i in range(cfg.steps):
         seq = ledger.next_seq
+        marks = {name: len(f.sent_rows) for name, f in forwards.items()}
         records.append(train_step(run, i))
         traffic.append(_traffic(ledger.since(seq)))
         counts.append(_traffic(ledger.since(seq), count=True))
         for r in ledger.since(seq):  # DTensor's own collectives, as the ledger's dispatch mode saw them
             if str(r.group) == "tp":
                 tp_counts[f"{r.op}:{r.phase}"] = tp_counts.get(f"{r.op}:{r.phase}", 0) + 1
+        if forwards:
+            a2a.append(_a2a(ledger.since(seq), forwards, marks, mesh, hidden=run.pipeline.hidden))
     state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
     facts = {}
     if run.pipeline is not None:
@@ -103,8 +147,24 @@ def _train(cfg: TrainConfig, mesh) -> dict:
                                       for g in get_engine(m).trainable_groups]}
     if block_runs is not None:
         facts["block_runs"] = block_runs[0]
+    if forwards:
+        facts["a2a"] = a2a
+        facts["moe_layers"] = sorted(forwards)
     return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
             "losses": [r.loss for r in records], "bytes": traffic, "counts": counts, "tp_counts": tp_counts, **facts}
+
+
+def _a2a(records, forwards: dict, marks: dict, mesh, *, hidden: int) -> dict:
+    """One step's ep all-to-alls as the ledger has them (bytes, and the layers named as units) and
+    the bytes this rank's routing counts say they carry: per layer call, the counts (one int64 per
+    expert) and the rows sent and received, there and back, forward and backward."""
+    mine = [r for r in records if r.op == "all_to_all" and r.group == "ep" and r.mesh == mesh.experts.ledger_name]
+    expected = 0
+    for name, fwd in forwards.items():
+        for sent, received in zip(fwd.sent_rows[marks[name]:], fwd.received_rows[marks[name]:]):
+            expected += fwd.layer.num_experts * 8 + 2 * (sent + received) * hidden * 4
+    return {"ledger": sum(r.bytes for r in mine), "routed": expected, "units": sorted({r.unit for r in mine}),
+            "received": sum(sum(f.received_rows[marks[n]:]) for n, f in forwards.items())}
 
 
 def _traffic(records, *, count: bool = False) -> dict[str, int]:
@@ -279,6 +339,13 @@ def suite() -> dict:
     t0 = time.perf_counter()
     out["meta-init-train"] = _train(config("gpt", 3, init="meta"), mesh)
     times["meta-init-train"] = time.perf_counter() - t0
+    ppep = zs.new_mesh(pp=2, ep=2, name="ppep")  # experts split over ep 2 inside each stage
+    out["ppep-mesh"] = {"dense": ppep.describe(), "experts": ppep.experts.describe(),
+                        "ep_rank": ppep.experts.ep_rank, "edp_rank": ppep.experts.shard_rank}
+    for case in EP_CASES:
+        t0 = time.perf_counter()
+        out[("ep",) + case] = _ep_train(*case, ppep)
+        times[("ep",) + case] = time.perf_counter() - t0
     out["fp16"] = _fp16_overflow(mesh)
     out["errors"] = _errors(mesh)
     out["times"] = times

@@ -79,6 +79,11 @@ def test_the_gpt_moe_layer_is_the_dense_mlp_per_expert():
     (("--model", "tiny-moe", "--nproc", "6", "--batch", "12", "--tp", "2", "--ep", "3"),
      "ep=3 with tp=2: an ep group must hold whole tp groups or lie inside one"),
     (("--model", "hf:gpt2-tiny", "--nproc", "4", "--tp", "2", "--ep", "2"), "has no tensor-parallel plan"),
+    # Under pp the experts are split inside each stage: ep must divide a stage's ranks.
+    (("--model", "tiny-moe", "--nproc", "4", "--pp", "2", "--ep", "4"),
+     "ep=4 does not divide the 2 data-parallel ranks of a pipeline stage"),
+    (("--model", "tiny-moe", "--nproc", "8", "--batch", "8", "--pp", "2", "--tp", "2", "--ep", "2"),
+     "ep=2 with tp=2 under pp=2 is not composed yet"),
 ])
 def test_train_and_verify_refuse_a_bad_ep_in_one_line(capsys, argv, message):
     for command in ("train", "verify"):
@@ -97,3 +102,5 @@ def test_ep_is_a_flag_and_a_toml_key(tmp_path):
     both.write_text('model = "tiny-moe"\nnproc = 4\ntp = 2\nep = 2\nstage = 3\n')
     assert (config_from_sources(both, {}).tp, config_from_sources(both, {}).ep) == (2, 2)
     assert TrainConfig(model="tiny-moe", nproc=4, tp=2, ep=4, batch=8).ep == 4
+    path.write_text('model = "tiny-moe"\nnproc = 4\nep = 2\npp = 2\nstage = 3\n')  # ep inside each pp stage
+    assert (config_from_sources(path, {}).ep, config_from_sources(path, {}).pp) == (2, 2)

@@ -17,6 +17,11 @@ every data-parallel batch's tokens once, exactly as a dense param's grad after i
 (under tp each rank of a tp group dispatches its own share of the group's one batch:
 zeroshard/experts/layer.py). ``dp_name`` (the group holding identical values: init broadcast,
 stage 0's all-reduce) is the edp group.
+
+Under pipeline parallelism (``zs.init(pp=P, ep=E)``) each stage's experts live inside that stage's
+ranks: the expert mesh of a rank is built over its stage's W / P consecutive ranks, which are its
+world (``rank`` and ``world`` are stage-local, its world group is the stage's ranks), with ep runs
+and edp strides inside it. The pp dim stays outermost and only activations cross stages.
 """
 
 from __future__ import annotations
@@ -89,13 +94,32 @@ def expert_mesh_name(dense_name: str) -> str:
 
 
 def build_expert_mesh(*, rank: int, world: int, ep: int, device: torch.device, name: str, ledger: Ledger,
-                      topology: Topology | None, dp: int = 0) -> ExpertMesh:
-    """The ep and edp groups over the whole world (collective: every rank builds every group, in
-    the same order). Groups of one rank are real groups too, so ``group()`` never hands out None
-    for a dim the engine communicates over. ``dp``: the dense mesh's data-parallel degree (0: the world)."""
-    edp = world // ep
-    ep_group, edp_group = runs_and_strides(world, rank, ep)
-    return ExpertMesh(rank=rank, world=world, shard_size=edp, device=device, backend=dist.get_backend(),
-                      world_group=dist.group.WORLD, shard_group=edp_group, replicate_group=None, tp_size=1,
-                      dp_group=edp_group, name=expert_mesh_name(name), ledger=ledger, topology=topology, ep=ep,
-                      ep_group=ep_group, dense_dp=dp)
+                      topology: Topology | None, dp: int = 0, pp: int = 1) -> ExpertMesh:
+    """The ep and edp groups over the whole world, or with ``pp > 1`` over each pipeline stage's
+    ranks (collective: every rank builds every stage's groups, in the same order). Groups of one
+    rank are real groups too, so ``group()`` never hands out None for a dim the engine
+    communicates over. ``dp``: the dense mesh's data-parallel degree (0: the world; under pp, a stage's)."""
+    stage_world, stage_group = world // pp, None
+    if pp == 1:
+        ep_group, edp_group = runs_and_strides(world, rank, ep)
+    else:
+        ep_group, edp_group, stage_group = _stage_local_groups(world, rank, pp, ep)
+    return ExpertMesh(rank=rank % stage_world, world=stage_world, shard_size=stage_world // ep, device=device,
+                      backend=dist.get_backend(), world_group=stage_group or dist.group.WORLD, shard_group=edp_group,
+                      replicate_group=None, tp_size=1, dp_group=edp_group, name=expert_mesh_name(name), ledger=ledger,
+                      topology=topology if pp == 1 else None, ep=ep, ep_group=ep_group, dense_dp=dp)
+
+
+def _stage_local_groups(world: int, rank: int, pp: int, ep: int) -> tuple[object, object, object]:
+    """This rank's ep run, edp stride and stage group, each stage's built over its own ranks."""
+    stage_world = world // pp
+    mine: tuple[object, object, object] = (None, None, None)
+    for stage in range(pp):
+        base = stage * stage_world
+        ranks = list(range(base, base + stage_world))
+        runs = [ranks[i:i + ep] for i in range(0, stage_world, ep)]
+        strides = [ranks[i::ep] for i in range(ep)]
+        groups = [(r, dist.new_group(r)) for r in runs + strides + [ranks]]
+        if rank in ranks:
+            mine = tuple(g for r, g in groups if rank in r)  # type: ignore[assignment]
+    return mine

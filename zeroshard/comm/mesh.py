@@ -405,8 +405,6 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp != 0:
         raise ValueError(f"pp={pp!r} does not divide world size {world}; pick a divisor of {world} (pp=1 is no "
                          "pipeline parallelism)")
-    if pp > 1 and ep != 1:
-        raise ValueError(f"pp={pp} with ep={ep} is not supported yet; use pp=1 with ep, or ep=1 with pp")
     stage_world = world // pp
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or stage_world % tp != 0:
         where = f"world size {world}" if pp == 1 else f"the {stage_world} ranks of a pipeline stage (world {world} / pp {pp})"
@@ -428,6 +426,8 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
         )
     if ep != 1:
         _check_ep(ep, dp, tp)
+        if pp > 1 and tp > 1:
+            raise ValueError(f"ep={ep} with tp={tp} under pp={pp} is not composed yet; use tp=1 with pp and ep, or pp=1")
     if topology is not None:  # before any group: a refused layout builds nothing
         topology.check_placement({Dim.PP: pp, Dim.REPLICATE: dp // shard_size, Dim.SHARD: shard_size, Dim.TP: tp,
                                   Dim.EP: ep},
@@ -444,7 +444,8 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
     experts = None
     if ep > 1:  # after the dense groups, in the same order on every rank (new_group is collective)
         experts = _EXPERT_MESH_BUILDER[0](rank=rank, world=world, ep=ep, device=_device_for(dist.get_backend()),
-                                         name=name, ledger=ledger or process_ledger(), topology=topology, dp=dp)
+                                         name=name, ledger=ledger or process_ledger(), topology=topology, dp=dp,
+                                         pp=pp)
     return Mesh(
         rank=rank,
         world=world,
@@ -487,8 +488,8 @@ would be circular."""
 
 
 def use_expert_mesh_builder(builder) -> None:
-    """Make ``builder(rank=, world=, ep=, device=, name=, ledger=, topology=, dp=) -> Mesh`` what
-    ``init(ep=)`` and ``new_mesh(ep=)`` call."""
+    """Make ``builder(rank=, world=, ep=, device=, name=, ledger=, topology=, dp=, pp=) -> Mesh`` what
+    ``init(ep=)`` and ``new_mesh(ep=)`` call (with ``pp > 1``: one expert mesh per pipeline stage)."""
     _EXPERT_MESH_BUILDER[:] = [builder]
 
 

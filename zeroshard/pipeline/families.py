@@ -109,6 +109,8 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.hf_config = getattr(model, "config", None)
         self.cfg = getattr(model, "cfg", None)  # what a run records as the model's config
+        self.aux_loss: Any = None
+        """The stage's share of the model's load-balancing loss (zeroshard/pipeline/aux_loss.py), or None."""
         kept = list(family.shared) + (list(family.first) if self.is_first else [])
         for path in kept:
             self._place(path, model.get_submodule(path))
@@ -135,7 +137,8 @@ class StageModule(nn.Module):
         return list(cast(nn.ModuleList, self.get_submodule(self.family.blocks)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.family.forward(self, x)
+        out = self.family.forward(self, x)
+        return out if self.aux_loss is None else self.aux_loss.attach(out)
 
 
 def block_names(model: nn.Module, family: Family) -> list[str]:

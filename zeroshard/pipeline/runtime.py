@@ -29,6 +29,7 @@ from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Group, Phase
 from zeroshard.lazy_dtensor import is_dtensor
 from zeroshard.materialize import materialize_stages
+from zeroshard.pipeline.aux_loss import stage_aux_loss
 from zeroshard.pipeline.families import StageModule, block_names, family_of
 from zeroshard.pipeline.grad_reduce import stage_options
 from zeroshard.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches, make_schedule,
@@ -95,6 +96,7 @@ class Pipeline:
         self.modules: list[StageModule] = []
         for s in self.stage_indices:
             module = StageModule(model, self.family, self.split.blocks[s], stage_index=s, num_stages=self.num_stages)
+            module.aux_loss = stage_aux_loss(model, module)  # a per-layer load-balancing loss: each stage its layers'
             for tied in self.tied:
                 if s == tied.copy_stage:
                     untie_copy(module, tied)
@@ -150,7 +152,10 @@ class Pipeline:
         unreduced, or at stages 2-3 with ``pp_grad_reduce="microbatch"`` reduced into the grad shard.
         Each microbatch backpropagates its token-loss sum × ``loss_scale`` (the data-parallel size over
         the global token count), so the step's grad is the global-batch mean.
-        Returns the summed token loss (float64): this slice's on the last stage, 0 elsewhere."""
+        A per-layer load-balancing loss (zeroshard's GPT with MoE) is backpropagated by each stage for
+        its own layers (aux_loss.py), with the same scale.
+        Returns the summed loss (float64) of this slice: the token loss on the last stage, plus each
+        stage's load-balancing share; 0 on a stage with neither."""
         if self._schedule is None:
             self._build_schedule(x.shape[0], x.shape[1])
         elif tuple(x.shape) != self._shape:
@@ -167,6 +172,9 @@ class Pipeline:
             return loss_sum * loss_scale.to(loss_sum.dtype)
 
         self._loss[:] = [loss_fn]
+        for module in self.modules:
+            if module.aux_loss is not None:
+                module.aux_loss.scale = loss_scale
         with contextlib.ExitStack() as stack:
             for module in self.modules:
                 stack.enter_context(no_sync(module))
@@ -176,6 +184,10 @@ class Pipeline:
             if self.spec.split_backward:
                 for module in self.modules:
                     get_engine(module).split_backward_done()
+        for module in self.modules:
+            share = module.aux_loss.take() if module.aux_loss is not None else None
+            if share is not None:
+                total = total + share.to(total.device)
         return total
 
     # -- after the schedule ------------------------------------------------------------------
