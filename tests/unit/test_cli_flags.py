@@ -125,7 +125,8 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--world": [(swap(m, "--world", "8"), m, CHANGES)],
         "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
         "--sequence-parallel": [(plus(m, "--tp", "2", "--sequence-parallel"), plus(m, "--tp", "2"), CHANGES)],
-        "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(m, "--ep", "2"), None, REFUSED)],  # tiny has no experts
+        "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(m, "--ep", "2"), None, REFUSED),  # tiny has no experts
+                 (plus(moe, "--pp", "2", "--ep", "2"), None, REFUSED)],  # plan --pp does not count experts yet
         "--routing-skew": [(plus(moe, "--ep", "2", "--routing-skew", "0.5"), plus(moe, "--ep", "2"), CHANGES),
                            (plus(moe, "--routing-skew", "0.5"), None, REFUSED)],
         "--stage": [(plus(m, "--stage", "3"), m, CHANGES)],

@@ -26,8 +26,9 @@ _UNPLANNED = {
     "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
-    "ep": "expert parallelism is not composed with pp > 1 (docs/pipeline.md); drop --ep",
-    "routing_skew": "--routing-skew sizes expert parallelism, which is not composed with pp > 1; drop it",
+    "ep": "plan --pp does not count a stage's split experts yet (train and verify run --pp with --ep); drop --ep, "
+          "or plan the experts with --ep alone",
+    "routing_skew": "--routing-skew sizes expert parallelism, which plan --pp does not count yet; drop it",
 }
 
 
