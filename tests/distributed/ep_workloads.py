@@ -65,6 +65,7 @@ CASES = {
     "mixtral-tp2ep2-stage1": Case("mixtral", 1, "tp2ep2"),
     "mixtral-tp2ep2-stage3": Case("mixtral", 3, "tp2ep2"),
     "qwen2moe-tp2ep2-stage3": Case("qwen2moe", 3, "tp2ep2"),
+    "gpt-tp2ep2-stage3-meta": Case("gpt", 3, "tp2ep2", meta=True),
     # 15 tokens per micro-batch: the tp ranks' runs are 8 and 7 tokens, the gather pads the short one
     "gpt-tp2ep4-stage3-uneven": Case("gpt", 3, "tp2ep4", accum=4, seq=15),
 }

@@ -77,6 +77,20 @@ def test_manifest_records_expert_placement(root, suite):
     verify(root / "gpt-ep2")  # what `zeroshard ckpt verify` runs: sizes, sha256, coverage
 
 
+def test_manifest_under_ep_with_tp_records_both_placements(root, suite):
+    """Mixtral saved at (shard 2 x tp 2) with ep 2: the experts are placed over ep (edp 2: world / ep)
+    and whole on dim 0 as without tp; the attention's projections are saved as one part per tp rank."""
+    manifest = _manifest(root / "mixtral-tp-ep2")
+    params = {p["fqn"]: p for p in manifest["params"]}
+    experts = [p for fqn, p in params.items() if ".experts." in fqn]
+    assert experts and all(p["ep"] == {"placement": "shard", "dim": 0, "ep": 2, "edp": 2} and "tp" not in p
+                           for p in experts)
+    parts = {fqn.split("#")[0].rsplit(".", 2)[-2] for fqn, p in params.items() if p.get("tp")}
+    assert parts == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert (manifest["mesh"]["tp_size"], manifest["mesh"]["ep_size"]) == (2, 2)
+    verify(root / "mixtral-tp-ep2")
+
+
 @pytest.mark.parametrize("name, resume", RESUMES, ids=[f"{n}-{r.mesh}-stage{r.stage}-{r.source}" for n, r in RESUMES])
 def test_resume_at_another_ep_equals_continuous(suite, name, resume):
     """Right after the load every param and every AdamW moment is bitwise the saved run's (each
