@@ -125,6 +125,7 @@ def _train(cfg: TrainConfig, mesh, model: torch.nn.Module | None = None) -> dict
         seq = ledger.next_seq
         marks = {name: len(f.sent_rows) for name, f in forwards.items()}
         records.append(train_step(run, i))
+        last_step = ledger.since(seq)
         traffic.append(_traffic(ledger.since(seq)))
         counts.append(_traffic(ledger.since(seq), count=True))
         for r in ledger.since(seq):  # DTensor's own collectives, as the ledger's dispatch mode saw them
@@ -150,6 +151,8 @@ def _train(cfg: TrainConfig, mesh, model: torch.nn.Module | None = None) -> dict
     if forwards:
         facts["a2a"] = a2a
         facts["moe_layers"] = sorted(forwards)
+    if run.pipeline is not None and not run.pipeline.spec.split_backward and cfg.tp == 1 and cfg.ep == 1:
+        facts["schedule_vs_ledger"] = _schedule_vs_ledger(run.pipeline, last_step)
     return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
             "losses": [r.loss for r in records], "bytes": traffic, "counts": counts, "tp_counts": tp_counts, **facts}
 
@@ -165,6 +168,30 @@ def _a2a(records, forwards: dict, marks: dict, mesh, *, hidden: int) -> dict:
             expected += fwd.layer.num_experts * 8 + 2 * (sent + received) * hidden * 4
     return {"ledger": sum(r.bytes for r in mine), "routed": expected, "units": sorted({r.unit for r in mine}),
             "received": sum(sum(f.received_rows[marks[n]:]) for n, f in forwards.items())}
+
+
+def _schedule_vs_ledger(pipe, records) -> dict[str, Any]:
+    """The steady step's collectives of this rank's stage engines as the step schedule derives them
+    in torch's order (one ``pipeline_order`` per stage), against the ledger's for that step: each
+    (op, group, unit, phase, numel) and how often. The pipeline's own sends, tied-param sums and
+    clipping all-reduce are not an engine's, and left out."""
+    import collections
+
+    from zeroshard.pipeline.order import schedule_order, stage_order
+    from zeroshard.sharding.schedule import engine_schedule
+
+    order = schedule_order(pipe.spec, pp=pipe.mesh.pp_size, stages_per_rank=len(pipe.stage_indices),
+                           microbatches=pipe.microbatches)[pipe.mesh.pp_rank]
+    planned: collections.Counter = collections.Counter()
+    units = set()
+    for stage, module in zip(pipe.stage_indices, pipe.modules):
+        engine = get_engine(module)
+        units |= {u.name for u in engine.units}
+        for e in engine_schedule(engine, pipeline_order=stage_order(order, stage)).collectives:
+            planned[(e.op, e.group, e.unit, e.phase, e.numel)] += 1
+    recorded = collections.Counter((str(r.op), str(r.group), r.unit, str(r.phase), r.numel) for r in records
+                                   if r.unit in units and str(r.phase) in ("forward", "backward", "param_sync"))
+    return {"planned": dict(planned), "recorded": dict(recorded)}
 
 
 def _traffic(records, *, count: bool = False) -> dict[str, int]:

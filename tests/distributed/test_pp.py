@@ -113,6 +113,20 @@ def test_mesh_puts_pp_outermost(suite):
     assert all(m["pp"] == 2 and m["shard"] == 2 and m["dp"] == 2 for m in meshes)
 
 
+SCHEDULED = [c for c in w.CASES + w.STAGE0_CASES + w.GRAD_REDUCE_CASES if "zero-bubble" not in c[2]]
+
+
+@pytest.mark.parametrize("case", SCHEDULED, ids=lambda c: "-".join(map(str, c)))
+def test_each_stage_engines_collectives_are_the_step_schedules_in_torchs_order(suite, case):
+    """The step schedule walked in the order torch's schedule runs each stage's microbatches (a
+    forward between two backwards finds what the earlier forward kept gathered) gives the steady
+    step's collectives of every rank's stage engines, each as often as the ledger has it."""
+    for rank, got in enumerate(suite):
+        check = got[case]["schedule_vs_ledger"]
+        assert check["recorded"], (case, rank)
+        assert check["planned"] == check["recorded"], (case, rank)
+
+
 @pytest.mark.parametrize("case", [c for c in w.CASES if c[1] == 3], ids=lambda c: f"{c[0]}-{c[2]}")
 def test_ledger_sends_and_receives_equal_theory(suite, case):
     """Each stage boundary carries one activation forward and its grad backward per microbatch; the
@@ -187,6 +201,30 @@ def test_planned_reduce_scatters_equal_the_ledger_under_either_choice(suite, cas
             layout = pplan.ranks[rank["mesh"]["pp_rank"]].plan[STAGE_NAMES[cfg.stage]]
             planned = sum(c.buffer_bytes * c.count for c in layout.collectives if c.op == "reduce_scatter")
             assert all(b["shard:reduce_scatter:backward"] == planned for b in rank[twin]["bytes"]), twin
+
+
+@pytest.mark.parametrize("case", [c for c in SCHEDULED if c[0] == "gpt"], ids=lambda c: "-".join(map(str, c)))
+def test_planned_gathers_and_reduce_scatters_per_phase_equal_the_ledger(suite, case):
+    """plan --pp walks each stage's step schedule in torch's order, so its all-gather and
+    reduce-scatter bytes per step, per phase, are the ledger's on every pp rank (rank 0's second
+    forward under 1F1B finds the root and the kept block still gathered)."""
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.pipeline import plan_pipeline
+    from zeroshard.planner.spec import STAGE_NAMES
+
+    cfg = w.config(*case)
+    pplan = plan_pipeline(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size), world=w.WORLD, pp=cfg.pp,
+                          pp_schedule=cfg.pp_schedule, batch=cfg.batch, seq=cfg.seq_len, device="cpu",
+                          stage=cfg.stage, pp_grad_reduce=cfg.engine.pp_grad_reduce)
+    for rank in suite:
+        layout = pplan.ranks[rank["mesh"]["pp_rank"]].plan[STAGE_NAMES[cfg.stage]]
+        planned: dict[str, int] = {}
+        for c in layout.collectives:
+            if c.op in ("all_gather", "reduce_scatter"):
+                planned[f"{c.group}:{c.op}:{c.phase}"] = planned.get(f"{c.group}:{c.op}:{c.phase}", 0) + \
+                    c.buffer_bytes * c.count
+        got = {k: v for k, v in rank[case]["bytes"][-1].items() if k.split(":")[1] in ("all_gather", "reduce_scatter")}
+        assert got == planned, (case, rank["mesh"])
 
 
 def test_stage_params_keep_the_unsharded_names(suite, references):
@@ -318,8 +356,7 @@ GRAD_QUANT_CASES = [c for c in w.QUANT_CASES if c[4] == "grads"]
                                                         GRAD_QUANT_CASES])
 def test_planned_quantized_grad_traffic_equals_the_ledger(suite, case):
     """plan --pp --comm-quant grads: the bytes per step of the stage's int8 all-to-all and of the
-    reduce-scatters left unquantized are the ledger's (as test_planned_reduce_scatters_equal_the_ledger;
-    the planner's all-gather totals under pp are not held to the ledger, with or without qwZ)."""
+    reduce-scatters left unquantized are the ledger's (as test_planned_reduce_scatters_equal_the_ledger)."""
     from zeroshard.models import GPTConfig
     from zeroshard.planner.pipeline import plan_pipeline
     from zeroshard.planner.spec import STAGE_NAMES

@@ -80,6 +80,12 @@ def schedule_order(spec: ScheduleSpec | str, *, pp: int, stages_per_rank: int,
     return out
 
 
+def stage_order(actions: list[Action], stage: int) -> tuple[tuple[str, int], ...]:
+    """One virtual stage's (kind, microbatch) actions, in its rank's order: what that stage's engine
+    runs in a step (``zeroshard.sharding.schedule.step_schedule``'s ``pipeline_order``)."""
+    return tuple((a.kind, a.microbatch) for a in actions if a.stage == stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     bytes: int

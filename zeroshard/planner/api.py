@@ -83,7 +83,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
          engine: EngineOptions | None = None, activations: ActivationEstimate | None = None,
-         **knobs: Any) -> Plan:
+         pp: int = 1, pipeline_order: tuple[tuple[str, int], ...] | None = None, **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -104,7 +104,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     ``prefetch=2``, ``offload="cpu"``; the names in ``zeroshard.sharding.options.KNOB_NAMES``).
 
     ``activations`` replaces the activation estimate: the pipeline planner passes what a stage keeps
-    in flight under its schedule (zeroshard/planner/pipeline.py), for a stage that is not a whole GPT.
+    in flight under its schedule (zeroshard/planner/pipeline.py), for a stage that is not a whole GPT;
+    with ``pp`` and ``pipeline_order``, the order that stage's engine runs its microbatches in.
     """
     unknown = sorted(set(knobs) - set(KNOB_NAMES))
     if unknown:
@@ -152,7 +153,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     engine=options, shard_size=shard_size, headroom=headroom,
                     accounting=accounting or ("textbook" if analytic else "runtime"),
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
-                    tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew)
+                    tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew, pp=pp,
+                    pipeline_order=pipeline_order)
     tp_comm: tuple[Collective, ...] = ()
     # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
     if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory

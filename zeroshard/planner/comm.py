@@ -89,10 +89,13 @@ class Network:
 
 def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
                      comm: CommQuant | None = None, accum: int = 1,
-                     gpus_per_node: int | None = None, ep: int = 1) -> tuple[Collective, ...]:
+                     gpus_per_node: int | None = None, ep: int = 1,
+                     pipeline_order: Sequence[tuple[str, int]] | None = None) -> tuple[Collective, ...]:
     """Collectives of one steady-state optimizer step of ``units`` (the engine's communication units,
-    in its reduction order), from the runtime's step schedule. ``ep``: the expert groups' degree."""
-    schedule = step_schedule(units, policy=policy, mesh=mesh, options=options, comm=comm, accum=accum)
+    in its reduction order), from the runtime's step schedule. ``ep``: the expert groups' degree.
+    ``pipeline_order``: a pipeline stage's microbatches in torch's order (``step_schedule``)."""
+    schedule = step_schedule(units, policy=policy, mesh=mesh, options=options, comm=comm, accum=accum,
+                             pipeline_order=pipeline_order)
     return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node, ep=ep)
 
 

@@ -221,7 +221,8 @@ class Estimator:
         (zeroshard/sharding/schedule.py), or the textbook volumes of ``padded`` elements without units."""
         spec = self.spec
         # The data-parallel mesh of the layout (stage 0 has no shards: its buffers span every rank).
-        mesh = MeshSizes(world=spec.world, shard=v.shards if v.policy.shard_optimizer else spec.dp, tp=spec.tp)
+        mesh = MeshSizes(world=spec.world, shard=v.shards if v.policy.shard_optimizer else spec.dp, tp=spec.tp,
+                         pp=spec.pp)
         # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
         dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // spec.tp)
         if self.inventory is None:
@@ -233,7 +234,8 @@ class Estimator:
         # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
         options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
         return comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
-                                     accum=spec.accum, gpus_per_node=dp_per_node, ep=spec.ep)
+                                     accum=spec.accum, gpus_per_node=dp_per_node, ep=spec.ep,
+                                     pipeline_order=spec.pipeline_order)
 
     # -- expert parallelism -------------------------------------------------------------------
     def _compute_bytes(self) -> int:
@@ -559,7 +561,8 @@ class Estimator:
         shard = max(2 * spec.ep, spec.dp)
         mesh = MeshSizes(world=shard * spec.tp, shard=shard, tp=spec.tp)
         schedule = step_schedule(sizes, policy=StagePolicy(3), mesh=mesh,
-                                 options=dataclasses.replace(spec.engine, offload=OffloadPolicy()), accum=spec.accum)
+                                 options=dataclasses.replace(spec.engine, offload=OffloadPolicy()), accum=spec.accum,
+                                 pipeline_order=spec.pipeline_order)
         return schedule.peak_gathered_bytes(sizes), schedule.gathered_at_backward_start(sizes)
 
     def _unit_sizes(self, units: tuple[CommUnit, ...]) -> list[UnitSizes]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.pipeline.order import bubble_fraction, peak_in_flight, schedule_order
+from zeroshard.pipeline.order import bubble_fraction, peak_in_flight, schedule_order, stage_order
 from zeroshard.pipeline.schedules import check_checkpointing, check_microbatches, schedule_spec, stages_per_rank
 from zeroshard.planner.activations import ActivationEstimate, gpt_activations
 from zeroshard.planner.result import COMPONENTS, MODEL_STATES, Components, Plan
@@ -278,6 +278,13 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
+    # What each stage's engine runs in a step: its forwards and backwards in torch's order, once
+    # per schedule run (accum of them). A split backward's halves are not in the step schedule:
+    # those stages are planned in micro-step order.
+    halves = schedule_spec(shape.schedule).split_backward
+    runs = {s: None if halves else tuple((kind, mb + k * shape.microbatches) for k in range(accum)
+                                        for kind, mb in stage_order(order[s % pp], s))
+            for s in range(shape.num_stages)}
     ranks = []
     for r in range(pp):
         stages = shape.stages_of(r)
@@ -304,7 +311,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
                                   accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
                                   units=modules[s].block_modules(), activations=carried, engine=engine,
-                                  **kwargs))
+                                  pp=pp, pipeline_order=runs[s], **kwargs))
             combined.append(_combine(plans, buffers, headroom))
         worst = max(moments, key=lambda m: m.bytes)
         ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),

@@ -167,6 +167,11 @@ class PlanSpec:
     routing_skew: float = 0.0
     """With ep > 1: extra rows the busiest ep rank receives, as a share of the balanced
     ``tokens × top_k`` (0 balanced, 1 twice its share); sizes its all-to-all buffers and traffic."""
+    pp: int = 1
+    """Pipeline stages: ``world`` is then one stage's ranks (zeroshard/planner/pipeline.py plans each)."""
+    pipeline_order: tuple[tuple[str, int], ...] | None = None
+    """One pipeline stage's forwards and backwards in torch's order (``step_schedule``'s
+    ``pipeline_order``): the step its engine runs, which its collectives and gather window follow."""
 
     def __post_init__(self) -> None:
         _positive_int("world", self.world)

@@ -71,7 +71,8 @@ if TYPE_CHECKING:
 def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes,
                   options: EngineOptions | None = None, comm: CommQuant | None = None, accum: int = 1,
                   first_step: bool = False, forward_order: Sequence[str] | None = None,
-                  clip: bool = False, tp: TensorParallelSizes | None = None) -> Schedule:
+                  clip: bool = False, tp: TensorParallelSizes | None = None,
+                  pipeline_order: Sequence[tuple[str, int]] | None = None) -> Schedule:
     """The events of one optimizer step of ``accum`` micro-steps (all but the last inside
     ``zs.no_sync``), in the order the engine issues them.
 
@@ -82,6 +83,14 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Mesh
     first forward prefetches nothing and keeps no block gathered into backward; otherwise the
     steady state. ``clip``: the step clips the grad norm (``zs.clip_grad_norm_``). ``tp``: the
     blocks' tensor-parallel all-reduces, when the model is split over the mesh's tp dim.
+
+    ``pipeline_order``: the engine is one pipeline stage's (zeroshard/pipeline/runtime.py), and the
+    step is its microbatches' forwards ("F", microbatch) and backwards ("B", microbatch) in the
+    order torch's schedule runs them on its rank (zeroshard/pipeline/order.py), every one inside
+    ``no_sync`` (``accum`` is then not read: the options' accumulation says what a backward
+    reduces); the grads still unreduced are reduced once after the last (``Pipeline.reduce``). A
+    forward between two backwards (1F1B's steady state) finds the units the earlier forward kept
+    gathered still gathered, which the micro-step order never does.
     """
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {accum!r}")
@@ -89,8 +98,11 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Mesh
         raise ValueError("tp sizes were given for a mesh without a tp dim (MeshSizes.tp == 1)")
     replay = _Replay(list(units), policy=policy, mesh=mesh, options=options or EngineOptions(),
                      comm=comm or CommQuant(), forward_order=forward_order, tp=tp)
-    for micro in range(accum):
-        replay.micro_step(micro, sync=micro == accum - 1, recorded=not (first_step and micro == 0))
+    if pipeline_order is not None:
+        replay.pipeline(pipeline_order, first_step=first_step)
+    else:
+        for micro in range(accum):
+            replay.micro_step(micro, sync=micro == accum - 1, recorded=not (first_step and micro == 0))
     replay.optimizer_step(clip=clip)
     return Schedule(tuple(replay.events))
 
@@ -283,14 +295,47 @@ class _Replay:
         else:
             # The blocks' tp all-reduces, in their own order: where they fall between the buckets'
             # reductions (other groups) is not modelled at these stages.
+            self._forward_bucketed()
             self._backward_bucketed(defers)
         self._finish_backward(defers)
 
-    def _backward_bucketed(self, defers: bool) -> None:
-        """Stages 0-2: the whole forward, the loss and head, then the buckets in reduction order."""
+    def pipeline(self, order: Sequence[tuple[str, int]], *, first_step: bool) -> None:
+        """A pipeline stage's microbatches in torch's order, all inside ``no_sync``, then the one
+        reduction of what they left unreduced (``Engine.reduce_accumulated``)."""
+        defers = not self.policy.transient_grads or self.options.accumulation == "unsharded"
+        forwards = 0
+        for kind, micro in order:
+            if kind not in ("F", "B"):
+                raise ValueError(f"pipeline_order takes forwards ('F', mb) and backwards ('B', mb), got {kind!r}: a "
+                                 "split backward's input and weight halves are not modelled")
+            self.micro = micro
+            if kind == "F":
+                self.finish_reductions()  # the model's forward pre-hook
+                if self.policy.shard_params:
+                    self._forward(recorded=not (first_step and forwards == 0))
+                else:
+                    self._forward_bucketed()
+                forwards += 1
+                continue
+            self.launched, self.ready = 0, set()  # each backward reduces (or collects) every unit again
+            if self.policy.shard_params:
+                self._backward_sharded(defers)
+            else:
+                self._backward_bucketed(defers)
+            self._finish_backward(defers)
+        if defers:
+            for unit in self.units:
+                self.launch(unit)
+            self.launched = len(self.units)
+            self.reap()
+
+    def _forward_bucketed(self) -> None:
         self.compute("", FORWARD)
         if self.tp is not None:
             self.tensor_parallel(FORWARD, self.tp.per_block * self.tp.blocks)
+
+    def _backward_bucketed(self, defers: bool) -> None:
+        """Stages 0-2: the loss and head, then the buckets in reduction order (after ``_forward_bucketed``)."""
         self.compute("", BACKWARD)
         placed = all(u.blocks is not None for u in self.units)
         n = self.tp.blocks if self.tp is not None else sum(u.blocks or 0 for u in self.units)
@@ -466,11 +511,13 @@ def engine_units(engine: Engine) -> tuple[UnitSizes, ...]:
 
 
 def engine_schedule(engine: Engine, *, accum: int = 1, first_step: bool = False, clip: bool = False,
-                    tp: TensorParallelSizes | None = None) -> Schedule:
+                    tp: TensorParallelSizes | None = None,
+                    pipeline_order: Sequence[tuple[str, int]] | None = None) -> Schedule:
     """``step_schedule`` for a live sharded model's engine (``zeroshard.sharding.get_engine(model)``):
     its units, stage, options, quantized comm and mesh; the forward order it recorded, once it has.
-    ``tp``: the blocks' tensor-parallel all-reduces, which the caller sizes from its batch."""
+    ``tp``: the blocks' tensor-parallel all-reduces, which the caller sizes from its batch.
+    ``pipeline_order``: the engine is a pipeline stage's, run in that order (``step_schedule``)."""
     order = [u.name for u in engine.forward_order] or None
     return step_schedule(engine_units(engine), policy=engine.policy, mesh=MeshSizes.of(engine.mesh),
                          options=engine.options, comm=engine.comm, accum=accum, first_step=first_step,
-                         forward_order=order, clip=clip, tp=tp)
+                         forward_order=order, clip=clip, tp=tp, pipeline_order=pipeline_order)

@@ -100,6 +100,8 @@ class MeshSizes:
     world: int
     shard: int
     tp: int = 1
+    pp: int = 1
+    """Pipeline stages the job's ranks are cut into; ``world`` is then one stage's ranks."""
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.tp < 1 or self.world % self.tp or self.shard < 1 or self.dp % self.shard:
@@ -108,7 +110,7 @@ class MeshSizes:
 
     @classmethod
     def of(cls, mesh: Mesh) -> MeshSizes:
-        return cls(world=mesh.stage_world, shard=mesh.shard_size, tp=mesh.tp_size)  # one pipeline stage's ranks
+        return cls(world=mesh.stage_world, shard=mesh.shard_size, tp=mesh.tp_size, pp=mesh.pp_size)
 
     @property
     def dp(self) -> int:
@@ -121,7 +123,7 @@ class MeshSizes:
     @property
     def dp_group(self) -> str:
         """The group spanning the data-parallel ranks, as the mesh names it (``Mesh.dp_name``)."""
-        return "world" if self.tp == 1 else "dp"
+        return "world" if self.tp == 1 and self.pp == 1 else "dp"
 
     def size(self, group: str) -> int:
         return {"world": self.world, "shard": self.shard, "replicate": self.replicate, "tp": self.tp,
