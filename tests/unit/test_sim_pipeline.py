@@ -113,3 +113,26 @@ def test_a_stages_data_parallel_ranks_share_the_cores_with_their_pipeline():
     assert [r.schedule_s for r in enough.ranks] == pytest.approx([r.schedule_s for r in own.ranks])
     assert all(s.schedule_s > e.schedule_s for s, e in zip(shared.ranks, enough.ranks))
 
+
+
+def test_zero3_gathers_per_action_are_the_stage_engines_step_schedule_in_torchs_order():
+    """At pp 2, 1F1B, m 2, two blocks a stage: the first rank runs F0 F1 B0 B1, so its second
+    forward finds the last block still kept from the first (one gather), B0 prefetches one block
+    and B1, after B0 freed everything, gathers both; the last rank alternates F B F B, as a
+    micro-step does. The replay's stage 3 step then waits less on rank 0's second forward."""
+    from zeroshard.sim.pipeline import _block_gathers
+
+    w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
+    layout = Layout(world=2, stage=3)
+    order = schedule_order("1f1b", pp=2, stages_per_rank=1, microbatches=2)
+    assert _block_gathers(w, layout, order, 2, 2) == {
+        ("F", 0, 0): 2, ("F", 0, 1): 1, ("B", 0, 0): 1, ("B", 0, 1): 2,
+        ("F", 1, 0): 2, ("B", 1, 0): 1, ("F", 1, 1): 2, ("B", 1, 1): 1}
+    # Gathers slow a slow link's step, and stage 2 gathers nothing.
+    slow = load_hardware("h100")
+    import dataclasses as dc
+
+    slow = dc.replace(slow, intra_bandwidth=slow.intra_bandwidth / 1000, inter_bandwidth=slow.inter_bandwidth / 1000)
+    zero3 = simulate_pipeline(w, slow, layout, pp=2, microbatches=2)
+    zero2 = simulate_pipeline(w, slow, Layout(world=2, stage=2), pp=2, microbatches=2)
+    assert zero3.step_s > zero2.step_s

@@ -8,8 +8,12 @@ its blocks' times (the unit times of zeroshard/sim/step.py, per microbatch); a z
 schedule's input half waits like a backward, its weight half for its own input half, each taking
 half the backward (the first stage: none, and all of it); the last stage also
 runs the head and the loss (the root; the embedding lookup of the first stage is left out). At
-ZeRO-3 every block is gathered again in each microbatch's forward and backward: the first block's
-gather is waited for, the others' hidden behind the block before them when shorter.
+ZeRO-3 the blocks an action gathers are the ones the stage engine's step schedule gathers in it,
+walked in torch's order (``step_schedule``'s ``pipeline_order``: a forward that comes before the
+previous microbatch's backward finds the block forward kept still gathered): the first of them
+is waited for, the others hidden behind the block before them when shorter. A zero-bubble
+schedule's halves each gather every block of the stage at once (``Engine.gather_for_split_backward``),
+and its forwards every block.
 
 After its last action a rank does what ``Pipeline.reduce`` and the step do: the tied embedding's
 grad all-reduced over the first and last stage, one reduction of its stages' grads over the
@@ -140,13 +144,16 @@ class _StageTimes:
     """Input or weight half of a stage's split backward: half of its compute (the two matmuls of
     every linear layer), and at ZeRO-3 the stage's blocks gathered at once before each half
     (nothing hides them: ``Engine.gather_for_split_backward``)."""
+    gathers: dict[tuple[str, int, int], float] = dataclasses.field(default_factory=dict)
+    """Seconds an F or B action (kind, stage, microbatch) waits on its gathers, on top of ``fwd`` / ``bwd``."""
 
     def seconds(self, action) -> float:
         kind, stage = action.kind, action.stage
+        exposed = self.gathers.get((kind, stage, action.microbatch), 0.0)
         if kind == "F":
-            return self.fwd[stage]
+            return self.fwd[stage] + exposed
         if kind == "B":
-            return self.bwd[stage]
+            return self.bwd[stage] + exposed
         if stage == 0:  # nothing upstream needs the first stage's input grads: its W is the whole backward
             return 0.0 if kind == "I" else self.bwd[stage]
         return self.half[stage]
@@ -189,23 +196,29 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
         group = layout.shard_group
         full = s.block_params / layout.tp * layout.param_bytes
         gather = collective_seconds("all_gather", full, group, hw, world=world)
-    def exposed(block_s: float) -> float:
-        return gather + (blocks - 1) * max(0.0, gather - block_s) if gather else 0.0
+    def exposed(n: int, block_s: float) -> float:
+        """``n`` block gathers in a row: the first waited for, each later one behind the block before it."""
+        return gather + (n - 1) * max(0.0, gather - block_s) if gather and n else 0.0
 
-    fwd = [blocks * d.block_fwd + exposed(d.block_fwd) + (d.root_fwd if i == n_stages - 1 else 0.0)
+    order = schedule_order(spec, pp=pp, stages_per_rank=stages_per_rank, microbatches=m)
+    gathered: dict[tuple[str, int, int], int] = {}
+    if gather and not spec.split_backward:
+        gathered = _block_gathers(w, layout, order, blocks, pp)
+    # Without a count from the schedule (a split backward's stages) every block is gathered per forward.
+    fwd_gathers = 0 if gathered else blocks
+    fwd = [blocks * d.block_fwd + exposed(fwd_gathers, d.block_fwd) + (d.root_fwd if i == n_stages - 1 else 0.0)
            for i in range(n_stages)]
-    bwd = [blocks * d.block_bwd + exposed(d.block_bwd) + (d.root_bwd if i == n_stages - 1 else 0.0)
-           for i in range(n_stages)]
+    bwd = [blocks * d.block_bwd + (d.root_bwd if i == n_stages - 1 else 0.0) for i in range(n_stages)]
     half = [(blocks * d.block_bwd + (d.root_bwd if i == n_stages - 1 else 0.0)) / 2 + blocks * gather
             for i in range(n_stages)]
+    waits = {key: exposed(n, d.block_fwd if key[0] == "F" else d.block_bwd) for key, n in gathered.items()}
     # Consecutive stages are world / pp ranks apart: on two nodes once a stage fills a node.
     alpha, bandwidth = link(hw, 2, spans=layout.world >= hw.gpus_per_node)
     p2p = alpha + w.tokens * s.hidden * w.compute_bytes / bandwidth
-    order = schedule_order(spec, pp=pp, stages_per_rank=stages_per_rank, microbatches=m)
     # The replay walks one pipeline; the stage's other data-parallel (and tp) ranks run the same
     # actions at the same moments in pipelines of their own, so on shared processors one pipeline
     # has cores / (ranks per stage) of them.
-    walked = _replay(order, _StageTimes(fwd, bwd, half), p2p, None if cores is None else cores / layout.world)
+    walked = _replay(order, _StageTimes(fwd, bwd, half, waits), p2p, None if cores is None else cores / layout.world)
     span = max(end for end, _ in walked.values())
     ranks = []
     for r, (end, busy) in walked.items():
@@ -215,6 +228,31 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
     tokens = w.tokens * m / layout.tp  # each stage's dp ranks share the global batch; a rank sees its slice
     return PipelineTime(step_s=step, ranks=tuple(ranks), p2p_s=p2p, stage_forward_s=tuple(fwd),
                         stage_backward_s=tuple(bwd), tokens_per_s_per_gpu=tokens / pp / step)
+
+
+def _block_gathers(w: Workload, layout: Layout, order: dict[int, list], blocks: int,
+                   pp: int) -> dict[tuple[str, int, int], int]:
+    """(kind, stage, microbatch) -> the blocks that forward or backward all-gathers: each stage's
+    step schedule over its ``blocks`` blocks, walked in its rank's order of torch's schedule."""
+    from zeroshard.pipeline.order import stage_order
+    from zeroshard.sharding.schedule import step_schedule
+    from zeroshard.sharding.schedule_events import BACKWARD, FORWARD, MeshSizes
+    from zeroshard.sim.replay import replay_options, schedule_units
+
+    stage_w = dataclasses.replace(w, shape=dataclasses.replace(w.shape, n_layer=blocks))
+    units = schedule_units(stage_w, layout).units
+    mesh = MeshSizes(world=layout.world, shard=layout.shard_group, tp=layout.tp, pp=pp)
+    out: dict[tuple[str, int, int], int] = {}
+    for actions in order.values():
+        for stage in sorted({a.stage for a in actions}):
+            schedule = step_schedule(units, policy=layout.policy, mesh=mesh, options=replay_options(stage_w, layout),
+                                     pipeline_order=stage_order(actions, stage))
+            for e in schedule.collectives:
+                if e.op == "all_gather" and e.phase in (FORWARD, BACKWARD) and e.unit.startswith("blocks.") \
+                        and not e.mesh:  # the dense part of a block; its experts are their own group
+                    key = ("F" if e.phase == FORWARD else "B", stage, e.micro)
+                    out[key] = out.get(key, 0) + 1
+    return out
 
 
 def _tail(w: Workload, hw: Hardware, layout: Layout, blocks: int, pp_rank: int, pp: int, world: int) -> float:
