@@ -43,8 +43,9 @@ pretrained folder's weights are read shard by shard without a tp split (zeroshar
 PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
 (zeroshard/pipeline/families.py); a pretrained folder of one of PP_FOLDER_TYPES too."""
-PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""``model_type`` of the pretrained folders `pp` > 1 cuts: dense decoders whose blocks are model.layers."""
+PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""``model_type`` of the pretrained folders `pp` > 1 cuts: decoders whose blocks are model.layers, dense
+or MoE (their experts split over ep inside each stage with `ep` > 1)."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 WARMUP_SHAPES = ("linear", "log")
@@ -147,8 +148,9 @@ class TrainConfig:
     """Pipeline parallelism: cut the model's blocks into this many stages, one per group of nproc/pp
     consecutive ranks, ZeRO (at `stage`) inside each stage over its ranks; torch's own schedules run
     them (docs/pipeline.md). Needs zeroshard's GPT, hf:llama-tiny or a pretrained folder of a Llama,
-    Mistral, Qwen2 or Qwen3 decoder; composes with tp (nproc = pp x data-parallel x tp). 1 is no
-    pipeline."""
+    Mistral, Qwen2 or Qwen3 decoder, or of a Mixtral, Qwen2-MoE or Qwen3-MoE one; composes with tp
+    (nproc = pp x data-parallel x tp) and with ep (each stage's experts split over ep of its ranks).
+    1 is no pipeline."""
 
     pp_schedule: str = "1f1b"
     """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or
@@ -366,6 +368,11 @@ class TrainConfig:
             if kind not in PP_FOLDER_TYPES or not isinstance(layers, int):
                 raise ValueError(f"the {kind!r} model in {self.model} cannot be cut into pipeline stages; use pp=1, "
                                  f"or a folder of one of {', '.join(PP_FOLDER_TYPES)}")
+            if hf.get("output_router_logits") and hf.get("router_aux_loss_coef"):
+                # (zeroshard/pipeline/families.py refuses the built model the same way)
+                raise ValueError(f"the {kind} model in {self.model} asks for its routers' load-balancing loss "
+                                 "(output_router_logits), one term over every layer's tokens that no pipeline stage "
+                                 "holds; set output_router_logits to false in its config.json or use pp=1")
             return layers
         if self.model not in PP_MODEL_NAMES:
             raise ValueError(f"model={self.model!r} cannot be cut into pipeline stages; use pp=1, one of "

@@ -310,7 +310,29 @@ def _errors(mesh) -> dict[str, str]:
     return out
 
 
-def suite() -> dict:
+MOE_FOLDER_STEPS = 3
+
+
+def write_moe_folder(root) -> str:
+    """A random tiny Mixtral (4 layers, 4 experts) written by save_pretrained in many files."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=32, vocab_size=96)
+    torch.manual_seed(0)
+    folder = f"{root}/mixtral"
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="20KB")
+    return folder
+
+
+def moe_folder_config(folder: str) -> TrainConfig:
+    """What `zeroshard train --model FOLDER --nproc 4 --pp 2 --ep 2 --stage 3` runs, for 3 steps."""
+    return TrainConfig(model=folder, nproc=WORLD, pp=2, ep=2, stage=3, microbatches=2, batch=8, seq_len=16,
+                       steps=MOE_FOLDER_STEPS, num_samples=64, dropout=False, profile=False)
+
+
+def suite(moe_folder: str | None = None) -> dict:
     mesh = zs.init(pp=2)
     out: dict[str, Any] = {"mesh": {"pp": mesh.pp_size, "shard": mesh.shard_size, "dp": mesh.dp_size,
                                     "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "shard_rank": mesh.shard_rank}}
@@ -373,6 +395,10 @@ def suite() -> dict:
         t0 = time.perf_counter()
         out[("ep",) + case] = _ep_train(*case, ppep)
         times[("ep",) + case] = time.perf_counter() - t0
+    if moe_folder is not None:  # a save_pretrained Mixtral, each stage reading its own experts' block
+        t0 = time.perf_counter()
+        out["ep-folder"] = _train(moe_folder_config(moe_folder), ppep)
+        times["ep-folder"] = time.perf_counter() - t0
     out["fp16"] = _fp16_overflow(mesh)
     out["errors"] = _errors(mesh)
     out["times"] = times

@@ -17,8 +17,13 @@ pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spaw
 
 
 @pytest.fixture(scope="module")
-def suite():
-    return spawn(w.suite, w.WORLD, timeout_s=900)
+def moe_folder(tmp_path_factory) -> str:
+    return w.write_moe_folder(tmp_path_factory.mktemp("pp-moe"))
+
+
+@pytest.fixture(scope="module")
+def suite(moe_folder):
+    return spawn(w.suite, w.WORLD, args=(moe_folder,), timeout_s=900)
 
 
 @pytest.fixture(scope="module")
@@ -458,3 +463,15 @@ def test_tiny_moe_load_balancing_loss_is_in_the_pipelines_loss(suite, ep_referen
           f"{max(abs(a - b) for a, b in zip(got, with_aux)):.1e} from the reference with it")
     assert min(gaps) > 1e-2
     assert max(abs(a - b) for a, b in zip(got, with_aux)) <= 1e-5
+
+
+def test_a_mixtral_folder_trains_at_pp_2_x_ep_2_like_one_process(suite, moe_folder):
+    """A save_pretrained Mixtral folder at pp 2 x ep 2 stage 3: built on meta, each stage reads its
+    blocks and its ep block of their experts; 3 steps then match one process."""
+    got = suite[0]["ep-folder"]
+    ref = reference_train(w.moe_folder_config(moe_folder))
+    diff, loss = _max_diff(got["params"], ref["params"]), max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    print(f"mixtral folder pp 2 x ep 2 stage 3, {w.MOE_FOLDER_STEPS} steps: max abs param diff vs one process "
+          f"{diff:.2e}, losses {loss:.2e} ({suite[0]['times']['ep-folder']:.1f} s)")
+    assert diff <= 1e-5 and loss <= 1e-5
+    assert all(s["ledger"] == s["routed"] > 0 for r in suite for s in r["ep-folder"]["a2a"])

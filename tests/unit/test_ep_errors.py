@@ -104,3 +104,19 @@ def test_ep_is_a_flag_and_a_toml_key(tmp_path):
     assert TrainConfig(model="tiny-moe", nproc=4, tp=2, ep=4, batch=8).ep == 4
     path.write_text('model = "tiny-moe"\nnproc = 4\nep = 2\npp = 2\nstage = 3\n')  # ep inside each pp stage
     assert (config_from_sources(path, {}).ep, config_from_sources(path, {}).pp) == (2, 2)
+
+
+def test_pp_takes_moe_folders_but_refuses_their_router_logits_loss_in_one_line(tmp_path):
+    """A Mixtral / Qwen-MoE folder is cut into stages (its experts split over ep inside each); one whose
+    config asks for transformers' load-balancing loss is refused before launch: that loss is one term
+    over every layer's tokens, which no stage holds."""
+    import json
+
+    config = {"model_type": "mixtral", "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert TrainConfig(model=str(tmp_path), nproc=4, pp=2, ep=2, batch=8).pp == 2
+    (tmp_path / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                      "router_aux_loss_coef": 0.02}))
+    with pytest.raises(ValueError, match="asks for its routers' load-balancing loss") as err:
+        TrainConfig(model=str(tmp_path), nproc=4, pp=2, ep=2, batch=8)
+    assert "\n" not in str(err.value) and "output_router_logits to false" in str(err.value)
