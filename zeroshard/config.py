@@ -339,9 +339,9 @@ class TrainConfig:
         if layers % (self.pp * per_rank):
             raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
                              f"{self.model}; pick pp x pp_stages_per_rank dividing {layers}")
-        if self.init == "meta" and (self.tp > 1 or self.model.startswith(HF_PREFIX)):
-            raise ValueError("init=meta under pp > 1 is not yet composed with tp or a Hugging Face model; use "
-                             "init=full (or auto), or tp=1 with a GPT preset")
+        if self.init == "meta" and self.model.startswith(HF_PREFIX):
+            raise ValueError("init=meta under pp > 1 is not yet composed with a Hugging Face preset; use init=full "
+                             "(or auto), a GPT preset, or a save_pretrained folder (read on meta stage by stage)")
         refused = {"check_schedule": self.engine.check_schedule}
         for name, on in refused.items():
             if on:

@@ -266,9 +266,10 @@ def replay_into(model: nn.Module, engines: list[Engine], init_fn: Callable[[nn.M
         target.sinks.append((group, index))
     if draw_rest:
         for fqn, param in named.items():
-            if param.is_meta and not is_dtensor(param):
-                if id(param) not in whole and expert_init.rows_kept(param) is not None:
-                    # Another stage's split experts: drawn at the stacked shape, as a plain build draws them.
+            if param.is_meta and id(param) not in whole:
+                if expert_init.rows_kept(param) is not None or is_dtensor(param):
+                    # Another stage's split experts (at the stacked shape) or tensor-parallel param
+                    # (at its full shape): drawn whole, as a plain build draws them, then dropped.
                     param = _whole_meta(param)
                     prefix, _, attr = fqn.rpartition(".")
                     model.get_submodule(prefix)._parameters[attr] = param  # noqa: SLF001 (as below)

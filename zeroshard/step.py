@@ -232,8 +232,8 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     dataset = build_data(cfg) if dataset is None else dataset
     # On the meta device (init="meta", or "auto" above the threshold; a pretrained folder always) each
     # rank keeps only its stages' values (Pipeline, zeroshard/materialize.py; a folder's are read stage
-    # by stage below); not yet with tp or an hf: model.
-    allow_meta = cfg.tp == 1 and not cfg.model.startswith(HF_PREFIX)
+    # by stage below); not yet with an hf: preset, nor a folder with tp (read whole, then cut).
+    allow_meta = not cfg.model.startswith(HF_PREFIX) and (cfg.tp == 1 or not adapter.is_hf_name(cfg.model))
     model = build_model(cfg, dataset.vocab_size, mesh.device, allow_meta=allow_meta) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks on the stage's tp dim, then cut

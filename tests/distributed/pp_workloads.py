@@ -224,17 +224,21 @@ def _fp16_overflow(mesh) -> dict:
     return {"scales": scales, "skipped": skipped, "moved": moved}
 
 
-def _meta_init(mesh) -> dict:
+def _meta_init(mesh, tp: int = 1) -> dict:
     """init="meta" under pp at stage 3: the whole model built on meta, this rank's stage cut and only
     its shards materialised. Against a plain seeded build cut the same way, bitwise; the params outside
-    the stage are never given storage, and the replay holds at most one full param at a time."""
+    the stage are never given storage, and the replay holds at most one full param at a time. With
+    ``tp`` the model is split over the mesh's tp dim first: every tp param, this stage's and the
+    others', is drawn at its full shape, as the plain build draws it, and this rank keeps its part."""
     from zeroshard.pipeline import Pipeline
     from zeroshard.sharding.state import full_state_dict
+    from zeroshard.tp_setup import apply_tensor_parallel
 
-    cfg = config("gpt", 3, init="meta")
+    cfg = config("gpt", 3, init="meta", tp=tp)
     vocab = step_mod.build_data(cfg).vocab_size
     model = step_mod.build_model(cfg, vocab, mesh.device)
     built_on_meta = all(p.is_meta for p in model.parameters())
+    apply_tensor_parallel(cfg, model, mesh)
     pipe = Pipeline(model, mesh=mesh, stage=3, microbatches=2)
     kept = {n for m in pipe.modules for n, _ in m.named_parameters()}
     outside = {n: p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in kept}
@@ -384,6 +388,10 @@ def suite(moe_folder: str | None = None) -> dict:
         out[key]["graphs"] = counters["stats"]["unique_graphs"]
         times[key] = time.perf_counter() - t0
     out["meta-init"] = _meta_init(mesh)
+    out["meta-init-tp"] = _meta_init(pptp, tp=2)
+    t0 = time.perf_counter()
+    out["meta-init-train-tp"] = _train(config("gpt", 3, init="meta", tp=2), pptp)
+    times["meta-init-train-tp"] = time.perf_counter() - t0
     out["pretrained-folder"] = _pretrained_folder(mesh)
     t0 = time.perf_counter()
     out["meta-init-train"] = _train(config("gpt", 3, init="meta"), mesh)

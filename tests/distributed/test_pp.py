@@ -252,11 +252,12 @@ def test_refused_layouts_are_one_line(suite):
     assert all("\n" not in e for e in errors.values())
 
 
-def test_meta_init_keeps_only_the_stage_and_matches_a_plain_build_bitwise(suite):
-    """init="meta" at pp 2 x shard 2 stage 3: each rank's stage (the tied head's copy included) is
-    bitwise a plain seeded build's, and the params of the other stage never got storage."""
+@pytest.mark.parametrize("key", ["meta-init", "meta-init-tp"])
+def test_meta_init_keeps_only_the_stage_and_matches_a_plain_build_bitwise(suite, key):
+    """init="meta" at pp 2 x shard 2 (and pp 2 x tp 2) stage 3: each rank's stage (the tied head's
+    copy included) is bitwise a plain seeded build's, and the params of the other stage never got storage."""
     for rank, got in enumerate(suite):
-        meta = got["meta-init"]
+        meta = got[key]
         assert meta["built_on_meta"] and meta["init_path"] == "meta"
         assert meta["mismatched"] == [] and set(meta["compared"]) == set(meta["kept"])
         assert meta["outside_meta"] and all(meta["outside_meta"].values())
@@ -265,14 +266,15 @@ def test_meta_init_keeps_only_the_stage_and_matches_a_plain_build_bitwise(suite)
         assert 0 < meta["peak_temp_bytes"] <= meta["largest_param_bytes"]
         print(f"rank {rank}: {len(meta['compared'])} stage params bitwise equal, {len(meta['outside_meta'])} "
               f"left on meta, replay peak {meta['peak_temp_bytes']} B")
-    assert "lm_head.weight" in suite[2]["meta-init"]["compared"]  # the last stage's tied copy
+    assert "lm_head.weight" in suite[2][key]["compared"]  # the last stage's tied copy
 
 
-def test_meta_init_trains_like_one_process(suite, references):
-    got = suite[0]["meta-init-train"]
+@pytest.mark.parametrize("key", ["meta-init-train", "meta-init-train-tp"])
+def test_meta_init_trains_like_one_process(suite, references, key):
+    got = suite[0][key]
     diff = _max_diff(got["params"], references["gpt"]["params"])
-    print(f"gpt pp 2 x shard 2 stage 3 init=meta, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} "
-          f"({suite[0]['times']['meta-init-train']:.1f} s)")
+    print(f"gpt {'pp 2 x tp 2' if key.endswith('tp') else 'pp 2 x shard 2'} stage 3 init=meta, {w.STEPS} steps: "
+          f"max abs param diff vs one process {diff:.2e} ({suite[0]['times'][key]:.1f} s)")
     assert diff <= 1e-5
 
 

@@ -27,7 +27,6 @@ from torch import nn
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Group, Phase
-from zeroshard.lazy_dtensor import is_dtensor
 from zeroshard.materialize import materialize_stages
 from zeroshard.pipeline.aux_loss import stage_aux_loss
 from zeroshard.pipeline.families import StageModule, block_names, family_of
@@ -90,9 +89,6 @@ class Pipeline:
         # A meta-device model: each stage is sharded with zeroed buffers, then the whole model's init
         # is replayed once, keeping only these stages' shards (zeroshard/materialize.py).
         meta = any(p.is_meta for p in model.parameters())
-        if meta and any(is_dtensor(p) for p in model.parameters()):
-            raise ValueError("meta-device init under pp is not composed with tp yet; build the model with values "
-                             "(init='full') or use tp=1")
         self.modules: list[StageModule] = []
         for s in self.stage_indices:
             module = StageModule(model, self.family, self.split.blocks[s], stage_index=s, num_stages=self.num_stages)
