@@ -327,15 +327,16 @@ def reference_train(cfg: TrainConfig, model: torch.nn.Module | None = None) -> d
     scheduler = make_scheduler(cfg, opt)
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=1, rank=0, seed=cfg.seed)
     losses: list[float] = []
+    norms: list[float] = []
     for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
         # Under pp each accumulation step's slice is cut into the schedule's microbatches too.
         loss = reference_backward(model, x, y, dp=cfg.nproc // cfg.tp // cfg.pp, accum=cfg.accum * cfg.pp_microbatches)
-        if cfg.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        if cfg.clip > 0:  # the global norm before clipping, as a distributed step reports it
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)))
         opt.step()
         scheduler.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "params": params, "world": 1}
+    return {"losses": losses, "params": params, "world": 1, "norms": norms}
