@@ -405,6 +405,9 @@ def suite(moe_folder: str | None = None) -> dict:
         t0 = time.perf_counter()
         out[("ep",) + case] = _ep_train(*case, ppep)
         times[("ep",) + case] = time.perf_counter() - t0
+    t0 = time.perf_counter()  # built on meta: each stage replays the init, drawing other stages' experts whole
+    out["ep-meta"] = _train(ep_config("moe", 3, init="meta"), ppep)
+    times["ep-meta"] = time.perf_counter() - t0
     # An inf in one rank's own experts (rank 0's ep block of block 0) alone: every rank skips the step.
     out["fp16-ep"] = _fp16_overflow(ppep, ep_config("moe", 2, mp="fp16", steps=3), "blocks.0.mlp.experts.fc_weight",
                                     ranks=(0,))

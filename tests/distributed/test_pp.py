@@ -492,3 +492,14 @@ def test_a_mixtral_folder_trains_at_pp_2_x_ep_2_like_one_process(suite, moe_fold
           f"{diff:.2e}, losses {loss:.2e} ({suite[0]['times']['ep-folder']:.1f} s)")
     assert diff <= 1e-5 and loss <= 1e-5
     assert all(s["ledger"] == s["routed"] > 0 for r in suite for s in r["ep-folder"]["a2a"])
+
+
+def test_meta_init_at_pp_2_x_ep_2_trains_bitwise_like_a_plain_build(suite, ep_references):
+    """init="meta" at pp 2 x ep 2 stage 3: the replay draws another stage's split experts at their
+    stacked shape, so the kept values and the 10 steps after are bitwise the plain build's run."""
+    got, plain = suite[0]["ep-meta"], suite[0][("ep", "moe", 3, "1f1b")]
+    diff = _max_diff(got["params"], ep_references["moe"]["params"])
+    print(f"tiny-moe pp 2 x ep 2 stage 3 init=meta, {w.STEPS} steps: max abs param diff vs one process {diff:.2e} "
+          f"({suite[0]['times']['ep-meta']:.1f} s)")
+    assert diff <= 1e-5
+    assert all((got["params"][k] == plain["params"][k]).all() for k in plain["params"])
