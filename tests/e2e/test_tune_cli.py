@@ -73,3 +73,22 @@ def test_tune_under_a_pipeline_measures_its_schedules_and_writes_a_pp_config(tmp
     cfg = merge_config(load_toml(tmp_path / "tuned.toml"))
     assert (cfg.pp, cfg.pp_schedule, cfg.nproc) == (2, "gpipe", 2)
     assert (cfg.stage, cfg.microbatches) == (rows[0]["stage"], rows[0]["microbatches"])
+
+
+def test_tune_searches_expert_parallel_degrees_and_writes_the_winners_ep(tmp_path: Path) -> None:
+    # One spawn of 2 gloo ranks on tiny-moe: ZeRO-3 at ep 1 and ep 2 (each on its own mesh in the spawn).
+    proc = run_cli(["tune", "--model", "tiny-moe", "--nproc", "2", "--batch", "4", "--seq-len", "16", "--steps", "1",
+                    "--rounds", "2", "--warmup", "0", "--stages", "3", "--prefetch", "1", "--reshard", "true",
+                    "--checkpointing", "none", "--ep-degrees", "1,2", "--device-mem", "1GB", "--json"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = rows_of(proc.stdout)
+    assert sorted(r["ep"] for r in rows) == [1, 2]
+    for r in rows:
+        assert r["status"] == "ok" and r["timed_steps"] == 2 and r["candidate"].endswith(f", ep {r['ep']}")
+        assert r["tokens_per_s"] * r["median_step_s"] == pytest.approx(4 * 16)
+    peak = {r["ep"]: r["measured_peak_bytes"] for r in rows}
+    predicted = {r["ep"]: r["predicted_allocated_bytes"] for r in rows}
+    # ep 2 really ran split: a rank holds (and gathers) only its two experts, measured and as the planner says.
+    assert 0 < peak[2] < peak[1] and predicted[2] < predicted[1]
+    cfg = merge_config(load_toml(tmp_path / "tuned.toml"))
+    assert (cfg.model, cfg.nproc, cfg.stage, cfg.ep) == ("tiny-moe", 2, 3, rows[0]["ep"])

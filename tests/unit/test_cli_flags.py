@@ -337,6 +337,7 @@ def _tune_table(tmp: Path, out: Path) -> dict[str, list[Entry]]:
          "--checkpointing", "none", "--bucket-mb", "25", "--prefetch", "1", "--reshard", "true", "--json",
          "--out", str(out)]
     pp = plus(b, "--pp", "2")
+    moe = swap(b, "--model", "tiny-moe")
     return {
         "--config": [(plus(b, "--config", str(toml)), b, CHANGES)],
         "--model": [(swap(b, "--model", "small"), b, CHANGES)],
@@ -375,6 +376,10 @@ def _tune_table(tmp: Path, out: Path) -> dict[str, list[Entry]]:
                            (plus(b, "--pp-schedules", "1f1b"), None, REFUSED)],
         "--microbatch-counts": [(plus(pp, "--microbatch-counts", "2,4"), pp, CHANGES),
                                 (plus(b, "--microbatch-counts", "2"), None, REFUSED)],
+        # Expert parallelism, against the same tune of tiny-moe (tiny has no experts).
+        "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(b, "--ep", "2"), None, REFUSED)],
+        "--ep-degrees": [(plus(moe, "--ep-degrees", "1,2"), moe, CHANGES),
+                         (plus(moe, "--ep-degrees", "1,4"), None, REFUSED)],  # 4 does not divide 2 ranks
     }
 
 

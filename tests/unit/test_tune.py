@@ -221,3 +221,63 @@ def test_pipeline_axes_predictions_and_refusals(capsys: pytest.CaptureFixture[st
         assert main([*quick, *extra]) == 1
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
+
+
+MOE = TrainConfig(model="tiny-moe", nproc=4, batch=4, seq_len=16)
+
+
+def test_ep_axis_predictions_come_from_the_planner_at_each_degree(tmp_path: Path) -> None:
+    from zeroshard.models import GPTConfig
+    from zeroshard.planner.api import plan
+
+    grid = candidates(axes(stages="0,3", checkpointing="none", bucket_mb="25", prefetch="1", reshard="true",
+                           ep_degrees="1,2,4"))
+    assert sorted((c.stage, c.ep) for c in grid) == [(s, e) for s in (0, 3) for e in (1, 2, 4)]
+    assert all(c.name.endswith(f", ep {c.ep}") and c.train_keys()["ep"] == c.ep for c in grid)
+    for c in grid:
+        TrainConfig(**{**MOE.to_dict(), **c.train_keys()})  # each is a config train accepts
+    predicted = predict(grid, MOE)
+    gpt = GPTConfig.named("tiny-moe", vocab_size=MOE.vocab_size, seq_len=16)  # the model train builds
+    for c in grid:  # the planner's own figure at the candidate's ep, as `plan --ep N` plans it
+        p = plan(gpt, world=4, ep=c.ep, batch=4, seq=16, device="cpu", optimizer="adamw", prefetch=1,
+                 reshard_after_forward=True, bucket_mb=25, optimizer_kwargs={"weight_decay": MOE.weight_decay,
+                                                                              "foreach": True})
+        layout = p["ddp" if c.stage == 0 else "zero3"].device
+        assert predicted[c] == Prediction(total=layout.total, allocated=layout.allocated)
+    zero3 = {c.ep: predicted[c].allocated for c in grid if c.stage == 3}
+    assert len(set(zero3.values())) == 3  # the degree changes what a rank holds
+    # A fixed --ep (no axis): every candidate at the base's ep, predicted at it.
+    fixed = candidates(axes(stages="3", checkpointing="none", prefetch="1", reshard="true"))
+    assert predict(fixed, dataclasses.replace(MOE, ep=2))[fixed[0]].allocated == zero3[2]
+    # The winner's ep reaches the file train reads.
+    row = _row(next(c for c in grid if c.ep == 2), 100.0)
+    path = tomlfile.write(tmp_path / "tuned.toml", choose.tuned_values(MOE, row))
+    assert merge_config(load_toml(path)).ep == 2
+
+
+def test_ep_refusals_are_one_line_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    from zeroshard.cli.main import main
+    from zeroshard.planner.api import plan
+
+    quick = ["tune", "--model", "tiny-moe", "--nproc", "4", "--batch", "4", "--seq-len", "16"]
+    for argv, needle in (
+            (["tune", "--model", "tiny", "--nproc", "2", "--ep", "2"], "tiny has no MoE layer"),  # as train says
+            (["tune", "--model", "tiny", "--nproc", "2", "--ep-degrees", "1,2"], "tiny has no MoE layer"),
+            ([*quick, "--ep-degrees", "1,2,8"], "ep=8 does not divide the 4 data-parallel ranks"),
+            ([*quick, "--nproc", "8", "--batch", "8", "--ep-degrees", "8"], "does not divide the 4 experts"),
+            ([*quick, "--ep-degrees", "1,x"], "'x' is not an expert-parallel degree"),
+            ([*quick, "--ep", "2", "--ep-degrees", "1,2"], "give one of them"),
+            ([*quick, "--pp", "2", "--ep", "2"], "does not count a stage's split experts")):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    # ep with tp: tune predicts it when the planner does, and refuses it in the planner's words when not.
+    try:
+        plan("tiny-moe", world=4, tp=2, ep=2, batch=4, seq=16, device="cpu")
+    except ValueError as e:
+        assert main([*quick, "--tp", "2", "--ep", "2"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert str(e) in err and len(err.splitlines()) == 1, err
+    else:
+        grid = candidates(axes(stages="3", checkpointing="none", prefetch="1", reshard="true"))
+        assert predict(grid, dataclasses.replace(MOE, tp=2, ep=2))[grid[0]].total > 0

@@ -2,6 +2,7 @@
 
   zeroshard tune --model small --nproc 2 --batch 8 --seq-len 128 --device-mem 2GB
   zeroshard tune --config run.toml --stages 2,3 --prefetch 1,2 --checkpointing none,sqrt --out tuned.toml
+  zeroshard tune --model tiny-moe --nproc 4 --ep-degrees 1,2,4 --stages 2,3
   zeroshard train --config tuned.toml
 
 The planner first drops every candidate whose predicted per-rank memory exceeds --device-mem; the
@@ -26,9 +27,11 @@ from zeroshard.models.targets import is_module_spec
 from zeroshard.tune.grid import DEFAULT_AXES
 
 WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
-                  "weight_decay", "clip", "accumulation", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank")
+                  "weight_decay", "clip", "accumulation", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank",
+                  "ep")
 """TrainConfig fields tune takes as flags: what shapes a step's cost. Others come from --config. `tp` is
-fixed for the search (every candidate runs at it), not searched: it decides which model fits at all."""
+fixed for the search (every candidate runs at it), not searched: it decides which model fits at all.
+`ep` is fixed too, or searched by --ep-degrees."""
 
 
 def _mb(n: int | None) -> str:
@@ -37,7 +40,8 @@ def _mb(n: int | None) -> str:
 
 def _knobs(r: dict) -> str:
     pipe = "".join([f", {r['pp_schedule']}" if r.get("pp_schedule") else "",
-                    f", {r['microbatches']} microbatches" if r.get("microbatches") else ""])
+                    f", {r['microbatches']} microbatches" if r.get("microbatches") else "",
+                    f", ep {r['ep']}" if r.get("ep") else ""])
     if r["stage"] == 3:
         return f"prefetch {r['prefetch']}, {'reshard' if r['reshard_after_forward'] else 'no reshard'}{pipe}"
     return f"bucket {r['bucket_mb']:g} MB{pipe}"
@@ -110,6 +114,25 @@ def _checkpointing_axis(args: argparse.Namespace, base: Any) -> str:
     return "none" if split and args.grid_checkpointing == DEFAULT_AXES["checkpointing"] else args.grid_checkpointing
 
 
+def _ep_axis(args: argparse.Namespace, base: Any) -> str | None:
+    """--ep-degrees, each degree checked as `zeroshard train` checks its --ep before launch (the
+    ranks it divides, a model with MoE layers whose experts it divides): a degree train would refuse
+    is refused here in one line, naming it."""
+    from zeroshard.tune.grid import parse_axes
+
+    if args.ep_degrees is None:
+        return None
+    if args.ep is not None:
+        raise ValueError("--ep fixes the expert-parallel degree and --ep-degrees searches it; give one of them")
+    degrees = parse_axes(**DEFAULT_AXES, ep_degrees=args.ep_degrees).ep
+    for ep in degrees:
+        try:
+            check_before_launch(dataclasses.replace(base, ep=ep))
+        except ValueError as e:
+            raise ValueError(f"--ep-degrees {args.ep_degrees}: {one_line(e)} (drop {ep} from --ep-degrees)") from None
+    return args.ep_degrees
+
+
 def run(args: argparse.Namespace) -> int:
     from zeroshard.launch import WorkerError
     from zeroshard.planner.spec import parse_bytes
@@ -126,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         axes = parse_axes(stages=args.stages, prefetch=args.grid_prefetch, bucket_mb=args.grid_bucket_mb,
                           checkpointing=_checkpointing_axis(args, base), reshard=args.reshard,
                           comm_quant=args.grid_comm_quant, pp_schedules=args.pp_schedules,
-                          microbatches=args.microbatch_counts)
+                          microbatches=args.microbatch_counts, ep_degrees=_ep_axis(args, base))
         budget = parse_bytes(args.device_mem) if args.device_mem else None
         # Built now so that a bad --steps/--rounds/--warmup fails before any planning.
         spec = MeasureSpec(base=base, candidates=(), steps=args.tune_steps, rounds=args.rounds,
@@ -173,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(row), flush=True)
     else:
         ranks = f"{base.nproc} ranks" + (f" (tp {base.tp})" if base.tp > 1 else "") + (
-            f" in pp {base.pp}" if base.pp > 1 else "")
+            f" in pp {base.pp}" if base.pp > 1 else "") + (f", ep {base.ep}" if base.ep > 1 else "")
         console.print(ranking_table(ranked, f"zeroshard tune: {base.model}, {ranks}, global batch "
                                             f"{base.batch} x {base.seq_len}, {base.mp}; useful tokens/s"))
     for r in ranked:
@@ -212,6 +235,9 @@ def add_parser(sub: Any) -> None:
                       help="under --pp, torch's schedules to search, e.g. 1f1b,gpipe (default: --pp-schedule's)")
     grid.add_argument("--microbatch-counts", metavar="LIST",
                       help="under --pp, microbatches per schedule run to search, e.g. 2,4 (default: --microbatches')")
+    grid.add_argument("--ep-degrees", metavar="LIST",
+                      help="for an MoE model, expert-parallel degrees to search, e.g. 1,2,4 (each one train's --ep "
+                           "accepts; default: --ep's)")
     m = p.add_argument_group("measurement")
     m.add_argument("--device-mem", metavar="SIZE",
                    help="per-rank memory budget (2GB, 512MB, 24GiB); the planner prunes what would not fit")

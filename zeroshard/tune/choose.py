@@ -40,7 +40,7 @@ def tuned_values(base: TrainConfig, winner: dict) -> dict[str, Any]:
     (plus the workload), so the file reads as the decisions rather than a dump of every field."""
     # Every key a candidate sets (Candidate.train_keys), so the file runs what was measured.
     keys = {k: winner[k] for k in ("stage", "checkpointing", "bucket_mb", "prefetch", "reshard_after_forward",
-                                   "comm_quant", "pp_schedule", "microbatches") if k in winner}
+                                   "comm_quant", "pp_schedule", "microbatches", "ep") if k in winner}
     cfg = dataclasses.replace(base, **keys)  # validates the result before anything is written
     defaults = TrainConfig().to_dict()
     values = cfg.to_dict()
@@ -51,7 +51,8 @@ def header(winner: dict, ranked: list[dict], base: TrainConfig, budget: int | No
     ok = [r for r in ranked if r["status"] == "ok"]
     lines = [f"written by zeroshard tune: {winner['candidate']} won at {winner['tokens_per_s']:,.0f} useful tokens/s "
              f"(median step {winner['median_step_s'] * 1e3:.1f} ms)",
-             f"workload: {base.model}, {base.nproc} ranks, tp {base.tp}, global batch {base.batch} x {base.seq_len}, "
+             f"workload: {base.model}, {base.nproc} ranks, tp {base.tp}{f', ep {base.ep}' if base.ep > 1 else ''}, "
+             f"global batch {base.batch} x {base.seq_len}, "
              f"{base.mp}, accum {base.accum}",
              f"{len(ok)} measured, {sum(r['status'] == 'failed' for r in ranked)} failed, "
              f"{sum(r['status'] == 'pruned' for r in ranked)} pruned"

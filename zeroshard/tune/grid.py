@@ -1,5 +1,5 @@
 """The candidates `zeroshard tune` tries: stage x prefetch x reshard x bucket size x checkpointing
-x quantized communication.
+x quantized communication (x schedule x microbatches under a pipeline, x ep for an MoE model).
 
 Each knob only enters the grid where the runtime reads it, as the runtime says: ``StagePolicy.reads``
 for the engine's knobs (prefetch and reshard_after_forward at stage 3, bucket_mb at stages 0-2),
@@ -22,7 +22,7 @@ T = TypeVar("T")
 DEFAULT_AXES = {"stages": "0,1,2,3", "prefetch": "1,2", "bucket_mb": "5,25", "checkpointing": "none,sqrt",
                 "reshard": "true,false", "comm_quant": "none"}
 _EXAMPLES = {"--" + axis.replace("_", "-"): text for axis, text in DEFAULT_AXES.items()} | {
-    "--pp-schedules": "1f1b,gpipe", "--microbatch-counts": "2,4,8"}
+    "--pp-schedules": "1f1b,gpipe", "--microbatch-counts": "2,4,8", "--ep-degrees": "1,2,4"}
 LAYOUT = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 """The planner's name for each stage's layout."""
 
@@ -43,6 +43,8 @@ class Candidate:
     """Under a pipeline (pp > 1), torch's schedule; None keeps the base config's."""
     microbatches: int | None = None
     """Under a pipeline, microbatches per schedule run; None keeps the base config's."""
+    ep: int | None = None
+    """Expert parallelism's degree (TrainConfig.ep) where --ep-degrees searches it; None keeps the base config's."""
 
     @property
     def name(self) -> str:
@@ -56,14 +58,16 @@ class Candidate:
         comm = "" if self.comm_quant == "none" else f", comm {self.comm_quant}"
         pipe = "".join([f", {self.pp_schedule}" if self.pp_schedule else "",
                         f", {self.microbatches} microbatches" if self.microbatches else ""])
-        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}{pipe}"
+        ep = "" if self.ep is None else f", ep {self.ep}"
+        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}{pipe}{ep}"
 
     def train_keys(self) -> dict[str, Any]:
         """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
         keys: dict[str, Any] = {"stage": self.stage, "checkpointing": self.checkpointing,
                                 "comm_quant": self.comm_quant}
         searched = {"prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
-                    "bucket_mb": self.bucket_mb, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches}
+                    "bucket_mb": self.bucket_mb, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
+                    "ep": self.ep}
         keys.update({knob: value for knob, value in searched.items() if value is not None})
         return keys
 
@@ -79,6 +83,8 @@ class Axes:
     pp_schedules: tuple[str | None, ...] = (None,)
     """Searched only under a pipeline; (None,): the base config's schedule."""
     microbatches: tuple[int | None, ...] = (None,)
+    ep: tuple[int | None, ...] = (None,)
+    """Expert-parallel degrees; (None,): the base config's ep."""
 
 
 def _split(flag: str, text: str, convert: Callable[[str], T]) -> tuple[T, ...]:
@@ -152,6 +158,12 @@ def _count(part: str) -> int:
     return int(part)
 
 
+def _degree(part: str) -> int:
+    if not part.isdigit() or int(part) < 1:
+        raise ValueError(f"--ep-degrees: {part!r} is not an expert-parallel degree; e.g. 1,2,4 (1 is no ep)")
+    return int(part)
+
+
 def _schedule_takes(schedule: str | None, checkpointing: str) -> bool:
     """Whether the runtime runs ``checkpointing`` under ``schedule`` (None: the base config's, checked
     when the candidate is planned)."""
@@ -168,9 +180,10 @@ def _schedule_takes(schedule: str | None, checkpointing: str) -> bool:
 
 def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str,
                comm_quant: str = "none", pp_schedules: str | None = None,
-               microbatches: str | None = None) -> Axes:
+               microbatches: str | None = None, ep_degrees: str | None = None) -> Axes:
     """Comma-separated flag values to typed axes; a bad value raises ValueError naming its flag."""
-    return Axes(pp_schedules=_split("--pp-schedules", pp_schedules, _schedule) if pp_schedules else (None,),
+    return Axes(ep=_split("--ep-degrees", ep_degrees, _degree) if ep_degrees else (None,),
+                pp_schedules=_split("--pp-schedules", pp_schedules, _schedule) if pp_schedules else (None,),
                 microbatches=_split("--microbatch-counts", microbatches, _count) if microbatches else (None,),
                 stages=_split("--stages", stages, _stage),
                 prefetch=_split("--prefetch", prefetch, _knob("--prefetch", "prefetch")),
@@ -192,8 +205,8 @@ def candidates(axes: Axes) -> list[Candidate]:
 
         comms = [q for q in axes.comm_quant if comm_quant_applies(q, stage)]
         out += [Candidate(stage=stage, checkpointing=ckpt, comm_quant=comm, prefetch=p, reshard_after_forward=r,
-                          bucket_mb=b, pp_schedule=sched, microbatches=m)
-                for sched in axes.pp_schedules for m in axes.microbatches
+                          bucket_mb=b, pp_schedule=sched, microbatches=m, ep=ep)
+                for ep in axes.ep for sched in axes.pp_schedules for m in axes.microbatches
                 for ckpt in axes.checkpointing if _schedule_takes(sched, ckpt) for comm in comms
                 for p in values("prefetch", axes.prefetch)
                 for r in values("reshard_after_forward", axes.reshard)

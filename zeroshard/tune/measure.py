@@ -151,6 +151,18 @@ def _timed(built: _Built, x, y, steps: int, device: Any) -> list[float]:
 # --------------------------------------------------------------------------- every candidate, on one rank
 
 
+def _expert_meshes(spec: MeasureSpec, default: Any) -> dict[int, Any]:
+    """A mesh for every ep degree the candidates run at: the default one (at the base config's ep)
+    and, for each other degree, a ``zs.new_mesh`` over the same ranks with that ep dim, so one spawn
+    measures every degree. Built on every rank in the same order (new_mesh is collective)."""
+    import zeroshard as zs
+
+    meshes = {spec.base.ep: default}
+    for ep in sorted({c.ep for c in spec.candidates if c.ep is not None} - {spec.base.ep}):
+        meshes[ep] = zs.new_mesh(name=f"tune_ep{ep}", tp=spec.base.tp, pp=spec.base.pp, ep=ep)
+    return meshes
+
+
 def rank_main(spec: MeasureSpec) -> list[dict]:
     """Spawn target. Returns, per candidate in spec order, this rank's times, peak and error."""
     import torch
@@ -159,7 +171,8 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
     from zeroshard.comm.collectives import all_gather_object
 
     base = spec.base
-    mesh = zs.init(timeout_s=base.hang_timeout_s, tp=base.tp, pp=base.pp)
+    mesh = zs.init(timeout_s=base.hang_timeout_s, tp=base.tp, pp=base.pp, ep=base.ep)
+    meshes = _expert_meshes(spec, mesh)
     torch.set_num_threads(1)  # one core per rank: ranks must not fight over threads
     # The ranks of one tp group compute on the same batch (their matmuls are split, not their data).
     gen = torch.Generator().manual_seed(base.seed + mesh.dp_rank)
@@ -176,7 +189,8 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
             try:
                 if i not in built:
                     faults.point("tune.build", candidate=cand.name)
-                    built[i] = _Built(dataclasses.replace(base, **cand.train_keys()), mesh)
+                    cfg = dataclasses.replace(base, **cand.train_keys())
+                    built[i] = _Built(cfg, meshes[cfg.ep])
                     for _ in range(spec.warmup):
                         built[i].step(x, y)
                     if out[i]["peak_bytes"] is None:
