@@ -26,12 +26,17 @@ K = 3
 """Steps before the save; every continuous run does 2K."""
 PARITY_STEPS = 10
 LAYOUTS = {"pp2": dict(pp=2), "pp1": dict(pp=1), "pp4": dict(pp=4),
-           "pp2i": dict(pp=2, pp_schedule="interleaved-1f1b", save_async=True), "pp2tp2": dict(pp=2, tp=2)}
+           "pp2i": dict(pp=2, pp_schedule="interleaved-1f1b", save_async=True), "pp2tp2": dict(pp=2, tp=2),
+           # tiny-moe with its experts split over ep: GPipe over 1 microbatch keeps its load-balancing
+           # loss (defined per global microbatch) the same at pp 1, so every resume can equal its run.
+           "pp2ep2": dict(model="tiny-moe", pp=2, ep=2, pp_schedule="gpipe", microbatches=1),
+           "pp2moe": dict(model="tiny-moe", pp=2, pp_schedule="gpipe", microbatches=1),
+           "pp1ep2": dict(model="tiny-moe", pp=1, ep=2)}
 """Each layout's config over the 4 ranks: pp stages of 4/pp shard ranks each. pp2i runs two stages
 per rank (interleaved 1F1B: stages 0 and 2 on pp rank 0), so a rank file holds two stages' pieces,
 and saves in the background; pp2tp2 splits each stage's blocks over 2 tp ranks (shard 1)."""
 RESUMES = [("pp2", 3, "pp1", 3), ("pp2", 3, "pp4", 1), ("pp1", 2, "pp2", 3), ("pp2i", 1, "pp1", 1),
-           ("pp2tp2", 3, "pp1", 3)]
+           ("pp2tp2", 3, "pp1", 3), ("pp2ep2", 3, "pp2moe", 3), ("pp2ep2", 3, "pp1ep2", 3)]
 """(saved layout, saved stage, resumed layout, resumed stage)."""
 
 
@@ -105,6 +110,8 @@ def suite(root: str) -> dict:
     meshes = {"pp2": zs.get_mesh(), "pp1": zs.new_mesh(name="pp1"), "pp4": zs.new_mesh(pp=4, name="pp4")}
     meshes["pp2i"] = meshes["pp2"]
     meshes["pp2tp2"] = zs.new_mesh(pp=2, tp=2, name="pp2tp2")
+    meshes["pp2ep2"], meshes["pp2moe"] = zs.new_mesh(pp=2, ep=2, name="pp2ep2"), meshes["pp2"]
+    meshes["pp1ep2"] = zs.new_mesh(ep=2, name="pp1ep2")
     out: dict[str, Any] = {"times": {}}
 
     def timed(key: Any, fn) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints under pipeline parallelism: saved at (pp 2, shard 2), resumed at (pp 1, shard 4) and
 (pp 4, shard 1); a (pp 1, shard 4) checkpoint resumed at (pp 2, shard 2); an interleaved one (two
-stages per rank, saved in the background) and a (pp 2, tp 2) one resumed at pp 1; pp 4 against one
+stages per rank, saved in the background) and a (pp 2, tp 2) one resumed at pp 1; tiny-moe at
+(pp 2, ep 2) resumed at ep 1 and at pp 1 with ep 2; pp 4 against one
 process; the offline tools (verify, inspect, export, export --hf, reshard, repair) on a pp checkpoint.
 
 One spawned world-4 group runs every layout in turn, each on its own mesh, saving and resuming
@@ -68,7 +69,10 @@ def test_resume_at_another_pp_equals_the_continuous_run(suite, case):
     assert len(run["losses"]) == w.K and run["lr"] == continuous["lr"]
     # The global batch stays: 2 data-parallel ranks -> 4 (pp 1) or 1 (pp 4, accumulating 2 micro-steps).
     saved_dp, now_dp = (w.WORLD // w.LAYOUTS[k]["pp"] // w.LAYOUTS[k].get("tp", 1) for k in (case[0], case[2]))
-    assert run["resize"]["from_world"] == saved_dp and run["resize"]["to_world"] == now_dp
+    if saved_dp == now_dp:  # ep alone changed (pp2ep2 -> pp2moe): the same data-parallel world, no resize
+        assert run["resize"] is None
+    else:
+        assert run["resize"]["from_world"] == saved_dp and run["resize"]["to_world"] == now_dp
 
 
 def test_pp4_trains_at_parity_with_one_process(suite):
@@ -116,6 +120,18 @@ def test_manifest_records_the_pp_placement(root, suite):
     assert parts["blocks.3.attn.qkv.weight#tp1"]["of"] == "blocks.3.attn.qkv.weight" and parts[
         "blocks.3.attn.qkv.weight#tp1"]["tp"] == 2
     assert "blocks.3.attn.qkv.weight" in with_tp["pipeline"]["stage_params"][1]
+    # pp x ep: each expert param once, at its full stacked shape, its ep placement recorded, and its
+    # pieces written by its own stage's two ranks (ep rank r: rows [2r, 2r + 2) of the 4 experts).
+    with_ep = zs.checkpoint.verify(_saved(root, "pp2ep2", 3))
+    assert with_ep["pipeline"]["pp"] == 2 and with_ep["mesh"]["ep_size"] == 2
+    experts = {p["fqn"]: p for p in with_ep["params"] if ".mlp.experts." in p["fqn"]}
+    assert len(experts) == 4 * 4 and all(p["ep"] == {"placement": "shard", "dim": 0, "ep": 2, "edp": 1}
+                                         for p in experts.values())
+    first = experts["blocks.0.mlp.experts.fc_weight"]
+    assert first["shape"][0] == 4 and [q["file"] for q in first["pieces"]] == ["rank-00000.safetensors",
+                                                                             "rank-00001.safetensors"]
+    assert [q["file"][:10] for q in experts["blocks.3.mlp.experts.fc_weight"]["pieces"]] == ["rank-00002",
+                                                                                           "rank-00003"]
 
 
 def test_export_and_plain_load_give_the_full_tensors(root, suite, tmp_path):
