@@ -8,6 +8,13 @@ the plan says, and the peak within 10%; the expert bytes held fall by ep against
 The same spawn trains tiny-moe at ep 2 and 4 and records the ledger's ep all-to-all bytes and the
 routing counts: the planner's balanced figure is the ranks' mean exactly, and with each rank's
 recorded skew it is that rank's bytes.
+
+ep with tp, (shard 2 x tp 2, ep 2), in the same spawn: stage 3 is measured once more (model states,
+window and buckets the plan's, peak within 10%), and a run's ledger holds, at the steady-state
+step, every collective the plan lists for it: the expert groups' all-gathers and reduce-scatters
+over edp, the dense ones over shard, the MoE layers' tp all-gathers, the attention's one tp
+all-reduce per block and direction, byte for byte on every rank, and the ep all-to-alls at the
+ranks' mean (each tp rank routes its run of the tokens).
 """
 
 from __future__ import annotations
@@ -24,28 +31,35 @@ pytestmark = pytest.mark.timeout(900)
 
 WORLD, BATCH, SEQ = 4, 8, 16
 EPS = (1, 2, 4)
+TP_EP = "tp2ep2"
+"""The key of the (shard 2 x tp 2, ep 2) plan next to the ep ones."""
 CONFIG = GPTConfig.named("tiny-moe", n_layer=2, vocab_size=64, seq_len=SEQ)
 
 
 @pytest.fixture(scope="module")
 def plans() -> dict:
-    return {ep: plan(CONFIG, world=WORLD, batch=BATCH, seq=SEQ, ep=ep, device="cpu") for ep in EPS}
+    out: dict = {ep: plan(CONFIG, world=WORLD, batch=BATCH, seq=SEQ, ep=ep, device="cpu") for ep in EPS}
+    # the same global batch over 2 data-parallel ranks: 4 sequences a rank, shared by its tp group
+    out[TP_EP] = plan(CONFIG, world=WORLD, batch=BATCH, seq=SEQ, ep=2, tp=pw.TP, device="cpu")
+    return out
 
 
 @pytest.fixture(scope="module")
 def world4(plans) -> list[dict]:
-    return spawn(pw.suite, WORLD, args=([request(plans[ep], (3,)) for ep in EPS], EPS[1:]), timeout_s=600)
+    return spawn(pw.suite, WORLD, args=([request(plans[key], (3,)) for key in (*EPS, TP_EP)], EPS[1:]),
+                 timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def measured(plans, world4) -> dict:
-    """ep -> (the stage-3 ComponentCheck, the expert bytes each rank held in full during forward)."""
+    """ep (or TP_EP) -> (the stage-3 ComponentCheck, the expert bytes each rank held in full during forward)."""
     per_rank = [r["measured"] for r in world4]
-    return {ep: (checks(plans[ep], [r[i] for r in per_rank])[0], [r[i][3]["expert_held_in_forward"] for r in per_rank])
-            for i, ep in enumerate(EPS)}
+    return {key: (checks(plans[key], [r[i] for r in per_rank])[0],
+                  [r[i][3]["expert_held_in_forward"] for r in per_rank])
+            for i, key in enumerate((*EPS, TP_EP))}
 
 
-@pytest.mark.parametrize("ep", EPS)
+@pytest.mark.parametrize("ep", [*EPS, TP_EP])
 def test_per_rank_memory_is_the_plans(plans, measured, ep):
     check, _ = measured[ep]
     for name in (*MODEL_STATES, "window", "buckets"):
@@ -122,3 +136,34 @@ def test_all_to_all_bytes_are_the_ledgers(world4, ep):
               f"(mean {sum(ledger) / WORLD:.0f})")
     skews = [sum(r["routed"][ep]["received"][0]) / len(r["routed"][ep]["received"][0]) / rows - 1 for r in world4]
     assert max(skews) > 0, "the routing must be uneven for the skewed check to test anything"
+
+
+def _planned_by_key(layout) -> dict[tuple[str, str, str], int]:
+    out: dict[tuple[str, str, str], int] = {}
+    for c in layout.collectives:
+        out[(c.op, c.group, c.phase)] = out.get((c.op, c.group, c.phase), 0) + c.buffer_bytes * c.count
+    return out
+
+
+def test_ep_with_tp_collectives_are_the_ledgers(world4):
+    """(shard 2 x tp 2, ep 2), stage 3, accumulation 2, the steady-state step: every collective the
+    plan lists is in every rank's ledger with the same bytes (the tp all-reduce's row spans forward
+    and backward), the ep all-to-alls at the ranks' mean; the ledger's only others are the
+    router's count all-reduce, the clip and the step's metrics."""
+    cfg = pw.routed_config(2, pw.TP)
+    p = plan(pw.ROUTED, world=WORLD, batch=cfg.batch, seq=pw.SEQ, accum=cfg.accum, ep=2, tp=pw.TP)["zero3"]
+    planned = _planned_by_key(p)
+    ledgers = [r["with_tp"]["by_key"][-1] for r in world4]
+    tp_reduce = planned.pop(("all_reduce", "tp", ""))
+    a2a = {k: planned.pop(k) for k in [k for k in planned if k[0] == "all_to_all"]}
+    for rank, ledger in enumerate(ledgers):
+        assert {k: ledger.get(k) for k in planned} == planned, rank
+        assert ledger[("all_reduce", "tp", "forward")] + ledger[("all_reduce", "tp", "backward")] == tp_reduce
+        others = set(ledger) - set(planned) - set(a2a) - {("all_reduce", "tp", "forward"), ("all_reduce", "tp", "backward")}
+        assert {k for k in others if k[2] not in ("clip", "metrics")} == {("all_reduce", "dp", "forward")}, others
+    for key, nbytes in a2a.items():
+        assert sum(ledger[key] for ledger in ledgers) == WORLD * nbytes, (key, [ledger[key] for ledger in ledgers])
+    rows = cfg.batch // (WORLD // pw.TP * cfg.accum) * pw.SEQ // pw.TP * pw.ROUTED.expert_top_k  # a tp run's
+    assert all(n == rows for r in world4 for n in r["with_tp"]["sent"][-1])
+    print(f"ep 2 x tp 2: planned per step {sorted(planned.items())}, tp all-reduce {tp_reduce}, all-to-all "
+          f"{sorted(a2a.items())}; ledger all-to-all per rank {[[led[k] for k in sorted(a2a)] for led in ledgers]}")

@@ -7,7 +7,7 @@ import torch
 
 import zeroshard as zs
 from zeroshard.cli.main import main
-from zeroshard.comm.mesh import _check_ep, _ep_of_shape, _from_mesh_shape
+from zeroshard.comm.mesh import _ep_of_shape, _from_mesh_shape, check_ep_layout
 from zeroshard.config import TrainConfig, config_from_sources
 from zeroshard.experts import ExpertParallelError, check_ep, moe_layers
 from zeroshard.models import GPT, GPTConfig
@@ -30,7 +30,7 @@ def test_ep_in_a_named_shape_is_carved_out_of_the_dense_shard():
 ])
 def test_mesh_refuses_an_ep_that_does_not_fit(ep, dp, tp, message):
     with pytest.raises(ValueError, match=message) as err:
-        _check_ep(ep, dp, tp)
+        check_ep_layout(ep, dp, tp)
     assert "\n" not in str(err.value)
 
 

@@ -84,8 +84,7 @@ def test_the_simulator_refuses_ep_with_tp_in_one_line():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="tiny", ep=2), "needs a mixture-of-experts model"),
     (dict(model="tiny-moe", ep=8), "does not divide the 4 experts"),
-    (dict(model="tiny-moe", ep=2, tp=2), "ep=2 with tp=2 is not modelled by the planner yet"),
-    (dict(model="tiny-moe", tp=2), "tp=2 with an MoE model is not modelled by the planner yet"),
+    (dict(model="tiny-moe", ep=2, tp=2, sequence_parallel=True), "sequence parallelism with an MoE model"),
     (dict(model=7e9, ep=2), "not a bare parameter count"),
     (dict(model="tiny-moe", routing_skew=0.5), "it needs ep > 1"),
     (dict(model="tiny-moe", ep=2, routing_skew=-1.0), "routing_skew is the busiest"),

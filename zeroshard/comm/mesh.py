@@ -425,7 +425,7 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
             f"a divisor of {dp} (shard_size == {dp} is plain full sharding)"
         )
     if ep != 1:
-        _check_ep(ep, dp, tp)
+        check_ep_layout(ep, dp, tp)
         if pp > 1 and tp > 1:
             raise ValueError(f"ep={ep} with tp={tp} under pp={pp} is not composed yet; use tp=1 with pp and ep, or pp=1")
     if topology is not None:  # before any group: a refused layout builds nothing
@@ -465,7 +465,7 @@ def _build_mesh(*, shard_size, tp, mesh_shape, names, name: str, ledger: Ledger 
     )
 
 
-def _check_ep(ep, dp: int, tp: int) -> None:
+def check_ep_layout(ep, dp: int, tp: int) -> None:
     """One line naming the problem and the fix, before any group exists. ep borrows its ranks from
     dp x tp (the experts are not tensor parallel): an ep group is whole tp groups (ep a multiple of
     tp) or a tp group is whole ep groups (tp a multiple of ep), so the two stay aligned."""

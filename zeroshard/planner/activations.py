@@ -60,16 +60,19 @@ class ActivationEstimate:
         return self.saved + self.recompute
 
 
-def moe_mlp_per_token(cfg, compute_bytes: int, skew: float = 0.0) -> int:
-    """Bytes an MoE MLP saves per token beyond the dense MLP's (see the module docstring)."""
+def moe_mlp_bytes(cfg, compute_bytes: int, *, tokens: int, routed_tokens: int, skew: float = 0.0) -> int:
+    """Bytes an MoE MLP saves for a micro-batch of ``tokens`` (see the module docstring): the
+    router's on every token, the routed rows' on the ``routed_tokens`` this rank dispatches (all
+    of them, or under ep with tp its tp run)."""
     C, k, E = cfg.n_embd, cfg.expert_top_k, cfg.n_expert
     hidden = cfg.mlp_ratio * C
     row = (3 * C + 2 * hidden) * compute_bytes + 4 + 16
-    return int(round(k * (1.0 + skew) * row)) + 4 * E + 12 * k + 4 - 2 * hidden * compute_bytes
+    return routed_tokens * int(round(k * (1.0 + skew) * row)) + tokens * (4 * E + 12 * k + 4)
 
 
 def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, policy: Checkpointing,
-                    tp: int = 1, sequence_parallel: bool = False, skew: float = 0.0) -> ActivationEstimate:
+                    tp: int = 1, sequence_parallel: bool = False, skew: float = 0.0,
+                    routed_tokens: int | None = None) -> ActivationEstimate:
     """Per rank. Under tensor parallelism (Megatron's split, zeroshard.planner.tp) the tensors inside
     the split linears are divided by ``tp``: qkv, the attention output, fc and GELU (4·C + 2·hidden
     per token) and the heads' log-sum-exp; the block input, the norms' outputs and the residual
@@ -77,7 +80,9 @@ def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, poli
     and the norms' statistics along the sequence; the norms' outputs stay whole, because torch's
     DTensor autograd keeps the all-gathered input of each column-wise linear for its weight grad
     (Megatron gathers it again in backward instead). Measured against ``saved_tensors_hooks`` on
-    the tensor-parallel runtime (tests/distributed/test_tp.py). The embeddings and head are not split."""
+    the tensor-parallel runtime (tests/distributed/test_tp.py). The embeddings and head are not split.
+    An MoE block's MLP is not split by tp: its router saves on every token, its routed rows on the
+    ``routed_tokens`` the rank dispatches (default all; under ep with tp, its tp run)."""
     C, L, V, h = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
     hidden = cfg.mlp_ratio * C
     tokens = micro_batch * seq
@@ -86,10 +91,13 @@ def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, poli
     # Block input and residual (2·C) plus the norms' stats split by SP; the norms' outputs (2·C)
     # whole either way; 8·C outside the MLP plus its two hidden-size tensors: 16·C for a 4× MLP.
     outside = (2 * C * c + 4 * c) // whole + 2 * C * c
-    per_layer = tokens * (outside + (4 * C + 2 * hidden) * c // tp + 4 * h // tp)
-    if getattr(cfg, "n_expert", 0):  # (tp is refused with experts)
+    per_layer = tokens * (outside + 4 * C * c // tp + 4 * h // tp)
+    if getattr(cfg, "n_expert", 0):
         # plus the load-balancing loss's per-expert shares (E fp32), once per layer call
-        per_layer += tokens * moe_mlp_per_token(cfg, c, skew) + (4 * cfg.n_expert if cfg.aux_loss_coef > 0 else 0)
+        per_layer += moe_mlp_bytes(cfg, c, tokens=tokens, routed_tokens=tokens if routed_tokens is None else routed_tokens,
+                                   skew=skew) + (4 * cfg.n_expert if cfg.aux_loss_coef > 0 else 0)
+    else:
+        per_layer += tokens * 2 * hidden * c // tp
     root = tokens * (2 * C * c + 2 * c + 4 * V + 16) + seq * 8 + 4
     boundary = tokens * C * c // whole  # what a checkpointed block keeps: its input
 

@@ -67,7 +67,7 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
     c = torch.empty(0, dtype=compute).element_size()
     activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
                                   policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel,
-                                  skew=spec.routing_skew)
+                                  skew=spec.routing_skew, routed_tokens=inventory.experts.routed_tokens(spec.tokens))
     tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
                                 micro_steps=spec.accum, gpus_per_node=gpus_per_node,
                                 norm_vectors=2 * (2 if cfg.bias else 1),  # ln1, ln2: weight (and bias)
@@ -95,7 +95,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
     blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
     parallel); see zeroshard/planner/tp.py and docs/planner.md. ``ep`` splits an MoE model's experts
-    over that many data-parallel ranks, each expert sharded over the ``dp / ep`` that hold it;
+    over that many ranks of dp × tp, each expert sharded over the ``world / ep`` that hold it;
     ``routing_skew`` is the busiest ep rank's extra share of routed rows (zeroshard/planner/experts.py,
     docs/expert_parallel.md).
 
@@ -137,16 +137,16 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
             raise ValueError(f"tp={tp} is planned for zeroshard's GPT (its Megatron split of attention and MLP); "
                              "plan a preset or a GPTConfig, or tp=1")
         if cfg is not None:
+            # The runtime's split of these blocks: an MoE block's attention alone (zeroshard.sharding.tp).
+            split = TensorParallel.of_gpt(cfg, tp, sequence_parallel)
             split.check_gpt(cfg)
-        if ep > 1 and tp > 1:
-            raise ValueError(f"ep={ep} with tp={tp} is not modelled by the planner yet (train and verify run it); "
-                             "plan tp=1 with ep")
-        if tp > 1 and cfg is not None and cfg.n_expert > 0:
-            raise ValueError(f"tp={tp} with an MoE model is not modelled by the planner yet (its MoE layers stay whole "
-                             "under tp; train and verify run it); plan tp=1")
-        experts = expert_split(model, ep)
+        if sequence_parallel and cfg is not None and cfg.n_expert > 0:
+            raise ValueError("sequence parallelism with an MoE model is not supported by the runtime (its MoE layer "
+                             "needs the whole sequence on every tp rank); plan without sequence_parallel")
+        experts = expert_split(model, ep, tp=tp)
+        # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
         inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
-                              dp=max(1, world // tp))
+                              dp=max(1, world // tp), expert_dp=max(1, world // ep))
         psi, frozen = inventory.facts.trainable, inventory.facts.frozen
     spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
                     optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,

@@ -104,7 +104,8 @@ def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | N
     """The schedule's collectives summed into rows, in the order the step first issues them: per
     (op, group, phase, wire format), the bytes of each micro-step that moves any, one row per
     distinct figure with ``count`` the micro-steps that move it. An expert group's collectives
-    (``Event.mesh``) run over its ``dp / ep`` expert-data-parallel ranks: group ``edp``."""
+    (``Event.mesh``) run over its ``world / ep`` expert-data-parallel ranks (``dp / ep`` without
+    tp): group ``edp``."""
     per_micro: dict[tuple[str, str, str, bool], dict[int, int]] = {}
     for e in schedule.collectives:
         group = EDP if e.mesh == EXPERTS else e.group
@@ -115,7 +116,7 @@ def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | N
         counts: dict[int, int] = {}
         for nbytes in moved.values():
             counts[nbytes] = counts.get(nbytes, 0) + 1
-        size = mesh.dp // ep if group == EDP else mesh.size(group)
+        size = mesh.world // ep if group == EDP else mesh.size(group)
         for nbytes, count in counts.items():
             out.append(Collective(op=op, group=group, size=size, buffer_bytes=nbytes, count=count,
                                   spans_nodes=_spans_nodes(group, mesh, gpus_per_node), phase=phase))

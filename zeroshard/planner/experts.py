@@ -6,13 +6,20 @@ splits and refuses what it refuses (an ep that does not divide a layer's experts
 MoE layer). Per rank, as the runtime lays them out (docs/expert_parallel.md):
 
 - an expert param keeps ``1/ep`` of its rows (experts on dim 0), and its flat groups are sharded
-  over the ``dp / ep`` expert-data-parallel ranks that hold the same experts (none at stage 0);
+  over the ``world / ep`` expert-data-parallel ranks that hold the same experts (``dp / ep``
+  without tp; none at stage 0);
   the inventory lays out that block with the runtime's ``FlatLayout``, so padding is as ``zs.shard``
   pads it; dense params are sharded over every data-parallel rank as without ep;
 - every MoE layer call exchanges, over ep, the per-expert counts (an even all-to-all of E int64),
   then the routed rows and the experts' outputs (``tokens × top_k`` rows of ``hidden`` each way,
   in the compute dtype), and backward the same two row exchanges reversed. That is what the ledger
   records for them (the output of each: zeroshard/experts/dispatch.py);
+- under tensor parallelism (ep borrows its ranks from dp × tp; the experts are not tp split) the
+  layer's input is replicated over a tp group and each tp rank routes only its run of the tokens
+  (``zeroshard.experts.tp_tokens.run_of``: ``c = ceil(tokens / tp)``, the busiest rank's), so its
+  all-to-alls carry ``c × top_k`` rows, and the outputs are all-gathered over tp, each run padded
+  to ``c`` rows: forward the outputs (``hidden`` wide), backward the input rows' and the routing
+  weights' grads (``hidden`` and ``top_k`` wide), ``tp × c`` rows each as the ledger counts them;
 - routing skew: ``skew`` is the share of extra rows the busiest ep rank receives over the balanced
   ``tokens × top_k`` (0: balanced; 1: twice its share). The busiest rank's receive and return
   buffers, and so the all-to-alls it waits on, grow by ``1 + skew``.
@@ -49,6 +56,8 @@ class ExpertSplit:
     """Experts each token is routed to (the model's router); 0 without MoE layers."""
     hidden: int = 0
     """Width of a routed row (the model's hidden size)."""
+    tp: int = 1
+    """The dense mesh's tp degree: a tp group's ranks split the layer's tokens between them."""
 
     @property
     def params(self) -> frozenset[str]:
@@ -67,10 +76,26 @@ class ExpertSplit:
         """MoE layer calls per micro-step forward."""
         return len(self.layers) if self.ep > 1 else 0
 
+    def routed_tokens(self, tokens: int) -> int:
+        """Tokens of a micro-batch of ``tokens`` the busiest rank routes: all of them, or under tp
+        its run (tp rank 0's, the longest: the runtime's own cut)."""
+        from zeroshard.experts.tp_tokens import run_of
+
+        return tokens if self.tp == 1 else run_of(tokens, self.tp, 0)[2]
+
     def row_bytes(self, tokens: int, compute_bytes: int, skew: float = 0.0) -> int:
         """Bytes of one exchange of routed rows for a micro-batch of ``tokens`` on the busiest rank
-        (``tokens × top_k`` rows of ``hidden``, times ``1 + skew``)."""
-        return int(round(tokens * self.top_k * (1.0 + skew))) * self.hidden * compute_bytes
+        (its routed tokens ``× top_k`` rows of ``hidden``, times ``1 + skew``)."""
+        return int(round(self.routed_tokens(tokens) * self.top_k * (1.0 + skew))) * self.hidden * compute_bytes
+
+    def tp_gather_bytes(self, tokens: int, compute_bytes: int) -> tuple[int, int]:
+        """Under tp, one MoE layer call's tp all-gathers as the ledger counts them (the gathered
+        output, every run padded to ``c`` rows): (the ``hidden``-wide one, forward and backward;
+        the ``top_k``-wide routing weights' grads, backward). (0, 0) at tp 1."""
+        if self.tp == 1:
+            return 0, 0
+        rows = self.tp * self.routed_tokens(tokens)
+        return rows * self.hidden * compute_bytes, rows * self.top_k * compute_bytes
 
     def buffer_bytes(self, tokens: int, compute_bytes: int, skew: float = 0.0) -> int:
         """The all-to-all buffers of one MoE layer call in forward, on the busiest rank: the rows it
@@ -100,16 +125,17 @@ def _top_k_and_hidden(model: nn.Module) -> tuple[int, int]:
     return int(top_k), int(hidden)
 
 
-def expert_split(model: nn.Module, ep: int) -> ExpertSplit:
+def expert_split(model: nn.Module, ep: int, tp: int = 1) -> ExpertSplit:
     """The MoE layers of ``model`` (on any device, meta included) split over ``ep`` ranks, checked
-    as ``zs.expert_parallel`` checks them: one line when ep cannot split the model."""
+    as ``zs.expert_parallel`` checks them: one line when ep cannot split the model. ``tp``: the
+    dense mesh's tp degree, whose ranks split each layer's tokens."""
     if ep == 1:
         return ExpertSplit()
     from zeroshard.experts import check_ep
 
     layers = check_ep(model, ep)
     top_k, hidden = _top_k_and_hidden(model)
-    return ExpertSplit(ep=ep, top_k=top_k, hidden=hidden, layers=tuple(
+    return ExpertSplit(ep=ep, top_k=top_k, hidden=hidden, tp=tp, layers=tuple(
         ExpertLayerShape(name=layer.name, num_experts=layer.num_experts,
                          params=tuple(f"{layer.name}.{p}" for p in layer.params)) for layer in layers))
 
@@ -120,7 +146,9 @@ def ep_collectives(split: ExpertSplit, *, tokens: int, compute_bytes: int, micro
     call, as the ledger records them (each by the bytes this rank sends): the counts (E int64), then
     forward the rows it dispatches (``tokens × top_k`` of its own) and the outputs it combines back
     (the rows it received: skewed), and backward the same two reversed (the grads of the returned
-    outputs, then of the received rows). ``tokens`` is one rank's micro-batch."""
+    outputs, then of the received rows). ``tokens`` is one rank's micro-batch (under tp, its tp
+    group's, of which it routes its run). Under tp, each call's tp all-gathers follow
+    (``tp_gather_bytes``), on the tp group of ``tp`` consecutive ranks."""
     if not split.calls():
         return ()
     spans = gpus_per_node is not None and split.ep > gpus_per_node
@@ -134,6 +162,12 @@ def ep_collectives(split: ExpertSplit, *, tokens: int, compute_bytes: int, micro
                               spans_nodes=spans, phase=phase))
         out.append(Collective(op="all_to_all", group="ep", size=split.ep, buffer_bytes=received, count=layers,
                               spans_nodes=spans, phase=phase))
+    hidden, weights = split.tp_gather_bytes(tokens, compute_bytes)
+    if hidden:
+        tp_spans = gpus_per_node is not None and split.tp > gpus_per_node
+        out += [Collective(op="all_gather", group="tp", size=split.tp, buffer_bytes=nbytes, count=layers,
+                           spans_nodes=tp_spans, phase=phase)
+                for nbytes, phase in ((hidden, "forward"), (hidden, "backward"), (weights, "backward"))]
     return tuple(out)
 
 

@@ -39,6 +39,8 @@ class GroupShape:
     ep: int = 1
     """An expert group's ep degree (it holds this rank's 1/ep of the experts, sharded over the ranks
     that hold the same ones: the expert mesh); 1 for a dense group."""
+    tp: int = 1
+    """The dense mesh's tp degree, under which an expert group's ranks are the world's, not dp's."""
 
     @property
     def expert(self) -> bool:
@@ -47,8 +49,9 @@ class GroupShape:
     def shard_of(self, rank: int) -> int:
         """The shard of this buffer a data-parallel ``rank`` (its index in the dense shard group)
         holds: the same index for a dense group; for an expert group, its expert-data-parallel index
-        (ranks are laid out with ep innermost: zeroshard/comm/expert_mesh.py)."""
-        return rank // self.ep if self.expert else rank
+        (ranks are laid out with ep innermost over the world: zeroshard/comm/expert_mesh.py; under
+        tp, that of the data-parallel rank's first tp rank)."""
+        return rank * self.tp // self.ep if self.expert else rank
 
     @property
     def numel(self) -> int:
@@ -140,7 +143,7 @@ def _groups(name: str, refs: list[ParamRef], shards: int, tp: TensorParallel, ex
         layout = FlatLayout(shapes, expert_shards if expert else shards)
         out.append(GroupShape(unit=name, dtype=dtype, trainable=trainable, layout=layout,
                               decay=tuple(decays(r.fqn, r.param.shape) for r in group_refs),
-                              ep=experts.ep if expert else 1))
+                              ep=experts.ep if expert else 1, tp=experts.tp if expert else 1))
     return tuple(out)
 
 
@@ -148,12 +151,14 @@ class Inventory:
     """The units of one model, and the comm units the runtime builds for each stage and shard count."""
 
     def __init__(self, model: nn.Module, *, name: str, units: UnitsArg = None, gpt: GPTConfig | None = None,
-                 tp: TensorParallel | None = None, experts: ExpertSplit | None = None, dp: int = 1) -> None:
+                 tp: TensorParallel | None = None, experts: ExpertSplit | None = None, dp: int = 1,
+                 expert_dp: int | None = None) -> None:
         self.tp = tp or TensorParallel()
         self.experts = experts or ExpertSplit()
         # The ranks that hold the same experts, which shard them wherever the dense params are
-        # sharded (with hybrid sharding too: the expert mesh has no replicas).
-        self.expert_dp = max(1, dp // self.experts.ep)
+        # sharded (with hybrid sharding too: the expert mesh has no replicas): world / ep of them,
+        # dp / ep without tp.
+        self.expert_dp = expert_dp or max(1, dp // self.experts.ep)
         self.specs: list[UnitSpec] = plan_units(model, units)
         refs = [r for s in self.specs for r in s.refs]
         dtypes: dict[str, int] = {}

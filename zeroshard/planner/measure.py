@@ -81,13 +81,23 @@ class ComponentCheck:
         return abs(predicted - self.measured_total) / max(self.measured_total, 1)
 
 
+def _storage(t: torch.Tensor):
+    """``t``'s storage; a DTensor's (a tp split param or activation) is its local tensor's."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
+
+
 def _storages(tensors) -> dict[int, int]:
     """data_ptr -> nbytes for each distinct, non-empty storage."""
     out: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
-        st = t.untyped_storage()
+        st = _storage(t)
         if st.nbytes() and st.data_ptr() not in out:
             out[st.data_ptr()] = st.nbytes()
     return out
@@ -133,7 +143,7 @@ def _saved_activations(engine, sink: dict[int, int]):
         return {t.untyped_storage().data_ptr() for g in engine.groups for t in (g.full, g.shard)}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
+        st = _storage(t)
         if st.nbytes() and st.data_ptr() not in param_ptrs():
             sink.setdefault(st.data_ptr(), st.nbytes())
         return t
@@ -187,8 +197,9 @@ def _peak_tracker(device: torch.device, externals: list):
 def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list, int]:
     """(sharded model, its blocks, token vocabulary): zeroshard's GPT, or the planned target built
     as ``zeroshard train`` builds it: on meta, sharded, then filled (a folder's weights read shard by
-    shard, an hf: model's init replayed, a module's own reset). With an ep dim on ``mesh`` the
-    experts are split first, as train splits them (a folder's blocks of experts read per rank)."""
+    shard, an hf: model's init replayed, a module's own reset). With a tp dim on ``mesh`` the blocks
+    are split first, then with an ep dim the experts, as train splits them (a folder's blocks of
+    experts read per rank)."""
     import zeroshard as zs
     from zeroshard.models import GPT, GPTConfig, adapter
     from zeroshard.sharding.wrap import find_blocks
@@ -198,6 +209,8 @@ def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list,
     blocks = [m for _, m in find_blocks(model)]  # the units zs.shard picks (no units are given)
     vocab = adapter.token_vocab(model)
     assert vocab is not None  # request() refused a model without one
+    if mesh.tp_size > 1:
+        zs.tensor_parallel(model, mesh=mesh)
     if mesh.ep_size > 1:
         zs.expert_parallel(model, mesh=mesh, values_from_folder=adapter.is_pretrained_model(model))
     zs.shard(model, stage=stage, mp=req["mp"], options=options, mesh=mesh, **adapter.shard_kwargs(model))
@@ -240,7 +253,7 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
     model, blocks, vocab = _build(req, stage, options, mesh)
     engine = get_engine(model)
     opt = zs.optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
-    gen = torch.Generator().manual_seed(1000 + mesh.rank)
+    gen = torch.Generator().manual_seed(1000 + mesh.dp_rank)  # a tp group's ranks share their batch
     # The rank's whole slice, as training holds it; the step cuts it into `accum` micro-batches.
     rows = req["micro_batch"] * req["accum"]
     x = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
@@ -351,10 +364,10 @@ def model_state_bytes(model, opt) -> dict[str, int]:
 
 def measure_worker(req: dict, mesh=None) -> dict:
     """Runs on every rank: each requested stage on a fresh model, one after the other, on ``mesh``
-    (default: the world's, built with the plan's shard_size and ep)."""
+    (default: the world's, built with the plan's shard_size, tp and ep)."""
     import zeroshard as zs
 
-    mesh = mesh or zs.init(shard_size=req["shard_size"], ep=req["ep"])
+    mesh = mesh or zs.init(shard_size=req["shard_size"], ep=req["ep"], tp=req["tp"])
     out = {}
     for stage in req["stages"]:
         out[stage] = _measure_stage(stage, req, mesh)
@@ -364,17 +377,19 @@ def measure_worker(req: dict, mesh=None) -> dict:
 
 def measure_many_worker(reqs: list[dict]) -> list[dict]:
     """Several plans in one world (one spawn): ``measure_worker`` for each request, in order, each
-    on a mesh of its (shard_size, ep), built once."""
+    on a mesh of its (shard_size, ep, tp), built once."""
     import zeroshard as zs
 
+    def key(r: dict) -> tuple:
+        return r["shard_size"], r["ep"], r["tp"]
+
     first = reqs[0]
-    meshes = {(first["shard_size"], first["ep"]): zs.init(shard_size=first["shard_size"], ep=first["ep"])}
+    meshes = {key(first): zs.init(shard_size=first["shard_size"], ep=first["ep"], tp=first["tp"])}
     for r in reqs:
-        key = (r["shard_size"], r["ep"])
-        if key not in meshes:
-            meshes[key] = zs.new_mesh(shard_size=r["shard_size"], ep=r["ep"],
-                                      name=f"measure-{r['shard_size'] or 'all'}-ep{r['ep']}")
-    return [measure_worker(r, meshes[(r["shard_size"], r["ep"])]) for r in reqs]
+        if key(r) not in meshes:
+            meshes[key(r)] = zs.new_mesh(shard_size=r["shard_size"], ep=r["ep"], tp=r["tp"],
+                                         name=f"measure-{r['shard_size'] or 'all'}-ep{r['ep']}-tp{r['tp']}")
+    return [measure_worker(r, meshes[key(r)]) for r in reqs]
 
 
 def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None, timed_steps: int = 0) -> dict:
@@ -392,9 +407,8 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
             raise ValueError(f"measuring a plan of {plan.model.name} needs the model built again on each rank: "
                              "pass target=zeroshard.models.targets.Target(spec=...) (the CLI's --model)")
         _check_steppable(target, spec.seq)
-    if spec.tp > 1:
-        raise ValueError("--measure runs data parallelism only; check a tp plan's model states with "
-                         "zeroshard.planner.measure.model_state_bytes on a tensor-parallel run")
+    if spec.sequence_parallel:
+        raise ValueError("--measure runs tp without sequence parallelism; drop --sequence-parallel to measure")
     if spec.offload != "none" and spec.hybrid:
         raise ValueError("--measure checks offload over the whole world; drop --shard-size or --offload")
     if spec.offload == "disk":
@@ -410,7 +424,7 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
         "mp": spec.mp, "optimizer": spec.optimizer,
         "optimizer_kwargs": dict(spec.optimizer_kwargs), "engine": spec.engine,
         "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
-        "ep": spec.ep,
+        "ep": spec.ep, "tp": spec.tp,
     }
 
 

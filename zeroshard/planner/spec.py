@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.comm.mesh import check_ep_layout
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.precision import MixedPrecision, parse_dtype
@@ -163,7 +164,7 @@ class PlanSpec:
     """With tp > 1: also split the norms' and residual's activations along the sequence."""
     ep: int = 1
     """Expert parallelism: each MoE layer's experts split over ``ep`` consecutive data-parallel ranks,
-    each expert sharded over the ``dp / ep`` ranks that hold it (zeroshard/planner/experts.py)."""
+    each expert sharded over the ``world / ep`` ranks that hold it (zeroshard/planner/experts.py)."""
     routing_skew: float = 0.0
     """With ep > 1: extra rows the busiest ep rank receives, as a share of the balanced
     ``tokens × top_k`` (0 balanced, 1 twice its share); sizes its all-to-all buffers and traffic."""
@@ -204,12 +205,7 @@ class PlanSpec:
 
     def _check_ep(self) -> None:
         _positive_int("ep", self.ep)
-        if self.dp % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide the {self.dp} data-parallel ranks, so its product with the "
-                             f"expert-data-parallel ranks is not world {self.world}; pick an ep that divides {self.dp}")
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(f"ep={self.ep} with tp={self.tp} is not modelled by the planner yet (train and verify run it); "
-                             "plan tp=1 with ep")
+        check_ep_layout(self.ep, self.dp, self.tp)  # the runtime's rule: ep borrows its ranks from dp x tp
         if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) or \
                 not 0 <= self.routing_skew < float("inf"):
             raise ValueError(f"routing_skew is the busiest ep rank's extra share of routed rows, a number >= 0 "
@@ -219,8 +215,9 @@ class PlanSpec:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel ranks: those holding the same experts, which shard them."""
-        return self.dp // self.ep
+        """Expert-data-parallel ranks: those holding the same experts, which shard them (the
+        experts are not tensor parallel, so ep's ranks come from dp x tp)."""
+        return self.world // self.ep
 
     def _check_comm_quant(self) -> None:
         from zeroshard.comm.quant import CommQuant

@@ -23,13 +23,16 @@ import dataclasses
 import torch
 
 from zeroshard.planner.comm import Collective
-from zeroshard.sharding.tp import COLWISE, GPT_TP_STYLES
+from zeroshard.sharding.tp import COLWISE, GPT_MOE_TP_STYLES, GPT_TP_STYLES
 
 GPT_TP_PLAN = dict(GPT_TP_STYLES)
 """Submodule of each block -> style: the runtime's own split of zeroshard's GPT (Megatron's MLP and attention)."""
 
 ALL_REDUCES_PER_LAYER = 2
 """Per block and direction: one after the attention's row-wise linear, one after the MLP's."""
+
+MOE_ALL_REDUCES_PER_LAYER = 1
+"""An MoE block under tp (its MoE layer whole, ``GPT_MOE_TP_STYLES``): the attention's one alone."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,8 +70,29 @@ class TensorParallel:
         out[dim] //= self.tp
         return torch.Size(out)
 
+    @classmethod
+    def of_gpt(cls, cfg, tp: int, sequence_parallel: bool = False) -> TensorParallel:
+        """The runtime's split of ``cfg``'s blocks (``gpt_plan``): the attention alone when its MLP
+        is routed experts, which stay whole on every tp rank."""
+        moe = bool(getattr(cfg, "n_expert", 0))
+        return cls(tp=tp, sequence_parallel=sequence_parallel,
+                   styles=tuple((GPT_MOE_TP_STYLES if moe else GPT_TP_PLAN).items()))
+
+    @property
+    def splits_mlp(self) -> bool:
+        return any(name.startswith("mlp.") for name, _ in self.styles)
+
+    @property
+    def all_reduces_per_layer(self) -> int:
+        return ALL_REDUCES_PER_LAYER if self.splits_mlp else MOE_ALL_REDUCES_PER_LAYER
+
     def check_gpt(self, cfg) -> None:
-        """The split must be even: heads (attention) and the MLP's hidden size (its two linears)."""
+        """The split must be even: heads (attention) and the MLP's hidden size (its two linears;
+        an MoE block's MLP is not split)."""
+        if not self.splits_mlp:
+            if cfg.n_head % self.tp:
+                raise ValueError(f"tp={self.tp} does not divide n_head ({cfg.n_head}); pick a tp that divides it")
+            return
         for name, size in (("n_head", cfg.n_head), ("the MLP hidden size", cfg.mlp_ratio * cfg.n_embd)):
             if size % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide {name} ({size}); pick a tp that divides both "
@@ -94,7 +118,7 @@ def layer_collectives(tp: TensorParallel, *, layers: int, tokens: int, width: in
     if tp.tp == 1:
         return ()
     buffer = tokens * width * compute_bytes
-    count = ALL_REDUCES_PER_LAYER * (2 * layers + rebuilt_layers) * micro_steps
+    count = tp.all_reduces_per_layer * (2 * layers + rebuilt_layers) * micro_steps
     spans = gpus_per_node is not None and tp.tp > gpus_per_node
     if not tp.sequence_parallel:
         return (Collective(op="all_reduce", group="tp", size=tp.tp, buffer_bytes=buffer,

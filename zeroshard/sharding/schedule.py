@@ -163,10 +163,11 @@ class _Replay:
 
     def _shards(self, g: GroupSizes) -> int:
         """Ranks ``g``'s buffer is sharded over: the mesh's shard dim, or an expert group's
-        expert-data-parallel ranks."""
+        expert-data-parallel ranks, ``world / ep`` (ep borrows its ranks from dp x tp:
+        zeroshard/comm/expert_mesh.py)."""
         if g.ep == 1 or not self.policy.shard_optimizer:
             return self.shards
-        return self.mesh.dp // g.ep
+        return self.mesh.world // g.ep
 
     def _quantized_pair(self, op: str, unit: str, phase: str, g: GroupSizes, micro: int | None = None) -> None:
         """qwZ / qgZ on the wire: int8 values padded to whole blocks, then one fp32 scale per block."""

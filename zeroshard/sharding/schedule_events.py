@@ -56,7 +56,7 @@ class GroupSizes:
     """This rank's optimizer segment elements (its shard less the buffer tail); default the shard."""
     ep: int = 1
     """An expert group's ep degree (zeroshard/comm/expert_mesh.py): its collectives run on the expert
-    mesh, sharded over the ``dp / ep`` ranks that hold the same experts, with no replicas; 1 for a
+    mesh, sharded over the ``world / ep`` ranks that hold the same experts, with no replicas; 1 for a
     dense group."""
 
     @property
