@@ -71,6 +71,28 @@ def test_hash_covers_unit_so_same_shaped_gathers_of_other_units_differ():
     assert a.hash == c.hash
 
 
+def test_an_uneven_all_to_all_agrees_across_ranks_that_sent_different_rows(tmp_path: Path):
+    """Expert parallelism's token rows: each rank sends its own count, so numel is left out of the
+    hash and the doctor's comparison (the ring keeps the mark), but an even one's numel still counts."""
+    ledgers = [Ledger(), Ledger()]
+    ledgers[1].mirror = RingMirror(tmp_path / "rank-1.ring", rank=1, world=2, capacity=4)
+    for ledger, rows in zip(ledgers, (24, 40)):
+        ledger.open(group="ep", op="all_to_all", numel=rows * 8, dtype=torch.float32, elem_size=4,
+                    unit="blocks.0.mlp.experts", phase="forward", uneven=True)
+    assert ledgers[0].hash == ledgers[1].hash
+    dumped = [r.to_json() for r in ledgers[0].snapshot()]
+    _, ringed = read_ring(tmp_path / "rank-1.ring")
+    assert ringed[0]["uneven"] is True and ringed[0]["numel"] == 320
+    report = analyse({0: ledger_of(0, [{**dumped[0], "kind": "collective"}]), 1: ledger_of(1, ringed)})
+    assert report["verdict"] == "ok", report
+    even = [Ledger(), Ledger()]
+    for ledger, numel in zip(even, (64, 65)):
+        ledger.open(group="shard", op="all_to_all", numel=numel, dtype=torch.float32, elem_size=4, unit="u",
+                    phase="backward")
+    assert even[0].hash != even[1].hash
+    ledgers[1].mirror.close()
+
+
 def test_dump_round_trips_with_a_header(tmp_path: Path):
     ledger = Ledger(capacity=4)
     for i in range(6):  # the ring buffer keeps the newest 4

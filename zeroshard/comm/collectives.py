@@ -84,10 +84,10 @@ def record_observed(op: str, *, numel: int, dtype: torch.dtype, elem_size: int, 
 
 
 def _issue(op: str, full: torch.Tensor, group: str | Group, unit: str, phase: str | Phase, call, async_op: bool,
-           mesh: Mesh, after=None):
+           mesh: Mesh, after=None, uneven: bool = False):
     ledger = mesh.ledger
     record = ledger.open(group=group, op=op, numel=full.numel(), dtype=full.dtype, elem_size=full.element_size(),
-                         unit=unit, phase=phase, mesh=mesh.ledger_name)
+                         unit=unit, phase=phase, mesh=mesh.ledger_name, uneven=uneven)
     work = call(mesh.group(group))
     ledger.started(record, work, device_async=mesh.backend == "nccl")
     pending = Pending(work, record, ledger, after)
@@ -169,11 +169,13 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: str | Group 
             raise ValueError(f"all_to_all splits {input_splits} -> {output_splits} must give one row count per rank of "
                              f"the {size}-rank group and sum to the input's {input.shape[0]} and output's "
                              f"{output.shape[0]} rows")
+        # uneven: each rank sends its own rows, so the ledger's numel differs across ranks by design.
         if size == 1:
-            return _issue("all_to_all", input, group, unit, phase, _local_copy(output, input), async_op, m)
+            return _issue("all_to_all", input, group, unit, phase, _local_copy(output, input), async_op, m,
+                          uneven=True)
         call = lambda pg: dist.all_to_all_single(output, input, output_split_sizes=output_splits,  # noqa: E731
                                                  input_split_sizes=input_splits, group=pg, async_op=True)
-        return _issue("all_to_all", input, group, unit, phase, call, async_op, m)
+        return _issue("all_to_all", input, group, unit, phase, call, async_op, m, uneven=True)
     if input.numel() != output.numel() or input.numel() % size:
         raise ValueError(f"all_to_all input ({input.numel()}) and output ({output.numel()}) must have the same "
                          f"number of elements, a multiple of group size {size}")

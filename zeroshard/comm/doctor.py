@@ -81,7 +81,8 @@ def entry_text(record: dict | None) -> str:
 
 
 def _fingerprint(record: dict) -> tuple:
-    return tuple(record.get(f) for f in FIELDS)
+    # An uneven all-to-all's numel is this rank's own rows (the ledger's CollectiveRecord.uneven).
+    return tuple(None if f == "numel" and record.get("uneven") else record.get(f) for f in FIELDS)
 
 
 def _where(record: dict) -> dict:

@@ -71,6 +71,9 @@ class CollectiveRecord:
     then does ``end - start`` measure the collective itself (gloo runs some ops inside wait())."""
     mesh: str = ""
     """The mesh the group belongs to: empty for the default one (``zs.new_mesh`` names the others)."""
+    uneven: bool = False
+    """An all-to-all with per-rank splits (expert parallelism's token rows): each rank sends its own
+    number of rows by design, so ``numel`` differs across ranks and is left out of the fingerprint."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -81,7 +84,7 @@ class CollectiveRecord:
     def fingerprint(self) -> tuple[str, int, str, str, str, str]:
         """What must be identical on every rank for the same seq (see docs/diagnostics.md)."""
         group = f"{self.mesh}:{self.group}" if self.mesh else self.group  # two meshes' "shard" groups differ
-        return (self.op, self.numel, self.dtype, group, self.unit, self.phase)
+        return (self.op, -1 if self.uneven else self.numel, self.dtype, group, self.unit, self.phase)
 
 
 def fingerprint_key(op: str, numel: int, dtype: str, group: str, unit: str, phase: str) -> bytes:
@@ -108,7 +111,7 @@ class Ledger:
         """A crash-safe copy on disk (zeroshard.comm.ring.RingMirror), attached per run."""
 
     def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str,
-             mesh: str = "") -> CollectiveRecord:
+             mesh: str = "", uneven: bool = False) -> CollectiveRecord:
         record = CollectiveRecord(
             seq=self._next_seq,
             group=str(group),
@@ -121,6 +124,7 @@ class Ledger:
             start=time.perf_counter(),
             step=self.step,
             mesh=mesh,
+            uneven=uneven,
         )
         self._next_seq += 1
         self._bytes_by_op[op] += record.bytes

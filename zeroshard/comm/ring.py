@@ -24,7 +24,7 @@ from zeroshard.comm.ledger import CollectiveRecord, CollectiveState
 MAGIC = b"ZSRING01"
 _HEADER = struct.Struct("<8siiiiq")  # magic, rank, world, capacity, pid, next_seq
 _HEADER_SIZE = 64
-# seq, numel, bytes, step, op, dtype, group, unit, phase, (pad), start, end, wait_start, waited, state
+# seq, numel, bytes, step, op, dtype, group, unit, phase, uneven, start, end, wait_start, waited, state
 _SLOT = struct.Struct("<qqqiiiiiiiddddB7x")
 _TAIL = struct.Struct("<dddB")  # end, wait_start, waited, state: what changes after a record is written
 _TAIL_OFFSET = _SLOT.size - 7 - _TAIL.size
@@ -73,7 +73,7 @@ class RingMirror:
         if self._map.closed:
             return
         ids = [self._intern(s) for s in (r.op, r.dtype, r.group, r.unit, r.phase)]
-        _SLOT.pack_into(self._map, self._offset(r.seq), r.seq, r.numel, r.bytes, r.step, *ids, 0,
+        _SLOT.pack_into(self._map, self._offset(r.seq), r.seq, r.numel, r.bytes, r.step, *ids, int(r.uneven),
                         r.start, _time(r.end), _time(r.wait_start), r.waited, _STATE_INDEX[r.state])
         self._next_seq = max(self._next_seq, r.seq + 1)
         _NEXT_SEQ.pack_into(self._map, _NEXT_SEQ_OFFSET, self._next_seq)
@@ -116,7 +116,7 @@ def read_ring(path: str | Path) -> tuple[dict, list[dict]]:
 
     records = []
     for i in range(capacity):
-        (seq, numel, nbytes, step, op, dtype, group, unit, phase, _pad, start, end, wait_start, waited,
+        (seq, numel, nbytes, step, op, dtype, group, unit, phase, uneven, start, end, wait_start, waited,
          state) = _SLOT.unpack_from(data, _HEADER_SIZE + i * _SLOT.size)
         if seq < 0:
             continue
@@ -125,6 +125,7 @@ def read_ring(path: str | Path) -> tuple[dict, list[dict]]:
             "dtype": text(dtype), "bytes": nbytes, "unit": text(unit), "phase": text(phase), "start": start,
             "end": None if end == _NO_TIME else end, "state": _STATES[state].value, "step": step,
             "wait_start": None if wait_start == _NO_TIME else wait_start, "waited": waited,
+            **({"uneven": True} if uneven else {}),
         })
     records.sort(key=lambda r: r["seq"])
     header = {"kind": "header", "rank": rank, "world": world, "reason": "ring", "pid": pid,
