@@ -151,7 +151,7 @@ def _train(cfg: TrainConfig, mesh, model: torch.nn.Module | None = None) -> dict
     if forwards:
         facts["a2a"] = a2a
         facts["moe_layers"] = sorted(forwards)
-    if run.pipeline is not None and not run.pipeline.spec.split_backward and cfg.tp == 1 and cfg.ep == 1:
+    if run.pipeline is not None and cfg.tp == 1 and cfg.ep == 1:
         facts["schedule_vs_ledger"] = _schedule_vs_ledger(run.pipeline, last_step)
     return {"params": {k: v.detach().float().cpu() for k, v in state.items()} if mesh.rank == 0 else None,
             "losses": [r.loss for r in records], "norms": [r.grad_norm for r in records], "bytes": traffic,

@@ -120,7 +120,7 @@ def test_mesh_puts_pp_outermost(suite):
     assert all(m["pp"] == 2 and m["shard"] == 2 and m["dp"] == 2 for m in meshes)
 
 
-SCHEDULED = [c for c in w.CASES + w.STAGE0_CASES + w.GRAD_REDUCE_CASES if "zero-bubble" not in c[2]]
+SCHEDULED = w.CASES + w.STAGE0_CASES + w.GRAD_REDUCE_CASES
 
 
 @pytest.mark.parametrize("case", SCHEDULED, ids=lambda c: "-".join(map(str, c)))

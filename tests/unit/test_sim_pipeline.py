@@ -136,3 +136,21 @@ def test_zero3_gathers_per_action_are_the_stage_engines_step_schedule_in_torchs_
     zero3 = simulate_pipeline(w, slow, layout, pp=2, microbatches=2)
     zero2 = simulate_pipeline(w, slow, Layout(world=2, stage=2), pp=2, microbatches=2)
     assert zero3.step_s > zero2.step_s
+
+
+def test_zero_bubble_halves_gather_what_the_stage_engine_gathers():
+    """Interleaved zero-bubble at pp 2 (stages 0 and 2 on rank 0, one block each), m 4: stage 2's
+    input half finds the block its forward kept (I0, I2 gather nothing) and each weight half
+    gathers it again; the first stage runs each weight half as one whole backward, whose first
+    finds the block and root still kept from forward. (The same counts as a gloo run's ledger:
+    tests/distributed/test_pp.py holds the schedule to it.)"""
+    from zeroshard.sim.pipeline import _block_gathers
+
+    w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
+    order = schedule_order("interleaved-zero-bubble", pp=2, stages_per_rank=2, microbatches=4)
+    got = _block_gathers(w, Layout(world=2, stage=3), order, 1, 2)
+    assert {k: n for k, n in got.items() if k[1] == 0} == {("F", 0, 0): 1, ("B", 0, 1): 1, ("B", 0, 2): 1,
+                                                             ("B", 0, 3): 1}
+    assert {k: n for k, n in got.items() if k[1] == 2} == {
+        ("F", 2, 0): 1, ("W", 2, 0): 1, ("I", 2, 1): 1, ("W", 2, 1): 1, ("F", 2, 2): 1, ("W", 2, 2): 1,
+        ("I", 2, 3): 1, ("W", 2, 3): 1}

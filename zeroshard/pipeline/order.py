@@ -82,7 +82,12 @@ def schedule_order(spec: ScheduleSpec | str, *, pp: int, stages_per_rank: int,
 
 def stage_order(actions: list[Action], stage: int) -> tuple[tuple[str, int], ...]:
     """One virtual stage's (kind, microbatch) actions, in its rank's order: what that stage's engine
-    runs in a step (``zeroshard.sharding.schedule.step_schedule``'s ``pipeline_order``)."""
+    runs in a step (``zeroshard.sharding.schedule.step_schedule``'s ``pipeline_order``). On the first
+    stage a zero-bubble schedule's input half computes nothing (no stage upstream needs its input
+    grads) and its weight half is one whole, hooked backward: given as that backward ("B")."""
+    if stage == 0:
+        return tuple(("B" if a.kind == "W" else a.kind, a.microbatch) for a in actions
+                     if a.stage == stage and a.kind != "I")
     return tuple((a.kind, a.microbatch) for a in actions if a.stage == stage)
 
 

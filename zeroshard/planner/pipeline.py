@@ -278,13 +278,10 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
-    # What each stage's engine runs in a step: its forwards and backwards in torch's order, once
-    # per schedule run (accum of them). A split backward's halves are not in the step schedule:
-    # those stages are planned in micro-step order.
-    halves = schedule_spec(shape.schedule).split_backward
-    runs = {s: None if halves else tuple((kind, mb + k * shape.microbatches) for k in range(accum)
-                                        for kind, mb in stage_order(order[s % pp], s))
-            for s in range(shape.num_stages)}
+    # What each stage's engine runs in a step: its forwards and backwards (or a split backward's
+    # halves) in torch's order, once per schedule run (accum of them).
+    runs = {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
+                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
     ranks = []
     for r in range(pp):
         stages = shape.stages_of(r)

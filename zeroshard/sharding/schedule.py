@@ -90,7 +90,9 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Mesh
     ``no_sync`` (``accum`` is then not read: the options' accumulation says what a backward
     reduces); the grads still unreduced are reduced once after the last (``Pipeline.reduce``). A
     forward between two backwards (1F1B's steady state) finds the units the earlier forward kept
-    gathered still gathered, which the micro-step order never does.
+    gathered still gathered, which the micro-step order never does. A zero-bubble schedule's input
+    and weight halves ("I", "W") are the stage's split backward; ``stage_order`` gives the first
+    stage's as the one whole backward torch runs for it.
     """
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {accum!r}")
@@ -118,6 +120,7 @@ class _Replay:
         self.shards = mesh.shard if policy.shard_optimizer else 1
         self.events: list[Event] = []
         self.micro = 0
+        self.action = ""  # a pipeline stage's current action (pipeline)
         self.gathered: dict[str, str] = {}  # stage 3: units whose full params exist -> phase of that gather
         self.launched = 0  # into units (the reduction order): the next one to launch
         self.pending: list[tuple[UnitSizes, int]] = []  # launched, not finished: (unit, micro-step)
@@ -152,11 +155,12 @@ class _Replay:
               micro: int | None = None, quantized: bool = False, g: GroupSizes | None = None) -> None:
         self.events.append(Event(op=op, group=group, unit=unit, phase=phase, numel=numel, dtype=dtype_name(dtype),
                                  bytes=numel * dtype.itemsize, micro=self.micro if micro is None else micro,
-                                 quantized=quantized, mesh=EXPERTS if g is not None and g.ep > 1 else ""))
+                                 quantized=quantized, mesh=EXPERTS if g is not None and g.ep > 1 else "",
+                                 action=self.action))
 
     def mark(self, op: str, unit: str, phase: str, share: float = 1.0, micro: int | None = None) -> None:
         self.events.append(Event(op=op, group="", unit=unit, phase=phase, numel=0, dtype="", bytes=0,
-                                 micro=self.micro if micro is None else micro, share=share))
+                                 micro=self.micro if micro is None else micro, share=share, action=self.action))
 
     def compute(self, unit: str, phase: str, share: float = 1.0) -> None:
         self.mark(COMPUTE, unit, phase, share)
@@ -220,7 +224,7 @@ class _Replay:
         if phase is not None:
             self.events.append(Event(op=FREE, group="", unit=unit.name, phase=phase, numel=unit.full_numel,
                                      dtype=_common_dtype(g.compute_dtype for g in unit.groups),
-                                     bytes=unit.full_bytes, micro=self.micro))
+                                     bytes=unit.full_bytes, micro=self.micro, action=self.action))
 
     # -- grads --------------------------------------------------------------------------------
     def _grads_quantized(self, g: GroupSizes) -> bool:
@@ -305,10 +309,12 @@ class _Replay:
         reduction of what they left unreduced (``Engine.reduce_accumulated``)."""
         defers = not self.policy.transient_grads or self.options.accumulation == "unsharded"
         forwards = 0
+        split = False
         for kind, micro in order:
-            if kind not in ("F", "B"):
-                raise ValueError(f"pipeline_order takes forwards ('F', mb) and backwards ('B', mb), got {kind!r}: a "
-                                 "split backward's input and weight halves are not modelled")
+            self.action = kind
+            if kind not in ("F", "B", "I", "W"):
+                raise ValueError(f"pipeline_order takes forwards ('F', mb), backwards ('B', mb) and a split "
+                                 f"backward's input and weight halves ('I', 'W'), got {kind!r}")
             self.micro = micro
             if kind == "F":
                 self.finish_reductions()  # the model's forward pre-hook
@@ -319,16 +325,46 @@ class _Replay:
                 forwards += 1
                 continue
             self.launched, self.ready = 0, set()  # each backward reduces (or collects) every unit again
+            if kind in ("I", "W"):
+                split = True
+                self._split_half(kind, defers)
+                continue
             if self.policy.shard_params:
                 self._backward_sharded(defers)
             else:
                 self._backward_bucketed(defers)
             self._finish_backward(defers)
+        self.action = ""  # what follows is the step's, after the schedule
+        if split and self.policy.shard_params:  # Engine.split_backward_done: the root too
+            for unit in self.units:
+                self.reshard(unit)
         if defers:
             for unit in self.units:
                 self.launch(unit)
             self.launched = len(self.units)
             self.reap()
+
+    def _split_half(self, kind: str, defers: bool) -> None:
+        """One half of a zero-bubble backward on a stage after the first (zeroshard/pipeline/stage.py):
+        stage 3 gathers every unit first (``Engine.gather_for_split_backward``), and frees the blocks
+        after it; the weight half's grads are then taken (``Engine.take_assigned_grads``), reduced
+        at once, every unit in the fixed order, where the stage reduces every microbatch."""
+        if self.policy.shard_params:
+            for unit in self.units:
+                self.gather(unit, BACKWARD)
+            for unit in self.units:
+                self.mark(WAIT, unit.name, BACKWARD)
+        for unit in self.units:
+            self.compute(unit.name if self.policy.shard_params else "", BACKWARD, 0.5)
+        if kind == "W" and not defers:
+            for unit in self.units:
+                self.launch(unit)
+            self.launched = len(self.units)
+            self.reap()
+        if self.policy.shard_params:
+            for unit in self.units:
+                if not unit.is_root:
+                    self.reshard(unit)
 
     def _forward_bucketed(self) -> None:
         self.compute("", FORWARD)

@@ -171,6 +171,9 @@ class Event:
     it stands for. Backward is split where the engine prefetches (``backward_prefetch_at``)."""
     mesh: str = ""
     """``experts`` for an expert group's collective (the ledger's expert mesh); empty on the dense mesh."""
+    action: str = ""
+    """A pipeline stage's step (``pipeline_order``): the kind of the microbatch's action it is issued
+    in (F, B, or a split backward's I or W); empty otherwise."""
 
     @property
     def is_collective(self) -> bool:

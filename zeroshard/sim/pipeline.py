@@ -12,8 +12,8 @@ ZeRO-3 the blocks an action gathers are the ones the stage engine's step schedul
 walked in torch's order (``step_schedule``'s ``pipeline_order``: a forward that comes before the
 previous microbatch's backward finds the block forward kept still gathered): the first of them
 is waited for, the others hidden behind the block before them when shorter. A zero-bubble
-schedule's halves each gather every block of the stage at once (``Engine.gather_for_split_backward``),
-and its forwards every block.
+schedule's halves gather the stage's blocks at once before they compute
+(``Engine.gather_for_split_backward``): nothing hides those.
 
 After its last action a rank does what ``Pipeline.reduce`` and the step do: the tied embedding's
 grad all-reduced over the first and last stage, one reduction of its stages' grads over the
@@ -142,21 +142,17 @@ class _StageTimes:
     bwd: list[float]
     half: list[float]
     """Input or weight half of a stage's split backward: half of its compute (the two matmuls of
-    every linear layer), and at ZeRO-3 the stage's blocks gathered at once before each half
-    (nothing hides them: ``Engine.gather_for_split_backward``)."""
+    every linear layer)."""
     gathers: dict[tuple[str, int, int], float] = dataclasses.field(default_factory=dict)
-    """Seconds an F or B action (kind, stage, microbatch) waits on its gathers, on top of ``fwd`` / ``bwd``."""
+    """Seconds an action (kind, stage, microbatch) waits on its ZeRO-3 gathers, on top of its compute."""
 
     def seconds(self, action) -> float:
         kind, stage = action.kind, action.stage
+        if stage == 0 and kind in ("I", "W"):
+            # Nothing upstream needs the first stage's input grads: its W is one whole backward.
+            return 0.0 if kind == "I" else self.bwd[stage] + self.gathers.get(("B", stage, action.microbatch), 0.0)
         exposed = self.gathers.get((kind, stage, action.microbatch), 0.0)
-        if kind == "F":
-            return self.fwd[stage] + exposed
-        if kind == "B":
-            return self.bwd[stage] + exposed
-        if stage == 0:  # nothing upstream needs the first stage's input grads: its W is the whole backward
-            return 0.0 if kind == "I" else self.bwd[stage]
-        return self.half[stage]
+        return {"F": self.fwd, "B": self.bwd}.get(kind, self.half)[stage] + exposed
 
 
 def equal_time_bubble(schedule: str, *, pp: int, stages_per_rank: int, microbatches: int) -> float:
@@ -201,17 +197,13 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
         return gather + (n - 1) * max(0.0, gather - block_s) if gather and n else 0.0
 
     order = schedule_order(spec, pp=pp, stages_per_rank=stages_per_rank, microbatches=m)
-    gathered: dict[tuple[str, int, int], int] = {}
-    if gather and not spec.split_backward:
-        gathered = _block_gathers(w, layout, order, blocks, pp)
-    # Without a count from the schedule (a split backward's stages) every block is gathered per forward.
-    fwd_gathers = 0 if gathered else blocks
-    fwd = [blocks * d.block_fwd + exposed(fwd_gathers, d.block_fwd) + (d.root_fwd if i == n_stages - 1 else 0.0)
-           for i in range(n_stages)]
+    gathered = _block_gathers(w, layout, order, blocks, pp) if gather else {}
+    fwd = [blocks * d.block_fwd + (d.root_fwd if i == n_stages - 1 else 0.0) for i in range(n_stages)]
     bwd = [blocks * d.block_bwd + (d.root_bwd if i == n_stages - 1 else 0.0) for i in range(n_stages)]
-    half = [(blocks * d.block_bwd + (d.root_bwd if i == n_stages - 1 else 0.0)) / 2 + blocks * gather
-            for i in range(n_stages)]
-    waits = {key: exposed(n, d.block_fwd if key[0] == "F" else d.block_bwd) for key, n in gathered.items()}
+    half = [(blocks * d.block_bwd + (d.root_bwd if i == n_stages - 1 else 0.0)) / 2 for i in range(n_stages)]
+    # A split backward's half gathers before it computes: every gather waited for.
+    waits = {key: n * gather if key[0] in ("I", "W") else exposed(n, d.block_fwd if key[0] == "F" else d.block_bwd)
+             for key, n in gathered.items()}
     # Consecutive stages are world / pp ranks apart: on two nodes once a stage fills a node.
     alpha, bandwidth = link(hw, 2, spans=layout.world >= hw.gpus_per_node)
     p2p = alpha + w.tokens * s.hidden * w.compute_bytes / bandwidth
@@ -232,8 +224,9 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
 
 def _block_gathers(w: Workload, layout: Layout, order: dict[int, list], blocks: int,
                    pp: int) -> dict[tuple[str, int, int], int]:
-    """(kind, stage, microbatch) -> the blocks that forward or backward all-gathers: each stage's
-    step schedule over its ``blocks`` blocks, walked in its rank's order of torch's schedule."""
+    """(kind, stage, microbatch) -> the blocks that action all-gathers (kind F, B, or a split
+    backward's I or W; the first stage's W, one whole backward, as B): each stage's step schedule
+    over its ``blocks`` blocks, walked in its rank's order of torch's schedule."""
     from zeroshard.pipeline.order import stage_order
     from zeroshard.sharding.schedule import step_schedule
     from zeroshard.sharding.schedule_events import BACKWARD, FORWARD, MeshSizes
@@ -250,7 +243,7 @@ def _block_gathers(w: Workload, layout: Layout, order: dict[int, list], blocks: 
             for e in schedule.collectives:
                 if e.op == "all_gather" and e.phase in (FORWARD, BACKWARD) and e.unit.startswith("blocks.") \
                         and not e.mesh:  # the dense part of a block; its experts are their own group
-                    key = ("F" if e.phase == FORWARD else "B", stage, e.micro)
+                    key = (e.action, stage, e.micro)
                     out[key] = out.get(key, 0) + 1
     return out
 
