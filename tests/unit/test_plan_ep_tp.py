@@ -6,6 +6,8 @@ an MoE block has one tp all-reduce per direction (its attention's), not two."""
 
 from __future__ import annotations
 
+import pytest
+
 from zeroshard.experts.tp_tokens import run_of
 from zeroshard.models import GPTConfig
 from zeroshard.planner import plan
@@ -100,3 +102,68 @@ def _meta():
 
     with torch.device("meta"):
         return GPT(CFG)
+
+
+# -- the simulator's rows under ep with tp ---------------------------------------------------------
+def _sim(world: int, tp: int, ep: int, stage: int, seq: int = SEQ, batch: int = 8):
+    from zeroshard.sim.hardware import load_hardware
+    from zeroshard.sim.step import Layout, simulate
+    from zeroshard.sim.workload import Workload, gpt_shape
+
+    w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=batch // (world // tp * ACCUM), seq=seq, accum=ACCUM,
+                 compute_bytes=4)
+    return simulate(w, load_hardware("h100"), Layout(world=world, stage=stage, ep=ep, tp=tp, param_bytes=4))
+
+
+def test_the_simulator_moves_the_planners_ep_and_tp_bytes():
+    """The replay's all-to-alls carry each tp rank's run (the planner's ep rows, byte for byte), and
+    its tp bytes are the planner's tp rows: one all-reduce per MoE block and direction plus the MoE
+    layers' padded all-gathers, at tp 2 and 4 (runs of 15 + 15 and 8 + 8 + 8 + 6 tokens)."""
+    for world, tp, ep, seq in ((4, 2, 2, SEQ), (8, 2, 4, SEQ), (8, 4, 2, 15)):
+        batch = world // tp * ACCUM * 2
+        for stage in (1, 3):
+            got = _sim(world, tp, ep, stage, seq=seq, batch=batch)
+            planned = plan(CFG, world=world, tp=tp, ep=ep, batch=batch, seq=seq, accum=ACCUM)[f"zero{stage}"]
+            ep_rows = sum(c.buffer_bytes * c.count for c in planned.collectives if c.group == "ep")
+            tp_rows = sum(c.buffer_bytes * c.count for c in planned.collectives if c.group == "tp")
+            assert got.ep_bytes == ep_rows, (world, tp, ep, stage)
+            assert got.tp_bytes == tp_rows, (world, tp, ep, stage, got.tp_bytes, tp_rows)
+            assert got.breakdown["all-to-all (ep)"] > 0
+
+
+def test_the_simulators_expert_groups_span_world_over_ep():
+    """Each expert is sharded and reduced over the world / ep ranks holding it (ep borrows from dp x tp),
+    and a rank's shard of the model is its tp part of the attention, the MoE layer whole, its ep block
+    of the experts over those ranks."""
+    from zeroshard.sim.step import Layout
+
+    assert Layout(world=4, stage=3, tp=2, ep=2).expert_group == 2
+    assert Layout(world=4, stage=3, tp=2, ep=4).expert_group == 1
+    assert Layout(world=8, stage=3, tp=4, ep=2).expert_group == 4
+    assert Layout(world=8, stage=3, ep=2).expert_group == 4  # without tp: dp / ep
+
+
+def test_the_tp_gathers_are_priced_on_the_tp_link():
+    """Under ep with tp each MoE block's all-gathers block compute, priced on the tp group (within a
+    node): forward the outputs', backward the input rows' and the routing weights' grads."""
+    from zeroshard.sim.hardware import load_hardware
+    from zeroshard.sim.network import collective_seconds
+    from zeroshard.sim.replay import Walked, _AllToAlls
+    from zeroshard.sim.step import CommLink, Layout
+    from zeroshard.sim.workload import Workload, gpt_shape
+
+    hw = load_hardware("h100")
+    layout = Layout(world=4, stage=3, tp=2, ep=2, param_bytes=4)
+    w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=2, seq=SEQ, compute_bytes=4)
+    a2a = _AllToAlls(w, layout, CommLink(hw, layout))
+    rows = 2 * run_of(w.tokens, 2, 0)[2] * 4  # tp x c rows, fp32
+    out = Walked(t=0.0, optimizer_share=0.0, param_sync_bytes=0.0, tp_bytes=0.0)
+    forward = a2a.price(0.0, 1.0, "forward", out)
+    gather = collective_seconds("all_gather", rows * CFG.n_embd, 2, hw, spans=False)
+    assert gather > 0 and forward == pytest.approx(2 * a2a.exchange + a2a.count_exchange + gather)
+    backward = a2a.price(0.0, 1.0, "backward", out)
+    weights = collective_seconds("all_gather", rows * CFG.expert_top_k, 2, hw, spans=False)
+    assert backward == pytest.approx(2 * a2a.exchange + gather + weights)
+    assert out.tp_bytes == rows * (2 * CFG.n_embd + CFG.expert_top_k)
+    without_tp = _AllToAlls(w, Layout(world=4, stage=3, ep=2, param_bytes=4), CommLink(hw, layout))
+    assert without_tp.gather_fwd_s == 0 and without_tp.rows == 2 * a2a.rows

@@ -75,9 +75,9 @@ def test_ep_on_the_critical_path_costs_step_time_and_skew_more():
     assert skewed.step_s > with_ep.step_s and skewed.compute_s > with_ep.compute_s
 
 
-def test_the_simulator_refuses_ep_with_tp_in_one_line():
-    with pytest.raises(ValueError, match="ep 2 with tp 2 is not modelled by the simulator yet") as err:
-        Layout(world=8, stage=3, ep=2, tp=2)
+def test_the_simulator_refuses_an_ep_misaligned_with_tp_in_one_line():
+    with pytest.raises(ValueError, match="ep=3 with tp=2: an ep group must hold whole tp groups") as err:
+        Layout(world=6, stage=3, ep=3, tp=2)
     assert "\n" not in str(err.value)
 
 

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zeroshard.experts.tp_tokens import run_of
 from zeroshard.offload.policy import OffloadPolicy
+from zeroshard.planner.tp import ALL_REDUCES_PER_LAYER, MOE_ALL_REDUCES_PER_LAYER
 from zeroshard.sharding.engine import merge_in_order
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.schedule import step_schedule
@@ -79,7 +81,12 @@ def schedule_units(w: Workload, layout: Layout) -> ScheduleUnits:
 
     split = layout.ep > 1 and s.n_expert > 0
     expert_numel = s.expert_params // layout.ep if split else 0
-    block_numel = -(-(s.block_params - (s.expert_params if split else 0)) // layout.tp)  # its tp part, wholly split
+    dense = s.block_params - (s.expert_params if split else 0)
+    if s.n_expert and layout.tp > 1:  # the attention alone is tp split; the MoE layer stays whole
+        attention = sum(s.block_matmuls[:4])
+        block_numel = -(-attention // layout.tp) + dense - attention
+    else:
+        block_numel = -(-dense // layout.tp)  # its tp part, wholly split
     blocks = [unit(f"blocks.{i}", block_numel, experts=expert_numel) for i in reversed(range(s.n_layer))]
     units = blocks + [unit(ROOT, s.root_params, root=True)]
     if layout.policy.shard_params:
@@ -104,8 +111,10 @@ def replay_schedule(w: Workload, layout: Layout, units: ScheduleUnits) -> Schedu
     """The runtime's schedule of one optimizer step of ``w`` on ``layout`` (steady state, no clip)."""
     tp = None
     if layout.tp > 1:
+        # An MoE block all-reduces its attention's output alone: its MoE layer is not tp split.
+        per_block = MOE_ALL_REDUCES_PER_LAYER if w.shape.n_expert else ALL_REDUCES_PER_LAYER
         tp = TensorParallelSizes(numel=w.tokens * w.shape.hidden, dtype=_dtype(w.compute_bytes, "compute_bytes"),
-                                 blocks=w.shape.n_layer)
+                                 blocks=w.shape.n_layer, per_block=per_block)
     mesh = MeshSizes(world=layout.world, shard=layout.shard_group, tp=layout.tp)
     return step_schedule(units.units, policy=layout.policy, mesh=mesh, options=replay_options(w, layout),
                          accum=w.accum, tp=tp)
@@ -207,13 +216,20 @@ class _AllToAlls:
     like the tp all-reduces: on the ep link (``ep`` consecutive ranks; across nodes when ep
     exceeds a node). The busiest rank receives ``1 + routing_skew`` times its share of rows, so
     both row exchanges take that long; the bytes are the ledger's (what each rank sends, its own
-    rows and the skewed ones it returns)."""
+    rows and the skewed ones it returns).
+
+    Under tp each tp rank routes its run of its group's tokens (``tp_tokens.run_of``: ``c =
+    ceil(tokens / tp)``, the longest), so the rows are ``c × top_k``, and the layer's tp
+    all-gathers (zeroshard/experts/tp_tokens.py) block compute too, on the tp link: forward the
+    outputs, backward the input rows' and the routing weights' grads, ``tp × c`` rows each (the
+    ledger's bytes, every run padded to ``c``)."""
 
     def __init__(self, w: Workload, layout: Layout, comm: CommLink) -> None:
         s = w.shape
         self.on = layout.ep > 1 and s.n_expert > 0
-        self.comm, self.ep = comm, layout.ep
-        own = w.tokens * s.top_k * s.hidden * w.compute_bytes
+        self.comm, self.ep, self.tp = comm, layout.ep, layout.tp
+        routed = run_of(w.tokens, layout.tp, 0)[2]
+        own = routed * s.top_k * s.hidden * w.compute_bytes
         self.rows, self.skewed = float(own), (1.0 + w.routing_skew) * own
         self.counts = 8.0 * s.n_expert
         spans = layout.ep > comm.hw.gpus_per_node
@@ -221,6 +237,14 @@ class _AllToAlls:
             if self.on else 0.0
         self.count_exchange = collective_seconds("all_to_all", self.counts, layout.ep, comm.hw, spans=spans) \
             if self.on else 0.0
+        gathered = layout.tp * routed * w.compute_bytes if self.on and layout.tp > 1 else 0
+        self.gather_fwd = float(gathered * s.hidden)
+        self.gather_bwd = float(gathered * (s.hidden + s.top_k))
+        self.gather_fwd_s = self._gather_seconds(self.gather_fwd)
+        self.gather_bwd_s = self._gather_seconds(gathered * s.hidden) + self._gather_seconds(gathered * s.top_k)
+
+    def _gather_seconds(self, nbytes: float) -> float:
+        return collective_seconds("all_gather", nbytes, self.tp, self.comm.hw, spans=False) if nbytes else 0.0
 
     def price(self, t: float, blocks: float, phase: str, out: Walked) -> float:
         forward = phase in (FORWARD, RECOMPUTE)
@@ -231,7 +255,14 @@ class _AllToAlls:
         self.comm.by_op["all_to_all"] = self.comm.by_op.get("all_to_all", 0.0) + seconds
         out.ep_bytes += nbytes
         out.ep_s += seconds
-        return t + seconds
+        gather_s = blocks * (self.gather_fwd_s if forward else self.gather_bwd_s)
+        if gather_s:
+            gathered = blocks * (self.gather_fwd if forward else self.gather_bwd)
+            self.comm.busy += gather_s
+            self.comm.wire += wire_bytes("all_gather", gathered, self.tp)
+            self.comm.by_op["all_gather"] = self.comm.by_op.get("all_gather", 0.0) + gather_s
+            out.tp_bytes += gathered
+        return t + seconds + gather_s
 
 
 def _torchtitan_rebuilt_all_reduces(w: Workload) -> int:

@@ -34,6 +34,7 @@ import bisect
 import dataclasses
 from typing import Any
 
+from zeroshard.comm.mesh import check_ep_layout
 from zeroshard.offload.policy import OFFLOAD_KINDS
 from zeroshard.sharding.flat import StagePolicy
 from zeroshard.sharding.options import EngineOptions
@@ -82,8 +83,9 @@ class Layout:
     offload: str = "none"
     """Where masters and optimizer state live: none, cpu or disk (``zeroshard.offload``)."""
     ep: int = 1
-    """Expert parallelism: each MoE block's experts split over ``ep`` consecutive data-parallel
-    ranks, each sharded over the ``dp / ep`` that hold it; tokens go to them by all-to-all."""
+    """Expert parallelism: each MoE block's experts split over ``ep`` consecutive ranks (of dp × tp:
+    the experts are not tp split), each sharded over the ``world / ep`` that hold it; tokens go to
+    them by all-to-all, each tp rank its run of its group's tokens."""
 
     def __post_init__(self) -> None:
         StagePolicy(self.stage)  # validates
@@ -96,11 +98,7 @@ class Layout:
         s = self.shard_group
         if self.dp % s:
             raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(f"ep {self.ep} with tp {self.tp} is not modelled by the simulator yet (train and verify "
-                             "run it); simulate tp 1 with ep")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"ep {self.ep} must be a positive divisor of the {self.dp} data-parallel ranks")
+        check_ep_layout(self.ep, self.dp, self.tp)  # the runtime's rule: ep borrows its ranks from dp x tp
         if self.offload != "none" and self.hybrid:
             raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
                              "shard size or the offload")
@@ -131,9 +129,9 @@ class Layout:
 
     @property
     def expert_group(self) -> int:
-        """Ranks an expert group is sharded over and reduced on: the ``dp / ep`` holding the same
-        experts (every data-parallel rank without ep; one at stage 0, which reduces over them)."""
-        return self.dp // self.ep
+        """Ranks an expert group is sharded over and reduced on: the ``world / ep`` holding the same
+        experts (``dp / ep`` without tp; every data-parallel rank without ep)."""
+        return self.world // self.ep if self.ep > 1 else self.dp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,8 +151,9 @@ class StepResult:
     hidden_comm_s: float = 0.0
     """Seconds of collective work done while compute ran (from the replay's timeline)."""
     tp_bytes: float = 0.0
-    """Bytes of the tp all-reduces' buffers per step on each rank: what the runtime's ledger records for
-    group "tp" (a ring all-reduce sends 2(tp-1)/tp of it, which ``wire_bytes`` counts)."""
+    """Bytes of the tp collectives' buffers per step on each rank (the all-reduces, and under ep the MoE
+    layers' all-gathers): what the runtime's ledger records for group "tp" (a ring all-reduce sends
+    2(tp-1)/tp of it, which ``wire_bytes`` counts)."""
     ep_bytes: float = 0.0
     """Bytes of the ep all-to-alls per step on the busiest rank, as the runtime's ledger records them
     (each by what the rank sends): the same figure as the planner's ep rows."""
@@ -461,5 +460,5 @@ def _shard_params(w: Workload, layout: Layout) -> float:
     root over the shard group, its ep block of the experts over the ranks that hold them."""
     s = w.shape
     dense = s.root_params + s.n_layer * (s.block_params - s.expert_params) / layout.tp
-    experts = s.n_layer * s.expert_params / layout.ep
+    experts = s.n_layer * s.expert_params / layout.ep  # never tp split
     return dense / layout.shard_group + experts / (layout.expert_group if layout.policy.shard_optimizer else 1)

@@ -195,7 +195,8 @@ class Workload:
             whole, split = c * 2 * h, c * (h + kv + f + h) + lse
         elif policy == "none":
             mlp: float = 4 * f if s.gated else 2 * f
-            if s.n_expert:  # each routed row keeps its input, the MLP's and its output (planner/activations.py)
+            if s.n_expert:  # each routed row keeps its input, the MLP's and its output (planner/activations.py);
+                # split: under ep with tp each tp rank routes its run of the tokens (experts/tp_tokens.py)
                 mlp = (1.0 + self.routing_skew) * s.top_k * (mlp + 3 * h)
             # whole: the input, the two norms' outputs and the residual between the two halves;
             # split: q, the attention output, k, v and the MLP's hidden tensors
