@@ -142,7 +142,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
             split.check_gpt(cfg)
         if sequence_parallel and cfg is not None and cfg.n_expert > 0:
             raise ValueError("sequence parallelism with an MoE model is not supported by the runtime (its MoE layer "
-                             "needs the whole sequence on every tp rank); plan without sequence_parallel")
+                             "needs the whole sequence on every tp rank); plan without sequence parallelism")
         experts = expert_split(model, ep, tp=tp)
         # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
         inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
