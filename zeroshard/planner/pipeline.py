@@ -209,28 +209,15 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     activations in flight and buffers, and the bubble. ``model_or_config``: a preset name, a
     ``GPTConfig`` or zeroshard's GPT (activations are planned for zeroshard's GPT). ``batch`` is the
     global batch per step, as ``zeroshard train --pp`` reads it. Other keywords are ``zs.plan``'s."""
-    from zeroshard.models import GPT, GPTConfig
-    from zeroshard.pipeline.families import StageModule, block_names, family_of
     from zeroshard.pipeline.grad_reduce import stage_options
     from zeroshard.pipeline.runtime import PIPELINE_RESHARD_AFTER_FORWARD
-    from zeroshard.pipeline.split import even_split
-    from zeroshard.pipeline.tied import find_tied, untie_copy
     from zeroshard.planner.api import plan
-    from zeroshard.planner.inventory import meta_gpt
     from zeroshard.planner.spec import resolve_mp
     from zeroshard.sharding.options import KNOB_NAMES, EngineOptions
 
     shape = PipelineShape.resolve(pp=pp, pp_schedule=pp_schedule, microbatches=microbatches,
                                   pp_stages_per_rank=pp_stages_per_rank)
-    if isinstance(model_or_config, str):
-        cfg = GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
-    elif isinstance(model_or_config, GPTConfig):
-        cfg = dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config
-    elif isinstance(model_or_config, GPT):
-        cfg = model_or_config.cfg
-    else:
-        raise ValueError("the pipeline planner plans zeroshard's GPT (a preset name, a GPTConfig or a GPT); "
-                         f"got {type(model_or_config).__name__}")
+    cfg = _planned_gpt(model_or_config, seq)
     seq = seq or cfg.seq_len
     if world % (pp * tp):
         raise ValueError(f"pp {pp} x tp {tp} does not divide world {world}; each stage has world / (pp x tp) "
@@ -245,17 +232,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     check_microbatches(schedule_spec(shape.schedule), microbatches=shape.microbatches, pp=pp, local_batch=local)
     micro = local // shape.microbatches
 
-    model = meta_gpt(cfg)
-    family = family_of(model)
-    split = even_split(len(block_names(model, family)), shape.num_stages)
-    tied = find_tied(model, family, split)
-    modules = []
-    for s in range(shape.num_stages):
-        module = StageModule(model, family, split.blocks[s], stage_index=s, num_stages=shape.num_stages)
-        for t in tied:
-            if s == t.copy_stage:
-                untie_copy(module, t)
-        modules.append(module)
+    modules, split, tied = _stage_modules(cfg, shape.num_stages)
 
     precision = resolve_mp(mp, analytic=False)
     c = torch.empty(0, dtype=precision.compute_dtype(torch.float32)).element_size()
@@ -294,17 +271,9 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
         for moment, micro_steps in zip(moments, (1, steps)):
             plans = []
             for k, s in enumerate(stages):
-                last = s == shape.num_stages - 1
-                # The microbatch whose backward runs frees its blocks' activations block by block
-                # (per_layer, or a segment's boundary with checkpointing); the rest of what the
-                # rank holds in flight stays until later backwards (root, to the planner).
-                held = moment.bytes if k == 0 else 0
-                mine = _blocks_saved(est_of[s], blocks=len(split.blocks[s])) if k == 0 else 0
-                carried = ActivationEstimate(  # (recompute: the longest segment rebuilt in backward)
-                    saved=held, recompute=est_of[s].recompute, per_layer=est_of[s].per_layer if k == 0 else 0,
-                    root=held - mine, boundary=est_of[s].boundary if k == 0 else 0, segments=est_of[s].segments,
-                    workspace=max(est.head, est.block) if last else est.block,
-                    head=est.head if last else 0, block=est.block)
+                # The rank's in-flight activations are charged to its first stage.
+                carried = _carried(est_of[s], est, held=moment.bytes if k == 0 else None, blocks=len(split.blocks[s]),
+                                   last=s == shape.num_stages - 1)
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
                                   accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
                                   units=modules[s].block_modules(), activations=carried, engine=engine,
@@ -314,14 +283,68 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
         ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
                                in_flight=worst.held, activation_bytes=worst.bytes, buffer_bytes=buffers,
                                plan=_larger(*combined)))
+    return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
+                        accum=accum, ranks=tuple(ranks), knobs=knobs,
+                        notes=_notes(shape, tied, grad_reduce=engine.pp_grad_reduce, steps=steps))
+
+
+def _planned_gpt(model_or_config: Any, seq: int | None):
+    """The GPTConfig a preset name, a GPTConfig or a GPT gives, at ``seq`` when given."""
+    from zeroshard.models import GPT, GPTConfig
+
+    if isinstance(model_or_config, str):
+        return GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
+    if isinstance(model_or_config, GPTConfig):
+        return dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config
+    if isinstance(model_or_config, GPT):
+        return model_or_config.cfg
+    raise ValueError("the pipeline planner plans zeroshard's GPT (a preset name, a GPTConfig or a GPT); "
+                     f"got {type(model_or_config).__name__}")
+
+
+def _stage_modules(cfg, num_stages: int) -> tuple[list, Any, list]:
+    """The stages of a meta-device GPT, cut as the runtime cuts it: (modules, split, tied params)."""
+    from zeroshard.pipeline.families import StageModule, block_names, family_of
+    from zeroshard.pipeline.split import even_split
+    from zeroshard.pipeline.tied import find_tied, untie_copy
+    from zeroshard.planner.inventory import meta_gpt
+
+    model = meta_gpt(cfg)
+    family = family_of(model)
+    split = even_split(len(block_names(model, family)), num_stages)
+    tied = find_tied(model, family, split)
+    modules = []
+    for s in range(num_stages):
+        module = StageModule(model, family, split.blocks[s], stage_index=s, num_stages=num_stages)
+        for t in tied:
+            if s == t.copy_stage:
+                untie_copy(module, t)
+        modules.append(module)
+    return modules, split, tied
+
+
+def _carried(stage_est: ActivationEstimate, est: ActivationEstimate, *, held: int | None, blocks: int,
+             last: bool) -> ActivationEstimate:
+    """What ``zs.plan`` plans a stage with: ``held`` bytes in flight (None: charged to another stage
+    of the rank). The microbatch whose backward runs frees its blocks' activations block by block
+    (per_layer, or a segment's boundary with checkpointing); the rest stays until later backwards
+    (the planner's root). Recompute: the longest segment rebuilt in backward."""
+    mine = held is not None
+    return ActivationEstimate(
+        saved=held or 0, recompute=stage_est.recompute, per_layer=stage_est.per_layer if mine else 0,
+        root=(held or 0) - (_blocks_saved(stage_est, blocks=blocks) if mine else 0),
+        boundary=stage_est.boundary if mine else 0, segments=stage_est.segments,
+        workspace=max(est.head, est.block) if last else est.block, head=est.head if last else 0, block=est.block)
+
+
+def _notes(shape: PipelineShape, tied: list, *, grad_reduce: str, steps: int) -> tuple[str, ...]:
     notes = [f"{shape.schedule}: bubble {shape.bubble_rule} = {shape.bubble:.1%} of each rank's step "
-             f"(p {pp}, m {shape.microbatches}, v {shape.stages_per_rank})"]
+             f"(p {shape.pp}, m {shape.microbatches}, v {shape.stages_per_rank})"]
     if tied:
         notes.append(f"tied {tied[0].owner_fqn} = {tied[0].copy_fqn}: the last stage holds its own copy "
                      "(params, grads and optimizer state)")
-    if engine.pp_grad_reduce == "microbatch":
+    if grad_reduce == "microbatch":
         notes.append(f"pp_grad_reduce=microbatch: zero2 and zero3 reduce-scatter after each of the {steps} microbatches "
                      "of a step into the 1/N grad shard; ddp and zero1 keep full grads and reduce once (a run "
                      "refuses microbatch at those stages)")
-    return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
-                        accum=accum, ranks=tuple(ranks), knobs=knobs, notes=tuple(notes))
+    return tuple(notes)
