@@ -167,3 +167,18 @@ def test_the_tp_gathers_are_priced_on_the_tp_link():
     assert out.tp_bytes == rows * (2 * CFG.n_embd + CFG.expert_top_k)
     without_tp = _AllToAlls(w, Layout(world=4, stage=3, ep=2, param_bytes=4), CommLink(hw, layout))
     assert without_tp.gather_fwd_s == 0 and without_tp.rows == 2 * a2a.rows
+
+
+def test_a_tp_rank_computes_its_experts_on_its_run_only_under_ep():
+    """The attention's matmuls split over tp; the router runs on every token; the experts run on the
+    rank's run of the tokens under ep, and on every token without it (the MoE layer stays whole)."""
+    from zeroshard.sim.workload import Workload, gpt_shape
+
+    w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=2, seq=SEQ)
+    dense = Workload(shape=gpt_shape(GPTConfig.named("tiny", n_layer=2, vocab_size=64, seq_len=32)), micro_batch=2,
+                     seq=SEQ)
+    assert dense.block_gemm_flops_on(2, experts_split=False) == dense.block_gemm_flops / 2
+    assert w.block_gemm_flops_on(1, experts_split=True) == w.block_gemm_flops
+    whole, split = w.block_gemm_flops_on(2, experts_split=False), w.block_gemm_flops_on(2, experts_split=True)
+    assert w.block_gemm_flops / 2 < split < whole < w.block_gemm_flops
+    assert _sim(4, 2, 2, 3).compute_s < _sim(4, 2, 1, 3).compute_s

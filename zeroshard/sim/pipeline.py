@@ -186,7 +186,7 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
         raise ValueError(f"{n_stages} pipeline stages do not divide the model's {s.n_layer} blocks; pick pp x stages "
                          f"per rank dividing {s.n_layer}")
     blocks = s.n_layer // n_stages
-    d = _durations(w, hw, layout.tp, world, synced_per_unit=layout.policy.shard_params)
+    d = _durations(w, hw, layout.tp, world, synced_per_unit=layout.policy.shard_params, ep=layout.ep)
     gather = 0.0
     if layout.policy.shard_params:  # each block gathered again per microbatch and pass
         group = layout.shard_group

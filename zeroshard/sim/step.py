@@ -356,13 +356,16 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
                       block_recompute=recompute)
 
 
-def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_per_unit: bool = False) -> _Durations:
+def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_per_unit: bool = False,
+               ep: int = 1) -> _Durations:
     """Seconds per unit: measured ones when ``hw`` has them, else matmuls and attention at their
-    efficiencies (split over ``tp`` ranks), the rest at HBM speed."""
+    efficiencies (split over ``tp`` ranks; an MoE layer's experts only under ep, where each tp
+    rank routes its run of the tokens), the rest at HBM speed."""
     if hw.compute and tp == 1:
         return _measured_durations(w, hw, world, synced_per_unit)
     gemm, attn = hw.peak_flops * hw.gemm_efficiency, hw.peak_flops * hw.attention_efficiency
-    g_f, a_f = w.block_gemm_flops / gemm / tp, w.block_attention_flops / attn / tp
+    g_f = w.block_gemm_flops_on(tp, experts_split=ep > 1) / gemm
+    a_f = w.block_attention_flops / attn / tp
     e_f = w.block_elementwise_bytes / hw.hbm_bandwidth
     frac_g, frac_a = w.recompute_fraction()
     # Any checkpointing replays the block's elementwise ops (they are never on a save list).
@@ -390,7 +393,7 @@ def replayed_collectives(w: Workload, hw: Hardware, layout: Layout) -> list[tupl
 
 
 def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, CommLink]:
-    d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params)
+    d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params, ep=layout.ep)
     pol, s = layout.policy, w.shape
     comm, host = CommLink(hw, layout), HostLink(hw, layout)
     walked = walk(w, layout, d, comm, host)

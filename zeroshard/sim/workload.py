@@ -137,6 +137,19 @@ class Workload:
         routed = (1.0 + self.routing_skew) * s.top_k * sum(s.block_matmuls[4:])
         return 2.0 * self.tokens * (sum(s.block_matmuls[:4]) + s.hidden * s.n_expert + routed)
 
+    def block_gemm_flops_on(self, tp: int, *, experts_split: bool) -> float:
+        """``block_gemm_flops`` on one of ``tp`` tensor-parallel ranks: a dense block's matmuls all
+        split; an MoE block's attention split (the runtime's plan leaves the MoE layer whole), its
+        router on every token, its experts on the rank's run of the tokens when ep splits them
+        (each tp rank routes its own run: zeroshard/experts/tp_tokens.py), else on every token."""
+        s = self.shape
+        if not s.n_expert or tp == 1:
+            return self.block_gemm_flops / tp
+        attention = 2.0 * self.tokens * sum(s.block_matmuls[:4]) / tp
+        router = 2.0 * self.tokens * s.hidden * s.n_expert
+        routed = 2.0 * self.tokens * (1.0 + self.routing_skew) * s.top_k * sum(s.block_matmuls[4:])
+        return attention + router + routed / (tp if experts_split else 1)
+
     @property
     def block_attention_flops(self) -> float:
         """Forward, causal mask counted as half (what the kernel does)."""
