@@ -405,6 +405,9 @@ def suite(moe_folder: str | None = None) -> dict:
         t0 = time.perf_counter()
         out[("ep",) + case] = _ep_train(*case, ppep)
         times[("ep",) + case] = time.perf_counter() - t0
+    t0 = time.perf_counter()  # tiny-moe without ep: every rank holds every expert, the aux loss per stage still
+    out["moe-ep1"] = _train(ep_config("moe", 3, ep=1), mesh)
+    times["moe-ep1"] = time.perf_counter() - t0
     t0 = time.perf_counter()  # built on meta: each stage replays the init, drawing other stages' experts whole
     out["ep-meta"] = _train(ep_config("moe", 3, init="meta"), ppep)
     times["ep-meta"] = time.perf_counter() - t0

@@ -460,6 +460,16 @@ def test_the_expert_mesh_lies_inside_each_stage(suite):
                for m in meshes)
 
 
+def test_tiny_moe_without_ep_keeps_its_load_balancing_loss_under_pp(suite, ep_references):
+    """pp 2 x shard 2 at ep 1 (every rank holds every expert): each stage still backpropagates its
+    own layers' load-balancing terms, with the routing counts summed over the stage's ranks."""
+    got = suite[0]["moe-ep1"]
+    _assert_matches_one_process(got, ep_references["moe"], "tiny-moe pp 2 x shard 2 (ep 1) stage 3 1f1b",
+                                suite[0]["times"]["moe-ep1"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], ep_references["moe"]["losses"], strict=True)) <= 1e-5
+    assert "a2a" not in got  # no expert parallelism: no all-to-all
+
+
 def test_tiny_moe_load_balancing_loss_is_in_the_pipelines_loss(suite, ep_references):
     """Each stage backpropagates its own layers' load-balancing terms: the pp x ep losses match a
     reference with the loss, which sits well above the same model's without it."""
