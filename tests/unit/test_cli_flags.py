@@ -126,7 +126,8 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
         "--sequence-parallel": [(plus(m, "--tp", "2", "--sequence-parallel"), plus(m, "--tp", "2"), CHANGES)],
         "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(m, "--ep", "2"), None, REFUSED),  # tiny has no experts
-                 (plus(moe, "--pp", "2", "--ep", "2"), None, REFUSED)],  # plan --pp does not count experts yet
+                 (plus(moe, "--pp", "2", "--ep", "2"), None, REFUSED),  # plan --pp does not count experts yet
+                 (plus(moe, "--tp", "2", "--ep", "2"), plus(moe, "--tp", "2"), CHANGES)],  # ep borrowing tp ranks
         "--routing-skew": [(plus(moe, "--ep", "2", "--routing-skew", "0.5"), plus(moe, "--ep", "2"), CHANGES),
                            (plus(moe, "--routing-skew", "0.5"), None, REFUSED)],
         "--stage": [(plus(m, "--stage", "3"), m, CHANGES)],
@@ -191,7 +192,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--tp": [(plus(t, "--tp", "2"), t, CHANGES)],
         "--sequence-parallel": [(plus(t, "--tp", "2", "--sequence-parallel"), None, REFUSED)],
         "--ep": [(plus(swap(t, "--model", "tiny-moe"), "--ep", "2"), swap(t, "--model", "tiny-moe"), CHANGES),
-                 (plus(t, "--ep", "2"), None, REFUSED)],
+                 (plus(t, "--ep", "2"), None, REFUSED),
+                 (plus(swap(t, "--model", "tiny-moe"), "--tp", "2", "--ep", "2"),
+                  plus(swap(t, "--model", "tiny-moe"), "--tp", "2"), CHANGES)],
         "--routing-skew": [(plus(swap(t, "--model", "tiny-moe"), "--ep", "2", "--routing-skew", "0.5"),
                             plus(swap(t, "--model", "tiny-moe"), "--ep", "2"), CHANGES),
                            (plus(swap(t, "--model", "tiny-moe"), "--routing-skew", "0.5"), None, REFUSED)],
