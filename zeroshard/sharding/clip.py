@@ -29,6 +29,35 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     return total[0].sqrt().to(torch.float32)
 
 
+SQUARE_CHUNK = 1 << 22
+"""Grad elements squared at a time: a chunk's float64 copy (32 MiB) is clipping's whole temporary
+memory, however large the grad shard (a whole-shard float64 square would be twice its fp32 bytes
+again, on top of a copy, at the moment every grad is alive)."""
+
+
+def _square_sum(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The float64 sum of squares of ``t[start:stop]``, one chunk at a time (each square is exact)."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for a in range(start, stop, SQUARE_CHUNK):
+        total += t[a:min(a + SQUARE_CHUNK, stop)].to(torch.float64, copy=True).square_().sum()
+    return total
+
+
+def _without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` less the (sorted, disjoint) ``holes``."""
+    out = []
+    for start, stop in ranges:
+        for a, b in holes:
+            if a >= stop or b <= start:
+                continue
+            if a > start:
+                out.append((start, a))
+            start = max(start, b)
+        if start < stop:
+            out.append((start, stop))
+    return out
+
+
 def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
     """This rank's float64 [dense squares, squares of tp-sharded params, expert squares] of the grad
     shards, leaving out the params named in ``skip`` (a pipeline's copy of a tied param, counted on
@@ -38,17 +67,18 @@ def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
     # param's parts differ across tp ranks and are summed over tp too; a replicated one is counted once.
     total = torch.zeros(3, dtype=torch.float64, device=device)
     for group in engine.trainable_groups:
-        if group.grad_shard is not None:
-            squares = group.grad_shard.double().square()
-            if group.mesh is not engine.mesh:
-                total[2] += squares.sum()
-                continue
-            for piece in (group.layout.pieces(group.shard_rank) if skip else ()):
-                if group.layout.slots[piece.slot_index].fqn in skip:
-                    squares[piece.start - group.lo:piece.stop - group.lo] = 0
-            total[0] += squares.sum()
-            for start, stop in tp_sharded_ranges(group):
-                total[1] += squares[start:stop].sum()
+        grad = group.grad_shard
+        if grad is None:
+            continue
+        if group.mesh is not engine.mesh:
+            total[2] += _square_sum(grad, 0, grad.numel())
+            continue
+        holes = sorted((p.start - group.lo, p.stop - group.lo) for p in group.layout.pieces(group.shard_rank)
+                       if group.layout.slots[p.slot_index].fqn in skip) if skip else []
+        for start, stop in _without([(0, grad.numel())], holes):
+            total[0] += _square_sum(grad, start, stop)
+        for start, stop in _without(tp_sharded_ranges(group), holes):
+            total[1] += _square_sum(grad, start, stop)
     return total
 
 
