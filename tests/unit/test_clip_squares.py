@@ -13,21 +13,21 @@ def test_chunked_square_sum_is_the_float64_sum_of_squares(monkeypatch):
     whole = t.double().square().sum()
     monkeypatch.setattr(clip, "SQUARE_CHUNK", 64)
     for start, stop in ((0, 1000), (10, 999), (500, 501), (7, 7)):
-        got = clip._square_sum(t, start, stop)
+        got = clip.square_sum(t, start, stop)
         want = t[start:stop].double().square().sum()
         assert abs(got.item() - want.item()) <= 1e-12 * max(want.item(), 1.0)
-    assert abs(clip._square_sum(t, 0, 1000).item() - whole.item()) <= 1e-12 * whole.item()
+    assert abs(clip.square_sum(t, 0, 1000).item() - whole.item()) <= 1e-12 * whole.item()
     # fp64 grads are squared on a copy: the grad itself is untouched
     d = t.double().clone()
-    clip._square_sum(d, 0, 1000)
+    clip.square_sum(d, 0, 1000)
     assert torch.equal(d, t.double())
 
 
 def test_ranges_without_holes():
-    assert clip._without([(0, 10)], [(2, 4), (6, 7)]) == [(0, 2), (4, 6), (7, 10)]
-    assert clip._without([(3, 8)], [(2, 4), (6, 7)]) == [(4, 6), (7, 8)]
-    assert clip._without([(0, 5)], []) == [(0, 5)]
-    assert clip._without([(2, 4)], [(0, 10)]) == []
+    assert clip.ranges_without([(0, 10)], [(2, 4), (6, 7)]) == [(0, 2), (4, 6), (7, 10)]
+    assert clip.ranges_without([(3, 8)], [(2, 4), (6, 7)]) == [(4, 6), (7, 8)]
+    assert clip.ranges_without([(0, 5)], []) == [(0, 5)]
+    assert clip.ranges_without([(2, 4)], [(0, 10)]) == []
 
 
 def test_the_temporary_is_one_chunk_in_float64(monkeypatch):
@@ -39,6 +39,6 @@ def test_the_temporary_is_one_chunk_in_float64(monkeypatch):
     tracker = MemTracker()
     tracker.track_external(t)
     with tracker:
-        clip._square_sum(t, 0, t.numel())
+        clip.square_sum(t, 0, t.numel())
     peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
     assert peak - t.numel() * 4 <= 8 * (1 << 16) + 1024

@@ -35,7 +35,7 @@ memory, however large the grad shard (a whole-shard float64 square would be twic
 again, on top of a copy, at the moment every grad is alive)."""
 
 
-def _square_sum(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def square_sum(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """The float64 sum of squares of ``t[start:stop]``, one chunk at a time (each square is exact)."""
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for a in range(start, stop, SQUARE_CHUNK):
@@ -43,7 +43,7 @@ def _square_sum(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return total
 
 
-def _without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def ranges_without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``ranges`` less the (sorted, disjoint) ``holes``."""
     out = []
     for start, stop in ranges:
@@ -71,14 +71,14 @@ def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         if grad is None:
             continue
         if group.mesh is not engine.mesh:
-            total[2] += _square_sum(grad, 0, grad.numel())
+            total[2] += square_sum(grad, 0, grad.numel())
             continue
         holes = sorted((p.start - group.lo, p.stop - group.lo) for p in group.layout.pieces(group.shard_rank)
                        if group.layout.slots[p.slot_index].fqn in skip) if skip else []
-        for start, stop in _without([(0, grad.numel())], holes):
-            total[0] += _square_sum(grad, start, stop)
-        for start, stop in _without(tp_sharded_ranges(group), holes):
-            total[1] += _square_sum(grad, start, stop)
+        for start, stop in ranges_without([(0, grad.numel())], holes):
+            total[0] += square_sum(grad, start, stop)
+        for start, stop in ranges_without(tp_sharded_ranges(group), holes):
+            total[1] += square_sum(grad, start, stop)
     return total
 
 
