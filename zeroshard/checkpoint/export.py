@@ -195,7 +195,8 @@ def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: P
         raise CheckpointError(f"ep {ep} does not divide world {world}; pick an ep that divides it "
                               "(world = ep x the ranks that shard each block of experts)")
     if tp > 1:
-        raise CheckpointError(f"ep {ep} with tp {tp}: expert parallelism runs with tp 1; pass --tp 1")
+        raise CheckpointError(f"ep {ep} with tp {tp}: ckpt reshard does not lay experts out over tp ranks yet; "
+                              "reshard with --tp 1 (zs.load and --resume read the checkpoint at any ep x tp as it is)")
     if not experts:
         raise CheckpointError(f"{directory} was saved without expert parallelism, so it records no expert placement; "
                               "reshard it with --ep 1 (zs.load reads it at any ep as it is: each rank its block)")
