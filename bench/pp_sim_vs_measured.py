@@ -5,9 +5,10 @@ measured bubble against the equal-stage one ((p - 1) / (v·m + p - 1) for the 1F
         [--schedule 1f1b | interleaved-1f1b | interleaved-zero-bubble | gpipe | looped-bfs]
 
 Worlds 2 and 4 on gloo, fp32, clipping off (the simulator has no clipping term): pp 2 alone
-(one rank per core), pp 2 x shard 2 and, for one stage per rank, pp 4. First the host is calibrated with one rank per core
-exactly as ``zeroshard plan --calibrate`` does (zeroshard/sim/calibrate.py: links, one block's and
-the root's forward and backward, contention), one microbatch of sequences per unit; the replay
+(one rank per core), pp 2 x shard 2 and, for one stage per rank, pp 4. Before each group the
+host is calibrated with one rank per core exactly as ``zeroshard plan --calibrate`` does
+(zeroshard/sim/calibrate.py: links, one block's and the root's forward and backward,
+contention), one microbatch of sequences per unit; the replay
 shares the cores among the ranks computing at each moment (``simulate_pipeline(cores=)``), which is
 what four ranks on two cores do, and why an idle rank's bubble lends its core to the others. Then
 each configuration is built as ``zeroshard train --pp`` builds it
@@ -125,15 +126,17 @@ def main() -> None:
 
     cores = os.cpu_count() or 1
     vocab = TrainConfig().vocab_size
-    t0 = time.perf_counter()
-    calib = calibrate_world(cores, args.model, vocab, args.micro_batch, args.seq, repeats=args.repeats)
-    hw, _ = hardware_from({cores: [calib]}, args.model, vocab, args.micro_batch, args.seq)
-    print(f"calibrated at world {cores} (one rank per core) in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
-          flush=True)
     rows = []
     from zeroshard.pipeline.schedules import schedule_spec
 
     for (world, pp), ms in (MULTI_GROUPS if schedule_spec(args.schedule).multi else GROUPS).items():
+        # Calibrated again right before each group is measured: a shared host's speed drifts by more
+        # than the model's error over the minutes the whole bench takes.
+        t0 = time.perf_counter()
+        calib = calibrate_world(cores, args.model, vocab, args.micro_batch, args.seq, repeats=args.repeats)
+        hw, _ = hardware_from({cores: [calib]}, args.model, vocab, args.micro_batch, args.seq)
+        print(f"calibrated at world {cores} (one rank per core) in {time.perf_counter() - t0:.0f} s, before "
+              f"world {world} pp {pp}", file=sys.stderr, flush=True)
         cfgs = [config(args, world, pp, m) for m in ms]
         per_rank = spawn(measure_rank, world, args=(cfgs, args.steps, args.warmup), timeout_s=1800)
         for i, cfg in enumerate(cfgs):

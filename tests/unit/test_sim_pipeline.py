@@ -154,3 +154,18 @@ def test_zero_bubble_halves_gather_what_the_stage_engine_gathers():
     assert {k: n for k, n in got.items() if k[1] == 2} == {
         ("F", 2, 0): 1, ("W", 2, 0): 1, ("I", 2, 1): 1, ("W", 2, 1): 1, ("F", 2, 2): 1, ("W", 2, 2): 1,
         ("I", 2, 3): 1, ("W", 2, 3): 1}
+
+
+def test_tails_share_the_cores_with_what_still_runs():
+    """Two ranks on one core: the first rank's tail runs while the second still computes, so both
+    advance at half speed; alone, a tail takes its own seconds."""
+    order = schedule_order("1f1b", pp=2, stages_per_rank=1, microbatches=2)
+    alone: dict[int, float] = {}
+    _replay(order, _equal(2), p2p=0.0, tails={0: 1.0, 1: 1.0}, finished=alone)
+    walked = _replay(order, _equal(2), p2p=0.0)
+    assert all(alone[r] == pytest.approx(walked[r][0] + 1.0) for r in walked)
+    shared: dict[int, float] = {}
+    on_one = _replay(order, _equal(2), p2p=0.0, cores=1, tails={0: 1.0, 1: 1.0}, finished=shared)
+    # rank 1 ends its schedule first; its tail overlaps rank 0's last backward
+    assert shared[1] - on_one[1][0] > 1.0
+    assert max(shared.values()) > max(alone.values())

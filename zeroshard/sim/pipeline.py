@@ -19,7 +19,8 @@ After its last action a rank does what ``Pipeline.reduce`` and the step do: the 
 grad all-reduced over the first and last stage, one reduction of its stages' grads over the
 stage's data-parallel ranks (``Engine.reduce_accumulated``: all-reduce at stage 0, reduce-scatter
 from stage 1), the optimizer's update of its shard and, at stages 1-2, the all-gather of the
-updated params. The step lasts as long as its slowest rank.
+updated params; on shared cores (``cores``) that tail shares them with the ranks still computing
+or in their own tails, as an action does. The step lasts as long as its slowest rank.
 """
 
 from __future__ import annotations
@@ -74,24 +75,31 @@ class PipelineTime:
                 "ranks": [dataclasses.asdict(r) | {"bubble": r.bubble} for r in self.ranks]}
 
 
-def _replay(order: dict[int, list], times: _StageTimes, p2p: float,
-            cores: float | None = None) -> dict[int, tuple[float, float]]:
+def _replay(order: dict[int, list], times: _StageTimes, p2p: float, cores: float | None = None,
+            tails: dict[int, float] | None = None,
+            finished: dict[int, float] | None = None) -> dict[int, tuple[float, float]]:
     """pp rank -> (end of its last action, seconds its actions ran), walking every rank's actions in
     order and starting each as soon as its rank is free and its input has arrived.
 
     ``cores``: the ranks share that many processors (a CPU host with more ranks than cores): while
-    k > cores actions run, each advances at cores / k of its own speed. None: one device per rank."""
+    k > cores actions run, each advances at cores / k of its own speed. None: one device per rank.
+    ``tails``: after its last action each rank runs this many seconds of its own (the step's
+    reduction and update), sharing the cores like an action; ``finished`` gets when each ends."""
     last = len(times.fwd) - 1
     upstream = "I" if any(a.kind == "I" for actions in order.values() for a in actions) else "B"
     done: dict[tuple[str, int, int], float] = {}
     busy = dict.fromkeys(order, 0.0)
     nxt = dict.fromkeys(order, 0)
     free_at = dict.fromkeys(order, 0.0)  # when the rank finished its previous action
+    ends = dict.fromkeys(order, 0.0)  # when the rank finished its last action
     running: dict[int, list[float]] = {}  # rank -> [work left (own seconds), started at]
     now = 0.0
+    steps = {r: len(order[r]) + (1 if tails is not None else 0) for r in order}  # the tail: one more
 
     def ready_at(r: int) -> float | None:
         """When rank r's next action may start (None: its input is not computed yet)."""
+        if nxt[r] == len(order[r]):  # the tail: once the rank is done with its schedule
+            return free_at[r]
         a = order[r][nxt[r]]
         if a.kind == "F":
             dep = None if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
@@ -105,15 +113,15 @@ def _replay(order: dict[int, list], times: _StageTimes, p2p: float,
             return None
         return max(free_at[r], done[dep] + (p2p if dep[1] != a.stage else 0.0))
 
-    while any(nxt[r] < len(order[r]) for r in order) or running:
+    while any(nxt[r] < steps[r] for r in order) or running:
         for r in order:
-            if r not in running and nxt[r] < len(order[r]):
+            if r not in running and nxt[r] < steps[r]:
                 at = ready_at(r)
                 if at is not None and at <= now:
-                    a = order[r][nxt[r]]
-                    running[r] = [times.seconds(a), now]
+                    work = tails[r] if nxt[r] == len(order[r]) and tails is not None else times.seconds(order[r][nxt[r]])
+                    running[r] = [work, now]
         rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
-        waits = [at for r in order if r not in running and nxt[r] < len(order[r])
+        waits = [at for r in order if r not in running and nxt[r] < steps[r]
                  for at in [ready_at(r)] if at is not None and at > now]
         finish = min((left / rate for left, _ in running.values()), default=None)
         candidates = ([now + finish] if finish is not None else []) + waits
@@ -123,14 +131,19 @@ def _replay(order: dict[int, list], times: _StageTimes, p2p: float,
         for r in list(running):
             running[r][0] -= (t - now) * rate
             if running[r][0] <= 1e-12 * max(1.0, t):
-                a = order[r][nxt[r]]
-                done[(a.kind, a.stage, a.microbatch)] = t
-                busy[r] += t - running[r][1]
+                if nxt[r] == len(order[r]):  # its tail
+                    if finished is not None:
+                        finished[r] = t
+                else:
+                    a = order[r][nxt[r]]
+                    done[(a.kind, a.stage, a.microbatch)] = t
+                    busy[r] += t - running[r][1]
+                    ends[r] = t
                 free_at[r] = t
                 nxt[r] += 1
                 del running[r]
         now = t
-    return {r: (free_at[r], busy[r]) for r in order}
+    return {r: (ends[r], busy[r]) for r in order}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,12 +223,15 @@ def simulate_pipeline(w: Workload, hw: Hardware, layout: Layout, *, pp: int, sch
     # The replay walks one pipeline; the stage's other data-parallel (and tp) ranks run the same
     # actions at the same moments in pipelines of their own, so on shared processors one pipeline
     # has cores / (ranks per stage) of them.
-    walked = _replay(order, _StageTimes(fwd, bwd, half, waits), p2p, None if cores is None else cores / layout.world)
+    tails = {r: _tail(w, hw, layout, blocks * stages_per_rank, r, pp, world) for r in order}
+    finished: dict[int, float] = {}
+    walked = _replay(order, _StageTimes(fwd, bwd, half, waits), p2p, None if cores is None else cores / layout.world,
+                     tails=tails, finished=finished)
     span = max(end for end, _ in walked.values())
     ranks = []
     for r, (end, busy) in walked.items():
-        ranks.append(RankTime(pp_rank=r, schedule_s=end, busy_s=busy, span_s=span,
-                              tail_s=_tail(w, hw, layout, blocks * stages_per_rank, r, pp, world)))
+        # The tail as it ran: on shared cores it is slower where other ranks still compute or run theirs.
+        ranks.append(RankTime(pp_rank=r, schedule_s=end, busy_s=busy, span_s=span, tail_s=finished[r] - end))
     step = max(r.schedule_s + r.tail_s for r in ranks)
     tokens = w.tokens * m / layout.tp  # each stage's dp ranks share the global batch; a rank sees its slice
     return PipelineTime(step_s=step, ranks=tuple(ranks), p2p_s=p2p, stage_forward_s=tuple(fwd),
