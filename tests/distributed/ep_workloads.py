@@ -321,11 +321,11 @@ def run_case(case: Case, mesh) -> dict:
 FOLDER_STEPS = 3
 
 
-def make_folder(root) -> str:
+def make_folder(root, layers: int = 2) -> str:
     """A random tiny Mixtral written by save_pretrained in >= 3 safetensors files (per-expert tensors)."""
     import transformers as tf
 
-    config = tf.MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = tf.MixtralConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                               intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                               max_position_embeddings=32, vocab_size=96)
     torch.manual_seed(0)

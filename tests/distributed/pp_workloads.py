@@ -320,16 +320,10 @@ MOE_FOLDER_STEPS = 3
 
 
 def write_moe_folder(root) -> str:
-    """A random tiny Mixtral (4 layers, 4 experts) written by save_pretrained in many files."""
-    import transformers as tf
+    """The ep tests' random tiny Mixtral folder, with 4 layers (4 experts) so that pp 2 cuts it."""
+    from ep_workloads import make_folder
 
-    config = tf.MixtralConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-                              max_position_embeddings=32, vocab_size=96)
-    torch.manual_seed(0)
-    folder = f"{root}/mixtral"
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="20KB")
-    return folder
+    return make_folder(root, layers=4)
 
 
 def moe_folder_config(folder: str) -> TrainConfig:
