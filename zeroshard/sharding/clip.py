@@ -37,10 +37,11 @@ again, on top of a copy, at the moment every grad is alive)."""
 
 def square_sum(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """The float64 sum of squares of ``t[start:stop]``, one chunk at a time (each square is exact)."""
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for a in range(start, stop, SQUARE_CHUNK):
-        total += t[a:min(a + SQUARE_CHUNK, stop)].to(torch.float64, copy=True).square_().sum()
-    return total
+    sums = [t[a:min(a + SQUARE_CHUNK, stop)].to(torch.float64, copy=True).square_().sum()
+            for a in range(start, stop, SQUARE_CHUNK)]
+    if len(sums) == 1:  # the common case: no extra tensor on the step's path
+        return sums[0]
+    return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=t.device)
 
 
 def ranges_without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:

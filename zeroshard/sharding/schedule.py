@@ -279,6 +279,13 @@ class _Replay:
             self.launched += 1
         self.reap()
 
+    def launch_rest(self) -> None:
+        """Every unit not launched yet, in the fixed order (a frozen one launches nothing), then the reap."""
+        for unit in self.units[self.launched:]:
+            self.launch(unit)
+        self.launched = len(self.units)
+        self.reap()
+
     def grads_complete(self, unit: UnitSizes, defers: bool) -> None:
         """The last grad of ``unit`` arrived (``Engine._on_grad``)."""
         if self.policy.shard_params and not unit.is_root:
@@ -339,10 +346,7 @@ class _Replay:
             for unit in self.units:
                 self.reshard(unit)
         if defers:
-            for unit in self.units:
-                self.launch(unit)
-            self.launched = len(self.units)
-            self.reap()
+            self.launch_rest()  # Engine.reduce_accumulated
 
     def _split_half(self, kind: str, defers: bool) -> None:
         """One half of a zero-bubble backward on a stage after the first (zeroshard/pipeline/stage.py):
@@ -357,10 +361,7 @@ class _Replay:
         for unit in self.units:
             self.compute(unit.name if self.policy.shard_params else "", BACKWARD, 0.5)
         if kind == "W" and not defers:
-            for unit in self.units:
-                self.launch(unit)
-            self.launched = len(self.units)
-            self.reap()
+            self.launch_rest()
         if self.policy.shard_params:
             for unit in self.units:
                 if not unit.is_root:
@@ -471,10 +472,7 @@ class _Replay:
     def _finish_backward(self, defers: bool) -> None:
         """``Engine._finish_backward``: launch what is left, reap, free every unit (stage 3)."""
         if not defers:
-            for unit in self.units[self.launched:]:
-                self.launch(unit)
-            self.launched = len(self.units)
-            self.reap()
+            self.launch_rest()
         if self.policy.shard_params:
             for unit in self.units:
                 self.reshard(unit)
