@@ -35,11 +35,13 @@ test: venv
 	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected; failing" >&2; exit 1; fi; \
 	exit $$rc
 
-# ruff (style, and SLF001: no reads of another class's _private fields) and mypy over the package.
+# ruff (style, and SLF001: no reads of another class's _private fields), mypy over the package, and the
+# room order: each room of zeroshard/ imports only the rooms below it (scripts/check_rooms.py).
 # Test folders have no __init__.py, so pytest imports each test module by its basename: two
 # files of one name in different folders break collection. Fail here, with the names, instead.
 lint: venv
 	@dups=$$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d); \
 	if [ -n "$$dups" ]; then echo "lint: test files share a basename; rename one of each: $$dups" >&2; exit 1; fi
-	$(VENV)/bin/ruff check zeroshard tests bench
+	$(VENV)/bin/ruff check zeroshard tests bench scripts
 	$(VENV)/bin/mypy
+	$(PY) scripts/check_rooms.py

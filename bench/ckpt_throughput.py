@@ -30,9 +30,9 @@ import torch
 
 import zeroshard as zs
 from zeroshard.comm import collectives
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.step import one_step
+from zeroshard.trainer.step import one_step
 
 
 def _evict(directory: Path) -> None:

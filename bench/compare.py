@@ -16,7 +16,7 @@ import sys
 
 from rich.console import Console
 
-from zeroshard.benchmark import BenchSpec, run_bench
+from zeroshard.tools.benchmark import BenchSpec, run_bench
 from zeroshard.cli.bench import table
 
 

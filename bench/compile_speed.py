@@ -8,7 +8,7 @@ Two gloo ranks build the run twice, eager and compiled, and train them in altern
 processes on a shared machine hit both alike. The first step of each is timed apart: for the
 compiled run it includes compilation. Reported: median step time of each (the slowest rank's),
 the ratio, the spread of the eager steps as the noise floor, and the losses of both, which must
-agree (the step is zeroshard.train.train_step, the one training step).
+agree (the step is zeroshard.trainer.train.train_step, the one training step).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import statistics
 import time
 
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
 
 
 def _timed_step(run, step: int) -> tuple[float, float]:
     """(slowest rank's seconds, mean loss) of one training step."""
-    from zeroshard.step import slowest_rank
-    from zeroshard.train import train_step
+    from zeroshard.trainer.step import slowest_rank
+    from zeroshard.trainer.train import train_step
 
     t0 = time.perf_counter()
     rec = train_step(run, step)
@@ -34,7 +34,7 @@ def _timed_step(run, step: int) -> tuple[float, float]:
 
 
 def worker(cfg: TrainConfig, steps: int, repeats: int) -> dict:
-    from zeroshard.train import setup
+    from zeroshard.trainer.train import setup
 
     mesh = zs.init()
     runs = {"eager": setup(cfg, mesh), "compiled": setup(dataclasses.replace(cfg, compile=True), mesh)}

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from procstatus import status_bytes  # bench/ sibling: python puts the script's folder on sys.path
-from zeroshard.dcp import export_dcp, import_dcp
+from zeroshard.checkpoint.dcp import export_dcp, import_dcp
 
 MIB = 2**20
 

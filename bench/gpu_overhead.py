@@ -51,10 +51,10 @@ if str(REPO) not in sys.path:
 
 import zeroshard as zs  # noqa: E402
 from zeroshard.models.gpt import GPT, GPTConfig  # noqa: E402
-from zeroshard.benchmark.candidates import sharded_step  # noqa: E402
-from zeroshard.step import plain_step  # noqa: E402
-from zeroshard.profile.alloc import allocation_profile, peak_allocated  # noqa: E402
-from zeroshard.profile.flops import calibrate_peak_flops, gpt_flops  # noqa: E402
+from zeroshard.tools.benchmark.candidates import sharded_step  # noqa: E402
+from zeroshard.trainer.step import plain_step  # noqa: E402
+from zeroshard.observe.profile.alloc import allocation_profile, peak_allocated  # noqa: E402
+from zeroshard.observe.profile.flops import calibrate_peak_flops, gpt_flops  # noqa: E402
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
@@ -116,7 +116,7 @@ class Dev:
 
 
 # ----------------------------------------------------------------------------------------------
-# Candidates. Unlike zeroshard/benchmark/candidates.py these run in one process at world 1, keep
+# Candidates. Unlike zeroshard/tools/benchmark/candidates.py these run in one process at world 1, keep
 # per-candidate memory and error fields, and give eager and FSDP2 the same weight-decay groups as
 # zs.optimizer, so the optimizer work matches exactly; the zeroshard step is the bench's own.
 

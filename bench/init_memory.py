@@ -19,10 +19,10 @@ import time
 import torch
 
 import zeroshard as zs
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.profile.alloc import peak_allocated
-from zeroshard.sharding import get_engine
+from zeroshard.observe.profile.alloc import peak_allocated
+from zeroshard.runtime import get_engine
 
 
 def _llama(width: int):

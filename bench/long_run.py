@@ -19,8 +19,8 @@ import time
 import tracemalloc
 
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
 
 TOLERANCE = 0.02
 BASELINE_STEP = 100
@@ -56,7 +56,7 @@ class RssSampler:
 
 
 def _rank(cfg: TrainConfig, every: int, ledger_capacity: int | None) -> dict:
-    from zeroshard.train import run_loop, setup
+    from zeroshard.trainer.train import run_loop, setup
 
     mesh = zs.init(timeout_s=cfg.hang_timeout_s)
     ledger = zs.ledger()

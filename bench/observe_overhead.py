@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import zeroshard as zs
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models.gpt import GPT, GPTConfig
 
 VOCAB = 256

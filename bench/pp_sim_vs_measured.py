@@ -7,17 +7,17 @@ measured bubble against the equal-stage one ((p - 1) / (v·m + p - 1) for the 1F
 Worlds 2 and 4 on gloo, fp32, clipping off (the simulator has no clipping term): pp 2 alone
 (one rank per core), pp 2 x shard 2 and, for one stage per rank, pp 4. Before each group the
 host is calibrated with one rank per core exactly as ``zeroshard plan --calibrate`` does
-(zeroshard/sim/calibrate.py: links, one block's and the root's forward and backward,
+(zeroshard/tools/sim/calibrate.py: links, one block's and the root's forward and backward,
 contention), one microbatch of sequences per unit; the replay
 shares the cores among the ranks computing at each moment (``simulate_pipeline(cores=)``), which is
 what four ranks on two cores do, and why an idle rank's bubble lends its core to the others. Then
 each configuration is built as ``zeroshard train --pp`` builds it
-(``zeroshard.step.build``) and stepped by ``zeroshard.step.pipeline_step``, ``--warmup`` untimed
+(``zeroshard.trainer.step.build``) and stepped by ``zeroshard.trainer.step.pipeline_step``, ``--warmup`` untimed
 steps first, each timed step after a barrier; a step lasts as long as its slowest rank, and the
-measured figure is the median step. The prediction is ``zeroshard.sim.pipeline.simulate_pipeline``
+measured figure is the median step. The prediction is ``zeroshard.tools.sim.pipeline.simulate_pipeline``
 on the calibrated hardware.
 
-The bubble is read as the step profiler reads it (zeroshard/profile/pipeline.py): on every rank,
+The bubble is read as the step profiler reads it (zeroshard/observe/profile/pipeline.py): on every rank,
 the seconds between each stage's ``compute_begin`` and ``compute_end`` events (one microbatch's
 forward, backward or weight half; sends and receives are posted and waited outside them) over the
 loop's "pipeline" span (torch's schedule) on its slowest rank (the steps start together: each
@@ -34,20 +34,20 @@ import sys
 import time
 
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
 
 
 def measure_rank(cfgs: list[TrainConfig], steps: int, warmup: int) -> list[dict]:
     """Spawn target: per config, this rank's step times and its busy and schedule seconds per step,
-    read as the step profiler reads them (zeroshard/profile/pipeline.py): the loop's "pipeline" span
+    read as the step profiler reads them (zeroshard/observe/profile/pipeline.py): the loop's "pipeline" span
     and each stage's compute events."""
     import torch
 
-    from zeroshard import step
+    from zeroshard.trainer import step
     from zeroshard.comm import collectives
-    from zeroshard.profile import timeline as tl
-    from zeroshard.profile.pipeline import PipelineClock
+    from zeroshard.observe.profile import timeline as tl
+    from zeroshard.observe.profile.pipeline import PipelineClock
 
     out = []
     mesh = zs.init(pp=cfgs[0].pp)
@@ -91,10 +91,10 @@ def config(args: argparse.Namespace, world: int, pp: int, m: int) -> TrainConfig
 
 def predict(cfg: TrainConfig, hw, micro_batch: int, cores: int):
     from zeroshard.models import GPTConfig
-    from zeroshard.pipeline.schedules import schedule_spec, stages_per_rank
-    from zeroshard.sim.pipeline import simulate_pipeline
-    from zeroshard.sim.step import Layout
-    from zeroshard.sim.workload import Workload, gpt_shape
+    from zeroshard.parallel.pipeline.schedules import schedule_spec, stages_per_rank
+    from zeroshard.tools.sim.pipeline import simulate_pipeline
+    from zeroshard.tools.sim.step import Layout
+    from zeroshard.tools.sim.workload import Workload, gpt_shape
 
     shape = gpt_shape(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len), cfg.model)
     w = Workload(shape=shape, micro_batch=micro_batch, seq=cfg.seq_len, compute_bytes=4)
@@ -122,12 +122,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5, help="calibration repeats")
     args = ap.parse_args()
-    from zeroshard.sim.calibrate import calibrate_world, hardware_from
+    from zeroshard.tools.sim.calibrate import calibrate_world, hardware_from
 
     cores = os.cpu_count() or 1
     vocab = TrainConfig().vocab_size
     rows = []
-    from zeroshard.pipeline.schedules import schedule_spec
+    from zeroshard.parallel.pipeline.schedules import schedule_spec
 
     for (world, pp), ms in (MULTI_GROUPS if schedule_spec(args.schedule).multi else GROUPS).items():
         # Calibrated again right before each group is measured: a shared host's speed drifts by more

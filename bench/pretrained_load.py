@@ -29,8 +29,8 @@ import torch
 
 import zeroshard as zs
 from procstatus import status_bytes  # bench/ sibling: python puts the script's folder on sys.path
-from zeroshard.launch import spawn
-from zeroshard.sharding import get_engine
+from zeroshard.trainer.launch import spawn
+from zeroshard.runtime import get_engine
 
 MIB = 2**20
 

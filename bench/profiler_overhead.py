@@ -29,12 +29,12 @@ import torch
 
 import zeroshard as zs
 from zeroshard.comm.ledger import Ledger
-from zeroshard.comm.ring import RingMirror
-from zeroshard.comm.watchdog import Diagnostics
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
-from zeroshard.profile import step as step_profile
-from zeroshard.profile import timeline
+from zeroshard.observe.ring import RingMirror
+from zeroshard.observe.watchdog import Diagnostics
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
+from zeroshard.observe.profile import step as step_profile
+from zeroshard.observe.profile import timeline
 
 
 def ledger_cost_per_collective(n: int = 20000) -> tuple[float, float]:
@@ -94,7 +94,7 @@ def completion_callback_cost(n: int = 200) -> float:
 
 
 def worker(cfg: TrainConfig, steps: int, repeats: int) -> dict:
-    from zeroshard.train import setup, train_step
+    from zeroshard.trainer.train import setup, train_step
 
     mesh = zs.init()
     run = setup(cfg, mesh)

@@ -24,9 +24,9 @@ import json
 import sys
 from pathlib import Path
 
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
-from zeroshard.train import train_worker
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
+from zeroshard.trainer.train import train_worker
 
 TOLERANCE = 0.01
 TAIL = 80

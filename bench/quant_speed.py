@@ -23,7 +23,7 @@ import time
 import torch
 from rich.console import Console
 
-from zeroshard.benchmark import BenchSpec, run_bench
+from zeroshard.tools.benchmark import BenchSpec, run_bench
 from zeroshard.cli.bench import table
 from zeroshard.comm.quant import dequantize, num_blocks, quantize, quantize_eager
 from zeroshard.comm.quant_kernel import codec_name

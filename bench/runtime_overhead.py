@@ -21,7 +21,7 @@ import torch
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.step import one_step, plain_step
+from zeroshard.trainer.step import one_step, plain_step
 
 
 def main() -> None:

@@ -4,14 +4,14 @@
         [--append docs/simulator.md --append bench/RESULTS.md]
 
 One command prints the whole table. It runs ``--rounds`` rounds; each round, for each world size,
-calibrates the simulator there exactly as ``zeroshard plan --calibrate`` does (zeroshard/sim/
+calibrates the simulator there exactly as ``zeroshard plan --calibrate`` does (zeroshard/tools/sim/
 calibrate.py: collectives, units, contention, concurrency) and then measures the training step of
 every configuration of that world: stages 0-3, and at world 4 stages 2 and 3 hybrid (2 replicas of
 shard groups of 2). Rounds interleave calibration and measurement, and within a spawned group the
 configurations take their steps in turn (step 1 of each, then step 2 of each, ...), so a load drift
 on a shared host hits every row and the calibration alike instead of one row.
 
-Each step is zeroshard/step.py's own (``build`` and ``step``, the training step itself), after a
+Each step is zeroshard/trainer/step.py's own (``build`` and ``step``, the training step itself), after a
 barrier, ``--warmup`` untimed first; a step lasts as long as its slowest rank. The calibrated
 hardware is the median of the rounds' figures (written to ``--hw-out``, every timing to
 ``--raw-out``, both under runs/ by default); the measured figure is the
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
 
 TARGET = 0.15
 
@@ -44,7 +44,7 @@ def measure_rank(cfgs: list[TrainConfig], steps: int, warmup: int) -> list[list[
     """Spawn target: this rank's step times for each config; the configs take their steps in turn."""
     import torch
 
-    from zeroshard import step
+    from zeroshard.trainer import step
     from zeroshard.comm import collectives
 
     mesh = zs.init(shard_size=cfgs[0].shard_size)
@@ -88,8 +88,8 @@ def label(cfg: TrainConfig) -> str:
 
 def predict(cfg: TrainConfig, hw, micro_batch: int):
     from zeroshard.models import GPTConfig
-    from zeroshard.sim.step import Layout, simulate
-    from zeroshard.sim.workload import Workload, gpt_shape
+    from zeroshard.tools.sim.step import Layout, simulate
+    from zeroshard.tools.sim.workload import Workload, gpt_shape
 
     shape = gpt_shape(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len), cfg.model)
     w = Workload(shape=shape, micro_batch=micro_batch, seq=cfg.seq_len, compute_bytes=4)
@@ -102,7 +102,7 @@ def predict(cfg: TrainConfig, hw, micro_batch: int):
 def run_rounds(args: argparse.Namespace, save) -> tuple[dict, dict]:
     """Every round's calibrations (per world) and step times (per config label, per round);
     ``save(calib, steps)`` after each round, so a run cut short keeps what it measured."""
-    from zeroshard.sim.calibrate import calibrate_world
+    from zeroshard.tools.sim.calibrate import calibrate_world
 
     vocab = TrainConfig().vocab_size
     calib: dict[int, list[dict]] = {w: [] for w in args.worlds}
@@ -192,8 +192,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from zeroshard.sim.calibrate import hardware_from
-    from zeroshard.sim.measured import to_toml
+    from zeroshard.tools.sim.calibrate import hardware_from
+    from zeroshard.tools.sim.measured import to_toml
 
     args = parse(argv)
     started = time.perf_counter()

@@ -18,13 +18,13 @@ import time
 import torch
 
 import zeroshard as zs
-from zeroshard import step
-from zeroshard.config import TrainConfig
-from zeroshard.data import build_dataset, collate
-from zeroshard.launch import spawn
+from zeroshard.trainer import step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import build_dataset, collate
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.sharding import get_engine
-from zeroshard.sharding.tp import tensor_parallel
+from zeroshard.runtime import get_engine
+from zeroshard.runtime.tp import tensor_parallel
 
 
 def _peak_rss_mib() -> float:

@@ -12,43 +12,43 @@ __version__ = "0.1.0"
 # that needs only part of the package (the launcher forking ranks, the CLI parsing its flags before
 # anything starts, `zeroshard --version`) then does not pay for torch and the runtime up front.
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "build_pretrained": ("zeroshard.hf", "build_pretrained"),
+    "build_pretrained": ("zeroshard.checkpoint.hf", "build_pretrained"),
     "CheckpointError": ("zeroshard.checkpoint", "CheckpointError"),
-    "clip_grad_norm_": ("zeroshard.sharding", "clip_grad_norm_"),
-    "CommQuant": ("zeroshard.sharding", "CommQuant"),
+    "clip_grad_norm_": ("zeroshard.runtime", "clip_grad_norm_"),
+    "CommQuant": ("zeroshard.runtime", "CommQuant"),
     "Dim": ("zeroshard.comm.names", "Dim"),
-    "EngineOptions": ("zeroshard.sharding", "EngineOptions"),
-    "expert_parallel": ("zeroshard.experts", "expert_parallel"),
-    "export_pretrained": ("zeroshard.hf", "export_pretrained"),
-    "full_state_dict": ("zeroshard.sharding", "full_state_dict"),
+    "EngineOptions": ("zeroshard.runtime", "EngineOptions"),
+    "expert_parallel": ("zeroshard.parallel.experts", "expert_parallel"),
+    "export_pretrained": ("zeroshard.checkpoint.hf", "export_pretrained"),
+    "full_state_dict": ("zeroshard.runtime", "full_state_dict"),
     "get_mesh": ("zeroshard.comm.mesh", "get_mesh"),
-    "grad_norm": ("zeroshard.sharding", "grad_norm"),
+    "grad_norm": ("zeroshard.runtime", "grad_norm"),
     "Group": ("zeroshard.comm.names", "Group"),
     "init": ("zeroshard.comm.mesh", "init"),
     "ledger": ("zeroshard.comm", "get_ledger"),
     "load": ("zeroshard.checkpoint", "load"),
-    "load_pretrained": ("zeroshard.hf", "load_pretrained"),
+    "load_pretrained": ("zeroshard.checkpoint.hf", "load_pretrained"),
     "Mesh": ("zeroshard.comm.mesh", "Mesh"),
-    "mesh_of": ("zeroshard.sharding", "mesh_of"),
-    "meta_init": ("zeroshard.materialize", "meta_init"),
-    "MixedPrecision": ("zeroshard.sharding", "MixedPrecision"),
-    "MoELayer": ("zeroshard.experts", "MoELayer"),
+    "mesh_of": ("zeroshard.runtime", "mesh_of"),
+    "meta_init": ("zeroshard.runtime.materialize", "meta_init"),
+    "MixedPrecision": ("zeroshard.runtime", "MixedPrecision"),
+    "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
     "new_mesh": ("zeroshard.comm.mesh", "new_mesh"),
-    "no_sync": ("zeroshard.sharding", "no_sync"),
-    "observe": ("zeroshard.observing", "observe"),
-    "Observer": ("zeroshard.observing", "Observer"),
-    "OffloadPolicy": ("zeroshard.offload", "OffloadPolicy"),
-    "optim_groups": ("zeroshard.sharding", "optim_groups"),
-    "optimizer": ("zeroshard.sharding", "optimizer"),
+    "no_sync": ("zeroshard.runtime", "no_sync"),
+    "observe": ("zeroshard.observe", "observe"),
+    "Observer": ("zeroshard.observe", "Observer"),
+    "OffloadPolicy": ("zeroshard.runtime.offload", "OffloadPolicy"),
+    "optim_groups": ("zeroshard.runtime", "optim_groups"),
+    "optimizer": ("zeroshard.runtime", "optimizer"),
     "Phase": ("zeroshard.comm.names", "Phase"),
-    "plan": ("zeroshard.planner", "plan"),
-    "precision_manifest": ("zeroshard.sharding", "precision_manifest"),
+    "plan": ("zeroshard.tools.planner", "plan"),
+    "precision_manifest": ("zeroshard.runtime", "precision_manifest"),
     "save": ("zeroshard.checkpoint", "save"),
-    "shard": ("zeroshard.sharding", "shard"),
-    "ShardedGradScaler": ("zeroshard.sharding", "ShardedGradScaler"),
+    "shard": ("zeroshard.runtime", "shard"),
+    "ShardedGradScaler": ("zeroshard.runtime", "ShardedGradScaler"),
     "shutdown": ("zeroshard.comm.mesh", "shutdown"),
-    "tensor_parallel": ("zeroshard.sharding.tp", "tensor_parallel"),
-    "unsharded": ("zeroshard.sharding", "unsharded"),
+    "tensor_parallel": ("zeroshard.runtime.tp", "tensor_parallel"),
+    "unsharded": ("zeroshard.runtime", "unsharded"),
 }
 """Public name -> (module, attribute there)."""
 
@@ -61,7 +61,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value  # later lookups skip this function
         return value
-    try:  # a subpackage not imported yet: zeroshard.sharding after a bare `import zeroshard`
+    try:  # a subpackage not imported yet: zeroshard.runtime after a bare `import zeroshard`
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":
@@ -78,13 +78,13 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.comm import get_ledger as ledger
     from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
     from zeroshard.comm.names import Dim, Group, Phase
-    from zeroshard.experts import MoELayer, expert_parallel
-    from zeroshard.hf import build_pretrained, export_pretrained, load_pretrained
-    from zeroshard.materialize import meta_init
-    from zeroshard.observing import Observer, observe
-    from zeroshard.offload import OffloadPolicy
-    from zeroshard.planner import plan
-    from zeroshard.sharding import (
+    from zeroshard.parallel.experts import MoELayer, expert_parallel
+    from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained
+    from zeroshard.runtime.materialize import meta_init
+    from zeroshard.observe import Observer, observe
+    from zeroshard.runtime.offload import OffloadPolicy
+    from zeroshard.tools.planner import plan
+    from zeroshard.runtime import (
         CommQuant,
         EngineOptions,
         MixedPrecision,
@@ -100,4 +100,4 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         shard,
         unsharded,
     )
-    from zeroshard.sharding.tp import tensor_parallel
+    from zeroshard.runtime.tp import tensor_parallel

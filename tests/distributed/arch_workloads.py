@@ -17,8 +17,8 @@ import torch
 
 import buffer_model  # noqa: F401 - registers the buffer-in-__init__ architecture with transformers
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.hf import export_pretrained
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.checkpoint.hf import export_pretrained
 
 VOCAB = 96
 STEPS = 3
@@ -82,7 +82,7 @@ def probe() -> torch.Tensor:
 def suite(folders: dict[str, str], root: str) -> dict:
     """Per architecture: 3 training steps at stage 3 (losses, full params), the trained model's
     logits on a probe batch, and a live export of it."""
-    from zeroshard.train import setup, train_step
+    from zeroshard.trainer.train import setup, train_step
 
     mesh = zs.init()
     out = {}

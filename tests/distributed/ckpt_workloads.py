@@ -12,7 +12,7 @@ import torch
 
 import zeroshard as zs
 from zeroshard.comm import collectives
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 
 SEED = 1234

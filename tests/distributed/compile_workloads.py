@@ -1,6 +1,6 @@
 """Workers for the torch.compile tests: compiled against eager at every stage, in one process group.
 
-Module level so spawned ranks can import it. Every run goes through zeroshard.step (the one
+Module level so spawned ranks can import it. Every run goes through zeroshard.trainer.step (the one
 training step) with the same config; only ``zs.shard``'s ``compile=`` differs. The backend is
 aot_eager: inductor works too, but compiling one tiny block with it takes minutes on a loaded CPU.
 """
@@ -16,11 +16,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import zeroshard as zs
-from zeroshard import step as step_mod
-from zeroshard.config import TrainConfig
-from zeroshard.data import collate
-from zeroshard.models import adapter
-from zeroshard.sharding import CompileError
+from zeroshard.trainer import step as step_mod
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import collate
+from zeroshard.trainer import adapter
+from zeroshard.runtime import CompileError
 
 BACKEND = "aot_eager"
 STEPS = 5

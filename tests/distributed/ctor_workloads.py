@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.profile.alloc import peak_allocated
-from zeroshard.sharding import get_engine
+from zeroshard.observe.profile.alloc import peak_allocated
+from zeroshard.runtime import get_engine
 
 SEED = 2024
 LR = 2e-3

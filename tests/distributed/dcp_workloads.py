@@ -18,8 +18,8 @@ from torch.distributed.fsdp import fully_shard
 
 import zeroshard as zs
 from zeroshard.comm import collectives
-from zeroshard.dcp import export_dcp, import_dcp
-from zeroshard.sharding.optim import optim_groups
+from zeroshard.checkpoint.dcp import export_dcp, import_dcp
+from zeroshard.runtime.optim import optim_groups
 
 SEED = 11
 VOCAB, DIM = 16, 8

@@ -15,13 +15,13 @@ import torch
 
 import ep_workloads as ew
 import zeroshard as zs
-from zeroshard import step
+from zeroshard.trainer import step
 from zeroshard.comm import collectives
 from zeroshard.comm.names import Group, Phase
-from zeroshard.data import build_dataset, collate
-from zeroshard.experts.placement import all_experts
-from zeroshard.sharding import get_engine
-from zeroshard.sharding.tp import full_value
+from zeroshard.trainer.data import build_dataset, collate
+from zeroshard.runtime.expert_placement import all_experts
+from zeroshard.runtime import get_engine
+from zeroshard.runtime.tp import full_value
 
 STEPS_BEFORE = 3
 """Steps before the save: AdamW's moments are well away from zero, so a misplaced one shows."""

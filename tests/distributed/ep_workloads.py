@@ -2,7 +2,7 @@
 
 One world of 4 runs every case, each on a mesh of its own (``zs.new_mesh(ep=...)``, with tp=2
 for the ep-with-tp cases), through
-`zeroshard.step` (accumulation 2, clipping on). The single-process reference (`reference`) trains
+`zeroshard.trainer.step` (accumulation 2, clipping on). The single-process reference (`reference`) trains
 the same model, built by the same function under the same seed, with plain PyTorch.
 Module level so spawned ranks can import it.
 """
@@ -20,13 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import zeroshard as zs
-from zeroshard import step
-from zeroshard.config import TrainConfig
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
-from zeroshard.experts import ep_forwards
+from zeroshard.trainer import step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.parallel.experts import ep_forwards
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.sharding import get_engine
-from zeroshard.train import global_micro_batches, reference_backward
+from zeroshard.runtime import get_engine
+from zeroshard.trainer.train import global_micro_batches, reference_backward
 
 SEED = 1234
 VOCAB = 64
@@ -343,7 +343,7 @@ def folder_config(folder: str) -> TrainConfig:
 def run_folder(folder: str, mesh) -> dict:
     """The folder loaded at (shard 2, ep 2): its full tensors right after the load, 3 steps, then a
     live export of the trained model (rank 0 writes it)."""
-    from zeroshard.train import train_step
+    from zeroshard.trainer.train import train_step
 
     run = step.build(folder_config(folder), mesh)
     loaded = zs.full_state_dict(run.model)

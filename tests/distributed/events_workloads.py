@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.sharding import EngineOptions, EventKind, get_engine
+from zeroshard.runtime import EngineOptions, EventKind, get_engine
 
 STEPS = 2
 

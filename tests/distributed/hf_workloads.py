@@ -12,11 +12,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the conf
 import torch
 
 import zeroshard as zs
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
-from zeroshard.models.adapter import loss_sum, mean_loss
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer.adapter import loss_sum, mean_loss
 from zeroshard.models.hf import build_hf_model, init_weights
-from zeroshard.sharding import get_engine
-from zeroshard.sharding.wrap import find_blocks
+from zeroshard.runtime import get_engine
+from zeroshard.runtime.wrap import find_blocks
 
 SEED = 1234
 LR = 1e-3

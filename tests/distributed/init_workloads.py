@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.materialize import reset_then_init_weights
+from zeroshard.runtime.materialize import reset_then_init_weights
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.profile.alloc import peak_allocated
-from zeroshard.sharding import get_engine
+from zeroshard.observe.profile.alloc import peak_allocated
+from zeroshard.runtime import get_engine
 
 SEED = 4321
 

@@ -11,7 +11,7 @@ import torch
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.offload import DiskStore, OffloadPolicy
+from zeroshard.runtime.offload import DiskStore, OffloadPolicy
 
 from workloads import GLOBAL_BATCH, LR, SEED, sharded_run, tiny_setup
 

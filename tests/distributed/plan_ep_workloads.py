@@ -6,12 +6,12 @@ collective of the ledger by (op, group, phase). Module level so spawned ranks im
 from __future__ import annotations
 
 import zeroshard as zs
-from zeroshard import step
-from zeroshard.config import TrainConfig
-from zeroshard.data import build_dataset, collate
-from zeroshard.experts import ep_forwards
+from zeroshard.trainer import step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import build_dataset, collate
+from zeroshard.parallel.experts import ep_forwards
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.planner.measure import measure_many_worker
+from zeroshard.tools.planner.measure import measure_many_worker
 
 SEED, VOCAB, SEQ, STEPS = 1234, 64, 16, 2
 ROUTED = GPTConfig.named("tiny-moe", n_layer=2, vocab_size=VOCAB, seq_len=SEQ)

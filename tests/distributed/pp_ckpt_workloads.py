@@ -1,6 +1,6 @@
 """Workers for the pipeline checkpoint tests: one world of 4 ranks visits every layout in turn.
 
-Each run is built from a `TrainConfig` through `zeroshard.step.build` and saves and resumes through
+Each run is built from a `TrainConfig` through `zeroshard.trainer.step.build` and saves and resumes through
 the train loop's own `TrainingCheckpoints` (what `zeroshard train --save-every/--resume` runs), on a
 mesh of its own over the same 4 ranks: (pp 2, shard 2), (pp 1, shard 4) and (pp 4, shard 1).
 """
@@ -16,10 +16,10 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the configs are built in code
 
 import zeroshard as zs
-from zeroshard import step as step_mod
+from zeroshard.trainer import step as step_mod
 from zeroshard.checkpoint.training import TrainingCheckpoints, checkpoint_name
-from zeroshard.config import TrainConfig
-from zeroshard.train import train_step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.train import train_step
 
 WORLD = 4
 K = 3

@@ -1,7 +1,7 @@
 """Workers for the pipeline tests: world 4 = pp 2 x shard 2, the built-in GPT and HF Llama (tied heads).
 
 Module level so spawned ranks can import it; one process group runs every case, each built from a
-`TrainConfig` through `zeroshard.step.build` exactly as `zeroshard train --pp 2` builds it.
+`TrainConfig` through `zeroshard.trainer.step.build` exactly as `zeroshard train --pp 2` builds it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the conf
 import torch
 
 import zeroshard as zs
-from zeroshard import step as step_mod
-from zeroshard.config import TrainConfig
-from zeroshard.experts import ep_forwards
-from zeroshard.sharding import get_engine
-from zeroshard.train import train_step
+from zeroshard.trainer import step as step_mod
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.parallel.experts import ep_forwards
+from zeroshard.runtime import get_engine
+from zeroshard.trainer.train import train_step
 
 WORLD = 4
 STEPS = 10
@@ -178,8 +178,8 @@ def _schedule_vs_ledger(pipe, records) -> dict[str, Any]:
     clipping all-reduce are not an engine's, and left out."""
     import collections
 
-    from zeroshard.pipeline.order import schedule_order, stage_order
-    from zeroshard.sharding.schedule import engine_schedule
+    from zeroshard.parallel.pipeline.order import schedule_order, stage_order
+    from zeroshard.runtime.schedule import engine_schedule
 
     order = schedule_order(pipe.spec, pp=pipe.mesh.pp_size, stages_per_rank=len(pipe.stage_indices),
                            microbatches=pipe.microbatches)[pipe.mesh.pp_rank]
@@ -232,9 +232,9 @@ def _meta_init(mesh, tp: int = 1) -> dict:
     the stage are never given storage, and the replay holds at most one full param at a time. With
     ``tp`` the model is split over the mesh's tp dim first: every tp param, this stage's and the
     others', is drawn at its full shape, as the plain build draws it, and this rank keeps its part."""
-    from zeroshard.pipeline import Pipeline
-    from zeroshard.sharding.state import full_state_dict
-    from zeroshard.tp_setup import apply_tensor_parallel
+    from zeroshard.parallel.pipeline import Pipeline
+    from zeroshard.runtime.state import full_state_dict
+    from zeroshard.trainer.tp_setup import apply_tensor_parallel
 
     cfg = config("gpt", 3, init="meta", tp=tp)
     vocab = step_mod.build_data(cfg).vocab_size
@@ -261,9 +261,9 @@ def _pretrained_folder(mesh) -> dict:
 
     import transformers as tf
 
-    from zeroshard.hf.pretrained import build_pretrained, load_pretrained, plain_pretrained
-    from zeroshard.pipeline import Pipeline
-    from zeroshard.sharding.state import full_state_dict
+    from zeroshard.checkpoint.hf.pretrained import build_pretrained, load_pretrained, plain_pretrained
+    from zeroshard.parallel.pipeline import Pipeline
+    from zeroshard.runtime.state import full_state_dict
 
     # Rank 0 writes the folder (transformers saves on the main process only), at a path the ranks of
     # this spawn share; the others wait for it.
@@ -294,8 +294,8 @@ def _pretrained_folder(mesh) -> dict:
 def _errors(mesh) -> dict[str, str]:
     """One line each for the layouts the runtime refuses (the config's own errors are unit-tested)."""
     from zeroshard.models.gpt import GPT, GPTConfig
-    from zeroshard.pipeline import Pipeline
-    from zeroshard.sharding.options import EngineOptions
+    from zeroshard.parallel.pipeline import Pipeline
+    from zeroshard.runtime.options import EngineOptions
 
     out = {}
     for key, fn in {

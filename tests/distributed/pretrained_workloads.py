@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import zeroshard as zs
-from zeroshard.hf import PretrainedError, build_pretrained, export_checkpoint, export_pretrained, load_pretrained
-from zeroshard.models.adapter import loss_sum
+from zeroshard.checkpoint.hf import PretrainedError, build_pretrained, export_checkpoint, export_pretrained, load_pretrained
+from zeroshard.trainer.adapter import loss_sum
 
 SEED = 7
 VOCAB = 256

@@ -16,9 +16,9 @@ from zeroshard.comm.quant import (
     quantized_reduce_scatter,
     wire_bytes,
 )
-from zeroshard.data import GlobalBatchSampler, collate
+from zeroshard.trainer.data import GlobalBatchSampler, collate
 from zeroshard.models import GPT
-from zeroshard.sharding import get_engine
+from zeroshard.runtime import get_engine
 
 BLOCK = 256
 

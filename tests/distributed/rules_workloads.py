@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.sharding import get_engine
+from zeroshard.runtime import get_engine
 
 OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),

@@ -1,6 +1,6 @@
 """Workers for tests/distributed/test_schedule.py: the step schedule against the ledger, op by op.
 
-One spawned world runs every config of its size: each builds tiny fresh (zeroshard.step.build, as
+One spawned world runs every config of its size: each builds tiny fresh (zeroshard.trainer.step.build, as
 `zeroshard train` does), trains two steps and compares each step's slice of the ledger with
 ``engine_schedule`` (the first step with ``first_step=True``, the second with the steady state),
 and its frees with the engine's FREE events. Only mismatches and per-(op, group) byte totals go
@@ -16,14 +16,14 @@ import time
 import torch
 
 import zeroshard as zs
-from zeroshard import step
-from zeroshard.config import TrainConfig
-from zeroshard.data import build_dataset, collate
+from zeroshard.trainer import step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.sharding import EventKind, get_engine
-from zeroshard.sharding.precision import parse_dtype
-from zeroshard.sharding.schedule import engine_schedule
-from zeroshard.sharding.schedule_events import TensorParallelSizes
+from zeroshard.runtime import EventKind, get_engine
+from zeroshard.runtime.precision import parse_dtype
+from zeroshard.runtime.schedule import engine_schedule
+from zeroshard.runtime.schedule_events import TensorParallelSizes
 
 SEED = 1234
 SEQ = 16

@@ -8,8 +8,8 @@ import math
 import torch
 
 import zeroshard as zs
-from zeroshard.data import GlobalBatchSampler, collate
-from zeroshard.sharding import get_engine
+from zeroshard.trainer.data import GlobalBatchSampler, collate
+from zeroshard.runtime import get_engine
 
 from workloads import SEED, tiny_setup
 from zeroshard.models import GPT

@@ -23,7 +23,7 @@ import zeroshard as zs
 from zeroshard.checkpoint import CheckpointError, export, problems, verify
 from zeroshard.checkpoint import format as fmt
 from zeroshard.cli.main import main as cli
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
 
 RESIZE_TOL = 1e-5  # the stage-0 tolerance of the parity tests

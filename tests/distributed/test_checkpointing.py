@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import workloads as w
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import workloads as w
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 WORLD = 2
 # The module's one spawn runs every case; on a loaded two-core machine it can outlast the default

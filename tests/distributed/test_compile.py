@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import compile_workloads as cw  # noqa: E402
-from zeroshard.launch import spawn  # noqa: E402
+from zeroshard.trainer.launch import spawn  # noqa: E402
 
 # The spawned suite takes 83 s on the 2 shared cores at load ~8 but took 9.7 min at load ~35 (six
 # other suites); dynamo and AOTAutograd are CPU-bound, so contention hits them hardest.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ctor_workloads as cw
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 PARAM_TOL = 1e-5
 

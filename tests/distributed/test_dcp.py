@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dcp_workloads as dw
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -26,7 +26,7 @@ from zeroshard.checkpoint import CheckpointError  # noqa: E402
 from zeroshard.checkpoint.export import export, reshard  # noqa: E402
 from zeroshard.checkpoint.format import rank_file  # noqa: E402
 from zeroshard.checkpoint.verify import verify  # noqa: E402
-from zeroshard.launch import spawn  # noqa: E402
+from zeroshard.trainer.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
 
@@ -184,7 +184,7 @@ def test_hf_export_of_a_mixtral_checkpoint_opens_in_from_pretrained(root, suite,
     missing or unexpected keys, and holds the saved params (experts stacked whole)."""
     import transformers
 
-    from zeroshard.hf import export_checkpoint
+    from zeroshard.checkpoint.hf import export_checkpoint
 
     out = export_checkpoint(root / "mixtral-ep2", tmp_path / "hf", max_shard_size="20KB")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,

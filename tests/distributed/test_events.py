@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 import events_workloads as ew
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 WORLD = 2
-ALIGN = 64  # elements: zeroshard/sharding/layout.py's alignment, restated as the rule under test
+ALIGN = 64  # elements: zeroshard/runtime/layout.py's alignment, restated as the rule under test
 
 
 def _padded(*numels: int) -> int:

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import ep_workloads as ew  # noqa: E402
-from zeroshard.launch import spawn  # noqa: E402
+from zeroshard.trainer.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
 
@@ -155,8 +155,8 @@ def test_a_mixtral_folder_loads_straight_into_split_experts_and_trains(world4, f
     import json
     from pathlib import Path
 
-    from zeroshard.hf.pretrained import plain_pretrained
-    from zeroshard.train import reference_train
+    from zeroshard.checkpoint.hf.pretrained import plain_pretrained
+    from zeroshard.trainer.train import reference_train
 
     assert len(set(json.loads((Path(folder) / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 3
     got = world4["folder"]

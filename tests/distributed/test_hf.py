@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import hf_workloads as hw  # noqa: E402
-from zeroshard.launch import spawn  # noqa: E402
+from zeroshard.trainer.launch import spawn  # noqa: E402
 
 PARAM_TOL = 1e-5
 LOSS_TOL = 1e-5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import init_workloads as iw
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 # A module spawn runs many cases; on a loaded two-core machine it can outlast the default per-test
 # timeout, which the first test pays for.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import doc_workloads as dw
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "migrate.md"
 WORLD = 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import offload_workloads as ow
-from zeroshard.launch import WorkerError, spawn
+from zeroshard.trainer.launch import WorkerError, spawn
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import workloads as w
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 PARAM_TOL = 1e-5
 BF16_LOSS_TOL = 2e-2

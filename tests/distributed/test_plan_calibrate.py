@@ -13,7 +13,7 @@ import math
 
 from zeroshard.cli.main import main as cli
 from zeroshard.models import GPTConfig
-from zeroshard.sim.hardware import load_hardware
+from zeroshard.tools.sim.hardware import load_hardware
 
 SEQ = 32
 

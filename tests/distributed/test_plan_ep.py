@@ -2,7 +2,7 @@
 
 One spawn of world 4 (plan_ep_workloads.suite) measures stage 3 three times, each on a mesh of its
 own: without ep (ZeRO-3 over all 4 ranks), at (ep 2 x edp 2) and at ep 4
-(`zeroshard.planner.measure.measure_many_worker`, what `plan --measure` runs). Every model-state
+(`zeroshard.tools.planner.measure.measure_many_worker`, what `plan --measure` runs). Every model-state
 component, stage 3's window and the expert bytes a rank holds in full during forward must be what
 the plan says, and the peak within 10%; the expert bytes held fall by ep against ZeRO-3 without it.
 The same spawn trains tiny-moe at ep 2 and 4 and records the ledger's ep all-to-all bytes and the
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPTConfig
-from zeroshard.planner import plan
+from zeroshard.tools.planner import plan
 import plan_ep_workloads as pw
-from zeroshard.planner.measure import MODEL_STATES, checks, request
+from zeroshard.tools.planner.measure import MODEL_STATES, checks, request
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPTConfig
-from zeroshard.planner import plan
-from zeroshard.planner.measure import MEASURED, checks, measure_many_worker, request
+from zeroshard.tools.planner import plan
+from zeroshard.tools.planner.measure import MEASURED, checks, measure_many_worker, request
 
 WORLD = 2
 STAGES = (0, 1, 2, 3)

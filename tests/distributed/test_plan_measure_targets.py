@@ -19,11 +19,11 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import arch_workloads as aw  # noqa: E402
-import zeroshard.launch  # noqa: E402
+import zeroshard.trainer.launch  # noqa: E402
 from zeroshard.cli.main import main  # noqa: E402
-from zeroshard.models.targets import Target  # noqa: E402
-from zeroshard.planner import plan  # noqa: E402
-from zeroshard.planner.measure import MEASURED, checks, measure_many_worker, request  # noqa: E402
+from zeroshard.trainer.targets import Target  # noqa: E402
+from zeroshard.tools.planner import plan  # noqa: E402
+from zeroshard.tools.planner.measure import MEASURED, checks, measure_many_worker, request  # noqa: E402
 
 WORLD, BATCH, SEQ = 2, 4, 16
 PREDICTED = tuple(c for c in MEASURED if c != "activations")
@@ -61,7 +61,7 @@ def requests(cases, plans):
 
 @pytest.fixture(scope="module")
 def spawned(requests):
-    return zeroshard.launch.spawn(measure_many_worker, WORLD, args=(requests,), timeout_s=600)
+    return zeroshard.trainer.launch.spawn(measure_many_worker, WORLD, args=(requests,), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_plan_measure_cli_builds_the_folder_on_every_rank(folder, requests, spaw
         assert req["timed_steps"] > 0
         return [r[0] for r in spawned]
 
-    monkeypatch.setattr(zeroshard.launch, "spawn", replay)
+    monkeypatch.setattr(zeroshard.trainer.launch, "spawn", replay)
     capsys.readouterr()
     assert main(["plan", "--model", str(folder), "--world", str(WORLD), "--batch", str(BATCH), "--seq", str(SEQ),
                  "--measure", "--json"]) == 0

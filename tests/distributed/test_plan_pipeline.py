@@ -3,7 +3,7 @@
 World 4 as pp 2 x shard 2 (grads reduced once per step, and at stages 2-3 after every microbatch)
 and as pp 4 (one spawn each: the pp size is the world's mesh), the tiny GPT at a batch where
 activations are about a third of the peak, 1F1B. The planner's per-rank
-allocated peak is held to the measured one (storage accounting, zeroshard/planner/measure_pipeline.py)
+allocated peak is held to the measured one (storage accounting, zeroshard/tools/planner/measure_pipeline.py)
 within 10% at every stage, layout and rank.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.launch import spawn
-from zeroshard.planner.measure_pipeline import checks, pipeline_measure_many, request
-from zeroshard.planner.pipeline import plan_pipeline
+from zeroshard.trainer.launch import spawn
+from zeroshard.tools.planner.measure_pipeline import checks, pipeline_measure_many, request
+from zeroshard.tools.planner.pipeline import plan_pipeline
 
 TARGET = 0.10
 CASES = {"pp2-shard2": dict(pp=2, microbatches=2, stages=(0, 2, 3)),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 import pp_workloads as w
-from zeroshard.launch import spawn
-from zeroshard.train import reference_train
+from zeroshard.trainer.launch import spawn
+from zeroshard.trainer.train import reference_train
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
 
@@ -196,8 +196,8 @@ def test_planned_reduce_scatters_equal_the_ledger_under_either_choice(suite, cas
     """plan --pp's reduce-scatter bytes per step, per pp rank, at the case's stage, are the ledger's:
     the planner reads pp_grad_reduce through the runtime's own stage options."""
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.pipeline import plan_pipeline
-    from zeroshard.planner.spec import STAGE_NAMES
+    from zeroshard.tools.planner.pipeline import plan_pipeline
+    from zeroshard.tools.planner.spec import STAGE_NAMES
 
     for twin in (case, case[:3]):
         cfg = w.config(*twin)
@@ -216,8 +216,8 @@ def test_planned_gathers_and_reduce_scatters_per_phase_equal_the_ledger(suite, c
     reduce-scatter bytes per step, per phase, are the ledger's on every pp rank (rank 0's second
     forward under 1F1B finds the root and the kept block still gathered)."""
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.pipeline import plan_pipeline
-    from zeroshard.planner.spec import STAGE_NAMES
+    from zeroshard.tools.planner.pipeline import plan_pipeline
+    from zeroshard.tools.planner.spec import STAGE_NAMES
 
     cfg = w.config(*case)
     pplan = plan_pipeline(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size), world=w.WORLD, pp=cfg.pp,
@@ -367,8 +367,8 @@ def test_planned_quantized_grad_traffic_equals_the_ledger(suite, case):
     """plan --pp --comm-quant grads: the bytes per step of the stage's int8 all-to-all and of the
     reduce-scatters left unquantized are the ledger's (as test_planned_reduce_scatters_equal_the_ledger)."""
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.pipeline import plan_pipeline
-    from zeroshard.planner.spec import STAGE_NAMES
+    from zeroshard.tools.planner.pipeline import plan_pipeline
+    from zeroshard.tools.planner.spec import STAGE_NAMES
 
     name, stage, schedule, grad_reduce, quant = case
     cfg = w.config(name, stage, schedule, grad_reduce, comm_quant=quant)

@@ -23,9 +23,9 @@ import zeroshard as zs
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.training import checkpoint_name
 from zeroshard.cli.main import main as cli
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.train import reference_train
+from zeroshard.trainer.train import reference_train
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
 

@@ -18,8 +18,8 @@ from safetensors.torch import load_file  # noqa: E402
 import pretrained_workloads as pw  # noqa: E402
 from zeroshard.checkpoint import tensorfile  # noqa: E402
 from zeroshard.cli.main import main as cli  # noqa: E402
-from zeroshard.hf import PretrainedError, export_checkpoint  # noqa: E402
-from zeroshard.launch import spawn  # noqa: E402
+from zeroshard.checkpoint.hf import PretrainedError, export_checkpoint  # noqa: E402
+from zeroshard.trainer.launch import spawn  # noqa: E402
 
 LOGIT_TOL = 1e-6
 TIED = {"llama": set(), "qwen2": {"lm_head.weight"}}

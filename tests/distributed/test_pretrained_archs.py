@@ -16,8 +16,8 @@ import torch  # noqa: E402
 
 import arch_workloads as aw  # noqa: E402
 from zeroshard.cli.verify import default_tolerances  # noqa: E402
-from zeroshard.launch import spawn  # noqa: E402
-from zeroshard.train import reference_train  # noqa: E402
+from zeroshard.trainer.launch import spawn  # noqa: E402
+from zeroshard.trainer.train import reference_train  # noqa: E402
 
 LOGIT_TOL = 1e-6
 NAMES = list(aw.configs())
@@ -92,7 +92,7 @@ def test_names_transformers_converts_load_and_export_in_the_folders_layout(world
 def test_buffers_set_in_init_come_back_as_the_constructor_and_files_give_them(world2, folders):
     """The saved table is read from the files, the unsaved gain is the constructor's: the same
     model a plain build gives, where transformers' from_pretrained leaves the gain uninitialised."""
-    from zeroshard.hf.pretrained import build_pretrained
+    from zeroshard.checkpoint.hf.pretrained import build_pretrained
 
     model = build_pretrained(folders["buffers"])
     fresh = aw.buffer_model.BufferLM(aw.configs()["buffers"])

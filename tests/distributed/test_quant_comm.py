@@ -7,7 +7,7 @@ import math
 import pytest
 
 import quant_workloads as qw
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 WORLD = 2
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rules_workloads as rw
-from zeroshard.launch import WorkerError, spawn
+from zeroshard.trainer.launch import WorkerError, spawn
 
 WORLD = 2
 # The module's one spawn runs every case; on a loaded two-core machine it can outlast the default

@@ -22,10 +22,10 @@ import os
 import pytest
 
 import schedule_workloads as sw
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPTConfig
-from zeroshard.planner import plan
-from zeroshard.planner.spec import STAGE_NAMES
+from zeroshard.tools.planner import plan
+from zeroshard.tools.planner.spec import STAGE_NAMES
 
 # One spawn per world runs every config; on a loaded two-core machine it can outlast the default
 # per-test timeout, which the first test of each world pays for.

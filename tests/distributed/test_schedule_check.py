@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 
 def _run(stage: int, accum: int, check_mismatch: bool) -> dict:
     import torch
 
     import zeroshard as zs
-    from zeroshard import step
-    from zeroshard.config import TrainConfig
-    from zeroshard.data import build_dataset, collate
+    from zeroshard.trainer import step
+    from zeroshard.trainer.config import TrainConfig
+    from zeroshard.trainer.data import build_dataset, collate
     from zeroshard.models import GPT, GPTConfig
-    from zeroshard.sharding import ScheduleMismatchError
+    from zeroshard.runtime import ScheduleMismatchError
 
     mesh = zs.init()
     model_cfg = GPTConfig.named("tiny", seq_len=16)

@@ -12,8 +12,8 @@ import torch
 
 import tp_workloads as w
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.launch import spawn
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPTConfig
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
@@ -136,7 +136,7 @@ def _plan(stage: int, sp: bool = False):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_planner_model_states_at_2x2_within_ten_percent(suite, stage):
     """The planner's per-rank params, grads, masters and optimizer state at (shard 2, tp 2) against
-    the storages a tensor-parallel run holds (zeroshard/planner/tp.py splits what the runtime splits)."""
+    the storages a tensor-parallel run holds (zeroshard/tools/planner/tp.py splits what the runtime splits)."""
     measured = suite[0]["model_states"][("gpt", stage, False)]
     layout = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
     predicted = _plan(stage)[layout].device

@@ -18,7 +18,7 @@ import zeroshard as zs
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.export import export, reshard
 from zeroshard.checkpoint.format import rank_file
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
 

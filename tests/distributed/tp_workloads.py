@@ -14,15 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched; the conf
 import torch
 
 import zeroshard as zs
-from zeroshard import step
-from zeroshard.config import TrainConfig
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer import step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.models.adapter import mean_loss
+from zeroshard.trainer.adapter import mean_loss
 from zeroshard.models.hf import build_hf_model
-from zeroshard.planner.measure import model_state_bytes
-from zeroshard.sharding import get_engine
-from zeroshard.sharding.tp import tensor_parallel
+from zeroshard.tools.planner.measure import model_state_bytes
+from zeroshard.runtime import get_engine
+from zeroshard.runtime.tp import tensor_parallel
 
 SEED = 1234
 LR = 1e-3
@@ -70,7 +70,7 @@ def reference_run(name: str, steps: int = STEPS) -> dict:
 
 def tp_run(name: str, stage: int, *, parallel: bool = True, sequence_parallel: bool = False, meta: bool = False,
            **shard_kwargs):
-    """A `zeroshard.step.Run` of ``name`` on this mesh, tensor-parallel when ``parallel``; built on
+    """A `zeroshard.trainer.step.Run` of ``name`` on this mesh, tensor-parallel when ``parallel``; built on
     the meta device (parallelised there, materialised by ``zs.shard``) when ``meta``."""
     data = dataset()
     model = build(name, data.vocab_size, meta=meta)
@@ -154,7 +154,7 @@ def _errors() -> dict[str, str]:
 
     from transformers import LlamaConfig
 
-    from zeroshard.sharding.tp import gpt_plan, llama_plan
+    from zeroshard.runtime.tp import gpt_plan, llama_plan
 
     out = {}
     try:
@@ -252,7 +252,7 @@ def _rejoin(world: int | None = None, **mesh) -> bool:
     spawned group visits several layouts; ranks >= ``world`` leave. Whether this rank is in it."""
     import torch.distributed as dist
 
-    from zeroshard.launch import free_port
+    from zeroshard.trainer.launch import free_port
 
     port = [free_port() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(port, src=0)  # also a barrier: rank 0 has finished what came before
@@ -318,9 +318,9 @@ CLI_BASE = dict(model="tiny", nproc=4, tp=2, batch=8, seq_len=SEQ_LEN, steps=2, 
 
 def cli_suite() -> dict:
     """Each CLI_CASES run as `zeroshard train` builds it on a rank (zs.init(tp=cfg.tp),
-    zeroshard.train.setup, train_step): the tp split comes from the config, not from the test.
+    zeroshard.trainer.train.setup, train_step): the tp split comes from the config, not from the test.
     Returns the second step's ledger bytes per (op, dim, phase) and the mesh's sizes."""
-    from zeroshard.train import setup, train_step
+    from zeroshard.trainer.train import setup, train_step
 
     out: dict = {}
     for keys in CLI_CASES:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 import zeroshard as zs
-from zeroshard import step
-from zeroshard.config import TrainConfig
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer import step
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 
 SEED = 1234
@@ -47,7 +47,7 @@ def reference_run(steps: int, global_batch: int) -> dict:
 
 def tiny_run(stage: int, global_batch: int, *, clip: float = CLIP, weight_decay: float = WEIGHT_DECAY,
              mesh=None, **shard_kwargs):
-    """A `zeroshard.step.Run` of tiny on this world, built the way `zeroshard train` builds one, with
+    """A `zeroshard.trainer.step.Run` of tiny on this world, built the way `zeroshard train` builds one, with
     a constant LR (no warm-up, `min_lr == lr`), on ``mesh`` (the default one unless given);
     ``shard_kwargs`` go to ``zs.shard``."""
     cfg, data = tiny_setup(global_batch)
@@ -124,7 +124,7 @@ def _unique_storage_bytes(tensors) -> int:
 def memory_probe(stage: int, prefetch: int = 1, reshard_after_forward: bool = True) -> dict:
     """Storage actually held for params, grads and optimizer state after one step, plus stage-3
     full-param residency, read from the storages rather than from bookkeeping."""
-    from zeroshard.sharding import get_engine
+    from zeroshard.runtime import get_engine
 
     zs.init()
     run = tiny_run(stage, GLOBAL_BATCH, clip=0.0, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
@@ -170,7 +170,7 @@ def memory_suite() -> dict:
 
 def ledger_suite() -> dict:
     """Per-phase collective bytes of one training step at each stage (and stage 3 in bf16)."""
-    from zeroshard.sharding import get_engine
+    from zeroshard.runtime import get_engine
 
     out = {}
     bf16 = zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -207,7 +207,7 @@ def comm_memory_suite() -> dict:
 
 def hybrid_suite(shard_size: int = 2) -> dict:
     """World 4 as 2 replicas x 2 shards: parity runs, plus one step's bytes per (op, group, phase)."""
-    from zeroshard.sharding import get_engine
+    from zeroshard.runtime import get_engine
 
     zs.init(shard_size=shard_size)
     out = {stage: sharded_run(stage, 10, GLOBAL_BATCH) for stage in (0, 1, 2, 3)}
@@ -275,7 +275,7 @@ def checkpointing_suite() -> dict:
 
 def activation_memory(n_layer: int, policy: str, n_embd: int = 64, batch: int = 4, seq: int = 64) -> dict:
     """Activation bytes kept after forward and at the step's peak (torch's MemTracker)."""
-    from zeroshard.profile.activations import activation_bytes
+    from zeroshard.observe.profile.activations import activation_bytes
 
     mesh = zs.init()
     cfg = GPTConfig.named("tiny", n_layer=n_layer, n_embd=n_embd, n_head=4, seq_len=seq)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard as zs
-from zeroshard.launch import spawn
+from zeroshard.trainer.launch import spawn
 from zeroshard.models.gpt import GPT, GPTConfig
 
 VOCAB, SEQ, BATCH = 64, 32, 8

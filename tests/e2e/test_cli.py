@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroshard.observing.observer import step_records
+from zeroshard.observe.observer import step_records
 
 # Small enough to be quick, large enough that 30 steps visibly lower the loss.
 FAST = ["--model", "tiny", "--batch", "8", "--seq-len", "32", "--num-samples", "256"]
@@ -105,8 +105,8 @@ def test_verify_stage0_matches_single_process() -> None:
 
 
 def test_accumulation_steps_the_schedule_once_per_optimizer_step(tmp_path: Path) -> None:
-    from zeroshard.config import TrainConfig
-    from zeroshard.train import lr_at
+    from zeroshard.trainer.config import TrainConfig
+    from zeroshard.trainer.train import lr_at
 
     run_dir = tmp_path / "run"
     flags = ["--nproc", "2", "--stage", "2", "--accum", "2", "--steps", "6", "--warmup", "2",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_cli import read_metrics, run_cli, run_main
 
-from zeroshard.config import load_toml
+from zeroshard.trainer.config import load_toml
 
 # The Hugging Face Trainer's ZeRO-3 template with params and optimizer offloaded to the CPU:
 # "auto" in every field the Trainer fills from its arguments.

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from test_cli import run_cli  # noqa: E402
 
 from zeroshard.cli.main import main  # noqa: E402
-from zeroshard.generate import open_model  # noqa: E402
+from zeroshard.tools.generate import open_model  # noqa: E402
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 WORDS = "the cat sat on a mat and dog ran far away to see big red sun".split()

@@ -65,7 +65,7 @@ def test_profile_shows_each_stage_share_and_the_bubble(uninterrupted):
     """The pp-2 run's profile (on by default): per pp rank, each stage's forward and backward compute
     (timed by the stages' compute events) plus idle fill the schedule, and with the rest fill the
     step; the bubble is measured on every rank and the theory is the planner's."""
-    from zeroshard.planner.pipeline import PipelineShape
+    from zeroshard.tools.planner.pipeline import PipelineShape
 
     run_dir = uninterrupted[1]
     pipe = json.loads((run_dir / "summary.json").read_text())["profile"]["pipeline"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from test_cli import run_cli
-from zeroshard.config import load_toml, merge_config
-from zeroshard.tune.measure import FAULT_ENV
+from zeroshard.trainer.config import load_toml, merge_config
+from zeroshard.tools.tune.measure import FAULT_ENV
 
 # 2 gloo ranks on the tiny GPT; every timed step is real, so keep them few.
 QUICK = ["tune", "--model", "tiny", "--nproc", "2", "--batch", "8", "--seq-len", "32", "--steps", "2",

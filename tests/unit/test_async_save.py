@@ -12,7 +12,7 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.pieces import persistent_buffers
 from zeroshard.checkpoint.tensorfile import TensorFile
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.sharding import get_engine
+from zeroshard.runtime import get_engine
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,7 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.pieces import split_range
 from zeroshard.checkpoint.tensorfile import Entry, TensorFile, TensorFileWriter, file_sha256
 from zeroshard.checkpoint.training import TrainingCheckpoints
-from zeroshard.config import TrainConfig
+from zeroshard.trainer.config import TrainConfig
 
 
 def write(path: Path, tensors: dict[str, torch.Tensor], metadata=None) -> tuple[str, int]:

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import zeroshard as zs
-from zeroshard.config import TrainConfig
+from zeroshard.trainer.config import TrainConfig
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.planner import plan
-from zeroshard.sharding import get_engine
-from zeroshard.sharding.recompute import segment_length
-from zeroshard.tune.grid import DEFAULT_AXES, candidates, parse_axes
-from zeroshard.tune.prune import predict
+from zeroshard.tools.planner import plan
+from zeroshard.runtime import get_engine
+from zeroshard.runtime.recompute import segment_length
+from zeroshard.tools.tune.grid import DEFAULT_AXES, candidates, parse_axes
+from zeroshard.tools.tune.prune import predict
 
 DEPTHS = (2, 5, 8)
 POLICIES = ("none", "all", "every:2", "every:3", "every:4", "sqrt")

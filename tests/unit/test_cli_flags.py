@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 
 from zeroshard.cli.main import build_parser, main
-from zeroshard.config import field_names
+from zeroshard.trainer.config import field_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANGES, REFUSED = "changes", "refused"
@@ -255,9 +255,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
 def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Outcome], dict]:
     """The runner with the two flags that would spawn ranks here (--measure, --calibrate) stubbed:
     what reaches the stub is recorded, and the stub's answer becomes part of the output."""
-    from zeroshard.planner import measure as plan_measure
-    from zeroshard.planner.result import Components
-    from zeroshard.sim import cli as sim_cli
+    from zeroshard.tools.planner import measure as plan_measure
+    from zeroshard.tools.planner.result import Components
+    from zeroshard.cli import plan_time as sim_cli
 
     called: dict[str, Any] = {}
 
@@ -391,7 +391,7 @@ def test_every_tune_flag_changes_what_is_measured_or_written_or_is_refused(tmp_p
     (the MeasureSpec: base config, candidates, steps, rounds, resident), the rows and the TOML written."""
     import importlib
 
-    tune_measure = importlib.import_module("zeroshard.tune.measure")  # the package exports a function of that name
+    tune_measure = importlib.import_module("zeroshard.tools.tune.measure")  # the package exports a function of that name
 
     outdir = tmp_path / "out"
     outdir.mkdir()
@@ -507,7 +507,7 @@ def test_every_train_flag_changes_the_resolved_config_or_is_refused(tmp_path) ->
 def test_every_train_config_field_is_read_by_the_runtime() -> None:
     """The resolved config is only half of it: each field must also be read somewhere outside the
     config module (the step, the launcher, the observer, checkpoints), or its flag changes nothing."""
-    from zeroshard.sharding.options import KNOB_NAMES  # the engine's, read as cfg.engine
+    from zeroshard.runtime.options import KNOB_NAMES  # the engine's, read as cfg.engine
 
     sources = [p.read_text() for p in (ROOT / "zeroshard").rglob("*.py") if p.name != "config.py"]
     unread = [name for name in field_names() if name not in KNOB_NAMES
@@ -530,13 +530,13 @@ def test_tp_with_a_model_or_world_it_cannot_split_is_one_line_before_launch(caps
             assert err.startswith(f"zeroshard {command}: error: ") and message in err and err.count("\n") == 1, err
     # The batch is split over the data-parallel ranks only: 6 does not split over 4 ranks, but over
     # the 2 data-parallel ranks of 4 at tp 2 it does (each tp group shares its 3 sequences).
-    from zeroshard.config import TrainConfig
+    from zeroshard.trainer.config import TrainConfig
 
     assert TrainConfig(nproc=4, tp=2, batch=6).tp == 2
 
 
 def test_tp_is_a_toml_key(tmp_path) -> None:
-    from zeroshard.config import config_from_sources
+    from zeroshard.trainer.config import config_from_sources
 
     path = tmp_path / "run.toml"
     path.write_text("nproc = 4\ntp = 2\nstage = 3\n")
@@ -547,14 +547,14 @@ def test_tp_is_a_toml_key(tmp_path) -> None:
 
 def test_the_tp_plan_models_are_the_runtimes_plans() -> None:
     """TrainConfig refuses tp > 1 for a model without a plan, without importing torch; its list must
-    be exactly the models whose class zeroshard.sharding.tp has a plan for."""
+    be exactly the models whose class zeroshard.runtime.tp has a plan for."""
     import torch
 
     import zeroshard as zs
-    from zeroshard.config import HF_MODEL_NAMES, MODEL_NAMES, TP_MODEL_NAMES
+    from zeroshard.trainer.config import HF_MODEL_NAMES, MODEL_NAMES, TP_MODEL_NAMES
     from zeroshard.models.gpt import GPT, GPTConfig
     from zeroshard.models.hf import build_hf_model
-    from zeroshard.sharding.tp import PLANS
+    from zeroshard.runtime.tp import PLANS
 
     for name in MODEL_NAMES + HF_MODEL_NAMES:
         if name in HF_MODEL_NAMES:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.sharding import clip
+from zeroshard.runtime import clip
 
 
 def test_chunked_square_sum_is_the_float64_sum_of_squares(monkeypatch):

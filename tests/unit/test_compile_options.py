@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.config import TrainConfig
-from zeroshard.sharding import CompileError
-from zeroshard.sharding.compiled import compile_forwards, compile_options, eager_hook
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.runtime import CompileError
+from zeroshard.runtime.compiled import compile_forwards, compile_options, eager_hook
 
 
 @pytest.mark.parametrize(("arg", "expected"), [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroshard.config import (
+from zeroshard.trainer.config import (
     MODEL_NAMES,
     TrainConfig,
     field_help,
@@ -121,7 +121,7 @@ def test_replace_revalidates() -> None:
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
-    from zeroshard.train import lr_at
+    from zeroshard.trainer.train import lr_at
 
     cfg = TrainConfig(steps=20, warmup=5, lr=1e-3, min_lr=1e-4)
     lrs = [lr_at(cfg, s) for s in range(cfg.steps)]

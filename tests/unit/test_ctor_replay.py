@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.construct import record_build
-from zeroshard.sharding import get_engine
+from zeroshard.runtime.construct import record_build
+from zeroshard.runtime import get_engine
 
 
 @pytest.fixture(scope="module", autouse=True)

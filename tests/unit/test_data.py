@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from zeroshard.data import (
+from zeroshard.trainer.data import (
     ByteFileDataset,
     GlobalBatchSampler,
     MarkovSource,

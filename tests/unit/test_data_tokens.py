@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from zeroshard.cli.data import prepare
 from zeroshard.cli.main import main
-from zeroshard.data import GlobalBatchSampler, build_dataset, collate
-from zeroshard.data_tokens import TokenFileDataset, dtype_for_vocab
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer.data_tokens import TokenFileDataset, dtype_for_vocab
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -14,7 +14,7 @@ from torch import nn
 import zeroshard as zs
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.cli.main import main as cli
-from zeroshard.dcp import export_dcp, import_dcp
+from zeroshard.checkpoint.dcp import export_dcp, import_dcp
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.sharding import EngineEvents, EngineOptions, EventKind, get_engine
-from zeroshard.sharding.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
+from zeroshard.runtime import EngineEvents, EngineOptions, EventKind, get_engine
+from zeroshard.runtime.engine import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,10 +99,10 @@ def test_every_engine_knob_is_a_train_config_key_nested_in_one_engine_options(tm
     given flat lands in `cfg.engine` and nowhere else."""
     import dataclasses
 
-    from zeroshard.config import TrainConfig, field_names, load_toml, merge_config
-    from zeroshard.offload.policy import OffloadPolicy
-    from zeroshard.sharding.options import KNOB_NAMES, KNOBS
-    from zeroshard.step import engine_options
+    from zeroshard.trainer.config import TrainConfig, field_names, load_toml, merge_config
+    from zeroshard.runtime.offload.policy import OffloadPolicy
+    from zeroshard.runtime.options import KNOB_NAMES, KNOBS
+    from zeroshard.trainer.step import engine_options
 
     own = {f.name for f in dataclasses.fields(EngineOptions)} - {"offload"}
     assert set(KNOB_NAMES) == own | {"offload", "offload_dir", "offload_slice_mb"}

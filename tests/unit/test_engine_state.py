@@ -8,8 +8,8 @@ import torch
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.sharding import get_engine
-from zeroshard.sharding.engine import TrainingState
+from zeroshard.runtime import get_engine
+from zeroshard.runtime.engine import TrainingState
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,8 +8,8 @@ import torch
 import zeroshard as zs
 from zeroshard.cli.main import main
 from zeroshard.comm.mesh import _ep_of_shape, _from_mesh_shape, check_ep_layout
-from zeroshard.config import TrainConfig, config_from_sources
-from zeroshard.experts import ExpertParallelError, check_ep, moe_layers
+from zeroshard.trainer.config import TrainConfig, config_from_sources
+from zeroshard.parallel.experts import ExpertParallelError, check_ep, moe_layers
 from zeroshard.models import GPT, GPTConfig
 
 

@@ -1,5 +1,5 @@
 """A split expert param's init drawn one expert at a time is bitwise the rows of one whole draw,
-and the random stream after it is the same (zeroshard/expert_init.py)."""
+and the random stream after it is the same (zeroshard/runtime/expert_init.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard import expert_init
-
+from zeroshard.runtime import expert_init
 DRAWS = {
     "normal_": (nn.init.normal_, {"mean": 0.1, "std": 0.02}),
     "uniform_": (nn.init.uniform_, {"a": -0.3, "b": 0.2}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard import faults
+from zeroshard.comm import fault_points as faults
 from zeroshard.comm import faults as comm_faults
 
 

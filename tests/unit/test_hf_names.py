@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from zeroshard.config import HF_MODEL_NAMES, TrainConfig
+from zeroshard.trainer.config import HF_MODEL_NAMES, TrainConfig
 
 
 @pytest.mark.parametrize("name", HF_MODEL_NAMES)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from zeroshard.config import TrainConfig, config_from_sources, load_toml
-from zeroshard.migrate import UnsupportedKey, from_deepspeed
-from zeroshard.migrate.deepspeed import ADAMW_BETAS, ADAMW_EPS, SCALER
+from zeroshard.trainer.config import TrainConfig, config_from_sources, load_toml
+from zeroshard.tools.migrate import UnsupportedKey, from_deepspeed
+from zeroshard.tools.migrate.deepspeed import ADAMW_BETAS, ADAMW_EPS, SCALER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,7 +180,7 @@ def test_warmup_lr_is_a_cosine_whose_floor_is_the_peak():
                                                                       "warmup_type": "linear"}}}
     conv = from_deepspeed(ds, world=8)
     assert (conv.values["lr"], conv.values["min_lr"], conv.values["warmup"]) == (3e-4, 3e-4, 7)
-    from zeroshard.step import lr_at
+    from zeroshard.trainer.step import lr_at
 
     cfg = config_from_sources(None, {**conv.values, "steps": 20})
     assert [lr_at(cfg, s) for s in range(7, 20)] == [3e-4] * 13, "constant after warm-up, as WarmupLR holds it"
@@ -331,8 +331,8 @@ def test_switched_off_features_are_accepted():
 
 
 def test_constants_match_the_runtime():
-    import zeroshard.train as train
-    from zeroshard.sharding.scaler import ShardedGradScaler
+    import zeroshard.trainer.train as train
+    from zeroshard.runtime.scaler import ShardedGradScaler
 
     assert ADAMW_BETAS == train.BETAS and ADAMW_EPS == 1e-8
     defaults = ShardedGradScaler.__init__.__kwdefaults__

@@ -1,9 +1,9 @@
-"""The training step is written once (zeroshard/step.py); nothing else in the library or the benches
+"""The training step is written once (zeroshard/trainer/step.py); nothing else in the library or the benches
 runs its own forward/backward/optimizer-step loop.
 
 Every ``.backward(...)`` call and every ``.step(...)`` call on an optimizer-like receiver in
 zeroshard/ and bench/ must sit in a function named below, with the reason it is not a training step.
-A new tool that needs a step calls ``zeroshard.step`` (with hooks if it must look inside) instead.
+A new tool that needs a step calls ``zeroshard.trainer.step`` (with hooks if it must look inside) instead.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("zeroshard", "bench")
 
 ALLOWED = {
-    ("zeroshard/step.py", "accumulate_gradients"): "the step's micro-steps",
-    ("zeroshard/step.py", "optimizer_step"): "the step's optimizer step",
-    ("zeroshard/step.py", "pipeline_step"): "a pipeline run's step: torch's schedule runs the micro-steps",
-    ("zeroshard/step.py", "plain_step"): "the plain PyTorch step the benchmarks' peers take",
-    ("zeroshard/train.py", "reference_train"): "the single-process plain-PyTorch reference",
-    ("zeroshard/train.py", "reference_backward"): "the reference's backward of a global batch",
-    ("zeroshard/sharding/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",
-    ("zeroshard/planner/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
-    ("zeroshard/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
+    ("zeroshard/trainer/step.py", "accumulate_gradients"): "the step's micro-steps",
+    ("zeroshard/trainer/step.py", "optimizer_step"): "the step's optimizer step",
+    ("zeroshard/trainer/step.py", "pipeline_step"): "a pipeline run's step: torch's schedule runs the micro-steps",
+    ("zeroshard/trainer/step.py", "plain_step"): "the plain PyTorch step the benchmarks' peers take",
+    ("zeroshard/trainer/train.py", "reference_train"): "the single-process plain-PyTorch reference",
+    ("zeroshard/trainer/train.py", "reference_backward"): "the reference's backward of a global batch",
+    ("zeroshard/runtime/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",
+    ("zeroshard/tools/planner/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
+    ("zeroshard/observe/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
     ("bench/activation_memory.py", "measure"): "a warm-up backward before measuring activations",
     ("bench/gpu_overhead.py", "main"): "a matmul backward that creates cuBLAS's workspace",
-    ("zeroshard/sim/calibrate.py", "block_bwd"): "times one block's backward for the simulator, no step",
-    ("zeroshard/sim/calibrate.py", "model_bwd"): "times the model's backward for the simulator, no step",
-    ("zeroshard/sim/calibrate.py", "run_blocks"): "times blocks' backward (under a collective), no step",
+    ("zeroshard/tools/sim/calibrate.py", "block_bwd"): "times one block's backward for the simulator, no step",
+    ("zeroshard/tools/sim/calibrate.py", "model_bwd"): "times the model's backward for the simulator, no step",
+    ("zeroshard/tools/sim/calibrate.py", "run_blocks"): "times blocks' backward (under a collective), no step",
     ("bench/observe_overhead.py", "loop_steps"): "a user's own plain loop, the one zs.observe is measured on",
 }
 
@@ -81,8 +81,8 @@ def all_step_calls() -> dict[tuple[str, str], list[int]]:
 def test_no_training_loop_outside_the_step_module():
     stray = {f"{path}:{lines[0]} in {function}()": lines
              for (path, function), lines in all_step_calls().items() if (path, function) not in ALLOWED}
-    assert not stray, ("a forward/backward/optimizer-step loop outside zeroshard/step.py; call "
-                       f"zeroshard.step (with its hooks) instead: {sorted(stray)}")
+    assert not stray, ("a forward/backward/optimizer-step loop outside zeroshard/trainer/step.py; call "
+                       f"zeroshard.trainer.step (with its hooks) instead: {sorted(stray)}")
 
 
 def test_the_allow_list_is_current():

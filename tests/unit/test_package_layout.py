@@ -26,15 +26,15 @@ def test_import_zeroshard_loads_no_tool():
     """Tools (cli, tune, sim, profile's report, benchmark, migrate) load when used, not with the package."""
     code = ("import sys, zeroshard; print(','.join(sorted(m for m in sys.modules if m.startswith('zeroshard.'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(",")
-    tools = ("zeroshard.cli", "zeroshard.tune", "zeroshard.sim", "zeroshard.benchmark", "zeroshard.migrate",
-             "zeroshard.profile.report", "zeroshard.profile.render")
+    tools = ("zeroshard.cli", "zeroshard.tools.tune", "zeroshard.tools.sim", "zeroshard.tools.benchmark",
+             "zeroshard.tools.migrate", "zeroshard.observe.profile.report", "zeroshard.observe.profile.render")
     assert not [m for m in loaded if m.strip().startswith(tools)], loaded
 
 
 def test_dtensor_loads_only_where_a_model_is_split():
     """torch.distributed.tensor costs over a second of CPU per process: neither the package nor the
     CLI's own process loads it (tests/distributed/test_tp.py covers the split models, which do)."""
-    code = ("import sys, zeroshard, zeroshard.cli.main, zeroshard.cli.train, zeroshard.planner.tp; "
+    code = ("import sys, zeroshard, zeroshard.cli.main, zeroshard.cli.train, zeroshard.tools.planner.tp; "
             "print('torch.distributed.tensor' in sys.modules)")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"
@@ -60,7 +60,7 @@ def test_the_command_line_starts_the_rank_server_before_its_own_imports():
     """`zeroshard train` forks its ranks from a server that imports torch on the other core while
     the command itself imports and parses: nothing heavy may load before it starts."""
     code = ("import sys, zeroshard.cli.main as m; "
-            "print(sorted(n for n in ('torch', 'zeroshard.sharding') if n in sys.modules), "
+            "print(sorted(n for n in ('torch', 'zeroshard.runtime') if n in sys.modules), "
             "m.starts_ranks(['train', '--nproc', '2']), m.starts_ranks(['plan', '--model', 'tiny']), "
             "m.starts_ranks(['plan', '--measure']), m.model_library(['train', '--model=hf:llama-tiny']), "
             "m.model_library(['train', '--model', 'tiny']))")

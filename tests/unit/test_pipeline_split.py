@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from zeroshard.comm.mesh import _dims_of_shape
-from zeroshard.config import TrainConfig
+from zeroshard.trainer.config import TrainConfig
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.pipeline.families import GPT_FAMILY, StageModule, block_names
-from zeroshard.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
-from zeroshard.pipeline.split import even_split, explicit_split
-from zeroshard.pipeline.tied import find_tied
+from zeroshard.parallel.pipeline.families import GPT_FAMILY, StageModule, block_names
+from zeroshard.parallel.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
+from zeroshard.parallel.pipeline.split import even_split, explicit_split
+from zeroshard.parallel.pipeline.tied import find_tied
 
 
 def test_even_split_and_its_error():

@@ -11,9 +11,9 @@ from zeroshard.cli.main import main
 from zeroshard.cli.placement import failure_text
 from zeroshard.comm.names import Dim
 from zeroshard.comm.topology import CrossHostError, RankFacts, Topology
-from zeroshard.config import TrainConfig
+from zeroshard.trainer.config import TrainConfig
 from zeroshard.models import GPTConfig
-from zeroshard.planner.placement import rank_budget, shard_group_advice
+from zeroshard.tools.planner.placement import rank_budget, shard_group_advice
 
 TRAIN = TrainConfig(model="tiny", stage=3, nproc=4, batch=8, seq_len=32, vocab_size=16).to_dict()
 MODEL = GPTConfig.named("tiny", seq_len=32, vocab_size=16)

@@ -10,13 +10,13 @@ from torch import nn
 
 from zeroshard.cli.main import main as cli
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.planner import COMPONENTS, Network, plan, probe
-from zeroshard.planner.activations import gpt_activations
-from zeroshard.planner.inventory import Inventory
-from zeroshard.planner.recommend import recommend
-from zeroshard.planner.spec import Checkpointing, parse_bytes, parse_count
-from zeroshard.sharding.engine import MAX_INFLIGHT_REDUCTIONS
-from zeroshard.sharding.layout import FlatLayout
+from zeroshard.tools.planner import COMPONENTS, Network, plan, probe
+from zeroshard.tools.planner.activations import gpt_activations
+from zeroshard.tools.planner.inventory import Inventory
+from zeroshard.tools.planner.recommend import recommend
+from zeroshard.tools.planner.spec import Checkpointing, parse_bytes, parse_count
+from zeroshard.runtime.engine import MAX_INFLIGHT_REDUCTIONS
+from zeroshard.runtime.layout import FlatLayout
 
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3")
 GB = 10**9
@@ -124,7 +124,7 @@ def test_padding_frozen_and_tied_params_are_counted_like_the_runtime():
 
 
 def test_model_mode_builds_on_meta_and_allocates_nothing():
-    from zeroshard.planner.api import _resolve_model
+    from zeroshard.tools.planner.api import _resolve_model
 
     model, name, cfg, seq = _resolve_model("medium", 512)
     assert all(t.is_meta for t in model.parameters())

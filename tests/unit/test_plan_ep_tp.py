@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.experts.tp_tokens import run_of
+from zeroshard.parallel.experts.tp_tokens import run_of
 from zeroshard.models import GPTConfig
-from zeroshard.planner import plan
+from zeroshard.tools.planner import plan
 
 CFG = GPTConfig.named("tiny-moe", n_layer=2, vocab_size=64, seq_len=32)
 SEQ, ACCUM = 32, 2
@@ -106,9 +106,9 @@ def _meta():
 
 # -- the simulator's rows under ep with tp ---------------------------------------------------------
 def _sim(world: int, tp: int, ep: int, stage: int, seq: int = SEQ, batch: int = 8):
-    from zeroshard.sim.hardware import load_hardware
-    from zeroshard.sim.step import Layout, simulate
-    from zeroshard.sim.workload import Workload, gpt_shape
+    from zeroshard.tools.sim.hardware import load_hardware
+    from zeroshard.tools.sim.step import Layout, simulate
+    from zeroshard.tools.sim.workload import Workload, gpt_shape
 
     w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=batch // (world // tp * ACCUM), seq=seq, accum=ACCUM,
                  compute_bytes=4)
@@ -135,7 +135,7 @@ def test_the_simulators_expert_groups_span_world_over_ep():
     """Each expert is sharded and reduced over the world / ep ranks holding it (ep borrows from dp x tp),
     and a rank's shard of the model is its tp part of the attention, the MoE layer whole, its ep block
     of the experts over those ranks."""
-    from zeroshard.sim.step import Layout
+    from zeroshard.tools.sim.step import Layout
 
     assert Layout(world=4, stage=3, tp=2, ep=2).expert_group == 2
     assert Layout(world=4, stage=3, tp=2, ep=4).expert_group == 1
@@ -146,11 +146,11 @@ def test_the_simulators_expert_groups_span_world_over_ep():
 def test_the_tp_gathers_are_priced_on_the_tp_link():
     """Under ep with tp each MoE block's all-gathers block compute, priced on the tp group (within a
     node): forward the outputs', backward the input rows' and the routing weights' grads."""
-    from zeroshard.sim.hardware import load_hardware
-    from zeroshard.sim.network import collective_seconds
-    from zeroshard.sim.replay import Walked, _AllToAlls
-    from zeroshard.sim.step import CommLink, Layout
-    from zeroshard.sim.workload import Workload, gpt_shape
+    from zeroshard.tools.sim.hardware import load_hardware
+    from zeroshard.tools.sim.network import collective_seconds
+    from zeroshard.tools.sim.replay import Walked, _AllToAlls
+    from zeroshard.tools.sim.step import CommLink, Layout
+    from zeroshard.tools.sim.workload import Workload, gpt_shape
 
     hw = load_hardware("h100")
     layout = Layout(world=4, stage=3, tp=2, ep=2, param_bytes=4)
@@ -172,7 +172,7 @@ def test_the_tp_gathers_are_priced_on_the_tp_link():
 def test_a_tp_rank_computes_its_experts_on_its_run_only_under_ep():
     """The attention's matmuls split over tp; the router runs on every token; the experts run on the
     rank's run of the tokens under ep, and on every token without it (the MoE layer stays whole)."""
-    from zeroshard.sim.workload import Workload, gpt_shape
+    from zeroshard.tools.sim.workload import Workload, gpt_shape
 
     w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=2, seq=SEQ)
     dense = Workload(shape=gpt_shape(GPTConfig.named("tiny", n_layer=2, vocab_size=64, seq_len=32)), micro_batch=2,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from zeroshard.models import GPTConfig
-from zeroshard.planner import plan
-from zeroshard.sim.hardware import load_hardware
-from zeroshard.sim.step import Layout, simulate
-from zeroshard.sim.workload import Workload, gpt_shape
+from zeroshard.tools.planner import plan
+from zeroshard.tools.sim.hardware import load_hardware
+from zeroshard.tools.sim.step import Layout, simulate
+from zeroshard.tools.sim.workload import Workload, gpt_shape
 
 CFG = GPTConfig.named("tiny-moe", n_layer=2, vocab_size=64, seq_len=32)
 WORLD, BATCH, SEQ, ACCUM = 8, 32, 32, 2
@@ -101,8 +101,8 @@ WIDE = GPTConfig.named("tiny-moe", n_embd=256, n_head=4, n_layer=4, vocab_size=5
 
 
 def _rec(mem: str, **kwargs):
-    from zeroshard.planner.comm import Network
-    from zeroshard.planner.recommend import recommend
+    from zeroshard.tools.planner.comm import Network
+    from zeroshard.tools.planner.recommend import recommend
 
     return recommend(WIDE, device_mem=mem, world=8, batch=16, seq=64, network=Network(gpus_per_node=8), **kwargs)
 
@@ -126,7 +126,7 @@ def test_the_recommender_weighs_ep_against_zero3_with_a_row_for_each():
 
 
 def test_a_dense_model_gets_no_ep_rows():
-    from zeroshard.planner.recommend import recommend
+    from zeroshard.tools.planner.recommend import recommend
 
     rec = recommend("tiny", device_mem="1GB", world=8, batch=16, seq=64)
     assert rec.expert_rows == () and rec.ep == 1

@@ -10,11 +10,11 @@ import pytest
 import zeroshard as zs
 
 from zeroshard.cli.main import main
-from zeroshard.config import field_help
+from zeroshard.trainer.config import field_help
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.pipeline.order import bubble_fraction, schedule_order
-from zeroshard.planner import plan
-from zeroshard.planner.pipeline import plan_pipeline
+from zeroshard.parallel.pipeline.order import bubble_fraction, schedule_order
+from zeroshard.tools.planner import plan
+from zeroshard.tools.planner.pipeline import plan_pipeline
 
 
 def test_1f1b_holds_pp_minus_rank_microbatches_and_gpipe_all_of_them():
@@ -47,7 +47,7 @@ def test_zero_bubble_keeps_a_microbatch_in_flight_until_its_weight_half():
     assert all(sum(r.in_flight.values()) >= 1 for r in zb.ranks)
     assert zb.bubble < inter.bubble == pytest.approx(bubble_fraction(pp=2, microbatches=4, stages_per_rank=2))
     assert "replayed from torch's order" in zb.notes[0]
-    from zeroshard.planner.measure_pipeline import measure
+    from zeroshard.tools.planner.measure_pipeline import measure
 
     with pytest.raises(ValueError, match="MemTracker, whose module hooks fail") as refused:
         measure(zb, (3,), name="tiny")  # refused before any rank starts

@@ -7,7 +7,7 @@ import pytest
 import zeroshard as zs
 from zeroshard.comm.quant import CommQuant, wire_bytes
 from zeroshard.models import GPTConfig
-from zeroshard.planner.inventory import Inventory, meta_gpt
+from zeroshard.tools.planner.inventory import Inventory, meta_gpt
 
 
 def _ops(layout) -> dict[str, int]:

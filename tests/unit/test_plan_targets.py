@@ -15,10 +15,10 @@ import torch  # noqa: E402
 
 import zeroshard as zs  # noqa: E402
 from zeroshard.cli.main import main  # noqa: E402
-from zeroshard.config import TrainConfig  # noqa: E402
-from zeroshard.hf.pretrained import plain_pretrained  # noqa: E402
-from zeroshard.models.targets import build_target  # noqa: E402
-from zeroshard.sim.hf_shape import hf_shape  # noqa: E402
+from zeroshard.trainer.config import TrainConfig  # noqa: E402
+from zeroshard.checkpoint.hf.pretrained import plain_pretrained  # noqa: E402
+from zeroshard.trainer.targets import build_target  # noqa: E402
+from zeroshard.tools.sim.hf_shape import hf_shape  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,8 @@ def test_folder_refuses_a_vocabulary_it_does_not_have(folder, capsys):
 
 
 def test_tune_prunes_a_folder_with_the_planner(folder):
-    from zeroshard.tune.grid import Candidate
-    from zeroshard.tune.prune import predict
+    from zeroshard.tools.tune.grid import Candidate
+    from zeroshard.tools.tune.prune import predict
 
     base = TrainConfig(model=str(folder), nproc=2, batch=4, seq_len=32, vocab_size=128)
     cands = [Candidate(stage=s, checkpointing="none") for s in (0, 3)]
@@ -105,8 +105,8 @@ def test_calibrate_times_a_folders_block_on_the_inputs_the_model_gives_it(folder
     through the training step's loss; the layers counted as zs.shard finds them."""
     import argparse
 
-    from zeroshard.sim.cli import CALIBRATE_SEQ, _calibrated_hf
-    from zeroshard.sim.unit_probe import UnitProbe
+    from zeroshard.cli.plan_time import CALIBRATE_SEQ, _calibrated_hf
+    from zeroshard.tools.sim.unit_probe import UnitProbe
 
     probe = UnitProbe(str(folder), vocab=128, micro_batch=2, seq=16)
     model = probe.model

@@ -10,9 +10,9 @@ import pytest
 from zeroshard.cli.main import main
 from zeroshard.comm.names import Dim
 from zeroshard.comm.topology import RankFacts, Topology
-from zeroshard.planner import topology_source
-from zeroshard.sim.hardware import PRESETS, load_hardware
-from zeroshard.sim.measured import to_toml
+from zeroshard.tools.planner import topology_source
+from zeroshard.tools.sim.hardware import PRESETS, load_hardware
+from zeroshard.tools.sim.measured import to_toml
 
 PLAN = ["plan", "--model", "tiny", "--stage", "3", "--batch", "8", "--seq", "32", "--device", "cpu", "--json"]
 
@@ -55,7 +55,7 @@ def test_a_run_directory_gives_the_topology_it_recorded(tmp_path, capsys):
 
 
 def test_plan_time_reads_back_the_topology_a_calibration_recorded(tmp_path, capsys):
-    from zeroshard.sim.cli import calibrated_topology
+    from zeroshard.cli.plan_time import calibrated_topology
 
     path = tmp_path / "host.toml"
     path.write_text(to_toml(PRESETS["h100"]) + calibrated_topology(4))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from zeroshard.models import GPTConfig
-from zeroshard.planner import plan
-from zeroshard.planner.recommend import layer_floor, recommend
-from zeroshard.planner.tp import TensorParallel
+from zeroshard.tools.planner import plan
+from zeroshard.tools.planner.recommend import layer_floor, recommend
+from zeroshard.tools.planner.tp import TensorParallel
 
 C, L, HEADS, V, POS = 128, 2, 4, 256, 64
 CFG = GPTConfig(vocab_size=V, seq_len=POS, n_layer=L, n_head=HEADS, n_embd=C)

@@ -18,7 +18,7 @@ from zeroshard.comm.quant import (
     wire_bytes,
 )
 from zeroshard.comm import quant_kernel
-from zeroshard.sharding import StagePolicy
+from zeroshard.runtime import StagePolicy
 from zeroshard.models import GPT, GPTConfig
 
 

@@ -9,12 +9,12 @@ import json
 
 from zeroshard.cli.main import main
 from zeroshard.models import GPTConfig
-from zeroshard.planner.pipeline import plan_pipeline
-from zeroshard.planner.recommend_pipeline import recommend_pipeline
-from zeroshard.sim.hardware import load_hardware
-from zeroshard.sim.pipeline import simulate_pipeline
-from zeroshard.sim.step import Layout
-from zeroshard.sim.workload import Workload, gpt_shape
+from zeroshard.tools.planner.pipeline import plan_pipeline
+from zeroshard.tools.planner.recommend_pipeline import recommend_pipeline
+from zeroshard.tools.sim.hardware import load_hardware
+from zeroshard.tools.sim.pipeline import simulate_pipeline
+from zeroshard.tools.sim.step import Layout
+from zeroshard.tools.sim.workload import Workload, gpt_shape
 
 CFG = GPTConfig.named("small")
 HW = dataclasses.replace(load_hardware("h100"), gpus_per_node=4)

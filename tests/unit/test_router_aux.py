@@ -139,7 +139,7 @@ def test_no_aux_loss_unless_the_config_asks():
 
 
 def test_pipeline_stages_refuse_a_config_asking_for_the_aux_loss():
-    from zeroshard.pipeline.families import HF_DECODER_FAMILY, family_of
+    from zeroshard.parallel.pipeline.families import HF_DECODER_FAMILY, family_of
 
     model = tiny("mixtral")
     with pytest.raises(ValueError, match="output_router_logits to false in its config or use pp=1"):

@@ -8,7 +8,7 @@ from torch import nn
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.sharding import ExecutionOrderError, get_engine
+from zeroshard.runtime import ExecutionOrderError, get_engine
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from zeroshard.sim.hardware import PRESETS, load_hardware
-from zeroshard.sim.memory import peak_bytes
-from zeroshard.sim.network import algorithm_seconds, bus_factor, collective_seconds, wire_bytes
-from zeroshard.sim.step import Layout, simulate
-from zeroshard.sim.workload import SHAPES, Workload
+from zeroshard.tools.sim.hardware import PRESETS, load_hardware
+from zeroshard.tools.sim.memory import peak_bytes
+from zeroshard.tools.sim.network import algorithm_seconds, bus_factor, collective_seconds, wire_bytes
+from zeroshard.tools.sim.step import Layout, simulate
+from zeroshard.tools.sim.workload import SHAPES, Workload
 
 GIB = 2**30
 H100 = PRESETS["h100"]
@@ -157,7 +157,7 @@ def test_hybrid_beats_full_sharding_for_70b_at_scale():
 
 
 def test_calibration_fit_recovers_alpha_and_bandwidth():
-    from zeroshard.sim.calibrate import fit
+    from zeroshard.tools.sim.calibrate import fit
 
     alpha, bw, p = 50e-6, 2e9, 4
     points = [(n, algorithm_seconds("all_gather", "ring", n, p, dataclasses.replace(
@@ -215,7 +215,7 @@ def test_tp_splits_compute_and_puts_its_all_reduces_on_the_critical_path():
     """tp=2 on 8 GPUs: the matmuls and attention of each block halve; each block adds 2 all-reduces
     of tokens x hidden activations in forward and 2 in backward, on the intra-node link, blocking;
     ZeRO runs over the 4 data-parallel ranks with half of each block's params."""
-    from zeroshard.sim.network import collective_seconds
+    from zeroshard.tools.sim.network import collective_seconds
 
     w = _small_workload()
     s, tp = w.shape, 2
@@ -241,9 +241,9 @@ def test_tp_divides_the_split_activations_and_keeps_the_whole_ones(checkpointing
     bytes are within 3% of the planner's measured-exact count at tp 1, 2 and 4; a 70B step that is
     out of memory at tp 1 fits at tp 8 with checkpointing."""
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.activations import gpt_activations
-    from zeroshard.planner.spec import Checkpointing
-    from zeroshard.sim.workload import gpt_shape
+    from zeroshard.tools.planner.activations import gpt_activations
+    from zeroshard.tools.planner.spec import Checkpointing
+    from zeroshard.tools.sim.workload import gpt_shape
 
     w = Workload(shape=SHAPES["llama3-8b"], micro_batch=1, seq=4096, checkpointing=checkpointing)
     one, two, eight = (w.per_layer_activation_bytes(tp=tp) for tp in (1, 2, 8))
@@ -269,8 +269,8 @@ def test_tp_divides_the_split_activations_and_keeps_the_whole_ones(checkpointing
 def _calibrated(contention: float = 0.0):
     """A host as ``plan --calibrate`` stores it: fitted gloo links at world 2 and measured units of
     tiny (vocab 16, micro-batch 1 x seq 64)."""
-    from zeroshard.sim.hardware import Hardware
-    from zeroshard.sim.measured import MeasuredCompute, MeasuredLink
+    from zeroshard.tools.sim.hardware import Hardware
+    from zeroshard.tools.sim.measured import MeasuredCompute, MeasuredLink
 
     links = tuple(MeasuredLink(op=op, group=2, world=2, alpha_s=1e-4, bandwidth=1e9)
                   for op in ("all_gather", "reduce_scatter", "all_reduce"))
@@ -284,14 +284,14 @@ def _calibrated(contention: float = 0.0):
 
 def _tiny(micro_batch: int = 1) -> Workload:
     from zeroshard.models import GPTConfig
-    from zeroshard.sim.workload import gpt_shape
+    from zeroshard.tools.sim.workload import gpt_shape
 
     return Workload(shape=gpt_shape(GPTConfig.named("tiny", vocab_size=16, seq_len=64), "tiny"),
                     micro_batch=micro_batch, seq=64)
 
 
 def test_calibrated_hardware_round_trips_through_toml(tmp_path):
-    from zeroshard.sim.measured import to_toml
+    from zeroshard.tools.sim.measured import to_toml
 
     hw = _calibrated(contention=0.25)
     f = tmp_path / "host.toml"
@@ -338,8 +338,8 @@ def test_fit_of_a_measured_link_gives_it_back_and_plan_time_reads_the_toml(tmp_p
     import json
 
     from zeroshard.cli.main import main as cli
-    from zeroshard.sim.calibrate import fit
-    from zeroshard.sim.measured import to_toml
+    from zeroshard.tools.sim.calibrate import fit
+    from zeroshard.tools.sim.measured import to_toml
 
     hw = _calibrated()
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -357,7 +357,7 @@ def test_fit_of_a_measured_link_gives_it_back_and_plan_time_reads_the_toml(tmp_p
 
 def test_a_collective_takes_the_fit_measured_under_its_load():
     """A hybrid step's groups of 2 run while 4 ranks share the host: their fit, not the 2-rank world's."""
-    from zeroshard.sim.measured import MeasuredLink, pick_link
+    from zeroshard.tools.sim.measured import MeasuredLink, pick_link
 
     alone = MeasuredLink(op="all_gather", group=2, world=2, alpha_s=1e-4, bandwidth=2e9)
     loaded = MeasuredLink(op="all_gather", group=2, world=4, alpha_s=2e-4, bandwidth=1e9)
@@ -379,14 +379,14 @@ def test_a_collective_takes_the_fit_measured_under_its_load():
 
 
 def _shared(two: float, three: float, world: int = 2, group: int = 2):
-    from zeroshard.sim.measured import MeasuredConcurrency
+    from zeroshard.tools.sim.measured import MeasuredConcurrency
 
     return dataclasses.replace(_calibrated(), concurrency=(MeasuredConcurrency(world=world, group=group, two=two,
                                                                                three=three),))
 
 
 def test_collectives_in_flight_together_take_the_calibrated_factor_of_their_serial_time():
-    from zeroshard.sim.step import CommLink
+    from zeroshard.tools.sim.step import CommLink
 
     layout, n = Layout(world=2, stage=3, param_bytes=4), 8e6
     one = collective_seconds("all_gather", n, 2, _calibrated())
@@ -423,7 +423,7 @@ def test_concurrency_slows_a_step_whose_collectives_overlap():
 
 
 def test_concurrency_is_picked_by_world_and_shard_group_and_round_trips(tmp_path):
-    from zeroshard.sim.measured import MeasuredConcurrency, pick_concurrency, to_toml
+    from zeroshard.tools.sim.measured import MeasuredConcurrency, pick_concurrency, to_toml
 
     full = MeasuredConcurrency(world=4, group=4, two=1.1, three=1.2)
     hybrid = MeasuredConcurrency(world=4, group=2, two=2.0, three=1.5)
@@ -459,7 +459,7 @@ def test_hidden_comm_is_collective_work_under_compute_on_the_timeline():
 def test_hardware_from_rounds_takes_the_median_of_each_figure():
     """Calibrations repeated over rounds (bench/sim_vs_measured.py): each figure is the median of
     the rounds', so one round under a load spike does not set it; a link fit is what it was."""
-    from zeroshard.sim.calibrate import STEP_SIZES, UNIT_KEYS, hardware_from
+    from zeroshard.tools.sim.calibrate import STEP_SIZES, UNIT_KEYS, hardware_from
 
     link = _calibrated()
 
@@ -487,7 +487,7 @@ def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_pa
     keep the ranks' mean blocks, paying the slowest rank's whole step once, on the root. A file
     without the slowest figures (written before they were measured) keeps the mean everywhere and
     still round-trips."""
-    from zeroshard.sim.measured import to_toml
+    from zeroshard.tools.sim.measured import to_toml
 
     base = _calibrated()
     (c,) = base.compute
@@ -509,7 +509,7 @@ def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_pa
 
 
 def test_the_slowest_rank_figure_is_the_median_over_repeats_of_each_repeats_slowest():
-    from zeroshard.sim.calibrate import _slowest
+    from zeroshard.tools.sim.calibrate import _slowest
 
     ranks = [{"unit": {"block_forward_reps": [1.0, 5.0, 1.0]}}, {"unit": {"block_forward_reps": [2.0, 1.0, 3.0]}}]
     # per repeat the slower rank: 2, 5, 3; their median 3 (a rank's own median would give 1 and 2)
@@ -520,9 +520,9 @@ def test_the_slowest_rank_figure_is_the_median_over_repeats_of_each_repeats_slow
 
 
 def test_simulated_buckets_follow_the_engines_rule():
-    """One bucketing rule (zeroshard.sharding.engine.merge_in_order) for the engine, the planner and
+    """One bucketing rule (zeroshard.runtime.engine.merge_in_order) for the engine, the planner and
     the replay: consecutive units until a bucket reaches the size, the rest in a last one."""
-    from zeroshard.sharding.engine import merge_in_order
+    from zeroshard.runtime.engine import merge_in_order
 
     assert merge_in_order([10, 10, 10, 3], float, 15) == [[10, 10], [10, 3]]
     assert merge_in_order([20, 1], float, 15) == [[20], [1]]
@@ -542,7 +542,7 @@ def test_offload_moves_the_optimizer_to_the_host_and_pays_the_host_link():
     stage 3 this rank's slice of the root once and of every block at each of its gathers (forward,
     and backward's regather but for the block kept from forward); at stages 1-2 the slice once,
     before the post-step all-gather; at stage 0 the whole model."""
-    from zeroshard.sim.step import HOST_ADAMW_BYTES_PER_PARAM, MASTER_BYTES
+    from zeroshard.tools.sim.step import HOST_ADAMW_BYTES_PER_PARAM, MASTER_BYTES
 
     w, hw = _small_workload(), PRESETS["h100"]
     s, world = w.shape, 8
@@ -561,7 +561,7 @@ def test_offload_moves_the_optimizer_to_the_host_and_pays_the_host_link():
 
 
 def test_disk_offload_paces_the_step_by_the_slower_of_cpu_and_disk():
-    from zeroshard.sim.step import DISK_STATE_BYTES_PER_PARAM, HOST_ADAMW_BYTES_PER_PARAM
+    from zeroshard.tools.sim.step import DISK_STATE_BYTES_PER_PARAM, HOST_ADAMW_BYTES_PER_PARAM
 
     w, hw, world = _small_workload(), PRESETS["h100"], 8
     local = w.shape.params / world
@@ -588,7 +588,7 @@ def test_offload_needs_the_host_figures_and_the_whole_world():
 
 
 def test_offload_frees_device_memory_in_the_replays_peak():
-    from zeroshard.sim.memory import gpt_peak_bytes
+    from zeroshard.tools.sim.memory import gpt_peak_bytes
 
     w = _tiny()
     for stage in (1, 2, 3):

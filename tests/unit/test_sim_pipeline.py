@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from zeroshard.models import GPTConfig
-from zeroshard.pipeline.order import bubble_fraction, schedule_order
-from zeroshard.sim.hardware import load_hardware
-from zeroshard.sim.pipeline import _replay, _StageTimes, equal_time_bubble, simulate_pipeline
-from zeroshard.sim.step import Layout
-from zeroshard.sim.workload import Workload, gpt_shape
+from zeroshard.parallel.pipeline.order import bubble_fraction, schedule_order
+from zeroshard.tools.sim.hardware import load_hardware
+from zeroshard.parallel.pipeline.replay import StageTimes, equal_time_bubble, replay_order
+from zeroshard.tools.sim.pipeline import simulate_pipeline
+from zeroshard.tools.sim.step import Layout
+from zeroshard.tools.sim.workload import Workload, gpt_shape
 
 
 @pytest.mark.parametrize("schedule,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1),
@@ -18,7 +19,7 @@ from zeroshard.sim.workload import Workload, gpt_shape
                                              ("interleaved-1f1b", 4, 8, 2)])
 def test_equal_stages_idle_the_textbook_bubble(schedule, pp, m, v):
     order = schedule_order(schedule, pp=pp, stages_per_rank=v, microbatches=m)
-    walked = _replay(order, _equal(pp * v), p2p=0.0)
+    walked = replay_order(order, _equal(pp * v), p2p=0.0)
     span = max(end for end, _ in walked.values())
     for end, busy in walked.values():
         assert busy == pytest.approx(3.0 * m * v)
@@ -27,8 +28,8 @@ def test_equal_stages_idle_the_textbook_bubble(schedule, pp, m, v):
         bubble_fraction(pp=pp, microbatches=m, stages_per_rank=v))
 
 
-def _equal(n: int) -> _StageTimes:
-    return _StageTimes([1.0] * n, [2.0] * n, [1.0] * n)
+def _equal(n: int) -> StageTimes:
+    return StageTimes([1.0] * n, [2.0] * n, [1.0] * n)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16)])
@@ -42,7 +43,7 @@ def test_zero_bubble_fills_interleaved_1f1bs_bubble_with_weight_halves(pp, m):
         for k, s, j in seen:
             if k == "W":
                 assert seen.index(("I", s, j)) < seen.index((k, s, j))
-    walked = _replay(order, _equal(2 * pp), p2p=0.0)
+    walked = replay_order(order, _equal(2 * pp), p2p=0.0)
     # The first stage's I is empty and its W the whole backward: busy is still 3 per microbatch and stage.
     assert all(busy == pytest.approx(3.0 * m * 2) for _, busy in walked.values())
     zb = equal_time_bubble("interleaved-zero-bubble", pp=pp, stages_per_rank=2, microbatches=m)
@@ -75,9 +76,9 @@ def test_a_split_the_blocks_do_not_take_is_refused():
 
 def test_ranks_sharing_cores_slow_down_only_while_more_run_than_there_are_cores():
     order = schedule_order("gpipe", pp=4, stages_per_rank=1, microbatches=4)
-    own = _replay(order, _equal(4), p2p=0.0)
-    assert _replay(order, _equal(4), p2p=0.0, cores=4) == own
-    one = _replay(order, _equal(4), p2p=0.0, cores=1)
+    own = replay_order(order, _equal(4), p2p=0.0)
+    assert replay_order(order, _equal(4), p2p=0.0, cores=4) == own
+    one = replay_order(order, _equal(4), p2p=0.0, cores=1)
     # One core runs one action at a time: the step is at least all the work, one after the other.
     assert max(end for end, _ in one.values()) >= 4 * 4 * 3.0 - 1e-9
     assert max(end for end, _ in one.values()) > max(end for end, _ in own.values())
@@ -120,7 +121,7 @@ def test_zero3_gathers_per_action_are_the_stage_engines_step_schedule_in_torchs_
     forward finds the last block still kept from the first (one gather), B0 prefetches one block
     and B1, after B0 freed everything, gathers both; the last rank alternates F B F B, as a
     micro-step does. The replay's stage 3 step then waits less on rank 0's second forward."""
-    from zeroshard.sim.pipeline import _block_gathers
+    from zeroshard.tools.sim.pipeline import _block_gathers
 
     w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
     layout = Layout(world=2, stage=3)
@@ -144,7 +145,7 @@ def test_zero_bubble_halves_gather_what_the_stage_engine_gathers():
     gathers it again; the first stage runs each weight half as one whole backward, whose first
     finds the block and root still kept from forward. (The same counts as a gloo run's ledger:
     tests/distributed/test_pp.py holds the schedule to it.)"""
-    from zeroshard.sim.pipeline import _block_gathers
+    from zeroshard.tools.sim.pipeline import _block_gathers
 
     w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
     order = schedule_order("interleaved-zero-bubble", pp=2, stages_per_rank=2, microbatches=4)
@@ -161,11 +162,11 @@ def test_tails_share_the_cores_with_what_still_runs():
     advance at half speed; alone, a tail takes its own seconds."""
     order = schedule_order("1f1b", pp=2, stages_per_rank=1, microbatches=2)
     alone: dict[int, float] = {}
-    _replay(order, _equal(2), p2p=0.0, tails={0: 1.0, 1: 1.0}, finished=alone)
-    walked = _replay(order, _equal(2), p2p=0.0)
+    replay_order(order, _equal(2), p2p=0.0, tails={0: 1.0, 1: 1.0}, finished=alone)
+    walked = replay_order(order, _equal(2), p2p=0.0)
     assert all(alone[r] == pytest.approx(walked[r][0] + 1.0) for r in walked)
     shared: dict[int, float] = {}
-    on_one = _replay(order, _equal(2), p2p=0.0, cores=1, tails={0: 1.0, 1: 1.0}, finished=shared)
+    on_one = replay_order(order, _equal(2), p2p=0.0, cores=1, tails={0: 1.0, 1: 1.0}, finished=shared)
     # rank 1 ends its schedule first; its tail overlaps rank 0's last backward
     assert shared[1] - on_one[1][0] > 1.0
     assert max(shared.values()) > max(alone.values())

@@ -1,7 +1,7 @@
 """The step-time simulator launches exactly the collectives the runtime's step schedule issues.
 
-The simulator walks the schedule (zeroshard/sim/replay.py) over the units the engine builds for
-uniform blocks; the schedule (zeroshard/sharding/schedule.py) is what the engine issues, checked
+The simulator walks the schedule (zeroshard/tools/sim/replay.py) over the units the engine builds for
+uniform blocks; the schedule (zeroshard/runtime/schedule.py) is what the engine issues, checked
 against the ledger op by op in tests/distributed/test_schedule.py. Here the replay's launches, in
 order, group and size, are held to the schedule's collectives per stage, hybrid layout, prefetch,
 resharding, accumulation, bucket size and tp degree; and the units it builds to the engine's
@@ -15,15 +15,15 @@ import itertools
 import pytest
 
 from zeroshard.models import GPTConfig
-from zeroshard.sharding.engine import merge_in_order
-from zeroshard.sharding.flat import StagePolicy
-from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import step_schedule
-from zeroshard.sharding.schedule_events import MeshSizes
-from zeroshard.sim.hardware import load_hardware
-from zeroshard.sim.replay import schedule_units
-from zeroshard.sim.step import Layout, replayed_collectives
-from zeroshard.sim.workload import Workload, gpt_shape
+from zeroshard.runtime.engine import merge_in_order
+from zeroshard.runtime.flat import StagePolicy
+from zeroshard.runtime.options import EngineOptions
+from zeroshard.runtime.schedule import step_schedule
+from zeroshard.runtime.schedule_events import MeshSizes
+from zeroshard.tools.sim.hardware import load_hardware
+from zeroshard.tools.sim.replay import schedule_units
+from zeroshard.tools.sim.step import Layout, replayed_collectives
+from zeroshard.tools.sim.workload import Workload, gpt_shape
 
 SHAPE = gpt_shape(GPTConfig.named("tiny"), "tiny")
 

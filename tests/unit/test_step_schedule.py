@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from zeroshard.comm.quant import CommQuant, wire_bytes
-from zeroshard.planner.comm import schedule_rows
-from zeroshard.sharding.flat import StagePolicy
-from zeroshard.sharding.options import EngineOptions
-from zeroshard.sharding.schedule import step_schedule
-from zeroshard.sharding.schedule_events import GroupSizes, MeshSizes, UnitSizes
+from zeroshard.tools.planner.comm import schedule_rows
+from zeroshard.runtime.flat import StagePolicy
+from zeroshard.runtime.options import EngineOptions
+from zeroshard.runtime.schedule import step_schedule
+from zeroshard.runtime.schedule_events import GroupSizes, MeshSizes, UnitSizes
 
 BLOCK, ROOT = 50_176, 20_608  # tiny's padded flat buffers at world 2 and 4
 NAMES = ["blocks.3", "blocks.2", "blocks.1", "blocks.0"]  # the engine's reduction order

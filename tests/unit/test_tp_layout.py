@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeroshard.comm.mesh import _from_mesh_shape  # the parser behind zs.init(mesh_shape=...)
-from zeroshard.sharding.tp import canonical, to_local
+from zeroshard.runtime.tp import canonical, to_local
 
 
 @pytest.mark.parametrize("dim,chunks", [(0, 1), (0, 3), (1, 1)])
@@ -36,7 +36,7 @@ def test_mesh_shape_parsing():
 
 
 def test_placement_by_name_matches_the_runtime_plans():
-    from zeroshard.sharding.tp import placement_by_name
+    from zeroshard.runtime.tp import placement_by_name
 
     assert placement_by_name("gpt", "blocks.3.attn.qkv.bias", 1, 2) == {"placement": "shard", "dim": 0, "chunks": 3,
                                                                          "tp": 2}

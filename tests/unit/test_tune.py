@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from zeroshard.config import TrainConfig, load_toml, merge_config, tomllib
-from zeroshard.tune import choose, tomlfile
-from zeroshard.tune.grid import DEFAULT_AXES, Candidate, candidates, default_candidates, parse_axes
-from zeroshard.tune.prune import Prediction, predict, prune
+from zeroshard.trainer.config import TrainConfig, load_toml, merge_config, tomllib
+from zeroshard.tools.tune import choose, tomlfile
+from zeroshard.tools.tune.grid import DEFAULT_AXES, Candidate, candidates, default_candidates, parse_axes
+from zeroshard.tools.tune.prune import Prediction, predict, prune
 
 # Model states dominate at this size (tiny batch), so sharding them is what decides the fit.
 BASE = TrainConfig(model="tiny", nproc=2, batch=2, seq_len=16)
@@ -191,7 +191,7 @@ def test_comm_quant_axis_only_where_the_stage_accepts_it():
 def test_pipeline_axes_predictions_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     from zeroshard.cli.main import main
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.pipeline import plan_pipeline
+    from zeroshard.tools.planner.pipeline import plan_pipeline
 
     grid = candidates(axes(stages="0,3", checkpointing="none", bucket_mb="25", prefetch="1", reshard="true",
                            pp_schedules="1f1b,gpipe", microbatches="2,4"))
@@ -228,7 +228,7 @@ MOE = TrainConfig(model="tiny-moe", nproc=4, batch=4, seq_len=16)
 
 def test_ep_axis_predictions_come_from_the_planner_at_each_degree(tmp_path: Path) -> None:
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.api import plan
+    from zeroshard.tools.planner.api import plan
 
     grid = candidates(axes(stages="0,3", checkpointing="none", bucket_mb="25", prefetch="1", reshard="true",
                            ep_degrees="1,2,4"))
@@ -257,7 +257,7 @@ def test_ep_axis_predictions_come_from_the_planner_at_each_degree(tmp_path: Path
 
 def test_ep_refusals_are_one_line_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
     from zeroshard.cli.main import main
-    from zeroshard.planner.api import plan
+    from zeroshard.tools.planner.api import plan
 
     quick = ["tune", "--model", "tiny-moe", "--nproc", "4", "--batch", "4", "--seq-len", "16"]
     for argv, needle in (

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeroshard.cli.verify import LOSSY_COMM_TOLERANCES, compare, default_tolerances
-from zeroshard.config import TrainConfig
+from zeroshard.trainer.config import TrainConfig
 
 
 def test_quantized_comm_selects_the_lossy_tolerances():

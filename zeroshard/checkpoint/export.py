@@ -22,9 +22,9 @@ from zeroshard.checkpoint.pieces import TP_PART, owned_slots
 from zeroshard.checkpoint.save import commit
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
-from zeroshard.experts.placement import split_over
-from zeroshard.sharding import tp as tp_layout
-from zeroshard.sharding.layout import FlatLayout
+from zeroshard.runtime.expert_placement import split_over
+from zeroshard.runtime import tp as tp_layout
+from zeroshard.runtime.layout import FlatLayout
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     for buffer in manifest["buffers"]:
         entries.append(Entry(buffer["name"], parse_dtype(buffer["dtype"], str(directory)), tuple(buffer["shape"])))
     tmp = out.with_name(f".{out.name}.partial")
-    meta = {"format": "pt", "zeroshard.source": str(directory), "zeroshard.step": json.dumps(manifest["step"])}
+    meta = {"format": "pt", "zeroshard.source": str(directory), "zeroshard.trainer.step": json.dumps(manifest["step"])}
     writer = TensorFileWriter(tmp, entries, meta)
     reader = PieceReader(directory, manifest)
     # Two scratch buffers of the largest param's size, used in turn: the writer may still be
@@ -123,7 +123,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     TP has no placements, so going to tp > 1 takes them from ready plan ``tp_plan`` ("gpt", "llama").
     The values go through the reader ``zs.load`` uses (saved parts joined, this rank's part cut).
 
-    ``ep`` lays the expert params (those the manifest places on ep, zeroshard/experts/placement.py)
+    ``ep`` lays the expert params (those the manifest places on ep, zeroshard/runtime/expert_placement.py)
     out as a run at that expert-parallel degree holds them: rank r keeps the block of experts of
     ep rank r % ep, sharded over the world / ep ranks with it; ep 1 puts them with the dense ones.
     An expert param is stored whole at every degree (each block a run of its elements), so only

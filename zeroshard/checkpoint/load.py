@@ -32,11 +32,11 @@ from zeroshard.checkpoint.stages import has_engine, parts_of
 from zeroshard.checkpoint.tensorfile import TensorFile, dtype_name
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.comm import collectives
-from zeroshard.sharding import tp
-from zeroshard.sharding.optim import user_class
+from zeroshard.runtime import tp
+from zeroshard.runtime.optim import user_class
 
 if TYPE_CHECKING:
-    from zeroshard.pipeline import Pipeline
+    from zeroshard.parallel.pipeline import Pipeline
 
 
 @dataclasses.dataclass

@@ -27,13 +27,13 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.pieces import TP_PART, ordered_refs, saved_extent
 from zeroshard.checkpoint.tensorfile import dtype_name
-from zeroshard.experts.placement import placement as expert_placement
-from zeroshard.sharding.engine import Engine
-from zeroshard.sharding.optim import user_class
+from zeroshard.runtime.expert_placement import placement as expert_placement
+from zeroshard.runtime.engine import Engine
+from zeroshard.runtime.optim import user_class
 
 PLACEMENTS = ("tp", "ep")
 """A param entry's placement records, after its pieces: ``tp`` on each tensor-parallel part, ``ep``
-on an expert param (zeroshard/experts/placement.py's ``placement``)."""
+on an expert param (zeroshard/runtime/expert_placement.py's ``placement``)."""
 SKELETON_KEY = "zeroshard.skeleton"
 """Rank 0's file: the manifest skeleton (JSON) in its safetensors metadata."""
 REPORT_KEY = "zeroshard.report"
@@ -82,7 +82,7 @@ def skeleton(model: nn.Module, engine: Engine, optimizer, *, step: int | None, s
     """Everything in the manifest that does not come from the ranks' reports (rank 0, before writing).
     ``layout`` (``params``, ``groups``, ``units`` and ``pipeline``) replaces what ``model``'s engine
     alone gives: a pipeline's stages, gathered from every pp rank (zeroshard/checkpoint/save.py)."""
-    import zeroshard
+    from zeroshard import __version__
 
     if layout is None:
         layout = {"params": param_entries(model, engine), "groups": group_entries(engine),
@@ -90,7 +90,7 @@ def skeleton(model: nn.Module, engine: Engine, optimizer, *, step: int | None, s
     return {
         "format": fmt.FORMAT, "version": fmt.VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "zeroshard": zeroshard.__version__, "torch": torch.__version__, "git": fmt.git_revision(),
+        "zeroshard": __version__, "torch": torch.__version__, "git": fmt.git_revision(),
         "step": step, "world": engine.mesh.world, "mesh": engine.mesh.describe(),
         "stage": engine.policy.stage, "units": layout["units"],
         "precision": _precision(model, optimizer),
@@ -154,8 +154,7 @@ def _buffers(reports: list[dict]) -> list[dict]:
 
 
 def _precision(model: nn.Module, optimizer) -> dict | None:
-    from zeroshard import sharding
-
+    from zeroshard import runtime as sharding
     describe = getattr(sharding, "precision_manifest", None)
     return None if describe is None else fmt.to_json(describe(model, optimizer), "precision manifest")
 

@@ -16,10 +16,10 @@ from torch import nn
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.comm.expert_mesh import ExpertMesh
-from zeroshard.experts.placement import expert_rows
-from zeroshard.sharding.flat import FlatGroup
-from zeroshard.sharding.optim import sharded_state
-from zeroshard.sharding.layout import ALIGN, FlatLayout, Slot
+from zeroshard.runtime.expert_placement import expert_rows
+from zeroshard.runtime.flat import FlatGroup
+from zeroshard.runtime.optim import sharded_state
+from zeroshard.runtime.layout import ALIGN, FlatLayout, Slot
 
 
 def split_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard import faults
+from zeroshard.comm import fault_points as faults
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.manifest import CHECKSUMS_KEY, REPORT_KEY, SKELETON_KEY
@@ -33,7 +33,7 @@ from zeroshard.checkpoint.stages import Parts
 from zeroshard.checkpoint.pieces import (SegmentIndex, owned_slots, persistent_buffers, saved_extent, saved_name,
                                          split_state, writer_range)
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, as_bytes, dtype_name
-from zeroshard.sharding.engine import Engine
+from zeroshard.runtime.engine import Engine
 
 
 @dataclasses.dataclass

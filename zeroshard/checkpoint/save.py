@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from torch import nn
 
-from zeroshard import faults
+from zeroshard.comm import fault_points as faults
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import async_save, rankfile, rng
 from zeroshard.checkpoint.async_save import PendingSave
@@ -41,7 +41,7 @@ from zeroshard.checkpoint.stages import Parts, parts_of, placement
 from zeroshard.comm import collectives
 
 if TYPE_CHECKING:
-    from zeroshard.pipeline import Pipeline
+    from zeroshard.parallel.pipeline import Pipeline
 
 PHASE = "checkpoint"
 

@@ -1,12 +1,12 @@
 """What one rank saves and loads: one *part* per sharded module it holds, one per pipeline stage it runs.
 
 Without a pipeline a rank has one part: the ``zs.shard`` model, its engine and its optimizer. Under
-pp (``zs.save(path, pipe, pipe_optimizers)``, zeroshard/pipeline/runtime.py) it has one per stage of
+pp (``zs.save(path, pipe, pipe_optimizers)``, zeroshard/parallel/pipeline/runtime.py) it has one per stage of
 ``pipe.modules``, each with its own engine and optimizer. A stage's params keep the unsharded
 model's names, so the pieces of every stage land in one manifest that reads like a checkpoint of the
 whole model: it loads at any pp (1 included) and exports to full tensors with no rename.
 
-The tied embedding/head (zeroshard/pipeline/tied.py) is saved once, by its owner on the first
+The tied embedding/head (zeroshard/parallel/pipeline/tied.py) is saved once, by its owner on the first
 stage, under the owner's name with the copy's name as an alias (as a model that shares the param
 lists it): the last stage's copy is bitwise the owner (same grad, same optimizer arithmetic), so
 the copy is skipped when saving and read from the owner's entry when loading, with its optimizer
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.sharding.engine import Engine, find_engine, get_engine
+from zeroshard.runtime.engine import Engine, find_engine, get_engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ def _optimizers(pipe: Any, optimizer: Any) -> list[Any]:
 
 def parts_of(model: Any, optimizer: Any) -> Parts:
     """This rank's parts of ``model``: a ``zs.shard`` model, or a ``Pipeline`` with its per-stage optimizers."""
-    from zeroshard.pipeline import Pipeline
+    from zeroshard.parallel.pipeline import Pipeline
 
     if not isinstance(model, Pipeline):
         engine = get_engine(model)
@@ -105,7 +105,7 @@ def parts_of(model: Any, optimizer: Any) -> Parts:
 
 def has_engine(model: Any) -> bool:
     """Whether ``model`` is sharded (a ``zs.shard`` model or a pipeline of them), not a plain module."""
-    from zeroshard.pipeline import Pipeline
+    from zeroshard.parallel.pipeline import Pipeline
 
     return isinstance(model, Pipeline) or find_engine(model) is not None
 

@@ -23,7 +23,7 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import Loaded, load
 from zeroshard.checkpoint.resize import Resize, plan_resize
 from zeroshard.checkpoint.save import save
-from zeroshard.pipeline.schedules import microbatches_of
+from zeroshard.parallel.pipeline.schedules import microbatches_of
 from zeroshard.comm import collectives
 
 AUTO = "auto"

@@ -24,7 +24,7 @@ def table(rows: list[dict], title: str) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.benchmark import BenchSpec, run_bench
+    from zeroshard.tools.benchmark import BenchSpec, run_bench
 
     spec = BenchSpec(model=args.model, world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype,
                      rounds=args.rounds, steps_per_round=args.steps_per_round, layers=args.layers, width=args.width,

@@ -158,7 +158,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, export
-    from zeroshard.sharding.precision import parse_dtype
+    from zeroshard.runtime.precision import parse_dtype
 
     if args.hf is not None:
         return _export_hf(args)
@@ -175,8 +175,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_hf(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.hf import export_checkpoint
-    from zeroshard.sharding.precision import parse_dtype
+    from zeroshard.checkpoint.hf import export_checkpoint
+    from zeroshard.runtime.precision import parse_dtype
 
     if args.out is not None:
         return _err(f"give either OUT or --hf OUT, not both (got {args.out} and {args.hf})")
@@ -205,8 +205,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.dcp import import_dcp
-    from zeroshard.sharding.precision import parse_dtype
+    from zeroshard.checkpoint.dcp import import_dcp
+    from zeroshard.runtime.precision import parse_dtype
 
     try:
         got = import_dcp(args.src, args.out, buffers=tuple(args.buffers),
@@ -226,7 +226,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 def cmd_export_dcp(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.dcp import export_dcp
+    from zeroshard.checkpoint.dcp import export_dcp
 
     try:
         got = export_dcp(args.dir, args.out, optimizer=not args.no_optimizer, overwrite=args.overwrite)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard.cli.train import add_config_flags, fail, one_line
-from zeroshard.config import field_names
+from zeroshard.trainer.config import field_names
 
 
 def add_parser(sub: Any) -> None:
@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run_from_deepspeed(args: argparse.Namespace) -> int:
-    from zeroshard.migrate.deepspeed import from_deepspeed
+    from zeroshard.tools.migrate.deepspeed import from_deepspeed
 
     path = Path(args.path)
     try:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from zeroshard.data_tokens import FORMAT, META_NAME, dtype_for_vocab
+from zeroshard.trainer.data_tokens import FORMAT, META_NAME, dtype_for_vocab
 
 _CHUNK_BYTES = 1 << 20  # text tokenized per batch; split at line ends so words stay whole
 Encoder = Callable[[list[str]], list[list[int]]]

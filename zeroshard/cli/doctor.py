@@ -17,7 +17,7 @@ from zeroshard.cli.train import fail
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.comm.doctor import analyse, load, render
+    from zeroshard.observe.doctor import analyse, load, render
 
     try:
         report = analyse(load(args.run_dir))

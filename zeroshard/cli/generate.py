@@ -23,8 +23,8 @@ def _ids(text: str | None) -> list[int] | None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.generate import decode, encode, generate, open_model
-    from zeroshard.hf.errors import PretrainedError
+    from zeroshard.tools.generate import decode, encode, generate, open_model
+    from zeroshard.checkpoint.hf.errors import PretrainedError
 
     try:
         gen = open_model(args.path)

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Sequence
 
-from zeroshard.launch import prepare_exit, start_rank_server
+from zeroshard.trainer.launch import prepare_exit, start_rank_server
 
 COMMANDS = ("train", "verify", "ckpt", "plan", "doctor", "report", "bench", "tune", "config", "generate", "data")
 """Each subcommand is the module zeroshard.cli.<name>, with its own ``add_parser``."""

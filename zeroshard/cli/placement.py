@@ -1,5 +1,5 @@
 """`zeroshard train`'s words on where the ranks run: the topology line, the cross-host shard advice,
-and the modelled cost added to a refused cross-host tp layout (zeroshard/planner/placement.py)."""
+and the modelled cost added to a refused cross-host tp layout (zeroshard/tools/planner/placement.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def topology_lines(info: Mapping[str, Any], train: Mapping[str, Any] | None) -> 
     lines = [f"topology: {placement_text(summary)}"]
     model = _gpt(info.get("model_config"))
     if train is not None and model is not None and not summary["inside_host"]["shard"]:
-        from zeroshard.planner.placement import shard_group_advice
+        from zeroshard.tools.planner.placement import shard_group_advice
 
         advice = shard_group_advice(model, train, summary)
         if advice is not None:
@@ -40,7 +40,7 @@ def failure_text(err: BaseException, train: Mapping[str, Any]) -> str:
     if not isinstance(err, CrossHostError) or err.dim != "tp":
         return text
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.placement import cross_host_tp_cost
+    from zeroshard.tools.planner.placement import cross_host_tp_cost
 
     try:
         model = GPTConfig.named(train["model"], seq_len=train["seq_len"])

@@ -26,15 +26,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.models.targets import Target, is_module_spec, is_preset
+from zeroshard.trainer.targets import Target, is_module_spec, is_preset
 from zeroshard.cli.train import fail, one_line
-from zeroshard.config import MODEL_NAMES, field_help, field_type
+from zeroshard.trainer.config import MODEL_NAMES, field_help, field_type
 from zeroshard.cli.typed_flags import add_knob_flags, add_typed_flag, given_knobs
 from zeroshard.cli import plan_pipeline
 from zeroshard.cli.plan_pipeline import add_pp_flags, size_unit
-from zeroshard.planner.comm import Network
-from zeroshard.planner.spec import PLANNED_KNOBS
-from zeroshard.sim.step import SIMULATED_KNOBS
+from zeroshard.tools.planner.comm import Network
+from zeroshard.tools.planner.spec import PLANNED_KNOBS
+from zeroshard.tools.sim.step import SIMULATED_KNOBS
 
 PLAN_KNOBS = PLANNED_KNOBS + tuple(k for k in SIMULATED_KNOBS if k not in PLANNED_KNOBS)
 """The engine's knobs `plan` takes: those the memory planner or the step-time simulator models."""
@@ -48,7 +48,7 @@ DEFAULT_COMM_QUANT_BLOCK = 256
 
 
 def plan_table(p) -> Table:
-    from zeroshard.planner.result import COMPONENTS
+    from zeroshard.tools.planner.result import COMPONENTS
 
     names = list(p.layouts)
     div, unit, digits = size_unit(max(p[n].device.total for n in names))
@@ -78,7 +78,7 @@ def plan_table(p) -> Table:
     if any(p[n].host_bytes for n in names):
         table.add_row("host (offload)", *[fmt(p[n].host_bytes) for n in names])
     table.add_row("comm / step", *[fmt(p[n].comm_bytes) for n in names])
-    if spec.ep > 1:  # the experts' part of the rows above (zeroshard/planner/experts.py)
+    if spec.ep > 1:  # the experts' part of the rows above (zeroshard/tools/planner/experts.py)
         table.add_section()
         for key, label in (("expert_params", "of which expert params"), ("expert_grads", "expert grads"),
                            ("expert_optimizer", "expert optimizer"),
@@ -91,7 +91,7 @@ def plan_table(p) -> Table:
 
 
 def measure_table(checks) -> Table:
-    from zeroshard.planner.measure import MEASURED
+    from zeroshard.tools.planner.measure import MEASURED
 
     div, unit, digits = size_unit(max(c.measured_total for c in checks))
     table = Table(title=f"predicted vs measured, per rank ({unit}; {checks[0].method})")
@@ -159,7 +159,7 @@ def _network(args: argparse.Namespace) -> Network:
 def _topology(args: argparse.Namespace):
     """--topology as a RunTopology (None when not given), after setting --world and --gpus-per-node
     from it: the run's hosts decide which collectives cross them."""
-    from zeroshard.planner.topology_source import parse
+    from zeroshard.tools.planner.topology_source import parse
 
     if args.topology is None:
         return None
@@ -206,7 +206,7 @@ def unread_flag(args: argparse.Namespace) -> str | None:
         if args.comm_quant_block is not None and args.comm_quant in (None, "none"):
             return "--comm-quant-block sizes the blocks of --comm-quant; add --comm-quant (e.g. weights) or drop it"
         return None
-    from zeroshard.sim.workload import SHAPES
+    from zeroshard.tools.sim.workload import SHAPES
 
     quant = "--time does not simulate quantized communication (the memory planner, without --time, prices it)"
     why = {"params": "--time simulates a model's shape: pass --model (a zeroshard preset, llama3-8b, llama3-70b, "
@@ -245,16 +245,16 @@ def unread_flag(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.planner import plan
-    from zeroshard.planner.recommend import recommend
+    from zeroshard.tools.planner import plan
+    from zeroshard.tools.planner.recommend import recommend
 
     unread = unread_flag(args) or plan_pipeline.unread_flag(args)
     if unread is not None:
         return fail("plan", unread)
     if plan_pipeline.wants_pipeline(args):
         return plan_pipeline.run(args)  # per-stage memory and the bubble, or (--time) the schedule's replay
-    if args.time or args.calibrate:  # the step-time simulator (zeroshard.sim) instead of the memory tables
-        from zeroshard.sim.cli import print_time
+    if args.time or args.calibrate:  # the step-time simulator (zeroshard.tools.sim) instead of the memory tables
+        from zeroshard.cli.plan_time import print_time
 
         try:
             return print_time(args)
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("plan", str(e))
     if args.world is None:
         return fail("plan", "--world is required: the number of data-parallel ranks (or --topology HOSTSxRANKS)")
-    from zeroshard.sim.workload import SHAPES
+    from zeroshard.tools.sim.workload import SHAPES
 
     if args.model in SHAPES:
         return fail("plan", f"--model {args.model} is planned only with --time; for memory use a preset "
@@ -281,13 +281,13 @@ def run(args: argparse.Namespace) -> int:
         checks = _measure(p, args) if args.measure else None
         chart = None
         if args.plot:
-            from zeroshard.planner.chart import plot
+            from zeroshard.tools.planner.chart import plot
 
             chart = plot(p, args.plot, device_mem=rec.device_mem if rec else None)
     except ValueError as e:
         return fail("plan", str(e))
     except Exception as e:  # a failed measurement rank arrives as WorkerError
-        from zeroshard.launch import WorkerError
+        from zeroshard.trainer.launch import WorkerError
 
         if isinstance(e, WorkerError):
             return fail("plan", one_line(e))
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(p, args: argparse.Namespace):
-    from zeroshard.planner.measure import measure
+    from zeroshard.tools.planner.measure import measure
 
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
     target = None if args.params is not None or is_preset(args.model) else _target(args)
@@ -338,8 +338,8 @@ def _measure(p, args: argparse.Namespace):
 
 
 def add_parser(sub: Any) -> None:
-    from zeroshard.sim.cli import add_arguments as add_time_arguments
-    from zeroshard.sim.workload import SHAPES
+    from zeroshard.cli.plan_time import add_arguments as add_time_arguments
+    from zeroshard.tools.sim.workload import SHAPES
 
     p = sub.add_parser("plan", help="per-rank memory of every stage, a recommendation, and a measured check",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -39,7 +39,7 @@ def size_unit(largest: int) -> tuple[float, str, int]:
 
 
 def add_pp_flags(group: Any) -> None:
-    from zeroshard.config import TrainConfig, field_help, field_type
+    from zeroshard.trainer.config import TrainConfig, field_help, field_type
 
     shown = TrainConfig().to_dict()
     for name in PP_FIELDS:
@@ -80,7 +80,7 @@ def unread_flag(args: argparse.Namespace) -> str | None:
         if args.stage is not None:
             return "--pp --device-mem weighs every ZeRO stage inside the stages; drop --stage"
         from zeroshard.cli.typed_flags import given_knobs
-        from zeroshard.planner.spec import PLANNED_KNOBS
+        from zeroshard.tools.planner.spec import PLANNED_KNOBS
 
         if knobs := sorted(k for k, v in given_knobs(args, PLANNED_KNOBS).items() if v != "none"):
             flag = "--" + knobs[0].replace("_", "-")
@@ -90,7 +90,7 @@ def unread_flag(args: argparse.Namespace) -> str | None:
 
 
 def _preset(args: argparse.Namespace) -> str:
-    from zeroshard.models.targets import is_preset
+    from zeroshard.trainer.targets import is_preset
 
     if args.model is None or not is_preset(args.model):
         raise ValueError(f"--pp plans zeroshard's GPT presets; got --model {args.model}: pass tiny, small or medium")
@@ -100,8 +100,8 @@ def _preset(args: argparse.Namespace) -> str:
 def plan_of(args: argparse.Namespace):
     from zeroshard.cli.typed_flags import given_knobs
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.pipeline import plan_pipeline
-    from zeroshard.planner.spec import PLANNED_KNOBS
+    from zeroshard.tools.planner.pipeline import plan_pipeline
+    from zeroshard.tools.planner.spec import PLANNED_KNOBS
 
     name = _preset(args)
     target: Any = GPTConfig.named(name, vocab_size=args.vocab_size) if args.vocab_size else name
@@ -151,11 +151,11 @@ def measure_table(checks) -> Table:
 
 def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
     """(workload, hardware, ZeRO stage -> the pipeline replay): `plan --time --pp`."""
-    from zeroshard.sim.cli import DEFAULT_HW, _workload
-    from zeroshard.sim.hardware import load_hardware
-    from zeroshard.sim.pipeline import simulate_pipeline
-    from zeroshard.sim.step import Layout
-    from zeroshard.planner.pipeline import PipelineShape
+    from zeroshard.cli.plan_time import DEFAULT_HW, _workload
+    from zeroshard.tools.sim.hardware import load_hardware
+    from zeroshard.tools.sim.pipeline import simulate_pipeline
+    from zeroshard.tools.sim.step import Layout
+    from zeroshard.tools.planner.pipeline import PipelineShape
 
     shape = PipelineShape.resolve(pp=args.pp, pp_schedule=args.pp_schedule or "1f1b",
                                   microbatches=args.microbatches or 0, pp_stages_per_rank=args.pp_stages_per_rank or 0)
@@ -186,7 +186,7 @@ def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
 
 
 def time_table(w, hw, results: dict[int, Any], args: argparse.Namespace) -> Table:
-    from zeroshard.planner.spec import STAGE_NAMES
+    from zeroshard.tools.planner.spec import STAGE_NAMES
 
     table = Table(title=f"{w.shape.name} on {hw.name}, world {args.world} = pp {args.pp} x "
                         f"{args.world // args.pp} per stage: one step replayed ({args.pp_schedule or '1f1b'})",
@@ -203,7 +203,7 @@ def time_table(w, hw, results: dict[int, Any], args: argparse.Namespace) -> Tabl
 
 
 def run_time(args: argparse.Namespace) -> int:
-    """`plan --time --pp`: the pipeline replay (zeroshard/sim/pipeline.py) for each ZeRO stage."""
+    """`plan --time --pp`: the pipeline replay (zeroshard/tools/sim/pipeline.py) for each ZeRO stage."""
     from zeroshard.cli.train import fail
 
     if args.world is None:
@@ -225,9 +225,9 @@ def run_time(args: argparse.Namespace) -> int:
 def recommended(args: argparse.Namespace):
     """`plan --pp N --device-mem SIZE`: no pipeline against every pp up to N (planner/recommend_pipeline.py)."""
     from zeroshard.models import GPTConfig
-    from zeroshard.planner.recommend_pipeline import recommend_pipeline
-    from zeroshard.sim.cli import DEFAULT_HW
-    from zeroshard.sim.hardware import load_hardware
+    from zeroshard.tools.planner.recommend_pipeline import recommend_pipeline
+    from zeroshard.cli.plan_time import DEFAULT_HW
+    from zeroshard.tools.sim.hardware import load_hardware
 
     if (args.tp or 1) > 1 or (args.accum or 1) > 1:
         raise ValueError("--pp --device-mem weighs pipelines with tp 1 and accum 1; drop --tp and --accum")
@@ -287,14 +287,14 @@ def run(args: argparse.Namespace) -> int:
         pplan = plan_of(args)
         checks = None
         if args.measure:
-            from zeroshard.planner.measure_pipeline import measure
+            from zeroshard.tools.planner.measure_pipeline import measure
 
             stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
             checks = measure(pplan, stages, name=_preset(args))
     except ValueError as e:
         return fail("plan", str(e))
     except Exception as e:  # a failed measurement rank arrives as WorkerError
-        from zeroshard.launch import WorkerError
+        from zeroshard.trainer.launch import WorkerError
 
         if isinstance(e, WorkerError):
             return fail("plan", one_line(e))

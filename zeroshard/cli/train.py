@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zeroshard import faults as fault_points
+from zeroshard.comm import fault_points as fault_points
 from zeroshard.comm.topology import placement_text
 from zeroshard.cli.typed_flags import add_typed_flag
-from zeroshard.config import TrainConfig, field_help, field_names, field_type, load_toml, merge_config
+from zeroshard.trainer.config import TrainConfig, field_help, field_names, field_type, load_toml, merge_config
 
 
 # --------------------------------------------------------------------------- flags shared with verify
@@ -61,11 +61,11 @@ def check_before_launch(cfg: TrainConfig) -> None:
     """What TrainConfig cannot check without torch, checked before any rank starts so that it is one
     line rather than every rank's failure: a tp the model's plan cannot split (heads, MLP width)."""
     if cfg.tp > 1:  # a meta build of the model: nothing allocated, but torch imported
-        from zeroshard.tp_setup import check_tensor_parallel
+        from zeroshard.trainer.tp_setup import check_tensor_parallel
 
         check_tensor_parallel(cfg)
     if cfg.ep > 1:  # likewise: the model has MoE layers whose experts ep divides
-        from zeroshard.ep_setup import check_expert_parallel
+        from zeroshard.trainer.ep_setup import check_expert_parallel
 
         check_expert_parallel(cfg)
 
@@ -204,7 +204,7 @@ def summary_table(s: dict[str, Any]) -> Table:
     if s["skipped_steps"]:
         rows.append(("steps skipped (fp16 overflow)", str(s["skipped_steps"])))
     if s.get("profile"):
-        from zeroshard.profile.render import profile_rows
+        from zeroshard.observe.profile.render import profile_rows
 
         rows += profile_rows(s["profile"])
     rows.append(("run dir", str(s["run_dir"])))
@@ -218,13 +218,13 @@ def summary_table(s: dict[str, Any]) -> Table:
 
 def _rank_main(cfg: TrainConfig) -> dict[str, Any]:
     """Spawn target (module level so it pickles): one rank of a local run."""
-    from zeroshard.train import train_worker
+    from zeroshard.trainer.train import train_worker
 
     return train_worker(cfg, RichReporter(log_every=cfg.log_every, train=cfg.to_dict()))
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.launch import WorkerError, running_under_torchrun, spawn
+    from zeroshard.trainer.launch import WorkerError, running_under_torchrun, spawn
 
     under_torchrun = running_under_torchrun()
     # Under torchrun the world size is torchrun's, whatever --nproc or the file says.
@@ -232,14 +232,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, forced=forced)
         fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable is a one-line error before launch
-        from zeroshard.observing.loggers import check_installed, parse_log
+        from zeroshard.observe.loggers import check_installed, parse_log
 
         check_installed(parse_log(cfg.log))  # a logger's missing package, before any rank starts
         check_before_launch(cfg)
     except ValueError as e:
         return fail("train", str(e))
     if cfg.data is not None and Path(cfg.data).is_dir():
-        from zeroshard.data_tokens import TokenFileDataset
+        from zeroshard.trainer.data_tokens import TokenFileDataset
 
         try:  # before any rank starts or the run dir is made: a bad token folder writes nothing
             TokenFileDataset(cfg.data, cfg.seq_len)

@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
-from zeroshard.config import field_names
-from zeroshard.models.targets import is_module_spec
-from zeroshard.tune.grid import DEFAULT_AXES
+from zeroshard.trainer.config import field_names
+from zeroshard.trainer.targets import is_module_spec
+from zeroshard.tools.tune.grid import DEFAULT_AXES
 
 WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
                   "weight_decay", "clip", "accumulation", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank",
@@ -69,7 +69,7 @@ def ranking_table(ranked: list[dict], title: str) -> Table:
 
 
 def _base_config(args: argparse.Namespace):
-    from zeroshard.launch import running_under_torchrun
+    from zeroshard.trainer.launch import running_under_torchrun
 
     if running_under_torchrun():
         raise ValueError("tune spawns its own --nproc ranks; run it directly, not under torchrun")
@@ -92,7 +92,7 @@ def _all_fit(kept: list, predictions: dict, base: Any, budget: int | None, cuda:
     its own GPU), or within half the free host memory that local CPU ranks share."""
     import torch
 
-    from zeroshard.tune.measure import fits_resident, host_available_bytes
+    from zeroshard.tools.tune.measure import fits_resident, host_available_bytes
 
     limit = (budget or torch.cuda.mem_get_info()[1]) if cuda else host_available_bytes() // 2
     return fits_resident([predictions[c] for c in kept], world=base.nproc, limit=limit, shared_host=not cuda)
@@ -101,7 +101,7 @@ def _all_fit(kept: list, predictions: dict, base: Any, budget: int | None, cuda:
 def _checkpointing_axis(args: argparse.Namespace, base: Any) -> str:
     """The checkpointing axis. Under the zero-bubble schedule the runtime refuses checkpointing, so
     the default axis is none there (an explicit one is refused by the planner's own check)."""
-    from zeroshard.pipeline.schedules import schedule_spec
+    from zeroshard.parallel.pipeline.schedules import schedule_spec
 
     if base.pp == 1:
         for flag, value in (("--pp-schedules", args.pp_schedules), ("--microbatch-counts", args.microbatch_counts)):
@@ -118,7 +118,7 @@ def _ep_axis(args: argparse.Namespace, base: Any) -> str | None:
     """--ep-degrees, each degree checked as `zeroshard train` checks its --ep before launch (the
     ranks it divides, a model with MoE layers whose experts it divides): a degree train would refuse
     is refused here in one line, naming it."""
-    from zeroshard.tune.grid import parse_axes
+    from zeroshard.tools.tune.grid import parse_axes
 
     if args.ep_degrees is None:
         return None
@@ -134,12 +134,12 @@ def _ep_axis(args: argparse.Namespace, base: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.launch import WorkerError
-    from zeroshard.planner.spec import parse_bytes
-    from zeroshard.tune import choose, tomlfile
-    from zeroshard.tune.grid import candidates, parse_axes
-    from zeroshard.tune.measure import MeasureSpec, measure
-    from zeroshard.tune.prune import mb, predict, prune
+    from zeroshard.trainer.launch import WorkerError
+    from zeroshard.tools.planner.spec import parse_bytes
+    from zeroshard.tools.tune import choose, tomlfile
+    from zeroshard.tools.tune.grid import candidates, parse_axes
+    from zeroshard.tools.tune.measure import MeasureSpec, measure
+    from zeroshard.tools.tune.prune import mb, predict, prune
 
     console = Console(stderr=args.json)  # --json keeps stdout to the rows
     if not console.is_terminal:

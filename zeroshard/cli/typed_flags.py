@@ -7,7 +7,7 @@ import argparse
 import typing
 from typing import Any
 
-from zeroshard.sharding.options import KNOBS
+from zeroshard.runtime.options import KNOBS
 
 
 def add_typed_flag(parser: Any, name: str, annotation: Any, help_text: str) -> None:

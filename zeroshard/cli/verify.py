@@ -40,8 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard.cli.train import add_config_flags, check_before_launch, config_from_args, fail, one_line
-from zeroshard.config import TrainConfig
-from zeroshard.models.adapter import dropout_settings
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.adapter import dropout_settings
 
 # Short by default: verification is about agreement, not about reaching the floor. Dropout off:
 # its masks are drawn per rank, so a sharded run and one process would never see the same function.
@@ -141,8 +141,8 @@ def default_tolerances(mp: str, comm_quant: str = "none") -> tuple[float, float]
 
 
 def _distributed(cfg: TrainConfig) -> dict:
-    from zeroshard.launch import spawn
-    from zeroshard.train import verify_worker
+    from zeroshard.trainer.launch import spawn
+    from zeroshard.trainer.train import verify_worker
 
     # A dead rank is detected at once; a stuck collective fails after cfg.hang_timeout_s.
     return spawn(verify_worker, cfg.nproc, args=(cfg,), timeout_s=math.inf)[0]
@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("verify", f"--dropout keeps the model's dropout ({', '.join(f'{k}={v:g}' for k, v in asks.items())}) "
                     "on, but its masks are drawn differently on a sharded run and on one process, so the comparison "
                     "would mean nothing; drop --dropout (verify turns dropout off for both runs)")
-    from zeroshard.launch import WorkerError
-    from zeroshard.train import reference_train
+    from zeroshard.trainer.launch import WorkerError
+    from zeroshard.trainer.train import reference_train
 
     try:
         ref = reference_train(cfg)

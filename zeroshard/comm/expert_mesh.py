@@ -15,7 +15,7 @@ ranks that hold the same experts. What differs from a dense mesh is the gradient
 grad, after the combine all-to-all's backward and the sum over edp, holds the contributions of
 every data-parallel batch's tokens once, exactly as a dense param's grad after its reduction does
 (under tp each rank of a tp group dispatches its own share of the group's one batch:
-zeroshard/experts/layer.py). ``dp_name`` (the group holding identical values: init broadcast,
+zeroshard/parallel/experts/layer.py). ``dp_name`` (the group holding identical values: init broadcast,
 stage 0's all-reduce) is the edp group.
 
 Under pipeline parallelism (``zs.init(pp=P, ep=E)``) each stage's experts live inside that stage's

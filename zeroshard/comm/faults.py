@@ -14,7 +14,7 @@ training step S (1-based), at the module ``U`` (a unit, e.g. ``blocks.2``):
 - ``swap-units``: rank R runs U and ``other`` in swapped order; at stage 3 the all-gathers still
   pair (same shapes), so nothing hangs: only the desync check or the doctor can tell.
 
-Nothing here runs unless the variable is set. This is the ``comm.unit`` point of zeroshard/faults.py,
+Nothing here runs unless the variable is set. This is the ``comm.unit`` point of zeroshard/comm/fault_points.py,
 which parses and validates the spec.
 """
 
@@ -25,16 +25,16 @@ import os
 import torch
 from torch import nn
 
-import zeroshard.faults
+import zeroshard.comm.fault_points
 from zeroshard.comm import collectives
 
-FAULT_ENV = zeroshard.faults.env_var("comm.unit")
-KINDS = zeroshard.faults.COMM_KINDS
+FAULT_ENV = zeroshard.comm.fault_points.env_var("comm.unit")
+KINDS = zeroshard.comm.fault_points.COMM_KINDS
 
 
 def parse(spec: str | None) -> dict | None:
-    """The fault spec as a dict (None when unset); parsed and validated by zeroshard.faults."""
-    fault = zeroshard.faults.parse("comm.unit", spec)
+    """The fault spec as a dict (None when unset); parsed and validated by zeroshard.comm.fault_points."""
+    fault = zeroshard.comm.fault_points.parse("comm.unit", spec)
     if fault is not None:
         fault.setdefault("other", None)
     return fault

@@ -8,7 +8,7 @@ consecutive ranks and, without TP, a shard group is too. Under torchrun consecut
 node: TP's per-layer all-reduces (on the critical path) stay on the fastest links, then ZeRO's
 all-gather / reduce-scatter, and only the all-reduce of already-reduced shards crosses replicas.
 With ``tp > 1`` the mesh is a torch ``DeviceMesh`` named ("replicate", "shard", "tp"), whose "tp"
-sub-mesh is what ``parallelize_module`` takes (zeroshard/sharding/tp.py). docs/tensor_parallel.md.
+sub-mesh is what ``parallelize_module`` takes (zeroshard/runtime/tp.py). docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -322,8 +322,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
             # Via our helper: after a torchrun restart the env:// store still holds the dead
-            # attempt's keys (see zeroshard/elastic.py).
-            from zeroshard.elastic import init_process_group_from_env
+            # attempt's keys (see zeroshard/comm/elastic.py).
+            from zeroshard.comm.elastic import init_process_group_from_env
 
             init_process_group_from_env(backend, timeout)
         else:

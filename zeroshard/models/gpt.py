@@ -140,7 +140,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.qkv(x)
         # Under tensor parallelism qkv holds only this rank's heads (width C / tp; see
-        # zeroshard/sharding/tp.py), so the head count is read from the width, not the config.
+        # zeroshard/runtime/tp.py), so the head count is read from the width, not the config.
         width = qkv.shape[-1] // 3
         heads = width // (C // self.n_head)
         q, k, v = qkv.split(width, dim=2)  # 3 x (B, T, width)
@@ -208,7 +208,7 @@ class MoEMLP(nn.Module):
     With ``aux_loss_coef > 0`` each forward leaves ``aux_sum``: the load-balancing loss of its
     rows in sum form, ``n_expert * sum_e f_e * (sum over rows of p_e)``, so that, like the token
     loss, it adds over rows and divides once by the token count. ``f_e`` is a share of the whole
-    batch's routing: ``reduce_counts``, when set (``zeroshard.step.build`` and expert parallelism
+    batch's routing: ``reduce_counts``, when set (``zeroshard.trainer.step.build`` and expert parallelism
     set it to an all-reduce over the data-parallel ranks), sums the per-expert counts over every rank first, which makes the
     loss the one one process computes over the whole (micro-)batch.
     """

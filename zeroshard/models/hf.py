@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard.config import HF_MODEL_NAMES, HF_PREFIX, HF_TINY_LAYERS
+from zeroshard.models.names import HF_MODEL_NAMES, HF_PREFIX, HF_TINY_LAYERS
 from zeroshard.models.router_aux import aux_loss_sum, router_aux_coef
 
 IGNORE_INDEX = -100

@@ -14,7 +14,7 @@ its loss is transformers' ``mean CE + coef · aux`` of that global micro-batch, 
 computes when its forward sees all of it. ``C``, ``N`` and ``K`` (the scored targets) are summed
 over every rank that holds part of the batch (one all-reduce of E + 2 float64 per forward, through
 the comm gateway on the engine's data-parallel group, installed by ``zs.expert_parallel`` /
-``zeroshard.step.build`` as ``REDUCE_ATTR``); ``S`` stays the rank's own. Each rank's term,
+``zeroshard.trainer.step.build`` as ``REDUCE_ATTR``); ``S`` stays the rank's own. Each rank's term,
 ``E · Σ_e (C_e/N)(S_e/N) · K``, is in sum form: the ranks' terms add up to ``aux · K``, which the
 step divides once by the targets it scores, like the token losses. With accumulation the step's
 loss is then the scored-token-weighted mean of its global micro-batches' transformers losses; a

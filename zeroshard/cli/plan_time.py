@@ -1,0 +1,308 @@
+"""``zeroshard plan --time``: predicted step time, throughput, MFU and memory per layout, or a sweep."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from zeroshard.tools.sim.hardware import PRESETS, load_hardware
+from zeroshard.tools.sim.workload import SHAPES, TORCHTITAN_POLICIES, Workload, gpt_shape
+
+DEFAULT_SEQ = 8192
+DEFAULT_HW = "h100"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("step time (--time)")
+    g.add_argument("--time", action="store_true", help="simulate one step: time, tokens/s/GPU, MFU, exposed comm")
+    g.add_argument("--hw", help=f"hardware preset ({', '.join(PRESETS)}) or a .toml file (default: {DEFAULT_HW})")
+    g.add_argument("--micro-batch", type=int, help="sequences per rank per step (default: --batch / world, or 1)")
+    g.add_argument("--sweep", metavar="N,N,...", help="world sizes to sweep instead of --world")
+    g.add_argument("--shard-sizes", metavar="S,S,...", help="hybrid shard-group sizes to include (with --time)")
+    g.add_argument("--calibrate", nargs="?", const="all", choices=("all", "all_gather", "reduce_scatter", "all_reduce"),
+                   help="alone: fit every collective the step uses and time --model's units on gloo ranks here "
+                        "(at --world, or each of --sweep; default 2,4) and write a hardware TOML for --hw; "
+                        "with a collective's name: fit only that one at --world and print it")
+    g.add_argument("--hw-out", metavar="FILE.toml", default=None,
+                   help="with --calibrate: where the hardware TOML goes (default: ~/.cache/zeroshard/local.toml)")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated positive integers, e.g. 64,128,256; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes comma-separated positive integers, e.g. 64,128,256; got {text!r}")
+    return values
+
+
+def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
+    """The workload and, for zeroshard's GPT presets, a memory function from the full planner."""
+    from zeroshard.tools.sim.memory import gpt_peak_bytes
+
+    headroom = _headroom(args)
+    if args.model is None:
+        raise ValueError("--time needs --model (a zeroshard preset, " + ", ".join(SHAPES) + ", a save_pretrained "
+                         "folder or hf:NAME)")
+    accum = getattr(args, "accum", 1) or 1  # plan's --accum: micro-steps per optimizer step
+    checkpointing = _knobs(args)["checkpointing"]
+    tp = getattr(args, "tp", 1) or 1
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} does not divide world {world}; pick a tp that divides every world size")
+    # The batch is split over the data-parallel ranks; the ranks of a tp group share theirs.
+    mb = args.micro_batch or (max(1, args.batch // (world // tp * accum)) if args.batch else 1)
+    # --mp fp32 computes (and all-reduces tp activations) in fp32; otherwise the bf16 of GPU runs.
+    compute_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
+    ep = getattr(args, "ep", None) or 1
+    skew = getattr(args, "routing_skew", None) or 0.0
+    if args.model in SHAPES:
+        shape = SHAPES[args.model]
+        _check_tp_split(shape, tp)
+        w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
+                     checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes)
+        _check_ep(shape, ep)
+        return w, None
+    from zeroshard.trainer.targets import is_preset
+
+    if not is_preset(args.model):  # a folder, hf:NAME or module:Class: the shape its config gives
+        from zeroshard.trainer.targets import build_target
+        from zeroshard.tools.sim.hf_shape import hf_shape
+
+        model = build_target(args.model, vocab_size=getattr(args, "vocab_size", None), seq_len=args.seq or DEFAULT_SEQ,
+                             config=getattr(args, "model_config", None))
+        shape = hf_shape(model, args.model)
+        _check_tp_split(shape, tp)
+        if ep > 1:  # the runtime's own check of the model's MoE layers (no MoE layer, an ep not dividing them)
+            from zeroshard.parallel.experts import check_ep
+
+            check_ep(model, ep)
+        w = Workload(shape=shape, micro_batch=mb, seq=args.seq or DEFAULT_SEQ,
+                     checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes, routing_skew=skew)
+        return w, None
+    from zeroshard.models import GPTConfig
+
+    if checkpointing in TORCHTITAN_POLICIES:
+        raise ValueError(f"--checkpointing {checkpointing} is for the Llama shapes; zeroshard's GPT takes "
+                         "none, all, every:K or sqrt")
+    cfg = GPTConfig.named(args.model, **({"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}))
+    if ep > 1:
+        from zeroshard.parallel.experts import check_ep
+        from zeroshard.tools.planner.inventory import meta_gpt
+
+        check_ep(meta_gpt(cfg), ep)
+    w = Workload(shape=gpt_shape(cfg, args.model), micro_batch=mb, seq=args.seq or cfg.seq_len,
+                 checkpointing=checkpointing, accum=accum, compute_bytes=compute_bytes, routing_skew=skew)
+    return w, lambda layout: gpt_peak_bytes(args.model, w, layout, headroom=headroom)
+
+
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's knobs the replay models: the runtime's defaults, with the flags given on top."""
+    from zeroshard.cli.typed_flags import given_knobs
+    from zeroshard.runtime.options import KNOBS
+    from zeroshard.tools.sim.step import SIMULATED_KNOBS
+
+    return {k.name: k.default for k in KNOBS if k.name in SIMULATED_KNOBS} | given_knobs(args, SIMULATED_KNOBS)
+
+
+def _headroom(args: argparse.Namespace) -> float:
+    """plan's --headroom (allocator headroom on top of the peak), the planner's 10% when absent."""
+    value = getattr(args, "headroom", None)
+    return 0.10 if value is None else value
+
+
+def _check_ep(shape, ep: int) -> None:
+    """The Llama shapes are dense: ep has no experts to split there."""
+    if ep > 1 and not shape.n_expert:
+        raise ValueError(f"--ep {ep} splits MoE experts, but {shape.name} has a dense MLP; drop --ep or plan an MoE "
+                         "model (tiny-moe, an HF Mixtral or Qwen-MoE folder)")
+
+
+def _check_tp_split(shape, tp: int) -> None:
+    """A Llama shape split Megatron-style: tp must divide the query heads, the KV heads and the MLP width."""
+    head_dim = shape.hidden // shape.n_head
+    for what, size in (("n_head", shape.n_head), ("KV heads", shape.kv_dim // head_dim), ("the MLP width", shape.ffn)):
+        if size % tp:
+            raise ValueError(f"--tp {tp} does not divide {what} ({size}) of {shape.name}; pick a tp that divides it")
+
+
+def run_time(args: argparse.Namespace) -> list:
+    """The rows to print; raises ValueError on bad input."""
+    from zeroshard.tools.sim.memory import peak_bytes
+    from zeroshard.tools.sim.report import evaluate, layouts_for
+
+    hw = load_hardware(args.hw or DEFAULT_HW)
+    topology = run_topology(args)
+    if topology is not None:  # the run's hosts, not the preset's node size, decide what crosses hosts
+        hw = dataclasses.replace(hw, gpus_per_node=topology.ranks_per_host)
+        if args.world is None and not args.sweep:
+            args.world = topology.world
+        elif args.world is not None and args.world != topology.world and getattr(args, "topology", None):
+            raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology "
+                             f"({topology.text}); drop --world or make them agree")
+    if getattr(args, "device_mem", None):  # the device you mean to run on: fits are judged against it
+        from zeroshard.tools.planner.spec import parse_bytes
+
+        hw = dataclasses.replace(hw, name=f"{hw.name} with {args.device_mem} per GPU",
+                                 hbm_bytes=float(parse_bytes(args.device_mem)))
+    worlds = _ints(args.sweep, "--sweep") if args.sweep else (args.world,)
+    if worlds == (None,):
+        raise ValueError("give --world N, or --sweep N,N,... with --time")
+    shard_sizes = _ints(args.shard_sizes, "--shard-sizes") if args.shard_sizes else (
+        (args.shard_size,) if args.shard_size else ())
+    stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
+    rows = []
+    for world in worlds:
+        w, memory = _workload(args, world)
+        # --mp fp32 (as zeroshard train runs by default, and as a CPU calibration measured): fp32
+        # params on the wire; otherwise the bf16 the simulator assumes for GPU runs.
+        param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
+        knobs = {k: v for k, v in _knobs(args).items() if k != "checkpointing"}  # the workload's
+        layouts = layouts_for(world, stages, shard_sizes, param_bytes=param_bytes, tp=getattr(args, "tp", 1) or 1,
+                              ep=getattr(args, "ep", None) or 1, **knobs)
+        rows += evaluate(w, hw, layouts, memory or (lambda layout: peak_bytes(w, layout, headroom=_headroom(args))))
+    return [w, hw, rows, topology]
+
+
+DEFAULT_HW_OUT = Path("~/.cache/zeroshard/local.toml")
+
+
+def calibrate_to_toml(args: argparse.Namespace) -> int:
+    """``plan --calibrate``: every collective and --model's units at each world size, stored as TOML."""
+    from zeroshard.trainer.config import TrainConfig
+    from zeroshard.models import GPTConfig
+    from zeroshard.tools.sim.calibrate import calibrate_hardware
+    from zeroshard.tools.sim.measured import to_toml
+
+    model = args.model or "small"
+    worlds = _ints(args.sweep, "--sweep") if args.sweep else ((args.world,) if args.world else (2, 4))
+    if model in GPTConfig.names():
+        vocab = args.vocab_size or TrainConfig().vocab_size
+        seq = args.seq or GPTConfig.named(model).seq_len
+    else:  # timed under the name and vocabulary --time reads off the model's config (sim/hf_shape.py)
+        vocab, seq = _calibrated_hf(args, model)
+    out = Path(args.hw_out).expanduser() if args.hw_out else DEFAULT_HW_OUT.expanduser()
+    hw, raw = calibrate_hardware(worlds, model, vocab, args.micro_batch or 1, seq, name=out.stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_toml(hw, f"zeroshard plan --calibrate: {model}, vocab {vocab}, micro-batch "
+                               f"{args.micro_batch or 1} x seq {seq}, worlds {', '.join(map(str, worlds))}\n"
+                               "measured on this host with gloo; use it with zeroshard plan --time --hw FILE")
+                   + calibrated_topology(max(worlds)))
+    if args.json:
+        print(json.dumps({"hardware": str(out), "points": raw}, indent=1))
+        return 0
+    for m in hw.links:
+        print(f"{m.op:15s} over {m.group} of {m.world} ranks: alpha {m.alpha_s * 1e6:8.1f} us/step, bus bandwidth "
+              f"{m.bandwidth / 1e9:6.3f} GB/s")
+
+    def slowest(fwd: float | None, bwd: float | None) -> str:
+        return f" (slowest rank {fwd * 1e3:.2f} / {bwd * 1e3:.2f})" if fwd is not None and bwd is not None else ""
+
+    for c in hw.compute:
+        print(f"{model} world {c.world}: block fwd {c.block_forward_s * 1e3:.2f} ms, bwd {c.block_backward_s * 1e3:.2f} "
+              f"ms{slowest(c.block_forward_slowest_s, c.block_backward_slowest_s)}; root fwd "
+              f"{c.root_forward_s * 1e3:.2f} ms, bwd {c.root_backward_s * 1e3:.2f} ms"
+              + (f" (both, slowest rank's whole step less mean blocks {c.root_slowest_s * 1e3:.2f})"
+                 if c.root_slowest_s is not None else "") + "; AdamW "
+              f"{c.optimizer_s_per_param * 1e9:.2f} ns/param; contention all_gather {c.contention_all_gather:.2f}, "
+              f"reduce_scatter {c.contention_reduce_scatter:.2f}, all_reduce {c.contention_all_reduce:.2f}")
+    for k in hw.concurrency:
+        print(f"world {k.world}, shard groups of {k.group}: collectives in flight together take {k.two:.2f} (two) "
+              f"and {k.three:.2f} (three) times their serial time")
+    print(f"hardware written to {out}")
+    return 0
+
+
+CALIBRATE_SEQ = 64
+"""--calibrate's sequence for a Hugging Face model when --seq is not given (capped at its positions):
+per-unit times scale with tokens in the replay (``_measured_durations``)."""
+
+
+def _calibrated_hf(args: argparse.Namespace, model: str) -> tuple[int, int]:
+    """(vocab, seq) to time a folder's or hf: model's units at: the vocabulary its config gives,
+    which is what ``plan --time`` matches the timings by."""
+    from zeroshard.trainer import adapter
+    from zeroshard.trainer.targets import build_target, is_module_spec
+
+    if is_module_spec(model):
+        raise ValueError(f"--calibrate times a transformer's units for plan --time, which reads their shape from a "
+                         f"Hugging Face config; {model} has none: give a preset, a save_pretrained folder or hf:NAME")
+    built = build_target(model, vocab_size=getattr(args, "vocab_size", None), seq_len=args.seq or CALIBRATE_SEQ)
+    positions = adapter.max_positions(built)
+    seq = args.seq or min(CALIBRATE_SEQ, positions or CALIBRATE_SEQ)
+    if positions is not None and seq > positions:
+        raise ValueError(f"--seq {seq} is longer than the {positions} positions of {model}; pass --seq {positions} or less")
+    return int(getattr(built, "config").vocab_size), seq
+
+
+def calibrated_topology(world: int) -> str:
+    """The ``[topology]`` table of what the calibration ran on: ``world`` gloo ranks on this host,
+    with this host's name, processor and interface as zs.init's topology gather reports them."""
+    import torch
+
+    from zeroshard.comm.host_probe import local_facts
+    from zeroshard.comm.names import Dim
+    from zeroshard.comm.topology import Topology
+    from zeroshard.tools.planner.topology_source import to_toml_table
+
+    mine = local_facts(0, torch.device("cpu"))
+    topology = Topology(tuple(dataclasses.replace(mine, rank=r, local_rank=r) for r in range(world)))
+    return to_toml_table(topology.describe({Dim.SHARD: world}), f"zeroshard plan --calibrate on {world} gloo ranks")
+
+
+def run_topology(args: argparse.Namespace):
+    """--topology's, else the [topology] a --hw TOML recorded, else None (the --hw preset's nodes)."""
+    from zeroshard.tools.planner.topology_source import from_toml, parse
+
+    if getattr(args, "topology", None):
+        return parse(args.topology)
+    if args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
+        return from_toml(Path(args.hw))
+    return None
+
+
+def print_calibration(args: argparse.Namespace) -> int:
+    from zeroshard.tools.sim.calibrate import calibrate
+
+    if args.calibrate == "all":
+        return calibrate_to_toml(args)
+    if not args.world or args.world < 2:
+        raise ValueError("--calibrate needs --world N with N >= 2 local gloo ranks")
+    result = calibrate(args.world, args.calibrate)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    for nbytes, seconds in result["points"]:
+        print(f"{args.calibrate} {nbytes / 1e6:10.3f} MB on {args.world} ranks: {seconds * 1e6:10.1f} us")
+    print(f"fit: alpha {result['alpha_s'] * 1e6:.1f} us per ring step, bus bandwidth "
+          f"{result['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s")
+    print(f"as --hw TOML: base = \"{args.hw or DEFAULT_HW}\"\nintra_latency = {result['alpha_s']:.3g}\n"
+          f"intra_bandwidth = {result['bandwidth_bytes_per_s']:.3g}")
+    return 0
+
+
+def print_time(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from zeroshard.tools.sim.report import sweep_plot, time_table
+
+    if args.calibrate:
+        return print_calibration(args)
+    w, hw, rows, topology = run_time(args)
+    chart = sweep_plot(rows, args.plot, w, hw) if args.plot else None
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "workload": {"model": w.shape.name, "micro_batch": w.micro_batch,
+                                                            "seq": w.seq, "checkpointing": w.checkpointing},
+                          "topology": topology.to_dict() if topology else None,
+                          "rows": [r.to_dict() for r in rows], **({"plot": str(chart)} if chart else {})}, indent=1))
+        return 0
+    console = Console(width=200)
+    if topology is not None:
+        console.print(f"topology: {topology.text}", highlight=False)
+    console.print(time_table(rows, w, hw))
+    if chart:
+        console.print(f"chart written to {chart}")
+    return 0

@@ -1,9 +1,0 @@
-"""Pretrained Hugging Face folders in and out: load a ``save_pretrained`` folder straight into
-shards (zeroshard/hf/pretrained.py) and write one back (zeroshard/hf/export.py)."""
-
-from zeroshard.hf.errors import PretrainedError
-from zeroshard.hf.export import export_checkpoint, export_pretrained
-from zeroshard.hf.pretrained import build_pretrained, is_pretrained_folder, load_pretrained
-
-__all__ = ["PretrainedError", "build_pretrained", "export_checkpoint", "export_pretrained", "is_pretrained_folder",
-           "load_pretrained"]

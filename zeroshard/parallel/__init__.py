@@ -1,0 +1,1 @@
+"""Parallel dims applied to a plain model: tensor, pipeline and expert parallelism."""

@@ -1,9 +1,0 @@
-"""The memory planner: per-rank bytes by component for DDP and ZeRO-1/2/3, a layout recommender, and
-a measurement that checks the prediction against a real step. See docs/planner.md."""
-
-from zeroshard.planner.api import plan
-from zeroshard.planner.comm import Collective, Network
-from zeroshard.planner.optim_probe import OptimStateCost, probe
-from zeroshard.planner.result import COMPONENTS, Components, LayoutPlan, Plan
-
-__all__ = ["COMPONENTS", "Collective", "Components", "LayoutPlan", "Network", "OptimStateCost", "Plan", "plan", "probe"]

@@ -1,0 +1,646 @@
+"""The runtime behind ``zs.shard``: builds the units and drives them from forward/backward hooks.
+
+One engine serves every stage; ``StagePolicy`` decides what is sharded. The lifecycle, the hooks
+and the memory contract of each stage are explained in docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import nn
+
+from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.names import Phase
+from zeroshard.comm.quant import CommQuant
+from zeroshard.runtime.expert_placement import expert_mesh_of
+from zeroshard.runtime.offload import make_store
+from zeroshard.runtime.attached import attach_engine, find_engine, get_engine
+from zeroshard.runtime.compiled import eager_hook, refuse_traced
+from zeroshard.runtime.events import EngineEvents
+from zeroshard.runtime.flat import FlatGroup, GroupConfig, StagePolicy
+# The defaults live with the options; re-exported here, where the planner and simulator read them.
+from zeroshard.runtime.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
+from zeroshard.runtime.precision import MixedPrecision
+from zeroshard.runtime.recompute import Recompute, segment_length
+from zeroshard.runtime.unit import Unit, UnitState
+from zeroshard.runtime.wrap import ParamRef, UnitSpec
+
+__all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "MemorySnapshot",
+           "TrainingState", "attach_engine", "find_engine", "get_engine", "reduction_buckets"]
+
+
+class TrainingState(enum.Enum):
+    """Where the engine is in a step; FSDP2 keeps the same on its param groups.
+
+    IDLE between steps and after an eval forward; FORWARD from the model's forward pre-hook to its
+    forward hook; BACKWARD from the first grad hook until autograd's end-of-graph callback. A grad
+    read (optimizer, clipping) in BACKWARD would see a half-reduced step: nothing reads one then.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySnapshot:
+    """What ``Engine.memory_snapshot`` returns: the tensors behind each kind of model-state memory
+    (a tool dedups them by storage, as two may share one) and the engine's full-param counters."""
+
+    state: TrainingState
+    full_params: list[torch.Tensor]
+    """Every flat group's full buffer (empty storage at stage 3 while resharded)."""
+    masters: list[torch.Tensor]
+    """This rank's master shards (on the host when offloaded)."""
+    kept_grads: list[torch.Tensor]
+    """Stages 0-1's full grad buffers, alive for the whole run."""
+    full_grads: list[torch.Tensor]
+    """Every full grad buffer that exists now (the kept ones, and stages 2-3's while collected)."""
+    grad_shards: list[torch.Tensor]
+    """The reduced grad shards that exist now."""
+    transient_grads: list[torch.Tensor]
+    """Grads alive only until their reduction finishes (``FlatGroup.transient_grads``)."""
+    live_full_bytes: int
+    peak_full_bytes: int
+    """Most full-param bytes allocated at once since ``reset_memory_stats``."""
+    max_unsharded_units: int
+    offloaded: bool
+
+
+class ExecutionOrderError(RuntimeError):
+    """Units ran in a different order than in the first step, so prefetching would be wrong."""
+
+
+def _split_groups(name: str, refs: list[ParamRef], config: GroupConfig) -> list[FlatGroup]:
+    """One flat group per (dtype, trainable, mesh) so each buffer has a single dtype, grad policy
+    and set of ranks: expert params (zeroshard/runtime/expert_placement.py) go to a group on their expert
+    mesh, sharded over the ranks that hold the same experts."""
+    keyed: dict[tuple, list[ParamRef]] = {}
+    meshes: dict[str, Mesh] = {}
+    for ref in refs:
+        mesh: Mesh = expert_mesh_of(ref.param) or config.mesh
+        if mesh is not config.mesh and mesh is not config.mesh.experts:
+            raise ValueError(f"{ref.fqn} was split by zs.expert_parallel for the mesh of {mesh.name!r}, but zs.shard "
+                             f"got mesh {config.mesh.name!r}; pass the same mesh= to both")
+        meshes[mesh.name] = mesh
+        keyed.setdefault((ref.param.dtype, ref.param.requires_grad, mesh.name), []).append(ref)
+    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable,
+                      config=config if meshes[mesh] is config.mesh else dataclasses.replace(config, mesh=meshes[mesh]))
+            for (dtype, trainable, mesh), group_refs in keyed.items()]
+
+
+def reduction_buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
+    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``
+    of params: the units of stages 0-2. The planner's inventory calls it too, so both bucket alike."""
+    return merge_in_order(specs, lambda spec: sum(r.param.numel() * r.param.element_size() for r in spec.refs),
+                          bucket_bytes)
+
+
+T = TypeVar("T")
+
+
+def merge_in_order(items: list[T], nbytes: Callable[[T], float], bucket_bytes: float) -> list[list[T]]:
+    """Consecutive items merged until a bucket reaches ``bucket_bytes`` (the last may be smaller):
+    the bucketing rule itself, which the step simulator also replays on sizes alone."""
+    buckets: list[list[T]] = []
+    current: list[T] = []
+    size = 0.0
+    for item in items:
+        current.append(item)
+        size += nbytes(item)
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0.0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    return []
+
+
+class Engine:
+    """The runtime of one sharded model: its units, the hooks that drive them, and the reduction order.
+
+    ``zs.shard`` builds one per model. At stage 3 each unit is one wrapped module whose params are
+    all-gathered in a forward pre-hook (with ``prefetch`` later units, in the order recorded in the
+    first step) and resharded after; at stages 0-2 units are buckets of about ``bucket_bytes`` whose
+    params stay whole. Post-accumulate-grad hooks mark params ready; a unit whose grads are all in
+    launches its reduction, strictly in ``reduce_order`` so every rank issues the same collectives.
+    Reductions are finished (waited on, full grads freed) in that same order: when a grad shard is
+    read (optimizer, clipping), at the next forward, when too many are in flight, and, without a
+    replicate group, as soon as they are done (``_reap_finished`` says why hybrid waits).
+    Every knob is in ``options`` (an ``EngineOptions``); the engine owns what they call for: the
+    offload ``store``, the activation ``recompute`` and, once ``materialize`` or a load ran,
+    ``init_stats``. Observers subscribe to ``events`` (zeroshard/runtime/events.py).
+    See docs/runtime.md for the lifecycle and memory contract of each stage.
+    """
+
+    def __init__(self, model: nn.Module, specs: list[UnitSpec], *, policy: StagePolicy, mesh: Mesh,
+                 mp: MixedPrecision, device: torch.device, options: EngineOptions | None = None,
+                 comm: CommQuant | None = None) -> None:
+        self.model = model
+        self.policy = policy
+        self.mesh = mesh
+        self.mp = mp
+        self.options = options = options or EngineOptions()
+        self.sync_grads = True
+        self.events = EngineEvents()
+        self.store = make_store(options.offload, device, mesh.rank)
+        # How the params got their values: replicated from the model as built, unless materialize ran.
+        self.init_stats: dict[str, Any] = {"path": "replicated", "peak_temp_bytes": 0}
+        self.comm = comm = comm or CommQuant()
+        self._unit_of_group: dict[int, Unit] = {}  # filled once the units exist; the callbacks read it
+        config = GroupConfig(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events,
+                             comm=comm, before_grad_read=self._before_grad_read,
+                             on_params_created=self._on_params_created)
+        root_config = dataclasses.replace(config, is_root=True)
+        # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
+        backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
+        if policy.shard_params:
+            self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, root_config if s.is_root else config),
+                               is_root=s.is_root, sharded=True, events=self.events) for s in backward_order]
+        else:
+            self.units = []
+            for bucket in reduction_buckets(backward_order, options.bucket_bytes):
+                name = "+".join(s.name for s in bucket)
+                refs = [r for s in bucket for r in s.refs]
+                is_root = any(s.is_root for s in bucket)
+                self.units.append(Unit(name, None, _split_groups(name, refs, root_config if is_root else config),
+                                       is_root=is_root, sharded=False, events=self.events))
+                for group in self.units[-1].groups:
+                    group.register(unsharded=True)
+        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
+        # Reductions launch strictly in this order on every rank, so a grad that is late on one
+        # rank (an unused param) delays the collectives instead of reordering them.
+        self.reduce_order = list(self.units)
+        self._next_reduce = 0
+        self._next_reap = 0
+        self.state = TrainingState.IDLE
+        self._forward_order: list[Unit] = []
+        self._order_recorded = False
+        self._position = 0
+        self._prefetch_after_first_grad: Unit | None = None
+        self.peak_full_bytes = 0
+        self.max_unsharded_units = 0
+        self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
+            if policy.shard_params else {}
+        self._hooks = []
+        # Reductions left running after a backward finish at the next forward at the latest, so
+        # they never add their full grads to that forward's activations (gradient accumulation).
+        self._hooks.append(model.register_forward_pre_hook(eager_hook(self._begin_forward)))
+        self._hooks.append(model.register_forward_hook(eager_hook(self._end_forward)))
+        self._register_grad_hooks()
+        if policy.shard_params:
+            self._register_forward_hooks()
+        blocks = [spec.module for spec in specs if not spec.is_root]
+        self.recompute: Recompute | None = None
+        if segment_length(options.checkpointing, len(blocks)) is not None:
+            self.recompute = Recompute(model, blocks, options.checkpointing, self if policy.shard_params else None)
+
+    def materialize(self, init_fn: Callable[[nn.Module], None] | None, *, require_all: bool = True) -> None:
+        """Give a model built on the meta device its values by replaying its init, shard by shard
+        (zeroshard/runtime/materialize.py); ``init_stats`` records how."""
+        from zeroshard.runtime.materialize import materialize  # it drives this engine: imported when used
+
+        self.init_stats = materialize(self.model, self, init_fn, require_all=require_all)
+
+    def replay_constructor(self, built: Any) -> None:
+        """Give this engine's shards the values a recorded build function produced, one param at a
+        time (zeroshard/runtime/construct.py); ``init_stats`` records how."""
+        self.init_stats = built.load(self)
+
+    def values_loaded_from(self, source: str) -> None:
+        """Record that the params' values came from ``source`` (a checkpoint or a pretrained folder)
+        rather than from an init, for the run summary."""
+        self.init_stats = {**self.init_stats, "path": source}
+
+    # -- hook registration --------------------------------------------------------------------
+    def _register_grad_hooks(self) -> None:
+        """Hooks on the params that exist now; stage 3 creates its params at the first gather,
+        and ``_on_params_created`` hooks those then."""
+        for unit in self.units:
+            for group in unit.groups:
+                if group.trainable and group.params is not None:
+                    self._register_group_hooks(unit, group)
+
+    def _on_params_created(self, group: FlatGroup) -> None:
+        unit = self._unit_of_group.get(id(group))
+        # None while the engine is still building its units: _register_grad_hooks hooks those.
+        if unit is not None and group.trainable:
+            self._register_group_hooks(unit, group)
+
+    def _before_grad_read(self, group: FlatGroup) -> None:
+        self.finish_reductions(self._unit_of_group[id(group)])
+
+    def _register_group_hooks(self, unit: Unit, group: FlatGroup) -> None:
+        group_index = unit.groups.index(group)
+        for pi, param in enumerate(group.created_params()):
+            hook = functools.partial(self._on_grad, unit, group_index, pi)
+            self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _register_forward_hooks(self) -> None:
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(functools.partial(self._pre_forward, unit))))
+            self._hooks.append(unit.module.register_forward_hook(eager_hook(functools.partial(self._post_forward, unit))))
+
+    # -- stage 3 forward ----------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if self.recompute is not None and self.recompute.begin_cached_call(module, args):
+            return  # the unit already ran inside its checkpointed segment
+        self.enter_unit(unit)
+
+    def enter_unit(self, unit: Unit) -> None:
+        tracking = torch.is_grad_enabled()
+        if unit.is_root:
+            self._position = 0
+        if tracking:
+            self._check_order(unit)
+        unit.unshard(Phase.FORWARD)
+        unit.wait_unshard()
+        self._track_memory()
+        if tracking and self._order_recorded:
+            upcoming = self._forward_order[self._position:self._position + self.options.prefetch]
+            for later in upcoming:
+                later.unshard(Phase.FORWARD)
+            self._track_memory()
+
+    def _check_order(self, unit: Unit) -> None:
+        if not self._order_recorded:
+            self._forward_order.append(unit)
+            self._position += 1
+            return
+        pos = self._position
+        expected = self._forward_order[pos] if pos < len(self._forward_order) else None
+        if expected is not unit:
+            ran = expected.name if expected is not None else "nothing (the recorded order had ended)"
+            raise ExecutionOrderError(
+                f"unit execution order changed: the first step ran {ran} at position {pos}, this step ran "
+                f"{unit.name}. zeroshard records the order in step 1 to prefetch all-gathers; make every step "
+                "(and every rank) run the units in the same order, or use one unit for the branching part"
+            )
+        self._position += 1
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        if self.recompute is not None and self.recompute.end_cached_call(module):
+            return output
+        return self.exit_unit(unit, output)
+
+    def exit_unit(self, unit: Unit, output):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, unit), mode="any")
+        if not grad_enabled or (self.options.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
+            unit.reshard()
+        if unit.is_root and grad_enabled and not self._order_recorded:
+            self._order_recorded = True
+        return output
+
+    def kept_for_backward(self) -> list[Unit]:
+        """Units that stay gathered from forward into backward (once the order is recorded): the
+        last block of forward, which backward needs first, so resharding it would only gather it
+        again at once. Holding it costs nothing at the peak, where backward holds it anyway."""
+        if not self._order_recorded or not self.options.reshard_after_forward:
+            return []
+        blocks = [u for u in self._forward_order if not u.is_root]
+        return blocks[-1:]
+
+    @property
+    def forward_order(self) -> list[Unit]:
+        """Stage 3: the units in the order the first step's forward ran them (empty until it has),
+        which prefetching follows; zeroshard/runtime/schedule.py reads it."""
+        return list(self._forward_order) if self._order_recorded else []
+
+    def _reused_next(self, unit: Unit) -> bool:
+        return unit in self.kept_for_backward()
+
+    def gather_for_recompute(self, module) -> bool:
+        """Make a unit's full params available to a recompute; True if it had to be gathered."""
+        unit = self.unit_of_module.get(id(module))
+        if unit is None or unit.state is not UnitState.SHARDED:
+            if unit is not None:
+                unit.wait_unshard()
+            return False
+        unit.unshard(Phase.RECOMPUTE)
+        unit.wait_unshard()
+        self._track_memory()
+        return True
+
+    def release_after_recompute(self, module) -> None:
+        self.unit_of_module[id(module)].reshard()
+
+    # -- stage 3 backward ---------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit, grad) -> None:
+        unit.unshard(Phase.BACKWARD)
+        unit.wait_unshard()
+        self._track_memory()
+        if self.recompute is not None:
+            # Recomputing a segment needs all of its units at once, before any of its grads.
+            self._prefetch_backward(unit)
+        else:
+            self._prefetch_after_first_grad = unit
+
+    def _prefetch_backward(self, unit: Unit) -> None:
+        """Gather the ``prefetch`` units backward runs after ``unit``.
+
+        Issued at ``unit``'s first grad rather than when its backward starts: that moment (every
+        activation still saved) is the step's memory peak, and the first grad comes once the
+        unit's last layer has freed its inputs, early enough to hide the all-gather behind the rest
+        of the unit's backward.
+        """
+        if self._order_recorded and unit in self._forward_order:
+            index = self._forward_order.index(unit)
+            for earlier in self._forward_order[max(0, index - self.options.prefetch):index][::-1]:
+                earlier.unshard(Phase.BACKWARD)
+            self._track_memory()
+
+    # -- gradient reduction -------------------------------------------------------------------
+    @property
+    def defers_reduction(self) -> bool:
+        """Inside ``no_sync``: keep accumulating full grads locally instead of reducing.
+
+        Stages 0-1 always keep full grads, so deferring is free. Stages 2-3 reduce-scatter every
+        micro-step and accumulate into the 1/N grad shard unless ``accumulation="unsharded"``
+        asked to trade full-grad memory for fewer reduce-scatters.
+        """
+        return not self.sync_grads and not self.reduces_inside_no_sync
+
+    @property
+    def reduces_inside_no_sync(self) -> bool:
+        """Stages 2-3 accumulating sharded: every backward reduces, inside ``no_sync`` too."""
+        return self.policy.transient_grads and self.options.accumulation != "unsharded"
+
+    def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
+        if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
+            refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
+                          "torch._dynamo.config.compiled_autograd off and compile the forward (zs.shard(compile=True))")
+        if self.state is not TrainingState.BACKWARD:
+            self.finish_reductions()  # the previous backward's, if nobody has read them yet
+            self.state = TrainingState.BACKWARD
+            # No public hook marks the end of backward; queue_callback is what torch's own DDP and
+            # FSDP2 use. It runs once the whole graph is done, on the same thread.
+            torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001 (no public API)
+                self._finish_backward)
+        ready = unit.mark_ready(group_index, param_index)
+        if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.options.backward_prefetch_at):
+            self._prefetch_after_first_grad = None
+            self._prefetch_backward(unit)
+        if ready:
+            if self.defers_reduction:
+                unit.collect_grads()  # accumulate in the flat buffer until the synchronising backward
+            if self.policy.shard_params and not unit.is_root:
+                unit.reshard()
+            if not self.defers_reduction:
+                self._launch_ready()
+        elif self._next_reap < self._next_reduce:
+            # Free the full grads of reductions that finished meanwhile, not only when the next
+            # unit launches: at stages 2-3 they would otherwise overlap the next unit's full grads.
+            self._reap_finished()
+
+    def _launch_ready(self) -> None:
+        while self._next_reduce < len(self.reduce_order) and self.reduce_order[self._next_reduce].grads_ready:
+            self.reduce_order[self._next_reduce].launch_reduce()
+            self._next_reduce += 1
+        self._reap_finished()
+
+    def _reap_finished(self) -> None:
+        """Finish reductions in order: those already done, and at stages 2-3 the oldest ones while
+        more than ``options.max_inflight_reductions`` are pending.
+
+        Finishing frees a unit's full grad buffer. gloo reports an async reduce-scatter complete only
+        once it is waited on, so without the cap every full grad of the step would stay alive until
+        the end of backward; the cap bounds them to that many units at the cost of some overlap.
+        """
+        # With a replicate group, finishing runs a blocking all-reduce across replicas, so it must
+        # happen at the same point of the program on every rank: a rank finishing early because its
+        # reduce-scatter happened to be done would block while a replica waits on it for the next
+        # all-gather (a cross-group deadlock). Then only the deterministic cap finishes here.
+        # ``options.reap_when_done=False`` asks for that deterministic point always.
+        opportunistic = self.mesh.replicate_size == 1 and self.options.reap_when_done
+        while self._next_reap < self._next_reduce:
+            unit = self.reduce_order[self._next_reap]
+            pending = self._next_reduce - self._next_reap
+            over_cap = self.policy.transient_grads and pending > self.options.max_inflight_reductions
+            if not ((opportunistic and unit.reduce_done) or over_cap):
+                break
+            unit.finish_reduce()
+            self._next_reap += 1
+
+    def finish_reductions(self, through: Unit | None = None) -> None:
+        """Finish pending reductions in launch order, up to and including ``through`` (default all)."""
+        while self._next_reap < self._next_reduce:
+            unit = self.reduce_order[self._next_reap]
+            unit.finish_reduce()
+            self._next_reap += 1
+            if unit is through:
+                break
+        if self.state is not TrainingState.BACKWARD and self._next_reap == self._next_reduce:
+            self._next_reduce = self._next_reap = 0
+
+    def _begin_forward(self, module, args) -> None:
+        self.finish_reductions()
+        self.state = TrainingState.FORWARD
+
+    def _end_forward(self, module, args, output) -> None:
+        self.state = TrainingState.IDLE
+
+    def _finish_backward(self) -> None:
+        self.state = TrainingState.IDLE
+        self._prefetch_after_first_grad = None
+        if self.defers_reduction:
+            for unit in self.units:
+                unit.collect_grads()  # units with unused params were never complete
+                unit.clear_ready()
+                if self.policy.shard_params:
+                    unit.reshard()
+            return
+        # Units with grads still missing (unused params) are reduced with zeros for those params,
+        # in the fixed order, so every rank issues the same collectives.
+        for unit in self.reduce_order[self._next_reduce:]:
+            if unit.trainable_groups:
+                unit.launch_reduce()
+        self._next_reduce = len(self.reduce_order)
+        # The last reductions are left running: reading a grad shard (the optimizer, clipping, the
+        # scaler) finishes them in order, so the units reduced first can step meanwhile.
+        self._reap_finished()
+        if self.policy.shard_params:
+            for unit in self.units:
+                unit.reshard()
+
+    def reduce_accumulated(self) -> None:
+        """Launch, in the fixed order, the reductions of the grads accumulated under ``no_sync``,
+        without another backward: a pipeline stage runs every microbatch's backward deferred and
+        reduces once after the schedule (zeroshard/parallel/pipeline/runtime.py). Call it outside ``no_sync``;
+        a grad read finishes the reductions as after a synchronising backward."""
+        if self.sync_grads is False or self.state is TrainingState.BACKWARD:
+            raise RuntimeError("reduce_accumulated runs after the backward passes, outside no_sync")
+        for unit in self.reduce_order[self._next_reduce:]:
+            if unit.trainable_groups:
+                unit.launch_reduce()
+        self._next_reduce = len(self.reduce_order)
+        self._reap_finished()
+
+    # -- split backward (zero-bubble pipeline schedules) ----------------------------------------
+    def input_backward_done(self) -> None:
+        """The input half of a split backward has run for one microbatch: torch's
+        ``stage_backward_input`` differentiates to the stage's inputs only, so no param's
+        accumulate-grad hook fired and nothing resharded stage 3's blocks. Free them here; the
+        next forward, input half or weight half gathers them again."""
+        self._prefetch_after_first_grad = None
+        self._reshard_units(root=False)
+
+    def _reshard_units(self, *, root: bool) -> None:
+        """Stage 3: free every unit's gathered params (the root's too when ``root``)."""
+        if self.policy.shard_params:
+            for unit in self.units:
+                if root or not unit.is_root:
+                    unit.reshard()
+
+    def gather_for_split_backward(self) -> None:
+        """Stage 3: gather every unit before either half of a split backward. torch finds the
+        params each half differentiates to through the module's registered params, which are the
+        unsharded ones only while gathered, and the weight half's graph reads the full params (a
+        layer norm's weight, a linear's transposed weight)."""
+        for unit in self.units:
+            unit.unshard(Phase.BACKWARD)
+        for unit in self.units:
+            unit.wait_unshard()
+        self._track_memory()
+
+    def split_backward_done(self) -> None:
+        """Every microbatch's weight half has run: stage 3 frees every unit, the root included,
+        which the hooked backward's end would have done (the next step gathers the updated values)."""
+        self._reshard_units(root=True)
+
+    def take_assigned_grads(self) -> None:
+        """Take the grads a split backward's weight half assigned to ``param.grad`` itself (torch's
+        ``stage_backward_weight`` computes them with ``torch.autograd.grad``, which runs no
+        accumulate-grad hook) into the flat grad buffers, as the hooks do under ``no_sync``, and
+        free stage 3's blocks again. A param whose grad a hook already took holds none (stages 2-3)
+        or our own buffer view (stages 0-1), so calling this after a hooked backward changes nothing.
+        Where stages 2-3 reduce inside ``no_sync`` (``reduces_inside_no_sync``), the grads taken are
+        reduce-scattered at once instead, every unit in the fixed order, as a hooked backward's end does."""
+        if self.sync_grads:
+            raise RuntimeError("take_assigned_grads runs inside no_sync (a pipeline schedule's backward passes)")
+        reduce_now = self.reduces_inside_no_sync
+        if reduce_now:
+            self.finish_reductions()  # the previous microbatch's, so this one's launch from the first unit
+        took_any = False
+        for unit in self.units:
+            took = False
+            for group_index, group in enumerate(unit.groups):
+                if not group.trainable or group.params is None:
+                    continue
+                for param_index, param in enumerate(group.created_params()):
+                    if param.grad is not None:
+                        unit.mark_ready(group_index, param_index)
+                        took = True
+            took_any |= took
+            if took and not reduce_now:
+                unit.collect_grads()
+                unit.clear_ready()
+        self._reshard_units(root=False)
+        if reduce_now and took_any:
+            for unit in self.reduce_order:
+                if unit.trainable_groups:
+                    unit.launch_reduce()
+            self._next_reduce = len(self.reduce_order)
+            self._reap_finished()
+
+    def accumulated_grad(self, fqn: str) -> torch.Tensor:
+        """The full grad of param ``fqn`` accumulated under ``no_sync`` and not yet reduced: a flat
+        view into its group's grad buffer, which a caller may change in place before
+        ``reduce_accumulated`` (a pipeline sums a tied param's two stages' grads there)."""
+        group, slot = self._slot_of(fqn)
+        return group.full_grads()[slot.offset:slot.end]
+
+    def _slot_of(self, fqn: str):
+        """The trainable flat group holding param ``fqn``, and the param's slot in it."""
+        for group in self.trainable_groups:
+            for slot in group.layout.slots:
+                if slot.fqn == fqn:
+                    return group, slot
+        raise KeyError(f"no trainable param {fqn!r} in this engine")
+
+    def reduced_grad_piece(self, fqn: str) -> tuple[torch.Tensor, int, int]:
+        """The part of param ``fqn``'s reduced grad in this rank's grad shard, after the reductions
+        finished: ``(view, first, numel)``, the view holding the param's elements from ``first`` on
+        (empty where the shard holds none of it) and ``numel`` the whole param's. A caller may change
+        the view in place (a pipeline sums a tied param's two stages' reduced grads there)."""
+        self.finish_reductions()
+        group, slot = self._slot_of(fqn)
+        shard = group.grad_shard
+        if shard is None:
+            raise RuntimeError(f"param {fqn!r} has no reduced grad yet: call it after the backward")
+        lo, hi = max(slot.offset, group.lo), min(slot.end, group.hi)
+        if hi <= lo:
+            return shard[:0], 0, slot.numel
+        return shard[lo - group.lo:hi - group.lo], lo - slot.offset, slot.numel
+
+    # -- optimizer-facing ---------------------------------------------------------------------
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return [g for unit in self.units for g in unit.groups]
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g.trainable]
+
+    def zero_grad(self) -> None:
+        self.finish_reductions()  # one finishing later would put stale grads back
+        for group in self.trainable_groups:
+            group.zero_grad()
+
+    def wait_host_copies(self) -> None:
+        """Grad shards reach offloaded masters by async copies; the CPU step must see them landed."""
+        device = self.mesh.device
+        if self.store is not None and device.type != "cpu":
+            getattr(torch, device.type).synchronize()
+
+    def sync_params(self) -> None:
+        pending = [p for p in (g.sync_params() for g in self.groups) if p is not None]
+        for p in pending:
+            p.wait()
+
+    # -- memory accounting --------------------------------------------------------------------
+    def memory_snapshot(self) -> MemorySnapshot:
+        """The engine's buffers and memory counters as they stand, for tools (the planner's
+        measurement, the profiler) that must not read its internals. Never waits on a reduction."""
+        groups = self.groups
+        return MemorySnapshot(
+            state=self.state,
+            full_params=[g.full for g in groups], masters=[g.shard for g in groups],
+            kept_grads=[t for t in (g.kept_grads for g in groups) if t is not None],
+            full_grads=[g.grad_full for g in groups if g.grad_full is not None],
+            grad_shards=[t for t in (g.peek_grad_shard() for g in groups) if t is not None],
+            transient_grads=[t for g in groups if g.trainable for t in g.transient_grads()],
+            live_full_bytes=self.live_full_bytes(), peak_full_bytes=self.peak_full_bytes,
+            max_unsharded_units=self.max_unsharded_units, offloaded=self.store is not None)
+
+    def live_full_bytes(self) -> int:
+        """Bytes of full-param storage allocated right now, read from the storages themselves."""
+        return sum(u.full_bytes() for u in self.units)
+
+    def _track_memory(self) -> None:
+        self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes())
+        live_units = sum(1 for u in self.units if u.state is not UnitState.SHARDED)
+        self.max_unsharded_units = max(self.max_unsharded_units, live_units)
+
+    def reset_memory_stats(self) -> None:
+        self.peak_full_bytes = 0
+        self.max_unsharded_units = 0

@@ -1,0 +1,526 @@
+"""A flat group: the params of one unit that share a dtype and trainability, in one 1-D buffer.
+
+The buffer holds the params at their ``FlatLayout`` offsets; while the group is unsharded every
+registered param is a view into it, so an all-gather writes straight into the params with no
+copy-out. This rank's ``shard`` is the fp32 master slice the optimizer updates. Whether the full
+buffer persists, and whether full grads do, is decided by the stage (see ``StagePolicy``).
+[Note: flat buffers] in docs/runtime.md explains the trade-offs against FSDP2's per-param DTensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zeroshard.comm import collectives
+from zeroshard.comm.mesh import Mesh
+from zeroshard.comm.names import Group, Phase
+from zeroshard.comm.quant import CommQuant, ErrorFeedback, QuantizedGather
+from zeroshard.runtime import tp
+from zeroshard.runtime.events import EngineEvents, EventKind
+from zeroshard.runtime.layout import FlatLayout
+from zeroshard.runtime.precision import MixedPrecision
+from zeroshard.runtime.reduce import GradReducer, ReduceTarget
+from zeroshard.runtime.wrap import ParamRef
+
+
+QUANTIZED_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)
+"""Gathers that feed compute may be quantized; others (state_dict's summon) must be exact."""
+
+
+def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A view of ``buffer`` with its own version counter.
+
+    ``buffer[a:b].view(shape)`` would share the buffer's version counter, so refilling the buffer
+    by all-gather between forward and backward would look like an in-place edit of a tensor saved
+    for backward. The values *are* the same, so the param gets a separate counter.
+    """
+    view = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    # torch accepts (storage, offset, size) with contiguous strides; its stubs list only the 4-argument form.
+    view.set_(buffer.untyped_storage(), buffer.storage_offset() + offset, shape)  # type: ignore[call-overload]
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePolicy:
+    """What a ZeRO stage shards. The four stages are this table, not four code paths."""
+
+    stage: int
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
+
+    @property
+    def shard_optimizer(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def transient_grads(self) -> bool:
+        """Full grads exist only until their reduce-scatter completes (stages 2 and 3)."""
+        return self.stage >= 2
+
+    @property
+    def shard_params(self) -> bool:
+        return self.stage == 3
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """The updated shards are all-gathered into the full params after the optimizer step
+        (stages 1-2; stage 0 steps the full params, stage 3 gathers at the next forward)."""
+        return self.shard_optimizer and not self.shard_params
+
+    def reads(self, knob: str) -> bool:
+        """Whether the engine reads ``knob`` (a name in ``EngineOptions``' flat knob table) at this
+        stage. The gather schedule's knobs (prefetch window, resharding, backward prefetch point)
+        exist only where params are sharded; reduction buckets only where they are not (stage 3's
+        units are its modules); the in-flight cap and the accumulation choice only where full
+        grads are transient. Tools ask this instead of restating it, so a tuner never tries two
+        candidates that differ in a knob the run ignores."""
+        if knob in _SHARDED_PARAM_KNOBS:
+            return self.shard_params
+        if knob in _UNSHARDED_PARAM_KNOBS:
+            return not self.shard_params
+        if knob in _TRANSIENT_GRAD_KNOBS:
+            return self.transient_grads
+        return True
+
+
+_SHARDED_PARAM_KNOBS = frozenset({"prefetch", "reshard_after_forward", "backward_prefetch_at"})
+_UNSHARDED_PARAM_KNOBS = frozenset({"bucket_mb"})
+_TRANSIENT_GRAD_KNOBS = frozenset({"max_inflight_reductions", "accumulation", "pp_grad_reduce"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupConfig:
+    """Everything a ``FlatGroup`` is built from besides its params; nothing is set on it later.
+
+    The two callbacks are how the group asks its engine for what only the engine knows: the
+    reduction order (``before_grad_read``: finish the pending reductions up to this group's, so a
+    grad shard read sees its whole step) and the hooks of params made lazily at stage 3's first
+    gather (``on_params_created``).
+    """
+
+    policy: StagePolicy
+    mesh: Mesh
+    mp: MixedPrecision
+    device: torch.device
+    store: Any = None
+    events: EngineEvents = dataclasses.field(default_factory=EngineEvents)
+    comm: CommQuant = dataclasses.field(default_factory=CommQuant)
+    is_root: bool = False
+    """The root unit's group: quantized weight gathers leave it exact (``CommQuant.quantizes``)."""
+    before_grad_read: Callable[[FlatGroup], None] | None = None
+    on_params_created: Callable[[FlatGroup], None] | None = None
+
+
+class FlatGroup:
+    """The params of one unit that share a dtype and trainability, laid out in one flat buffer.
+
+    ``full`` is the whole buffer in the compute dtype (params are views of it while unsharded);
+    ``shard`` is this rank's ``[lo, hi)`` slice of the fp32 (master dtype) values, which the
+    optimizer updates; ``grad_full`` and ``grad_shard`` are the same two extents for grads. What
+    persists is the stage's choice (``StagePolicy``): stage 0 keeps everything whole, stage 1 adds
+    the sharded master and grad shard, stage 2 frees full grads once reduced, stage 3 also frees
+    ``full`` between uses and shows the modules 1-D shard params (``sharded_params``) meanwhile.
+    The group owns its collectives: ``gather_full`` (all-gather into ``full``), ``launch_reduce`` /
+    ``finish_reduce`` (which grads to reduce and where the result goes; the collectives themselves
+    are its ``reducer``, a ``GradReducer``) and ``sync_params`` (all-gather of updated shards at
+    stages 1-2). It reports grads_collected, reduce_launched and reduce_done to ``events``.
+    """
+
+    def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, config: GroupConfig) -> None:
+        policy, mesh, mp, device, store = config.policy, config.mesh, config.mp, config.device, config.store
+        self.config = config
+        self.unit = unit
+        self.refs = refs
+        self.trainable = trainable
+        self.policy = policy
+        self.mesh = mesh
+        self.shards = mesh.shard_size if policy.shard_optimizer else 1
+        self.shard_rank = mesh.shard_rank if policy.shard_optimizer else 0
+        # A tensor-parallel (DTensor) param is flattened as its tp-local part (FSDP2's 2-D composition).
+        self.tp_specs = [tp.spec_of(r.param) for r in refs]
+        self.layout = FlatLayout([(r.fqn, tp.local_shape(r.param)) for r in refs], self.shards)
+        self.master_dtype = refs[0].param.dtype
+        self.compute_dtype = mp.compute_dtype(self.master_dtype)
+        self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
+        self.lo, self.hi = self.layout.shard_range(self.shard_rank)
+        self.device = device
+        self.events = config.events
+        comm = config.comm
+        # Block size when stage 3's weight all-gather is sent quantized, else None.
+        self.weight_quant: int | None = comm.block_size if policy.shard_params and \
+            comm.quantizes(self.layout.numel, config.is_root) else None
+        # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
+        self.grad_quant: int | None = comm.block_size if policy.transient_grads and trainable and \
+            comm.quantizes_grads(self.layout.numel) else None
+        # qgZ's carried rounding error, when enabled.
+        self.grad_feedback = ErrorFeedback() if self.grad_quant is not None and comm.error_feedback else None
+
+        # Offloaded masters (zeroshard.runtime.offload) live in their own store, never inside the params.
+        self.store = store if trainable else None
+        self.aliased = self.compute_dtype == self.master_dtype and not policy.shard_params and self.store is None
+        # A model built on the meta device has no values yet: buffers start at zero and
+        # zeroshard.init replays the model's init into them, keeping only what this rank holds.
+        self.from_meta = refs[0].param.is_meta
+        self.params: list[nn.Parameter] | None = None
+        if policy.shard_params:
+            if self.from_meta:
+                self.shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
+            else:
+                self.shard = self._replicated_originals(device)[self.lo:self.hi].clone()
+            # Grown, and the params created as views of it, at the first gather; never whole before.
+            self.full = torch.empty(0, dtype=self.compute_dtype, device=device)
+        else:
+            whole = (torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device) if self.from_meta
+                     else self._replicated_originals(device))
+            if self.aliased:
+                self.full, self.shard = whole, whole[self.lo:self.hi]
+            else:
+                self.shard = whole[self.lo:self.hi].clone()
+                self.full = whole.to(self.compute_dtype)
+            del whole
+            self._create_params()
+        if self.store is not None:
+            self.shard = self._offload_master(self.shard)
+        self.sharded_params = self._make_sharded_params() if policy.shard_params else None
+        for ref in refs:
+            ref.release()  # otherwise the original full-size params would outlive sharding
+
+        self.grad_full: torch.Tensor | None = None
+        self._grad_shard: torch.Tensor | None = None
+        self.reducer = GradReducer(ReduceTarget(unit=unit, layout=self.layout, shard_rank=self.shard_rank, lo=self.lo,
+                                                hi=self.hi, reduce_dtype=self.reduce_dtype,
+                                                master_dtype=self.master_dtype, device=device),
+                                   mesh=mesh, shard_optimizer=policy.shard_optimizer)
+        self._grad_full_zero = True
+        self._grad_views: list[torch.Tensor] = []
+        self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
+        if trainable and not policy.transient_grads:
+            self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
+            self.attach_grad_views()
+
+    # -- construction -------------------------------------------------------------------------
+    def _replicated_originals(self, device: torch.device) -> torch.Tensor:
+        whole = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device)
+        with torch.no_grad():
+            for slot, ref in zip(self.layout.slots, self.refs):
+                whole[slot.offset:slot.end].copy_(tp.local(ref.param.detach()).reshape(-1))
+        # Every rank must start from the same values, as DDP guarantees; rank 0's copy wins (among
+        # the ranks that hold the same tp part).
+        if self.mesh.group_size(self.mesh.dp_name) > 1:
+            collectives.broadcast(whole, src=0, group=self.mesh.dp_name, phase=Phase.INIT, unit=self.unit,
+                                  mesh=self.mesh)
+        return whole
+
+    def _offload_master(self, values: torch.Tensor) -> torch.Tensor:
+        assert self.store is not None, "only offloaded masters are allocated in a store"
+        master = self.store.allocate(f"{self.unit}-master", values.numel(), values.dtype)
+        master.copy_(values)
+        return master
+
+    def _create_params(self) -> None:
+        self.params = [self._make_param(_alias(self.full, s.offset, s.shape), i)
+                       for i, s in enumerate(self.layout.slots)]
+        if self.config.on_params_created is not None:
+            self.config.on_params_created(self)
+
+    def load_param_values(self, index: int, values: torch.Tensor) -> None:
+        """Write param ``index``'s full values (the model's own layout) into whatever of it this rank
+        holds: for a tensor-parallel param, this tp rank's part of them first."""
+        slot = self.layout.slots[index]
+        spec = self.tp_specs[index]
+        if spec is not None and spec.shard_dim is not None:
+            values = tp.to_local(values.detach(), spec.describe(), self.mesh.tp_rank)
+        flat = values.detach().reshape(-1)
+        with torch.no_grad():
+            if not self.policy.shard_params:
+                self.full[slot.offset:slot.end].copy_(flat)
+                if self.aliased:
+                    return  # the shard is a view of the full buffer
+            start, stop = max(slot.offset, self.lo), min(slot.end, self.hi)
+            if start < stop:
+                self.shard[start - self.lo:stop - self.lo].copy_(flat[start - slot.offset:stop - slot.offset])
+
+    def _make_param(self, data: torch.Tensor, index: int | None = None) -> nn.Parameter:
+        spec = self.tp_specs[index] if index is not None else None
+        return nn.Parameter(data if spec is None else spec.wrap(data), requires_grad=self.trainable)
+
+    def _as_grad(self, view: torch.Tensor, index: int) -> torch.Tensor:
+        """A grad view of the flat buffer, as a DTensor for a tensor-parallel param."""
+        spec = self.tp_specs[index]
+        return view if spec is None else spec.wrap(view)
+
+    def _make_sharded_params(self) -> list[nn.Parameter]:
+        """Per param, the 1-D part of its values this rank owns (empty if none): what the module
+        shows outside the unit's forward/backward window, so no freed storage is ever reachable."""
+        out = []
+        for slot in self.layout.slots:
+            start, stop = max(slot.offset, self.lo), min(slot.end, self.hi)
+            piece = self.shard[start - self.lo:stop - self.lo] if start < stop else self.shard[:0]
+            out.append(self._make_param(piece))
+        return out
+
+    # -- registration -------------------------------------------------------------------------
+    def register(self, unsharded: bool) -> None:
+        params = self.created_params() if unsharded else self.sharded_params
+        assert params is not None, "sharded params exist at stage 3 only"
+        for ref, param in zip(self.refs, params):
+            for module, attr in ref.places:
+                module._parameters[attr] = param  # noqa: SLF001 (swaps a registered param; torch has no public API)
+
+    # -- full buffer --------------------------------------------------------------------------
+    def full_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather_full(self, phase: str) -> collectives.Pending | QuantizedGather | None:
+        """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
+        if self.params is None:
+            self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
+            self._create_params()
+        storage = self.full.untyped_storage()
+        needed = self.full.numel() * self.full.element_size()
+        if storage.nbytes() < needed:
+            storage.resize_(needed)
+        own = self.full[self.lo:self.hi]
+        if self.weight_quant is not None and self.shards > 1 and phase in QUANTIZED_PHASES:
+            # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
+            return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
+                                   unit=self.unit, phase=phase, mesh=self.mesh)
+        if not self.aliased:
+            with torch.no_grad():
+                own.copy_(self.shard)
+        if self.shards == 1:
+            return None
+        return collectives.all_gather(self.full, own, group=Group.SHARD, unit=self.unit, phase=phase, async_op=True,
+                                      mesh=self.mesh)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def created_params(self) -> list[nn.Parameter]:
+        """The unsharded params (views of ``full``): made at construction, or at stage 3 at the first gather."""
+        if self.params is None:
+            raise RuntimeError(f"unit {self.unit}: its params are created at the first all-gather, not yet run")
+        return self.params
+
+    def full_grads(self) -> torch.Tensor:
+        """The full flat grad buffer, where the caller knows one exists (stages 0-1, or collected)."""
+        if self.grad_full is None:
+            raise RuntimeError(f"unit {self.unit}: no full grad buffer (stages 2-3 keep one only while reducing)")
+        return self.grad_full
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """The averaged grad of this rank's shard, in the master dtype.
+
+        Reductions launched at the end of backward may still be running: reading waits for them,
+        so the optimizer can step the units reduced first while the last ones finish.
+        """
+        if self.reducer.reducing and self.config.before_grad_read is not None:
+            self.config.before_grad_read(self)
+        return self._grad_shard
+
+    @grad_shard.setter
+    def grad_shard(self, value: torch.Tensor | None) -> None:
+        self._grad_shard = value
+
+    def transient_grads(self) -> list[torch.Tensor]:
+        """The grad tensors alive now that the step frees again before the optimizer reads the
+        shard: a stage 2-3 full grad buffer, per-param grads still waiting for the rest of their
+        unit, a reduction's source, and its output while it is a second shard (to be added into
+        the existing one or cast to the master dtype). Stages 0-1's persistent full grads are not
+        transient; ``kept_grads`` is."""
+        out: list[torch.Tensor] = []
+        if self.grad_full is not None and self.policy.transient_grads:
+            out.append(self.grad_full)
+        if self.policy.transient_grads:
+            # At stages 0-1 param.grad is a view of the kept buffer; at 2-3 it waits for the unit.
+            out.extend(p.grad for p in self.params or () if p.grad is not None)
+        sources, reduced = self.reducer.buffers_in_flight()
+        out.extend(sources)
+        shard = self._grad_shard
+        if reduced is not None and self.policy.shard_optimizer and reduced is not shard and (
+                shard is not None or reduced.dtype != self.master_dtype):
+            out.append(reduced)
+        return out
+
+    @property
+    def kept_grads(self) -> torch.Tensor | None:
+        """Stages 0-1's full grad buffer, which lives for the whole run (None at stages 2-3)."""
+        return None if self.policy.transient_grads else self.grad_full
+
+    def peek_grad_shard(self) -> torch.Tensor | None:
+        """The grad shard as it stands, without finishing a pending reduction (for observers, which
+        must not change when reductions finish)."""
+        return self._grad_shard
+
+    def _kept_grad_views(self) -> list[torch.Tensor]:
+        """Per param, its grad as a view of the kept flat grad buffer (stages 0-1), made once per
+        buffer: re-attaching them every step and checking a grad against them is then an identity
+        test, which matters on deep models, where per-param work is most of the step's overhead."""
+        grad_full = self.full_grads()
+        if self._grad_views_of is not grad_full:
+            self._grad_views = [self._as_grad(grad_full[s.offset:s.end].view(s.shape), i)
+                                for i, s in enumerate(self.layout.slots)]
+            self._grad_views_of = grad_full
+        return self._grad_views
+
+    def attach_grad_views(self) -> None:
+        for param, view in zip(self.created_params(), self._kept_grad_views()):
+            param.grad = view
+
+    def take_grad(self, index: int) -> None:
+        """Param ``index``'s grad for this backward is complete.
+
+        Stages 0-1 keep it in the flat buffer (a no-op when autograd accumulated into our view).
+        Stages 2-3 leave it on the param until the unit is ready (``collect_grads``): allocating the
+        flat buffer at the first grad would hold the whole unit's grads while the unit's backward,
+        the step's memory peak, has produced only a few of them.
+        """
+        self._grad_full_zero = False
+        if self.policy.transient_grads:
+            return
+        param, attached = self.created_params()[index], self._kept_grad_views()[index]
+        if param.grad is attached:  # autograd accumulated into our view: the usual case
+            return
+        slot = self.layout.slots[index]
+        view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
+        grad = tp.local_grad(param.grad, self.tp_specs[index])
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            return
+        with torch.no_grad():
+            # A foreign grad here means someone reset param.grad (e.g. model.zero_grad()), so it is
+            # the whole gradient, not an increment.
+            view.copy_(grad)
+            param.grad = self._as_grad(view, index)
+
+    def collect_grads(self) -> None:
+        """Stages 2-3: move the params' grads into the flat buffer, in ``reduce_dtype``, and free them."""
+        if not self.policy.transient_grads:
+            return
+        fresh = self.grad_full is None
+        params = self.params or ()
+        if fresh:
+            self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+            self._zero_where_no_grad(params)
+        with torch.no_grad():
+            for slot, param, spec in zip(self.layout.slots, params, self.tp_specs):
+                if param.grad is None:
+                    continue
+                view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
+                grad = tp.local_grad(param.grad, spec)
+                # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
+                view.copy_(grad) if fresh else view.add_(grad)
+        # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
+        # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
+        # allocated while every one of them was alive.
+        self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
+        for param in params:
+            param.grad = None
+
+    def _zero_where_no_grad(self, params) -> None:
+        """Zero the parts of a fresh grad buffer no grad will be copied into (padding, unused params),
+        instead of the whole buffer: the copies overwrite the rest."""
+        covered = 0
+        has_grad = [p.grad is not None for p in params] or [False] * len(self.layout.slots)
+        for slot, filled in zip(self.layout.slots, has_grad):
+            if filled:
+                if slot.offset > covered:
+                    self.full_grads()[covered:slot.offset].zero_()
+                covered = slot.end
+        if covered < self.layout.numel:
+            self.full_grads()[covered:].zero_()
+
+    def _reduces_in_place(self) -> bool:
+        """Whether this unit's grads are reduced where they lie (gloo at stages 2-3, grads not yet
+        collected): no flat copy, and no unit-sized buffer beside the grads at the moment the unit
+        completes (the step's late memory peak)."""
+        return (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
+                and self.params is not None and collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh))
+
+    def launch_reduce(self, phase: str = Phase.BACKWARD) -> None:
+        if self.grad_quant is not None and self.shards > 1:
+            # qgZ: int8 pieces through an all-to-all, summed in fp32 by their owner.
+            self.collect_grads()
+            self.reducer.launch_quantized(self.full_grads(), self.grad_quant, phase, feedback=self.grad_feedback)
+            self._report_launch(phase)
+            return
+        pieces = None
+        if self._reduces_in_place():  # (never for a unit that did not run: its params were not created)
+            pieces = self.reducer.pieces([tp.local_grad(p.grad, spec)
+                                          for p, spec in zip(self.created_params(), self.tp_specs)])
+        if pieces is not None:
+            for param in self.created_params():
+                param.grad = None  # the pieces keep the storages alive until finish_reduce
+            self.reducer.launch_pieces(pieces, phase)
+            self._report_launch(phase)
+            return
+        self.collect_grads()
+        grad_full = self.full_grads()
+        source = grad_full if grad_full.dtype == self.reduce_dtype else grad_full.to(self.reduce_dtype)
+        self.reducer.launch_whole(source, phase)
+        self._report_launch(phase)
+
+    def _report_launch(self, phase: str) -> None:
+        nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
+        self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
+
+    def finish_reduce(self, phase: str = Phase.BACKWARD) -> None:
+        """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
+        reduced = self.reducer.finish(phase)
+        if self.store is not None:
+            # The optimizer steps where the masters live; pinned memory lets this copy overlap.
+            reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
+        if self._grad_shard is not None and self.policy.shard_optimizer:
+            self._grad_shard.add_(reduced)
+        else:
+            self._grad_shard = reduced
+        if self.policy.transient_grads:
+            self.grad_full = None
+        elif self.policy.shard_optimizer:
+            # The reduce-scatter consumed the full grads (its input is scratch), and grad_shard now
+            # holds their reduced sum; a further backward without zero_grad must start from zero
+            # so that grad_shard accumulates exactly what it adds.
+            self.full_grads().zero_()
+            self._grad_full_zero = True
+        self.events.emit(EventKind.REDUCE_DONE, self.unit, phase, reduced.nbytes)
+
+    @property
+    def reducing(self) -> bool:
+        return self.reducer.reducing
+
+    @property
+    def reduce_done(self) -> bool:
+        return self.reducer.done
+
+    def zero_grad(self) -> None:
+        self.grad_shard = None
+        if self.grad_full is not None and not self.policy.transient_grads:
+            if not self._grad_full_zero:
+                self.grad_full.zero_()
+                self._grad_full_zero = True
+            self.attach_grad_views()
+        elif self.policy.transient_grads:
+            self.grad_full = None
+            for param in self.params or ():
+                param.grad = None
+
+    # -- after the optimizer step -------------------------------------------------------------
+    def sync_params(self) -> collectives.Pending | None:
+        """Publish updated masters to the compute params (stages 0-2; stage 3 gathers lazily)."""
+        if self.policy.shard_params:
+            return None
+        if not self.policy.shard_optimizer:
+            if not self.aliased:
+                with torch.no_grad():
+                    self.full.copy_(self.shard)
+            return None
+        pending = self.gather_full(phase=Phase.PARAM_SYNC)
+        assert not isinstance(pending, QuantizedGather)  # only compute-feeding phases are quantized
+        return pending

@@ -1,0 +1,309 @@
+"""The sharded optimizer: any elementwise ``torch.optim`` class over this rank's fp32 master slices.
+
+The optimizer is a real instance of the user's class (so LR schedulers and ``isinstance`` work),
+built over *segments*: maximal runs of one param group inside this rank's shard of a flat buffer.
+Each segment is a Parameter aliasing the master shard, with a grad aliasing the reduced grad
+shard, so optimizer state is 1/N by construction and weight-decay groups hold even when a shard
+starts or ends in the middle of a param.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.runtime.offload.stepper import SlicedStep
+from zeroshard.runtime.engine import Engine, find_engine, get_engine
+from zeroshard.runtime.events import EventKind
+from zeroshard.runtime.flat import FlatGroup
+
+# The optimizer runs on flat shard slices: one segment holds pieces of several params, and a param
+# split across ranks is seen in part. That is exact only when each element's update reads nothing
+# but its own grad and state (plus per-step scalars such as the step count, equal on every segment).
+# Each class below was checked to be so, with every option it takes (amsgrad, nesterov, centered, ...).
+ELEMENTWISE_OPTIMIZERS: frozenset[type] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.ASGD,
+})
+
+# torch classes known to read other elements, with what they read; opting in cannot make them right.
+_PER_TENSOR = {
+    "LBFGS": "dot products and a line search over all params at once",
+    "SparseAdam": "sparse gradients, which the flat reduction never produces",
+    "Adafactor": "row and column means of each matrix and each param's RMS",
+    "Muon": "an orthogonalisation of each whole matrix",
+}
+
+
+def check_elementwise(optim_cls: type, elementwise: bool) -> None:
+    """Refuse an optimizer that would compute wrong updates on flat shard slices."""
+    name = optim_cls.__name__
+    if optim_cls.__module__.startswith("torch.optim") and name in _PER_TENSOR:
+        raise ValueError(f"{name} is not elementwise ({_PER_TENSOR[name]}), so it cannot run on flat shards; "
+                         "use AdamW, Adam, SGD, Adagrad, RMSprop or another elementwise optimizer")
+    if optim_cls in ELEMENTWISE_OPTIMIZERS or elementwise:
+        return
+    raise ValueError(
+        f"{name} is not a known elementwise optimizer: zs.optimizer steps it on flat shard slices that mix "
+        "pieces of several params and hold only part of each, so any per-tensor quantity (a norm, a LAMB/LARS "
+        "trust ratio, a factored moment, an orthogonalisation) would be computed over the wrong elements; "
+        "if every element's update reads only its own grad and state, pass elementwise=True, otherwise "
+        "opting in would silently give wrong updates, so use an elementwise optimizer such as AdamW")
+
+
+def decays(fqn: str, shape: torch.Size) -> bool:
+    """Default weight-decay rule: matrices and embeddings decay; biases and norm weights do not."""
+    return len(shape) >= 2
+
+
+def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Plain torch param groups of an *unsharded* model, by the same rule ``zs.optimizer`` uses.
+
+    Use it to build a single-process reference that decays exactly the params we do.
+    """
+    if find_engine(model) is not None:
+        raise ValueError("optim_groups takes an unsharded model; for a sharded one use zs.optimizer")
+    seen: set[int] = set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (decay if decays(name, param.shape) else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _unhooked(step):
+    """torch wraps an optimizer class's ``step`` to run step hooks; calling the wrapped one from our
+    own (already hooked) step would run every hook twice."""
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+@dataclasses.dataclass
+class ShardedState:
+    """What a sharded optimizer steps with, kept on it as ``optimizer.zeroshard_state``."""
+
+    engine: Engine
+    segments: SegmentMap
+    sliced_step: SlicedStep | None = None  # disk offload: the step runs slice by slice
+    pipeline: _UnitPipeline | None = None  # on-device masters: the step runs unit by unit
+
+    def report_step(self) -> None:
+        """The ``step`` event: this rank's master values were updated (``bytes``: their size)."""
+        events = self.engine.events
+        if events.active:
+            nbytes = sum(g.shard.nbytes for g in self.engine.trainable_groups)
+            events.emit(EventKind.STEP, "", "step", nbytes)
+
+
+def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedState | None:
+    """The sharding state of an optimizer built by ``zs.optimizer``; None for a plain torch one."""
+    state = getattr(optimizer, "zeroshard_state", None)
+    return state if isinstance(state, ShardedState) else None
+
+
+def user_class(optimizer: torch.optim.Optimizer) -> type:
+    """The class the user asked for: a sharded optimizer is an instance of a subclass of it."""
+    cls = type(optimizer)
+    return cls.__mro__[1] if sharded_state(optimizer) is not None else cls
+
+
+_SHARDED_CLASSES: dict[type, type] = {}  # one subclass per user class, so repeated calls share it
+
+
+def _sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
+    if optim_cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[optim_cls] = _make_sharded_class(optim_cls)
+    return _SHARDED_CLASSES[optim_cls]
+
+
+def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        optim_cls.zero_grad(self, set_to_none=True)
+        self.zeroshard_state.engine.zero_grad()
+
+    def step(self, closure=None):
+        state = self.zeroshard_state
+        loss = None
+        if state.pipeline is None or closure is not None:
+            state.segments.attach_grads()
+            sliced = state.sliced_step
+            loss = sliced(closure) if sliced is not None else _unhooked(optim_cls.step)(self, closure)
+            state.engine.sync_params()
+        else:
+            state.pipeline.run(self, _unhooked(optim_cls.step))
+        state.report_step()
+        return loss
+
+    return type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "step": step})
+
+
+def _group_index(fqn: str, shape: torch.Size, user_groups: list[dict] | None, name_to_group: dict) -> int:
+    if user_groups is None:
+        return 0 if decays(fqn, shape) else 1
+    if fqn not in name_to_group:
+        raise ValueError(f"param {fqn!r} is in no param group; every trainable param must be listed once")
+    return name_to_group[fqn]
+
+
+def _segments(group: FlatGroup, group_of_slot: list[int]) -> list[tuple[int, int, int]]:
+    """(param group index, start, stop) runs over this rank's shard, relative to the shard."""
+    runs: list[list[int]] = []
+    for piece in group.layout.pieces(group.shard_rank):
+        index = group_of_slot[piece.slot_index]
+        start, stop = piece.start - group.lo, piece.stop - group.lo
+        if runs and runs[-1][0] == index and runs[-1][2] == start:
+            runs[-1][2] = stop
+        else:
+            runs.append([index, start, stop])
+    return [(r[0], r[1], r[2]) for r in runs]
+
+
+class SegmentMap:
+    """The optimizer's segment params and where their grads come from."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[nn.Parameter, FlatGroup, int, int]] = []
+        self.group_index: dict[int, int] = {}  # id(segment) -> its torch param group
+
+    def attach_grads(self, groups: set[FlatGroup] | None = None) -> None:
+        for param, group, start, stop in self.entries:
+            if groups is None or group in groups:
+                grad = group.grad_shard
+                param.grad = None if grad is None else grad[start:stop]
+
+
+PIPELINE_MIN_NUMEL = 1 << 19
+"""Shard elements per pipelined optimizer call, at least (see ``_UnitPipeline``)."""
+
+
+class _UnitPipeline:
+    """Step the optimizer one unit at a time, in the order the reductions were launched.
+
+    Reading a unit's grad shard waits only for the reductions up to it, so the step of the units
+    reduced first overlaps the last reductions; at stages 1-2 each unit's param all-gather is
+    issued as soon as its masters are updated, overlapping the steps of the units after it. The
+    update itself is the user's optimizer on the same segments, so the numbers do not change.
+    """
+
+    def __init__(self, engine: Engine, segment_map: SegmentMap, n_groups: int) -> None:
+        self.engine = engine
+        self.segment_map = segment_map
+        # (units, their trainable groups, per torch param group: their segments). Consecutive units
+        # are stepped together until a stage has PIPELINE_MIN_NUMEL elements: each optimizer call
+        # has a fixed cost, which dominates small units (a model of a few million params takes one).
+        self.stages: list[tuple[list, set, list[list[nn.Parameter]]]] = []
+        current: tuple[list, set, list[list[nn.Parameter]]] | None = None
+        numel = 0
+        for unit in engine.reduce_order:
+            groups = set(unit.trainable_groups)
+            lists: list[list[nn.Parameter]] = [[] for _ in range(n_groups)]
+            for param, group, _, _ in segment_map.entries:
+                if group in groups:
+                    lists[segment_map.group_index[id(param)]].append(param)
+            if not any(lists):
+                continue
+            if current is None:
+                current, numel = ([], set(), [[] for _ in range(n_groups)]), 0
+                self.stages.append(current)
+            current[0].append(unit)
+            current[1].update(groups)
+            for merged, params in zip(current[2], lists):
+                merged.extend(params)
+            numel += sum(p.numel() for params in lists for p in params)
+            if numel >= PIPELINE_MIN_NUMEL:
+                current = None
+
+    def run(self, opt, base_step) -> None:
+        originals = [g["params"] for g in opt.param_groups]
+        pending = []
+        try:
+            for units, groups, lists in self.stages:
+                self.segment_map.attach_grads(groups)
+                for torch_group, params in zip(opt.param_groups, lists):
+                    torch_group["params"] = params
+                base_step(opt)
+                pending += [p for unit in units for p in (g.sync_params() for g in unit.groups) if p is not None]
+        finally:
+            for torch_group, params in zip(opt.param_groups, originals):
+                torch_group["params"] = params
+        for p in pending:
+            p.wait()
+
+
+def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param_groups: list[dict] | None = None,
+              elementwise: bool = False, **defaults: Any):
+    """Build ``optim_cls`` over this rank's shard of a sharded model.
+
+    ``param_groups``, if given, is a list of dicts whose ``"params"`` are param *names* (or the
+    params themselves from before ``zs.shard``) plus per-group options. By default two groups are
+    made: decaying matrices/embeddings (``weight_decay`` from the keywords) and non-decaying
+    biases and norms.
+
+    ``optim_cls`` must be one of ``ELEMENTWISE_OPTIMIZERS``, or a class of your own whose update of
+    each element reads only that element's grad and state, declared with ``elementwise=True``.
+    """
+    check_elementwise(optim_cls, elementwise)
+    engine = get_engine(model)
+    name_to_group, options = _resolve_user_groups(engine, param_groups, defaults)
+    segment_map = SegmentMap()
+    buckets: list[list[nn.Parameter]] = [[] for _ in options]
+    for group in engine.trainable_groups:
+        group_of_slot = [_group_index(s.fqn, s.shape, param_groups, name_to_group) for s in group.layout.slots]
+        for index, start, stop in _segments(group, group_of_slot):
+            segment = nn.Parameter(group.shard[start:stop], requires_grad=True)
+            buckets[index].append(segment)
+            segment_map.entries.append((segment, group, start, stop))
+            segment_map.group_index[id(segment)] = index
+    torch_groups = [dict(opts, params=params) for opts, params in zip(options, buckets)]
+    # An empty group would make some optimizers fail; a rank whose shard holds only padding still
+    # needs the same groups, so keep them and give them a zero-size segment.
+    master_device = engine.trainable_groups[0].shard.device
+    for torch_group in torch_groups:
+        if not torch_group["params"]:
+            torch_group["params"] = [nn.Parameter(torch.zeros(0, device=master_device))]
+    opt = _sharded_class(optim_cls)(torch_groups, **defaults)
+    state = opt.zeroshard_state = ShardedState(engine, segment_map)
+    if engine.store is not None and engine.store.kind == "disk":
+        max_numel = engine.options.offload.slice_numel
+        state.sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
+    elif engine.store is None:
+        state.pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))
+
+    def before_step(o, args, kwargs) -> None:
+        if engine.store is not None:
+            engine.finish_reductions()
+            engine.wait_host_copies()
+
+    opt.register_step_pre_hook(before_step)
+    return opt
+
+
+def _resolve_user_groups(engine: Engine, param_groups: list[dict] | None, defaults: dict):
+    if param_groups is None:
+        weight_decay = defaults.get("weight_decay", 0.0)
+        return {}, [{"weight_decay": weight_decay}, {"weight_decay": 0.0}]
+    by_id: dict[int | str, str] = {}  # id of a param (or an alias of it) -> its name
+    for group in engine.groups:
+        for ref in group.refs:
+            by_id[ref.original_id] = ref.fqn
+            for alias in ref.aliases:
+                by_id[alias] = ref.fqn
+    name_to_group, options = {}, []
+    for index, spec in enumerate(param_groups):
+        options.append({k: v for k, v in spec.items() if k != "params"})
+        for item in spec["params"]:
+            key = item if isinstance(item, str) else id(item)
+            if key not in by_id:
+                raise ValueError(f"param group {index} lists {item if isinstance(item, str) else 'a tensor'} "
+                                 "that is not a param of the sharded model")
+            fqn = by_id[key]
+            if fqn in name_to_group:
+                raise ValueError(f"param {fqn!r} appears in two param groups; list each param once")
+            name_to_group[fqn] = index
+    return name_to_group, options

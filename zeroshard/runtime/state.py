@@ -1,0 +1,64 @@
+"""Full (gathered) views of a sharded model's state."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from zeroshard.comm import collectives
+from zeroshard.comm.names import Group, Phase
+from zeroshard.runtime.expert_placement import all_experts
+from zeroshard.runtime.engine import get_engine
+from zeroshard.runtime import tp
+from zeroshard.runtime.flat import FlatGroup
+
+
+def gathered_master(group: FlatGroup, phase: Phase = Phase.STATE_DICT) -> torch.Tensor:
+    """The group's whole flat master buffer (a collective over its shard group)."""
+    if group.shards == 1:
+        return group.shard
+    whole = torch.empty(group.layout.numel, dtype=group.shard.dtype, device=group.shard.device)
+    collectives.all_gather(whole, group.shard.contiguous(), group=Group.SHARD, unit=group.unit,
+                           phase=phase, mesh=group.mesh)
+    return whole
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every param at full size in its master dtype, under every name it is registered as, plus
+    persistent buffers. A collective: call it on every rank. Costs one full copy of the model per rank."""
+    engine = get_engine(model)
+    out: dict[str, torch.Tensor] = {}
+    for group in engine.groups:
+        whole = gathered_master(group)
+        for slot, ref, spec in zip(group.layout.slots, group.refs, group.tp_specs):
+            # A tensor-parallel param is gathered over tp too, into the model's own layout.
+            value = tp.full_value(whole[slot.offset:slot.end].view(slot.shape), spec, unit=group.unit,
+                                  mesh=group.mesh).detach().clone()
+            value = all_experts(value, group.mesh, unit=group.unit)  # an expert param: every ep rank's block
+            for alias in ref.aliases:
+                out[alias] = value
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
+            # As nn.Module.state_dict does: a non-persistent buffer (an HF model's rotary inv_freq)
+            # is derived, not state, so a plain model's state_dict() and this compare key for key.
+            if name not in module._non_persistent_buffers_set:  # noqa: SLF001 (no public API)
+                out[f"{module_name}.{name}" if module_name else name] = buffer.detach().clone()
+    return out
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module):
+    """Inside the block every unit is gathered and the modules show full params (stage 3)."""
+    engine = get_engine(model)
+    for unit in engine.units:
+        unit.unshard("summon")
+    for unit in engine.units:
+        unit.wait_unshard()
+    try:
+        yield model
+    finally:
+        if engine.policy.shard_params:
+            for unit in engine.units:
+                unit.reshard()

@@ -1,0 +1,1 @@
+"""Clients of the runtime: planner, simulator, tuner, benchmarks, config migration, generation."""

@@ -1,0 +1,208 @@
+"""``zs.plan``: one call from a model, a config, a preset name or a bare parameter count to a Plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.quant import CommQuant
+from zeroshard.tools.planner.activations import ActivationEstimate, gpt_activations
+from zeroshard.tools.planner.comm import Collective
+from zeroshard.tools.planner.experts import ExpertSplit, expert_split
+from zeroshard.tools.planner.inventory import Inventory, meta_gpt
+from zeroshard.tools.planner.memory import Estimator, variants
+from zeroshard.tools.planner.result import LayoutPlan, Plan
+from zeroshard.tools.planner.spec import PlanSpec, parse_count, resolve_mp, resolve_optimizer
+from zeroshard.tools.planner.tp import TensorParallel, layer_collectives
+from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
+from zeroshard.runtime.precision import MixedPrecision
+from zeroshard.runtime.wrap import UnitsArg
+
+_ANALYTIC_SEQ = 2048  # shown only: a bare count has no activations to scale
+
+
+def _is_count(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    if isinstance(value, str):
+        try:
+            parse_count(value)
+        except ValueError:
+            return False
+        return True
+    return False
+
+
+def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, str, Any, int]:
+    """(model, name, GPTConfig or None, seq). Configs and names are built on the meta device."""
+    from zeroshard.models import GPT, GPTConfig
+
+    cfg: GPTConfig | None
+    if isinstance(model_or_config, str):
+        cfg = GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
+        return meta_gpt(cfg), model_or_config, cfg, cfg.seq_len
+    if isinstance(model_or_config, GPTConfig):
+        cfg = dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config
+        return meta_gpt(cfg), "GPT", cfg, cfg.seq_len
+    if isinstance(model_or_config, nn.Module):
+        cfg = model_or_config.cfg if isinstance(model_or_config, GPT) else None
+        if cfg is not None and seq is not None and seq > cfg.seq_len:
+            raise ValueError(f"seq {seq} exceeds the model's seq_len {cfg.seq_len}; plan a model built with "
+                             f"seq_len >= {seq} or a shorter seq")
+        seq = seq or (cfg.seq_len if cfg is not None else _ANALYTIC_SEQ)
+        return model_or_config, type(model_or_config).__name__, cfg, seq
+    raise ValueError(f"cannot plan {type(model_or_config).__name__}: pass an nn.Module, a GPTConfig, a preset name "
+                     "(tiny, small, medium) or a parameter count such as 7e9")
+
+
+def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: TensorParallel,
+                            gpus_per_node: int | None) -> tuple[ActivationEstimate, tuple[Collective, ...]]:
+    """Our GPT's activations per rank and its tp collectives per step (none at tp=1)."""
+    compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
+    c = torch.empty(0, dtype=compute).element_size()
+    activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
+                                  policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel,
+                                  skew=spec.routing_skew, routed_tokens=inventory.experts.routed_tokens(spec.tokens))
+    tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
+                                micro_steps=spec.accum, gpus_per_node=gpus_per_node,
+                                norm_vectors=2 * (2 if cfg.bias else 1),  # ln1, ln2: weight (and bias)
+                                rebuilt_layers=sum(b - a for a, b in activations.segments),
+                                segments=len(activations.segments))
+    return activations, tp_comm
+
+
+def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
+         optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
+         seq: int | None = None, accum: int = 1, shard_size: int | None = None, headroom: float = 0.10,
+         accounting: str | None = None, units: UnitsArg = None, device: str = "cuda",
+         gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
+         tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
+         engine: EngineOptions | None = None, activations: ActivationEstimate | None = None,
+         pp: int = 1, pipeline_order: tuple[tuple[str, int], ...] | None = None, **knobs: Any) -> Plan:
+    """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
+
+    ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
+    a parameter count (analytic mode, the ZeRO paper's textbook table). ``batch`` is the global batch per
+    optimizer step (default: one sequence per rank per micro-step). ``device`` picks the backend's
+    behaviour: the optimizer's default implementation (foreach on cuda, a per-tensor loop on cpu),
+    which sets its scratch. Reductions complete asynchronously on both backends (NCCL's stream,
+    gloo's worker threads), so the grad buffers in flight are planned the same way for both: the
+    bound the engine's cap on in-flight reductions guarantees. ``tp`` splits each of our GPT's
+    blocks over that many consecutive ranks (``world`` counts them all; ``world / tp`` are data
+    parallel); see zeroshard/tools/planner/tp.py and docs/planner.md. ``ep`` splits an MoE model's experts
+    over that many ranks of dp × tp, each expert sharded over the ``world / ep`` that hold it;
+    ``routing_skew`` is the busiest ep rank's extra share of routed rows (zeroshard/tools/planner/experts.py,
+    docs/expert_parallel.md).
+
+    The engine's knobs are the runtime's ``EngineOptions``: pass one as ``engine``, or its knobs
+    flat as ``zs.shard`` and ``zeroshard train`` spell them (``checkpointing="sqrt"``,
+    ``prefetch=2``, ``offload="cpu"``; the names in ``zeroshard.runtime.options.KNOB_NAMES``).
+
+    ``activations`` replaces the activation estimate: the pipeline planner passes what a stage keeps
+    in flight under its schedule (zeroshard/tools/planner/pipeline.py), for a stage that is not a whole GPT;
+    with ``pp`` and ``pipeline_order``, the order that stage's engine runs its microbatches in.
+    """
+    unknown = sorted(set(knobs) - set(KNOB_NAMES))
+    if unknown:
+        raise TypeError(f"plan() got unknown keywords {unknown}; the engine's knobs are {', '.join(KNOB_NAMES)}")
+    options = EngineOptions.from_flat(knobs, base=engine)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    analytic = _is_count(model_or_config)
+    if analytic and accounting == "runtime":
+        raise ValueError("runtime accounting needs the model's layout; pass a model, config or preset name, "
+                         "or use accounting='textbook' with a bare parameter count")
+    optim_cls = resolve_optimizer(optimizer)
+    kwargs = dict(optimizer_kwargs or {})
+    split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
+    inventory, cfg = None, None
+    notes = []
+    experts = ExpertSplit()
+    if analytic:
+        if ep > 1:
+            raise ValueError(f"ep={ep} splits a model's MoE layers; pass --model (tiny-moe, an HF Mixtral or "
+                             "Qwen-MoE folder or hf: name), not a bare parameter count")
+        psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
+        if tp > 1:  # no layers to tell split params from replicated ones
+            psi //= tp
+            notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
+    else:
+        model, name, cfg, seq = _resolve_model(model_or_config, seq)
+        if tp > 1 and cfg is None:
+            raise ValueError(f"tp={tp} is planned for zeroshard's GPT (its Megatron split of attention and MLP); "
+                             "plan a preset or a GPTConfig, or tp=1")
+        if cfg is not None:
+            # The runtime's split of these blocks: an MoE block's attention alone (zeroshard.runtime.tp).
+            split = TensorParallel.of_gpt(cfg, tp, sequence_parallel)
+            split.check_gpt(cfg)
+        if sequence_parallel and cfg is not None and cfg.n_expert > 0:
+            raise ValueError("sequence parallelism with an MoE model is not supported by the runtime (its MoE layer "
+                             "needs the whole sequence on every tp rank); plan without sequence parallelism")
+        experts = expert_split(model, ep, tp=tp)
+        # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
+        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
+                              dp=max(1, world // tp), expert_dp=max(1, world // ep))
+        psi, frozen = inventory.facts.trainable, inventory.facts.frozen
+    spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
+                    optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,
+                    engine=options, shard_size=shard_size, headroom=headroom,
+                    accounting=accounting or ("textbook" if analytic else "runtime"),
+                    comm_quant=comm_quant, comm_quant_block=comm_quant_block,
+                    tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew, pp=pp,
+                    pipeline_order=pipeline_order)
+    tp_comm: tuple[Collective, ...] = ()
+    # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
+    if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory
+        activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
+    elif activations is None and analytic:
+        notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
+                     "workspace is the optimizer's scratch")
+    elif activations is None:
+        notes.append("activations not estimated: the formula covers zeroshard's GPT only")
+    if spec.offload != "none":
+        notes.append(f"{spec.offload} offload keeps masters, optimizer state and the reduced grads off the device "
+                     f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"
+                     + ("; on a CPU run host and device are one memory" if device == "cpu" else ""))
+    foreach = kwargs.get("foreach")
+    counted = None if spec.accounting == "textbook" else inventory
+    # With units, the step schedule sends what the runtime quantizes itself; a bare count splits the
+    # textbook volumes afterwards (_with_comm_quant).
+    comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block) if counted is not None else None
+    estimator = Estimator(spec, inventory=counted, psi=psi,
+                          frozen=frozen, activations=activations,
+                          foreach=(device == "cuda") if foreach is None else bool(foreach),
+                          gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
+                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=experts)
+    layouts = {v.name: estimator.layout(v) for v in variants(spec)}
+    if spec.comm_quant != "none":
+        layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=counted is None)
+    return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
+                params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),
+                activations=activations, layouts=layouts, notes=tuple(notes))
+
+
+def _with_comm_quant(layouts: dict[str, LayoutPlan], spec: PlanSpec, inventory: Inventory | None, params: int,
+                     notes: list[str], *, textbook: bool) -> dict[str, LayoutPlan]:
+    """Every layout with the error-feedback residual the runtime would have there and, for the
+    ``textbook`` volumes, the quantized traffic (a layout planned from units has it already)."""
+    from zeroshard.tools.planner import quant
+
+    comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block)
+    dtype = next(iter(inventory.dtypes)) if inventory else torch.float32
+    sizes = dict(compute_bytes=torch.empty(0, dtype=spec.mp.compute_dtype(dtype)).element_size(),
+                 reduce_bytes=torch.empty(0, dtype=spec.mp.reduction_dtype(dtype)).element_size())
+    out = {}
+    for name, layout in layouts.items():
+        groups = (quant.groups_of(inventory, stage=layout.stage, shards=layout.shard_size,
+                                  bucket_bytes=spec.engine.bucket_bytes) if inventory is not None
+                  else quant.analytic_groups(params, layout.shard_size))
+        out[name] = quant.apply(layout, comm, groups, textbook=textbook, **sizes)
+    notes.append(f"comm_quant={spec.comm_quant}: int8 + one fp32 scale per {comm.block_size} elements on the wire "
+                 "where the runtime quantizes (weights at stage 3, grads at stages 2-3)"
+                 + ("; grads include error feedback's fp32 residual" if comm.error_feedback else ""))
+    return out

@@ -1,0 +1,1 @@
+"""The training run: its config, data, one step, the loop and the rank launcher."""
