@@ -14,7 +14,7 @@ import torch
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.observe.profile.activations import activation_bytes
+from zeroshard.observing.profile.activations import activation_bytes
 
 POLICIES = ("none", "every:2", "sqrt", "all")
 

@@ -53,8 +53,8 @@ import zeroshard as zs  # noqa: E402
 from zeroshard.models.gpt import GPT, GPTConfig  # noqa: E402
 from zeroshard.tools.benchmark.candidates import sharded_step  # noqa: E402
 from zeroshard.trainer.step import plain_step  # noqa: E402
-from zeroshard.observe.profile.alloc import allocation_profile, peak_allocated  # noqa: E402
-from zeroshard.observe.profile.flops import calibrate_peak_flops, gpt_flops  # noqa: E402
+from zeroshard.observing.profile.alloc import allocation_profile, peak_allocated  # noqa: E402
+from zeroshard.observing.profile.flops import calibrate_peak_flops, gpt_flops  # noqa: E402
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1

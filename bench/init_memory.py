@@ -21,7 +21,7 @@ import torch
 import zeroshard as zs
 from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.observe.profile.alloc import peak_allocated
+from zeroshard.observing.profile.alloc import peak_allocated
 from zeroshard.runtime import get_engine
 
 

@@ -17,7 +17,7 @@ steps first, each timed step after a barrier; a step lasts as long as its slowes
 measured figure is the median step. The prediction is ``zeroshard.tools.sim.pipeline.simulate_pipeline``
 on the calibrated hardware.
 
-The bubble is read as the step profiler reads it (zeroshard/observe/profile/pipeline.py): on every rank,
+The bubble is read as the step profiler reads it (zeroshard/observing/profile/pipeline.py): on every rank,
 the seconds between each stage's ``compute_begin`` and ``compute_end`` events (one microbatch's
 forward, backward or weight half; sends and receives are posted and waited outside them) over the
 loop's "pipeline" span (torch's schedule) on its slowest rank (the steps start together: each
@@ -40,14 +40,14 @@ from zeroshard.trainer.launch import spawn
 
 def measure_rank(cfgs: list[TrainConfig], steps: int, warmup: int) -> list[dict]:
     """Spawn target: per config, this rank's step times and its busy and schedule seconds per step,
-    read as the step profiler reads them (zeroshard/observe/profile/pipeline.py): the loop's "pipeline" span
+    read as the step profiler reads them (zeroshard/observing/profile/pipeline.py): the loop's "pipeline" span
     and each stage's compute events."""
     import torch
 
     from zeroshard.trainer import step
     from zeroshard.comm import collectives
-    from zeroshard.observe.profile import timeline as tl
-    from zeroshard.observe.profile.pipeline import PipelineClock
+    from zeroshard.observing.profile import timeline as tl
+    from zeroshard.observing.profile.pipeline import PipelineClock
 
     out = []
     mesh = zs.init(pp=cfgs[0].pp)

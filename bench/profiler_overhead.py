@@ -29,12 +29,12 @@ import torch
 
 import zeroshard as zs
 from zeroshard.comm.ledger import Ledger
-from zeroshard.observe.ring import RingMirror
-from zeroshard.observe.watchdog import Diagnostics
+from zeroshard.observing.ring import RingMirror
+from zeroshard.observing.watchdog import Diagnostics
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.launch import spawn
-from zeroshard.observe.profile import step as step_profile
-from zeroshard.observe.profile import timeline
+from zeroshard.observing.profile import step as step_profile
+from zeroshard.observing.profile import timeline
 
 
 def ledger_cost_per_collective(n: int = 20000) -> tuple[float, float]:

@@ -23,7 +23,7 @@ ROOMS = (
     "models",      # zeroshard's GPT and the HF model builders
     "parallel",    # tensor, pipeline and expert parallelism applied to a plain model
     "checkpoint",  # format, save, load, reshard; HF and DCP in and out
-    "observe",     # watchdog, doctor, desync check, profiler, observers and loggers
+    "observing",   # watchdog, doctor, desync check, profiler, observers and loggers
     "trainer",     # config, data, one step, the loop, the launcher
     "tools",       # planner, simulator, tuner, benchmarks, migration, generation
     "cli",         # argparse over the library

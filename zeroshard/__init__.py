@@ -35,8 +35,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
     "new_mesh": ("zeroshard.comm.mesh", "new_mesh"),
     "no_sync": ("zeroshard.runtime", "no_sync"),
-    "observe": ("zeroshard.observe", "observe"),
-    "Observer": ("zeroshard.observe", "Observer"),
+    "observe": ("zeroshard.observing", "observe"),
+    "Observer": ("zeroshard.observing", "Observer"),
     "OffloadPolicy": ("zeroshard.runtime.offload", "OffloadPolicy"),
     "optim_groups": ("zeroshard.runtime", "optim_groups"),
     "optimizer": ("zeroshard.runtime", "optimizer"),
@@ -81,7 +81,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.parallel.experts import MoELayer, expert_parallel
     from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained
     from zeroshard.runtime.materialize import meta_init
-    from zeroshard.observe import Observer, observe
+    from zeroshard.observing import Observer, observe
     from zeroshard.runtime.offload import OffloadPolicy
     from zeroshard.tools.planner import plan
     from zeroshard.runtime import (

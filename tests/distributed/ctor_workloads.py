@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard as zs
-from zeroshard.observe.profile.alloc import peak_allocated
+from zeroshard.observing.profile.alloc import peak_allocated
 from zeroshard.runtime import get_engine
 
 SEED = 2024

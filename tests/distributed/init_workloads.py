@@ -8,7 +8,7 @@ from torch import nn
 import zeroshard as zs
 from zeroshard.runtime.materialize import reset_then_init_weights
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.observe.profile.alloc import peak_allocated
+from zeroshard.observing.profile.alloc import peak_allocated
 from zeroshard.runtime import get_engine
 
 SEED = 4321

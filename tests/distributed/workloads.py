@@ -275,7 +275,7 @@ def checkpointing_suite() -> dict:
 
 def activation_memory(n_layer: int, policy: str, n_embd: int = 64, batch: int = 4, seq: int = 64) -> dict:
     """Activation bytes kept after forward and at the step's peak (torch's MemTracker)."""
-    from zeroshard.observe.profile.activations import activation_bytes
+    from zeroshard.observing.profile.activations import activation_bytes
 
     mesh = zs.init()
     cfg = GPTConfig.named("tiny", n_layer=n_layer, n_embd=n_embd, n_head=4, seq_len=seq)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroshard.observe.observer import step_records
+from zeroshard.observing.observer import step_records
 
 # Small enough to be quick, large enough that 30 steps visibly lower the loss.
 FAST = ["--model", "tiny", "--batch", "8", "--seq-len", "32", "--num-samples", "256"]

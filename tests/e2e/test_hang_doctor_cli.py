@@ -16,9 +16,9 @@ import pytest
 
 from test_cli import FAST, read_metrics, run_cli, run_main
 
-from zeroshard.observe.doctor import analyse, load
+from zeroshard.observing.doctor import analyse, load
 from zeroshard.comm.ledger import read_dump
-from zeroshard.observe.ring import read_ring
+from zeroshard.observing.ring import read_ring
 
 HANG_S = 3
 STAGE3 = ["train", *FAST, "--nproc", "2", "--stage", "3", "--hang-timeout-s", str(HANG_S)]
@@ -158,7 +158,7 @@ def test_profile_breakdown_and_overlap_in_metrics_and_summary(profiled):
 def test_train_log_tensorboard_scalars_equal_metrics(profiled):
     from test_observe import tensorboard_scalars
 
-    from zeroshard.observe.loggers import scalars
+    from zeroshard.observing.loggers import scalars
 
     _, run_dir = profiled
     board = tensorboard_scalars(run_dir)

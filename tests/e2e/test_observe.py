@@ -21,9 +21,9 @@ import pytest
 
 from test_cli import FAST, read_metrics, run_main
 
-from zeroshard.observe.doctor import analyse, load
+from zeroshard.observing.doctor import analyse, load
 from zeroshard.comm.ledger import read_dump
-from zeroshard.observe.loggers import scalars
+from zeroshard.observing.loggers import scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 3

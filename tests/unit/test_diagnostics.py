@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from zeroshard.comm import faults
-from zeroshard.observe.doctor import analyse, load, render
+from zeroshard.observing.doctor import analyse, load, render
 from zeroshard.comm.ledger import CollectiveState, Ledger, read_dump
-from zeroshard.observe.ring import RingMirror, read_ring
-from zeroshard.observe.watchdog import Diagnostics, process_group_timeout
+from zeroshard.observing.ring import RingMirror, read_ring
+from zeroshard.observing.watchdog import Diagnostics, process_group_timeout
 
 
 def _open(ledger: Ledger, unit: str = "blocks.0", numel: int = 64, op: str = "all_gather", phase: str = "forward"):

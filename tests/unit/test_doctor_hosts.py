@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zeroshard.observe.doctor import analyse, render
+from zeroshard.observing.doctor import analyse, render
 
 HOSTS = ["h0", "h0", "h1", "h1"]
 

@@ -8,7 +8,7 @@ import pytest
 
 from zeroshard.comm.names import Dim
 from zeroshard.comm.topology import Topology, rank_groups
-from zeroshard.observe.profile.mesh_picture import coordinates
+from zeroshard.observing.profile.mesh_picture import coordinates
 
 pytest.importorskip("matplotlib")
 
@@ -26,7 +26,7 @@ def test_coordinates_agree_with_the_groups():
 
 
 def test_report_draws_the_mesh_from_the_run_files(tmp_path):
-    from zeroshard.observe.profile.report import write_report
+    from zeroshard.observing.profile.report import write_report
 
     topology = Topology.grid(2, 4).describe(SIZES)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "header", "topology": topology}) + "\n"

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 import zeroshard as zs
 from zeroshard.comm import collectives
-from zeroshard.observe.doctor import analyse, render
+from zeroshard.observing.doctor import analyse, render
 from zeroshard.comm.ledger import read_dump
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.observe.loggers import check_installed, parse_log, scalars
-from zeroshard.observe.usercalls import UserCollectives
+from zeroshard.observing.loggers import check_installed, parse_log, scalars
+from zeroshard.observing.usercalls import UserCollectives
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,7 +23,7 @@ ALLOWED = {
     ("zeroshard/trainer/train.py", "reference_backward"): "the reference's backward of a global batch",
     ("zeroshard/runtime/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",
     ("zeroshard/tools/planner/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
-    ("zeroshard/observe/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
+    ("zeroshard/observing/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
     ("bench/activation_memory.py", "measure"): "a warm-up backward before measuring activations",
     ("bench/gpu_overhead.py", "main"): "a matmul backward that creates cuBLAS's workspace",
     ("zeroshard/tools/sim/calibrate.py", "block_bwd"): "times one block's backward for the simulator, no step",

@@ -27,7 +27,7 @@ def test_import_zeroshard_loads_no_tool():
     code = ("import sys, zeroshard; print(','.join(sorted(m for m in sys.modules if m.startswith('zeroshard.'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(",")
     tools = ("zeroshard.cli", "zeroshard.tools.tune", "zeroshard.tools.sim", "zeroshard.tools.benchmark",
-             "zeroshard.tools.migrate", "zeroshard.observe.profile.report", "zeroshard.observe.profile.render")
+             "zeroshard.tools.migrate", "zeroshard.observing.profile.report", "zeroshard.observing.profile.render")
     assert not [m for m in loaded if m.strip().startswith(tools)], loaded
 
 

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from zeroshard.models.gpt import GPTConfig
-from zeroshard.observe.profile import timeline
-from zeroshard.observe.profile.breakdown import PHASES, breakdown, comm_stats, gather_windows, percentile, union_length
-from zeroshard.observe.profile.flops import gpt_flops, utilisation
-from zeroshard.observe.profile.trace import TraceWriter
+from zeroshard.observing.profile import timeline
+from zeroshard.observing.profile.breakdown import PHASES, breakdown, comm_stats, gather_windows, percentile, union_length
+from zeroshard.observing.profile.flops import gpt_flops, utilisation
+from zeroshard.observing.profile.trace import TraceWriter
 
 
 def r(seq, op, phase, start, end, wait_start=None, waited=0.0, unit="blocks.0", observed=True, nbytes=100):

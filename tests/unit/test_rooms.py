@@ -66,9 +66,9 @@ def test_the_lazy_top_level_package_and_loose_modules_are_refused(tmp_path):
 
 
 def test_a_relative_import_upward_is_resolved_and_refused(tmp_path):
-    root = _package(tmp_path, {"comm/mesh.py": "from ..observe import doctor\n"})
+    root = _package(tmp_path, {"comm/mesh.py": "from ..observing import doctor\n"})
     problems = _checker().violations(root)
-    assert len(problems) == 1 and "room comm imports zeroshard.observe" in problems[0]
+    assert len(problems) == 1 and "room comm imports zeroshard.observing" in problems[0]
 
 
 def test_the_script_exits_non_zero_on_a_violation(tmp_path):

@@ -17,7 +17,7 @@ from zeroshard.cli.train import fail
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.observe.doctor import analyse, load, render
+    from zeroshard.observing.doctor import analyse, load, render
 
     try:
         report = analyse(load(args.run_dir))

@@ -15,7 +15,7 @@ from zeroshard.cli.train import fail
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.observe.profile.report import write_report
+    from zeroshard.observing.profile.report import write_report
 
     try:
         paths = write_report(args.run_dir, args.out)

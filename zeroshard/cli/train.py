@@ -204,7 +204,7 @@ def summary_table(s: dict[str, Any]) -> Table:
     if s["skipped_steps"]:
         rows.append(("steps skipped (fp16 overflow)", str(s["skipped_steps"])))
     if s.get("profile"):
-        from zeroshard.observe.profile.render import profile_rows
+        from zeroshard.observing.profile.render import profile_rows
 
         rows += profile_rows(s["profile"])
     rows.append(("run dir", str(s["run_dir"])))
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, forced=forced)
         fault_points.configure()  # a malformed ZEROSHARD_*FAULT variable is a one-line error before launch
-        from zeroshard.observe.loggers import check_installed, parse_log
+        from zeroshard.observing.loggers import check_installed, parse_log
 
         check_installed(parse_log(cfg.log))  # a logger's missing package, before any rank starts
         check_before_launch(cfg)

@@ -320,13 +320,13 @@ def all_gather_object(obj, *, group: str | Group = Group.WORLD, phase: str | Pha
 
 
 USER_PHASE = Phase.USER
-"""Phase of a collective that code outside zeroshard issued through torch.distributed (zeroshard.observe)."""
+"""Phase of a collective that code outside zeroshard issued through torch.distributed (zeroshard.observing)."""
 
 
 def external(op: str, tensor: torch.Tensor | None, group: str, call, *, async_op: bool):
     """Record a torch.distributed call that code outside zeroshard made, then make it (``call()``).
 
-    ``zeroshard.observe`` routes the user's own collectives here while it is active, so the ledger
+    ``zeroshard.observing`` routes the user's own collectives here while it is active, so the ledger
     holds the process group's whole sequence and the doctor can name a collective only some ranks
     ran. A blocking call is waited on from the start (the watchdog sees a hang in it); an async one
     is closed by its work's completion callback when the backend has one. They go to the process

@@ -9,7 +9,7 @@ backend accepted it) → COMPLETED (it finished: the backend's completion callba
 returned). An entry stuck in SCHEDULED or STARTED is what a hang looks like.
 
 Threads: the training thread opens and waits on entries; the backend's completion callbacks and the
-watchdog (zeroshard/observe/watchdog.py) touch them from other threads, so the set of open entries is
+watchdog (zeroshard/observing/watchdog.py) touch them from other threads, so the set of open entries is
 guarded by a lock. Field assignments on one record are single attribute stores (atomic under the GIL).
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from zeroshard.observe.ring import RingMirror
+    from zeroshard.observing.ring import RingMirror
 
 
 class CollectiveState(enum.Enum):
@@ -108,7 +108,7 @@ class Ledger:
         self.hash = 0
         """Running CRC-32 of every record's fingerprint, in order; never rolls off (desync check)."""
         self.mirror: RingMirror | None = None  # set by the watchdog: a file copy of the ring
-        """A crash-safe copy on disk (zeroshard.observe.ring.RingMirror), attached per run."""
+        """A crash-safe copy on disk (zeroshard.observing.ring.RingMirror), attached per run."""
 
     def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str,
              mesh: str = "", uneven: bool = False) -> CollectiveRecord:

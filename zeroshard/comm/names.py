@@ -72,7 +72,7 @@ class Phase(_Name):
     BARRIER = "barrier"
     CALIBRATE = "calibrate"
     USER = "user"
-    """Code outside zeroshard called torch.distributed itself (zeroshard.observe routes it here)."""
+    """Code outside zeroshard called torch.distributed itself (zeroshard.observing routes it here)."""
 
 
 def group_of(name: str | Group) -> Group:

@@ -420,7 +420,7 @@ class TrainConfig:
             raise ValueError(f"desync_check={self.desync_check} must be >= 0 (0 disables it)")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ValueError(f"peak_flops={self.peak_flops} must be > 0 FLOP/s, or unset to measure it")
-        from zeroshard.observe.loggers import parse_log
+        from zeroshard.observing.loggers import parse_log
 
         parse_log(self.log)
         check_checkpointing(self)

@@ -21,8 +21,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-from zeroshard.comm.rank_exit import report_failures_to
-
 _STOP_GRACE_S = 5.0
 
 
@@ -142,6 +140,9 @@ def _worker(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZEROSHARD_SPAWNED="1",
     )
+    # Imported here, not at the top: the launcher's own process must not load torch (comm does).
+    from zeroshard.comm.rank_exit import report_failures_to
+
     report_failures_to(rank, results)
     import torch
 

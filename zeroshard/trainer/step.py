@@ -33,12 +33,12 @@ from zeroshard.runtime import (
 from zeroshard.runtime.materialize import meta_init
 from zeroshard.comm import faults
 from zeroshard.comm.collectives import all_reduce
-from zeroshard.observe.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
+from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
 from zeroshard.trainer.config import HF_PREFIX, TrainConfig, check_batch_split
 from zeroshard.trainer.data import GlobalBatchSampler, build_dataset
 from zeroshard.trainer import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.observe.profile.timeline import phase
+from zeroshard.observing.profile.timeline import phase
 from zeroshard.runtime.precision import parse_dtype
 from zeroshard.trainer.ep_setup import apply_expert_parallel
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
@@ -74,7 +74,7 @@ class Run:
     metric_bytes: int = 0
     """Bytes of our own metric all-reduces, kept apart from the training traffic."""
     profiler: Any = None
-    """A zeroshard.observe.profile.step.StepProfiler, or None when profiling is off."""
+    """A zeroshard.observing.profile.step.StepProfiler, or None when profiling is off."""
     pipeline: Any = None
     """With pp > 1, the zeroshard.parallel.pipeline.Pipeline of this rank's stages; `model` is then its first
     stage module and `opt` / `scheduler` drive one per stage."""

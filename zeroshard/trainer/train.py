@@ -26,11 +26,11 @@ import torch
 
 from zeroshard.comm import get_ledger as zs_ledger
 from zeroshard.comm.mesh import init, shutdown
-from zeroshard.observe import observe as zs_observe
+from zeroshard.observing import observe as zs_observe
 from zeroshard.runtime import full_state_dict as zs_full_state_dict, optim_groups, precision_manifest
 from zeroshard.comm import fault_points as fault_points
 from zeroshard.comm.collectives import all_reduce
-from zeroshard.observe.watchdog import process_group_timeout
+from zeroshard.observing.watchdog import process_group_timeout
 from zeroshard.checkpoint.training import TrainingCheckpoints
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.data import GlobalBatchSampler, collate
@@ -41,9 +41,9 @@ from zeroshard.trainer.step import (  # noqa: F401 - re-exported: callers import
     BETAS, IGNORE_INDEX, METRICS_PHASE, META_INIT_THRESHOLD, Run, build_data, build_model, lr_at, make_scheduler,
     mixed_precision, use_meta_init,
 )
-from zeroshard.observe import Observer
-from zeroshard.observe.observer import default_run_dir
-from zeroshard.observe.profile.timeline import phase
+from zeroshard.observing import Observer
+from zeroshard.observing.observer import default_run_dir
+from zeroshard.observing.profile.timeline import phase
 
 
 
@@ -80,7 +80,7 @@ class StepRecord:
     tokens_per_s: float
     loss_scale: float | None = None
     profile: dict[str, Any] | None = None
-    """This step's time breakdown, communication, memory and MFU (zeroshard/observe/profile/step.py)."""
+    """This step's time breakdown, communication, memory and MFU (zeroshard/observing/profile/step.py)."""
 
 
 # --------------------------------------------------------------------------- building

@@ -1,6 +1,6 @@
 """The step profiler: a breakdown of every step, to metrics.jsonl, and a summary at the end.
 
-Cheap by construction: the loop's phases are timed with ``perf_counter`` (zeroshard/observe/profile/timeline.py),
+Cheap by construction: the loop's phases are timed with ``perf_counter`` (zeroshard/observing/profile/timeline.py),
 collective waits are already stamped by the ledger, and the breakdown is computed from them once per
 step. No collective is added per step; ``summary()`` all-gathers four floats per rank once, at the
 end, for P50/P99 and the straggler. bench/profiler_overhead.py measures what it all costs.
@@ -21,11 +21,11 @@ from typing import Any, Literal, TextIO
 import torch
 
 from zeroshard.comm import collectives
-from zeroshard.observe.profile import timeline as tl
-from zeroshard.observe.profile.breakdown import PHASES, breakdown, comm_stats, percentile
-from zeroshard.observe.profile.flops import utilisation
-from zeroshard.observe.profile.pipeline import PipelineClock, mean_of
-from zeroshard.observe.profile.trace import TraceWriter
+from zeroshard.observing.profile import timeline as tl
+from zeroshard.observing.profile.breakdown import PHASES, breakdown, comm_stats, percentile
+from zeroshard.observing.profile.flops import utilisation
+from zeroshard.observing.profile.pipeline import PipelineClock, mean_of
+from zeroshard.observing.profile.trace import TraceWriter
 
 MB = 2**20
 
@@ -55,7 +55,7 @@ class StepProfiler:
 
     def watch_pipeline(self, pipeline: Any) -> None:
         """Under pp: time each of ``pipeline``'s stages (a ``zeroshard.parallel.pipeline.Pipeline``) from its
-        engine's compute events, for the per-stage compute and bubble (zeroshard/observe/profile/pipeline.py)."""
+        engine's compute events, for the per-stage compute and bubble (zeroshard/observing/profile/pipeline.py)."""
         self.pipeline = PipelineClock(pipeline)
 
     @property
@@ -231,7 +231,7 @@ def for_model(model: Any, mesh: Any, *, batch: int = 0, tokens_per_step: int = 0
               trace: bool = False, run_dir: str | Path | None = None) -> StepProfiler:
     """The profiler for a model on ``mesh`` (None: no per-unit memory and no MFU). MFU needs a zeroshard
     GPT (its FLOPs per token); the peak is measured with a short matmul unless ``peak_flops`` is given."""
-    from zeroshard.observe.profile.flops import calibrate_peak_flops, gpt_flops
+    from zeroshard.observing.profile.flops import calibrate_peak_flops, gpt_flops
     from zeroshard.runtime import get_engine
 
     engine = get_engine(model) if model is not None else None

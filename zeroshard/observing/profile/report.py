@@ -1,11 +1,11 @@
 """``zeroshard report RUN_DIR``: PNG charts of a run, from the files the run wrote.
 
 - ``loss.png``: loss per step (and the data's entropy floor when it is known);
-- ``step_time.png``: each step's time stacked by phase (zeroshard/observe/profile/breakdown.py), rank 0;
+- ``step_time.png``: each step's time stacked by phase (zeroshard/observing/profile/breakdown.py), rank 0;
 - ``memory.png``: memory over the last step on rank 0: the process
   memory (CUDA allocated, or RSS on a CPU) and the full-parameter bytes gathered at stage 3, sampled
   at every phase boundary and unit gather or free, with the phases shaded;
-- ``mesh.png``: the mesh drawn on the hosts (zeroshard/observe/profile/mesh_picture.py), from the topology
+- ``mesh.png``: the mesh drawn on the hosts (zeroshard/observing/profile/mesh_picture.py), from the topology
   metrics.jsonl's header (or summary.json) recorded.
 
 matplotlib is imported only here (the ``plot`` and ``test`` extras).
@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zeroshard.observe.profile.breakdown import PHASES
-from zeroshard.observe.profile.render import LABELS
+from zeroshard.observing.profile.breakdown import PHASES
+from zeroshard.observing.profile.render import LABELS
 
 COLORS = {
     "data": "#b7b7b7", "forward": "#2e75b6", "ag_wait": "#cc0000", "backward": "#38761d", "rs_wait": "#e69138",
@@ -65,7 +65,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         paths.append(_memory(plt, json.loads(memory_path.read_text()), title, out / "memory.png"))
     topology, straggler = _topology(run_dir, metrics_path)
     if topology is not None:
-        from zeroshard.observe.profile.mesh_picture import draw_mesh
+        from zeroshard.observing.profile.mesh_picture import draw_mesh
 
         paths.append(draw_mesh(plt, topology, out / "mesh.png", straggler=straggler, title=title))
     return paths

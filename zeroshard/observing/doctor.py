@@ -12,7 +12,7 @@ numel, dtype, group, unit, phase; see docs/diagnostics.md). Three kinds of findi
   killer, gloo's abort on a size mismatch); its last entries come from its dump or its ring file.
 
 A mismatch where some rank's entry is the loop's own torch.distributed call (phase "user", recorded
-by zeroshard.observe) is a **user collective**: the finding names that call and the line that made it.
+by zeroshard.observing) is a **user collective**: the finding names that call and the line that made it.
 Where each rank was is reported too: waiting in one of zeroshard's collectives, in its own
 collective, or blocked outside them; a dump made on a failure holds every thread's Python stack.
 
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from zeroshard.observe.doctor_pp import analyse_pp, stage_groups, stopped_text, unmatched_text
+from zeroshard.observing.doctor_pp import analyse_pp, stage_groups, stopped_text, unmatched_text
 
 FIELDS = ("op", "numel", "dtype", "group", "unit", "phase")
 LAST_ENTRIES = 4
@@ -38,7 +38,7 @@ def load(run_dir: str | Path) -> dict[int, tuple[dict, list[dict]]]:
     """Every rank's (header, records) from ``RUN_DIR/ledger``: its JSON dump merged with its ring
     file (which may be newer, and is all there is for a rank that was killed)."""
     from zeroshard.comm.ledger import read_dump
-    from zeroshard.observe.ring import read_ring
+    from zeroshard.observing.ring import read_ring
 
     folder = Path(run_dir) / "ledger"
     if not folder.is_dir():
@@ -124,7 +124,7 @@ def analyse(ranks: dict[int, tuple[dict, list[dict]]], world: int | None = None)
             report["hang"].append({"rank": r, "message": header.get("message", "")})
 
     # Under pp only the ranks of one stage issue the same calls; the stages' sends and receives are
-    # paired instead (zeroshard/observe/doctor_pp.py).
+    # paired instead (zeroshard/observing/doctor_pp.py).
     groups = stage_groups({r: records for r, (_, records) in ranks.items()})
     report["pp"] = None if groups is None else analyse_pp({r: records for r, (_, records) in ranks.items()}, groups)
     members = sorted(ranks)

@@ -2,7 +2,7 @@
 
 `Diagnostics` wraps a run on each rank (``zs.observe`` enters it, for ``zeroshard train`` and for your own loop):
 
-- it mirrors the ledger into a crash-safe ring file (zeroshard/observe/ring.py);
+- it mirrors the ledger into a crash-safe ring file (zeroshard/observing/ring.py);
 - a daemon thread (`Watchdog`) polls the ledger; once the training thread has been blocked on a
   collective for longer than ``hang_timeout_s`` it tells the other ranks, dumps
   ``RUN_DIR/ledger/rank-R.jsonl``, waits briefly for the peers' dumps and ends the rank with a
@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from zeroshard.comm.ledger import CollectiveRecord, Ledger
-from zeroshard.observe.stacks import WATCHDOG_THREAD, thread_stacks
+from zeroshard.observing.stacks import WATCHDOG_THREAD, thread_stacks
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from zeroshard.observe.ring import RingMirror
+    from zeroshard.observing.ring import RingMirror
 
 EXIT_HANG = 3
 """Exit status of a rank stopped by the watchdog."""
@@ -53,7 +53,7 @@ def ledger_dir(run_dir: str | Path) -> Path:
 
 def describe(record: CollectiveRecord) -> str:
     unit = record.unit or "-"
-    if record.phase == "user":  # recorded by zeroshard.observe: the loop's own torch.distributed call
+    if record.phase == "user":  # recorded by zeroshard.observing: the loop's own torch.distributed call
         return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}), "
                 "the training loop's own torch.distributed call")
     return (f"collective #{record.seq} {record.op}({record.numel} x {record.dtype}, group {record.group}) "
@@ -144,7 +144,7 @@ class Diagnostics:
         self.grace_s = min(5.0, max(1.0, hang_timeout_s))
         self.ring_capacity = ring_capacity
         self.header = header
-        """More fields for the dump's header (zeroshard.observe adds where the user's collectives came from)."""
+        """More fields for the dump's header (zeroshard.observing adds where the user's collectives came from)."""
         self.dump_path = ledger_dir(run_dir) / f"rank-{rank}.jsonl"
         self.channel: PeerChannel | None = None
         self._dumped = False
@@ -155,7 +155,7 @@ class Diagnostics:
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> Diagnostics:
-        from zeroshard.observe.ring import RingMirror
+        from zeroshard.observing.ring import RingMirror
 
         mirror = RingMirror(ledger_dir(self.run_dir) / f"rank-{self.rank}.ring", rank=self.rank, world=self.world,
                             capacity=self.ring_capacity)

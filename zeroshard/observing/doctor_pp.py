@@ -7,7 +7,7 @@ every other's would flag a healthy run. Instead:
 - ranks are grouped by the stages they hold, read from their own ledgers: every send and receive a
   stage posts is recorded with unit ``stage<s>.mb<j>`` (zeroshard/parallel/pipeline/stage.py), ``s`` being
   the posting stage. The ranks of one group must issue the same calls, compared seq by seq as
-  without pp (zeroshard/observe/doctor.py);
+  without pp (zeroshard/observing/doctor.py);
 - across groups, each send must have its receive: a forward send of stage ``s``, microbatch ``j``,
   is received by stage ``s + 1`` as its forward recv of ``j``, a backward send by stage ``s - 1``.
   The i-th rank of one group talks to the i-th rank of the next (pp is the outermost mesh dim);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroshard.observe.profile.breakdown import PHASES
+from zeroshard.observing.profile.breakdown import PHASES
 
 LABELS = {
     "data": "data", "forward": "forward", "ag_wait": "all-gather wait", "backward": "backward",

@@ -8,10 +8,10 @@
 On every rank, while the block runs:
 
 - the hang watchdog and the crash-safe ledger ring, with every rank's ledger and thread stacks
-  dumped to RUN_DIR/ledger when a collective hangs or the code raises (zeroshard/observe/watchdog.py;
+  dumped to RUN_DIR/ledger when a collective hangs or the code raises (zeroshard/observing/watchdog.py;
   ``zeroshard doctor RUN_DIR`` reads them);
 - the torch.distributed collectives the loop itself makes are recorded too (usercalls.py);
-- the step profiler (zeroshard/observe/profile/step.py): each step's breakdown, MFU, memory, comm bytes and
+- the step profiler (zeroshard/observing/profile/step.py): each step's breakdown, MFU, memory, comm bytes and
   exposed comm time, and P50/P99, overlap and the straggler in the summary;
 - every ``desync_check`` steps, a check that all ranks issued the same collectives.
 
@@ -32,12 +32,12 @@ from typing import IO, Any, Iterable, Literal
 import torch
 
 from zeroshard.comm import collectives
-from zeroshard.observe import desync
+from zeroshard.observing import desync
 from zeroshard.comm.mesh import get_mesh
-from zeroshard.observe.watchdog import Diagnostics
-from zeroshard.observe.loggers import Sink, check_installed, open_sinks, parse_log
-from zeroshard.observe.usercalls import UserCollectives
-from zeroshard.observe.profile.timeline import phase as tl_phase
+from zeroshard.observing.watchdog import Diagnostics
+from zeroshard.observing.loggers import Sink, check_installed, open_sinks, parse_log
+from zeroshard.observing.usercalls import UserCollectives
+from zeroshard.observing.profile.timeline import phase as tl_phase
 
 DEFAULT_HANG_TIMEOUT_S = 300.0
 """Half of zs.init's default process-group timeout (600 s), so the watchdog speaks before gloo does."""
@@ -68,7 +68,7 @@ def _number(value: Any) -> float | None:
 
 
 class Observer:
-    """See the module docstring; build it with `zeroshard.observe` (``zs.observe``)."""
+    """See the module docstring; build it with `zeroshard.observing` (``zs.observe``)."""
 
     def __init__(self, run_dir: str | Path | None = None, *, model: torch.nn.Module | None = None,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, profile: bool = True, trace: bool = False,
@@ -171,7 +171,7 @@ class Observer:
         entry; call it yourself when the model is built inside the block, or to resume at `start_step`
         (metrics.jsonl then keeps the records up to it). Without it the first `step` calls it."""
         from zeroshard.checkpoint.training import open_metrics
-        from zeroshard.observe.profile.step import for_model
+        from zeroshard.observing.profile.step import for_model
 
         if self._attached:
             raise RuntimeError("Observer.attach() was already called (observe(model=...) calls it on entry)")
@@ -249,7 +249,7 @@ class Observer:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()
         if self._sinks:
-            from zeroshard.observe.loggers import scalars as loggable
+            from zeroshard.observing.loggers import scalars as loggable
 
             values = loggable(record)
             for sink in self._sinks:
@@ -266,7 +266,7 @@ class Observer:
         others). Collective: every rank calls it (the block's end does, unless you did). Rank 0 writes
         it to RUN_DIR/summary.json. `exclude_bytes`: the loop's own metric traffic, left out of the
         comm bytes per step."""
-        from zeroshard.observe.rank_metrics import slowest_rank
+        from zeroshard.observing.rank_metrics import slowest_rank
 
         recs = self.records
         if not recs:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.comm import collectives
-from zeroshard.observe.doctor import analyse
+from zeroshard.observing.doctor import analyse
 from zeroshard.comm.mesh import get_mesh
 
 PHASE = "desync"
