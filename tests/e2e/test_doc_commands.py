@@ -97,7 +97,10 @@ def _names_read_file(command: DocCommand) -> bool:
 def parse_problem(parser, command: DocCommand) -> str | None:
     """Why ``command`` would not get past the CLI's parser as written (None: it does), with its place."""
     path, text = _subcommand(parser, command.argv)
-    options = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", text))
+    # The options as --help lists them: each entry's invocation ("  -w WORLD, --world WORLD"), the
+    # part before the help text, not flags its prose mentions.
+    listed = [line.strip().split("  ")[0] for line in text.splitlines() if line.strip().startswith("-")]
+    options = {flag for entry in listed for flag in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", entry)}
     unknown = [w.split("=")[0] for w in command.argv[len(path):]
                if re.match(r"^--?[A-Za-z]", w) and w.split("=")[0] not in options]
     if unknown:
