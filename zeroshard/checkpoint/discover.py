@@ -9,11 +9,12 @@ start over it (``zeroshard ckpt repair`` can rebuild the manifest).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.verify import verify
+from zeroshard.checkpoint.verify import resolve, verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,40 @@ def manifestless(root: str | Path) -> list[Path]:
 def interrupted_saves(root: str | Path) -> list[Path]:
     root = Path(root)
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(".partial")) if root.is_dir() else []
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """The checkpoints a path given to a tool names (``named``)."""
+
+    checkpoints: list[Path]
+    root: Path | None = None
+    """Set when the path was a root and ``checkpoints`` is every checkpoint in it."""
+
+
+def named(path: str | os.PathLike, *, every: bool = False) -> Named:
+    """The one rule by which every ``zeroshard ckpt`` action reads a path, so that ``ckpt/latest``,
+    ``ckpt`` and ``ckpt/step-00000100`` mean the same to each of them:
+
+    - the pointer file ``ROOT/latest``: the checkpoint it points to;
+    - a checkpoint directory (a manifest, even a damaged one, or rank files): itself;
+    - a root: the checkpoint its ``latest`` points to, or with ``every`` (verify, repair) every
+      checkpoint in it, those whose manifest was lost included, oldest first.
+
+    Without ``every`` the checkpoint must be complete (``resolve``); with it, a damaged one is
+    named all the same, for the caller to report or repair. Raises CheckpointError when ``path``
+    names nothing."""
+    path = Path(path)
+    if not every:
+        return Named([resolve(path)])
+    if path.name == fmt.LATEST and path.is_file():
+        return Named([fmt.follow_pointer(path)])
+    if (path / fmt.MANIFEST).exists() or any(path.glob(fmt.RANK_FILE_PATTERN)):
+        return Named([path])
+    if not path.is_dir():
+        return Named([resolve(path)])  # raises: the path names nothing
+    found = {f.path for f in complete_checkpoints(path)} | set(manifestless(path))
+    return Named(sorted(found), root=path)
 
 
 @dataclasses.dataclass

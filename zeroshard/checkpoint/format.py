@@ -73,6 +73,19 @@ def safe_member(directory: Path, name: Any, what: str) -> Path:
     return directory / name
 
 
+def pointed_by_latest(path: Path) -> Path | None:
+    """The directory a ``latest`` pointer names, when ``path`` is that pointer file (``ckpt/latest``,
+    what a user types after seeing it in ``ls ckpt``) or a root holding one; else None. Whether the
+    directory is a complete checkpoint is the caller's question."""
+    pointer = path if path.name == LATEST and path.is_file() else path / LATEST
+    return follow_pointer(pointer) if pointer.is_file() else None
+
+
+def follow_pointer(pointer: Path) -> Path:
+    """The checkpoint directory next to the ``latest`` file ``pointer`` that it names."""
+    return safe_member(pointer.parent, pointer.read_text().strip(), f"the pointer {pointer}")
+
+
 # --------------------------------------------------------------------------- JSON codec
 # Optimizer options and scheduler/scaler state hold tuples (AdamW betas) and sometimes 0-dim
 # tensors; they are tagged so that load_state_dict gets back exactly the types it saved.

@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 
 from zeroshard.checkpoint import format as fmt
-from zeroshard.checkpoint.discover import complete_checkpoints, manifestless
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.manifest import CHECKSUMS_KEY, REPORT_KEY, SKELETON_KEY, assemble
 from zeroshard.checkpoint.tensorfile import Stored, TensorFile, file_sha256
@@ -114,14 +113,6 @@ def repair(directory: str | os.PathLike) -> Repaired:
     fmt.write_manifest(directory, manifest)
     verify(directory)
     return Repaired(directory, len(reports), kept_as)
-
-
-def repair_targets(path: str | os.PathLike) -> list[Path]:
-    """A checkpoint directory itself, or every checkpoint in a root (those that verify included)."""
-    path = Path(path)
-    if any(path.glob(fmt.RANK_FILE_PATTERN)) or (path / fmt.MANIFEST).exists() or not path.is_dir():
-        return [path]
-    return sorted({f.path for f in complete_checkpoints(path)} | set(manifestless(path)))
 
 
 def needs_repair(directory: Path) -> bool:

@@ -93,19 +93,17 @@ def problems(directory: str | Path) -> list[str]:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, a root holding a ``latest`` pointer, or that pointer file itself."""
+    """The one complete checkpoint ``path`` names: a checkpoint directory, a root holding a ``latest``
+    pointer, or that pointer file itself (zeroshard/checkpoint/discover.py ``named`` is the same rule
+    for the tools that also take every checkpoint of a root)."""
     path = Path(path)
-    if path.name == fmt.LATEST and path.is_file():
-        # `ckpt/latest` is what a user types after seeing the pointer in `ls ckpt`; it names the same run.
-        path = path.parent
     if (path / fmt.MANIFEST).is_file():
         return path
-    latest = path / fmt.LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        target = fmt.safe_member(path, name, f"the pointer {latest}")
+    target = fmt.pointed_by_latest(path)
+    if target is not None:
         if not (target / fmt.MANIFEST).is_file():
-            raise CheckpointError(f"{latest} points to {name!r}, which is not a complete checkpoint")
+            pointer = path if path.name == fmt.LATEST else path / fmt.LATEST
+            raise CheckpointError(f"{pointer} points to {target.name!r}, which is not a complete checkpoint")
         return target
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}: the path does not exist")

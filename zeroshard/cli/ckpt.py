@@ -12,8 +12,10 @@
   import-dcp DCP_DIR OUT a torch.distributed.checkpoint directory (FSDP2's dcp.save) -> a checkpoint
   export-dcp DIR OUT     a checkpoint -> a torch.distributed.checkpoint directory for dcp.load
 
-DIR may be a checkpoint directory or a root with a `latest` pointer. Exit status 1 on any problem,
-with the file or key named.
+DIR may be a checkpoint directory, a root with a `latest` pointer (verify and repair: every
+checkpoint in the root), or that pointer file itself (`ckpt/latest`): every action reads it by the
+one rule of zeroshard/checkpoint/discover.py `named`. Exit status 1 on any problem, with the file or
+key named.
 """
 
 from __future__ import annotations
@@ -64,12 +66,19 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def _one(path: str) -> Path:
+    """The one complete checkpoint ``path`` names, as every action reads it (CheckpointError if none)."""
+    from zeroshard.checkpoint.discover import named
+
+    return named(path).checkpoints[0]
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from zeroshard.checkpoint import CheckpointError, resolve
+    from zeroshard.checkpoint import CheckpointError
     from zeroshard.checkpoint.format import read_manifest
 
     try:
-        directory = resolve(args.dir)
+        directory = _one(args.dir)
         info = summary(directory, read_manifest(directory))
     except CheckpointError as e:
         return _err(str(e))
@@ -105,28 +114,29 @@ def _pipeline_line(placement: dict) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from zeroshard.checkpoint import complete_checkpoints, problems
-    from zeroshard.checkpoint.discover import interrupted_saves
-    from zeroshard.checkpoint.format import MANIFEST
+    from zeroshard.checkpoint import CheckpointError, problems
+    from zeroshard.checkpoint.discover import interrupted_saves, named
 
     failed = False
     for target in args.dirs:
-        root = Path(target)
-        if (root / MANIFEST).is_file() or not root.is_dir():
-            dirs = [root]
-        else:  # a root: every checkpoint in it, plus the saves that never committed
-            dirs = [f.path for f in complete_checkpoints(root)]
-            for partial in interrupted_saves(root):
+        try:
+            found = named(target, every=True)
+        except CheckpointError as e:
+            print(f"FAIL {target}: {e}")
+            failed = True
+            continue
+        if found.root is not None:  # a root: its saves that never committed are named too
+            for partial in interrupted_saves(found.root):
                 print(f"SKIP {partial}: interrupted save, never committed")
-            if not dirs:
-                print(f"FAIL {root}: no checkpoints found")
+            if not found.checkpoints:
+                print(f"FAIL {found.root}: no checkpoints found")
                 failed = True
-        for directory in dirs:
-            found = problems(directory)
-            if found:
+        for directory in found.checkpoints:
+            faults = problems(directory)
+            if faults:
                 failed = True
                 print(f"FAIL {directory}")
-                for problem in found:
+                for problem in faults:
                     print(f"  {problem}")
             else:
                 print(f"OK   {directory}")
@@ -135,9 +145,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_repair(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.checkpoint.repair import needs_repair, repair, repair_targets
+    from zeroshard.checkpoint.discover import named
+    from zeroshard.checkpoint.repair import needs_repair, repair
 
-    targets = repair_targets(args.dir)
+    try:
+        targets = named(args.dir, every=True).checkpoints
+    except CheckpointError as e:
+        return _err(f"{e}: nothing to repair")
     if not targets:
         return _err(f"no checkpoint in {args.dir}: nothing to repair")
     failed = False
@@ -165,7 +179,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.out is None:
         return _err("export needs OUT (one safetensors file) or --hf OUT (a from_pretrained folder)")
     try:
-        stats = export(args.dir, args.out, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+        stats = export(_one(args.dir), args.out, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     except (CheckpointError, ValueError) as e:
         return _err(str(e))
     print(f"wrote {stats.path}: {stats.tensors} tensors, {_fmt_bytes(stats.bytes)} "
@@ -181,7 +195,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     if args.out is not None:
         return _err(f"give either OUT or --hf OUT, not both (got {args.out} and {args.hf})")
     try:
-        out = export_checkpoint(args.dir, args.hf, max_shard_size=args.max_shard_size,
+        out = export_checkpoint(_one(args.dir), args.hf, max_shard_size=args.max_shard_size,
                                 dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     except (CheckpointError, ValueError) as e:
         return _err(str(e))
@@ -194,7 +208,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, reshard
 
     try:
-        out = reshard(args.src, args.dst, args.world, tp=args.tp, tp_plan=args.tp_plan, ep=args.ep,
+        out = reshard(_one(args.src), args.dst, args.world, tp=args.tp, tp_plan=args.tp_plan, ep=args.ep,
                       overwrite=args.overwrite)
     except CheckpointError as e:
         return _err(str(e))
@@ -229,7 +243,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint.dcp import export_dcp
 
     try:
-        got = export_dcp(args.dir, args.out, optimizer=not args.no_optimizer, overwrite=args.overwrite)
+        got = export_dcp(_one(args.dir), args.out, optimizer=not args.no_optimizer, overwrite=args.overwrite)
     except (CheckpointError, ValueError) as e:
         return _err(str(e))
     print(f"wrote {got.path}: {got.model_keys} model keys, {got.optimizer_keys} optimizer state tensors, "
