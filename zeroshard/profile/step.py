@@ -21,6 +21,7 @@ from typing import Any, Literal, TextIO
 import torch
 
 from zeroshard.comm import collectives
+from zeroshard.comm.gather_rows import gather_rows
 from zeroshard.profile import timeline as tl
 from zeroshard.profile.breakdown import PHASES, breakdown, comm_stats, percentile
 from zeroshard.profile.flops import utilisation
@@ -173,11 +174,8 @@ class StepProfiler:
         busy = sum(s["comm_busy_s"] for s in steps)
         exposed = sum(s["comm_exposed_s"] for s in steps)
         compute = sum(s["step_s"] - s["comm_exposed_s"] for s in steps) / max(1, len(steps))
-        mine = torch.tensor([percentile(times, 50), percentile(times, 99), sum(times) / len(times), compute],
-                            dtype=torch.float64)
-        out_t = torch.empty(self.world * 4, dtype=torch.float64)
-        collectives.all_gather(out_t, mine, group="world", phase="metrics")
-        per_rank = out_t.view(self.world, 4).tolist()
+        per_rank, _ = gather_rows([percentile(times, 50), percentile(times, 99), sum(times) / len(times), compute],
+                                  dtype=torch.float64, group="world", phase="metrics")
         # The straggler is the rank the others wait for: the most time busy outside collective waits.
         straggler = max(range(self.world), key=lambda r: per_rank[r][3])
         n = max(1, len(steps))
