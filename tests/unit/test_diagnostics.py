@@ -250,3 +250,32 @@ def test_fault_spec_is_validated():
         faults.parse("kind=raise,rank=x")
     with pytest.raises(ValueError, match="unknown"):
         faults.parse("kind=melt,rank=1,step=1,unit=a")
+
+
+def test_doctor_names_the_oldest_stuck_collective_on_a_device_async_backend():
+    # NCCL: wait() returns at once, so the collectives queued behind the stuck #5 were waited on and
+    # are open as well (#6), or issued and never waited on (#7); the device runs them in order.
+    stuck = [rec(4), rec(5, unit="blocks.1", state="started"), rec(6, unit="blocks.2", state="started"),
+             rec(7, unit="blocks.3", state="started")]
+    stuck[1]["wait_start"], stuck[2]["wait_start"] = 10.0, 11.0
+    header, records = ledger_of(0, stuck, "hang")
+    header["stacks"] = [{"main": True, "thread": "MainThread", "stack": []}]
+    for on_device in ([], [5, 6, 7]):  # a dump from before "on_device" was written, and one with it
+        header["on_device"] = on_device
+        blocked = analyse({0: (header, records)}, world=1)["ranks"][0]["blocked"]
+        assert blocked["kind"] == "zeroshard" and blocked["entry"]["seq"] == 5
+    stuck[1]["wait_start"] = None  # #5 never waited on: still the one the device is stuck in
+    assert analyse({0: (header, records)}, world=1)["ranks"][0]["blocked"]["entry"]["seq"] == 5
+
+
+def test_dump_names_the_collectives_still_on_the_device(tmp_path: Path):
+    class Work:
+        def is_completed(self) -> bool:
+            return False
+
+    ledger = Ledger()
+    first, second = _open(ledger), _open(ledger, unit="blocks.1")
+    ledger.started(first, Work(), device_async=True)
+    ledger.started(second)
+    header, _ = read_dump(ledger.dump(tmp_path / "d.jsonl", rank=0, world=1, reason="hang"))
+    assert header["on_device"] == [first.seq]

@@ -289,6 +289,7 @@ class Ledger:
             "next_seq": self._next_seq, "capacity": self.capacity, "step": self.step,
             "first_seq": records[0].seq if records else self._next_seq, "hash": self.hash,
             "in_flight": [r.seq for r in records if r.state is not CollectiveState.COMPLETED],
+            "on_device": sorted(self._works),  # still running on the device (NCCL), waited on or not
             "perf_counter": time.perf_counter(), **(extra or {}),
         }
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
