@@ -174,9 +174,19 @@ class Ledger:
         self.complete(record, observed=True)
 
     def wait_returned(self, record: CollectiveRecord) -> None:
-        """A wait on ``record`` returned: it is complete, unless the device still runs it (NCCL)."""
+        """A wait on ``record`` returned: it is complete, unless the device still runs it (NCCL).
+
+        Then the record stays open (a device hang still shows), but the work, which holds the
+        collective's tensors (an int8 wire buffer, an all-to-all's, a reduce-scatter's output), is
+        swapped for an event behind it on the stream the wait ordered: the buffers are freed when
+        their user drops them, not at the next poll (every 256 collectives without a watchdog)."""
         if record.seq not in self._works:
             self.complete(record)
+            return
+        marker = stream_marker()
+        with self._lock:
+            if record.seq in self._works:
+                self._works[record.seq] = marker
 
     def poll(self) -> None:
         """Close device-async records whose work has finished (a no-op on gloo)."""
@@ -315,6 +325,28 @@ def read_dump(path: str | Path) -> tuple[dict, list[dict]]:
             else:
                 records.append(obj)
     return header, records
+
+
+class _StreamMarker:
+    """An event recorded on the current stream: done once everything queued before it is. It has
+    the one method of a work the ledger asks (``is_completed``) and holds no tensor."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
+def stream_marker() -> _StreamMarker:
+    """A marker on the accelerator's current stream, recorded now (only device-async backends ask)."""
+    import torch  # here, not at the top: the doctor reads dumps without torch
+
+    event = torch.Event()
+    event.record()
+    return _StreamMarker(event)
 
 
 _PROCESS_LEDGER = Ledger()
