@@ -38,7 +38,7 @@ from zeroshard.pipeline.split import explicit_split, even_split
 from zeroshard.pipeline.stage import LedgeredStage
 from zeroshard.pipeline.tied import find_tied, sum_tied_grad, sum_tied_reduced_grad, untie_copy
 from zeroshard.sharding import get_engine, no_sync, optimizer, shard
-from zeroshard.sharding.clip import local_squares, sum_squares_over_shards
+from zeroshard.sharding.clip import local_squares, scale_grad_shards, sum_squares_over_shards
 from zeroshard.sharding.compiled import CompileArg
 from zeroshard.sharding.options import EngineOptions
 from zeroshard.sharding.state import full_state_dict
@@ -223,11 +223,7 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """As zs.clip_grad_norm_, over the norm of every stage; returns the norm before clipping."""
         norm = self.grad_norm()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for module in self.modules:
-            for group in get_engine(module).trainable_groups:
-                if group.grad_shard is not None:
-                    group.grad_shard.mul_(coef.to(group.grad_shard.dtype))
+        scale_grad_shards([g for module in self.modules for g in get_engine(module).trainable_groups], norm, max_norm)
         return norm
 
     def optimizers(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> list[torch.optim.Optimizer]:
