@@ -138,3 +138,20 @@ def test_full_state_dict_gathers_host_masters_through_the_device(monkeypatch, al
     # The copy is made where the masters live: a whole model's fp32 values stay off the device.
     assert out["w"].device.type == "cpu" and out["w"].shape == (2, 4) and whole.device == CUDA
 
+
+def test_pipeline_state_dict_pickles_host_tensors_only(monkeypatch):
+    from zeroshard.pipeline import runtime
+
+    pickled: list[torch.device] = []
+
+    def all_gather_object(obj, **kwargs):
+        pickled.extend(v.device for v in obj.values())
+        return [obj, {"other.w": torch.zeros(2)}]
+
+    monkeypatch.setattr(collectives, "all_gather_object", all_gather_object)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        monkeypatch.setattr(runtime, "full_state_dict", lambda module: {"w": torch.ones(2, 4, device=CUDA)})
+        pipeline = SimpleNamespace(modules=[object()], mesh=fake_mesh())
+        out = runtime.Pipeline.full_state_dict(pipeline)
+    assert pickled == [torch.device("cpu")]  # before: cuda:0, unpickled onto cuda:0 on every receiver
+    assert sorted(out) == ["other.w", "w"] and {v.device.type for v in out.values()} == {"cpu"}

@@ -238,10 +238,12 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every param of the whole model at full size under the unsharded model's names, on every
-        rank (collective: each stage gathers its shards, then the stages exchange theirs over pp)."""
+        rank, on the host (collective: each stage gathers its shards, then the stages exchange theirs
+        over pp). They travel pickled, so they are moved to the host first: a pickled CUDA tensor is
+        unpickled onto its sender's device on every receiver."""
         mine: dict[str, torch.Tensor] = {}
         for module in self.modules:
-            mine.update(full_state_dict(module))
+            mine.update({name: value.cpu() for name, value in full_state_dict(module).items()})
         parts = collectives.all_gather_object(mine, group=Group.PP, phase=Phase.STATE_DICT, mesh=self.mesh)
         out: dict[str, torch.Tensor] = {}
         for part in parts:
