@@ -155,3 +155,22 @@ def test_pipeline_state_dict_pickles_host_tensors_only(monkeypatch):
         out = runtime.Pipeline.full_state_dict(pipeline)
     assert pickled == [torch.device("cpu")]  # before: cuda:0, unpickled onto cuda:0 on every receiver
     assert sorted(out) == ["other.w", "w"] and {v.device.type for v in out.values()} == {"cpu"}
+
+
+def test_calibration_times_collectives_on_the_group_device_and_waits_for_them(monkeypatch, all_devices):
+    from zeroshard.sim import calibrate
+
+    class Stream:  # a CPU build has no CUDA stream: count the waits in the spy's order instead
+        def synchronize(self) -> None:
+            all_devices.append(("sync", "", []))
+
+    monkeypatch.setattr(meshes, "_MESH", fake_mesh())
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: Stream())
+    times = iter(range(1000))
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: float(next(times)))
+    with FakeTensorMode():
+        points = calibrate._time_op("all_gather", (1 << 10,), repeats=2, p=2)
+    # barrier, gather, wait for the device, read the clock: three times (the first pays setup).
+    assert [op for op, _, _ in all_devices] == ["all_reduce", "all_gather", "sync"] * 3
+    assert {d for op, _, ds in all_devices if op == "all_gather" for d in ds} == {CUDA}
+    assert points == [(1024.0, 1.0)]
