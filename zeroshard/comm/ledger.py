@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from zeroshard.comm.device_clock import DeviceClock
     from zeroshard.comm.ring import RingMirror
 
 
@@ -109,6 +110,9 @@ class Ledger:
         """Running CRC-32 of every record's fingerprint, in order; never rolls off (desync check)."""
         self.mirror: RingMirror | None = None  # set by the watchdog: a file copy of the ring
         """A crash-safe copy on disk (zeroshard.comm.ring.RingMirror), attached per run."""
+        self.clock: DeviceClock | None = None
+        """Set by the profiler on an accelerator: device events time the device-async collectives'
+        waits (zeroshard/comm/device_clock.py)."""
 
     def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str,
              mesh: str = "", uneven: bool = False) -> CollectiveRecord:
