@@ -154,10 +154,12 @@ def test_nccl_waits_are_timed_on_the_device_not_by_the_host_stopwatch(monkeypatc
     monkeypatch.setattr(ledger_module, "stream_marker", Work)  # the event behind the wait (none on a CPU build)
     ledger = Ledger()
     ledger.clock = DeviceClock("cuda", new_event=device.event)
-    mesh = SimpleNamespace(ledger=ledger, ledger_name="", backend="nccl", group=lambda g: None)
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda *args, **kwargs: Work())
+    mesh = SimpleNamespace(ledger=ledger, ledger_name="", backend="nccl", group=lambda g: None,
+                           group_size=lambda g: 2)
     device.now = 1.0  # the stream reaches the issue at 1.0 ...
-    pending = collectives._issue("reduce_scatter", torch.zeros(8), "shard", "blocks.0", "backward",
-                                 lambda pg: Work(), True, mesh)
+    pending = collectives.all_reduce(torch.zeros(8), group="shard", unit="blocks.0", phase="backward", async_op=True,
+                                     mesh=mesh)
     device.now = 3.0  # ... and the wait at 3.0: compute hid 2 s of it, then stalled 1.5 s
     pending.wait()
     record = pending.record
@@ -182,3 +184,17 @@ def test_the_profiler_times_waits_on_the_device_only_on_an_accelerator():
         with prof:
             assert (collectives.get_ledger().clock is not None) is clock
         assert collectives.get_ledger().clock is None
+
+
+def test_the_device_clock_forgets_collectives_closed_without_a_wait():
+    from zeroshard.comm.device_clock import DeviceClock
+    from zeroshard.comm.ledger import Ledger
+
+    device, ledger = DeviceTimeline(), Ledger()
+    clock = DeviceClock("cuda", new_event=device.event)
+    records = [ledger.open(group="shard", op="all_gather", numel=4, dtype="float32", elem_size=4, unit=f"b{i}",
+                           phase="forward") for i in range(2)]
+    for record in records:
+        clock.issued(record)
+    ledger.complete(records[0], observed=True)  # a poll saw it done; nobody waited
+    assert clock.settle(ledger) == 0 and clock.timing == [records[1].seq]  # the open one stays

@@ -38,6 +38,11 @@ class DeviceClock:
         self._marks: dict[int, list] = {}
         """seq -> [record, issue event, before-wait event, after-wait event] (the last two once waited)."""
 
+    @property
+    def timing(self) -> list[int]:
+        """The seqs of the collectives being timed (issued, not settled yet)."""
+        return sorted(self._marks)
+
     def _timing_event(self) -> Any:
         import torch
 
@@ -66,6 +71,8 @@ class DeviceClock:
         """Wait for the stream to pass every wait recorded so far (one host sync) and give each
         waited-on collective its device-measured start, end and exposed time; it is complete then.
         Collectives not waited on yet stay for the next call. Returns how many were settled."""
+        for seq in [seq for seq, m in self._marks.items() if m[3] is None and m[0].end is not None]:
+            del self._marks[seq]  # closed without a wait (a poll saw it done): nothing to time, keep none
         done = [m for m in self._marks.values() if m[3] is not None]
         if not done:
             return 0
