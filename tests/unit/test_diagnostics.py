@@ -42,7 +42,9 @@ def test_stuck_counts_from_the_wait_not_from_the_issue():
     assert found is record and age >= 10
 
 
-def test_device_async_records_stay_open_until_the_work_reports_completion():
+def test_device_async_records_stay_open_until_the_work_reports_completion(monkeypatch):
+    from zeroshard.comm import ledger as ledger_module
+
     class Work:  # what NCCL gives: wait() only orders streams; is_completed() tells the truth
         done = False
 
@@ -50,6 +52,8 @@ def test_device_async_records_stay_open_until_the_work_reports_completion():
             return self.done
 
     ledger, work = Ledger(), Work()
+    # After the wait, an event behind the collective on the stream stands for it (no CPU events).
+    monkeypatch.setattr(ledger_module, "stream_marker", lambda: work)
     record = _open(ledger)
     ledger.started(record, work, device_async=True)
     ledger.wait_returned(record)
@@ -250,3 +254,73 @@ def test_fault_spec_is_validated():
         faults.parse("kind=raise,rank=x")
     with pytest.raises(ValueError, match="unknown"):
         faults.parse("kind=melt,rank=1,step=1,unit=a")
+
+
+def test_doctor_names_the_oldest_stuck_collective_on_a_device_async_backend():
+    # NCCL: wait() returns at once, so the collectives queued behind the stuck #5 were waited on and
+    # are open as well (#6), or issued and never waited on (#7); the device runs them in order.
+    stuck = [rec(4), rec(5, unit="blocks.1", state="started"), rec(6, unit="blocks.2", state="started"),
+             rec(7, unit="blocks.3", state="started")]
+    stuck[1]["wait_start"], stuck[2]["wait_start"] = 10.0, 11.0
+    header, records = ledger_of(0, stuck, "hang")
+    header["stacks"] = [{"main": True, "thread": "MainThread", "stack": []}]
+    for on_device in ([], [5, 6, 7]):  # a dump from before "on_device" was written, and one with it
+        header["on_device"] = on_device
+        blocked = analyse({0: (header, records)}, world=1)["ranks"][0]["blocked"]
+        assert blocked["kind"] == "zeroshard" and blocked["entry"]["seq"] == 5
+    stuck[1]["wait_start"] = None  # #5 never waited on: still the one the device is stuck in
+    assert analyse({0: (header, records)}, world=1)["ranks"][0]["blocked"]["entry"]["seq"] == 5
+
+
+def test_dump_names_the_collectives_still_on_the_device(tmp_path: Path):
+    class Work:
+        def is_completed(self) -> bool:
+            return False
+
+    ledger = Ledger()
+    first, second = _open(ledger), _open(ledger, unit="blocks.1")
+    ledger.started(first, Work(), device_async=True)
+    ledger.started(second)
+    header, _ = read_dump(ledger.dump(tmp_path / "d.jsonl", rank=0, world=1, reason="hang"))
+    assert header["on_device"] == [first.seq]
+
+
+def test_a_waited_device_async_collective_keeps_its_record_open_but_not_its_buffers(monkeypatch):
+    import gc
+    import weakref
+
+    from zeroshard.comm import ledger as ledger_module
+    from zeroshard.comm.collectives import Pending
+
+    class Marker:  # the event behind the wait on the stream (a CPU build has no events)
+        done = False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    class Work:  # NCCL's work keeps its tensors alive until it is dropped; wait() returns at once
+        def __init__(self, output: torch.Tensor) -> None:
+            self.output = output
+
+        def wait(self) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return False
+
+    marker = Marker()
+    monkeypatch.setattr(ledger_module, "stream_marker", lambda: marker, raising=False)
+    ledger, output = Ledger(), torch.zeros(1024)
+    alive = weakref.ref(output)
+    record = _open(ledger)
+    work = Work(output)
+    ledger.started(record, work, device_async=True)
+    pending = Pending(work, record, ledger)
+    del work, output
+    pending.wait()
+    gc.collect()
+    assert alive() is None  # the caller's last reference is gone: so is the buffer
+    assert record.state is CollectiveState.STARTED and ledger.in_flight() == [record]
+    marker.done = True
+    ledger.poll()
+    assert record.state is CollectiveState.COMPLETED and ledger.in_flight() == []

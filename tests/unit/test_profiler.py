@@ -100,3 +100,101 @@ def test_flops_count_recompute_as_hardware_only():
     assert gpt_flops(object(), recompute=False) is None
     assert utilisation(100, 10.0, world=2, peak_flops=1000.0) == pytest.approx(0.5)
     assert utilisation(None, 10.0, world=2, peak_flops=1000.0) is None
+
+
+# --------------------------------------------------------------------------- waits on an accelerator
+
+
+class DeviceTimeline:
+    """A stream's clock for fake events: ``now`` is where the stream has got to, in seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def event(self):
+        timeline = self
+
+        class Event:
+            t: float | None = None
+
+            def record(self) -> None:
+                self.t = timeline.now
+
+            def elapsed_time(self, other) -> float:
+                return (other.t - self.t) * 1e3
+
+            def synchronize(self) -> None:
+                pass
+
+        return Event()
+
+
+def test_nccl_waits_are_timed_on_the_device_not_by_the_host_stopwatch(monkeypatch):
+    """NCCL's wait() returns at once; the compute stream stalls on the device instead. The ledger's
+    waited is the stall between the events around the wait, and the collective's interval runs
+    from its issue to the wait on the device, mapped onto the host clock."""
+    import torch
+
+    from zeroshard.comm import collectives
+    from zeroshard.comm.device_clock import DeviceClock
+    from zeroshard.comm.ledger import CollectiveState, Ledger
+
+    device = DeviceTimeline()
+
+    class Work:  # the stream waits until the collective ends, at device time 4.5; the host does not
+        def wait(self) -> bool:
+            device.now = 4.5
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    from zeroshard.comm import ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "stream_marker", Work)  # the event behind the wait (none on a CPU build)
+    ledger = Ledger()
+    ledger.clock = DeviceClock("cuda", new_event=device.event)
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda *args, **kwargs: Work())
+    mesh = SimpleNamespace(ledger=ledger, ledger_name="", backend="nccl", group=lambda g: None,
+                           group_size=lambda g: 2)
+    device.now = 1.0  # the stream reaches the issue at 1.0 ...
+    pending = collectives.all_reduce(torch.zeros(8), group="shard", unit="blocks.0", phase="backward", async_op=True,
+                                     mesh=mesh)
+    device.now = 3.0  # ... and the wait at 3.0: compute hid 2 s of it, then stalled 1.5 s
+    pending.wait()
+    record = pending.record
+    assert record.waited < 0.1  # the host's stopwatch: the wait returned at once
+    device.now = 5.0
+    assert ledger.clock.settle(ledger) == 1 and ledger.clock.settle(ledger) == 0
+    assert record.waited == pytest.approx(1.5)
+    assert record.end - record.start == pytest.approx(3.5) and record.observed
+    assert record.state is CollectiveState.COMPLETED
+    stats = comm_stats([record])
+    assert stats["comm_exposed_s"] == pytest.approx(1.5) and stats["overlap"] == pytest.approx(1 - 1.5 / 3.5)
+
+
+def test_the_profiler_times_waits_on_the_device_only_on_an_accelerator():
+    import torch
+
+    from zeroshard.comm import collectives
+    from zeroshard.observing.profile.step import StepProfiler
+
+    for device, clock in ((torch.device("cpu"), False), (torch.device("cuda", 0), True)):
+        prof = StepProfiler(rank=0, world=1, device=device, batch=1, tokens_per_step=1)
+        with prof:
+            assert (collectives.get_ledger().clock is not None) is clock
+        assert collectives.get_ledger().clock is None
+
+
+def test_the_device_clock_forgets_collectives_closed_without_a_wait():
+    from zeroshard.comm.device_clock import DeviceClock
+    from zeroshard.comm.ledger import Ledger
+
+    device, ledger = DeviceTimeline(), Ledger()
+    clock = DeviceClock("cuda", new_event=device.event)
+    records = [ledger.open(group="shard", op="all_gather", numel=4, dtype="float32", elem_size=4, unit=f"b{i}",
+                           phase="forward") for i in range(2)]
+    for record in records:
+        clock.issued(record)
+    ledger.complete(records[0], observed=True)  # a poll saw it done; nobody waited
+    assert clock.settle(ledger) == 0 and clock.timing == [records[1].seq]  # the open one stays

@@ -59,7 +59,14 @@ def config_from_args(
 
 def check_before_launch(cfg: TrainConfig) -> None:
     """What TrainConfig cannot check without torch, checked before any rank starts so that it is one
-    line rather than every rank's failure: a tp the model's plan cannot split (heads, MLP width)."""
+    line rather than every rank's failure: a tp the model's plan cannot split (heads, MLP width), more
+    local ranks than GPUs on NCCL."""
+    from zeroshard.trainer.launch import running_under_torchrun
+
+    if not running_under_torchrun():  # torchrun's ranks check their own host (zeroshard/comm/devices.py)
+        from zeroshard.comm.devices import check_local_ranks, choose_backend
+
+        check_local_ranks(choose_backend(cfg.backend), cfg.nproc)
     if cfg.tp > 1:  # a meta build of the model: nothing allocated, but torch imported
         from zeroshard.trainer.tp_setup import check_tensor_parallel
 

@@ -60,7 +60,12 @@ class Pending:
             # How long the training thread is blocked here is the collective's *exposed* time (the
             # profiler's overlap ratio); the watchdog reads wait_start to tell a hang from a prefetch.
             self.record.wait_start = started = time.perf_counter()
+            clock = self._ledger.clock  # on an accelerator the wait returns at once: the device times it
+            if clock is not None:
+                clock.before_wait(self.record)
             self._work.wait()
+            if clock is not None:
+                clock.after_wait(self.record)
             self.record.waited += time.perf_counter() - started
             self._work = None
             if self._after is not None:
@@ -88,8 +93,11 @@ def _issue(op: str, full: torch.Tensor, group: str | Group, unit: str, phase: st
     ledger = mesh.ledger
     record = ledger.open(group=group, op=op, numel=full.numel(), dtype=full.dtype, elem_size=full.element_size(),
                          unit=unit, phase=phase, mesh=mesh.ledger_name, uneven=uneven)
+    device_async = mesh.backend == "nccl"
+    if device_async and ledger.clock is not None:
+        ledger.clock.issued(record)
     work = call(mesh.group(group))
-    ledger.started(record, work, device_async=mesh.backend == "nccl")
+    ledger.started(record, work, device_async=device_async)
     pending = Pending(work, record, ledger, after)
     if async_op:
         return pending

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from zeroshard.comm.device_clock import DeviceClock
     from zeroshard.observing.ring import RingMirror
 
 
@@ -109,6 +110,9 @@ class Ledger:
         """Running CRC-32 of every record's fingerprint, in order; never rolls off (desync check)."""
         self.mirror: RingMirror | None = None  # set by the watchdog: a file copy of the ring
         """A crash-safe copy on disk (zeroshard.observing.ring.RingMirror), attached per run."""
+        self.clock: DeviceClock | None = None
+        """Set by the profiler on an accelerator: device events time the device-async collectives'
+        waits (zeroshard/comm/device_clock.py)."""
 
     def open(self, *, group: str, op: str, numel: int, dtype, elem_size: int, unit: str, phase: str,
              mesh: str = "", uneven: bool = False) -> CollectiveRecord:
@@ -174,9 +178,19 @@ class Ledger:
         self.complete(record, observed=True)
 
     def wait_returned(self, record: CollectiveRecord) -> None:
-        """A wait on ``record`` returned: it is complete, unless the device still runs it (NCCL)."""
+        """A wait on ``record`` returned: it is complete, unless the device still runs it (NCCL).
+
+        Then the record stays open (a device hang still shows), but the work, which holds the
+        collective's tensors (an int8 wire buffer, an all-to-all's, a reduce-scatter's output), is
+        swapped for an event behind it on the stream the wait ordered: the buffers are freed when
+        their user drops them, not at the next poll (every 256 collectives without a watchdog)."""
         if record.seq not in self._works:
             self.complete(record)
+            return
+        marker = stream_marker()
+        with self._lock:
+            if record.seq in self._works:
+                self._works[record.seq] = marker
 
     def poll(self) -> None:
         """Close device-async records whose work has finished (a no-op on gloo)."""
@@ -289,6 +303,7 @@ class Ledger:
             "next_seq": self._next_seq, "capacity": self.capacity, "step": self.step,
             "first_seq": records[0].seq if records else self._next_seq, "hash": self.hash,
             "in_flight": [r.seq for r in records if r.state is not CollectiveState.COMPLETED],
+            "on_device": sorted(self._works),  # still running on the device (NCCL), waited on or not
             "perf_counter": time.perf_counter(), **(extra or {}),
         }
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -314,6 +329,28 @@ def read_dump(path: str | Path) -> tuple[dict, list[dict]]:
             else:
                 records.append(obj)
     return header, records
+
+
+class _StreamMarker:
+    """An event recorded on the current stream: done once everything queued before it is. It has
+    the one method of a work the ledger asks (``is_completed``) and holds no tensor."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
+def stream_marker() -> _StreamMarker:
+    """A marker on the accelerator's current stream, recorded now (only device-async backends ask)."""
+    import torch  # here, not at the top: the doctor reads dumps without torch
+
+    event = torch.Event()
+    event.record()
+    return _StreamMarker(event)
 
 
 _PROCESS_LEDGER = Ledger()

@@ -20,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.devices import choose_backend, local_rank_device
 from zeroshard.comm.ledger import Ledger, process_ledger
 from zeroshard.comm.names import Dim, Group, group_of
 from zeroshard.comm.topology import Topology, UnevenHostsError
@@ -207,16 +208,8 @@ def all_meshes() -> list[Mesh]:
     return ([_MESH] if _MESH is not None else []) + _OTHER_MESHES
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return local_rank_device(backend)  # refuses more local ranks than GPUs on NCCL
 
 
 def _resolve_shard_size(shard_size: int | str | None, world: int) -> int:
@@ -317,8 +310,9 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
         if mesh_shape is not None or tp != 1 or ep != 1 or pp != 1:
             _check_existing_shape(_MESH, tp, mesh_shape, names, ep, pp)
         return _MESH
-    backend = backend or default_backend()
+    backend = choose_backend(backend)
     if not dist.is_initialized():
+        _device_for(backend)  # a device the machine cannot give is refused before any process group
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
             # Via our helper: after a torchrun restart the env:// store still holds the dead
@@ -534,7 +528,7 @@ def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
 
 
 def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return _device_for(dist.get_backend()).type
 
 
 def _stage_dp_group(world: int, rank: int, pp: int, tp: int):

@@ -21,6 +21,7 @@ import torch
 
 from zeroshard.comm import collectives
 from zeroshard.observing.doctor import analyse
+from zeroshard.comm.gather_rows import gather_rows
 from zeroshard.comm.mesh import get_mesh
 
 PHASE = "desync"
@@ -43,13 +44,11 @@ def check(step: int) -> int:
     ledger = collectives.get_ledger()
     mesh_world = collectives.group_size("world")
     # Snapshot before issuing: the check's own all-gather is not part of what it compares.
-    mine = torch.tensor([_MAGIC, step, ledger.next_seq, ledger.hash, get_mesh().pp_rank], dtype=torch.int64)
-    out = torch.empty(mesh_world * 5, dtype=torch.int64)
-    collectives.all_gather(out, mine, group="world", phase=PHASE)
-    rows = out.view(mesh_world, 5).tolist()
+    rows, moved = gather_rows([_MAGIC, step, ledger.next_seq, ledger.hash, get_mesh().pp_rank], dtype=torch.int64,
+                              group="world", phase=PHASE)
     first_of_stage = {row[4]: row for row in reversed(rows)}  # each pp rank's first row
     if all(row[2:4] == first_of_stage[row[4]][2:4] for row in rows):
-        return out.numel() * out.element_size()
+        return moved
     report = compare_recent(mesh_world)
     raise DesyncError(f"desync check at step {step}: {report['summary']}", report)
 

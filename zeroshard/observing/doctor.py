@@ -194,12 +194,17 @@ def blocked_at(header: dict, records: list[dict]) -> dict[str, Any] | None:
     stacks = header.get("stacks")
     if header.get("reason") in (None, "finished", "ring", "desync") and not stacks:
         return None
-    waiting = [r for r in records if r.get("state") != "completed" and r.get("wait_start") is not None]
+    # On NCCL a wait returns at once and the device runs the collectives in issue order, so every
+    # collective queued behind a stuck one is open too (waited on, or still running on the device):
+    # the stuck one is the oldest. On gloo the training thread blocks in one wait: the only one.
+    on_device = set(header.get("on_device", []))
+    waiting = [r for r in records if r.get("state") != "completed" and
+               (r.get("wait_start") is not None or r["seq"] in on_device)]
     main = next((t for t in stacks or [] if t.get("main")), None)
     out: dict[str, Any] = {"kind": "outside", "entry": None, "where": None,
                            "thread": main["thread"] if main else None, "stack": main["stack"] if main else []}
     if waiting:
-        record = waiting[-1]
+        record = min(waiting, key=lambda r: r["seq"])
         user = record.get("phase") == USER_PHASE
         out.update(kind="user" if user else "zeroshard", entry=_where(record),
                    where=header.get("user_calls", {}).get(str(record["seq"])) if user else None)

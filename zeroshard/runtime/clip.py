@@ -104,9 +104,22 @@ def sum_squares_over_shards(total: torch.Tensor, engine) -> None:
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale the gradient shards so the global norm is at most ``max_norm``; return the norm before clipping."""
     norm = grad_norm(model)
+    scale_grad_shards(get_engine(model).trainable_groups, norm, max_norm)
+    return norm
+
+
+def scale_grad_shards(groups, norm: torch.Tensor, max_norm: float) -> None:
+    """Multiply every group's grad shard by the clip coefficient of ``norm`` (computed where the norm
+    is, on the mesh's device). An offloaded (host) shard is scaled by a host copy of it, made once:
+    a CPU tensor cannot be multiplied by a CUDA one, only the reverse."""
     # Same arithmetic as torch.nn.utils.clip_grad_norm_: always multiply by the clamped coefficient.
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for group in get_engine(model).trainable_groups:
-        if group.grad_shard is not None:
-            group.grad_shard.mul_(coef.to(group.grad_shard.dtype))
-    return norm
+    on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    for group in groups:
+        grad = group.grad_shard
+        if grad is None:
+            continue
+        key = (grad.device, grad.dtype)
+        if key not in on:
+            on[key] = coef.to(device=grad.device, dtype=grad.dtype)
+        grad.mul_(on[key])

@@ -16,11 +16,14 @@ from zeroshard.runtime.flat import FlatGroup
 
 
 def gathered_master(group: FlatGroup, phase: Phase = Phase.STATE_DICT) -> torch.Tensor:
-    """The group's whole flat master buffer (a collective over its shard group)."""
+    """The group's whole flat master buffer, on the mesh's device (a collective over its shard
+    group). Offloaded masters live on the host, which NCCL does not take: they travel through the
+    device, one group at a time; on a CPU mesh nothing moves."""
+    device = group.mesh.device
     if group.shards == 1:
-        return group.shard
-    whole = torch.empty(group.layout.numel, dtype=group.shard.dtype, device=group.shard.device)
-    collectives.all_gather(whole, group.shard.contiguous(), group=Group.SHARD, unit=group.unit,
+        return group.shard.to(device)
+    whole = torch.empty(group.layout.numel, dtype=group.shard.dtype, device=device)
+    collectives.all_gather(whole, group.shard.to(device).contiguous(), group=Group.SHARD, unit=group.unit,
                            phase=phase, mesh=group.mesh)
     return whole
 
@@ -35,8 +38,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for slot, ref, spec in zip(group.layout.slots, group.refs, group.tp_specs):
             # A tensor-parallel param is gathered over tp too, into the model's own layout.
             value = tp.full_value(whole[slot.offset:slot.end].view(slot.shape), spec, unit=group.unit,
-                                  mesh=group.mesh).detach().clone()
+                                  mesh=group.mesh).detach()
             value = all_experts(value, group.mesh, unit=group.unit)  # an expert param: every ep rank's block
+            # A copy where the masters live: offloaded ones stay off the device (a whole model's worth).
+            value = value.to(group.shard.device, copy=True)
             for alias in ref.aliases:
                 out[alias] = value
     for module_name, module in model.named_modules():

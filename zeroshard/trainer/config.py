@@ -61,6 +61,11 @@ class TrainConfig:
     nproc: int = 2
     """Local processes to spawn. Ignored under torchrun, where WORLD_SIZE decides."""
 
+    backend: str | None = None
+    """The collective backend, gloo or nccl; None takes ZEROSHARD_BACKEND (how a torchrun job picks
+    one), else nccl where CUDA is visible and gloo elsewhere. NCCL runs one rank per GPU, so more
+    local ranks than GPUs is refused; gloo's ranks may share one."""
+
     batch: int = 16
     """GLOBAL batch in sequences per optimizer step, split evenly over ranks. It does not change
     with the world size, so runs at any world size see the same data."""
@@ -384,6 +389,8 @@ class TrainConfig:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
         if self.mp not in PARAM_DTYPES:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend={self.backend!r} is invalid; use gloo or nccl (or leave it unset for the default)")
         self._check_tp()
         self._check_ep()
         self._check_pp()

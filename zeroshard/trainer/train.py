@@ -252,8 +252,8 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     collective, and tearing down could block too. The launcher (or torchrun) stops the peers.
     """
     # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
-    mesh = init(timeout_s=process_group_timeout(cfg.hang_timeout_s), shard_size=cfg.shard_size, tp=cfg.tp,
-                   ep=cfg.ep, pp=cfg.pp, allow_cross_host=cfg.allow_cross_host)
+    mesh = init(backend=cfg.backend, timeout_s=process_group_timeout(cfg.hang_timeout_s),
+                   shard_size=cfg.shard_size, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, allow_cross_host=cfg.allow_cross_host)
     with observer_for(cfg) as obs:  # rank 0 names the run dir; every rank dumps its ledger there
         summary = train(dataclasses.replace(cfg, run_dir=str(obs.run_dir)), mesh, obs, reporter)
     shutdown()
@@ -262,7 +262,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
 
 def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Train quietly and return per-step losses; rank 0 also returns the full fp32 params."""
-    mesh = init(timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp, pp=cfg.pp,
+    mesh = init(backend=cfg.backend, timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp, pp=cfg.pp,
                    ep=cfg.ep, allow_cross_host=cfg.allow_cross_host)
     run = setup(cfg, mesh)
     for step in range(cfg.steps):

@@ -13,6 +13,10 @@ Pure functions of recorded timestamps, so they are tested on synthetic inputs.
   only time the collective is known to run is its wait, so that interval counts, fully exposed.
 - overlap ratio = 1 - exposed / busy over the training collectives (metric and desync all-reduces
   are left out: they are blocking by design).
+- On an accelerator with a device-async backend (NCCL) a wait returns at once, so the profiler times
+  those waits with device events instead (zeroshard/comm/device_clock.py): ``waited`` is the compute
+  stream's stall and [start, end] runs from the issue to the wait on the device. A profile's
+  ``wait_clock`` says which ("host" or "device").
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ def profile_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
         *breakdown_rows(p["breakdown_mean_s"]),
         ("collectives / step", f"{p['comm_bytes_per_step'] / 2**20:,.1f} MiB, busy {_ms(p['comm_busy_s_per_step'])}, "
                                f"exposed {_ms(p['comm_exposed_s_per_step'])}"),
-        ("overlap ratio", f"{_pct(p['overlap'])} (1 - exposed / busy)"),
+        ("overlap ratio", f"{_pct(p['overlap'])} (1 - exposed / busy"
+                          f"{', waits timed by device events' if p.get('wait_clock') == 'device' else ''})"),
         ("all-gather windows / step", f"{p['ag_windows_per_step']:.0f} (max {p['max_unsharded_units']} units unsharded at once)"),
         ("peak memory", f"{p['mem_peak_mb']:,.0f} MiB ({p['mem_source']}, rank 0)"),
         ("samples/s / tokens/s", f"{p['samples_per_s']:,.1f} / {p['tokens_per_s']:,.0f}"),

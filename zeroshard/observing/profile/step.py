@@ -21,6 +21,8 @@ from typing import Any, Literal, TextIO
 import torch
 
 from zeroshard.comm import collectives
+from zeroshard.comm.device_clock import WAIT_CLOCKS, DeviceClock
+from zeroshard.comm.gather_rows import gather_rows
 from zeroshard.observing.profile import timeline as tl
 from zeroshard.observing.profile.breakdown import PHASES, breakdown, comm_stats, percentile
 from zeroshard.observing.profile.flops import utilisation
@@ -52,6 +54,7 @@ class StepProfiler:
         self._last: tuple | None = None
         self._window_seq = 0
         self.pipeline: PipelineClock | None = None
+        self._clock = DeviceClock(device) if device.type != "cpu" else None
 
     def watch_pipeline(self, pipeline: Any) -> None:
         """Under pp: time each of ``pipeline``'s stages (a ``zeroshard.parallel.pipeline.Pipeline``) from its
@@ -70,6 +73,8 @@ class StepProfiler:
             folder.mkdir(parents=True, exist_ok=True)
             self._file = (folder / f"rank-{self.rank}.jsonl").open("w")
         tl.activate(self.timeline)
+        if self._clock is not None:  # NCCL's waits return at once: time them on the device
+            self.ledger.clock = self._clock
         events = getattr(self.engine, "events", None)
         if events is not None:
             # Memory is sampled where the runtime gathers or frees a unit: the steps of the chart.
@@ -83,6 +88,8 @@ class StepProfiler:
 
     def __exit__(self, *exc) -> Literal[False]:
         tl.activate(None)
+        if self.ledger.clock is self._clock:
+            self.ledger.clock = None
         if self._subscription is not None:
             self._subscription.remove()
             self._subscription = None
@@ -120,6 +127,9 @@ class StepProfiler:
     def end(self, step: int, tokens: int | None = None) -> dict[str, Any]:
         """After step ``step`` (0-based): its profile (also kept, and written to the rank's file).
         ``tokens``: the global batch's tokens this step, when they differ from ``tokens_per_step``."""
+        # On an accelerator: one sync, after which the step's waits carry device-measured times.
+        clock = self._clock if self._clock is not None and self.ledger.clock is self._clock else None
+        timed_on_device = clock.settle(self.ledger) if clock is not None else 0
         now = time.perf_counter()
         self.ledger.poll()
         records = self.ledger.since(self._window_seq)
@@ -131,6 +141,7 @@ class StepProfiler:
         parts = breakdown(spans, records, step_s)
         prof: dict[str, Any] = {"step": step + 1, "step_s": step_s, **{f"{k}_s": v for k, v in parts.items()}}
         prof.update(comm_stats(records))
+        prof["wait_clock"] = "device" if timed_on_device else "host"  # what the waits measured: WAIT_CLOCKS
         prof.update(self._memory(samples))
         if self.pipeline is not None:
             prof["pipeline"] = self.pipeline.take(spans)
@@ -173,11 +184,8 @@ class StepProfiler:
         busy = sum(s["comm_busy_s"] for s in steps)
         exposed = sum(s["comm_exposed_s"] for s in steps)
         compute = sum(s["step_s"] - s["comm_exposed_s"] for s in steps) / max(1, len(steps))
-        mine = torch.tensor([percentile(times, 50), percentile(times, 99), sum(times) / len(times), compute],
-                            dtype=torch.float64)
-        out_t = torch.empty(self.world * 4, dtype=torch.float64)
-        collectives.all_gather(out_t, mine, group="world", phase="metrics")
-        per_rank = out_t.view(self.world, 4).tolist()
+        per_rank, _ = gather_rows([percentile(times, 50), percentile(times, 99), sum(times) / len(times), compute],
+                                  dtype=torch.float64, group="world", phase="metrics")
         # The straggler is the rank the others wait for: the most time busy outside collective waits.
         straggler = max(range(self.world), key=lambda r: per_rank[r][3])
         n = max(1, len(steps))
@@ -197,6 +205,8 @@ class StepProfiler:
             "comm_busy_s_per_step": busy / n,
             "comm_exposed_s_per_step": exposed / n,
             "overlap": None if busy <= 0 else min(1.0, max(0.0, 1.0 - exposed / busy)),
+            "wait_clock": (clock := "device" if any(s.get("wait_clock") == "device" for s in steps) else "host"),
+            "wait_clock_means": WAIT_CLOCKS[clock],
             "ag_windows_per_step": sum(s["ag_windows"] for s in steps) / n,
             "max_unsharded_units": max((s.get("max_unsharded_units", 0) for s in self.steps), default=0),
             "mem_peak_mb": max((s["mem_peak_mb"] for s in self.steps), default=0.0),

@@ -38,7 +38,7 @@ from zeroshard.parallel.pipeline.split import explicit_split, even_split
 from zeroshard.parallel.pipeline.stage import LedgeredStage
 from zeroshard.parallel.pipeline.tied import find_tied, sum_tied_grad, sum_tied_reduced_grad, untie_copy
 from zeroshard.runtime import get_engine, no_sync, optimizer, shard
-from zeroshard.runtime.clip import local_squares, sum_squares_over_shards
+from zeroshard.runtime.clip import local_squares, scale_grad_shards, sum_squares_over_shards
 from zeroshard.runtime.compiled import CompileArg
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.state import full_state_dict
@@ -223,11 +223,7 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """As zs.clip_grad_norm_, over the norm of every stage; returns the norm before clipping."""
         norm = self.grad_norm()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for module in self.modules:
-            for group in get_engine(module).trainable_groups:
-                if group.grad_shard is not None:
-                    group.grad_shard.mul_(coef.to(group.grad_shard.dtype))
+        scale_grad_shards([g for module in self.modules for g in get_engine(module).trainable_groups], norm, max_norm)
         return norm
 
     def optimizers(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> list[torch.optim.Optimizer]:
@@ -242,10 +238,12 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every param of the whole model at full size under the unsharded model's names, on every
-        rank (collective: each stage gathers its shards, then the stages exchange theirs over pp)."""
+        rank, on the host (collective: each stage gathers its shards, then the stages exchange theirs
+        over pp). They travel pickled, so they are moved to the host first: a pickled CUDA tensor is
+        unpickled onto its sender's device on every receiver."""
         mine: dict[str, torch.Tensor] = {}
         for module in self.modules:
-            mine.update(full_state_dict(module))
+            mine.update({name: value.cpu() for name, value in full_state_dict(module).items()})
         parts = collectives.all_gather_object(mine, group=Group.PP, phase=Phase.STATE_DICT, mesh=self.mesh)
         out: dict[str, torch.Tensor] = {}
         for part in parts:

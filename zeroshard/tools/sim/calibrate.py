@@ -73,21 +73,40 @@ def _issue(op: str, full, shard, async_op: bool = False, group: str = "world"):
     return collectives.all_reduce(full, group=group, phase="calibrate", async_op=async_op)
 
 
+def group_device():
+    """The device the mesh's collectives run on (NCCL takes no host tensors); the CPU on gloo."""
+    from zeroshard.comm.mesh import get_mesh
+
+    return get_mesh().device
+
+
+def settle() -> None:
+    """Let the current stream's queued work finish before the clock is read: on an accelerator a
+    kernel, or a collective the stream was made to wait for, returns to the host once queued. A
+    no-op on the CPU, where everything has run by the time the call returns."""
+    import torch
+
+    device = group_device()
+    if device.type != "cpu":
+        torch.accelerator.current_stream(device).synchronize()
+
+
 def _time_op(op: str, sizes: tuple[int, ...], repeats: int, p: int, group: str = "world") -> list[tuple[float, float]]:
     import torch
 
     from zeroshard.comm import collectives
 
-    out = []
+    out, device = [], group_device()
     for nbytes in sizes:
         numel = max(p, nbytes // 4 // p * p)
-        full = torch.zeros(numel)
-        shard = torch.ones(numel // p)
+        full = torch.zeros(numel, device=device)
+        shard = torch.ones(numel // p, device=device)
         times = []
         for _ in range(repeats + 1):  # the first call pays connection setup
             collectives.barrier(phase="calibrate")
             start = time.perf_counter()
             _issue(op, full, shard, group=group)
+            settle()
             times.append(time.perf_counter() - start)
         out.append((float(numel * 4), statistics.median(times[1:])))
     return out
@@ -112,6 +131,7 @@ def _once(fn) -> float:
     collectives.barrier(phase="calibrate")
     start = time.perf_counter()
     fn()
+    settle()
     return time.perf_counter() - start
 
 
@@ -206,8 +226,9 @@ def _contention(probe: UnitProbe, repeats: int, p: int) -> dict[str, float]:
 
     one = _median_times(lambda: run_blocks(1), repeats)
     out = {}
+    device = group_device()
     for op in OPS:
-        full, shard = torch.zeros(numel), torch.ones(numel // p)
+        full, shard = torch.zeros(numel, device=device), torch.ones(numel // p, device=device)
         m = _median_times(lambda: _issue(op, full, shard), repeats)
         n = max(1, math.ceil(2 * m / max(one, 1e-9)))
         lost = []
@@ -217,9 +238,11 @@ def _contention(probe: UnitProbe, repeats: int, p: int) -> dict[str, float]:
             start = time.perf_counter()
             pending = _issue(op, full, shard, async_op=True)
             run_blocks(n)
+            settle()  # the compute only: the stream waits for the collective at the wait, not before
             c2 = time.perf_counter() - start
             done = pending.is_done()
             pending.wait()
+            settle()
             both = time.perf_counter() - start
             under = m if done else m * c2 / both
             lost.append(max(0.0, c2 - c) / under)
@@ -237,10 +260,12 @@ def _concurrency(repeats: int, p: int, sub: int | None, numel: int) -> dict[int,
 
     from zeroshard.comm import collectives
 
+    device = group_device()
+
     def make(op: str, group: str):
         g = collectives.group_size(group)
         n = max(g, numel // g * g)
-        return op, torch.zeros(n), torch.ones(n // g), group
+        return op, torch.zeros(n, device=device), torch.ones(n // g, device=device), group
 
     def timed(ops) -> float:
         def run() -> None:
