@@ -60,6 +60,8 @@ def test_zs_init_refuses_before_any_process_group(two_gpus, monkeypatch):
 
     import zeroshard as zs
 
+    # An earlier test in this worker may have left its one-process world up; init would return it.
+    zs.shutdown()
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     monkeypatch.delenv("RANK", raising=False)
