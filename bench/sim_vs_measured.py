@@ -93,7 +93,7 @@ def predict(cfg: TrainConfig, hw, micro_batch: int):
 
     shape = gpt_shape(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len), cfg.model)
     w = Workload(shape=shape, micro_batch=micro_batch, seq=cfg.seq_len, compute_bytes=4)
-    layout = Layout(world=cfg.nproc, stage=cfg.stage, shards=cfg.shard_size, prefetch=cfg.engine.prefetch,
+    layout = Layout.of(world=cfg.nproc, stage=cfg.stage, shards=cfg.shard_size, prefetch=cfg.engine.prefetch,
                     bucket_mb=cfg.engine.bucket_mb, reshard_after_forward=cfg.engine.reshard_after_forward,
                     param_bytes=4, reduce_bytes=4)
     return simulate(w, hw, layout)

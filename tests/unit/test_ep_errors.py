@@ -7,19 +7,19 @@ import torch
 
 import zeroshard as zs
 from zeroshard.cli.main import main
-from zeroshard.comm.mesh import _ep_of_shape, _from_mesh_shape, check_ep_layout
+from zeroshard.comm.dims import ParallelDims, check_ep_layout
 from zeroshard.trainer.config import TrainConfig, config_from_sources
 from zeroshard.parallel.experts import ExpertParallelError, check_ep, moe_layers
 from zeroshard.models import GPT, GPTConfig
 
 
 def test_ep_in_a_named_shape_is_carved_out_of_the_dense_shard():
-    assert _from_mesh_shape((2, 2), ("shard", "ep"), 4) == (4, 1) and _ep_of_shape((2, 2), ("shard", "ep")) == 2
-    assert _from_mesh_shape((2, 2, 2), ("replicate", "shard", "ep"), 8) == (4, 1)
+    assert ParallelDims.from_shape((2, 2), ("shard", "ep"), 4) == ParallelDims(shard=4, ep=2)
+    assert ParallelDims.from_shape((2, 2, 2), ("replicate", "shard", "ep"), 8) == ParallelDims(replicate=2, shard=4, ep=2)
     with pytest.raises(ValueError, match=r"mesh_shape \(2, 2\) covers 4 ranks but the world has 8"):
-        _from_mesh_shape((2, 2), ("shard", "ep"), 8)
+        ParallelDims.from_shape((2, 2), ("shard", "ep"), 8)
     with pytest.raises(ValueError, match="in that order"):
-        _from_mesh_shape((2, 2), ("ep", "shard"), 4)
+        ParallelDims.from_shape((2, 2), ("ep", "shard"), 4)
 
 
 @pytest.mark.parametrize("ep, dp, tp, message", [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.comm.mesh import _dims_of_shape
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.parallel.pipeline.families import GPT_FAMILY, StageModule, block_names
@@ -57,6 +57,11 @@ def test_schedule_rules_are_one_line():
         with pytest.raises(ValueError, match=message) as e:
             call()
         assert "\n" not in str(e.value)
+
+
+def _dims_of_shape(shape, names, world):
+    dims = ParallelDims.from_shape(shape, names, world)
+    return dims.shard, dims.tp, dims.pp
 
 
 def test_mesh_shape_names_pp_outermost():

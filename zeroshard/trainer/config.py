@@ -288,7 +288,7 @@ class TrainConfig:
     def _check_ep(self) -> None:
         if self.ep == 1:
             return
-        # ep borrows its ranks from dp x tp (zeroshard/comm/mesh.py's check_ep_layout, the same rule), inside
+        # ep borrows its ranks from dp x tp (zeroshard/comm/dims.py's check_ep_layout, the same rule), inside
         # each pipeline stage under pp.
         pp = self.pp if self.pp >= 1 and self.nproc % self.pp == 0 else 1
         ranks, where = self.nproc // pp, " of a pipeline stage" if pp > 1 else ""

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.comm import get_ledger as zs_ledger
-from zeroshard.comm.mesh import init, shutdown
+from zeroshard.comm.mesh import shutdown
+from zeroshard.comm.world import init
 from zeroshard.observing import observe as zs_observe
 from zeroshard.runtime import full_state_dict as zs_full_state_dict, optim_groups, precision_manifest
 from zeroshard.comm import fault_points as fault_points
