@@ -70,7 +70,7 @@ class ParallelDims:
             _positive(name, getattr(self, name))
         if self.cp != 1:
             raise ValueError(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
-        check_ep_layout(self.ep, self.dp, self.tp)
+        check_ep_layout(self.ep, self.dp, self.tp, self.pp)
 
     # ------------------------------------------------------------------ construction
 
@@ -226,7 +226,7 @@ class ParallelDims:
         return build_mesh(self, topology, name=name, ledger=ledger, allow_cross_host=allow_cross_host)
 
 
-def check_ep_layout(ep: Any, dp: int, tp: int) -> None:
+def check_ep_layout(ep: Any, dp: int, tp: int, pp: int = 1) -> None:
     """One line naming the problem and the fix, before any group exists. ep borrows its ranks from
     dp x tp (the experts are not tensor parallel): an ep group is whole tp groups (ep a multiple of
     tp) or a tp group is whole ep groups (tp a multiple of ep), so the two stay aligned."""
@@ -235,6 +235,7 @@ def check_ep_layout(ep: Any, dp: int, tp: int) -> None:
     world = dp * tp
     if world % ep:
         ranks = f"{dp} data-parallel ranks" if tp == 1 else f"{world} data-parallel x tp ranks (dp {dp} x tp {tp})"
+        ranks += " of a pipeline stage" if pp > 1 else ""
         raise ValueError(f"ep={ep} does not divide the {ranks}, so its product with the expert-data-parallel ranks "
                          f"is not the world size; pick a divisor of {world}")
     if tp > 1 and ep % tp and tp % ep:

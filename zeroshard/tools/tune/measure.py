@@ -188,7 +188,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
             try:
                 if i not in built:
                     faults.point("tune.build", candidate=cand.name)
-                    cfg = dataclasses.replace(base, **cand.train_keys())
+                    cfg = base.replace(**cand.train_keys())
                     built[i] = _Built(cfg, meshes[cfg.ep])
                     for _ in range(spec.warmup):
                         built[i].step(x, y)
