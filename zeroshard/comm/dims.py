@@ -11,8 +11,8 @@ reduce-scatter, and only the all-reduce of already-reduced shards crosses replic
 
 ``ep`` is not a factor of the world of its own: an ep group is a run of ``ep`` consecutive ranks
 borrowed from each stage's data-parallel x tp ranks (docs/expert_parallel.md). ``cp`` (context
-parallelism) has its place in the object and in every formula that will read it, and is 1 until the
-runtime splits sequences.
+parallelism) has its place in the object and in a stage's size, and must be 1 until the runtime
+splits sequences (its ranks will then sit between shard and tp in the arithmetic below).
 
 The mesh, the step schedule, the planner's ``PlanSpec`` and the simulator's ``Layout`` all hold one
 of these; none of them keeps a degree of its own.
@@ -44,7 +44,7 @@ MESH_DIMS = ("pp", "replicate", "shard", "tp")
 
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int (1 is no {name} parallelism)")
+        raise ValueError(f"{name}={value!r} must be a positive int (1 is no split along {name})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
