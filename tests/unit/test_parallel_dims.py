@@ -1,5 +1,6 @@
-"""One ParallelDims per layout the suite runs: the mesh it builds, the planner's spec and the
-simulator's layout all read their sizes from it, and none of them keeps a degree of its own.
+"""One ParallelDims per layout the suite runs: the mesh it builds, the planner's spec, the
+simulator's layout and the run's config all read their sizes from it, and none of them keeps a
+degree of its own.
 
 The mesh is built in this process over torch's "fake" process group (any world size, no peers), so
 each layout's real groups are checked against the rank arithmetic without spawning ranks.
@@ -21,6 +22,7 @@ from zeroshard.comm.world import resolve_dims
 from zeroshard.tools.planner.api import plan_dims
 from zeroshard.tools.planner.spec import PlanSpec
 from zeroshard.tools.sim.step import Layout
+from zeroshard.trainer.config import TrainConfig
 
 LAYOUTS = [
     ParallelDims(),                                   # one process
@@ -105,6 +107,11 @@ def test_the_mesh_the_spec_and_the_layout_read_one_parallel_dims(dims, fake_worl
     assert asked == dims
     # zs.init's arguments resolve to the same dims too.
     assert resolve_dims(world=dims.world, pp=dims.pp, tp=dims.tp, ep=dims.ep, shard_size=dims.shard) == dims
+
+    # The run's config: its [parallel] degrees over nproc ranks make the same dims.
+    cfg = TrainConfig(model="tiny-moe" if dims.ep > 1 else "tiny", nproc=dims.world, pp=dims.pp, tp=dims.tp,
+                      ep=dims.ep, shard_size=dims.shard if dims.hybrid else None, batch=dims.dp * 2)
+    assert cfg.dims == dims
 
     # The simulator prices one stage: its layout holds that stage's dims.
     stage = dataclasses.replace(dims, pp=1)
