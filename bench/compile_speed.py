@@ -14,7 +14,6 @@ agree (the step is zeroshard.trainer.train.train_step, the one training step).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -37,7 +36,7 @@ def worker(cfg: TrainConfig, steps: int, repeats: int) -> dict:
     from zeroshard.trainer.train import setup
 
     mesh = zs.init()
-    runs = {"eager": setup(cfg, mesh), "compiled": setup(dataclasses.replace(cfg, compile=True), mesh)}
+    runs = {"eager": setup(cfg, mesh), "compiled": setup(cfg.replace(compile=True), mesh)}
     first = {name: _timed_step(run, 0)[0] for name, run in runs.items()}
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     losses: dict[str, list[float]] = {"eager": [], "compiled": []}

@@ -98,7 +98,7 @@ def predict(cfg: TrainConfig, hw, micro_batch: int, cores: int):
 
     shape = gpt_shape(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len), cfg.model)
     w = Workload(shape=shape, micro_batch=micro_batch, seq=cfg.seq_len, compute_bytes=4)
-    layout = Layout(world=cfg.nproc // cfg.pp, stage=cfg.stage, param_bytes=4, reduce_bytes=4)
+    layout = Layout.of(world=cfg.nproc // cfg.pp, stage=cfg.stage, param_bytes=4, reduce_bytes=4)
     # Unit times taken with one rank per core (world = cores); the replay shares the cores out.
     per_rank = stages_per_rank(schedule_spec(cfg.pp_schedule), cfg.pp_stages_per_rank)
     return simulate_pipeline(w, hw, layout, pp=cfg.pp, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,

@@ -23,7 +23,6 @@ off in both (the simulator has no clipping term); fp32 throughout, as ``zeroshar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -75,9 +74,9 @@ def configs(args: argparse.Namespace, world: int) -> list[list[TrainConfig]]:
     """The configs of one world size, one list per spawned group (one mesh shape each)."""
     base = TrainConfig(model=args.model, nproc=world, batch=args.micro_batch * world, seq_len=args.seq,
                        clip=0.0, num_samples=max(64, args.micro_batch * world), steps=1000, warmup=0)
-    groups = [[dataclasses.replace(base, stage=s) for s in (0, 1, 2, 3)]]
+    groups = [[base.replace(stage=s) for s in (0, 1, 2, 3)]]
     if world == 4:
-        groups.append([dataclasses.replace(base, stage=s, shard_size=2) for s in (2, 3)])
+        groups.append([base.replace(stage=s, shard_size=2) for s in (2, 3)])
     return groups
 
 
@@ -93,7 +92,7 @@ def predict(cfg: TrainConfig, hw, micro_batch: int):
 
     shape = gpt_shape(GPTConfig.named(cfg.model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len), cfg.model)
     w = Workload(shape=shape, micro_batch=micro_batch, seq=cfg.seq_len, compute_bytes=4)
-    layout = Layout(world=cfg.nproc, stage=cfg.stage, shards=cfg.shard_size, prefetch=cfg.engine.prefetch,
+    layout = Layout.of(world=cfg.nproc, stage=cfg.stage, shards=cfg.shard_size, prefetch=cfg.engine.prefetch,
                     bucket_mb=cfg.engine.bucket_mb, reshard_after_forward=cfg.engine.reshard_after_forward,
                     param_bytes=4, reduce_bytes=4)
     return simulate(w, hw, layout)

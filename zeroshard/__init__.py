@@ -24,7 +24,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "get_mesh": ("zeroshard.comm.mesh", "get_mesh"),
     "grad_norm": ("zeroshard.runtime", "grad_norm"),
     "Group": ("zeroshard.comm.names", "Group"),
-    "init": ("zeroshard.comm.mesh", "init"),
+    "init": ("zeroshard.comm.world", "init"),
     "ledger": ("zeroshard.comm", "get_ledger"),
     "load": ("zeroshard.checkpoint", "load"),
     "load_pretrained": ("zeroshard.checkpoint.hf", "load_pretrained"),
@@ -33,13 +33,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "meta_init": ("zeroshard.runtime.materialize", "meta_init"),
     "MixedPrecision": ("zeroshard.runtime", "MixedPrecision"),
     "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
-    "new_mesh": ("zeroshard.comm.mesh", "new_mesh"),
+    "new_mesh": ("zeroshard.comm.world", "new_mesh"),
     "no_sync": ("zeroshard.runtime", "no_sync"),
     "observe": ("zeroshard.observing", "observe"),
     "Observer": ("zeroshard.observing", "Observer"),
     "OffloadPolicy": ("zeroshard.runtime.offload", "OffloadPolicy"),
     "optim_groups": ("zeroshard.runtime", "optim_groups"),
     "optimizer": ("zeroshard.runtime", "optimizer"),
+    "ParallelDims": ("zeroshard.comm.dims", "ParallelDims"),
     "Phase": ("zeroshard.comm.names", "Phase"),
     "plan": ("zeroshard.tools.planner", "plan"),
     "precision_manifest": ("zeroshard.runtime", "precision_manifest"),
@@ -76,7 +77,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.checkpoint import CheckpointError, load, save  # type: ignore[no-redef]  # also module names there
     from zeroshard.comm import get_ledger as ledger
-    from zeroshard.comm.mesh import Mesh, get_mesh, init, new_mesh, shutdown
+    from zeroshard.comm.mesh import Mesh, get_mesh, shutdown
+    from zeroshard.comm.world import init, new_mesh
+    from zeroshard.comm.dims import ParallelDims
     from zeroshard.comm.names import Dim, Group, Phase
     from zeroshard.parallel.experts import MoELayer, expert_parallel
     from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained

@@ -59,7 +59,7 @@ def test_runtime_hooks_are_never_traced():
 
 def test_config_compile_flag():
     cfg = TrainConfig(compile=True, compile_backend="aot_eager")
-    assert cfg.compile and cfg.compile_backend == "aot_eager"
+    assert cfg.compile.enabled and cfg.compile_backend == "aot_eager"
     with pytest.raises(ValueError, match="compile_backend='tvm' is invalid"):
         TrainConfig(compile=True, compile_backend="tvm")
 

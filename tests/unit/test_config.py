@@ -20,7 +20,7 @@ from zeroshard.trainer.config import (
 
 def test_defaults_are_valid() -> None:
     cfg = TrainConfig()
-    assert cfg.stage == 0 and cfg.mp == "fp32" and cfg.data is None
+    assert cfg.stage == 0 and cfg.mp == "fp32" and cfg.data.path is None
     assert cfg.to_dict()["batch"] == cfg.batch
 
 

@@ -7,19 +7,20 @@ import torch
 
 import zeroshard as zs
 from zeroshard.cli.main import main
-from zeroshard.comm.mesh import _ep_of_shape, _from_mesh_shape, check_ep_layout
+from zeroshard.comm.dims import ParallelDims, check_ep_layout
 from zeroshard.trainer.config import TrainConfig, config_from_sources
+from zeroshard.trainer.config_checks import check_runnable
 from zeroshard.parallel.experts import ExpertParallelError, check_ep, moe_layers
 from zeroshard.models import GPT, GPTConfig
 
 
 def test_ep_in_a_named_shape_is_carved_out_of_the_dense_shard():
-    assert _from_mesh_shape((2, 2), ("shard", "ep"), 4) == (4, 1) and _ep_of_shape((2, 2), ("shard", "ep")) == 2
-    assert _from_mesh_shape((2, 2, 2), ("replicate", "shard", "ep"), 8) == (4, 1)
+    assert ParallelDims.from_shape((2, 2), ("shard", "ep"), 4) == ParallelDims(shard=4, ep=2)
+    assert ParallelDims.from_shape((2, 2, 2), ("replicate", "shard", "ep"), 8) == ParallelDims(replicate=2, shard=4, ep=2)
     with pytest.raises(ValueError, match=r"mesh_shape \(2, 2\) covers 4 ranks but the world has 8"):
-        _from_mesh_shape((2, 2), ("shard", "ep"), 8)
+        ParallelDims.from_shape((2, 2), ("shard", "ep"), 8)
     with pytest.raises(ValueError, match="in that order"):
-        _from_mesh_shape((2, 2), ("ep", "shard"), 4)
+        ParallelDims.from_shape((2, 2), ("ep", "shard"), 4)
 
 
 @pytest.mark.parametrize("ep, dp, tp, message", [
@@ -114,9 +115,9 @@ def test_pp_takes_moe_folders_but_refuses_their_router_logits_loss_in_one_line(t
 
     config = {"model_type": "mixtral", "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert TrainConfig(model=str(tmp_path), nproc=4, pp=2, ep=2, batch=8).pp == 2
+    assert check_runnable(TrainConfig(model=str(tmp_path), nproc=4, pp=2, ep=2, batch=8)).pp == 2
     (tmp_path / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
                                                       "router_aux_loss_coef": 0.02}))
     with pytest.raises(ValueError, match="asks for its routers' load-balancing loss") as err:
-        TrainConfig(model=str(tmp_path), nproc=4, pp=2, ep=2, batch=8)
+        check_runnable(TrainConfig(model=str(tmp_path), nproc=4, pp=2, ep=2, batch=8))
     assert "\n" not in str(err.value) and "output_router_logits to false" in str(err.value)

@@ -87,10 +87,11 @@ def test_zero1_bf16_exact_toml():
     comments = [ln for ln in text.splitlines() if ln.startswith("#")]
     assert comments[0] == "# Converted from the DeepSpeed config ds.json by `zeroshard config from-deepspeed`."
     assert comments[1:] == [f"# {ln}".rstrip() for ln in conv.table().splitlines()]
-    assert text.splitlines()[len(comments):] == [  # TrainConfig's field order
-        "stage = 1", "nproc = 8", "batch = 256", "steps = 1000", "lr = 0.0003", f"min_lr = {3e-4 * 0.1!r}",
-        "warmup = 100", 'warmup_shape = "linear"', "weight_decay = 0.1", "clip = 1.0", "accum = 4",
-        f"bucket_mb = {5e8 * 4 / 2**20!r}", 'mp = "bf16"', "log_every = 50"]
+    assert text.splitlines()[len(comments):] == [  # the top-level keys, then each section's table
+        "stage = 1", "nproc = 8", 'mp = "bf16"', "", "[data]", "batch = 256", "", "[optim]", "steps = 1000",
+        "lr = 0.0003", f"min_lr = {3e-4 * 0.1!r}", "warmup = 100", 'warmup_shape = "linear"', "weight_decay = 0.1",
+        "clip = 1.0", "accum = 4", "", "[observe]", "log_every = 50", "", "[engine]",
+        f"bucket_mb = {5e8 * 4 / 2**20!r}"]
     rows = {d.key: d for d in conv.decisions}
     assert rows["train_batch_size"].source == "the JSON" and rows["gradient_accumulation_steps"].became == "accum = 4"
     assert "derived" in rows["gradient_accumulation_steps"].source

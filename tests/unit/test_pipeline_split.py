@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.comm.mesh import _dims_of_shape
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.config_checks import check_runnable
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.parallel.pipeline.families import GPT_FAMILY, StageModule, block_names
 from zeroshard.parallel.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
@@ -59,6 +60,11 @@ def test_schedule_rules_are_one_line():
         assert "\n" not in str(e.value)
 
 
+def _dims_of_shape(shape, names, world):
+    dims = ParallelDims.from_shape(shape, names, world)
+    return dims.shard, dims.tp, dims.pp
+
+
 def test_mesh_shape_names_pp_outermost():
     assert _dims_of_shape((2, 2), ("pp", "shard"), 4) == (2, 1, 2)
     assert _dims_of_shape((2, 1, 2), ("pp", "shard", "tp"), 4) == (1, 2, 2)
@@ -74,7 +80,7 @@ def test_train_config_takes_meta_init_under_pp():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"])
 def test_train_config_takes_compile_under_every_schedule_with_one_backward_pass(schedule):
-    assert TrainConfig(pp=2, nproc=4, batch=8, compile=True, pp_schedule=schedule).compile
+    assert TrainConfig(pp=2, nproc=4, batch=8, compile=True, pp_schedule=schedule).compile.enabled
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -91,7 +97,7 @@ def test_train_config_takes_compile_under_every_schedule_with_one_backward_pass(
 ])
 def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
     with pytest.raises(ValueError, match=message) as e:
-        TrainConfig(**kw)
+        check_runnable(TrainConfig(**kw))
     assert "\n" not in str(e.value)
 
 
@@ -104,11 +110,12 @@ def test_a_pretrained_folder_is_cut_by_its_config(tmp_path):
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         return str(tmp_path / name)
 
-    assert TrainConfig(pp=2, nproc=4, batch=8, model=folder("llama", model_type="llama", num_hidden_layers=4)).pp == 2
+    assert check_runnable(TrainConfig(pp=2, nproc=4, batch=8, model=folder("llama", model_type="llama",
+                                                                           num_hidden_layers=4))).pp == 2
     for model, message in [(folder("odd", model_type="qwen2", num_hidden_layers=3), "does not divide the 3 blocks"),
                            (folder("gpt2", model_type="gpt2", num_hidden_layers=4),
                             "the 'gpt2' model in .* cannot be cut into pipeline stages")]:
         with pytest.raises(ValueError, match=message) as e:
-            TrainConfig(pp=2, nproc=4, batch=8, model=model)
+            check_runnable(TrainConfig(pp=2, nproc=4, batch=8, model=model))
         assert "\n" not in str(e.value)
 

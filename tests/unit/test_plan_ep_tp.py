@@ -112,7 +112,7 @@ def _sim(world: int, tp: int, ep: int, stage: int, seq: int = SEQ, batch: int = 
 
     w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=batch // (world // tp * ACCUM), seq=seq, accum=ACCUM,
                  compute_bytes=4)
-    return simulate(w, load_hardware("h100"), Layout(world=world, stage=stage, ep=ep, tp=tp, param_bytes=4))
+    return simulate(w, load_hardware("h100"), Layout.of(world=world, stage=stage, ep=ep, tp=tp, param_bytes=4))
 
 
 def test_the_simulator_moves_the_planners_ep_and_tp_bytes():
@@ -137,10 +137,10 @@ def test_the_simulators_expert_groups_span_world_over_ep():
     of the experts over those ranks."""
     from zeroshard.tools.sim.step import Layout
 
-    assert Layout(world=4, stage=3, tp=2, ep=2).expert_group == 2
-    assert Layout(world=4, stage=3, tp=2, ep=4).expert_group == 1
-    assert Layout(world=8, stage=3, tp=4, ep=2).expert_group == 4
-    assert Layout(world=8, stage=3, ep=2).expert_group == 4  # without tp: dp / ep
+    assert Layout.of(world=4, stage=3, tp=2, ep=2).expert_group == 2
+    assert Layout.of(world=4, stage=3, tp=2, ep=4).expert_group == 1
+    assert Layout.of(world=8, stage=3, tp=4, ep=2).expert_group == 4
+    assert Layout.of(world=8, stage=3, ep=2).expert_group == 4  # without tp: dp / ep
 
 
 def test_the_tp_gathers_are_priced_on_the_tp_link():
@@ -153,7 +153,7 @@ def test_the_tp_gathers_are_priced_on_the_tp_link():
     from zeroshard.tools.sim.workload import Workload, gpt_shape
 
     hw = load_hardware("h100")
-    layout = Layout(world=4, stage=3, tp=2, ep=2, param_bytes=4)
+    layout = Layout.of(world=4, stage=3, tp=2, ep=2, param_bytes=4)
     w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=2, seq=SEQ, compute_bytes=4)
     a2a = _AllToAlls(w, layout, CommLink(hw, layout))
     rows = 2 * run_of(w.tokens, 2, 0)[2] * 4  # tp x c rows, fp32
@@ -165,7 +165,7 @@ def test_the_tp_gathers_are_priced_on_the_tp_link():
     weights = collective_seconds("all_gather", rows * CFG.expert_top_k, 2, hw, spans=False)
     assert backward == pytest.approx(2 * a2a.exchange + gather + weights)
     assert out.tp_bytes == rows * (2 * CFG.n_embd + CFG.expert_top_k)
-    without_tp = _AllToAlls(w, Layout(world=4, stage=3, ep=2, param_bytes=4), CommLink(hw, layout))
+    without_tp = _AllToAlls(w, Layout.of(world=4, stage=3, ep=2, param_bytes=4), CommLink(hw, layout))
     assert without_tp.gather_fwd_s == 0 and without_tp.rows == 2 * a2a.rows
 
 

@@ -58,7 +58,7 @@ def test_the_simulator_moves_the_planners_all_to_all_bytes(skew):
                  compute_bytes=4, routing_skew=skew)
     hw = load_hardware("h100")
     for stage in (1, 3):
-        got = simulate(w, hw, Layout(world=WORLD, stage=stage, ep=2, param_bytes=4))
+        got = simulate(w, hw, Layout.of(world=WORLD, stage=stage, ep=2, param_bytes=4))
         planned = plan(CFG, world=WORLD, batch=BATCH, seq=SEQ, accum=ACCUM, ep=2, routing_skew=skew)[f"zero{stage}"]
         assert got.ep_bytes == _ep_bytes(planned)
         assert got.breakdown["all-to-all (ep)"] > 0
@@ -67,17 +67,17 @@ def test_the_simulator_moves_the_planners_all_to_all_bytes(skew):
 def test_ep_on_the_critical_path_costs_step_time_and_skew_more():
     w = Workload(shape=gpt_shape(CFG, "tiny-moe"), micro_batch=4, seq=SEQ)
     hw = load_hardware("h100")
-    without = simulate(w, hw, Layout(world=WORLD, stage=3))
-    with_ep = simulate(w, hw, Layout(world=WORLD, stage=3, ep=4))
+    without = simulate(w, hw, Layout.of(world=WORLD, stage=3))
+    with_ep = simulate(w, hw, Layout.of(world=WORLD, stage=3, ep=4))
     skewed = simulate(Workload(shape=w.shape, micro_batch=4, seq=SEQ, routing_skew=1.0), hw,
-                      Layout(world=WORLD, stage=3, ep=4))
+                      Layout.of(world=WORLD, stage=3, ep=4))
     assert with_ep.breakdown["all-to-all (ep)"] > 0 and "all-to-all (ep)" not in without.breakdown
     assert skewed.step_s > with_ep.step_s and skewed.compute_s > with_ep.compute_s
 
 
 def test_the_simulator_refuses_an_ep_misaligned_with_tp_in_one_line():
     with pytest.raises(ValueError, match="ep=3 with tp=2: an ep group must hold whole tp groups") as err:
-        Layout(world=6, stage=3, ep=3, tp=2)
+        Layout.of(world=6, stage=3, ep=3, tp=2)
     assert "\n" not in str(err.value)
 
 

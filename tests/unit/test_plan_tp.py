@@ -112,7 +112,7 @@ def test_zero_collectives_run_over_the_data_parallel_ranks():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world=6, tp=3), "tp=3 does not divide n_head"),
-    (dict(world=6, tp=4), "tp 4 does not divide world 6"),
+    (dict(world=6, tp=4), "tp=4 does not divide world size 6"),
     (dict(world=2, tp=1, sequence_parallel=True), "needs tp > 1"),
 ])
 def test_bad_tp_names_the_problem(kwargs, message):

@@ -32,7 +32,7 @@ def test_candidates_are_the_pipeline_planner_and_replay_and_the_pick_is_the_fast
     planned = plan_pipeline(CFG, world=8, pp=2, microbatches=4, batch=32, seq=256)
     assert pp2.total_bytes == max(r.plan["zero3"].device.total for r in planned.ranks)
     w = Workload(shape=gpt_shape(CFG), micro_batch=32 // (4 * 4), seq=256)
-    replay = simulate_pipeline(w, HW, Layout(world=4, stage=3), pp=2, microbatches=4, world=8)
+    replay = simulate_pipeline(w, HW, Layout.of(world=4, stage=3), pp=2, microbatches=4, world=8)
     assert pp2.step_s == replay.step_s and pp2.bubble == replay.bubble > 0
     fits = [c for c in rec.candidates if c.fits]
     assert rec.fits and (rec.pp, rec.layout) == (fits[0].pp, fits[0].layout)

@@ -57,8 +57,8 @@ def test_zero3_moves_one_and_a_half_times_ddp(world):
     # block of forward stays gathered into backward (Engine.kept_for_backward); add them back.
     w = _small_workload()
     same = dict(param_bytes=2, reduce_bytes=2, bucket_mb=1e9)
-    ddp = simulate(w, H100, Layout(world=world, stage=0, **same))
-    z3 = simulate(w, H100, Layout(world=world, stage=3, **same))
+    ddp = simulate(w, H100, Layout.of(world=world, stage=0, **same))
+    z3 = simulate(w, H100, Layout.of(world=world, stage=3, **same))
     s = w.shape
     saved = wire_bytes("all_gather", (s.root_params + s.block_params) * 2, world)  # what the engine saves
     assert (z3.wire_bytes + saved) / ddp.wire_bytes == pytest.approx(1.5)
@@ -66,18 +66,18 @@ def test_zero3_moves_one_and_a_half_times_ddp(world):
 
 def test_prefetch_hides_gathers_and_cap_bounds_overlap():
     w = _small_workload()
-    fast = simulate(w, H100, Layout(world=8, stage=3, prefetch=1))
+    fast = simulate(w, H100, Layout.of(world=8, stage=3, prefetch=1))
     assert fast.exposed_comm_s < fast.comm_s  # most of the communication is under compute
     assert fast.step_s >= fast.compute_s + fast.optimizer_s
     slow_net = dataclasses.replace(H100, intra_bandwidth=H100.intra_bandwidth / 1000)
-    slow = simulate(w, slow_net, Layout(world=8, stage=3))
+    slow = simulate(w, slow_net, Layout.of(world=8, stage=3))
     assert slow.exposed_comm_s > fast.exposed_comm_s
     assert slow.tokens_per_s_per_gpu < fast.tokens_per_s_per_gpu
 
 
 def test_checkpointing_costs_recompute_and_saves_memory():
     plain, ckpt = _small_workload(), _small_workload(checkpointing="all")
-    lay = Layout(world=8, stage=3)
+    lay = Layout.of(world=8, stage=3)
     assert simulate(w=ckpt, hw=H100, layout=lay).compute_s > simulate(w=plain, hw=H100, layout=lay).compute_s
     assert peak_bytes(ckpt, lay) < peak_bytes(plain, lay)
     with pytest.raises(ValueError, match="checkpointing policy"):
@@ -94,7 +94,7 @@ TORCHTITAN_8B = {8: (5762, 82.4), 128: (5605, 67.0)}
 def test_predicts_torchtitan_llama3_8b(world):
     tps, gib = TORCHTITAN_8B[world]
     w = Workload(shape=SHAPES["llama3-8b"], micro_batch=2, seq=8192, checkpointing="op")
-    layout = Layout(world=world, stage=3, param_bytes=2, reduce_bytes=4)
+    layout = Layout.of(world=world, stage=3, param_bytes=2, reduce_bytes=4)
     r = simulate(w, PRESETS["h100-96"], layout)
     assert r.tokens_per_s_per_gpu == pytest.approx(tps, rel=0.25)
     assert peak_bytes(w, layout) / GIB == pytest.approx(gib, rel=0.15)
@@ -114,8 +114,8 @@ def test_hardware_toml(tmp_path):
 
 
 def test_layout_rejects_bad_shard_group():
-    with pytest.raises(ValueError, match="divide world"):
-        Layout(world=8, stage=3, shards=3)
+    with pytest.raises(ValueError, match="shard_size=3 does not divide the 8 data-parallel ranks"):
+        Layout.of(world=8, stage=3, shards=3)
 
 
 def test_cli_time_json_and_sweep_plot(tmp_path, capsys):
@@ -148,12 +148,12 @@ def test_hybrid_beats_full_sharding_for_70b_at_scale():
     """Full sharding's rings pay one network latency per rank, so at thousands of GPUs a 64-GPU shard
     group (the smallest that fits 70B in 80 GB here) is faster; at 64 GPUs there is nothing to replicate."""
     w = Workload(shape=SHAPES["llama3-70b"], micro_batch=1, seq=8192, checkpointing="full")
-    full = simulate(w, H100, Layout(world=4096, stage=3))
-    hybrid = simulate(w, H100, Layout(world=4096, stage=3, shards=64))
+    full = simulate(w, H100, Layout.of(world=4096, stage=3))
+    hybrid = simulate(w, H100, Layout.of(world=4096, stage=3, shards=64))
     assert hybrid.tokens_per_s_per_gpu > full.tokens_per_s_per_gpu
     assert full.exposed_comm_s > hybrid.exposed_comm_s
-    assert peak_bytes(w, Layout(world=4096, stage=3, shards=64)) < H100.hbm_bytes
-    assert peak_bytes(w, Layout(world=4096, stage=3, shards=8)) > H100.hbm_bytes
+    assert peak_bytes(w, Layout.of(world=4096, stage=3, shards=64)) < H100.hbm_bytes
+    assert peak_bytes(w, Layout.of(world=4096, stage=3, shards=8)) > H100.hbm_bytes
 
 
 def test_calibration_fit_recovers_alpha_and_bandwidth():
@@ -171,14 +171,14 @@ def test_calibration_fit_recovers_alpha_and_bandwidth():
 @pytest.mark.parametrize("bucket_mb", [1.0, 25.0, 1e9])
 def test_ddp_volume_does_not_depend_on_buckets(bucket_mb):
     w = _small_workload()
-    r = simulate(w, H100, Layout(world=8, stage=0, bucket_mb=bucket_mb, reduce_bytes=4))
+    r = simulate(w, H100, Layout.of(world=8, stage=0, bucket_mb=bucket_mb, reduce_bytes=4))
     assert r.wire_bytes == pytest.approx(wire_bytes("all_reduce", w.shape.params * 4, 8))
 
 
 def test_shard_group_inside_a_node_uses_nvlink():
     w = _small_workload()
-    inside = simulate(w, H100, Layout(world=64, stage=3, shards=8))
-    across = simulate(w, H100, Layout(world=64, stage=3, shards=16))
+    inside = simulate(w, H100, Layout.of(world=64, stage=3, shards=8))
+    across = simulate(w, H100, Layout.of(world=64, stage=3, shards=16))
     # Same bytes per rank inside the shard group would be cheaper over NVLink: less busy time.
     assert inside.comm_s < across.comm_s
 
@@ -186,7 +186,7 @@ def test_shard_group_inside_a_node_uses_nvlink():
 def test_stage_zero_exposes_the_last_all_reduce_on_a_slow_network():
     w = _small_workload()
     slow = dataclasses.replace(H100, inter_bandwidth=H100.inter_bandwidth / 100)
-    r = simulate(w, slow, Layout(world=16, stage=0))
+    r = simulate(w, slow, Layout.of(world=16, stage=0))
     assert r.exposed_comm_s > 0 and r.step_s > r.compute_s + r.optimizer_s
 
 
@@ -197,7 +197,7 @@ def test_accumulation_replays_what_no_sync_does(stage):
     one (into the grad shard); the update and stages 1-2's param all-gather happen once."""
     G, world = 4, 8
     one, acc = _small_workload(), _small_workload(accum=G)
-    lay = Layout(world=world, stage=stage, param_bytes=2, reduce_bytes=2, bucket_mb=1e9)
+    lay = Layout.of(world=world, stage=stage, param_bytes=2, reduce_bytes=2, bucket_mb=1e9)
     r1, rg = simulate(one, H100, lay), simulate(acc, H100, lay)
     assert rg.compute_s == pytest.approx(G * r1.compute_s) and rg.optimizer_s == pytest.approx(r1.optimizer_s)
     s = one.shape
@@ -219,8 +219,8 @@ def test_tp_splits_compute_and_puts_its_all_reduces_on_the_critical_path():
 
     w = _small_workload()
     s, tp = w.shape, 2
-    plain = simulate(w, H100, Layout(world=4, stage=3))
-    split = simulate(w, H100, Layout(world=8, stage=3, tp=tp))
+    plain = simulate(w, H100, Layout.of(world=4, stage=3))
+    split = simulate(w, H100, Layout.of(world=8, stage=3, tp=tp))
     L, d1 = s.n_layer, w.block_gemm_flops / (H100.peak_flops * H100.gemm_efficiency)
     assert plain.compute_s - split.compute_s == pytest.approx(
         3 * L * (d1 + w.block_attention_flops / (H100.peak_flops * H100.attention_efficiency)) / tp)
@@ -230,8 +230,8 @@ def test_tp_splits_compute_and_puts_its_all_reduces_on_the_critical_path():
     tp_wire = 4 * L * wire_bytes("all_reduce", w.tokens * s.hidden * w.compute_bytes, tp)
     zero = split.wire_bytes - tp_wire  # ZeRO's share: half of every block, the whole root, same dp group
     assert plain.wire_bytes / 2 < zero < plain.wire_bytes
-    with pytest.raises(ValueError, match="tp 3"):
-        Layout(world=8, stage=3, tp=3)
+    with pytest.raises(ValueError, match="tp=3 does not divide world size 8"):
+        Layout.of(world=8, stage=3, tp=3)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "op", "full"])
@@ -259,8 +259,8 @@ def test_tp_divides_the_split_activations_and_keeps_the_whole_ones(checkpointing
                                 tp=tp).per_layer
         assert gpt.per_layer_activation_bytes(tp=tp) == pytest.approx(exact, rel=0.03)
     big = Workload(shape=SHAPES["llama3-70b"], micro_batch=1, seq=8192, checkpointing="full")
-    assert peak_bytes(big, Layout(world=256, stage=3)) > peak_bytes(big, Layout(world=256, stage=3, tp=8))
-    assert peak_bytes(big, Layout(world=256, stage=3, tp=8)) < H100.hbm_bytes
+    assert peak_bytes(big, Layout.of(world=256, stage=3)) > peak_bytes(big, Layout.of(world=256, stage=3, tp=8))
+    assert peak_bytes(big, Layout.of(world=256, stage=3, tp=8)) < H100.hbm_bytes
 
 
 # --------------------------------------------------------------------------- a calibrated host
@@ -306,7 +306,7 @@ def test_calibrated_ddp_step_is_the_documented_sum():
     """Stage 0 at world 2, tiny in one bucket: forward, root, backward from the measured units,
     then the bucket's all-reduce (exposed: nothing is left to compute), then AdamW on every param."""
     hw, w = _calibrated(), _tiny()
-    r = simulate(w, hw, Layout(world=2, stage=0, param_bytes=4))
+    r = simulate(w, hw, Layout.of(world=2, stage=0, param_bytes=4))
     L, params = w.shape.n_layer, w.shape.params
     compute = L * 3e-3 + 1.5e-3
     all_reduce = 2 * 1e-4 + params * 4 / 1e9  # 2(p-1) alpha + 2(p-1)/p * n / bw at p = 2
@@ -314,12 +314,12 @@ def test_calibrated_ddp_step_is_the_documented_sum():
     assert r.step_s == pytest.approx(compute + all_reduce + params * 1e-8)
     assert r.exposed_comm_s == pytest.approx(all_reduce)
     # Twice the tokens: the units scale with them (the optimizer does not).
-    r2 = simulate(_tiny(2), hw, Layout(world=2, stage=0, param_bytes=4))
+    r2 = simulate(_tiny(2), hw, Layout.of(world=2, stage=0, param_bytes=4))
     assert r2.compute_s == pytest.approx(2 * compute)
 
 
 def test_contention_charges_hidden_communication_to_the_step():
-    layout = Layout(world=2, stage=3, param_bytes=4)
+    layout = Layout.of(world=2, stage=3, param_bytes=4)
     free, shared = simulate(_tiny(), _calibrated(0.0), layout), simulate(_tiny(), _calibrated(1.5), layout)
     assert free.hidden_comm_s > 0
     assert shared.step_s == pytest.approx(free.step_s + 1.5 * free.hidden_comm_s)
@@ -329,7 +329,7 @@ def test_contention_charges_hidden_communication_to_the_step():
 def test_calibrated_hardware_refuses_another_model():
     w = Workload(shape=SHAPES["llama3-8b"], micro_batch=1, seq=128)
     with pytest.raises(ValueError, match="plan --calibrate --model llama3-8b"):
-        simulate(w, _calibrated(), Layout(world=2, stage=0))
+        simulate(w, _calibrated(), Layout.of(world=2, stage=0))
 
 
 def test_fit_of_a_measured_link_gives_it_back_and_plan_time_reads_the_toml(tmp_path, capsys):
@@ -368,8 +368,8 @@ def test_a_collective_takes_the_fit_measured_under_its_load():
     assert pick_link(links, "all_gather", 8, world=8) is whole
     assert pick_link(links, "all_reduce", 2) is None
     hw = dataclasses.replace(_calibrated(), links=links)
-    assert simulate(_tiny(), hw, Layout(world=4, stage=3, shards=2, param_bytes=4)).comm_s > \
-        simulate(_tiny(), dataclasses.replace(hw, links=(alone, whole)), Layout(world=4, stage=3, shards=2,
+    assert simulate(_tiny(), hw, Layout.of(world=4, stage=3, shards=2, param_bytes=4)).comm_s > \
+        simulate(_tiny(), dataclasses.replace(hw, links=(alone, whole)), Layout.of(world=4, stage=3, shards=2,
                                                                                 param_bytes=4)).comm_s
     with pytest.raises(ValueError, match="group <= world"):
         MeasuredLink(op="all_gather", group=4, world=2, alpha_s=0.0, bandwidth=1e9)
@@ -388,7 +388,7 @@ def _shared(two: float, three: float, world: int = 2, group: int = 2):
 def test_collectives_in_flight_together_take_the_calibrated_factor_of_their_serial_time():
     from zeroshard.tools.sim.step import CommLink
 
-    layout, n = Layout(world=2, stage=3, param_bytes=4), 8e6
+    layout, n = Layout.of(world=2, stage=3, param_bytes=4), 8e6
     one = collective_seconds("all_gather", n, 2, _calibrated())
     for k, factor in ((2, 1.4), (3, 0.8)):
         link = CommLink(_shared(two=1.4, three=0.8), layout)
@@ -407,7 +407,7 @@ def test_collectives_in_flight_together_take_the_calibrated_factor_of_their_seri
 
 def test_a_step_without_overlapping_collectives_is_unchanged_by_concurrency():
     """Stage 0, tiny in one bucket: a single all-reduce, never in flight with another."""
-    layout = Layout(world=2, stage=0, param_bytes=4)
+    layout = Layout.of(world=2, stage=0, param_bytes=4)
     alone = simulate(_tiny(), _calibrated(), layout)
     for two, three in ((0.6, 0.7), (1.0, 1.0), (2.0, 3.0)):
         assert simulate(_tiny(), _shared(two, three), layout).step_s == pytest.approx(alone.step_s)
@@ -416,7 +416,7 @@ def test_a_step_without_overlapping_collectives_is_unchanged_by_concurrency():
 def test_concurrency_slows_a_step_whose_collectives_overlap():
     """Stage 3 prefetches a gather while reductions run: thrashing (factor > 1) costs time, a
     figure below 1 (spare cores) saves it, and the comm volume does not change."""
-    layout = Layout(world=2, stage=3, param_bytes=4)
+    layout = Layout.of(world=2, stage=3, param_bytes=4)
     fair, thrash, spare = (simulate(_tiny(), _shared(f, f), layout) for f in (1.0, 2.0, 0.6))
     assert spare.step_s < fair.step_s < thrash.step_s
     assert spare.wire_bytes == fair.wire_bytes == thrash.wire_bytes
@@ -446,7 +446,7 @@ def test_concurrency_is_picked_by_world_and_shard_group_and_round_trips(tmp_path
 def test_hidden_comm_is_collective_work_under_compute_on_the_timeline():
     """Stage 3: what the timeline puts under compute is hidden; with the stream's total it makes
     no more than the comm, and the contention charge is exactly its measured share of it."""
-    layout = Layout(world=2, stage=3, param_bytes=4)
+    layout = Layout.of(world=2, stage=3, param_bytes=4)
     for hw in (_calibrated(), _shared(1.3, 1.6)):
         r = simulate(_tiny(), hw, layout)
         assert 0 < r.hidden_comm_s <= r.comm_s + 1e-12
@@ -496,11 +496,11 @@ def test_a_schedule_that_gathers_every_block_pays_the_slowest_ranks_block(tmp_pa
         root_slowest_s=c.root_forward_s + c.root_backward_s + 0.75e-3),))
     L = _tiny().shape.n_layer
     for stage in (0, 1, 2, 3):
-        layout = Layout(world=2, stage=stage, param_bytes=4)
+        layout = Layout.of(world=2, stage=stage, param_bytes=4)
         mean, slowest = simulate(_tiny(), base, layout), simulate(_tiny(), slow, layout)
         extra = L * (0.5e-3 + 0.5e-3) if stage == 3 else 0.25e-3 + 0.5e-3
         assert slowest.compute_s == pytest.approx(mean.compute_s + extra)
-    hybrid = Layout(world=4, stage=3, shards=2, param_bytes=4)
+    hybrid = Layout.of(world=4, stage=3, shards=2, param_bytes=4)
     assert simulate(_tiny(), slow, hybrid).compute_s == pytest.approx(simulate(_tiny(), base, hybrid).compute_s + L * 1e-3)
     for hw in (base, slow):
         f = tmp_path / "host.toml"
@@ -528,8 +528,8 @@ def test_simulated_buckets_follow_the_engines_rule():
     assert merge_in_order([20, 1], float, 15) == [[20], [1]]
     w = _tiny()
     per_block = w.shape.block_params * 4 / 2**20  # MiB of fp32 params per block
-    two_blocks = simulate(w, _calibrated(), Layout(world=2, stage=0, param_bytes=4, bucket_mb=1.5 * per_block))
-    one_bucket = simulate(w, _calibrated(), Layout(world=2, stage=0, param_bytes=4))
+    two_blocks = simulate(w, _calibrated(), Layout.of(world=2, stage=0, param_bytes=4, bucket_mb=1.5 * per_block))
+    one_bucket = simulate(w, _calibrated(), Layout.of(world=2, stage=0, param_bytes=4))
     # the same bytes either way; more buckets pay more latency
     assert two_blocks.wire_bytes == pytest.approx(one_bucket.wire_bytes)
     assert two_blocks.comm_s > one_bucket.comm_s
@@ -547,8 +547,8 @@ def test_offload_moves_the_optimizer_to_the_host_and_pays_the_host_link():
     w, hw = _small_workload(), PRESETS["h100"]
     s, world = w.shape, 8
     for stage in (0, 1, 2, 3):
-        base = simulate(w, hw, Layout(world=world, stage=stage))
-        off = simulate(w, hw, Layout(world=world, stage=stage, offload="cpu"))
+        base = simulate(w, hw, Layout.of(world=world, stage=stage))
+        off = simulate(w, hw, Layout.of(world=world, stage=stage, offload="cpu"))
         local = s.params / (world if stage else 1)
         assert off.optimizer_s == pytest.approx(local * HOST_ADAMW_BYTES_PER_PARAM / hw.host_memory_bandwidth)
         copies_back = (s.root_params + (2 * s.n_layer - 1) * s.block_params) / world if stage == 3 else local
@@ -565,26 +565,26 @@ def test_disk_offload_paces_the_step_by_the_slower_of_cpu_and_disk():
 
     w, hw, world = _small_workload(), PRESETS["h100"], 8
     local = w.shape.params / world
-    disk = simulate(w, hw, Layout(world=world, stage=3, offload="disk")).optimizer_s
+    disk = simulate(w, hw, Layout.of(world=world, stage=3, offload="disk")).optimizer_s
     cpu = local * HOST_ADAMW_BYTES_PER_PARAM / hw.host_memory_bandwidth
     io = 2 * local * DISK_STATE_BYTES_PER_PARAM / hw.disk_bandwidth
     assert max(cpu, io) < disk <= max(cpu, io) + local * DISK_STATE_BYTES_PER_PARAM / hw.disk_bandwidth
     fast = dataclasses.replace(hw, disk_bandwidth=1e15)  # the disk is then no limit
-    assert simulate(w, fast, Layout(world=world, stage=3, offload="disk")).optimizer_s == pytest.approx(cpu, rel=1e-4)
+    assert simulate(w, fast, Layout.of(world=world, stage=3, offload="disk")).optimizer_s == pytest.approx(cpu, rel=1e-4)
 
 
 def test_offload_needs_the_host_figures_and_the_whole_world():
     w = _small_workload()
     bare = dataclasses.replace(PRESETS["h100"], name="mine", host_link_bandwidth=0.0)
     with pytest.raises(ValueError, match="offload=cpu needs hardware 'mine' to give host_link_bandwidth"):
-        simulate(w, bare, Layout(world=8, stage=3, offload="cpu"))
+        simulate(w, bare, Layout.of(world=8, stage=3, offload="cpu"))
     no_disk = dataclasses.replace(PRESETS["h100"], name="mine", disk_bandwidth=0.0)
     with pytest.raises(ValueError, match="disk_bandwidth"):
-        simulate(w, no_disk, Layout(world=8, stage=3, offload="disk"))
+        simulate(w, no_disk, Layout.of(world=8, stage=3, offload="disk"))
     with pytest.raises(ValueError, match="offload is simulated over the whole world"):
-        Layout(world=8, stage=3, shards=4, offload="cpu")
+        Layout.of(world=8, stage=3, shards=4, offload="cpu")
     with pytest.raises(ValueError, match="offload must be one of none, cpu, disk"):
-        Layout(world=8, stage=3, offload="nvme")
+        Layout.of(world=8, stage=3, offload="nvme")
 
 
 def test_offload_frees_device_memory_in_the_replays_peak():
@@ -592,7 +592,7 @@ def test_offload_frees_device_memory_in_the_replays_peak():
 
     w = _tiny()
     for stage in (1, 2, 3):
-        on, off = (gpt_peak_bytes("tiny", w, Layout(world=2, stage=stage, offload=o)) for o in ("cpu", "none"))
+        on, off = (gpt_peak_bytes("tiny", w, Layout.of(world=2, stage=stage, offload=o)) for o in ("cpu", "none"))
         assert on < off
     big = _small_workload()
-    assert peak_bytes(big, Layout(world=8, stage=3, offload="cpu")) < peak_bytes(big, Layout(world=8, stage=3))
+    assert peak_bytes(big, Layout.of(world=8, stage=3, offload="cpu")) < peak_bytes(big, Layout.of(world=8, stage=3))

@@ -53,7 +53,7 @@ def test_zero_bubble_fills_interleaved_1f1bs_bubble_with_weight_halves(pp, m):
 def test_more_microbatches_shrink_the_bubble_and_the_link_delays_the_step():
     hw = load_hardware("h100")
     w = Workload(shape=gpt_shape(GPTConfig.named("small", seq_len=256), "small"), micro_batch=1, seq=256)
-    layout = Layout(world=2, stage=2)
+    layout = Layout.of(world=2, stage=2)
     runs = [simulate_pipeline(w, hw, layout, pp=4, microbatches=m) for m in (4, 8, 16)]
     assert runs[0].bubble > runs[1].bubble > runs[2].bubble
     # Every rank's step ends with its own reduction and update: the step is no shorter than any rank's.
@@ -69,9 +69,9 @@ def test_more_microbatches_shrink_the_bubble_and_the_link_delays_the_step():
 def test_a_split_the_blocks_do_not_take_is_refused():
     w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
     with pytest.raises(ValueError, match="3 pipeline stages do not divide the model's 4 blocks"):
-        simulate_pipeline(w, load_hardware("h100"), Layout(world=1, stage=0), pp=3, microbatches=3)
+        simulate_pipeline(w, load_hardware("h100"), Layout.of(world=1, stage=0), pp=3, microbatches=3)
     with pytest.raises(ValueError, match="needs at least pp=2 microbatches"):
-        simulate_pipeline(w, load_hardware("h100"), Layout(world=1, stage=0), pp=2, microbatches=1)
+        simulate_pipeline(w, load_hardware("h100"), Layout.of(world=1, stage=0), pp=2, microbatches=1)
 
 
 def test_ranks_sharing_cores_slow_down_only_while_more_run_than_there_are_cores():
@@ -107,7 +107,7 @@ def test_a_stages_data_parallel_ranks_share_the_cores_with_their_pipeline():
     on shared cores one pipeline gets cores / (ranks per stage) of them."""
     hw = load_hardware("h100")
     w = Workload(shape=gpt_shape(GPTConfig.named("small", seq_len=128), "small"), micro_batch=1, seq=128)
-    layout = Layout(world=2, stage=2)
+    layout = Layout.of(world=2, stage=2)
     own = simulate_pipeline(w, hw, layout, pp=2, microbatches=4)
     enough = simulate_pipeline(w, hw, layout, pp=2, microbatches=4, cores=4)  # a core for each of the 4 ranks
     shared = simulate_pipeline(w, hw, layout, pp=2, microbatches=4, cores=2)
@@ -124,7 +124,7 @@ def test_zero3_gathers_per_action_are_the_stage_engines_step_schedule_in_torchs_
     from zeroshard.tools.sim.pipeline import _block_gathers
 
     w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
-    layout = Layout(world=2, stage=3)
+    layout = Layout.of(world=2, stage=3)
     order = schedule_order("1f1b", pp=2, stages_per_rank=1, microbatches=2)
     assert _block_gathers(w, layout, order, 2, 2) == {
         ("F", 0, 0): 2, ("F", 0, 1): 1, ("B", 0, 0): 1, ("B", 0, 1): 2,
@@ -135,7 +135,7 @@ def test_zero3_gathers_per_action_are_the_stage_engines_step_schedule_in_torchs_
 
     slow = dc.replace(slow, intra_bandwidth=slow.intra_bandwidth / 1000, inter_bandwidth=slow.inter_bandwidth / 1000)
     zero3 = simulate_pipeline(w, slow, layout, pp=2, microbatches=2)
-    zero2 = simulate_pipeline(w, slow, Layout(world=2, stage=2), pp=2, microbatches=2)
+    zero2 = simulate_pipeline(w, slow, Layout.of(world=2, stage=2), pp=2, microbatches=2)
     assert zero3.step_s > zero2.step_s
 
 
@@ -149,7 +149,7 @@ def test_zero_bubble_halves_gather_what_the_stage_engine_gathers():
 
     w = Workload(shape=gpt_shape(GPTConfig.named("tiny"), "tiny"), micro_batch=1, seq=64)
     order = schedule_order("interleaved-zero-bubble", pp=2, stages_per_rank=2, microbatches=4)
-    got = _block_gathers(w, Layout(world=2, stage=3), order, 1, 2)
+    got = _block_gathers(w, Layout.of(world=2, stage=3), order, 1, 2)
     assert {k: n for k, n in got.items() if k[1] == 0} == {("F", 0, 0): 1, ("B", 0, 1): 1, ("B", 0, 2): 1,
                                                              ("B", 0, 3): 1}
     assert {k: n for k, n in got.items() if k[1] == 2} == {

@@ -19,7 +19,6 @@ from zeroshard.runtime.engine import merge_in_order
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.schedule import step_schedule
-from zeroshard.runtime.schedule_events import MeshSizes
 from zeroshard.tools.sim.hardware import load_hardware
 from zeroshard.tools.sim.replay import schedule_units
 from zeroshard.tools.sim.step import Layout, replayed_collectives
@@ -42,11 +41,11 @@ def test_the_replay_launches_what_the_step_schedule_issues(accum):
     hw = load_hardware("h100")
     checked = 0
     for kw in LAYOUTS:
-        layout = Layout(**kw)
+        layout = Layout.of(**kw)
         sim = replayed_collectives(Workload(shape=SHAPE, micro_batch=1, seq=64, accum=accum), hw, layout)
         units = schedule_units(Workload(shape=SHAPE, micro_batch=1, seq=64), layout).units
         schedule = step_schedule(units, policy=StagePolicy(layout.stage), accum=accum,
-                                 mesh=MeshSizes(world=layout.world, shard=layout.shard_group, tp=layout.tp),
+                                 mesh=layout.mesh,
                                  options=EngineOptions(prefetch=layout.prefetch, bucket_mb=layout.bucket_mb,
                                                        reshard_after_forward=layout.reshard_after_forward,
                                                        offload=layout.offload))
@@ -67,7 +66,7 @@ def test_the_replay_launches_what_the_step_schedule_issues(accum):
 def test_the_replays_buckets_are_the_engines(bucket_mb):
     """Stages 0-2: the units the replay builds are the engine's buckets of its blocks and root
     (``reduction_buckets``' rule over fp32 param bytes), each knowing how many blocks it holds."""
-    layout = Layout(world=2, stage=1, bucket_mb=bucket_mb)
+    layout = Layout.of(world=2, stage=1, bucket_mb=bucket_mb)
     built = schedule_units(Workload(shape=SHAPE, micro_batch=1, seq=64), layout).units
     sizes = [4 * SHAPE.block_params] * SHAPE.n_layer + [4 * SHAPE.root_params]
     engine = merge_in_order(list(range(SHAPE.n_layer + 1)), lambda i: sizes[i],

@@ -16,7 +16,8 @@ from zeroshard.tools.planner.comm import schedule_rows
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.schedule import step_schedule
-from zeroshard.runtime.schedule_events import GroupSizes, MeshSizes, UnitSizes
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.runtime.schedule_events import GroupSizes, UnitSizes
 
 BLOCK, ROOT = 50_176, 20_608  # tiny's padded flat buffers at world 2 and 4
 NAMES = ["blocks.3", "blocks.2", "blocks.1", "blocks.0"]  # the engine's reduction order
@@ -31,7 +32,7 @@ def units(shards: int, dtype: torch.dtype = torch.float32) -> list[UnitSizes]:
 
 def schedule(stage: int, world: int = 2, shard: int | None = None, **kw):
     shard = shard or world
-    return step_schedule(units(shard if stage else 1), policy=StagePolicy(stage), mesh=MeshSizes(world=world, shard=shard),
+    return step_schedule(units(shard if stage else 1), policy=StagePolicy(stage), mesh=ParallelDims.of(world, shard=shard),
                          **kw)
 
 
@@ -70,7 +71,7 @@ def test_stages_0_2_reduce_each_bucket_once_per_step_or_per_micro_step(stage, op
     buckets = [UnitSizes(name="a", groups=(GroupSizes(numel=4096, shard_numel=4096 // (2 if stage else 1)),)),
                UnitSizes(name="b", is_root=True, groups=(GroupSizes(numel=2048, shard_numel=2048 // (2 if stage else 1)),))]
     for accumulation, per_micro in (("sharded", stage == 2), ("unsharded", False)):
-        s = step_schedule(buckets, policy=StagePolicy(stage), mesh=MeshSizes(world=2, shard=2), accum=3,
+        s = step_schedule(buckets, policy=StagePolicy(stage), mesh=ParallelDims.of(2, shard=2), accum=3,
                           options=EngineOptions(accumulation=accumulation))
         reductions = [(e.micro, e.unit) for e in s.collectives if e.op == op]
         assert reductions == ([(m, u) for m in range(3) for u in "ab"] if per_micro else [(2, "a"), (2, "b")])
@@ -114,7 +115,7 @@ def test_checkpoint_segments_rebuild_from_the_segments_first_unit():
 
 
 def test_planner_rows_sum_the_schedule():
-    mesh = MeshSizes(world=4, shard=2)
+    mesh = ParallelDims.of(4, shard=2)
     s = schedule(3, world=4, shard=2, accum=2)
     rows = schedule_rows(s, mesh)
     totals: dict[tuple[str, str], int] = {}
@@ -128,8 +129,8 @@ def test_planner_rows_sum_the_schedule():
 def test_bad_inputs():
     with pytest.raises(ValueError, match="accum"):
         schedule(3, accum=0)
-    with pytest.raises(ValueError, match="do not fit"):
-        MeshSizes(world=4, shard=3)
+    with pytest.raises(ValueError, match="shard_size=3 does not divide the 4 data-parallel ranks"):
+        ParallelDims.of(4, shard=3)
 
 
 @pytest.mark.parametrize("prefetch, reshard, checkpointing, blocks_held", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroshard.comm.mesh import _from_mesh_shape  # the parser behind zs.init(mesh_shape=...)
+from zeroshard.comm.dims import ParallelDims  # parses zs.init(mesh_shape=...)
 from zeroshard.runtime.tp import canonical, to_local
 
 
@@ -23,6 +23,11 @@ def test_fused_chunks_give_each_rank_its_own_part_of_every_block():
     q, k, v = (torch.full((4, 2), float(i)) for i in range(3))
     part = to_local(torch.cat([q, k, v]), {"dim": 0, "chunks": 3, "tp": 2}, 1)
     assert part[:, 0].tolist() == [0, 0, 1, 1, 2, 2]  # rows 2-3 of q, of k and of v
+
+
+def _from_mesh_shape(shape, names, world):
+    dims = ParallelDims.from_shape(shape, names, world)
+    return dims.shard, dims.tp
 
 
 def test_mesh_shape_parsing():

@@ -178,7 +178,7 @@ def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
     out = {}
     for stage in stages:
-        layout = Layout(world=args.world // args.pp, stage=stage, tp=tp, param_bytes=param_bytes, **knobs)
+        layout = Layout.of(world=args.world // args.pp, stage=stage, tp=tp, param_bytes=param_bytes, **knobs)
         out[stage] = simulate_pipeline(w, hw, layout, pp=args.pp, schedule=shape.schedule,
                                        microbatches=shape.microbatches, stages_per_rank=shape.stages_per_rank,
                                        world=args.world)

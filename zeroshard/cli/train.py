@@ -21,7 +21,9 @@ from rich.table import Table
 from zeroshard.comm import fault_points as fault_points
 from zeroshard.comm.topology import placement_text
 from zeroshard.cli.typed_flags import add_typed_flag
-from zeroshard.trainer.config import TrainConfig, field_help, field_names, field_type, load_toml, merge_config
+from zeroshard.trainer.config_checks import check_runnable
+from zeroshard.trainer.config import (TrainConfig, field_help, field_names, field_section, field_type, load_toml, merge_config,
+                                      table_spelling)
 
 
 # --------------------------------------------------------------------------- flags shared with verify
@@ -40,9 +42,18 @@ def add_config_flags(
     if with_config_file:
         parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys; flags override it")
     shown = {**TrainConfig().to_dict(), **(defaults or {})}
+    groups: dict[str | None, Any] = {}
     for name in field_names():
-        if name not in skip:
-            add_typed_flag(parser, name, field_type(name), f"{field_help(name)} (default: {shown[name]})")
+        if name in skip:
+            continue
+        table = field_section(name)
+        if table not in groups:  # one --help group per TOML table, in the config's order
+            groups[table] = parser.add_argument_group(
+                "run" if table is None else f"[{table}]",
+                "the keys that name the run (top-level TOML keys)" if table is None else
+                f"TOML table [{table}]; each flag below is a key there")
+        where = "" if table is None else f"; TOML: {table_spelling(name)}"
+        add_typed_flag(groups[table], name, field_type(name), f"{field_help(name)} (default: {shown[name]}{where})")
 
 
 def config_from_args(
@@ -54,13 +65,14 @@ def config_from_args(
     if args.config is not None:
         file_values.update(load_toml(args.config))
     flags = {name: getattr(args, name, None) for name in field_names()}
-    return merge_config(file_values, {**flags, **(forced or {})})
+    return check_runnable(merge_config(file_values, {**flags, **(forced or {})}))
 
 
 def check_before_launch(cfg: TrainConfig) -> None:
     """What TrainConfig cannot check without torch, checked before any rank starts so that it is one
-    line rather than every rank's failure: a tp the model's plan cannot split (heads, MLP width), more
-    local ranks than GPUs on NCCL."""
+    line rather than every rank's failure: a pipeline the model or its schedule cannot run, a tp the
+    model's plan cannot split (heads, MLP width), more local ranks than GPUs on NCCL."""
+    check_runnable(cfg)
     from zeroshard.trainer.launch import running_under_torchrun
 
     if not running_under_torchrun():  # torchrun's ranks check their own host (zeroshard/comm/devices.py)
@@ -245,11 +257,11 @@ def run(args: argparse.Namespace) -> int:
         check_before_launch(cfg)
     except ValueError as e:
         return fail("train", str(e))
-    if cfg.data is not None and Path(cfg.data).is_dir():
+    if cfg.data.path is not None and Path(cfg.data.path).is_dir():
         from zeroshard.trainer.data_tokens import TokenFileDataset
 
         try:  # before any rank starts or the run dir is made: a bad token folder writes nothing
-            TokenFileDataset(cfg.data, cfg.seq_len)
+            TokenFileDataset(cfg.data.path, cfg.seq_len)
         except ValueError as e:
             return fail("train", str(e))
     if under_torchrun:

@@ -127,7 +127,7 @@ def _ep_axis(args: argparse.Namespace, base: Any) -> str | None:
     degrees = parse_axes(**DEFAULT_AXES, ep_degrees=args.ep_degrees).ep
     for ep in degrees:
         try:
-            check_before_launch(dataclasses.replace(base, ep=ep))
+            check_before_launch(base.replace(ep=ep))
         except ValueError as e:
             raise ValueError(f"--ep-degrees {args.ep_degrees}: {one_line(e)} (drop {ep} from --ep-degrees)") from None
     return args.ep_degrees

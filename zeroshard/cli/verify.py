@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         dist = _distributed(cfg)
         # The stage-0 reference communicates exactly (stage 0 cannot quantize: it all-reduces), and
         # reduces once per step under a pipeline (it keeps full grads; pp_grad_reduce="microbatch" is refused there).
-        stage0 = dist if cfg.stage == 0 else _distributed(dataclasses.replace(
-            cfg, stage=0, comm_quant="none", engine=dataclasses.replace(cfg.engine, pp_grad_reduce="step")))
+        stage0 = dist if cfg.stage == 0 else _distributed(cfg.replace(
+            stage=0, comm_quant="none", engine=dataclasses.replace(cfg.engine, pp_grad_reduce="step")))
     except WorkerError as e:
         return fail("verify", one_line(e))
     except ValueError as e:

@@ -27,42 +27,66 @@ and edp strides inside it. The pp dim stays outermost and only activations cross
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm.ledger import Ledger
-from zeroshard.comm.mesh import Mesh, runs_and_strides
+from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Group
 from zeroshard.comm.topology import Topology
+
+if TYPE_CHECKING:
+    from zeroshard.comm.dims import ParallelDims
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertMesh(Mesh):
-    """The expert params' parallel context: ``shard`` is expert data parallel, ``ep`` splits experts."""
+    """The expert params' parallel context: ``shard`` is expert data parallel, ``ep`` splits experts.
 
-    ep: int = 1
+    ``dims`` is the dense mesh's own layout: its world is one stage's ranks, sharded over the
+    ``dims.edp`` ranks that hold the same experts."""
+
     ep_group: object | None = dataclasses.field(default=None, repr=False)
-    dense_dp: int = 0
-    """The dense mesh's data-parallel degree (ranks that see different batches); 0: the world."""
+
+    @property
+    def world(self) -> int:
+        return self.dims.stage_world
+
+    @property
+    def shard_size(self) -> int:
+        return self.dims.edp
+
+    @property
+    def tp_size(self) -> int:
+        return 1  # the experts are not tensor parallel
+
+    @property
+    def pp_size(self) -> int:
+        return 1  # built inside one stage
+
+    @property
+    def stage_world(self) -> int:
+        return self.world
 
     @property
     def dp_size(self) -> int:
-        """The divisor of the averaged expert grad: the data-parallel batches its sum covers."""
-        return self.dense_dp or self.world
+        """The divisor of the averaged expert grad: the dense mesh's data-parallel batches its sum covers."""
+        return self.dims.dp
 
     @property
     def ep_size(self) -> int:
-        return self.ep
+        return self.dims.ep
 
     @property
     def ep_rank(self) -> int:
         """Which block of experts this rank holds: experts [ep_rank·E/ep, (ep_rank+1)·E/ep)."""
-        return self.rank % self.ep
+        return self.rank % self.ep_size
 
     @property
     def shard_rank(self) -> int:
-        return self.rank // self.ep
+        return self.rank // self.ep_size
 
     @property
     def replicate_size(self) -> int:
@@ -74,6 +98,18 @@ class ExpertMesh(Mesh):
         return 0
 
     @property
+    def tp_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return 0
+
+    @property
     def dp_name(self) -> Group:
         return Group.DP
 
@@ -81,11 +117,11 @@ class ExpertMesh(Mesh):
         super().__post_init__()
         # The ranks that hold the same values are the edp group; the dense data-parallel degree
         # (dp_size) is the divisor of the averaged grad, see the module docstring.
-        self._sizes.update({Group.DP: self.shard_size, Group.EP: self.ep, Group.REPLICATE: 1})
+        self._sizes.update({Group.DP: self.shard_size, Group.EP: self.ep_size, Group.REPLICATE: 1})
         self._handles.update({Group.DP: self.shard_group, Group.EP: self.ep_group})
 
     def describe(self) -> dict:
-        return {**super().describe(), "ep_size": self.ep, "edp_size": self.shard_size}
+        return {**super().describe(), "ep_size": self.ep_size, "edp_size": self.shard_size}
 
 
 def expert_mesh_name(dense_name: str) -> str:
@@ -93,33 +129,30 @@ def expert_mesh_name(dense_name: str) -> str:
     return "experts" if dense_name == "default" else f"{dense_name}.experts"
 
 
-def build_expert_mesh(*, rank: int, world: int, ep: int, device: torch.device, name: str, ledger: Ledger,
-                      topology: Topology | None, dp: int = 0, pp: int = 1) -> ExpertMesh:
-    """The ep and edp groups over the whole world, or with ``pp > 1`` over each pipeline stage's
-    ranks (collective: every rank builds every stage's groups, in the same order). Groups of one
-    rank are real groups too, so ``group()`` never hands out None for a dim the engine
-    communicates over. ``dp``: the dense mesh's data-parallel degree (0: the world; under pp, a stage's)."""
-    stage_world, stage_group = world // pp, None
-    if pp == 1:
-        ep_group, edp_group = runs_and_strides(world, rank, ep)
-    else:
-        ep_group, edp_group, stage_group = _stage_local_groups(world, rank, pp, ep)
-    return ExpertMesh(rank=rank % stage_world, world=stage_world, shard_size=stage_world // ep, device=device,
-                      backend=dist.get_backend(), world_group=stage_group or dist.group.WORLD, shard_group=edp_group,
-                      replicate_group=None, tp_size=1, dp_group=edp_group, name=expert_mesh_name(name), ledger=ledger,
-                      topology=topology if pp == 1 else None, ep=ep, ep_group=ep_group, dense_dp=dp)
+def build_expert_mesh(*, rank: int, dims: ParallelDims, device: torch.device, name: str, ledger: Ledger,
+                      topology: Topology | None) -> ExpertMesh:
+    """The ep and edp groups of each pipeline stage's ranks (the whole world without pp): ep runs
+    and edp strides inside it (collective: every rank builds every stage's groups, in the same
+    order). Groups of one rank are real groups too, so ``group()`` never hands out None for a dim
+    the engine communicates over."""
+    ep_group, edp_group, stage_group = _stage_local_groups(dims, rank)
+    return ExpertMesh(rank=rank % dims.stage_world, dims=dims, device=device, backend=dist.get_backend(),
+                      world_group=stage_group, shard_group=edp_group, replicate_group=None, dp_group=edp_group,
+                      name=expert_mesh_name(name), ledger=ledger, topology=topology if dims.pp == 1 else None,
+                      ep_group=ep_group)
 
 
-def _stage_local_groups(world: int, rank: int, pp: int, ep: int) -> tuple[object, object, object]:
-    """This rank's ep run, edp stride and stage group, each stage's built over its own ranks."""
-    stage_world = world // pp
+def _stage_local_groups(dims: ParallelDims, rank: int) -> tuple[object, object, object]:
+    """This rank's ep run, edp stride and stage group (the world group itself without pp)."""
+    stage_world, ep = dims.stage_world, dims.ep
     mine: tuple[object, object, object] = (None, None, None)
-    for stage in range(pp):
+    for stage in range(dims.pp):
         base = stage * stage_world
         ranks = list(range(base, base + stage_world))
         runs = [ranks[i:i + ep] for i in range(0, stage_world, ep)]
         strides = [ranks[i::ep] for i in range(ep)]
-        groups = [(r, dist.new_group(r)) for r in runs + strides + [ranks]]
+        groups = [(r, dist.new_group(r)) for r in runs + strides]
+        groups.append((ranks, dist.new_group(ranks) if dims.pp > 1 else dist.group.WORLD))
         if rank in ranks:
             mine = tuple(g for r, g in groups if rank in r)  # type: ignore[assignment]
     return mine

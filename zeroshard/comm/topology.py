@@ -4,7 +4,7 @@ Pure logic over a list of per-rank facts (``RankFacts``), so it runs on the fact
 gathered from every rank (zeroshard/comm/topology_gather.py) and just as well on a synthetic host
 list (tests, the planner's ``--topology 2x4``).
 
-The mesh lays ranks out pp-major with tp innermost (zeroshard/comm/mesh.py):
+The mesh lays ranks out pp-major with tp innermost (zeroshard/comm/dims.py):
 rank = ((pp_i * replicate + replicate_i) * shard + shard_i) * tp + tp_i. A dim's groups are the
 ranks that differ only in that dim's index. ``ep`` is no factor of the world of its own: an expert
 group is ``ep`` consecutive ranks borrowed from the data-parallel and tp ranks (the same pp index),

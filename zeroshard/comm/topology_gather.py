@@ -4,8 +4,7 @@ It runs through the collectives module like every other collective (recorded in 
 group "world", phase "init"), on a world-only mesh that exists before the real mesh's groups do:
 the facts decide whether those groups may be built at all (ranks per host, tp across hosts).
 
-zeroshard/comm/mesh.py cannot import this module (the collectives module takes a ``Mesh``, so the
-import would be circular); zeroshard/comm/__init__.py hands ``gather_topology`` to it instead.
+``zs.init`` (zeroshard/comm/world.py, above the mesh and the collectives) calls it directly.
 """
 
 from __future__ import annotations

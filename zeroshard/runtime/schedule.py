@@ -1,7 +1,7 @@
 """One optimizer step of the engine, as data: every collective and every full-param free, in order.
 
 ``step_schedule`` is a pure function. From the stage (``StagePolicy``), the engine's knobs
-(``EngineOptions``), the quantized-comm switches (``CommQuant``), the mesh sizes (``MeshSizes``)
+(``EngineOptions``), the quantized-comm switches (``CommQuant``), the layout (``ParallelDims``)
 and the communication units' sizes (``UnitSizes``: names, padded and shard element counts,
 dtypes) it derives the ordered ``Event`` list the engine issues in one step, without a process
 group or a tensor. Each collective event carries what the ledger records for it
@@ -56,19 +56,20 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.comm.quant import SCALE_DTYPE, WIRE_DTYPE, CommQuant, num_blocks
 from zeroshard.runtime.flat import QUANTIZED_PHASES, StagePolicy
 from zeroshard.runtime.optim import PIPELINE_MIN_NUMEL
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.recompute import segment_bounds
 from zeroshard.runtime.schedule_events import (BACKWARD, CLIP, COMPUTE, EXPERTS, FORWARD, FREE, OPTIMIZER, PARAM_SYNC,
-                                                RECOMPUTE, WAIT, Event, GroupSizes, MeshSizes, Schedule,
+                                                RECOMPUTE, WAIT, Event, GroupSizes, Schedule,
                                                 TensorParallelSizes, UnitSizes, dtype_name)
 
 if TYPE_CHECKING:
     from zeroshard.runtime.engine import Engine
 
-def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes,
+def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: ParallelDims,
                   options: EngineOptions | None = None, comm: CommQuant | None = None, accum: int = 1,
                   first_step: bool = False, forward_order: Sequence[str] | None = None,
                   clip: bool = False, tp: TensorParallelSizes | None = None,
@@ -97,7 +98,7 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Mesh
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {accum!r}")
     if tp is not None and mesh.tp == 1:
-        raise ValueError("tp sizes were given for a mesh without a tp dim (MeshSizes.tp == 1)")
+        raise ValueError("tp sizes were given for a mesh without a tp dim (ParallelDims.tp == 1)")
     replay = _Replay(list(units), policy=policy, mesh=mesh, options=options or EngineOptions(),
                      comm=comm or CommQuant(), forward_order=forward_order, tp=tp)
     if pipeline_order is not None:
@@ -112,7 +113,7 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Mesh
 class _Replay:
     """The engine's step as a walk over unit sizes: the same states and pointers, no tensors."""
 
-    def __init__(self, units: list[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
+    def __init__(self, units: list[UnitSizes], *, policy: StagePolicy, mesh: ParallelDims, options: EngineOptions,
                  comm: CommQuant, forward_order: Sequence[str] | None,
                  tp: TensorParallelSizes | None = None) -> None:
         self.units, self.policy, self.mesh, self.options, self.comm = units, policy, mesh, options, comm
@@ -171,7 +172,7 @@ class _Replay:
         zeroshard/comm/expert_mesh.py)."""
         if g.ep == 1 or not self.policy.shard_optimizer:
             return self.shards
-        return self.mesh.world // g.ep
+        return self.mesh.stage_world // g.ep
 
     def _quantized_pair(self, op: str, unit: str, phase: str, g: GroupSizes, micro: int | None = None) -> None:
         """qwZ / qgZ on the wire: int8 values padded to whole blocks, then one fp32 scale per block."""
@@ -553,6 +554,6 @@ def engine_schedule(engine: Engine, *, accum: int = 1, first_step: bool = False,
     ``tp``: the blocks' tensor-parallel all-reduces, which the caller sizes from its batch.
     ``pipeline_order``: the engine is a pipeline stage's, run in that order (``step_schedule``)."""
     order = [u.name for u in engine.forward_order] or None
-    return step_schedule(engine_units(engine), policy=engine.policy, mesh=MeshSizes.of(engine.mesh),
+    return step_schedule(engine_units(engine), policy=engine.policy, mesh=engine.mesh.dims,
                          options=engine.options, comm=engine.comm, accum=accum, first_step=first_step,
                          forward_order=order, clip=clip, tp=tp, pipeline_order=pipeline_order)

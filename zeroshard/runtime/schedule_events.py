@@ -1,8 +1,9 @@
 """The step schedule's vocabulary: the sizes it is derived from and the events it lists.
 
 ``UnitSizes`` (a communication unit's groups: names, padded and shard element counts, dtypes),
-``MeshSizes`` and ``TensorParallelSizes`` are what ``step_schedule`` (zeroshard/runtime/schedule.py)
-reads instead of a live engine, so a tool can build a schedule for a model that was never sharded.
+the layout's ``ParallelDims`` (zeroshard/comm/dims.py) and ``TensorParallelSizes`` are what
+``step_schedule`` (zeroshard/runtime/schedule.py) reads instead of a live engine, so a tool can
+build a schedule for a model that was never sharded.
 ``Event`` is one entry of the schedule: a collective as the ledger records it, a full-param free,
 or a ``compute`` / ``wait`` mark; ``Schedule`` is the ordered list and its aggregates.
 """
@@ -10,12 +11,9 @@ or a ``compute`` / ``wait`` mark; ``Schedule`` is the ordered list and its aggre
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from zeroshard.comm.mesh import Mesh
 
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 FREE = "free"
@@ -89,45 +87,6 @@ class UnitSizes:
     @property
     def full_bytes(self) -> int:
         return sum(g.numel * g.compute_dtype.itemsize for g in self.groups)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshSizes:
-    """The sizes of a mesh, without its process groups: ``world`` ranks, ``tp`` consecutive ones
-    per tensor-parallel group, and buffers sharded over ``shard`` of the ``world / tp``
-    data-parallel ranks (replicated over the rest)."""
-
-    world: int
-    shard: int
-    tp: int = 1
-    pp: int = 1
-    """Pipeline stages the job's ranks are cut into; ``world`` is then one stage's ranks."""
-
-    def __post_init__(self) -> None:
-        if self.world < 1 or self.tp < 1 or self.world % self.tp or self.shard < 1 or self.dp % self.shard:
-            raise ValueError(f"mesh sizes world={self.world}, shard={self.shard}, tp={self.tp} do not fit: tp must "
-                             "divide the world and shard the world / tp data-parallel ranks")
-
-    @classmethod
-    def of(cls, mesh: Mesh) -> MeshSizes:
-        return cls(world=mesh.stage_world, shard=mesh.shard_size, tp=mesh.tp_size, pp=mesh.pp_size)
-
-    @property
-    def dp(self) -> int:
-        return self.world // self.tp
-
-    @property
-    def replicate(self) -> int:
-        return self.dp // self.shard
-
-    @property
-    def dp_group(self) -> str:
-        """The group spanning the data-parallel ranks, as the mesh names it (``Mesh.dp_name``)."""
-        return "world" if self.tp == 1 and self.pp == 1 else "dp"
-
-    def size(self, group: str) -> int:
-        return {"world": self.world, "shard": self.shard, "replicate": self.replicate, "tp": self.tp,
-                "dp": self.dp}[group]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

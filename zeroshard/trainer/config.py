@@ -1,32 +1,43 @@
 """Typed configuration for `zeroshard train` and `zeroshard verify`.
 
-A run is described by one `TrainConfig`. It can come from a TOML file, from command-line
-flags, or both; flags override the file (see `merge_config`). Everything is validated once,
-in `__post_init__`, so a bad value fails before any process is spawned.
+A run is described by one `TrainConfig`: a few top-level keys that name the run (model, stage,
+nproc, seed, mp, init, dropout) and one section per concern, each a TOML table that checks its own
+fields (zeroshard/trainer/sections.py): [data], [optim], [parallel], [pipeline], [engine], [comm],
+[compile], [checkpoint], [observe]. It can come from a TOML file, from command-line flags, or both;
+flags override the file (see `merge_config`). Everything is validated when the config is built, so
+a bad value fails before any process is spawned.
 
-The engine's knobs are not restated here: `engine` is the runtime's own `EngineOptions`, and
-its flat knob table (zeroshard.runtime.options.KNOBS) supplies their keys, types, defaults and
-help, so a knob added to the engine is a flag and a TOML key with no edit here.
+Every flat spelling that worked before still does: `TrainConfig(lr=1e-3, tp=2)`, `cfg.lr`, the
+flags (`--pp-schedule`) and a TOML file of flat keys, which is read with a one-line note naming
+each key's table. The engine's knobs are not restated here: `engine` is the runtime's own
+`EngineOptions`, and its knob table (zeroshard.runtime.options.KNOBS) supplies their keys, types,
+defaults and help, so a knob added to the engine is a flag and a TOML key with no edit here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from zeroshard.models.names import HF_MODEL_NAMES, HF_PREFIX, HF_TINY_LAYERS, MODEL_NAMES, MOE_MODEL_NAMES
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
+from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, WARMUP_SHAPES, CheckpointSection,
+                                        CommSection, CompileSection, DataSection, ObserveSection, OptimSection,
+                                        ParallelSection, PipelineSection, check_types, check_values, flat_name)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
+
+__all__ = ["COMPILE_BACKENDS", "WARMUP_SHAPES", "TrainConfig", "config_from_sources", "field_help", "field_names",
+           "field_section", "field_type", "load_toml", "merge_config"]
 
 TP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.runtime.tp.PLANS
@@ -40,16 +51,21 @@ PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
 """``model_type`` of the pretrained folders `pp` > 1 cuts: decoders whose blocks are model.layers, dense
 or MoE (their experts split over ep inside each stage with `ep` > 1)."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
-WARMUP_SHAPES = ("linear", "log")
-"""torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
 STAGES = (0, 1, 2, 3)
+TOP = ("model", "stage", "nproc", "seed", "mp", "init", "dropout")
+"""The keys outside any table: what names the run."""
+ENGINE_TABLE = "engine"
+TABLES = {s.TABLE: s for s in SECTIONS}  # type: ignore[attr-defined]
+"""TOML table name -> its section class ([engine] is the runtime's EngineOptions, spelled by its knobs)."""
 
 
 @dataclass(kw_only=True, init=False)
 class TrainConfig:
-    """One training run. Field names are also the TOML keys and (with `-` for `_`) the flags; the
-    engine's knobs are spelled flat beside them (`field_names()` lists both)."""
+    """One training run: the keys that name it, then one section per TOML table.
+
+    Built from any mix of section objects (`optim=OptimSection(lr=3e-4)`), tables as dicts
+    (`optim={"lr": 3e-4}`) and flat keys (`lr=3e-4`, as flags and old TOML files spell them);
+    a flat key wins over its table. `cfg.lr` reads `cfg.optim.lr`."""
 
     model: str = "tiny"
     """Named GPT size: tiny (<1M params, for tests), small (~25M) or medium (~120M); or a Hugging Face
@@ -61,132 +77,13 @@ class TrainConfig:
     nproc: int = 2
     """Local processes to spawn. Ignored under torchrun, where WORLD_SIZE decides."""
 
-    backend: str | None = None
-    """The collective backend, gloo or nccl; None takes ZEROSHARD_BACKEND (how a torchrun job picks
-    one), else nccl where CUDA is visible and gloo elsewhere. NCCL runs one rank per GPU, so more
-    local ranks than GPUs is refused; gloo's ranks may share one."""
-
-    batch: int = 16
-    """GLOBAL batch in sequences per optimizer step, split evenly over ranks. It does not change
-    with the world size, so runs at any world size see the same data."""
-
-    seq_len: int = 64
-    """Tokens per sequence (the model's context length is set to this)."""
-
-    steps: int = 100
-    """Optimizer steps to run."""
-
-    lr: float = 1e-3
-    """Peak learning rate, reached at the end of warm-up."""
-
-    min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
-
-    warmup: int = 10
-    """Warm-up steps from 0 to `lr` (shaped by `warmup_shape`); cosine decay to `min_lr` follows."""
-
-    warmup_shape: str = "linear"
-    """How warm-up climbs: `linear` (lr·(s+1)/warmup at 0-based step s) or `log`
-    (lr·ln(s+2)/ln(warmup+1): most of the climb in the first steps, DeepSpeed WarmupLR's default)."""
-
-    weight_decay: float = 0.1
-    """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
-
-    clip: float = 1.0
-    """Clip the GLOBAL gradient norm (over every shard, tied params counted once) to this value;
-    0 disables clipping."""
-
-    accum: int = 1
-    """Gradient-accumulation micro-steps per optimizer step. Each rank's share of the global batch
-    is split into `accum` micro-batches; the loss is normalised by the global token count."""
-
     seed: int = 0
     """Seeds model init, the synthetic data and the sampler. Same seed, same run."""
-
-    data: str | None = None
-    """Path to a text file for byte-level training, a folder of token files (from `zeroshard data
-    prepare`, or nanoGPT's .bin; see docs/data.md), or None for the synthetic Markov source
-    (whose entropy floor is known exactly)."""
-
-    num_samples: int = 4096
-    """Sequences in the synthetic dataset (ignored for a text file)."""
-
-    vocab_size: int = 16
-    """Tokens in the synthetic Markov source (a text file is always 256 bytes). Small by default
-    so that the tiny model reaches the entropy floor in minutes on a CPU."""
-
-    order: int = 2
-    """Order k of the synthetic Markov chain: each token depends on the previous k. With k >= 2
-    the model must learn to attend backwards, so the loss plateaus before it falls."""
-
-    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
-    """The runtime's knobs: activation checkpointing, offload, buckets, prefetch, resharding,
-    reduction overlap, accumulation (zeroshard.runtime.options). Flags and TOML keys spell them
-    flat (`prefetch = 2`, `--offload cpu`), and so does the constructor: `TrainConfig(prefetch=2)`."""
-
-    shard_size: int | None = None
-    """Hybrid sharding: shard inside groups of this many consecutive ranks and replicate across
-    groups (world/shard_size replicas). None shards over the whole world."""
-
-    tp: int = 1
-    """Tensor parallelism: split each block's matmuls over this many consecutive ranks (Megatron's
-    column/row split through torch's DTensor; docs/tensor_parallel.md). ZeRO then shards over the
-    nproc/tp data-parallel ranks, which split the batch; the ranks of one tp group share theirs. Needs a
-    model with a TP plan: tiny, small, medium or hf:llama-tiny. 1 is no tensor parallelism."""
-
-    ep: int = 1
-    """Expert parallelism: split every MoE layer's experts over this many consecutive data-parallel
-    ranks and route tokens to them by all-to-all (docs/expert_parallel.md). Dense params are sharded
-    as without it; each expert over the nproc/ep ranks that hold it. Needs an MoE model whose expert
-    count ep divides: tiny-moe, or an HF Mixtral or Qwen-MoE save_pretrained folder (each rank reads
-    its block of experts). Checkpoints record each expert's placement: a run resumes at any ep. 1 is no
-    expert parallelism."""
-
-    pp: int = 1
-    """Pipeline parallelism: cut the model's blocks into this many stages, one per group of nproc/pp
-    consecutive ranks, ZeRO (at `stage`) inside each stage over its ranks; torch's own schedules run
-    them (docs/pipeline.md). Needs zeroshard's GPT, hf:llama-tiny or a pretrained folder of a Llama,
-    Mistral, Qwen2 or Qwen3 decoder, or of a Mixtral, Qwen2-MoE or Qwen3-MoE one; composes with tp
-    (nproc = pp x data-parallel x tp) and with ep (each stage's experts split over ep of its ranks).
-    1 is no pipeline."""
-
-    pp_schedule: str = "1f1b"
-    """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or
-    looped-bfs (the last two run several stages per rank)."""
-
-    microbatches: int = 0
-    """Microbatches per schedule run (each accumulation step's batch slice is split into them);
-    0 takes pp x stages per rank. 1F1B needs at least pp."""
-
-    pp_stages_per_rank: int = 0
-    """Stages each pipeline rank holds: 0 takes the schedule's own (1, or 2 for interleaved-1f1b and
-    looped-bfs); blocks are split over pp x this many stages."""
-
-    allow_cross_host: bool = False
-    """Run tp (or ep) groups that span hosts anyway. Without it such a layout is refused at start,
-    since every per-layer tp collective would cross the host network (docs/topology.md)."""
 
     mp: str = "fp32"
     """Mixed precision: the compute (and all-gather) dtype of params, fp32, bf16 or fp16.
     Masters and optimizer state stay fp32 and gradients are reduced in fp32; fp16 adds dynamic
     loss scaling."""
-
-    comm_quant: str = "none"
-    """Quantized communication: 'none', or 'weights' (stage 3 all-gathers weights as blockwise int8
-    plus fp32 scales; masters stay exact), 'grads' (stages 2-3 reduce grads as int8 pieces through an
-    all-to-all, summed in fp32 by the owner), 'grads+ef' (the same with error feedback: each rank
-    carries its rounding error into its next reduction, one fp32 value per grad element), or
-    weights with either, comma-separated ('weights,grads', 'weights,grads+ef')."""
-
-    comm_quant_block: int = 256
-    """Elements per quantization block (one fp32 scale each); a power of two."""
-
-    compile: bool = False
-    """torch.compile each block's forward (zs.shard's compile=); the runtime's hooks stay eager.
-    See docs/compile.md."""
-
-    compile_backend: str = "inductor"
-    """Backend for `compile`: inductor (needs a C++ compiler on CPU), aot_eager, eager or cudagraphs."""
 
     init: str = "auto"
     """How the model is initialised: 'meta' builds it on the meta device and materialises only
@@ -198,190 +95,71 @@ class TrainConfig:
     jitter). False runs the model in eval mode, which turns it off: `zeroshard verify` does, since
     masks drawn on a sharded run and on one process differ. Models without dropout are unaffected."""
 
-    run_dir: str | None = None
-    """Where metrics.jsonl and config.json go; None means runs/<timestamp>."""
-
-    log_every: int = 10
-    """Steps between printed loss lines (the progress bar, when shown, updates every step)."""
-
-    hang_timeout_s: float = 600.0
-    """Seconds a rank may stay blocked in one collective before the watchdog dumps every rank's
-    ledger to RUN_DIR/ledger and ends the run with the collective's name (`zeroshard doctor RUN_DIR`
-    explains it). The process-group timeout is set a little later. A rank that dies is detected at
-    once, not after this."""
-
-    desync_check: int = 0
-    """Every this many steps, compare a hash of each rank's collective sequence with one tiny
-    all-gather and stop with the first divergence if they differ; 0 disables."""
-
-    profile: bool = True
-    """Per-step time breakdown, overlap ratio, memory and MFU in metrics.jsonl and the summary."""
-
-    trace: bool = False
-    """Write a Chrome/Perfetto trace per rank to RUN_DIR/trace/rank-R.json (compute and
-    collective lanes)."""
-
-    log: str = "none"
-    """Experiment loggers that get metrics.jsonl's scalars: 'tensorboard' (RUN_DIR/tensorboard),
-    'wandb', both comma-separated, or 'none' (`pip install 'zeroshard[log]'`)."""
-
-    peak_flops: float | None = None
-    """Peak FLOP/s of one rank's device, for MFU; None measures it with a short matmul at start
-    (pass the datasheet figure to compare against that instead)."""
-
-    save_every: int = 0
-    """Save a checkpoint every this many optimizer steps into `ckpt_dir`; 0 never saves."""
-
-    ckpt_dir: str | None = None
-    """Checkpoint directory: one `step-NNNNNNNN` subdirectory per save, plus a `latest` pointer."""
-
-    resume: str | None = None
-    """'auto' continues from the newest checkpoint in `ckpt_dir` that verifies, naming any it skips;
-    an empty or missing `ckpt_dir` starts fresh, but checkpoints of which none verifies are an error
-    (nothing is deleted). 'fresh-ok' is 'auto' that starts from step 0 instead of that error. A path
-    continues from that checkpoint. The world size and stage may differ from the saved run's."""
-
-    keep_last: int = 3
-    """Verified checkpoints of this run kept in `ckpt_dir`; after each save has committed and verified,
-    older verified ones of this run are deleted, and any that fails verification is renamed
-    `<name>.corrupt` (never deleted). 0 keeps all."""
-
-    save_async: bool = False
-    """Save in the background: each rank copies its shards to host memory (pinned on CUDA) and
-    training goes on while the files are written, hashed and committed (one save in flight at a
-    time; a crash mid-write leaves the previous checkpoint as the newest). Costs host memory of
-    the size of the rank's checkpoint files."""
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
+    pipeline: PipelineSection = dataclasses.field(default_factory=PipelineSection)
+    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+    """The runtime's knobs: activation checkpointing, offload, buckets, prefetch, resharding,
+    reduction overlap, accumulation (zeroshard.runtime.options); [engine] spells them by knob."""
+    comm: CommSection = dataclasses.field(default_factory=CommSection)
+    compile: CompileSection = dataclasses.field(default_factory=CompileSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    observe: ObserveSection = dataclasses.field(default_factory=ObserveSection)
 
     def __init__(self, **values: Any) -> None:
-        # Written out rather than generated so that the engine's knobs can be given flat, as every
-        # TOML file, flag and test spells them, and still land in the one EngineOptions.
-        engine = values.pop("engine", None)
-        knobs = {k: values.pop(k) for k in list(values) if k in KNOB_NAMES}
-        for f in dataclasses.fields(self):
-            if f.name != "engine":  # the one field with a factory; every other default is a plain value
-                setattr(self, f.name, values.pop(f.name, f.default))
+        tables = _split(values)
+        for name in TOP:
+            setattr(self, name, values.pop(name, _DEFAULTS[name]))
         if values:
             raise TypeError(f"TrainConfig got unknown keys {sorted(values)}; valid keys are: {', '.join(field_names())}")
-        _check_types(self, knobs)
-        self.engine = EngineOptions.from_flat(knobs, base=engine)
+        check_types(self, TOP)
+        for table, cls in TABLES.items():
+            base, own = tables.get(table, (None, {}))
+            fields = {**(dataclasses.asdict(base) if base is not None else {}), **own}
+            setattr(self, table, cls(**fields))
+        engine, flat_knobs = tables.get(ENGINE_TABLE, (None, {}))
+        self.engine = EngineOptions.from_flat(flat_knobs, base=engine)
         self._check_ranges()
 
-    def _check_comm_quant(self) -> None:
-        """The same rules as zeroshard.comm.quant.CommQuant, without importing torch."""
-        parts = {p.strip() for p in self.comm_quant.split(",") if p.strip()} - {"none"}
-        if parts - {"weights", "grads", "grads+ef"} or {"grads", "grads+ef"} <= parts:
-            raise ValueError(f"comm_quant={self.comm_quant!r} is invalid; use 'none', 'weights', 'grads', "
-                             "'grads+ef' (with error feedback) or weights with either, e.g. 'weights,grads+ef'")
-        block = self.comm_quant_block
-        if block <= 0 or block & (block - 1):
-            raise ValueError(f"comm_quant_block={block} must be a positive power of two (e.g. 256)")
-        if "weights" in parts and self.stage != 3:
-            raise ValueError(f"comm_quant=weights needs stage 3 (weights are all-gathered only there); "
-                             f"got stage {self.stage}: pass --stage 3 or drop weights")
-        if parts & {"grads", "grads+ef"} and self.stage < 2:
-            raise ValueError(f"comm_quant=grads needs stage 2 or 3 (a sharded grad reduction); got stage "
-                             f"{self.stage}: pass --stage 2 or 3 or drop grads")
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: a flat key read through its section.
+        if name in FLAT:
+            section, field = FLAT[name]
+            return getattr(object.__getattribute__(self, section.TABLE), field)  # type: ignore[attr-defined]
+        raise AttributeError(f"TrainConfig has no key {name!r}")
 
-    def _check_tp(self) -> None:
-        if self.tp < 1 or self.nproc % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide nproc={self.nproc}; pick a tp that divides nproc "
-                             f"(nproc/tp ranks are data parallel; tp=1 is no tensor parallelism)")
-        if self.tp > 1 and self.model not in TP_MODEL_NAMES:
-            raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, or one of "
-                             f"{', '.join(TP_MODEL_NAMES)} (zeroshard's GPT and HF Llama have one)")
-
-    def _check_ep(self) -> None:
-        if self.ep == 1:
-            return
-        # ep borrows its ranks from dp x tp (zeroshard/comm/mesh.py's check_ep_layout, the same rule), inside
-        # each pipeline stage under pp.
-        pp = self.pp if self.pp >= 1 and self.nproc % self.pp == 0 else 1
-        ranks, where = self.nproc // pp, " of a pipeline stage" if pp > 1 else ""
-        if self.ep < 1 or ranks % self.ep:
-            kind = "data-parallel" if self.tp == 1 else "data-parallel x tp"
-            raise ValueError(f"ep={self.ep} does not divide the {ranks} {kind} ranks{where}, so its product with the "
-                             f"other dims is not nproc={self.nproc}; pick an ep that divides {ranks}")
-        if self.tp > 1 and self.ep % self.tp and self.tp % self.ep:
-            raise ValueError(f"ep={self.ep} with tp={self.tp}: an ep group must hold whole tp groups or lie inside "
-                             f"one; pick an ep that is a multiple or a divisor of tp={self.tp}")
-        if pp > 1 and self.tp > 1:
-            raise ValueError(f"ep={self.ep} with tp={self.tp} under pp={pp} is not composed yet; use tp=1 with pp and "
-                             "ep, or pp=1")
-        if self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
-            # (a pretrained folder's layers are checked before launch, on a meta build of it)
-            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "
-                             f"ep=1, {', '.join(MOE_MODEL_NAMES)}, or an HF Mixtral or Qwen-MoE save_pretrained folder")
+    def replace(self, **values: Any) -> TrainConfig:
+        """A copy with ``values`` (flat keys, sections or tables) on top, checked again: what
+        ``dataclasses.replace`` does, spelled so a type checker takes flat keys."""
+        now: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in [n for n in values if n in TABLES and n in FLAT]:  # `data="x.txt"`, `compile=True`: one field
+            section, field = FLAT[name]
+            if not isinstance(values[name], (section, Mapping)):
+                now[name] = dataclasses.replace(now[name], **{field: values.pop(name)})
+        return TrainConfig(**{**now, **values})
 
     @property
-    def pp_microbatches(self) -> int:
-        """`microbatches`, or its default (pp x stages per rank) when 0; 1 without a pipeline."""
-        from zeroshard.parallel.pipeline.schedules import microbatches_of
+    def dims(self) -> ParallelDims:
+        """The layout of the `nproc` ranks that `parallel` asks for (checked when the config is built)."""
+        return self.parallel.dims(self.nproc)
 
-        return microbatches_of(self.pp, schedule=self.pp_schedule, microbatches=self.microbatches,
-                               stages_per_rank_asked=self.pp_stages_per_rank)
-
-    def _check_pp(self) -> None:
-        if self.pp < 1 or (self.nproc // self.tp) % self.pp or self.nproc % self.tp:
-            raise ValueError(f"pp={self.pp} does not divide nproc={self.nproc}{f' / tp {self.tp}' if self.tp > 1 else ''}; "
-                             "pick a pp that divides it (nproc/pp ranks per pipeline stage; pp=1 is no pipeline)")
-        if self.pp == 1:
-            return
-        from zeroshard.parallel.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches, schedule_spec,
-                                                  stages_per_rank)
-
-        spec = schedule_spec(self.pp_schedule)
-        per_rank = stages_per_rank(spec, self.pp_stages_per_rank)
-        check_checkpointing(spec, self.engine.checkpointing)
-        check_compile(spec, self.compile)
-        layers = self._pp_blocks()
-        if layers % (self.pp * per_rank):
-            raise ValueError(f"pp={self.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
-                             f"{self.model}; pick pp x pp_stages_per_rank dividing {layers}")
-        if self.init == "meta" and self.model.startswith(HF_PREFIX):
-            raise ValueError("init=meta under pp > 1 is not yet composed with a Hugging Face preset; use init=full "
-                             "(or auto), a GPT preset, or a save_pretrained folder (read on meta stage by stage)")
-        refused = {"check_schedule": self.engine.check_schedule}
-        for name, on in refused.items():
-            if on:
-                raise ValueError(f"{name} is not yet composed with pp > 1 (docs/pipeline.md, limits); drop it or "
-                                 "use pp=1")
-        from zeroshard.parallel.pipeline.grad_reduce import check_grad_reduce
-
-        check_grad_reduce(self.engine.pp_grad_reduce, stage=self.stage)
-        dp = self.nproc // self.tp // self.pp
-        if self.batch % (dp * self.accum) == 0:
-            check_microbatches(spec, microbatches=self.pp_microbatches, pp=self.pp,
-                               local_batch=self.batch // (dp * self.accum))
-
-    def _pp_blocks(self) -> int:
-        """The blocks pp cuts into stages: a preset's, or a pretrained decoder folder's layers."""
-        from zeroshard.checkpoint.hf.folder import CONFIG, is_pretrained_folder
-
-        if is_pretrained_folder(self.model):
-            try:
-                hf = json.loads((Path(self.model) / CONFIG).read_text())
-            except ValueError as e:
-                raise ValueError(f"{Path(self.model) / CONFIG} is not JSON ({e}); fix or rewrite the folder") from e
-            kind, layers = hf.get("model_type"), hf.get("num_hidden_layers")
-            if kind not in PP_FOLDER_TYPES or not isinstance(layers, int):
-                raise ValueError(f"the {kind!r} model in {self.model} cannot be cut into pipeline stages; use pp=1, "
-                                 f"or a folder of one of {', '.join(PP_FOLDER_TYPES)}")
-            if hf.get("output_router_logits") and hf.get("router_aux_loss_coef"):
-                # (zeroshard/parallel/pipeline/families.py refuses the built model the same way)
-                raise ValueError(f"the {kind} model in {self.model} asks for its routers' load-balancing loss "
-                                 "(output_router_logits), one term over every layer's tokens that no pipeline stage "
-                                 "holds; set output_router_logits to false in its config.json or use pp=1")
-            return layers
-        if self.model not in PP_MODEL_NAMES:
-            raise ValueError(f"model={self.model!r} cannot be cut into pipeline stages; use pp=1, one of "
-                             f"{', '.join(PP_MODEL_NAMES)}, or a pretrained folder of {', '.join(PP_FOLDER_TYPES)}")
-        if self.model.startswith(HF_PREFIX):
-            return HF_TINY_LAYERS
-        from zeroshard.models.gpt import GPTConfig
-
-        return GPTConfig.named(self.model).n_layer
+    def _check_model_layout(self, dims: ParallelDims) -> None:
+        """What the degrees ask of the model, by its name: a tp plan, MoE layers for ep. The blocks pp
+        cuts and the schedule's rules need the model and the schedules: zeroshard/trainer/config_checks.py."""
+        tp, ep, pp = dims.tp, dims.ep, dims.pp
+        if tp > 1 and self.model not in TP_MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, or one of "
+                             f"{', '.join(TP_MODEL_NAMES)} (zeroshard's GPT and HF Llama have one)")
+        if ep > 1 and pp > 1 and tp > 1:
+            raise ValueError(f"ep={ep} with tp={tp} under pp={pp} is not composed yet; use tp=1 with pp and ep, or pp=1")
+        if ep > 1 and self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
+            # (a pretrained folder's layers are checked before launch, on a meta build of it)
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "
+                             f"ep=1, {', '.join(MOE_MODEL_NAMES)}, or an HF Mixtral or Qwen-MoE save_pretrained folder")
 
     def _check_ranges(self) -> None:
+        """The top-level keys, then what needs more than one section (each section checked its own)."""
         if self.model not in MODEL_NAMES + HF_MODEL_NAMES and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model!r} is not a known model; use one of {MODEL_NAMES + HF_MODEL_NAMES} "
                              "or a folder written by save_pretrained (with config.json)")
@@ -389,65 +167,74 @@ class TrainConfig:
             raise ValueError(f"stage={self.stage} is invalid; use 0 (DDP), 1, 2 or 3")
         if self.mp not in PARAM_DTYPES:
             raise ValueError(f"mp={self.mp!r} is invalid; use one of {PARAM_DTYPES}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend={self.backend!r} is invalid; use gloo or nccl (or leave it unset for the default)")
-        self._check_tp()
-        self._check_ep()
-        self._check_pp()
-        dp = self.nproc // self.tp // self.pp
-        if self.shard_size is not None and (self.shard_size < 1 or dp % self.shard_size):
-            where = f"nproc={self.nproc}" if self.tp == 1 else f"the {dp} data-parallel ranks (nproc {self.nproc} / tp {self.tp})"
-            raise ValueError(f"shard_size={self.shard_size} must divide {where}")
-        if self.engine.offload.kind == "disk" and not self.engine.offload.directory:
-            raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
-        self._check_comm_quant()
-        if self.compile_backend not in COMPILE_BACKENDS:
-            raise ValueError(f"compile_backend={self.compile_backend!r} is invalid; use one of {COMPILE_BACKENDS}")
         if self.init not in ("auto", "meta", "full"):
             raise ValueError(f"init={self.init!r} is invalid; use 'auto', 'meta' or 'full'")
-        for name in ("nproc", "batch", "seq_len", "steps", "num_samples", "log_every", "order", "accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.vocab_size < 2:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 2")
-        if self.warmup < 0:
-            raise ValueError(f"warmup={self.warmup} must be >= 0 (0 disables warm-up)")
-        if self.warmup_shape not in WARMUP_SHAPES:
-            raise ValueError(f"warmup_shape={self.warmup_shape!r} is invalid; use one of {', '.join(WARMUP_SHAPES)}")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
-        for name in ("weight_decay", "clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.hang_timeout_s <= 0:
-            raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be > 0")
-        if self.desync_check < 0:
-            raise ValueError(f"desync_check={self.desync_check} must be >= 0 (0 disables it)")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            raise ValueError(f"peak_flops={self.peak_flops} must be > 0 FLOP/s, or unset to measure it")
-        from zeroshard.observing.loggers import parse_log
-
-        parse_log(self.log)
-        check_checkpointing(self)
+        if self.nproc < 1:
+            raise ValueError(f"nproc={self.nproc} must be >= 1")
+        dims = self.parallel.dims(self.nproc)  # the degrees against nproc: zeroshard/comm/dims.py's checks
+        self._check_model_layout(dims)
+        if self.engine.offload.kind == "disk" and not self.engine.offload.directory:
+            raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
+        self.comm.check_stage(self.stage)
         # Tensor-parallel ranks share a batch: it is split over the data-parallel ranks only.
-        check_batch_split(self.batch, dp, self.accum)
-        if self.data is None and self.num_samples < self.batch:
-            raise ValueError(
-                f"num_samples={self.num_samples} is smaller than one global batch ({self.batch}); "
-                "raise num_samples or lower batch"
-            )
+        check_batch_split(self.data.batch, dims.dp, self.optim.accum)
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat, as a TOML file spells it: `TrainConfig(**cfg.to_dict())` is `cfg` again."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name == "engine":
-                out.update(self.engine.flat())
-            else:
-                out[f.name] = getattr(self, f.name)
+        """Flat, as flags and config.json spell it: `TrainConfig(**cfg.to_dict())` is `cfg` again."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in TOP}
+        for table in TABLES:
+            section = getattr(self, table)
+            out.update({flat_name(type(section), f.name): getattr(section, f.name) for f in dataclasses.fields(section)})
+        out.update(self.engine.flat())
         return out
+
+    def to_tables(self) -> dict[str, Any]:
+        """As a TOML file spells it: the top-level keys, then one table per section (unset keys left out)."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in TOP}
+        for table in TABLES:
+            section = getattr(self, table)
+            out[table] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                          if getattr(section, f.name) is not None}
+        out[ENGINE_TABLE] = {k: v for k, v in self.engine.flat().items() if v is not None}
+        return out
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in TOP}
+_KNOB_TYPES = {knob.name: knob.type for knob in KNOBS}
+
+
+def _split(values: dict[str, Any]) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Take the sections' values out of ``values``: per table, (a section object or None, its fields).
+    Objects and tables first, so that a flat key given beside them wins."""
+    out: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for table in (*TABLES, ENGINE_TABLE):
+        cls = TABLES.get(table, EngineOptions)
+        value = values.get(table)
+        if isinstance(value, cls):
+            out[table] = (values.pop(table), {})
+        elif isinstance(value, Mapping):  # a table; `data = "x.txt"` and `compile = true` are flat keys
+            out[table] = (None, table_fields(table, values.pop(table), source="TrainConfig"))
+    for name in list(values):
+        if name in FLAT or name in KNOB_NAMES:
+            table, field = (FLAT[name][0].TABLE, FLAT[name][1]) if name in FLAT else (ENGINE_TABLE, name)  # type: ignore[attr-defined]
+            out.setdefault(table, (None, {}))[1][field] = values.pop(name)
+    if ENGINE_TABLE in out:
+        base, knobs = out[ENGINE_TABLE]
+        out[ENGINE_TABLE] = (base, check_values(knobs, _KNOB_TYPES))
+    return out
+
+
+def table_fields(table: str, values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    """A table's keys, `-` read as `_`, checked against its section's fields (or the engine's knobs)."""
+    cls = TABLES.get(table)
+    known = [f.name for f in dataclasses.fields(cls)] if cls is not None else list(KNOB_NAMES)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"unknown key {key!r} in [{table}] of {source}; valid keys there are: {', '.join(known)}")
+        out[name] = value
+    return out
 
 
 def check_batch_split(batch: int, world: int, accum: int = 1) -> None:
@@ -459,69 +246,54 @@ def check_batch_split(batch: int, world: int, accum: int = 1) -> None:
         )
 
 
-def check_checkpointing(cfg: TrainConfig) -> None:
-    for name in ("save_every", "keep_last"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0 (0 disables it)")
-    if cfg.save_every and cfg.ckpt_dir is None:
-        raise ValueError(f"save_every={cfg.save_every} needs ckpt_dir: pass --ckpt-dir DIR")
-    if cfg.resume in ("auto", "fresh-ok") and cfg.ckpt_dir is None:
-        raise ValueError(f"resume={cfg.resume!r} searches ckpt_dir, which is not set: pass --ckpt-dir DIR")
-
-
-def _check_types(cfg: TrainConfig, knobs: Mapping[str, Any]) -> None:
-    # TOML and flags both deliver loosely typed values; catch "steps = '10'" here, with the
-    # field's name, rather than as a TypeError deep inside the training loop.
-    values = {name: getattr(cfg, name) for name in _TYPES if name not in KNOB_NAMES} | dict(knobs)
-    for name, value in values.items():
-        allowed = typing.get_args(_TYPES[name]) or (_TYPES[name],)
-        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)  # "peak_flops = 100000000000" in TOML is an int
-        elif not (value is None and type(None) in allowed) and not any(
-                isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
-                for t in allowed if t is not type(None)):
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{name}={value!r} has type {type(value).__name__}; expected {names}")
-        if name in knobs:
-            knobs[name] = value  # type: ignore[index]
-        else:
-            setattr(cfg, name, value)
-
-
-def _flat_types() -> dict[str, Any]:
+def _flat_keys() -> dict[str, tuple[str | None, Any, str]]:
+    """Every flat key -> (its table, None at the top; its annotation; its help)."""
     hints = typing.get_type_hints(TrainConfig)
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "engine":
-            out.update({knob.name: knob.type for knob in KNOBS})
-        else:
-            out[f.name] = hints[f.name]
+    docs = field_docs(TrainConfig)
+    out: dict[str, tuple[str | None, Any, str]] = {name: (None, hints[name], docs.get(name, "")) for name in TOP}
+    for cls in SECTIONS:
+        h, d = typing.get_type_hints(cls), field_docs(cls)
+        for f in dataclasses.fields(cls):
+            out[flat_name(cls, f.name)] = (cls.TABLE, h[f.name], d.get(f.name, ""))  # type: ignore[attr-defined]
+    out.update({knob.name: (ENGINE_TABLE, knob.type, knob.help) for knob in KNOBS})
     return out
 
 
-_TYPES = _flat_types()
-"""Every key a config takes, flat, in field order, with its annotation."""
-
-_FIELD_DOCS = {**field_docs(TrainConfig), **{knob.name: knob.help for knob in KNOBS}}
+_KEYS = _flat_keys()
 
 
 def field_names() -> list[str]:
-    """Every key a config takes, flat: its own fields and the engine's knobs, in field order."""
-    return list(_TYPES)
+    """Every key a config takes, flat: the top-level keys, each section's, then the engine's knobs."""
+    return list(_KEYS)
 
 
 def field_type(name: str) -> Any:
     """A key's annotation (``int``, ``str | None``, ...), for a flag's type."""
-    return _TYPES[name]
+    return _KEYS[name][1]
 
 
 def field_help(name: str) -> str:
     """The docstring under a field (or engine knob), reused as its --help text so the two never drift."""
-    return _FIELD_DOCS.get(name, "")
+    return _KEYS[name][2] if name in _KEYS else ""
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file of TrainConfig keys. A `[train]` table is accepted as well as top-level keys."""
+def field_section(name: str) -> str | None:
+    """The TOML table a flat key belongs to; None for a top-level key."""
+    return _KEYS[name][0]
+
+
+def table_spelling(name: str) -> str:
+    """How a TOML file spells a flat key now: ``[pipeline] schedule`` for ``pp_schedule``."""
+    table = field_section(name)
+    if table is None:
+        return name
+    return f"[{table}] {FLAT[name][1] if name in FLAT else name}"
+
+
+def load_toml(path: str | Path, *, note: Any = None) -> dict[str, Any]:
+    """Read a TOML file of TrainConfig keys, as flat keys. Tables ([optim], [parallel], ...) are the
+    spelling; flat keys at the top (the spelling before the tables) are read too, with one line to
+    ``note`` (stderr by default) naming each one's table. A `[train]` wrapper table is accepted."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"config file {str(p)!r} does not exist; check the --config path")
@@ -531,7 +303,21 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from e
     if set(raw) == {"train"} and isinstance(raw["train"], dict):
         raw = raw["train"]
-    return normalize_keys(raw, source=str(p))
+    flat: dict[str, Any] = {}
+    old: list[str] = []
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if (name in TABLES or name == ENGINE_TABLE) and isinstance(value, dict):
+            for field, v in table_fields(name, value, source=str(p)).items():
+                flat[flat_name(TABLES[name], field) if name in TABLES else field] = v
+            continue
+        flat[key] = value
+        if name in _KEYS and field_section(name) is not None:
+            old.append(name)
+    if old:
+        print(f"zeroshard: note: {p} uses flat keys, read as before; write them as tables: "
+              + ", ".join(f"{n} -> {table_spelling(n)}" for n in old), file=note or sys.stderr)
+    return normalize_keys(flat, source=str(p))
 
 
 def normalize_keys(values: Mapping[str, Any], *, source: str) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from zeroshard.runtime.materialize import meta_init
 from zeroshard.comm import faults
 from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
-from zeroshard.trainer.config import HF_PREFIX, TrainConfig, check_batch_split
+from zeroshard.models.names import HF_PREFIX
+from zeroshard.trainer.config import TrainConfig, check_batch_split
 from zeroshard.trainer.data import GlobalBatchSampler, build_dataset
 from zeroshard.trainer import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
@@ -115,7 +116,7 @@ def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.
 
 def build_data(cfg: TrainConfig) -> Any:
     return build_dataset(
-        data_path=cfg.data, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
+        data_path=cfg.data.path, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
         vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed,
     )
 
@@ -166,7 +167,7 @@ def shard_model(cfg: TrainConfig, model: torch.nn.Module, **overrides: Any) -> t
     options = engine_options(cfg, **{k: overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in overrides})
     kwargs = dict(stage=cfg.stage, mp=mixed_precision(cfg), options=options,
                   comm=CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block),
-                  compile=cfg.compile_backend if cfg.compile else None, **adapter.shard_kwargs(model))
+                  compile=cfg.compile.backend if cfg.compile.enabled else None, **adapter.shard_kwargs(model))
     zs_shard(model, **{**kwargs, **overrides})
     adapter.after_shard(model)  # a pretrained folder: each rank reads only its shard of the weights
     return model
@@ -256,7 +257,7 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                     stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,
                     comm=CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block),
-                    compile=cfg.compile_backend if cfg.compile else None,
+                    compile=cfg.compile.backend if cfg.compile.enabled else None,
                     **{**adapter.shard_kwargs(model), **shard_overrides})
     for module in pipe.modules:  # a pretrained folder on meta: each stage reads only its own tensors
         adapter.after_shard(module, whole=model, tied=pipe.tied_copies)

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroshard.trainer.config import HF_PREFIX, MODEL_NAMES
+from zeroshard.models.names import HF_PREFIX, MODEL_NAMES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

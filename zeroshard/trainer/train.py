@@ -15,7 +15,6 @@ through a `Reporter` (the CLI supplies a rich one) and also writes `RUN_DIR/conf
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.comm import get_ledger as zs_ledger
-from zeroshard.comm.mesh import init, shutdown
+from zeroshard.comm.mesh import shutdown
+from zeroshard.comm.world import init
 from zeroshard.observing import observe as zs_observe
 from zeroshard.runtime import full_state_dict as zs_full_state_dict, optim_groups, precision_manifest
 from zeroshard.comm import fault_points as fault_points
@@ -33,6 +33,7 @@ from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.watchdog import process_group_timeout
 from zeroshard.checkpoint.training import TrainingCheckpoints
 from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.config_checks import check_runnable, pp_microbatches
 from zeroshard.trainer.data import GlobalBatchSampler, collate
 from zeroshard.trainer import adapter
 from zeroshard.runtime import get_engine
@@ -251,11 +252,12 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     On an error the process group is deliberately not torn down: a peer may be blocked in a
     collective, and tearing down could block too. The launcher (or torchrun) stops the peers.
     """
+    check_runnable(cfg)  # a library caller's config, checked against the model as the CLI's is
     # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
     mesh = init(backend=cfg.backend, timeout_s=process_group_timeout(cfg.hang_timeout_s),
                    shard_size=cfg.shard_size, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, allow_cross_host=cfg.allow_cross_host)
     with observer_for(cfg) as obs:  # rank 0 names the run dir; every rank dumps its ledger there
-        summary = train(dataclasses.replace(cfg, run_dir=str(obs.run_dir)), mesh, obs, reporter)
+        summary = train(cfg.replace(run_dir=str(obs.run_dir)), mesh, obs, reporter)
     shutdown()
     return summary
 
@@ -334,7 +336,7 @@ def reference_train(cfg: TrainConfig, model: torch.nn.Module | None = None) -> d
     for _ in range(cfg.steps):
         x, y = collate(dataset, sampler.next_indices())
         # Under pp each accumulation step's slice is cut into the schedule's microbatches too.
-        loss = reference_backward(model, x, y, dp=cfg.nproc // cfg.tp // cfg.pp, accum=cfg.accum * cfg.pp_microbatches)
+        loss = reference_backward(model, x, y, dp=cfg.dims.dp, accum=cfg.accum * pp_microbatches(cfg))
         if cfg.clip > 0:  # the global norm before clipping, as a distributed step reports it
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)))
         opt.step()

@@ -17,7 +17,7 @@ import time
 import torch
 
 from zeroshard.comm import get_ledger as ledger
-from zeroshard.comm.mesh import init
+from zeroshard.comm.world import init
 from zeroshard.runtime import CommQuant
 from zeroshard.tools.benchmark import candidates as c
 from zeroshard.comm import collectives

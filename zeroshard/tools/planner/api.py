@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.comm.quant import CommQuant
 from zeroshard.tools.planner.activations import ActivationEstimate, gpt_activations
 from zeroshard.tools.planner.comm import Collective
@@ -36,6 +37,15 @@ def _is_count(value: Any) -> bool:
             return False
         return True
     return False
+
+
+def plan_dims(world: int, *, pp: int = 1, tp: int = 1, shard_size: int | None = None, ep: int = 1) -> ParallelDims:
+    """The layout a plan is asked for: ``world`` is one pipeline stage's ranks (every rank without pp)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be a positive int, got {pp!r}")
+    return ParallelDims.of(world * pp, pp=pp, tp=tp, shard=shard_size, ep=ep)
 
 
 def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, str, Any, int]:
@@ -111,6 +121,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     if unknown:
         raise TypeError(f"plan() got unknown keywords {unknown}; the engine's knobs are {', '.join(KNOB_NAMES)}")
     options = EngineOptions.from_flat(knobs, base=engine)
+    dims = plan_dims(world, pp=pp, tp=tp, shard_size=shard_size, ep=ep)  # the layout, checked before anything reads it
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     analytic = _is_count(model_or_config)
@@ -146,15 +157,14 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
         experts = expert_split(model, ep, tp=tp)
         # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
         inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
-                              dp=max(1, world // tp), expert_dp=max(1, world // ep))
+                              dp=dims.dp, expert_dp=dims.edp)
         psi, frozen = inventory.facts.trainable, inventory.facts.frozen
-    spec = PlanSpec(world=world, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
-                    optimizer_kwargs=kwargs, batch=batch or max(1, world // tp) * accum, seq=seq, accum=accum,
-                    engine=options, shard_size=shard_size, headroom=headroom,
+    spec = PlanSpec(dims=dims, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
+                    optimizer_kwargs=kwargs, batch=batch or dims.dp * accum, seq=seq, accum=accum,
+                    engine=options, headroom=headroom,
                     accounting=accounting or ("textbook" if analytic else "runtime"),
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
-                    tp=tp, sequence_parallel=sequence_parallel, ep=ep, routing_skew=routing_skew, pp=pp,
-                    pipeline_order=pipeline_order)
+                    sequence_parallel=sequence_parallel, routing_skew=routing_skew, pipeline_order=pipeline_order)
     tp_comm: tuple[Collective, ...] = ()
     # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
     if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory

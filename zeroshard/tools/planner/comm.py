@@ -26,7 +26,8 @@ from zeroshard.comm.quant import CommQuant
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.schedule import step_schedule
-from zeroshard.runtime.schedule_events import EXPERTS, MeshSizes, Schedule, UnitSizes
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.runtime.schedule_events import EXPERTS, Schedule, UnitSizes
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -87,7 +88,7 @@ class Network:
         return total
 
 
-def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: MeshSizes, options: EngineOptions,
+def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: ParallelDims, options: EngineOptions,
                      comm: CommQuant | None = None, accum: int = 1,
                      gpus_per_node: int | None = None, ep: int = 1,
                      pipeline_order: Sequence[tuple[str, int]] | None = None) -> tuple[Collective, ...]:
@@ -99,7 +100,7 @@ def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: M
     return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node, ep=ep)
 
 
-def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | None = None,
+def schedule_rows(schedule: Schedule, mesh: ParallelDims, *, gpus_per_node: int | None = None,
                   ep: int = 1) -> tuple[Collective, ...]:
     """The schedule's collectives summed into rows, in the order the step first issues them: per
     (op, group, phase, wire format), the bytes of each micro-step that moves any, one row per
@@ -116,7 +117,7 @@ def schedule_rows(schedule: Schedule, mesh: MeshSizes, *, gpus_per_node: int | N
         counts: dict[int, int] = {}
         for nbytes in moved.values():
             counts[nbytes] = counts.get(nbytes, 0) + 1
-        size = mesh.world // ep if group == EDP else mesh.size(group)
+        size = mesh.stage_world // ep if group == EDP else mesh.size(group)
         for nbytes, count in counts.items():
             out.append(Collective(op=op, group=group, size=size, buffer_bytes=nbytes, count=count,
                                   spans_nodes=_spans_nodes(group, mesh, gpus_per_node), phase=phase))
@@ -127,14 +128,14 @@ EDP = "edp"
 """The planner's name for an expert group's ranks (the expert mesh's shard group, every ep-th rank)."""
 
 
-def _spans_nodes(group: str, mesh: MeshSizes, gpus_per_node: int | None) -> bool:
+def _spans_nodes(group: str, mesh: ParallelDims, gpus_per_node: int | None) -> bool:
     """Whether ``group`` crosses nodes of ``gpus_per_node`` data-parallel ranks (default: one node).
     An edp group (every ep-th rank) spans them exactly when the data-parallel ranks do."""
     gpn = gpus_per_node or mesh.dp
     return (mesh.shard if group == "shard" else mesh.dp) > gpn
 
 
-def textbook_collectives(*, policy: StagePolicy, mesh: MeshSizes, padded: int, compute_bytes: int, reduce_bytes: int,
+def textbook_collectives(*, policy: StagePolicy, mesh: ParallelDims, padded: int, compute_bytes: int, reduce_bytes: int,
                          accum: int, accumulation: str, reshard_after_forward: bool,
                          gpus_per_node: int | None = None) -> tuple[Collective, ...]:
     """The ZeRO paper's volumes for a bare count of ``padded`` elements (no units, so every param

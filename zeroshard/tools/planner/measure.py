@@ -368,7 +368,7 @@ def model_state_bytes(model, opt) -> dict[str, int]:
 def measure_worker(req: dict, mesh=None) -> dict:
     """Runs on every rank: each requested stage on a fresh model, one after the other, on ``mesh``
     (default: the world's, built with the plan's shard_size, tp and ep)."""
-    from zeroshard.comm.mesh import init as zs_init
+    from zeroshard.comm.world import init as zs_init
 
     mesh = mesh or zs_init(shard_size=req["shard_size"], ep=req["ep"], tp=req["tp"])
     out = {}
@@ -381,7 +381,7 @@ def measure_worker(req: dict, mesh=None) -> dict:
 def measure_many_worker(reqs: list[dict]) -> list[dict]:
     """Several plans in one world (one spawn): ``measure_worker`` for each request, in order, each
     on a mesh of its (shard_size, ep, tp), built once."""
-    from zeroshard.comm.mesh import init as zs_init, new_mesh
+    from zeroshard.comm.world import init as zs_init, new_mesh
 
     def key(r: dict) -> tuple:
         return r["shard_size"], r["ep"], r["tp"]

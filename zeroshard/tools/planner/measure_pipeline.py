@@ -71,7 +71,7 @@ def pipeline_measure_worker(req: dict) -> dict:
 
 def pipeline_measure_many(reqs: list[dict]) -> list[dict]:
     """``pipeline_measure_worker`` for several requests of one pp layout, in one process group."""
-    from zeroshard.comm.mesh import init
+    from zeroshard.comm.world import init
 
     mesh = init(pp=reqs[0]["pp"], shard_size=reqs[0]["shard_size"])
     return [_measure_stages(req, mesh) for req in reqs]

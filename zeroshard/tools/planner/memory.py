@@ -32,7 +32,8 @@ from zeroshard.comm.quant import CommQuant
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.optim import PIPELINE_MIN_NUMEL
 from zeroshard.runtime.schedule import step_schedule
-from zeroshard.runtime.schedule_events import GroupSizes, MeshSizes, UnitSizes
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.runtime.schedule_events import GroupSizes, UnitSizes
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -221,8 +222,7 @@ class Estimator:
         (zeroshard/runtime/schedule.py), or the textbook volumes of ``padded`` elements without units."""
         spec = self.spec
         # The data-parallel mesh of the layout (stage 0 has no shards: its buffers span every rank).
-        mesh = MeshSizes(world=spec.world, shard=v.shards if v.policy.shard_optimizer else spec.dp, tp=spec.tp,
-                         pp=spec.pp)
+        mesh = spec.dims.with_shard(v.shards if v.policy.shard_optimizer else None)
         # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
         dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // spec.tp)
         if self.inventory is None:
@@ -559,7 +559,7 @@ class Estimator:
         # shard count, so it is read off a schedule over two.
         # (Expert groups shard over shard / ep of them: at least two as well.)
         shard = max(2 * spec.ep, spec.dp)
-        mesh = MeshSizes(world=shard * spec.tp, shard=shard, tp=spec.tp)
+        mesh = ParallelDims(shard=shard, tp=spec.tp)
         schedule = step_schedule(sizes, policy=StagePolicy(3), mesh=mesh,
                                  options=dataclasses.replace(spec.engine, offload=OffloadPolicy()), accum=spec.accum,
                                  pipeline_order=spec.pipeline_order)

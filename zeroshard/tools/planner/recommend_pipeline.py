@@ -102,7 +102,7 @@ def recommend_pipeline(cfg: Any, *, device_mem: int | str, world: int, max_pp: i
     w = Workload(shape=sim_shape, micro_batch=batch // world, seq=seq, compute_bytes=compute_bytes)
     for stage, name in STAGE_NAMES.items():
         total = flat[name].device.total
-        step = simulate(w, hw, Layout(world=world, stage=stage, param_bytes=param_bytes)).step_s
+        step = simulate(w, hw, Layout.of(world=world, stage=stage, param_bytes=param_bytes)).step_s
         cands.append(PipelineCandidate(pp=1, layout=name, total_bytes=total, step_s=step, bubble=0.0,
                                        fits=total <= mem))
     skipped = []
@@ -117,7 +117,7 @@ def recommend_pipeline(cfg: Any, *, device_mem: int | str, world: int, max_pp: i
         w = Workload(shape=sim_shape, micro_batch=batch // (dp * m), seq=seq, compute_bytes=compute_bytes)
         for stage, name in STAGE_NAMES.items():
             total = max(r.plan[name].device.total for r in pplan.ranks)
-            timed = simulate_pipeline(w, hw, Layout(world=dp, stage=stage, param_bytes=param_bytes), pp=pp,
+            timed = simulate_pipeline(w, hw, Layout.of(world=dp, stage=stage, param_bytes=param_bytes), pp=pp,
                                       schedule=shape.schedule, microbatches=m,
                                       stages_per_rank=shape.stages_per_rank, world=world)
             cands.append(PipelineCandidate(pp=pp, layout=name, total_bytes=total, step_s=timed.step_s,

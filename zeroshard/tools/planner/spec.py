@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.comm.mesh import check_ep_layout
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.precision import MixedPrecision, parse_dtype
@@ -135,10 +135,12 @@ def resolve_mp(mp: MixedPrecision | str | None, *, analytic: bool) -> MixedPreci
 class PlanSpec:
     """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``.
 
-    ``world`` counts every rank: ``tp`` consecutive ranks split each layer (tensor parallelism) and
+    ``dims`` is the layout (zeroshard/comm/dims.py): ``world`` (one pipeline stage's ranks) and
+    every degree are read from it. ``tp`` consecutive ranks split each layer (tensor parallelism) and
     the ``world / tp`` data-parallel ranks (``dp``) shard and replicate as the stage says."""
 
-    world: int
+    dims: ParallelDims
+    """The layout: pp, the replicas and shard groups of hybrid sharding, tp and ep."""
     stage: int | None = None
     """The stage you intend to run (highlighted, and measured by ``--measure``); every stage is planned."""
     mp: MixedPrecision
@@ -150,39 +152,27 @@ class PlanSpec:
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     """The engine's knobs the run will use (checkpointing, offload, prefetch, resharding, buckets,
     accumulation): the runtime's own options object, so the plan reads what the engine reads."""
-    shard_size: int | None = None
-    """Hybrid sharding: shard inside groups of this many ranks, replicate across them."""
     headroom: float = 0.10
     """Allocator headroom as a fraction of the allocated peak (fragmentation, cached blocks)."""
     accounting: str = "runtime"
     comm_quant: str = "none"
     """Quantized communication as ``--comm-quant`` spells it (zeroshard/tools/planner/quant.py plans it)."""
     comm_quant_block: int = 256
-    tp: int = 1
-    """Tensor-parallel degree: ranks one layer is split over (Megatron's column/row split)."""
     sequence_parallel: bool = False
     """With tp > 1: also split the norms' and residual's activations along the sequence."""
-    ep: int = 1
-    """Expert parallelism: each MoE layer's experts split over ``ep`` consecutive data-parallel ranks,
-    each expert sharded over the ``world / ep`` ranks that hold it (zeroshard/tools/planner/experts.py)."""
     routing_skew: float = 0.0
     """With ep > 1: extra rows the busiest ep rank receives, as a share of the balanced
     ``tokens × top_k`` (0 balanced, 1 twice its share); sizes its all-to-all buffers and traffic."""
-    pp: int = 1
-    """Pipeline stages: ``world`` is then one stage's ranks (zeroshard/tools/planner/pipeline.py plans each)."""
     pipeline_order: tuple[tuple[str, int], ...] | None = None
     """One pipeline stage's forwards and backwards in torch's order (``step_schedule``'s
     ``pipeline_order``): the step its engine runs, which its collectives and gather window follow."""
 
     def __post_init__(self) -> None:
-        _positive_int("world", self.world)
+        if not isinstance(self.dims, ParallelDims):
+            raise ValueError(f"dims must be a ParallelDims, got {self.dims!r}")
         _positive_int("batch", self.batch)
         _positive_int("seq", self.seq)
         _positive_int("accum", self.accum)
-        _positive_int("tp", self.tp)
-        if self.world % self.tp:
-            raise ValueError(f"tp {self.tp} does not divide world {self.world}; the world is data-parallel ranks × tp, "
-                             "so pick a tp that divides it")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tp ranks; it needs tp > 1")
         self._check_ep()
@@ -192,11 +182,6 @@ class PlanSpec:
             where = f"world {self.world}" if self.tp == 1 else f"{self.dp} data-parallel ranks"
             raise ValueError(f"global batch {self.batch} does not split over {where} × accum {self.accum}; "
                              f"use a multiple of {self.dp * self.accum}")
-        if self.shard_size is not None:
-            _positive_int("shard_size", self.shard_size)
-            if self.dp % self.shard_size:
-                raise ValueError(f"shard_size {self.shard_size} does not divide the {self.dp} data-parallel ranks; "
-                                 "pick a divisor")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom is a fraction of the peak in [0, 1), got {self.headroom!r}; 0.1 means 10%")
         if self.accounting not in ACCOUNTINGS:
@@ -204,8 +189,6 @@ class PlanSpec:
         self._check_comm_quant()
 
     def _check_ep(self) -> None:
-        _positive_int("ep", self.ep)
-        check_ep_layout(self.ep, self.dp, self.tp)  # the runtime's rule: ep borrows its ranks from dp x tp
         if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) or \
                 not 0 <= self.routing_skew < float("inf"):
             raise ValueError(f"routing_skew is the busiest ep rank's extra share of routed rows, a number >= 0 "
@@ -214,10 +197,36 @@ class PlanSpec:
             raise ValueError("routing_skew sizes the expert-parallel all-to-alls; it needs ep > 1")
 
     @property
+    def world(self) -> int:
+        """Ranks of one pipeline stage (every rank without pp)."""
+        return self.dims.stage_world
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: ranks one layer is split over (Megatron's column/row split)."""
+        return self.dims.tp
+
+    @property
+    def ep(self) -> int:
+        """Expert parallelism: each MoE layer's experts split over ``ep`` consecutive data-parallel ranks,
+        each expert sharded over the ``world / ep`` ranks that hold it (zeroshard/tools/planner/experts.py)."""
+        return self.dims.ep
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages: ``world`` is then one stage's ranks (zeroshard/tools/planner/pipeline.py plans each)."""
+        return self.dims.pp
+
+    @property
+    def shard_size(self) -> int | None:
+        """Hybrid sharding's shard groups; None when every data-parallel rank is one group."""
+        return self.dims.shard if self.dims.hybrid else None
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel ranks: those holding the same experts, which shard them (the
         experts are not tensor parallel, so ep's ranks come from dp x tp)."""
-        return self.world // self.ep
+        return self.dims.edp
 
     def _check_comm_quant(self) -> None:
         from zeroshard.comm.quant import CommQuant
@@ -240,7 +249,7 @@ class PlanSpec:
     @property
     def dp(self) -> int:
         """Data-parallel ranks: those that see different batches, and shard and reduce together."""
-        return self.world // self.tp
+        return self.dims.dp
 
     @property
     def micro_batch(self) -> int:
@@ -253,7 +262,7 @@ class PlanSpec:
 
     @property
     def hybrid(self) -> bool:
-        return self.shard_size is not None and self.shard_size < self.dp
+        return self.dims.hybrid
 
     def describe(self) -> dict[str, Any]:
         def name(d: torch.dtype | None) -> str | None:

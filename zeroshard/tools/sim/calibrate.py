@@ -57,7 +57,7 @@ def fit(points: list[tuple[float, float]], op: str, p: int) -> tuple[float, floa
 
 def time_rank(op: str, sizes: tuple[int, ...], repeats: int) -> list[tuple[float, float]]:
     """Run on every rank of a spawned world; returns (buffer bytes, median seconds) per size."""
-    from zeroshard.comm.mesh import init as zs_init
+    from zeroshard.comm.world import init as zs_init
 
     mesh = zs_init()
     return _time_op(op, sizes, repeats, mesh.world)
@@ -295,7 +295,8 @@ def world_size() -> int:
 def hardware_rank(model: str, vocab: int, micro_batch: int, seq: int, sizes: tuple[int, ...],
                   repeats: int) -> dict:
     """Spawn target: every figure ``calibrate_hardware`` needs from one world size."""
-    from zeroshard.comm.mesh import init as zs_init, shutdown
+    from zeroshard.comm.mesh import shutdown
+    from zeroshard.comm.world import init as zs_init
 
     # From 4 ranks on, also the collectives of a hybrid step: groups of 2 that run all at once.
     sub = 2 if world_size() >= 4 and world_size() % 2 == 0 else None

@@ -142,12 +142,12 @@ def _block_gathers(w: Workload, layout: Layout, order: dict[int, list], blocks: 
     over its ``blocks`` blocks, walked in its rank's order of torch's schedule."""
     from zeroshard.parallel.pipeline.order import stage_order
     from zeroshard.runtime.schedule import step_schedule
-    from zeroshard.runtime.schedule_events import BACKWARD, FORWARD, MeshSizes
+    from zeroshard.runtime.schedule_events import BACKWARD, FORWARD
     from zeroshard.tools.sim.replay import replay_options, schedule_units
 
     stage_w = dataclasses.replace(w, shape=dataclasses.replace(w.shape, n_layer=blocks))
     units = schedule_units(stage_w, layout).units
-    mesh = MeshSizes(world=layout.world, shard=layout.shard_group, tp=layout.tp, pp=pp)
+    mesh = dataclasses.replace(layout.mesh, pp=pp)  # one stage's dims, pp of them
     out: dict[tuple[str, int, int], int] = {}
     for actions in order.values():
         for stage in sorted({a.stage for a in actions}):

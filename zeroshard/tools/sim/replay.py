@@ -34,7 +34,7 @@ from zeroshard.runtime.engine import merge_in_order
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.schedule import step_schedule
 from zeroshard.runtime.schedule_events import (BACKWARD, COMPUTE, EXPERTS, FORWARD, FREE, OPTIMIZER, PARAM_SYNC,
-                                                RECOMPUTE, WAIT, GroupSizes, MeshSizes, Schedule, TensorParallelSizes,
+                                                RECOMPUTE, WAIT, GroupSizes, Schedule, TensorParallelSizes,
                                                 UnitSizes)
 from zeroshard.tools.sim.network import collective_seconds, wire_bytes
 from zeroshard.tools.sim.workload import TORCHTITAN_POLICIES, Workload
@@ -115,7 +115,7 @@ def replay_schedule(w: Workload, layout: Layout, units: ScheduleUnits) -> Schedu
         per_block = MOE_ALL_REDUCES_PER_LAYER if w.shape.n_expert else ALL_REDUCES_PER_LAYER
         tp = TensorParallelSizes(numel=w.tokens * w.shape.hidden, dtype=_dtype(w.compute_bytes, "compute_bytes"),
                                  blocks=w.shape.n_layer, per_block=per_block)
-    mesh = MeshSizes(world=layout.world, shard=layout.shard_group, tp=layout.tp)
+    mesh = layout.mesh
     return step_schedule(units.units, policy=layout.policy, mesh=mesh, options=replay_options(w, layout),
                          accum=w.accum, tp=tp)
 

@@ -30,9 +30,9 @@ def layouts_for(world: int, stages: tuple[int, ...], shard_sizes: tuple[int, ...
     out = []
     dp = world // kw.get("tp", 1)
     for stage in stages:
-        out.append(Layout(world=world, stage=stage, **kw))
+        out.append(Layout.of(world=world, stage=stage, **kw))
         if stage and kw.get("offload", "none") == "none":
-            out += [Layout(world=world, stage=stage, shards=s, **kw) for s in shard_sizes if s < dp and dp % s == 0]
+            out += [Layout.of(world=world, stage=stage, shards=s, **kw) for s in shard_sizes if s < dp and dp % s == 0]
     return out
 
 

@@ -34,7 +34,7 @@ import bisect
 import dataclasses
 from typing import Any
 
-from zeroshard.comm.mesh import check_ep_layout
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.runtime.offload.policy import OFFLOAD_KINDS
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
@@ -68,45 +68,57 @@ SIMULATED_KNOBS = ("checkpointing", "offload", "bucket_mb", "prefetch", "reshard
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
-    world: int
+    """One stage's layout (``dims``: its ranks, tp, ep and shard groups; every size below is read
+    from it) and the engine knobs the replay models. ``Layout.of(world=, stage=, tp=, ...)`` spells
+    the degrees directly."""
+
+    dims: ParallelDims
+    """The mesh (zeroshard/comm/dims.py): ``world`` counts every rank of the stage; ``world / tp``
+    are data parallel; ``dims.shard`` of them shard each buffer when the stage shards (hybrid when
+    fewer than dp); ``ep`` consecutive ranks of dp × tp split each MoE block's experts, each
+    sharded over the ``world / ep`` that hold it, tokens going to them by all-to-all."""
     stage: int
-    shards: int | None = None
-    """Ranks each buffer is sharded over (hybrid when smaller than world); default world."""
     prefetch: int = _ENGINE.prefetch
     reshard_after_forward: bool = _ENGINE.reshard_after_forward
     bucket_mb: float = _ENGINE.bucket_mb
     param_bytes: int = 2
     reduce_bytes: int = 4
-    tp: int = 1
-    """Tensor-parallel degree: consecutive ranks (within a node) each block is split over. ``world``
-    counts every rank; ``world / tp`` are data parallel."""
     offload: str = "none"
     """Where masters and optimizer state live: none, cpu or disk (``zeroshard.runtime.offload``)."""
-    ep: int = 1
-    """Expert parallelism: each MoE block's experts split over ``ep`` consecutive ranks (of dp × tp:
-    the experts are not tp split), each sharded over the ``world / ep`` that hold it; tokens go to
-    them by all-to-all, each tp rank its run of its group's tokens."""
+
+    @classmethod
+    def of(cls, *, world: int, stage: int, shards: int | None = None, tp: int = 1, ep: int = 1, **knobs: Any) -> Layout:
+        """A layout of ``world`` ranks, ``tp`` per block, buffers sharded over ``shards`` of the data-parallel
+        ranks (None: all of them) and experts split over ``ep``."""
+        return cls(dims=ParallelDims.of(world, tp=tp, shard=shards, ep=ep), stage=stage, **knobs)
 
     def __post_init__(self) -> None:
         StagePolicy(self.stage)  # validates
+        if not isinstance(self.dims, ParallelDims) or self.dims.pp != 1:
+            raise ValueError(f"a Layout is one pipeline stage's: give it a ParallelDims with pp=1, got {self.dims!r}")
         if self.offload not in OFFLOAD_KINDS:
             raise ValueError(f"offload must be one of {', '.join(OFFLOAD_KINDS)}, got {self.offload!r}")
-        if self.world < 1:
-            raise ValueError(f"world must be >= 1, got {self.world}")
-        if self.tp < 1 or self.world % self.tp:
-            raise ValueError(f"tp {self.tp} must be a positive divisor of world {self.world}")
-        s = self.shard_group
-        if self.dp % s:
-            raise ValueError(f"shard group {s} must divide world {self.world}; pick a divisor")
-        check_ep_layout(self.ep, self.dp, self.tp)  # the runtime's rule: ep borrows its ranks from dp x tp
         if self.offload != "none" and self.hybrid:
             raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
                              "shard size or the offload")
 
     @property
+    def world(self) -> int:
+        return self.dims.world
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: consecutive ranks (within a node) each block is split over."""
+        return self.dims.tp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
     def dp(self) -> int:
         """Data-parallel ranks: those that shard and reduce together."""
-        return self.world // self.tp
+        return self.dims.dp
 
     @property
     def policy(self) -> StagePolicy:
@@ -114,14 +126,17 @@ class Layout:
 
     @property
     def shard_group(self) -> int:
-        if not self.policy.shard_optimizer:
-            return 1
-        return self.dp if self.shards is None else self.shards
+        return self.dims.shard if self.policy.shard_optimizer else 1
+
+    @property
+    def mesh(self) -> ParallelDims:
+        """The dims the step schedule runs on: a stage that shards nothing has shard groups of one."""
+        return self.dims if self.policy.shard_optimizer else self.dims.with_shard(1)
 
     @property
     def hybrid(self) -> bool:
         """Sharded over groups smaller than the data-parallel ranks, replicated across them."""
-        return self.policy.shard_optimizer and self.shard_group < self.dp
+        return self.policy.shard_optimizer and self.dims.hybrid
 
     @property
     def replicas(self) -> int:
@@ -131,7 +146,7 @@ class Layout:
     def expert_group(self) -> int:
         """Ranks an expert group is sharded over and reduced on: the ``world / ep`` holding the same
         experts (``dp / ep`` without tp; every data-parallel rank without ep)."""
-        return self.world // self.ep if self.ep > 1 else self.dp
+        return self.dims.edp if self.ep > 1 else self.dp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,6 @@ and extra communication count as cost, never as work.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from zeroshard.trainer.config import TrainConfig
@@ -41,7 +40,7 @@ def tuned_values(base: TrainConfig, winner: dict) -> dict[str, Any]:
     # Every key a candidate sets (Candidate.train_keys), so the file runs what was measured.
     keys = {k: winner[k] for k in ("stage", "checkpointing", "bucket_mb", "prefetch", "reshard_after_forward",
                                    "comm_quant", "pp_schedule", "microbatches", "ep") if k in winner}
-    cfg = dataclasses.replace(base, **keys)  # validates the result before anything is written
+    cfg = base.replace(**keys)  # validates the result before anything is written
     defaults = TrainConfig().to_dict()
     values = cfg.to_dict()
     return {k: v for k, v in values.items() if k in WORKLOAD_KEYS or k in keys or v != defaults[k]}

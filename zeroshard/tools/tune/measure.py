@@ -153,7 +153,7 @@ def _expert_meshes(spec: MeasureSpec, default: Any) -> dict[int, Any]:
     """A mesh for every ep degree the candidates run at: the default one (at the base config's ep)
     and, for each other degree, a ``zs.new_mesh`` over the same ranks with that ep dim, so one spawn
     measures every degree. Built on every rank in the same order (new_mesh is collective)."""
-    from zeroshard.comm.mesh import new_mesh as zs_new_mesh
+    from zeroshard.comm.world import new_mesh as zs_new_mesh
 
     meshes = {spec.base.ep: default}
     for ep in sorted({c.ep for c in spec.candidates if c.ep is not None} - {spec.base.ep}):
@@ -165,7 +165,8 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
     """Spawn target. Returns, per candidate in spec order, this rank's times, peak and error."""
     import torch
 
-    from zeroshard.comm.mesh import init, shutdown
+    from zeroshard.comm.mesh import shutdown
+    from zeroshard.comm.world import init
     from zeroshard.comm.collectives import all_gather_object
 
     base = spec.base
@@ -187,7 +188,7 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
             try:
                 if i not in built:
                     faults.point("tune.build", candidate=cand.name)
-                    cfg = dataclasses.replace(base, **cand.train_keys())
+                    cfg = base.replace(**cand.train_keys())
                     built[i] = _Built(cfg, meshes[cfg.ep])
                     for _ in range(spec.warmup):
                         built[i].step(x, y)

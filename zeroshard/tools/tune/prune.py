@@ -39,7 +39,7 @@ def mb(n: float) -> str:
 
 def vocab_size(base: TrainConfig) -> int:
     # What zeroshard.trainer.train builds the model with: bytes for a text file, else the synthetic vocabulary.
-    return 256 if base.data else base.vocab_size
+    return 256 if base.data.path else base.vocab_size
 
 
 def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -> dict[Candidate, Prediction]:

@@ -1,8 +1,9 @@
-"""Write a flat TOML file of TrainConfig keys, the kind `zeroshard train --config` reads.
+"""Write a TOML file of TrainConfig keys, the kind `zeroshard train --config` reads: the top-level
+keys, then one table per section ([optim], [parallel], ...), each key spelled as its table spells it.
 
 tomllib only reads; rather than add a dependency for writing, this serialises the only shape a
-TrainConfig has: one table of str / int / float / bool values (None has no TOML spelling, and
-every optional field defaults to None, so a None is simply left out).
+TrainConfig has: str / int / float / bool values in at most one level of tables (None has no TOML
+spelling, and every optional field defaults to None, so a None is simply left out).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 import re
 from pathlib import Path
 from typing import Any, Mapping
+
+from zeroshard.trainer.config import field_names, field_section, table_spelling
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -52,9 +55,20 @@ def _value(value: Any) -> str:
 
 
 def dumps(values: Mapping[str, Any], *, header: str = "") -> str:
-    """``key = value`` lines, preceded by ``header`` as ``#`` comments."""
+    """Flat TrainConfig keys as ``key = value`` lines under their tables, preceded by ``header`` as
+    ``#`` comments. A key TrainConfig does not know is written at the top, as given."""
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += [f"{_key(k)} = {_value(v)}" for k, v in values.items() if v is not None]
+    tables: dict[str | None, list[str]] = {}
+    for k, v in values.items():
+        if v is None:
+            continue
+        table = field_section(k) if k in field_names() else None
+        key = k if table is None else table_spelling(k).split("] ", 1)[1]
+        tables.setdefault(table, []).append(f"{_key(key)} = {_value(v)}")
+    lines += tables.pop(None, [])
+    order = {name: i for i, name in enumerate(f"{field_section(n)}" for n in field_names())}
+    for table in sorted(tables, key=lambda t: order.get(f"{t}", len(order))):  # the config's own order
+        lines += ["", f"[{table}]", *tables[table]]
     return "\n".join(lines) + "\n"
 
 
