@@ -583,7 +583,7 @@ def test_offload_needs_the_host_figures_and_the_whole_world():
         simulate(w, no_disk, Layout.of(world=8, stage=3, offload="disk"))
     with pytest.raises(ValueError, match="offload is simulated over the whole world"):
         Layout.of(world=8, stage=3, shards=4, offload="cpu")
-    with pytest.raises(ValueError, match="offload must be one of none, cpu, disk"):
+    with pytest.raises(ValueError, match="offload must be 'none', 'cpu' or 'disk'"):
         Layout.of(world=8, stage=3, offload="nvme")
 
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zeroshard.checkpoint.hf.folder import CONFIG, is_pretrained_folder
-from zeroshard.models.gpt import GPTConfig
 from zeroshard.models.names import HF_PREFIX, HF_TINY_LAYERS
-from zeroshard.parallel.pipeline.grad_reduce import check_grad_reduce
-from zeroshard.parallel.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches,
-                                                   microbatches_of, schedule_spec, stages_per_rank)
 from zeroshard.trainer.config import PP_FOLDER_TYPES, PP_MODEL_NAMES, TrainConfig
+
+# The schedules, the model and the folder reader are imported where a pipeline is checked: torch's
+# pipelining loads DTensor, which the command line's own process must not pay for (it only parses).
 
 
 def pp_microbatches(cfg: TrainConfig) -> int:
     """`microbatches`, or its default (pp x stages per rank) when 0; 1 without a pipeline."""
+    from zeroshard.parallel.pipeline.schedules import microbatches_of
+
     return microbatches_of(cfg.parallel.pp, schedule=cfg.pipeline.schedule, microbatches=cfg.pipeline.microbatches,
                            stages_per_rank_asked=cfg.pipeline.stages_per_rank)
 
@@ -32,6 +32,10 @@ def check_runnable(cfg: TrainConfig) -> TrainConfig:
     dims = cfg.dims
     if dims.pp == 1:
         return cfg
+    from zeroshard.parallel.pipeline.grad_reduce import check_grad_reduce
+    from zeroshard.parallel.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches,
+                                                       schedule_spec, stages_per_rank)
+
     spec = schedule_spec(cfg.pipeline.schedule)
     per_rank = stages_per_rank(spec, cfg.pipeline.stages_per_rank)
     check_checkpointing(spec, cfg.engine.checkpointing)
@@ -55,6 +59,9 @@ def check_runnable(cfg: TrainConfig) -> TrainConfig:
 
 def pp_blocks(model: str) -> int:
     """The blocks pp cuts into stages: a preset's, or a pretrained decoder folder's layers."""
+    from zeroshard.checkpoint.hf.folder import CONFIG, is_pretrained_folder
+    from zeroshard.models.gpt import GPTConfig
+
     if is_pretrained_folder(model):
         try:
             hf = json.loads((Path(model) / CONFIG).read_text())

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard.parallel.experts.tp_tokens import run_of
-from zeroshard.runtime.offload.policy import OffloadPolicy
 from zeroshard.tools.planner.tp import ALL_REDUCES_PER_LAYER, MOE_ALL_REDUCES_PER_LAYER
 from zeroshard.runtime.engine import merge_in_order
 from zeroshard.runtime.options import EngineOptions
@@ -102,9 +101,7 @@ def replay_options(w: Workload, layout: Layout) -> EngineOptions:
     """The engine knobs the replay models, as the runtime spells them. torchtitan's op-level
     policies are not the engine's: their recompute is priced inside each block's backward."""
     checkpointing = "none" if w.checkpointing in TORCHTITAN_POLICIES else w.checkpointing
-    return EngineOptions(prefetch=layout.prefetch, reshard_after_forward=layout.reshard_after_forward,
-                         bucket_mb=layout.bucket_mb, offload=OffloadPolicy(kind=layout.offload),
-                         checkpointing=checkpointing)
+    return dataclasses.replace(layout.engine, checkpointing=checkpointing)
 
 
 def replay_schedule(w: Workload, layout: Layout, units: ScheduleUnits) -> Schedule:

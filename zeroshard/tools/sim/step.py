@@ -35,7 +35,6 @@ import dataclasses
 from typing import Any
 
 from zeroshard.comm.dims import ParallelDims
-from zeroshard.runtime.offload.policy import OFFLOAD_KINDS
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.tools.sim.hardware import Hardware
@@ -59,7 +58,7 @@ MASTER_BYTES = 4
 """Offload's masters and reduced grads cross the host link in fp32."""
 
 _ENGINE = EngineOptions()
-"""The runtime's schedule defaults (prefetch window, resharding, bucket size), read, not restated."""
+"""The runtime's defaults (prefetch window, resharding, bucket size, no offload), read, not restated."""
 
 SIMULATED_KNOBS = ("checkpointing", "offload", "bucket_mb", "prefetch", "reshard_after_forward")
 """The engine's knobs the step replay models (checkpointing through the workload, the rest through
@@ -78,26 +77,46 @@ class Layout:
     fewer than dp); ``ep`` consecutive ranks of dp × tp split each MoE block's experts, each
     sharded over the ``world / ep`` that hold it, tokens going to them by all-to-all."""
     stage: int
-    prefetch: int = _ENGINE.prefetch
-    reshard_after_forward: bool = _ENGINE.reshard_after_forward
-    bucket_mb: float = _ENGINE.bucket_mb
+    engine: EngineOptions = _ENGINE
+    """The engine's knobs, the runtime's own object: the replay reads its prefetch window, resharding,
+    bucket size and offload (``SIMULATED_KNOBS``)."""
     param_bytes: int = 2
     reduce_bytes: int = 4
-    offload: str = "none"
-    """Where masters and optimizer state live: none, cpu or disk (``zeroshard.runtime.offload``)."""
 
     @classmethod
-    def of(cls, *, world: int, stage: int, shards: int | None = None, tp: int = 1, ep: int = 1, **knobs: Any) -> Layout:
+    def of(cls, *, world: int, stage: int, shards: int | None = None, tp: int = 1, ep: int = 1,
+           param_bytes: int = 2, reduce_bytes: int = 4, **knobs: Any) -> Layout:
         """A layout of ``world`` ranks, ``tp`` per block, buffers sharded over ``shards`` of the data-parallel
-        ranks (None: all of them) and experts split over ``ep``."""
-        return cls(dims=ParallelDims.of(world, tp=tp, shard=shards, ep=ep), stage=stage, **knobs)
+        ranks (None: all of them) and experts split over ``ep``; ``knobs`` are the engine's, spelled flat
+        (``prefetch=2``, ``offload="cpu"``)."""
+        own = tuple(k for k in SIMULATED_KNOBS if k != "checkpointing")  # that one is the workload's
+        unknown = sorted(set(knobs) - set(own))
+        if unknown:
+            raise TypeError(f"Layout.of got unknown keywords {unknown}; the layout's knobs are {', '.join(own)}")
+        return cls(dims=ParallelDims.of(world, tp=tp, shard=shards, ep=ep), stage=stage,
+                   engine=EngineOptions.from_flat(knobs), param_bytes=param_bytes, reduce_bytes=reduce_bytes)
+
+    @property
+    def prefetch(self) -> int:
+        return self.engine.prefetch
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.engine.reshard_after_forward
+
+    @property
+    def bucket_mb(self) -> float:
+        return self.engine.bucket_mb
+
+    @property
+    def offload(self) -> str:
+        """Where masters and optimizer state live: none, cpu or disk (``zeroshard.runtime.offload``)."""
+        return self.engine.offload.kind
 
     def __post_init__(self) -> None:
         StagePolicy(self.stage)  # validates
         if not isinstance(self.dims, ParallelDims) or self.dims.pp != 1:
             raise ValueError(f"a Layout is one pipeline stage's: give it a ParallelDims with pp=1, got {self.dims!r}")
-        if self.offload not in OFFLOAD_KINDS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_KINDS)}, got {self.offload!r}")
         if self.offload != "none" and self.hybrid:
             raise ValueError("offload is simulated over the whole world, as the planner prices it; drop the "
                              "shard size or the offload")
