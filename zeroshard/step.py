@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 import zeroshard as zs
-from zeroshard.comm import faults
+from zeroshard.comm import faults, host_sync
 from zeroshard.comm.collectives import all_reduce
 from zeroshard.config import HF_PREFIX, TrainConfig, check_batch_split
 from zeroshard.data import GlobalBatchSampler, build_dataset
@@ -315,7 +315,8 @@ def optimizer_step(model: torch.nn.Module, opt: Any, *, clip: float, scaler: Any
     if before_zero_grad is not None:
         before_zero_grad()
     opt.zero_grad()
-    return None if norm is None else float(norm)
+    # The norm is logged on the host: the step's one deliberate sync outside the scaler's check.
+    return None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
 
 
 def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, *, accum: int = 1,
@@ -356,7 +357,8 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
     loss_sum = pipe.pp_sum(total)  # only the last stage computed it
     metric_bytes = count.numel() * count.element_size() + loss_sum.element_size()
     run.metric_bytes += metric_bytes
-    return StepOutcome(loss_sum=loss_sum, grad_norm=None if norm is None else float(norm), metric_bytes=metric_bytes)
+    grad_norm = None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
+    return StepOutcome(loss_sum=loss_sum, grad_norm=grad_norm, metric_bytes=metric_bytes)
 
 
 def step(run: Run, x: torch.Tensor, y: torch.Tensor, *, micro: Micro | None = None,

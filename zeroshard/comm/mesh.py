@@ -211,7 +211,21 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+_BACKEND_DEVICES: dict[str, str] = {}
+"""Backends whose groups run on a device other than the usual one (nccl: cuda, else cpu), as
+``declare_backend_device`` set them."""
+
+
+def declare_backend_device(backend: str, device_type: str) -> None:
+    """Say that groups of ``backend`` run on ``device_type`` (device index 0): the mesh's ``device``,
+    which every collective's tensors must be on (zeroshard/comm/collectives.py). For a backend that
+    holds no device of its own, such as torch's fake process group in the fake-GPU tests."""
+    _BACKEND_DEVICES[backend] = device_type
+
+
 def _device_for(backend: str) -> torch.device:
+    if backend in _BACKEND_DEVICES:
+        return torch.device(_BACKEND_DEVICES[backend], 0)
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -534,7 +548,8 @@ def _build_tp_mesh(world: int, rank: int, shard_size: int, tp: int) -> dict:
 
 
 def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    backend = dist.get_backend()
+    return _BACKEND_DEVICES.get(backend) or ("cuda" if backend == "nccl" else "cpu")
 
 
 def _stage_dp_group(world: int, rank: int, pp: int, tp: int):
