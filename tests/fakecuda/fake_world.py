@@ -11,9 +11,9 @@ cannot go through autograd. The engine asks ``at::getAccelerator()`` for the cur
 accelerator input, and a build without CUDA has no CUDA accelerator ("Cannot access accelerator
 device when none is available"); indexing and ``copy_`` fail earlier still (no CUDA device guard).
 So the world registers torch's Python accelerator backend (PrivateUse1, renamed ``fakecuda``): it is
-the process's accelerator as CUDA is on a GPU host, ``torch.accelerator`` and ``torch.Stream`` /
-``torch.Event`` work on it, and the device guard below records every stream and event call so a test
-can check their order. The runtime is device-agnostic, so it takes the path it takes on CUDA.
+the process's accelerator as CUDA is on a GPU host, and ``torch.accelerator`` reports it. The
+runtime is device-agnostic, so it takes the path it takes on CUDA; its stream and event calls go to
+``RecordingStreams``, which records their order for the tests.
 
 Registering a backend is for the life of the process: the world runs in a subprocess of its own
 (tests/fakecuda/test_fake_world.py), never in a pytest worker that runs other tests.
@@ -34,82 +34,77 @@ REAL_CUDA = os.environ.get("ZEROSHARD_REAL_CUDA") == "1"
 FAKE_DEVICE = "fakecuda"
 
 CALLS: list[tuple] = []
-"""Every stream/event call the fake device's guard saw, in order: ("record", event_id, stream_id),
-("block", event_id, stream_id), ("set_stream", stream_id), ..."""
+"""Every stream and event call the runtime made through ``RecordingStreams``, in order."""
 
 
-def _guard_class():
-    class RecordingGuard(torch._C._acc.DeviceGuard):  # noqa: SLF001 (torch's Python backend hook)
-        """The fake accelerator's device guard: one device, streams by id, events as counters."""
+class RecordingStreams:
+    """zeroshard's stream runtime (zeroshard/sharding/streams.py) for the fake device: named streams
+    and numbered events that do nothing but append what was asked to ``CALLS``. torch's Python
+    accelerator backend runs no stream or event code of its own that a test could observe."""
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.current = 0
-            self.next_event = 1
+    def __init__(self) -> None:
+        self.streams = 0
+        self.events = 0
 
-        def type_(self):
-            return torch._C._autograd.DeviceType.PrivateUse1  # noqa: SLF001
+    def available(self, dev: torch.device) -> bool:
+        return dev.type != "cpu"
 
-        def getDevice(self):
-            return torch.device(FAKE_DEVICE, 0)
+    def new_stream(self, dev: torch.device) -> str:
+        self.streams += 1
+        return f"side{self.streams}"
 
-        def getStream(self, device):
-            return torch.Stream(stream_id=self.current, device_index=0, device_type=_type_index())
+    def record(self, dev: torch.device, stream=None) -> int:
+        self.events += 1
+        CALLS.append(("record", self.events, stream or "compute"))
+        return self.events
 
-        def exchangeStream(self, stream):
-            prev = self.getStream(None)
-            CALLS.append(("set_stream", stream.stream_id))
-            self.current = stream.stream_id
-            return prev
+    def wait_event(self, stream, event) -> None:
+        CALLS.append(("wait", event, stream))
 
-        def getNewStream(self, device, priority=0):
-            CALLS.append(("new_stream",))
-            return torch.Stream(stream_id=len([c for c in CALLS if c[0] == "new_stream"]), device_index=0,
-                                device_type=_type_index())
+    @contextlib.contextmanager
+    def use(self, stream):
+        CALLS.append(("enter", stream))
+        try:
+            yield
+        finally:
+            CALLS.append(("exit", stream))
 
-        def record(self, event, stream, device_index, flag):
-            CALLS.append(("record", stream.stream_id))
-
-        def block(self, event, stream):
-            CALLS.append(("block", stream.stream_id))
-
-        def queryEvent(self, event):
-            return True
-
-        def synchronizeEvent(self, event):
-            CALLS.append(("sync_event",))
-
-        def synchronizeStream(self, stream):
-            CALLS.append(("sync_stream", stream.stream_id))
-
-        def deviceCount(self):
-            return 1
-
-    return RecordingGuard
-
-
-def _type_index() -> int:
-    return int(torch._C._autograd.DeviceType.PrivateUse1)  # noqa: SLF001
+    def synchronize(self, event) -> None:
+        CALLS.append(("host_wait", event))
 
 
 _REGISTERED: list[bool] = []
 
 
+def _fake_pin_memory() -> None:
+    """FakeTensorMode lists ``pin_memory`` as not implemented; offload pins its host store, so a
+    pinned fake host tensor is a fake host tensor of the same shape (pinning changes no metadata)."""
+    from torch._subclasses import fake_impls
+
+    pin = torch.ops.aten._pin_memory.default  # noqa: SLF001 (torch's op name)
+    fake_impls.op_implementations_dict[pin] = lambda fake_mode, func, t, device=None: t.clone()
+
+
 def register_fake_device() -> None:
-    """Make ``fakecuda`` this process's accelerator (once; for the life of the process)."""
+    """Make ``fakecuda`` this process's accelerator (once; for the life of the process), and put the
+    recording stream runtime in zeroshard's place."""
     if _REGISTERED:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    try:
-        _setup_privateuseone_for_python_backend(rename=FAKE_DEVICE, device_guard=_guard_class()())
-    except Exception:  # an older torch: its dummy guard (no recorded calls)
-        _setup_privateuseone_for_python_backend(rename=FAKE_DEVICE)
+    _setup_privateuseone_for_python_backend(rename=FAKE_DEVICE)
+    _fake_pin_memory()
+    from zeroshard.sharding import streams
+
+    streams.RUNTIME[:] = [RecordingStreams()]
     _REGISTERED.append(True)
 
 
 def device() -> torch.device:
-    return torch.device("cuda", 0) if REAL_CUDA else torch.device(FAKE_DEVICE, 0)
+    if REAL_CUDA:
+        return torch.device("cuda", 0)
+    register_fake_device()
+    return torch.device(FAKE_DEVICE, 0)
 
 
 @contextlib.contextmanager
@@ -121,7 +116,16 @@ def fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     register_fake_device()
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+
+    class Mode(FakeTensorMode):
+        # What FakeTensorMode does by itself where no accelerator is registered: torch.tensor(data,
+        # device=...) builds on the host and lifts the copy, and no op on constants runs for real
+        # on the device. The fake device has no kernels, so both must stay fake here too.
+        @property
+        def avoid_device_init(self) -> bool:
+            return True
+
+    with Mode(allow_non_fake_inputs=True) as mode:
         yield mode
 
 

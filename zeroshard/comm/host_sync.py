@@ -77,8 +77,16 @@ def tolist(t: torch.Tensor, where: str, fake_value: Any = None) -> Any:
     if _syncs(t):
         _COUNTS[where] += 1
     if _is_fake(t):
-        return fake_value if fake_value is not None else torch.zeros(t.shape, dtype=t.dtype).tolist()
+        return fake_value if fake_value is not None else _zeros(tuple(t.shape), t.dtype.is_floating_point)
     return t.tolist()
+
+
+def _zeros(shape: tuple[int, ...], floating: bool) -> Any:
+    """Nested lists of zeros, as ``tolist`` of a zero tensor gives, built without a tensor (under a
+    fake mode a new tensor is fake too)."""
+    if not shape:
+        return 0.0 if floating else 0
+    return [_zeros(shape[1:], floating) for _ in range(shape[0])]
 
 
 def wait_event(event: Any, where: str) -> None:

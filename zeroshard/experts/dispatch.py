@@ -9,8 +9,8 @@ bytes are exactly ``(rows sent + rows received) × hidden × element size × 2``
 the counts.
 
 The counts cross to the host because the row exchange needs its split sizes there: one
-device-to-host sync per MoE layer call (both count tables in one copy, ``host_sync`` "moe.splits"). It is unavoidable with variable splits;
-torchtitan pays it too, and it is why a prefetch must not depend on it (stage 3 issues its
+device-to-host sync per MoE layer call (both count tables in one copy, ``host_sync`` "moe.splits").
+It is unavoidable with variable splits; torchtitan pays it too, and it is why a prefetch must not depend on it (stage 3 issues its
 gathers from hooks before the layer runs).
 """
 

@@ -72,7 +72,10 @@ class ExpertParallelForward:
         # Dropped assignments go to one bin past the experts: sorted last, counted apart, cut off below.
         binned = torch.where(kept, experts, layer.num_experts)
         order = torch.argsort(binned, stable=True)
-        counts = torch.bincount(binned, minlength=layer.num_experts + 1)[:layer.num_experts].view(self.ep, self.local)
+        # A scatter-add, not bincount: bincount's length depends on the values, so it sizes its output
+        # on the host (a sync); this one's size is fixed, and its integer counts are the same.
+        counts = torch.zeros(layer.num_experts + 1, dtype=torch.int64, device=binned.device)
+        counts = counts.scatter_add_(0, binned, torch.ones_like(binned))[:layer.num_experts].view(self.ep, self.local)
         recv_counts = exchange_counts(counts, unit=unit, mesh=self.mesh)
         # The host needs the splits: both count tables cross in one copy, the call's only host sync.
         both = host_sync.tolist(torch.cat([counts.reshape(-1), recv_counts.reshape(-1)]), "moe.splits")

@@ -27,7 +27,7 @@ from zeroshard.sharding.flat import FlatGroup, GroupConfig, StagePolicy
 from zeroshard.sharding.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.recompute import Recompute, segment_length
-from zeroshard.sharding.streams import side_streams
+from zeroshard.sharding.streams import Landings, side_streams
 from zeroshard.sharding.unit import Unit, UnitState
 from zeroshard.sharding.wrap import ParamRef, UnitSpec
 
@@ -168,7 +168,8 @@ class Engine:
         self.streams = side_streams(device)
         config = GroupConfig(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events,
                              comm=comm, before_grad_read=self._before_grad_read,
-                             on_params_created=self._on_params_created, streams=self.streams)
+                             on_params_created=self._on_params_created, streams=self.streams,
+                             landings=Landings(device) if self.store is not None and self.store.pin else None)
         root_config = dataclasses.replace(config, is_root=True)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]

@@ -25,7 +25,7 @@ from zeroshard.sharding.events import EngineEvents, EventKind
 from zeroshard.sharding.layout import FlatLayout
 from zeroshard.sharding.precision import MixedPrecision
 from zeroshard.sharding.reduce import GradReducer, ReduceTarget
-from zeroshard.sharding.streams import SideStreams, landing, wait_landed
+from zeroshard.sharding.streams import Landings, SideStreams
 from zeroshard.sharding.wrap import ParamRef
 
 
@@ -119,6 +119,8 @@ class GroupConfig:
     on_params_created: Callable[[FlatGroup], None] | None = None
     streams: SideStreams | None = None
     """The engine's all-gather and reduce streams on an accelerator; None on the CPU."""
+    landings: Landings | None = None
+    """With offload to pinned host memory: the engine's device->host grad copies, waited on by event."""
 
 
 class FlatGroup:
@@ -197,8 +199,7 @@ class FlatGroup:
 
         self.grad_full: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
-        self._landing: Any = None  # the event of a device->host grad copy not yet waited on
-        self._landing_pending = False
+        self._landing = 0  # the ticket of a device->host grad copy not yet waited on (Landings)
         self.reducer = GradReducer(ReduceTarget(unit=unit, layout=self.layout, shard_rank=self.shard_rank, lo=self.lo,
                                                 hi=self.hi, reduce_dtype=self.reduce_dtype,
                                                 master_dtype=self.master_dtype, device=device),
@@ -309,7 +310,7 @@ class FlatGroup:
         if storage.nbytes() < needed:
             storage.resize_(needed)
         own = self.full[self.lo:self.hi]
-        if self._gathers_quantized(phase):
+        if self.weight_quant is not None and self._gathers_quantized(phase):
             # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
             return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
                                    unit=self.unit, phase=phase, mesh=self.mesh)
@@ -347,16 +348,15 @@ class FlatGroup:
         self.wait_landed()
         return self._grad_shard
 
-    def wait_landed(self) -> None:
-        """With offload: block until the last device->host grad copy landed (once per copy)."""
-        if self._landing_pending:
-            self._landing_pending = False
-            event, self._landing = self._landing, None
-            wait_landed(event, self.device, "offload.grad_to_host")
-
     @grad_shard.setter
     def grad_shard(self, value: torch.Tensor | None) -> None:
         self._grad_shard = value
+
+    def wait_landed(self) -> None:
+        """With offload: block until the last device->host grad copy landed (once per copy)."""
+        if self._landing and self.config.landings is not None:
+            ticket, self._landing = self._landing, 0
+            self.config.landings.wait(ticket, "offload.grad_to_host")
 
     def transient_grads(self) -> list[torch.Tensor]:
         """The grad tensors alive now that the step frees again before the optimizer reads the
@@ -509,9 +509,8 @@ class FlatGroup:
             # The optimizer steps where the masters live; pinned memory lets this copy overlap. The
             # host must not read the copy before it lands: every read waits for ``_landing`` first.
             reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
-            if self.store.pin:
-                self._landing = landing(self.device)
-                self._landing_pending = True
+            if self.config.landings is not None:
+                self._landing = self.config.landings.copied()
         if self._grad_shard is not None and self.policy.shard_optimizer:
             self.wait_landed()  # the host adds the copy into the shard it accumulates
             self._grad_shard.add_(reduced)

@@ -18,7 +18,7 @@ prefetch would start only when the compute it should overlap is done. FSDP2's sh
   compute just queued), then packs and issues the reduction there. The pack's inputs and outputs
   are kept alive by the reduction record until ``finish``, where the compute stream has waited.
 
-An offloaded grad shard's device->host copy is non-blocking; ``landing`` records an event right
+An offloaded grad shard's device->host copy is non-blocking; ``Landings`` records an event right
 after it, and every read of the host copy waits for that event first (``FlatGroup.grad_shard``).
 
 ``RUNTIME`` is the one place the torch calls are made; the fake-GPU tests put a recording one in its
@@ -109,6 +109,30 @@ class SideStreams:
 def side_streams(device: torch.device) -> SideStreams | None:
     """The side streams for ``device``, or None on the CPU (its path stays as it was)."""
     return SideStreams(device) if RUNTIME[0].available(device) else None
+
+
+class Landings:
+    """One engine's device->host grad copies (offload). They are queued in order on the compute
+    stream, so the event after the newest one covers all before it: a read waits for that one
+    event only if its own copy is not yet covered, which makes one host sync per step, not per group."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._latest: Any = None
+        self._queued = 0
+        self._waited = 0
+
+    def copied(self) -> int:
+        """Call right after queuing a copy; returns its ticket for ``wait``."""
+        self._latest = landing(self.device)
+        self._queued += 1
+        return self._queued
+
+    def wait(self, ticket: int, where: str) -> None:
+        """Block the host until the copy of ``ticket`` landed."""
+        if ticket > self._waited:
+            wait_landed(self._latest, self.device, where)
+            self._waited = self._queued
 
 
 def landing(device: torch.device) -> Any:
