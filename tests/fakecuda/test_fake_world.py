@@ -22,23 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import world_checks as wc  # noqa: E402
 
-DEFECT = "defect {} of issue 46: {}"
-EXPECTED_FAILURES = {
-    "offload-w4-clip": DEFECT.format(2, "clipping with offload multiplies the host grad shard by the norm's device "
-                                        "scalar (sharding/clip.py clip_grad_norm_)"),
-    "state-dict-offload-w4": DEFECT.format(2, "full_state_dict all-gathers the host masters over the device's "
-                                              "group (sharding/state.py gathered_master)"),
-    "desync-w8": DEFECT.format(3, "the desync check all-gathers host int64 tensors (comm/desync.py)"),
-    "profile-summary-w4": DEFECT.format(1, "the profiler's summary all-gathers host float64 tensors "
-                                           "(profile/step.py summary)"),
-}
-CANNOT_RUN = {
-    "pp2-w4": "torch.distributed.pipelining's schedule reads its peers' vote on the host at its first step "
-              "(schedules.py _warmup_p2p: result.item()); the fake process group delivers no peer's data",
-    "pp2-w8": "torch.distributed.pipelining's schedule reads its peers' vote on the host at its first step "
-              "(schedules.py _warmup_p2p: result.item()); the fake process group delivers no peer's data",
-}
-"""Cases that cannot run in this world, and why: strict, so each flips the day it can."""
+EXPECTED_FAILURES, CANNOT_RUN = wc.EXPECTED_FAILURES, wc.CANNOT_RUN
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +31,7 @@ def results(tmp_path_factory) -> dict:
     root = HERE.parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(HERE / "world_checks.py"), str(out)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

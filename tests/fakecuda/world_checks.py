@@ -69,6 +69,34 @@ def _cases() -> list[Case]:
 
 CASES = {c.name: c for c in _cases()}
 
+DEFECT = "defect {} of issue 46: {}"
+EXPECTED_FAILURES = {
+    "offload-w4-clip": DEFECT.format(2, "clipping with offload multiplies the host grad shard by the norm's device "
+                                        "scalar (sharding/clip.py clip_grad_norm_)"),
+    "state-dict-offload-w4": DEFECT.format(2, "full_state_dict all-gathers the host masters over the device's "
+                                              "group (sharding/state.py gathered_master)"),
+    "desync-w8": DEFECT.format(3, "the desync check all-gathers host int64 tensors (comm/desync.py)"),
+    "profile-summary-w4": DEFECT.format(1, "the profiler's summary all-gathers host float64 tensors "
+                                           "(profile/step.py summary)"),
+}
+CANNOT_RUN = {
+    "pp2-w4": "torch.distributed.pipelining's schedule reads its peers' vote on the host at its first step "
+              "(schedules.py _warmup_p2p: result.item()); the fake process group delivers no peer's data",
+    "pp2-w8": "torch.distributed.pipelining's schedule reads its peers' vote on the host at its first step "
+              "(schedules.py _warmup_p2p: result.item()); the fake process group delivers no peer's data",
+}
+"""Cases that cannot run in this world, and why (the tests mark both kinds strict xfail, so each
+flips the day it passes)."""
+
+REAL_CUDA_SKIPS = {
+    "ep2-w4": "the fake process group never writes the exchanged expert counts, and a real tensor's "
+              "garbage counts size the row exchange",
+    "ep4-w8": "the fake process group never writes the exchanged expert counts, and a real tensor's "
+              "garbage counts size the row exchange",
+}
+"""With real CUDA tensors (bench/gpu.sh) data is read for real: cases whose shapes come from data
+that the fake process group never delivers are left out, with why."""
+
 
 # --------------------------------------------------------------------------- one case
 
@@ -268,7 +296,8 @@ def run_case(case: Case) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     path, names = argv[0], argv[1:] or list(CASES)
-    results = {name: run_case(CASES[name]) for name in names}
+    skips = REAL_CUDA_SKIPS if fw.REAL_CUDA else {}
+    results = {name: ({"skipped": skips[name]} if name in skips else run_case(CASES[name])) for name in names}
     Path(path).write_text(json.dumps(results, indent=1))
     return 0
 
