@@ -125,8 +125,35 @@ def fake_tensors():
         def avoid_device_init(self) -> bool:
             return True
 
-    with Mode(allow_non_fake_inputs=True) as mode:
+    with Mode(allow_non_fake_inputs=True) as mode, _copy_watch():
         yield mode
+
+
+COPIES: list[tuple[str, str, bool]] = []
+"""Every copy between the host and the device the runtime made inside ``watch_copies``:
+(from device type, to device type, non_blocking)."""
+
+
+def _copy_watch():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopyWatch(TorchDispatchMode):
+        """A blocking device->host copy is a host sync that no ``.item()`` shows: FakeTensorMode lets
+        ``.cpu()`` pass, so this records every host/device copy for the tests to count."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+                src, dst = args[0].device.type, torch.device(kwargs["device"]).type
+                if src != dst:
+                    COPIES.append((src, dst, bool(kwargs.get("non_blocking", False))))
+            elif func is torch.ops.aten.copy_.default:
+                dst, src = args[0].device.type, args[1].device.type
+                if src != dst:
+                    COPIES.append((src, dst, bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking"))))
+            return func(*args, **kwargs)
+
+    return CopyWatch()
 
 
 def start_fake_world(world: int) -> None:

@@ -269,10 +269,12 @@ def run_case(case: Case) -> dict[str, Any]:
             zstep.step(run, x, y)  # the first step records the order prefetch follows
             host_sync.reset()
             fw.CALLS.clear()
+            fw.COPIES.clear()
             seq = zs.ledger().next_seq
             outcome = zstep.step(run, x, y)
             out["syncs"] = host_sync.counts()
             out["calls"] = [list(c) for c in fw.CALLS]
+            out["copies"] = [list(c) for c in fw.COPIES]
             records = zs.ledger().since(seq)
             out["bytes"], out["ops"] = _bytes_by_op(records), _count_by_op(records)
             out["params"] = n_params

@@ -63,7 +63,9 @@ class ShardedGradScaler:
             flags[grad.device] = bad if grad.device not in flags else torch.logical_or(flags[grad.device], bad)
         local_bad = torch.zeros(1, device=mesh.device)
         for flag in flags.values():
-            local_bad = torch.maximum(local_bad, flag.to(local_bad.device, torch.float32).reshape(1))
+            # A host flag (offloaded shards) goes up without blocking the host: nothing waits on it here.
+            flag = flag.to(local_bad.device, non_blocking=True).to(torch.float32).reshape(1)
+            local_bad = torch.maximum(local_bad, flag)
         collectives.all_reduce(local_bad, op="max", group=Group.WORLD, phase=Phase.GRAD_SCALER, mesh=mesh)
         self._found_inf = bool(host_sync.item(local_bad, "scaler.found_inf", fake_value=0.0))
         self._unscaled = True
