@@ -143,7 +143,7 @@ def _copy_watch():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:  # noqa: SLF001
                 src, dst = args[0].device.type, torch.device(kwargs["device"]).type
                 if src != dst:
                     COPIES.append((src, dst, bool(kwargs.get("non_blocking", False))))
