@@ -31,7 +31,7 @@ from typing import IO, Any, Iterable, Literal
 
 import torch
 
-from zeroshard.comm import collectives, desync
+from zeroshard.comm import collectives, desync, host_sync
 from zeroshard.comm.mesh import get_mesh
 from zeroshard.comm.watchdog import Diagnostics
 from zeroshard.observing.loggers import Sink, check_installed, open_sinks, parse_log
@@ -62,7 +62,7 @@ def _number(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item())
+        return float(host_sync.item(value.detach().float(), "observe.logged_value"))
     return float(value)
 
 
