@@ -102,7 +102,7 @@ that the fake process group never delivers are left out, with why."""
 
 
 def config_of(case: Case):
-    from zeroshard.config import TrainConfig
+    TrainConfig = fw.module("zeroshard.config", "zeroshard.trainer.config").TrainConfig
 
     base = {"model": "tiny", "nproc": case.world, "batch": 4 * case.world, "seq_len": 16, "steps": STEPS,
             "vocab_size": 16, "num_samples": 64, "warmup": 1, "profile": False, "check_schedule": True}
@@ -142,7 +142,7 @@ def _one_host(world_mesh):
 
 def _devices(run, dev: torch.device, offloaded: bool) -> list[str]:
     """Every tensor of the run that is not where it belongs, by name."""
-    from zeroshard.sharding import get_engine
+    get_engine = fw.module("zeroshard.sharding", "zeroshard.runtime").get_engine
 
     wrong = []
     modules = run.pipeline.modules if run.pipeline is not None else [run.model]
@@ -184,7 +184,7 @@ def _count_by_op(records) -> dict[str, int]:
 def _mark_reads() -> None:
     """Put every hand-out of a grad shard to a reader (the scaler, clipping, the optimizer) into
     CALLS, so the tests can check that the offload copies' event was waited on before it."""
-    from zeroshard.sharding.flat import FlatGroup
+    FlatGroup = fw.module("zeroshard.sharding.flat", "zeroshard.runtime.flat").FlatGroup
 
     plain = FlatGroup.grad_shard
     if getattr(plain.fget, "marked", False):
@@ -211,14 +211,14 @@ def _state_dict(run, dev, model_shapes) -> dict:
 
 
 def _desync(run, dev, model_shapes) -> dict:
-    from zeroshard.comm import desync
+    desync = fw.module("zeroshard.comm.desync", "zeroshard.observing.desync")
 
     return {"bytes": desync.check(STEPS)}
 
 
 def _profile(run, dev, model_shapes) -> dict:
-    from zeroshard import step as zstep
-    from zeroshard.profile.step import for_model
+    zstep = fw.module("zeroshard.step", "zeroshard.trainer.step")
+    for_model = fw.module("zeroshard.profile.step", "zeroshard.observing.profile.step").for_model
 
     profiler = for_model(run.model, run.mesh, batch=run.cfg.batch, tokens_per_step=run.cfg.batch * run.cfg.seq_len,
                          peak_flops=1e12)
@@ -242,10 +242,10 @@ def _batch(run, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_case(case: Case) -> dict[str, Any]:
     import zeroshard as zs
-    from zeroshard import step as zstep
+    zstep = fw.module("zeroshard.step", "zeroshard.trainer.step")
     from zeroshard.comm import host_sync
     from zeroshard.comm import mesh as mesh_mod
-    from zeroshard.sharding import get_engine
+    get_engine = fw.module("zeroshard.sharding", "zeroshard.runtime").get_engine
 
     started = time.perf_counter()
     _mark_reads()
