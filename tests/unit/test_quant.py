@@ -235,3 +235,32 @@ def test_codec_falls_back_to_eager_and_says_why(monkeypatch):
     monkeypatch.setenv(quant_kernel.ENV, "fast")
     with pytest.raises(ValueError, match="ZEROSHARD_QUANT_CODEC='fast' is invalid"):
         quant_kernel.codec_name()
+
+
+def _keep_error_reference(pieces, q, scales):
+    """keep_error as it was before it stopped reading the overflow flag on the host (issue 46)."""
+    from zeroshard.comm.quant import dequantize
+
+    if not bool(torch.isfinite(scales).all()):
+        pieces.zero_()
+        return
+    for i in range(pieces.shape[0]):
+        pieces[i].sub_(dequantize(q[i], scales[i], pieces.shape[1]))
+
+
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_keep_error_without_a_host_sync_keeps_the_same_bits(poison):
+    from zeroshard.comm.quant import ErrorFeedback, quantize
+
+    torch.manual_seed(3)
+    pieces = torch.randn(4, 96)
+    if poison is not None:
+        pieces[2, 5] = poison
+    q, scales = zip(*(quantize(p, 32) for p in pieces))
+    q, scales = torch.stack(q), torch.stack(scales)
+    want = pieces.clone()
+    _keep_error_reference(want, q, scales)
+    got = pieces.clone()
+    ErrorFeedback().keep_error(got, q, scales)
+    assert torch.equal(got, want)
+    assert (got == 0).all().item() == (poison is not None)

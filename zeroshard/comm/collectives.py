@@ -32,6 +32,24 @@ _REDUCE_OPS = {
 }
 
 
+class DeviceContractError(RuntimeError):
+    """A collective was given a tensor that is not on its group's device (NCCL refuses CPU tensors,
+    gloo's fan-out runs on the host): raised before anything is issued, naming the op and phase."""
+
+
+def _check_devices(op: str, phase: str | Phase, group: str | Group, mesh: Mesh, *tensors: torch.Tensor) -> None:
+    """Every tensor a collective is given must be on its group's device (``mesh.device``): the one
+    place the device contract is kept, so a host tensor reaching an NCCL group fails here, by name,
+    on any backend (the fake-GPU tests' included) instead of deep inside NCCL on a GPU host."""
+    want = mesh.device
+    for t in tensors:
+        have = t.device
+        if have.type != want.type or (have.index is not None and want.index is not None and have.index != want.index):
+            raise DeviceContractError(
+                f"{op} in phase {str(phase) or '(none)'!r} got a tensor on {have}, but group {str(group)!r} of mesh "
+                f"{mesh.name!r} ({mesh.backend}) runs on {want}: move it there first (tensor.to(mesh.device))")
+
+
 def get_ledger() -> Ledger:
     return process_ledger()
 
@@ -109,6 +127,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group: str | Group = Gr
                phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
     """In-place all-reduce. ``op="avg"`` is sum followed by a division, which every backend supports."""
     m = _mesh(mesh)
+    _check_devices("all_reduce", phase, group, m, tensor)
     size = m.group_size(group)
     reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
     after = (lambda: tensor.div_(size)) if op == "avg" else None
@@ -132,6 +151,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: str | Gr
     end up holding partial sums).
     """
     m = _mesh(mesh)
+    _check_devices("reduce_scatter", phase, group, m, output, input)
     size = m.group_size(group)
     if input.numel() != output.numel() * size:
         raise ValueError(f"reduce_scatter input has {input.numel()} elements; it must be exactly group size "
@@ -148,6 +168,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: str | Group 
                phase: str | Phase = "", async_op: bool = False, mesh: Mesh | None = None) -> Pending | None:
     """Gather every rank's ``input`` into ``output`` in rank order; ``input`` may be a view of ``output``."""
     m = _mesh(mesh)
+    _check_devices("all_gather", phase, group, m, output, input)
     size = m.group_size(group)
     if output.numel() != input.numel() * size:
         raise ValueError(f"all_gather output has {output.numel()} elements; it must be exactly group size "
@@ -169,6 +190,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: str | Group 
     reductions need the even one: int8 pieces cannot be summed on the wire. The ledger counts the
     input, the bytes this rank sends (its own slice included)."""
     m = _mesh(mesh)
+    _check_devices("all_to_all", phase, group, m, output, input)
     size = m.group_size(group)
     if input_splits is not None or output_splits is not None:
         if input_splits is None or output_splits is None or len(input_splits) != size or \
@@ -229,6 +251,7 @@ def reduce_to_owners(pieces: list[tuple[torch.Tensor, int]], *, numel: int, grou
     ``reduce_scatter_lands_in_input`` (gloo, or a one-rank group, where there is nothing to do).
     """
     m = _mesh(mesh)
+    _check_devices("reduce_scatter", phase, group, m, *(t for t, _ in pieces))
     if not reduce_scatter_lands_in_input(group, m):
         raise RuntimeError("reduce_to_owners needs gloo or a one-rank group; use reduce_scatter with a flat input")
     dtype = pieces[0][0].dtype if pieces else torch.float32
@@ -298,6 +321,7 @@ def _fan_out_gather(output: torch.Tensor, input: torch.Tensor, size: int):
 def broadcast(tensor: torch.Tensor, *, src: int = 0, group: str | Group = Group.WORLD, unit: str = "",
               phase: str | Phase = "", mesh: Mesh | None = None) -> None:
     """``src`` is a rank of ``group`` (the same as the global rank for "world")."""
+    _check_devices("broadcast", phase, group, _mesh(mesh), tensor)
     call = lambda pg: dist.broadcast(tensor, src=dist.get_global_rank(pg, src), group=pg, async_op=True)  # noqa: E731
     _issue("broadcast", tensor, group, unit, phase, call, False, _mesh(mesh))
 

@@ -75,9 +75,23 @@ def rank_device(backend: str, local_rank: int, local_ranks: int, kind: str | Non
     return torch.device("cuda", local_rank % count)  # gloo copies through the host: ranks may share a GPU
 
 
+_BACKEND_DEVICES: dict[str, str] = {}
+"""Backends whose groups run on a device other than the usual one (nccl: cuda, else cpu), as
+``declare_backend_device`` set them."""
+
+
+def declare_backend_device(backend: str, device_type: str) -> None:
+    """Say that groups of ``backend`` run on ``device_type`` (device index 0): the mesh's ``device``,
+    which every collective's tensors must be on (zeroshard/comm/collectives.py). For a backend that
+    holds no device of its own, such as torch's fake process group in the fake-GPU tests."""
+    _BACKEND_DEVICES[backend] = device_type
+
+
 def local_rank_device(backend: str) -> torch.device:
     """This process's device from torchrun's (or spawn's) LOCAL_RANK and LOCAL_WORLD_SIZE; a CUDA
-    device becomes the current one."""
+    device becomes the current one. A backend given a device by ``declare_backend_device`` runs there."""
+    if backend in _BACKEND_DEVICES:
+        return torch.device(_BACKEND_DEVICES[backend], 0)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or local_rank + 1
     device = rank_device(backend, local_rank, local_ranks)

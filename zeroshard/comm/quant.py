@@ -274,12 +274,11 @@ class ErrorFeedback:
 
     def keep_error(self, pieces: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
         """After ``pieces`` (a view of the residual) were quantized to ``q``/``scales``: keep what was lost."""
-        if not bool(torch.isfinite(scales).all()):
-            # An overflowed grad (fp16 loss scaling skips this step) must not poison later ones.
-            pieces.zero_()
-            return
         for i in range(pieces.shape[0]):
             pieces[i].sub_(dequantize(q[i], scales[i], pieces.shape[1]))
+        # An overflowed grad (fp16 loss scaling skips this step) must not poison later ones: its
+        # error is dropped. Decided on the device (a mask, not an ``if``): no host sync per group.
+        pieces.masked_fill_(torch.isfinite(scales).all().logical_not(), 0.0)
 
 
 class QuantizedReduce(_WirePair):

@@ -230,7 +230,10 @@ class MoEMLP(nn.Module):
         weights, index = torch.topk(probs, self.top_k, dim=-1)  # (B*T, k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.balance:
-            counts = torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).to(torch.float64)
+            # scatter_add, not bincount: bincount sizes its output from the values (a host sync on CUDA).
+            flat_index = index.reshape(-1)
+            counts = torch.zeros(probs.shape[-1], dtype=torch.int64, device=flat_index.device)
+            counts = counts.scatter_add_(0, flat_index, torch.ones_like(flat_index)).to(torch.float64)
             if self.reduce_counts is not None:
                 self.reduce_counts(counts)
             share = (counts / (counts.sum() / self.top_k)).to(probs.dtype)  # f_e: sums to top_k

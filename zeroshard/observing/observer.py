@@ -31,7 +31,7 @@ from typing import IO, Any, Iterable, Literal
 
 import torch
 
-from zeroshard.comm import collectives
+from zeroshard.comm import collectives, host_sync
 from zeroshard.observing import desync
 from zeroshard.comm.mesh import get_mesh
 from zeroshard.observing.watchdog import Diagnostics
@@ -63,7 +63,7 @@ def _number(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item())
+        return float(host_sync.item(value.detach().float(), "observe.logged_value"))
     return float(value)
 
 

@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from zeroshard.comm import host_sync
 from zeroshard.comm.collectives import all_reduce
 
 METRICS_PHASE = "metrics"
@@ -16,7 +17,7 @@ def slowest_rank(value: float, device: torch.device) -> float:
     """The largest `value` over every rank (collective). A step lasts as long as its slowest rank."""
     t = torch.tensor([value], dtype=torch.float32, device=device)
     all_reduce(t, op="max", phase=METRICS_PHASE)
-    return float(t.item())
+    return float(host_sync.item(t, "step.slowest_rank", fake_value=value))
 
 
 def slowest_per_step(per_rank: Sequence[Sequence[float]]) -> list[float]:

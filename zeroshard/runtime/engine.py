@@ -27,6 +27,7 @@ from zeroshard.runtime.flat import FlatGroup, GroupConfig, StagePolicy
 from zeroshard.runtime.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.recompute import Recompute, segment_length
+from zeroshard.runtime.streams import Landings, side_streams
 from zeroshard.runtime.unit import Unit, UnitState
 from zeroshard.runtime.wrap import ParamRef, UnitSpec
 
@@ -163,9 +164,12 @@ class Engine:
         self.init_stats: dict[str, Any] = {"path": "replicated", "peak_temp_bytes": 0}
         self.comm = comm = comm or CommQuant()
         self._unit_of_group: dict[int, Unit] = {}  # filled once the units exist; the callbacks read it
+        # On an accelerator: the all-gather and reduce streams ([Note: side streams]); None on the CPU.
+        self.streams = side_streams(device)
         config = GroupConfig(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events,
                              comm=comm, before_grad_read=self._before_grad_read,
-                             on_params_created=self._on_params_created)
+                             on_params_created=self._on_params_created, streams=self.streams,
+                             landings=Landings(device) if self.store is not None and self.store.pin else None)
         root_config = dataclasses.replace(config, is_root=True)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
@@ -454,6 +458,8 @@ class Engine:
 
     def _begin_forward(self, module, args) -> None:
         self.finish_reductions()
+        if self.streams is not None:
+            self.streams.begin_step()
         self.state = TrainingState.FORWARD
 
     def _end_forward(self, module, args, output) -> None:
@@ -607,12 +613,15 @@ class Engine:
             group.zero_grad()
 
     def wait_host_copies(self) -> None:
-        """Grad shards reach offloaded masters by async copies; the CPU step must see them landed."""
-        device = self.mesh.device
-        if self.store is not None and device.type != "cpu":
-            getattr(torch, device.type).synchronize()
+        """Grad shards reach offloaded masters by async copies; the CPU step must see them landed
+        (each group waits for its own copy's event, [Note: side streams])."""
+        if self.store is not None:
+            for group in self.trainable_groups:
+                group.wait_landed()
 
     def sync_params(self) -> None:
+        if self.streams is not None:  # the gathers below read what the optimizer step just wrote
+            self.streams.begin_step()
         pending = [p for p in (g.sync_params() for g in self.groups) if p is not None]
         for p in pending:
             p.wait()

@@ -9,6 +9,7 @@ buffer persists, and whether full grads do, is decided by the stage (see ``Stage
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from zeroshard.runtime.events import EngineEvents, EventKind
 from zeroshard.runtime.layout import FlatLayout
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.reduce import GradReducer, ReduceTarget
+from zeroshard.runtime.streams import Landings, SideStreams
 from zeroshard.runtime.wrap import ParamRef
 
 
@@ -115,6 +117,10 @@ class GroupConfig:
     """The root unit's group: quantized weight gathers leave it exact (``CommQuant.quantizes``)."""
     before_grad_read: Callable[[FlatGroup], None] | None = None
     on_params_created: Callable[[FlatGroup], None] | None = None
+    streams: SideStreams | None = None
+    """The engine's all-gather and reduce streams on an accelerator; None on the CPU."""
+    landings: Landings | None = None
+    """With offload to pinned host memory: the engine's device->host grad copies, waited on by event."""
 
 
 class FlatGroup:
@@ -193,6 +199,7 @@ class FlatGroup:
 
         self.grad_full: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
+        self._landing = 0  # the ticket of a device->host grad copy not yet waited on (Landings)
         self.reducer = GradReducer(ReduceTarget(unit=unit, layout=self.layout, shard_rank=self.shard_rank, lo=self.lo,
                                                 hi=self.hi, reduce_dtype=self.reduce_dtype,
                                                 master_dtype=self.master_dtype, device=device),
@@ -279,9 +286,22 @@ class FlatGroup:
 
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
+        if self.config.streams is not None:
+            self.config.streams.freed()
 
     def gather_full(self, phase: str) -> collectives.Pending | QuantizedGather | None:
         """Rebuild the full buffer from every rank's shard (allocating it if it was freed)."""
+        streams = self.config.streams
+        if streams is not None and self.shards > 1 and not self._gathers_quantized(phase):
+            # The copy-in and the all-gather on their own stream ([Note: side streams]).
+            with streams.gathering():
+                return self._gather_full(phase)
+        return self._gather_full(phase)
+
+    def _gathers_quantized(self, phase: str) -> bool:
+        return self.weight_quant is not None and self.shards > 1 and phase in QUANTIZED_PHASES
+
+    def _gather_full(self, phase: str) -> collectives.Pending | QuantizedGather | None:
         if self.params is None:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
             self._create_params()
@@ -290,13 +310,14 @@ class FlatGroup:
         if storage.nbytes() < needed:
             storage.resize_(needed)
         own = self.full[self.lo:self.hi]
-        if self.weight_quant is not None and self.shards > 1 and phase in QUANTIZED_PHASES:
+        if self.weight_quant is not None and self._gathers_quantized(phase):
             # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
             return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
                                    unit=self.unit, phase=phase, mesh=self.mesh)
         if not self.aliased:
             with torch.no_grad():
-                own.copy_(self.shard)
+                # An offloaded master is pinned host memory: its copy up need not block the host.
+                own.copy_(self.shard, non_blocking=self.store is not None and self.store.pin)
         if self.shards == 1:
             return None
         return collectives.all_gather(self.full, own, group=Group.SHARD, unit=self.unit, phase=phase, async_op=True,
@@ -324,11 +345,18 @@ class FlatGroup:
         """
         if self.reducer.reducing and self.config.before_grad_read is not None:
             self.config.before_grad_read(self)
+        self.wait_landed()
         return self._grad_shard
 
     @grad_shard.setter
     def grad_shard(self, value: torch.Tensor | None) -> None:
         self._grad_shard = value
+
+    def wait_landed(self) -> None:
+        """With offload: block until the last device->host grad copy landed (once per copy)."""
+        if self._landing and self.config.landings is not None:
+            ticket, self._landing = self._landing, 0
+            self.config.landings.wait(ticket, "offload.grad_to_host")
 
     def transient_grads(self) -> list[torch.Tensor]:
         """The grad tensors alive now that the step frees again before the optimizer reads the
@@ -463,8 +491,11 @@ class FlatGroup:
             return
         self.collect_grads()
         grad_full = self.full_grads()
-        source = grad_full if grad_full.dtype == self.reduce_dtype else grad_full.to(self.reduce_dtype)
-        self.reducer.launch_whole(source, phase)
+        streams = self.config.streams
+        with streams.reducing() if streams is not None else contextlib.nullcontext():
+            # On an accelerator the cast (packing) and the collective run on the reduce stream.
+            source = grad_full if grad_full.dtype == self.reduce_dtype else grad_full.to(self.reduce_dtype)
+            self.reducer.launch_whole(source, phase)
         self._report_launch(phase)
 
     def _report_launch(self, phase: str) -> None:
@@ -475,9 +506,13 @@ class FlatGroup:
         """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
         reduced = self.reducer.finish(phase)
         if self.store is not None:
-            # The optimizer steps where the masters live; pinned memory lets this copy overlap.
+            # The optimizer steps where the masters live; pinned memory lets this copy overlap. The
+            # host must not read the copy before it lands: every read waits for ``_landing`` first.
             reduced = reduced.to(self.shard.device, non_blocking=self.store.pin)
+            if self.config.landings is not None:
+                self._landing = self.config.landings.copied()
         if self._grad_shard is not None and self.policy.shard_optimizer:
+            self.wait_landed()  # the host adds the copy into the shard it accumulates
             self._grad_shard.add_(reduced)
         else:
             self._grad_shard = reduced

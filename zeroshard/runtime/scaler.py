@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.comm import collectives
+from zeroshard.comm import collectives, host_sync
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.engine import get_engine
 
@@ -50,15 +50,24 @@ class ShardedGradScaler:
             return bool(self._found_inf)
         inv = 1.0 / self.scale_value
         mesh = self._engines[0].mesh
-        local_bad = torch.zeros(1, device=mesh.device)
+        # One flag per device the shards live on (the compute device; the host with offload), each
+        # an OR kept on its device: no group's check reads anything on the host, so the step makes
+        # one host sync for the whole check (after the all-reduce), not one per flat group.
+        flags: dict[torch.device, torch.Tensor] = {}
         for group in (g for engine in self._engines for g in engine.trainable_groups):
-            if group.grad_shard is None:
+            grad = group.grad_shard
+            if grad is None:
                 continue
-            group.grad_shard.mul_(inv)
-            if not torch.isfinite(group.grad_shard).all():
-                local_bad.fill_(1.0)
+            grad.mul_(inv)
+            bad = torch.logical_not(torch.isfinite(grad).all())
+            flags[grad.device] = bad if grad.device not in flags else torch.logical_or(flags[grad.device], bad)
+        local_bad = torch.zeros(1, device=mesh.device)
+        for flag in flags.values():
+            # A host flag (offloaded shards) goes up without blocking the host: nothing waits on it here.
+            flag = flag.to(local_bad.device, non_blocking=True).to(torch.float32).reshape(1)
+            local_bad = torch.maximum(local_bad, flag)
         collectives.all_reduce(local_bad, op="max", group=Group.WORLD, phase=Phase.GRAD_SCALER, mesh=mesh)
-        self._found_inf = bool(local_bad.item())
+        self._found_inf = bool(host_sync.item(local_bad, "scaler.found_inf", fake_value=0.0))
         self._unscaled = True
         return self._found_inf
 

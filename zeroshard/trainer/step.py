@@ -31,7 +31,7 @@ from zeroshard.runtime import (
     shard as zs_shard,
 )
 from zeroshard.runtime.materialize import meta_init
-from zeroshard.comm import faults
+from zeroshard.comm import faults, host_sync
 from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
 from zeroshard.models.names import HF_PREFIX
@@ -328,7 +328,8 @@ def optimizer_step(model: torch.nn.Module, opt: Any, *, clip: float, scaler: Any
     if before_zero_grad is not None:
         before_zero_grad()
     opt.zero_grad()
-    return None if norm is None else float(norm)
+    # The norm is logged on the host: the step's one deliberate sync outside the scaler's check.
+    return None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
 
 
 def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, *, accum: int = 1,
@@ -369,7 +370,8 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
     loss_sum = pipe.pp_sum(total)  # only the last stage computed it
     metric_bytes = count.numel() * count.element_size() + loss_sum.element_size()
     run.metric_bytes += metric_bytes
-    return StepOutcome(loss_sum=loss_sum, grad_norm=None if norm is None else float(norm), metric_bytes=metric_bytes)
+    grad_norm = None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
+    return StepOutcome(loss_sum=loss_sum, grad_norm=grad_norm, metric_bytes=metric_bytes)
 
 
 def step(run: Run, x: torch.Tensor, y: torch.Tensor, *, micro: Micro | None = None,

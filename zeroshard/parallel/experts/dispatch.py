@@ -8,9 +8,9 @@ group ``ep``, the layer's name as the unit and phase forward or backward, so a s
 bytes are exactly ``(rows sent + rows received) × hidden × element size × 2`` per layer call plus
 the counts.
 
-The counts cross to the host (``.tolist()``) because the row exchange needs its split sizes
-there: one device-to-host sync per MoE layer call. It is unavoidable with variable splits;
-torchtitan pays it too, and it is why a prefetch must not depend on it (stage 3 issues its
+The counts cross to the host because the row exchange needs its split sizes there: one
+device-to-host sync per MoE layer call (both count tables in one copy, ``host_sync`` "moe.splits").
+It is unavoidable with variable splits; torchtitan pays it too, and it is why a prefetch must not depend on it (stage 3 issues its
 gathers from hooks before the layer runs).
 """
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.comm import host_sync
 from zeroshard.parallel.experts.dispatch import all_to_all_rows, exchange_counts
 from zeroshard.parallel.experts.plan import MoELayer
 from zeroshard.parallel.experts.tp_tokens import all_rows, own_rows, run_of
@@ -68,26 +69,38 @@ class ExpertParallelForward:
         tokens, k = top_k_index.shape
         experts = top_k_index.reshape(-1)
         kept = (experts >= 0) & (experts < layer.num_experts)  # outside: dropped by the model's capacity rule
-        order = torch.argsort(torch.where(kept, experts, layer.num_experts), stable=True)[:int(kept.sum())]
-        token_of = order // k
-        counts = torch.bincount(experts[order], minlength=layer.num_experts).view(self.ep, self.local)
+        # Dropped assignments go to one bin past the experts: sorted last, counted apart, cut off below.
+        binned = torch.where(kept, experts, layer.num_experts)
+        order = torch.argsort(binned, stable=True)
+        # A scatter-add, not bincount: bincount's length depends on the values, so it sizes its output
+        # on the host (a sync); this one's size is fixed, and its integer counts are the same.
+        counts = torch.zeros(layer.num_experts + 1, dtype=torch.int64, device=binned.device)
+        counts = counts.scatter_add_(0, binned, torch.ones_like(binned))[:layer.num_experts].view(self.ep, self.local)
         recv_counts = exchange_counts(counts, unit=unit, mesh=self.mesh)
-        send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # the host needs the splits
+        # The host needs the splits: both count tables cross in one copy, the call's only host sync.
+        both = host_sync.tolist(torch.cat([counts.reshape(-1), recv_counts.reshape(-1)]), "moe.splits")
+        sent_table = [both[d * self.local:(d + 1) * self.local] for d in range(self.ep)]
+        recv_table = [both[(self.ep + s) * self.local:(self.ep + s + 1) * self.local] for s in range(self.ep)]
+        send, recv = [sum(row) for row in sent_table], [sum(row) for row in recv_table]
+        order = order[:sum(send)]
+        token_of = order // k
         self.sent_rows.append(sum(send))
         self.received_rows.append(sum(recv))
         received = all_to_all_rows(hidden_states[token_of], send, recv, unit=unit, mesh=self.mesh)
-        outputs = self._run_experts(received, recv_counts)
+        outputs = self._run_experts(received, recv_counts, recv_table)
         returned = all_to_all_rows(outputs, recv, send, unit=unit, mesh=self.mesh)
         weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, (returned * weights[:, None]).to(out.dtype))
 
-    def _run_experts(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
-        """Rows arrive grouped by (source rank, local expert); each expert runs once on its rows."""
+    def _run_experts(self, received: torch.Tensor, recv_counts: torch.Tensor,
+                     recv_table: list[list[int]]) -> torch.Tensor:
+        """Rows arrive grouped by (source rank, local expert); each expert runs once on its rows.
+        ``recv_table`` is ``recv_counts`` already on the host: no further sync here."""
         local = torch.arange(self.local, device=received.device).repeat(self.ep)
-        expert_of_row = torch.repeat_interleave(local, recv_counts.reshape(-1))
+        expert_of_row = torch.repeat_interleave(local, recv_counts.reshape(-1), output_size=received.shape[0])
         by_expert = torch.argsort(expert_of_row, stable=True)
-        chunks = received[by_expert].split(recv_counts.sum(0).tolist())
+        chunks = received[by_expert].split([sum(row[e] for row in recv_table) for e in range(self.local)])
         # Every local expert runs, on zero rows if none came: its params then get a zero grad, so
         # each rank's reduction holds the same params in every step.
         computed = torch.cat([self.layer.expert(self.layer.module, e, rows) for e, rows in enumerate(chunks)])
