@@ -74,6 +74,8 @@ def _expected_syncs(case: wc.Case) -> dict[str, int]:
         want["scaler.found_inf"] = 1  # one agreed flag, over every group
     if cfg.engine.offload.kind != "none":
         want["offload.grad_to_host"] = 1  # the newest copy's event covers every group's
+        if cfg.clip > 0:
+            want["clip.coef_to_host"] = 1  # host shards scaled by the clip coefficient, read once
     model = GPTConfig.named(cfg.model)
     if getattr(model, "n_expert", 0) and cfg.ep > 1:
         want["moe.splits"] = model.n_layer * cfg.accum  # one per MoE layer call (forward)

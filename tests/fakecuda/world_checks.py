@@ -70,15 +70,8 @@ def _cases() -> list[Case]:
 CASES = {c.name: c for c in _cases()}
 
 DEFECT = "defect {} of issue 46: {}"
-EXPECTED_FAILURES = {
-    "offload-w4-clip": DEFECT.format(2, "clipping with offload multiplies the host grad shard by the norm's device "
-                                        "scalar (sharding/clip.py clip_grad_norm_)"),
-    "state-dict-offload-w4": DEFECT.format(2, "full_state_dict all-gathers the host masters over the device's "
-                                              "group (sharding/state.py gathered_master)"),
-    "desync-w8": DEFECT.format(3, "the desync check all-gathers host int64 tensors (comm/desync.py)"),
-    "profile-summary-w4": DEFECT.format(1, "the profiler's summary all-gathers host float64 tensors "
-                                           "(profile/step.py summary)"),
-}
+EXPECTED_FAILURES: dict[str, str] = {}
+"""Cases a known defect still fails (none: defects 1-3 of issue 46 are fixed, and their cases run)."""
 CANNOT_RUN = {
     "pp2-w4": "torch.distributed.pipelining's schedule reads its peers' vote on the host at its first step "
               "(schedules.py _warmup_p2p: result.item()); the fake process group delivers no peer's data",

@@ -13,7 +13,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroshard.comm import collectives, host_sync
 from zeroshard.comm import devices as devices_mod
-from zeroshard.comm import mesh as mesh_mod
 from zeroshard.comm.collectives import DeviceContractError
 from zeroshard.comm.ledger import Ledger
 from zeroshard.comm.mesh import Mesh

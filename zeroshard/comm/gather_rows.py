@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.comm import collectives
+from zeroshard.comm import collectives, host_sync
 from zeroshard.comm import mesh as meshes
 from zeroshard.comm.names import Group, Phase
 
@@ -24,4 +24,7 @@ def gather_rows(values: list, *, dtype: torch.dtype, phase: str | Phase, group: 
     mine = torch.tensor(values, dtype=dtype, device=m.device)
     out = torch.empty(size * len(values), dtype=dtype, device=m.device)
     collectives.all_gather(out, mine, group=group, phase=phase, mesh=m)
-    return out.view(size, len(values)).tolist(), out.numel() * out.element_size()
+    # Fake tensors (the fake-GPU world) hold no values: every rank reads as this one.
+    where = f"gather_rows.{phase.value if isinstance(phase, Phase) else phase}"
+    rows = host_sync.tolist(out.view(size, len(values)), where, fake_value=[list(values)] * size)
+    return rows, out.numel() * out.element_size()

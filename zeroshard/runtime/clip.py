@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroshard.comm import collectives
+from zeroshard.comm import collectives, host_sync
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.engine import get_engine
 from zeroshard.runtime.tp import tp_sharded_ranges
@@ -114,12 +114,14 @@ def scale_grad_shards(groups, norm: torch.Tensor, max_norm: float) -> None:
     a CPU tensor cannot be multiplied by a CUDA one, only the reverse."""
     # Same arithmetic as torch.nn.utils.clip_grad_norm_: always multiply by the clamped coefficient.
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    host_coef: float | None = None
     for group in groups:
         grad = group.grad_shard
         if grad is None:
             continue
-        key = (grad.device, grad.dtype)
-        if key not in on:
-            on[key] = coef.to(device=grad.device, dtype=grad.dtype)
-        grad.mul_(on[key])
+        if grad.device == coef.device:
+            grad.mul_(coef.to(grad.dtype))
+            continue
+        if host_coef is None:  # one named host read of the scalar per step, not a blocking tensor copy
+            host_coef = float(host_sync.item(coef, "clip.coef_to_host", fake_value=1.0))
+        grad.mul_(host_coef)

@@ -247,7 +247,11 @@ class Engine:
             self._register_group_hooks(unit, group)
 
     def _before_grad_read(self, group: FlatGroup) -> None:
-        self.finish_reductions(self._unit_of_group[id(group)])
+        # With offload on an accelerator every read waits for the grads' copies to the host: finish
+        # every pending reduction first, so their copies are all queued and one wait covers them
+        # (reading unit by unit would wait once per unit). Elsewhere the optimizer may step the units
+        # reduced first while the last ones finish.
+        self.finish_reductions(None if group.config.landings is not None else self._unit_of_group[id(group)])
 
     def _register_group_hooks(self, unit: Unit, group: FlatGroup) -> None:
         group_index = unit.groups.index(group)

@@ -343,7 +343,10 @@ class FlatGroup:
         Reductions launched at the end of backward may still be running: reading waits for them,
         so the optimizer can step the units reduced first while the last ones finish.
         """
-        if self.reducer.reducing and self.config.before_grad_read is not None:
+        # With offload's host copies (landings), another unit's reduction still running would queue
+        # a copy after this read's wait: the hook finishes them all first, so one wait covers the step.
+        reading_copies = self.config.landings is not None
+        if (self.reducer.reducing or reading_copies) and self.config.before_grad_read is not None:
             self.config.before_grad_read(self)
         self.wait_landed()
         return self._grad_shard
