@@ -59,6 +59,6 @@ def resident_after_steps(kind: str, directory: str, width: int = 1024, layers: i
     ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     kib = lambda key: int(status[key].split()[0]) * 1024  # noqa: E731
-    engine = zs.sharding.get_engine(model)
+    engine = zs.runtime.get_engine(model)
     offloaded = sum(g.shard.numel() * 4 * 3 for g in engine.trainable_groups)  # master + Adam's two moments
     return {"anon": kib("RssAnon"), "file": kib("RssFile"), "offloaded_bytes": offloaded, "world": mesh.world}

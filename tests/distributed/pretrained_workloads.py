@@ -99,7 +99,7 @@ def _bad_input(root: Path, good: Path) -> dict:
             load_pretrained(model, bad)
             cases[kind] = {"error": None}
         except PretrainedError as e:
-            untouched = all(float(g.shard.abs().sum()) == 0 for g in zs.sharding.get_engine(model).groups) \
+            untouched = all(float(g.shard.abs().sum()) == 0 for g in zs.runtime.get_engine(model).groups) \
                 if kind != "unknown_arch" else True
             cases[kind] = {"error": str(e), "untouched": untouched}
     return cases

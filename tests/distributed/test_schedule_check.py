@@ -31,7 +31,7 @@ def _run(stage: int, accum: int, check_mismatch: bool) -> dict:
     # A collective the schedule does not have, inside a step and on one of the model's units: the
     # check must name it rather than pass.
     x, y = collate(run.dataset, run.sampler.next_indices())
-    unit = zs.sharding.get_engine(run.model).units[0].name
+    unit = zs.runtime.get_engine(run.model).units[0].name
     zs.comm.collectives.all_reduce(torch.zeros(4), unit=unit, phase="backward")  # before the step's forward
     try:
         run.model(x, y)  # the forward starts the step; the stray record came before it: not counted

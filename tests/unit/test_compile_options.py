@@ -35,7 +35,7 @@ def test_shard_checks_compile_before_touching_the_model():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(CompileError, match="not registered"):
         zs.shard(model, stage=0, compile="inductr")
-    assert zs.sharding.find_engine(model) is None
+    assert zs.runtime.find_engine(model) is None
 
 
 def test_compiling_an_already_compiled_forward_is_refused():

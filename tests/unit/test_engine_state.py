@@ -87,4 +87,4 @@ def test_second_mesh_needs_its_own_name_and_records_it():
 @pytest.mark.parametrize("stage", [0, 3])
 def test_bucket_size_shapes_the_units_only_where_the_stage_policy_says_it_is_read(stage):
     counts = [len(get_engine(_tiny(stage, bucket_mb=mb)[0]).units) for mb in (0.01, 1000.0)]
-    assert (counts[0] != counts[1]) == zs.sharding.StagePolicy(stage).reads("bucket_mb")
+    assert (counts[0] != counts[1]) == zs.runtime.StagePolicy(stage).reads("bucket_mb")

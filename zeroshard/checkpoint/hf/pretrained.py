@@ -1,6 +1,6 @@
 """Load a ``save_pretrained`` folder straight into a sharded model.
 
-    model = zs.hf.build_pretrained(path)          # AutoConfig + from_config on meta; real buffers
+    model = zs.build_pretrained(path)          # AutoConfig + from_config on meta; real buffers
     zs.shard(model, stage=3, skip_init=True)      # only this rank's shards are allocated
     zs.load_pretrained(model, path)               # each rank reads only what it holds
 
