@@ -32,7 +32,7 @@ from zeroshard.trainer.config import MODEL_NAMES, field_help, field_type
 from zeroshard.cli.typed_flags import add_knob_flags, add_typed_flag, given_knobs
 from zeroshard.cli import plan_pipeline
 from zeroshard.cli.plan_pipeline import add_pp_flags, size_unit
-from zeroshard.tools.planner.comm import Network
+from zeroshard.tools.sim.hardware import DEFAULT_HW, PRESETS, Hardware, load_hardware, with_links
 from zeroshard.tools.planner.spec import PLANNED_KNOBS
 from zeroshard.tools.sim.step import SIMULATED_KNOBS
 
@@ -151,9 +151,10 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(spec=args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64, config=args.model_config)
 
 
-def _network(args: argparse.Namespace) -> Network:
-    given = {k: getattr(args, k) for k in ("intra_gbps", "inter_gbps", "gpus_per_node") if getattr(args, k) is not None}
-    return Network(**given)
+def _hardware(args: argparse.Namespace) -> Hardware:
+    """--hw with the links and node size given as flags on top: what the recommender prices on."""
+    return with_links(load_hardware(args.hw or DEFAULT_HW), intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
+                      gpus_per_node=args.gpus_per_node)
 
 
 def _topology(args: argparse.Namespace):
@@ -198,8 +199,8 @@ def unread_flag(args: argparse.Namespace) -> str | None:
     if args.routing_skew is not None and (args.ep or 1) == 1:
         return "--routing-skew sizes the expert-parallel all-to-alls; add --ep N (N > 1) or drop --routing-skew"
     if not args.time:
-        pp_recommend = plan_pipeline.wants_pipeline(args) and args.device_mem is not None
-        if flags := _given(args, *(() if pp_recommend else ("hw",)), "micro_batch", "sweep", "shard_sizes"):
+        if flags := _given(args, *(() if args.device_mem is not None else ("hw",)), "micro_batch", "sweep",
+                           "shard_sizes"):
             return f"{flags[0]} is read only with --time (the step-time simulator); add --time or drop {flags[0]}"
         if args.device_mem is None and (flags := _given(args, "intra_gbps", "inter_gbps")):
             return f"{flags[0]} prices the recommender's candidates; add --device-mem SIZE or drop {flags[0]}"
@@ -275,9 +276,9 @@ def run(args: argparse.Namespace) -> int:
         return fail("plan", "give exactly one of --model NAME or --params COUNT")
     try:
         target, kwargs = _plan_kwargs(args)
-        network = _network(args)
-        p = plan(target, shard_size=args.shard_size, gpus_per_node=network.gpus_per_node, **kwargs)
-        rec = recommend(target, device_mem=args.device_mem, network=network, **kwargs) if args.device_mem else None
+        hw = _hardware(args)
+        p = plan(target, shard_size=args.shard_size, gpus_per_node=hw.gpus_per_node, **kwargs)
+        rec = recommend(target, device_mem=args.device_mem, hw=hw, **kwargs) if args.device_mem else None
         checks = _measure(p, args) if args.measure else None
         chart = None
         if args.plot:
@@ -388,11 +389,14 @@ def add_parser(sub: Any) -> None:
                       help="target backend: optimizer scratch and grad-buffer lifetime differ (default: cuda)")
     net = p.add_argument_group("recommendation")
     net.add_argument("--device-mem", metavar="SIZE", help="memory per device, e.g. 80GB; turns on the recommender")
-    net.add_argument("--intra-gbps", type=float, help=f"intra-node link, Gb/s (default: {Network.intra_gbps:g}); "
-                     "prices the recommender's candidates, so it needs --device-mem")
-    net.add_argument("--inter-gbps", type=float, help=f"inter-node link, Gb/s (default: {Network.inter_gbps:g}); "
-                     "prices the recommender's candidates, so it needs --device-mem")
-    net.add_argument("--gpus-per-node", type=int, help=f"ranks per node (default: {Network.gpus_per_node}): which "
+    default = PRESETS[DEFAULT_HW]
+    net.add_argument("--intra-gbps", type=float, help="intra-node link, Gb/s (default: --hw's, "
+                     f"{default.intra_bandwidth * 8 / 1e9:g} for {DEFAULT_HW}); prices the recommender's candidates, "
+                     "so it needs --device-mem")
+    net.add_argument("--inter-gbps", type=float, help="inter-node link, Gb/s (default: --hw's, "
+                     f"{default.inter_bandwidth * 8 / 1e9:g} for {DEFAULT_HW}); prices the recommender's candidates, "
+                     "so it needs --device-mem")
+    net.add_argument("--gpus-per-node", type=int, help=f"ranks per node (default: {default.gpus_per_node}): which "
                      "collectives cross nodes")
     net.add_argument("--topology", metavar="SPEC", help="the run's hosts: HOSTSxRANKS (2x4), a run directory (its "
                      "summary.json or metrics.jsonl header), or a plan --calibrate TOML; sets --world and the ranks "

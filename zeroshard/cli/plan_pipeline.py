@@ -151,7 +151,8 @@ def measure_table(checks) -> Table:
 
 def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
     """(workload, hardware, ZeRO stage -> the pipeline replay): `plan --time --pp`."""
-    from zeroshard.cli.plan_time import DEFAULT_HW, _workload
+    from zeroshard.cli.plan_time import _workload
+    from zeroshard.tools.sim.hardware import DEFAULT_HW
     from zeroshard.tools.sim.hardware import load_hardware
     from zeroshard.tools.sim.pipeline import simulate_pipeline
     from zeroshard.tools.sim.step import Layout
@@ -226,7 +227,7 @@ def recommended(args: argparse.Namespace):
     """`plan --pp N --device-mem SIZE`: no pipeline against every pp up to N (planner/recommend_pipeline.py)."""
     from zeroshard.models import GPTConfig
     from zeroshard.tools.planner.recommend_pipeline import recommend_pipeline
-    from zeroshard.cli.plan_time import DEFAULT_HW
+    from zeroshard.tools.sim.hardware import DEFAULT_HW
     from zeroshard.tools.sim.hardware import load_hardware
 
     if (args.tp or 1) > 1 or (args.accum or 1) > 1:

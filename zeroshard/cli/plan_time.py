@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zeroshard.tools.sim.hardware import PRESETS, load_hardware
+from zeroshard.tools.sim.hardware import DEFAULT_HW, PRESETS, load_hardware
 from zeroshard.tools.sim.workload import SHAPES, TORCHTITAN_POLICIES, Workload, gpt_shape
 
 DEFAULT_SEQ = 8192
-DEFAULT_HW = "h100"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

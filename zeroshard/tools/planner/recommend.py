@@ -1,7 +1,8 @@
 """Pick the cheapest layout that fits, and say why: a higher stage is not a better one, since each
 stage buys memory with more communication.
 
-Cost is communication time per step on the given network (``comm.Network``); ties go to the lower
+Cost is communication time per step on the given hardware, priced by the simulator's link model
+(``zeroshard.tools.sim.network.rows_seconds``, the h100 preset by default); ties go to the lower
 stage, because a stage that buys memory you do not need only adds moving parts. The order of
 resort when nothing fits cheaply:
 
@@ -28,9 +29,10 @@ import dataclasses
 from typing import Any
 
 from zeroshard.tools.planner.api import plan as make_plan
-from zeroshard.tools.planner.comm import Network
 from zeroshard.tools.planner.result import COMPONENTS, LayoutPlan, Plan
 from zeroshard.tools.planner.spec import parse_bytes
+from zeroshard.tools.sim.hardware import DEFAULT_HW, PRESETS, Hardware
+from zeroshard.tools.sim.network import rows_seconds
 
 PRETTY = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 
@@ -93,13 +95,13 @@ def _dominant(layout: LayoutPlan) -> str:
     return "model states" if states >= values[best] else best
 
 
-def _candidates(p: Plan, net: Network, device_mem: int, names: list[str]) -> list[Candidate]:
+def _candidates(p: Plan, hw: Hardware, device_mem: int, names: list[str]) -> list[Candidate]:
     out = []
     for name in names:
         layout = p[name]
         out.append(Candidate(layout=name, checkpointing=layout.checkpointing, offload=layout.offload,
                              total_bytes=layout.device.total, fits=layout.device.total <= device_mem,
-                             comm_seconds=net.seconds(layout.collectives), dominant=_dominant(layout), ep=p.spec.ep))
+                             comm_seconds=rows_seconds(layout.collectives, hw), dominant=_dominant(layout), ep=p.spec.ep))
     return _ranked(out, p)
 
 
@@ -114,7 +116,7 @@ def label(c: Candidate) -> str:
     return pretty(c.layout) + (f" with ep {c.ep}" if c.ep > 1 else "")
 
 
-def _expert_options(model_or_config: Any, kwargs: dict, net: Network) -> tuple[int, ...]:
+def _expert_options(model_or_config: Any, kwargs: dict, hw: Hardware) -> tuple[int, ...]:
     """The ep degrees to weigh for an MoE model: the one asked for, or every one that divides the
     data-parallel ranks and each layer's experts and keeps an ep group inside a node."""
     if kwargs.get("tp", 1) > 1:
@@ -131,7 +133,7 @@ def _expert_options(model_or_config: Any, kwargs: dict, net: Network) -> tuple[i
         return ()
     out = []
     for ep in (2, 4, 8, 16, 32, 64):
-        if ep > min(dp, net.gpus_per_node) or dp % ep:
+        if ep > min(dp, hw.gpus_per_node) or dp % ep:
             continue
         try:
             expert_split(model, ep)
@@ -169,14 +171,14 @@ def _comm_note(chosen: Candidate, cands: list[Candidate]) -> str:
     return f"; {pretty(other.layout)} would add {extra:.0%} more communication" if extra > 0.005 else ""
 
 
-def recommend(model_or_config: Any, *, device_mem: int | str, network: Network | None = None,
+def recommend(model_or_config: Any, *, device_mem: int | str, hw: Hardware | None = None,
               **plan_kwargs: Any) -> Recommendation:
     """The cheapest layout of ``model_or_config`` that fits ``device_mem`` per rank, with the reason.
 
     ``plan_kwargs`` are ``zs.plan``'s (world, batch, seq, mp, optimizer, ...). With a world larger than
-    ``network.gpus_per_node``, hybrid layouts (shard inside a node, replicate across) are candidates.
+    ``hw.gpus_per_node``, hybrid layouts (shard inside a node, replicate across) are candidates.
     """
-    net = network or Network()
+    hw = hw or PRESETS[DEFAULT_HW]
     mem = parse_bytes(device_mem)
     if "world" not in plan_kwargs:
         raise ValueError("recommend needs world=N (the data-parallel ranks you have)")
@@ -185,27 +187,27 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
         plan_kwargs.pop(key, None)
     ckpt = plan_kwargs.pop("checkpointing", "none")
     tp = plan_kwargs.get("tp", 1)
-    dp, dp_per_node = world // tp, max(1, net.gpus_per_node // tp)
+    dp, dp_per_node = world // tp, max(1, hw.gpus_per_node // tp)
     hybrid = dp_per_node if dp > dp_per_node and dp % dp_per_node == 0 else None
 
     def plan_with(**extra: Any) -> Plan:
-        return make_plan(model_or_config, gpus_per_node=net.gpus_per_node, shard_size=hybrid,
+        return make_plan(model_or_config, gpus_per_node=hw.gpus_per_node, shard_size=hybrid,
                          checkpointing=extra.pop("checkpointing", ckpt), **dict(plan_kwargs, **extra))
 
     base = plan_with()
     names = [n for n in base.layouts if not n.endswith("_offload")]
-    cands = _candidates(base, net, mem, names)
+    cands = _candidates(base, hw, mem, names)
     fitting = [c for c in cands if c.fits]
     plain = fitting[0] if fitting else None
 
     # Expert parallelism for an MoE model: the other degrees' layouts next to these (every ep that
     # fits when none was asked, else none), and ZeRO-3's row of each.
-    others = {ep: plan_with(ep=ep) for ep in _expert_options(model_or_config, dict(plan_kwargs, world=dp), net)
+    others = {ep: plan_with(ep=ep) for ep in _expert_options(model_or_config, dict(plan_kwargs, world=dp), hw)
               if ep != base.spec.ep}
     expert_rows: tuple[Candidate, ...] = ()
     other_cands: list[Candidate] = []
     if others:
-        other_cands = [c for p in others.values() for c in _candidates(p, net, mem, names)]
+        other_cands = [c for p in others.values() for c in _candidates(p, hw, mem, names)]
         expert_rows = tuple(sorted((c for c in [*cands, *other_cands] if c.layout == "zero3"), key=lambda c: c.ep))
         ranked = _ranked([*cands, *other_cands], base)
         best = next((c for c in ranked if c.fits), None)
@@ -221,7 +223,7 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
         cheaper = [c for c in cands if not c.fits and (plain is None or cands.index(c) < cands.index(plain))]
         sqrt_plan = plan_with(checkpointing="sqrt")
         for c in cheaper:
-            after = _candidates(sqrt_plan, net, mem, [c.layout])[0]
+            after = _candidates(sqrt_plan, hw, mem, [c.layout])[0]
             if c.dominant == "activations" and after.fits:
                 act = base[c.layout].device.activations
                 reason = (f"activations dominate ({gb(act)} of {gb(c.total_bytes)} on {pretty(c.layout)}): enable "
@@ -244,7 +246,7 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
     head = (f"nothing fits in {gb(mem)} on the device: the smallest, {label(smallest)}, needs "
             f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
     # 3. A layer too large for the device even fully sharded: split it.
-    split = _tensor_parallel(model_or_config, base, net, mem, plan_kwargs, ckpt, head)
+    split = _tensor_parallel(model_or_config, base, hw, mem, plan_kwargs, ckpt, head)
     if split is not None:
         return split
 
@@ -252,7 +254,7 @@ def recommend(model_or_config: Any, *, device_mem: int | str, network: Network |
     tried = list(cands)
     for offload in ("cpu",):
         off_plan = plan_with(offload=offload)
-        off = _candidates(off_plan, net, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
+        off = _candidates(off_plan, hw, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
         tried += off
         # Among equally cheap ones, the one that moves the least to the host (DDP would move every master).
         floor = min((c.comm_seconds for c in off if c.comm_seconds > 0), default=1.0)
@@ -284,22 +286,22 @@ def layer_floor(p: Plan) -> int:
     return z3.total - z3.model_states - z3.activations
 
 
-def _tensor_parallel(model_or_config: Any, base: Plan, net: Network, mem: int, kwargs: dict, ckpt: str,
+def _tensor_parallel(model_or_config: Any, base: Plan, hw: Hardware, mem: int, kwargs: dict, ckpt: str,
                      head: str) -> Recommendation | None:
     """The smallest tp (within a node, dividing the world) whose cheapest fitting layout fits, when
     the largest layer's working set alone exceeds the device at ZeRO-3; None otherwise."""
     floor, world, current = layer_floor(base), kwargs["world"], kwargs.get("tp", 1)
     if base.mode == "analytic" or floor <= mem:
         return None
-    for tp in (t for t in (2, 4, 8, 16, 32, 64) if current < t <= net.gpus_per_node and world % t == 0):
-        dp, per_node = world // tp, max(1, net.gpus_per_node // tp)
+    for tp in (t for t in (2, 4, 8, 16, 32, 64) if current < t <= hw.gpus_per_node and world % t == 0):
+        dp, per_node = world // tp, max(1, hw.gpus_per_node // tp)
         hybrid = per_node if dp > per_node and dp % per_node == 0 else None
         try:
             p = make_plan(model_or_config, **dict(kwargs, tp=tp), checkpointing=ckpt,
-                          gpus_per_node=net.gpus_per_node, shard_size=hybrid)
+                          gpus_per_node=hw.gpus_per_node, shard_size=hybrid)
         except ValueError:  # this tp does not divide the heads or the hidden size, or the batch
             continue
-        fits = [c for c in _candidates(p, net, mem, [n for n in p.layouts if not n.endswith("_offload")]) if c.fits]
+        fits = [c for c in _candidates(p, hw, mem, [n for n in p.layouts if not n.endswith("_offload")]) if c.fits]
         if fits:
             pick = fits[0]
             reason = (f"{head}; the largest layer's full params and working buffers need {gb(floor)} even at "

@@ -112,6 +112,25 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+DEFAULT_HW = "h100"
+"""What ``plan`` prices and simulates on when no --hw is given."""
+
+
+def with_links(hw: Hardware, *, intra_gbps: float | None = None, inter_gbps: float | None = None,
+               gpus_per_node: int | None = None) -> Hardware:
+    """``hw`` with the links a user gave in gigabits per second (what NIC and NVLink specs quote;
+    divided by 8 it is the bytes/s this model keeps) and its node size; what is None stays ``hw``'s."""
+    given: dict[str, Any] = {}
+    for field, gbps in (("intra_bandwidth", intra_gbps), ("inter_bandwidth", inter_gbps)):
+        if gbps is not None:
+            if not gbps > 0:
+                raise ValueError(f"--{field.split('_')[0]}-gbps must be a positive Gb/s figure, got {gbps}")
+            given[field] = gbps * 1e9 / 8
+    if gpus_per_node is not None:
+        given["gpus_per_node"] = gpus_per_node
+    return dataclasses.replace(hw, **given) if given else hw
+
+
 def load_hardware(name_or_path: str) -> Hardware:
     """A preset by name, or a TOML file whose top-level keys are ``Hardware`` fields.
 
