@@ -140,8 +140,8 @@ def test_cli_time_json_and_sweep_plot(tmp_path, capsys):
     assert all(r["breakdown"]["host copies (offload)"] > 0 for r in rows)
     assert cli(["plan", "--time", "--model", "llama3-8b", "--sweep", "8,x"]) == 1
     assert "--sweep takes" in capsys.readouterr().err
-    assert cli(["plan", "--model", "llama3-8b", "--world", "8"]) == 1
-    assert "only with --time" in capsys.readouterr().err
+    assert cli(["plan", "--model", "llama3-8b", "--world", "8"]) == 0  # its memory, from the same shape
+    assert "llama3-8b: 8,030.3M params" in capsys.readouterr().out
 
 
 def test_hybrid_beats_full_sharding_for_70b_at_scale():

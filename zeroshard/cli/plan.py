@@ -129,8 +129,16 @@ def measure_table(checks) -> Table:
 def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
     from zeroshard.models import GPTConfig
 
+    from zeroshard.tools.sim.workload import SHAPES
+
     if args.params is not None:
         target: Any = args.params
+    elif args.model in SHAPES:  # the simulator's shape, laid out on meta: the workload plan time times
+        if args.vocab_size is not None or args.measure:
+            flag = "--vocab-size" if args.vocab_size is not None else "--measure"
+            raise ValueError(f"{flag} needs a model to build; {args.model} is a shape with its own vocabulary: "
+                             f"drop {flag}")
+        target = args.model
     elif is_preset(args.model):
         # The preset's name reads better in the report; a vocabulary override needs the config itself.
         target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
@@ -267,11 +275,6 @@ def run(args: argparse.Namespace) -> int:
         return fail("plan", str(e))
     if args.world is None:
         return fail("plan", "--world is required: the number of data-parallel ranks (or --topology HOSTSxRANKS)")
-    from zeroshard.tools.sim.workload import SHAPES
-
-    if args.model in SHAPES:
-        return fail("plan", f"--model {args.model} is planned only with --time; for memory use a preset "
-                    f"({', '.join(MODEL_NAMES)}), a save_pretrained folder, hf:NAME or module:Class")
     if (args.params is None) == (args.model is None):
         return fail("plan", "give exactly one of --model NAME or --params COUNT")
     try:
@@ -347,7 +350,7 @@ def add_parser(sub: Any) -> None:
     what = p.add_argument_group("what to plan (one of)")
     what.add_argument("--model", metavar="MODEL", help="what to plan, built on the meta device: a GPT preset "
                       f"({', '.join(MODEL_NAMES)}), a save_pretrained folder, hf:NAME, module:Class (with "
-                      f"--model-config), or with --time {' or '.join(SHAPES)}")
+                      f"--model-config), or a shape: {', '.join(SHAPES)}")
     what.add_argument("--model-config", metavar="JSON", help="module:Class's keyword arguments: a JSON object, "
                       "inline or a .json file")
     what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
