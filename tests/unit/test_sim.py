@@ -328,7 +328,7 @@ def test_contention_charges_hidden_communication_to_the_step():
 
 def test_calibrated_hardware_refuses_another_model():
     w = Workload(shape=SHAPES["llama3-8b"], micro_batch=1, seq=128)
-    with pytest.raises(ValueError, match="plan --calibrate --model llama3-8b"):
+    with pytest.raises(ValueError, match="plan calibrate --model llama3-8b"):
         simulate(w, _calibrated(), Layout(world=2, stage=0))
 
 

@@ -403,7 +403,7 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
     after the measured one (``ComponentCheck.step_s``)."""
     spec = plan.spec
     if plan.model is None:
-        raise ValueError("--measure runs a real step of a model: pass --model (a preset, a save_pretrained folder, "
+        raise ValueError("plan measure runs a real step of a model: pass --model (a preset, a save_pretrained folder, "
                          "hf:NAME or module:Class), not --params")
     if plan.model.gpt is None:
         if target is None:
@@ -411,11 +411,11 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
                              "pass target=zeroshard.trainer.targets.Target(spec=...) (the CLI's --model)")
         _check_steppable(target, spec.seq)
     if spec.sequence_parallel:
-        raise ValueError("--measure runs tp without sequence parallelism; drop --sequence-parallel to measure")
+        raise ValueError("plan measure runs tp without sequence parallelism; drop --sequence-parallel to measure")
     if spec.offload != "none" and spec.hybrid:
-        raise ValueError("--measure checks offload over the whole world; drop --shard-size or --offload")
+        raise ValueError("plan measure checks offload over the whole world; drop --shard-size or --offload")
     if spec.offload == "disk":
-        raise ValueError("--measure runs offload 'cpu' (or none): disk offload keeps its bytes in memory-mapped "
+        raise ValueError("plan measure runs offload 'cpu' (or none): disk offload keeps its bytes in memory-mapped "
                          "files, which storage accounting cannot tell from memory")
     if spec.accounting != "runtime":
         raise ValueError("measurement checks the runtime accounting; plan with accounting='runtime'")
@@ -437,9 +437,9 @@ def _check_steppable(target: Target, seq: int) -> None:
     from zeroshard.trainer import adapter
     model = target.build()  # on meta: nothing is allocated
     if adapter.token_vocab(model) is None:
-        raise ValueError(f"--measure trains {target.spec} one step on token ids, and it embeds none (no nn.Embedding): "
+        raise ValueError(f"plan measure trains {target.spec} one step on token ids, and it embeds none (no nn.Embedding): "
                          "measure a causal LM (forward(ids) -> logits, or loss_sum(ids, targets)), or plan it "
-                         "without --measure")
+                         "without plan measure")
     positions = adapter.max_positions(model)
     if positions is not None and seq > positions:
         raise ValueError(f"--seq {seq} is longer than the {positions} positions of {target.spec}; pass --seq {positions} "

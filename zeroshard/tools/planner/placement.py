@@ -92,7 +92,7 @@ def plan_command(model: Any, train: Mapping[str, Any], *, world: int, shard_size
             f"--shard-size {shard_size}", f"--device {device}"]
     optional = {"tp": 1, "accum": 1, "checkpointing": "none", "prefetch": 1, "bucket_mb": 25.0}
     args += [f"--{k.replace('_', '-')} {train[k]}" for k, default in optional.items() if train.get(k, default) != default]
-    return "zeroshard plan " + " ".join(args)
+    return "zeroshard plan memory " + " ".join(args)
 
 
 def cross_host_tp_cost(model: Any, train: Mapping[str, Any], *, world: int, ranks_per_host: int,

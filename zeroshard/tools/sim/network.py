@@ -95,11 +95,16 @@ def wire_bytes(op: str, nbytes: float, p: int) -> float:
 class Row(Protocol):
     """What the planner's ``Collective`` rows carry: one op over a group, ``count`` times a step."""
 
-    op: str
-    size: int
-    buffer_bytes: int
-    count: int
-    spans_nodes: bool
+    @property
+    def op(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def buffer_bytes(self) -> int: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def spans_nodes(self) -> bool: ...
 
 
 def rows_seconds(rows: Iterable[Row], hw: Hardware) -> float:
