@@ -161,18 +161,12 @@ def _hardware(args: argparse.Namespace) -> Hardware:
 
 
 def _topology(args: argparse.Namespace):
-    """--topology as a RunTopology (None when not given), after setting --world and --gpus-per-node
-    from it: the run's hosts decide which collectives cross them."""
-    from zeroshard.tools.planner.topology_source import parse
+    """The run's hosts (``plan_time.run_topology``), after setting --world and --gpus-per-node from
+    them: they decide which collectives cross hosts."""
+    from zeroshard.cli.plan_time import run_topology
 
-    if args.topology is None:
+    if (topology := run_topology(args)) is None:
         return None
-    topology = parse(args.topology)
-    if args.world is None:
-        args.world = topology.world
-    elif args.world != topology.world:
-        raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology ({topology.text}); "
-                         "drop --world or make them agree")
     if args.gpus_per_node is not None and args.gpus_per_node != topology.ranks_per_host:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node} disagrees with the {topology.ranks_per_host} ranks "
                          "per host of --topology; drop --gpus-per-node")

@@ -157,11 +157,6 @@ def run_time(args: argparse.Namespace) -> list:
     topology = run_topology(args)
     if topology is not None:  # the run's hosts, not the preset's node size, decide what crosses hosts
         hw = dataclasses.replace(hw, gpus_per_node=topology.ranks_per_host)
-        if args.world is None and not args.sweep:
-            args.world = topology.world
-        elif args.world is not None and args.world != topology.world and getattr(args, "topology", None):
-            raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology "
-                             f"({topology.text}); drop --world or make them agree")
     if getattr(args, "device_mem", None):  # the device you mean to run on: fits are judged against it
         from zeroshard.tools.planner.spec import parse_bytes
 
@@ -273,14 +268,22 @@ def calibrated_topology(world: int) -> str:
 
 
 def run_topology(args: argparse.Namespace):
-    """--topology's, else the [topology] a --hw TOML recorded, else None (the --hw preset's nodes)."""
+    """--topology's, else the [topology] a --hw TOML recorded, else None (the --hw preset's nodes);
+    --world, when not given, is its ranks."""
     from zeroshard.tools.planner.topology_source import from_toml, parse
 
     if getattr(args, "topology", None):
-        return parse(args.topology)
-    if args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
-        return from_toml(Path(args.hw))
-    return None
+        topology = parse(args.topology)
+    elif args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
+        topology = from_toml(Path(args.hw))
+    else:
+        return None
+    if args.world is None and not getattr(args, "sweep", None):
+        args.world = topology.world
+    elif args.world is not None and args.world != topology.world and args.topology:
+        raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology ({topology.text}); "
+                         "drop --world or make them agree")
+    return topology
 
 
 def print_calibration(args: argparse.Namespace) -> int:

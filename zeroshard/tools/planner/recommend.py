@@ -171,28 +171,18 @@ def _comm_note(chosen: Candidate, cands: list[Candidate]) -> str:
     return f"; {pretty(other.layout)} would add {extra:.0%} more communication" if extra > 0.005 else ""
 
 
-@dataclasses.dataclass
 class _Search:
     """What every resort of ``recommend`` reads: the run, the device, and the candidates so far."""
 
-    target: Any
-    mem: int
-    hw: Hardware
-    kwargs: dict
-    ckpt: str
-    hybrid: int | None
-    base: Plan = dataclasses.field(init=False)
-    names: list[str] = dataclasses.field(init=False)
-    cands: list[Candidate] = dataclasses.field(init=False)
-    other_cands: list[Candidate] = dataclasses.field(default_factory=list)
-    """The layouts at the other ep degrees (an MoE model)."""
-    offloaded: list[Candidate] = dataclasses.field(default_factory=list)
-    expert_rows: tuple[Candidate, ...] = ()
-
-    def __post_init__(self) -> None:
+    def __init__(self, target: Any, mem: int, hw: Hardware, kwargs: dict, ckpt: str, hybrid: int | None) -> None:
+        self.target, self.mem, self.hw, self.kwargs, self.ckpt, self.hybrid = target, mem, hw, kwargs, ckpt, hybrid
         self.base = self.plan_with()
         self.names = [n for n in self.base.layouts if not n.endswith("_offload")]
-        self.cands = _candidates(self.base, self.hw, self.mem, self.names)
+        self.cands = _candidates(self.base, hw, mem, self.names)
+        # An MoE model's layouts at the other ep degrees, and the offloaded ones, once tried.
+        self.other_cands: list[Candidate] = []
+        self.offloaded: list[Candidate] = []
+        self.expert_rows: tuple[Candidate, ...] = ()
 
     def plan_with(self, **extra: Any) -> Plan:
         return make_plan(self.target, gpus_per_node=self.hw.gpus_per_node, shard_size=self.hybrid,

@@ -27,7 +27,7 @@ ring step waits for its slowest hop, so all of its steps pay the network latency
 from __future__ import annotations
 
 import math
-from typing import Iterable, Protocol
+from typing import Any, Iterable
 
 from zeroshard.tools.sim.hardware import Hardware
 from zeroshard.tools.sim.measured import OPS, pick_link
@@ -92,22 +92,8 @@ def wire_bytes(op: str, nbytes: float, p: int) -> float:
     return bus_factor(op, p) * nbytes
 
 
-class Row(Protocol):
-    """What the planner's ``Collective`` rows carry: one op over a group, ``count`` times a step."""
-
-    @property
-    def op(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def buffer_bytes(self) -> int: ...
-    @property
-    def count(self) -> int: ...
-    @property
-    def spans_nodes(self) -> bool: ...
-
-
-def rows_seconds(rows: Iterable[Row], hw: Hardware) -> float:
-    """Seconds the planner's collective rows take one after another on ``hw``: the simulator's
+def rows_seconds(rows: Iterable[Any], hw: Hardware) -> float:
+    """Seconds the planner's collective rows (``planner.comm.Collective``: op, size, buffer_bytes,
+    count, spans_nodes) take one after another on ``hw``: the simulator's
     alpha-beta cost of each (latency included), so plan's recommender and plan time price alike."""
     return sum(r.count * collective_seconds(r.op, r.buffer_bytes, r.size, hw, spans=r.spans_nodes) for r in rows)
