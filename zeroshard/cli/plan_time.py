@@ -272,11 +272,12 @@ def run_topology(args: argparse.Namespace):
     --world, when not given, is its ranks."""
     from zeroshard.tools.planner.topology_source import from_toml, parse
 
+    topology = None
     if getattr(args, "topology", None):
         topology = parse(args.topology)
     elif args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
-        topology = from_toml(Path(args.hw))
-    else:
+        topology = from_toml(Path(args.hw))  # None when the file recorded no [topology]
+    if topology is None:
         return None
     if args.world is None and not getattr(args, "sweep", None):
         args.world = topology.world
