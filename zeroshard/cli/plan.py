@@ -281,8 +281,11 @@ def _measure(p, args: argparse.Namespace):
 
 def add_parser(sub: Any) -> None:
     from zeroshard.cli import plan_time
-    from zeroshard.cli.plan_flags import __doc__ as subcommands, add_subcommands
+    from zeroshard.cli.plan_flags import HELP, add_subcommands
 
     p = sub.add_parser("plan", help="per-rank memory, step time, a recommendation, and a measured check",
-                       description=subcommands, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="\n".join(f"  plan {mode:10s} {text}" for mode, text in HELP.items()) + "\n\n"
+                       "`plan ARGS` is `plan memory ARGS`; `plan --time`, `plan --calibrate [OP]` and `plan --measure` "
+                       "are `plan time`, `plan calibrate [OP]` and `plan measure`.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_subcommands(p, {"memory": run, "measure": run, "time": plan_time.run, "calibrate": plan_time.run_calibrate})

@@ -1,9 +1,4 @@
-"""`zeroshard plan`'s subcommands and the flags each one reads.
-
-  plan memory      per-rank memory of every ZeRO stage (and of each pp rank), a recommendation
-  plan time        one step simulated: time, tokens/s/GPU, MFU, memory (zeroshard.tools.sim)
-  plan calibrate   this host's collectives and units timed on gloo ranks, as a hardware TOML
-  plan measure     the memory plan against one real step per stage on gloo ranks
+"""`zeroshard plan`'s subcommands (``HELP``) and the flags each one reads.
 
 Each subcommand's parser holds only the flags it reads, so argparse itself refuses the others
 (``unread_hint`` names the subcommands that do read one). The spellings from before the
