@@ -1,4 +1,4 @@
-"""Every flag of `zeroshard plan`, `plan --time`, `tune` and `train` is read.
+"""Every flag of `zeroshard plan memory`, `plan time`, `plan calibrate`, `tune` and `train` is read.
 
 Given a value other than its default, a flag either changes the result (the resolved TrainConfig,
 the plan's JSON, the simulated rows, what tune measures and writes) or is refused with one line
@@ -27,10 +27,13 @@ Entry = tuple[list[str], "list[str] | None", str]
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
+    """``command``'s parser: "train", or "plan time" for a subcommand's."""
     parser = build_parser()
-    # argparse exposes the subcommands and their options only through _actions.
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-    return sub.choices[command]
+    for word in command.split():
+        # argparse exposes the subcommands and their options only through _actions.
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+        parser = sub.choices[word]
+    return parser
 
 
 def flags_of(command: str) -> set[str]:
@@ -72,7 +75,10 @@ def _runner(capsys: pytest.CaptureFixture[str], extra: Callable[[], str] = lambd
         if key not in seen:
             before()
             capsys.readouterr()
-            rc = main(argv)
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse's own refusals exit (2)
+                rc = int(e.code or 0)
             got = capsys.readouterr()
             seen[key] = Outcome(rc, got.out, got.err, extra())
         return seen[key]
@@ -88,10 +94,14 @@ def _check(command: str, table: dict[str, list[Entry]], run: Callable[[list[str]
             got = run(with_flag)
             if expect == REFUSED:
                 line = got.err.strip()
+                # argparse's own refusal (rc 2: a flag the subcommand does not hold, or two that
+                # exclude each other) ends its usage with the one line that names the flag.
+                if got.rc == 2:
+                    line = line.splitlines()[-1] if line else ""
                 # Named by its flag, or by its config key (TrainConfig's errors say "tp=3 ...").
                 named = flag in line or f"{flag[2:].replace('-', '_')}=" in line
-                if not (got.rc == 1 and got.out == "" and "\n" not in line and "Traceback" not in line
-                        and line.startswith(f"zeroshard {command}: error: ") and named):
+                if not (got.rc in (1, 2) and got.out == "" and "\n" not in line and "Traceback" not in line
+                        and re.match(rf"zeroshard {command}( \w+)?: error: ", line) and named):
                     problems.append(f"{flag}: {with_flag} should be refused in one line naming it; got rc {got.rc}, "
                                     f"stderr {got.err[-300:]!r}")
                 continue
@@ -109,10 +119,10 @@ def _check(command: str, table: dict[str, list[Entry]], run: Callable[[list[str]
 
 def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entry]]]:
     png, hw_out = str(tmp / "plan.png"), str(tmp / "hw.toml")
-    m = ["plan", "--model", "tiny", "--world", "4", "--json"]
+    m = ["plan", "memory", "--model", "tiny", "--world", "4", "--json"]
     moe = swap(m, "--model", "tiny-moe")
     # inter-node links only price collectives that span nodes: 16 ranks over nodes of 8
-    rec = ["plan", "--model", "tiny", "--world", "16", "--device-mem", "1GB", "--json"]
+    rec = ["plan", "memory", "--model", "tiny", "--world", "16", "--device-mem", "1GB", "--json"]
     memory: dict[str, list[Entry]] = {
         "--model": [(swap(m, "--model", "small"), m, CHANGES),
                     (swap(m, "--model", "torch.nn:Linear"), None, REFUSED)],  # its arguments missing
@@ -121,7 +131,7 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
                             swap(plus(m, "--model-config", '{"in_features": 64, "out_features": 32}'), "--model",
                                  "torch.nn:Linear"), CHANGES),
                            (plus(m, "--model-config", "{}"), None, REFUSED)],  # a preset takes no arguments
-        "--params": [(["plan", "--params", "7e9", "--world", "4", "--json"], m, CHANGES)],
+        "--params": [(["plan", "memory", "--params", "7e9", "--world", "4", "--json"], m, CHANGES)],
         "--world": [(swap(m, "--world", "8"), m, CHANGES)],
         "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
         "--sequence-parallel": [(plus(m, "--tp", "2", "--sequence-parallel"), plus(m, "--tp", "2"), CHANGES)],
@@ -157,16 +167,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--inter-gbps": [(plus(rec, "--inter-gbps", "10"), rec, CHANGES), (plus(m, "--inter-gbps", "10"), None, REFUSED)],
         "--gpus-per-node": [(plus(m, "--gpus-per-node", "2"), m, CHANGES)],
         "--topology": [(plus(m, "--topology", "2x2"), m, CHANGES), (plus(m, "--topology", "2x4"), None, REFUSED)],
-        "--measure": [(plus(m, "--measure"), m, CHANGES)],
         "--plot": [(plus(m, "--plot", png), m, CHANGES)],
         "--json": [(m, drop(m, "--json", 0), CHANGES)],
-        "--time": [(plus(m, "--time"), m, CHANGES)],
-        "--hw": [(plus(m, "--hw", "a100"), None, REFUSED)],
-        "--micro-batch": [(plus(m, "--micro-batch", "2"), None, REFUSED)],
-        "--sweep": [(plus(m, "--sweep", "2,4"), None, REFUSED)],
-        "--shard-sizes": [(plus(m, "--shard-sizes", "2"), None, REFUSED)],
-        "--calibrate": [(plus(m, "--calibrate", "all_reduce"), m, CHANGES)],
-        "--hw-out": [(plus(m, "--hw-out", hw_out), None, REFUSED)],
+        "--hw": [(plus(rec, "--hw", "a100"), rec, CHANGES), (plus(m, "--hw", "a100"), None, REFUSED)],
         "--pp": [(plus(m, "--pp", "2"), m, CHANGES), (plus(m, "--pp", "2", "--shard-size", "2"), None, REFUSED)],
         "--pp-schedule": [(plus(m, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
                            plus(m, "--pp", "2", "--microbatches", "4"), CHANGES),
@@ -182,15 +185,12 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
                                        "--microbatches", "4"), CHANGES),
                                  (plus(m, "--pp", "2", "--pp-stages-per-rank", "2"), None, REFUSED)],
     }
-    t = ["plan", "--time", "--model", "tiny", "--world", "4", "--json"]
+    t = ["plan", "time", "--model", "tiny", "--world", "4", "--json"]
     time: dict[str, list[Entry]] = {
         "--model": [(swap(t, "--model", "llama3-8b"), t, CHANGES),
                     (swap(t, "--model", "hf:gpt2-tiny"), t, CHANGES)],
-        "--model-config": [(plus(t, "--model-config", "{}"), None, REFUSED)],  # a preset takes no arguments
-        "--params": [(plus(t, "--params", "7e9"), None, REFUSED)],
         "--world": [(swap(t, "--world", "8"), t, CHANGES), (plus(t, "--sweep", "2,4"), None, REFUSED)],
         "--tp": [(plus(t, "--tp", "2"), t, CHANGES)],
-        "--sequence-parallel": [(plus(t, "--tp", "2", "--sequence-parallel"), None, REFUSED)],
         "--ep": [(plus(swap(t, "--model", "tiny-moe"), "--ep", "2"), swap(t, "--model", "tiny-moe"), CHANGES),
                  (plus(t, "--ep", "2"), None, REFUSED),
                  (plus(swap(t, "--model", "tiny-moe"), "--tp", "2", "--ep", "2"),
@@ -203,7 +203,6 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--seq": [(plus(t, "--seq", "32"), t, CHANGES)],
         "--accum": [(plus(t, "--accum", "2"), t, CHANGES)],
         "--mp": [(plus(t, "--mp", "fp32"), t, CHANGES)],
-        "--optimizer": [(plus(t, "--optimizer", "sgd"), None, REFUSED)],
         "--vocab-size": [(plus(t, "--vocab-size", "32"), t, CHANGES),
                          (plus(swap(t, "--model", "llama3-8b"), "--vocab-size", "32"), None, REFUSED)],
         "--checkpointing": [(plus(t, "--checkpointing", "sqrt"), t, CHANGES)],
@@ -213,34 +212,20 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--prefetch": [(plus(t, "--prefetch", "2"), t, CHANGES)],
         "--bucket-mb": [(plus(t, "--bucket-mb", "0.01"), t, CHANGES)],
         "--reshard-after-forward": [(plus(t, "--no-reshard-after-forward"), t, CHANGES)],
-        "--max-inflight-reductions": [(plus(t, "--max-inflight-reductions", "3"), None, REFUSED)],
-        "--accumulation": [(plus(t, "--accumulation", "unsharded"), None, REFUSED)],
-        "--comm-quant": [(plus(t, "--comm-quant", "weights"), None, REFUSED)],
-        "--comm-quant-block": [(plus(t, "--comm-quant-block", "128"), None, REFUSED)],
         "--headroom": [(plus(t, "--headroom", "0.2"), t, CHANGES)],
-        "--accounting": [(plus(t, "--accounting", "textbook"), None, REFUSED)],
-        "--device": [(plus(t, "--device", "cpu"), None, REFUSED)],
         "--device-mem": [(plus(t, "--device-mem", "1MB"), t, CHANGES)],
-        "--intra-gbps": [(plus(t, "--intra-gbps", "100"), None, REFUSED)],
-        "--inter-gbps": [(plus(t, "--inter-gbps", "10"), None, REFUSED)],
-        "--gpus-per-node": [(plus(t, "--gpus-per-node", "2"), None, REFUSED)],
         "--topology": [(plus(t, "--topology", "2x2"), t, CHANGES), (plus(t, "--topology", "2x4"), None, REFUSED)],
-        "--measure": [(plus(t, "--measure"), None, REFUSED)],
         "--plot": [(plus(t, "--plot", png), t, CHANGES)],
         "--json": [(t, drop(t, "--json", 0), CHANGES)],
-        "--time": [(t, drop(t, "--time", 0), CHANGES)],
         "--hw": [(plus(t, "--hw", "a100"), t, CHANGES)],
         "--micro-batch": [(plus(t, "--micro-batch", "2"), t, CHANGES),
                           (plus(t, "--batch", "8", "--micro-batch", "2"), None, REFUSED)],
-        "--sweep": [(["plan", "--time", "--model", "tiny", "--sweep", "2,4", "--json"], t, CHANGES)],
+        "--sweep": [(["plan", "time", "--model", "tiny", "--sweep", "2,4", "--json"], t, CHANGES)],
         "--shard-sizes": [(plus(t, "--shard-sizes", "2"), t, CHANGES)],
-        "--calibrate": [(plus(t, "--calibrate", "all_reduce"), t, CHANGES)],
-        "--hw-out": [(plus(t, "--hw-out", hw_out), None, REFUSED)],
         "--pp": [(plus(t, "--pp", "2"), t, CHANGES), (plus(t, "--pp", "2", "--shard-sizes", "2"), None, REFUSED)],
         "--pp-schedule": [(plus(t, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
                            plus(t, "--pp", "2", "--microbatches", "4"), CHANGES),
                           (plus(t, "--pp-schedule", "gpipe"), None, REFUSED)],
-        "--pp-grad-reduce": [(plus(t, "--pp", "2", "--pp-grad-reduce", "microbatch"), None, REFUSED)],
         "--microbatches": [(plus(t, "--pp", "2", "--microbatches", "4"), plus(t, "--pp", "2"), CHANGES)],
         "--pp-stages-per-rank": [(plus(swap(t, "--model", "small"), "--pp", "2", "--pp-schedule", "interleaved-1f1b",
                                        "--microbatches", "4", "--pp-stages-per-rank", "4"),
@@ -249,7 +234,19 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
                                  (plus(t, "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "2",
                                        "--pp-stages-per-rank", "1"), None, REFUSED)],
     }
-    return memory, time
+    c = ["plan", "calibrate", "--world", "2"]
+    one = ["plan", "calibrate", "all_reduce", "--world", "2"]
+    calibrate: dict[str, list[Entry]] = {
+        "--model": [(plus(c, "--model", "tiny"), c, CHANGES), (plus(one, "--model", "tiny"), None, REFUSED)],
+        "--world": [(swap(c, "--world", "4"), c, CHANGES)],
+        "--sweep": [(plus(c, "--sweep", "2,4"), c, CHANGES), (plus(one, "--sweep", "2,4"), None, REFUSED)],
+        "--seq": [(plus(c, "--seq", "32"), c, CHANGES), (plus(one, "--seq", "32"), None, REFUSED)],
+        "--micro-batch": [(plus(c, "--micro-batch", "2"), c, CHANGES), (plus(one, "--micro-batch", "2"), None, REFUSED)],
+        "--vocab-size": [(plus(c, "--vocab-size", "32"), c, CHANGES), (plus(one, "--vocab-size", "32"), None, REFUSED)],
+        "--hw-out": [(plus(c, "--hw-out", hw_out), c, CHANGES), (plus(one, "--hw-out", hw_out), None, REFUSED)],
+        "--json": [(plus(c, "--json"), c, CHANGES)],
+    }
+    return memory, time, calibrate
 
 
 def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Outcome], dict]:
@@ -269,7 +266,7 @@ def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Out
 
     def print_calibration(args: argparse.Namespace) -> int:
         called["calibrate"] = args.calibrate
-        print(f"calibrated {args.calibrate} at world {args.world}")
+        print(f"calibrated {sorted((k, str(v)) for k, v in vars(args).items() if k != 'run')}")
         return 0
 
     monkeypatch.setattr(plan_measure, "measure", measure)
@@ -286,26 +283,74 @@ def _plan_run(capsys, monkeypatch, tmp: Path) -> tuple[Callable[[list[str]], Out
 
 
 def test_every_flag_has_an_entry(tmp_path: Path) -> None:
-    memory, time = _plan_tables(tmp_path)
-    assert flags_of("plan") == set(memory) == set(time)
+    memory, time, calibrate = _plan_tables(tmp_path)
+    assert flags_of("plan memory") == flags_of("plan measure") == set(memory)
+    assert flags_of("plan time") == set(time) and flags_of("plan calibrate") == set(calibrate)
     assert flags_of("tune") == set(_tune_table(tmp_path, tmp_path / "out.toml"))
     assert flags_of("train") == set(_train_table(tmp_path))
 
 
 def test_every_plan_flag_changes_the_memory_plan_or_is_refused(tmp_path, capsys, monkeypatch) -> None:
-    memory, _ = _plan_tables(tmp_path)
+    memory, _, _ = _plan_tables(tmp_path)
     run, called = _plan_run(capsys, monkeypatch, tmp_path)
     problems = _check("plan", memory, run)
     assert not problems, "\n".join(problems)
-    assert called["measure"] == (4, (0, 1, 2, 3)) and called["calibrate"] == "all_reduce"
+    measured = run(["plan", "measure", "--model", "tiny", "--world", "4", "--json"])
+    assert measured.rc == 0 and measured != run(["plan", "memory", "--model", "tiny", "--world", "4", "--json"])
+    assert called["measure"] == (4, (0, 1, 2, 3))
 
 
 def test_every_plan_flag_changes_the_time_rows_or_is_refused(tmp_path, capsys, monkeypatch) -> None:
-    _, time = _plan_tables(tmp_path)
+    _, time, _ = _plan_tables(tmp_path)
     run, called = _plan_run(capsys, monkeypatch, tmp_path)
     problems = _check("plan", time, run)
     assert not problems, "\n".join(problems)
     assert "measure" not in called  # refused before anything ran
+
+
+def test_every_calibrate_flag_changes_what_is_timed_or_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    _, _, calibrate = _plan_tables(tmp_path)
+    run, called = _plan_run(capsys, monkeypatch, tmp_path)
+    problems = _check("plan", calibrate, run)
+    assert not problems, "\n".join(problems)
+    assert called["calibrate"] == "all"
+
+
+def test_a_flag_a_plan_subcommand_does_not_read_is_refused_by_argparse(tmp_path, capsys, monkeypatch) -> None:
+    """Each subcommand's parser holds only its own flags: any other plan flag is refused (rc 2) in one
+    line that names it and the subcommands reading it, and nothing runs."""
+    run, called = _plan_run(capsys, monkeypatch, tmp_path)
+    modes = ("memory", "time", "calibrate", "measure")
+    flags = {mode: flags_of(f"plan {mode}") for mode in modes}
+    refused = 0
+    for mode in modes:
+        for flag in sorted(set().union(*flags.values()) - flags[mode]):
+            got = run(["plan", mode, "--world", "2", f"{flag}=2"])
+            readers = ", ".join(f"plan {m}" for m in modes if flag in flags[m])
+            assert (got.rc, got.out) == (2, ""), (mode, flag, got)
+            assert got.err == (f"zeroshard plan {mode}: error: plan {mode} does not read {flag} (it is read by "
+                               f"{readers}); drop {flag}\n"), got.err
+            refused += 1
+    assert refused == 60 and called == {}  # 4 each for memory and measure, 15 for time, 37 for calibrate
+
+
+def test_the_old_plan_spellings_are_the_subcommands(tmp_path, capsys, monkeypatch) -> None:
+    """`plan ...`, `plan --time`, `plan --measure` and `plan --calibrate [OP]` run as before, as
+    `plan memory`, `plan time`, `plan measure` and `plan calibrate [OP]`."""
+    run, called = _plan_run(capsys, monkeypatch, tmp_path)
+    base = ["--model", "tiny", "--world", "4", "--json"]
+    for old, new in ((["plan", *base], ["plan", "memory", *base]),
+                     (["plan", "--time", *base], ["plan", "time", *base]),
+                     (["plan", *base, "--time"], ["plan", "time", *base]),
+                     (["plan", "--measure", *base], ["plan", "measure", *base]),
+                     (["plan", "--calibrate", "--world", "2"], ["plan", "calibrate", "--world", "2"]),
+                     (["plan", "--calibrate", "all_reduce", "--world", "2"], ["plan", "calibrate", "all_reduce", "--world", "2"]),
+                     (["plan", "--world", "2", "--calibrate=all_gather"], ["plan", "calibrate", "all_gather", "--world", "2"])):
+        got = run(old)
+        assert got.rc == 0 and got.out and got == run(new), (old, got.err)
+    assert called["calibrate"] == "all_gather" and called["measure"] == (4, (0, 1, 2, 3))
+    both = run(["plan", "--time", *base, "--measure"])  # two modes at once: one is refused, by name
+    assert both.rc == 2 and "--measure is `plan measure`" in both.err
 
 
 def test_plan_time_passes_tp_to_the_simulator(capsys) -> None:

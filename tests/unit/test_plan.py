@@ -10,7 +10,7 @@ from torch import nn
 
 from zeroshard.cli.main import main as cli
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.tools.planner import COMPONENTS, Network, plan, probe
+from zeroshard.tools.planner import COMPONENTS, plan, probe
 from zeroshard.tools.planner.activations import gpt_activations
 from zeroshard.tools.planner.inventory import Inventory
 from zeroshard.tools.planner.recommend import recommend
@@ -322,8 +322,10 @@ def test_recommender_says_how_many_ranks_when_nothing_fits_at_all():
 
 
 def test_recommender_shards_inside_nodes_on_a_slow_network():
-    net = Network(intra_gbps=2400, inter_gbps=100, gpus_per_node=8)
-    rec = recommend(7e9, world=32, device_mem="20GB", network=net)
+    from zeroshard.tools.sim.hardware import PRESETS, with_links
+
+    hw = with_links(PRESETS["h100"], intra_gbps=2400, inter_gbps=100, gpus_per_node=8)
+    rec = recommend(7e9, world=32, device_mem="20GB", hw=hw)
     assert rec.layout == "zero3_hybrid" and "intra-node" in rec.reason
 
 

@@ -101,10 +101,10 @@ WIDE = GPTConfig.named("tiny-moe", n_embd=256, n_head=4, n_layer=4, vocab_size=5
 
 
 def _rec(mem: str, **kwargs):
-    from zeroshard.tools.planner.comm import Network
     from zeroshard.tools.planner.recommend import recommend
+    from zeroshard.tools.sim.hardware import PRESETS
 
-    return recommend(WIDE, device_mem=mem, world=8, batch=16, seq=64, network=Network(gpus_per_node=8), **kwargs)
+    return recommend(WIDE, device_mem=mem, world=8, batch=16, seq=64, hw=PRESETS["h100"], **kwargs)
 
 
 def test_the_recommender_weighs_ep_against_zero3_with_a_row_for_each():

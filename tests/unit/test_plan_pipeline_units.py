@@ -94,7 +94,7 @@ def test_plan_cli_takes_trainconfigs_pp_flags(capsys):
                                "bubble_fraction": pytest.approx(1 / 5)}
     assert [r["stages"] for r in out["ranks"]] == [[0], [1]]
     with pytest.raises(SystemExit):
-        main(["plan", "--help"])
+        main(["plan", "memory", "--help"])
     help_text = capsys.readouterr().out
     assert " ".join(field_help("microbatches").split()[:4]) in " ".join(help_text.split())
 

@@ -72,7 +72,7 @@ def test_hf_name_and_module_class_are_planned(capsys):
     (["--model", "torch.nn:Linear", "--model-config", "{bad"], "is neither a JSON object"),
     (["--model", "small", "--model-config", "{}"], "--model-config gives a module:Class"),
     (["--model", "/no/such/folder"], "is not a model"),
-    (["--model", "llama3-8b"], "is planned only with --time"),
+    (["--model", "llama3-8b", "--vocab-size", "32"], "--vocab-size needs a model to build; llama3-8b is a shape"),
 ])
 def test_a_bad_model_is_one_line_naming_it(argv, named, capsys):
     capsys.readouterr()
@@ -130,3 +130,21 @@ def test_calibrate_refuses_a_module_class_in_one_line(capsys):
     assert main(["plan", "--calibrate", "--model", "torch.nn:Linear", "--world", "2"]) == 1
     err = capsys.readouterr().err
     assert "has none" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_llama_shape_is_planned_for_memory_from_the_simulators_workload(capsys):
+    """`plan --model llama3-8b` without --time: the planner lays out the simulator's own shape (its
+    params exactly) with the simulator's activation count for the same micro-batch and sequence."""
+    import json
+
+    from zeroshard.cli.main import main
+    from zeroshard.tools.sim.workload import SHAPES, Workload
+
+    assert main(["plan", "--model", "llama3-8b", "--world", "8", "--batch", "8", "--seq", "4096", "--mp", "bf16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shape = SHAPES["llama3-8b"]
+    assert out["params"] == shape.params == 8_030_261_248
+    w = Workload(shape=shape, micro_batch=1, seq=4096)
+    kept = out["layouts"]["zero3"]["activations_bytes"]
+    assert kept == shape.n_layer * int(w.per_layer_activation_bytes()) + w.tokens * (2 * shape.hidden * 2 + 4 * shape.vocab)

@@ -140,8 +140,8 @@ def test_cli_time_json_and_sweep_plot(tmp_path, capsys):
     assert all(r["breakdown"]["host copies (offload)"] > 0 for r in rows)
     assert cli(["plan", "--time", "--model", "llama3-8b", "--sweep", "8,x"]) == 1
     assert "--sweep takes" in capsys.readouterr().err
-    assert cli(["plan", "--model", "llama3-8b", "--world", "8"]) == 1
-    assert "only with --time" in capsys.readouterr().err
+    assert cli(["plan", "--model", "llama3-8b", "--world", "8"]) == 0  # its memory, from the same shape
+    assert "llama3-8b: 8,030.3M params" in capsys.readouterr().out
 
 
 def test_hybrid_beats_full_sharding_for_70b_at_scale():
@@ -328,7 +328,7 @@ def test_contention_charges_hidden_communication_to_the_step():
 
 def test_calibrated_hardware_refuses_another_model():
     w = Workload(shape=SHAPES["llama3-8b"], micro_batch=1, seq=128)
-    with pytest.raises(ValueError, match="plan --calibrate --model llama3-8b"):
+    with pytest.raises(ValueError, match="plan calibrate --model llama3-8b"):
         simulate(w, _calibrated(), Layout.of(world=2, stage=0))
 
 

@@ -152,7 +152,7 @@ def test_cli_rejects_bad_flags_before_measuring(capsys: pytest.CaptureFixture[st
     # one line saying so and naming the plan command that takes it.
     assert main(["tune", "--model", "torch.nn:Linear"]) == 1
     err = capsys.readouterr().err
-    assert "as zeroshard train does" in err and "zeroshard plan --model torch.nn:Linear" in err, err
+    assert "as zeroshard train does" in err and "zeroshard plan memory --model torch.nn:Linear" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert main(["tune", "--device-mem", "lots"]) == 1
     assert "cannot read memory size 'lots'" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Sequence
 
+from zeroshard.cli.plan_flags import subcommand_argv, unread_hint
 from zeroshard.trainer.launch import prepare_exit, start_rank_server
 
 COMMANDS = ("train", "verify", "ckpt", "plan", "doctor", "report", "bench", "tune", "config", "generate", "data")
@@ -39,10 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def starts_ranks(argv: Sequence[str]) -> bool:
-    """Whether this command line will start local ranks: training, verifying, tuning, benchmarking
-    and measuring a plan do, unless torchrun already made the world (``start_rank_server`` checks)."""
+    """Whether this command line (its `plan` spelled as a subcommand) will start local ranks:
+    training, verifying, tuning, benchmarking and `plan measure` do, unless torchrun already made
+    the world (``start_rank_server`` checks)."""
     command = argv[0] if argv else ""
-    return command in ("train", "verify", "tune", "bench") or (command == "plan" and "--measure" in argv)
+    return command in ("train", "verify", "tune", "bench") or list(argv[:2]) == ["plan", "measure"]
 
 
 def model_library(argv: Sequence[str]) -> tuple[str, ...]:
@@ -57,12 +59,18 @@ def model_library(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    words = sys.argv[1:] if argv is None else list(argv)
+    words = subcommand_argv(sys.argv[1:] if argv is None else argv)
     if argv is None and starts_ranks(words):
         # The ranks' server imports torch and the runtime on the other core while this process
         # imports its own and parses the flags, instead of after: seconds off every local launch.
         start_rank_server(f"zeroshard.cli.{words[0]}", *model_library(words))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(words)
+    if extra and getattr(args, "plan_mode", None):  # a flag this subcommand's parser does not hold
+        print(f"zeroshard plan {args.plan_mode}: error: {unread_hint(parser, args.plan_mode, extra)}", file=sys.stderr)
+        return 2
+    if extra:
+        parser.parse_args(words)  # argparse's own refusal, with the command's usage
     code = int(args.run(args))
     if argv is None:  # the command line, not a caller in the same process that goes on afterwards
         prepare_exit()

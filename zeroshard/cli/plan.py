@@ -1,19 +1,19 @@
-"""`zeroshard plan`: per-rank memory of DDP and ZeRO-1/2/3 before you choose, so the choice rests
-on arithmetic rather than on "a higher stage is better".
+"""`zeroshard plan memory` (and `plan measure`): per-rank memory of DDP and ZeRO-1/2/3 before you
+choose, so the choice rests on arithmetic rather than on "a higher stage is better".
 
-  zeroshard plan --params 7e9 --world 8                    the ZeRO paper's textbook table
-  zeroshard plan --model small --world 4 --batch 8 --seq 512
-  zeroshard plan --model medium --world 16 --device-mem 24GB --inter-gbps 100 --gpus-per-node 8
-  zeroshard plan --model small --world 2 --batch 2 --seq 128 --measure   predicted vs measured
-  zeroshard plan --model path/to/hf-folder --world 2 --batch 4 --seq 64 --measure   the same for a folder
-  zeroshard plan --model path/to/hf-folder --world 8 --batch 32 --seq 2048    the folder you will train
-  zeroshard plan --model mypkg.nets:Net --model-config '{"width": 1024}' --world 4
-  zeroshard plan --model small --world 8 --pp 4 --pp-schedule 1f1b --microbatches 8 --batch 16   per stage
+  zeroshard plan memory --params 7e9 --world 8                    the ZeRO paper's textbook table
+  zeroshard plan memory --model small --world 4 --batch 8 --seq 512
+  zeroshard plan memory --model llama3-8b --world 8 --mp bf16     the simulator's Llama shape
+  zeroshard plan memory --model medium --world 16 --device-mem 24GB --inter-gbps 100 --gpus-per-node 8
+  zeroshard plan measure --model small --world 2 --batch 2 --seq 128     predicted vs measured
+  zeroshard plan memory --model path/to/hf-folder --world 8 --batch 32 --seq 2048
+  zeroshard plan memory --model mypkg.nets:Net --model-config '{"width": 1024}' --world 4
+  zeroshard plan memory --model small --world 8 --pp 4 --pp-schedule 1f1b --microbatches 8 --batch 16
 
-A model is built on the meta device: planning allocates nothing. --measure builds it on gloo CPU
+A model is built on the meta device: planning allocates nothing. `plan measure` builds it on gloo CPU
 ranks as train does, runs one real step per stage (with the same --checkpointing and --offload),
 prints predicted against measured bytes per component, and times a few plain steps (the figure
-plan --time predicts).
+plan time predicts). `plan` without a subcommand is `plan memory` (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -28,23 +28,16 @@ from rich.table import Table
 
 from zeroshard.trainer.targets import Target, is_module_spec, is_preset
 from zeroshard.cli.train import fail, one_line
-from zeroshard.trainer.config import MODEL_NAMES, field_help, field_type
-from zeroshard.cli.typed_flags import add_knob_flags, add_typed_flag, given_knobs
+from zeroshard.cli.typed_flags import given_knobs
 from zeroshard.cli import plan_pipeline
-from zeroshard.cli.plan_pipeline import add_pp_flags, size_unit
-from zeroshard.tools.planner.comm import Network
+from zeroshard.cli.plan_flags import DEFAULT_COMM_QUANT_BLOCK
+from zeroshard.cli.plan_pipeline import size_unit
+from zeroshard.tools.sim.hardware import DEFAULT_HW, Hardware, load_hardware, with_links
 from zeroshard.tools.planner.spec import PLANNED_KNOBS
-from zeroshard.tools.sim.step import SIMULATED_KNOBS
-
-PLAN_KNOBS = PLANNED_KNOBS + tuple(k for k in SIMULATED_KNOBS if k not in PLANNED_KNOBS)
-"""The engine's knobs `plan` takes: those the memory planner or the step-time simulator models."""
 
 MEASURE_TIMED_STEPS = 3
-"""Plain steps --measure times per stage after the measured one: the median of the slowest rank's is
-the measured step time that `plan --time` predicts."""
-
-DEFAULT_COMM_QUANT_BLOCK = 256
-"""zs.plan's (and TrainConfig's) quantization block when --comm-quant-block is not given."""
+"""Plain steps `plan measure` times per stage after the measured one: the median of the slowest
+rank's is the measured step time that `plan time` predicts."""
 
 
 def plan_table(p) -> Table:
@@ -119,7 +112,7 @@ def measure_table(checks) -> Table:
                                                           fmt(c.measured_total))])
     table.add_row("error: model states", *[x for c in checks for x in ("", f"{c.model_state_error:.1%}")])
     table.add_row("error: total", *[x for c in checks for x in ("", f"{c.total_error:.1%}")])
-    if any(c.step_s is not None for c in checks):  # predicted by plan --time (with --hw from --calibrate here)
+    if any(c.step_s is not None for c in checks):  # predicted by plan time (with --hw from --calibrate here)
         table.add_section()
         table.add_row("step time (ms)", *[x for c in checks for x in (
             "", "-" if c.step_s is None else f"{c.step_s * 1e3:,.1f}")])
@@ -129,8 +122,18 @@ def measure_table(checks) -> Table:
 def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
     from zeroshard.models import GPTConfig
 
+    from zeroshard.tools.sim.workload import SHAPES
+
     if args.params is not None:
         target: Any = args.params
+    elif args.model in SHAPES:  # the simulator's shape, laid out on meta: the workload plan time times
+        if args.vocab_size is not None:
+            raise ValueError(f"--vocab-size needs a model to build; {args.model} is a shape with its own vocabulary: "
+                             "drop --vocab-size")
+        if args.measure:
+            raise ValueError(f"plan measure trains the model on gloo ranks; {args.model} is a shape, planned only: "
+                             "run plan memory, or measure a folder or hf: model")
+        target = args.model
     elif is_preset(args.model):
         # The preset's name reads better in the report; a vocabulary override needs the config itself.
         target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
@@ -151,24 +154,19 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(spec=args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64, config=args.model_config)
 
 
-def _network(args: argparse.Namespace) -> Network:
-    given = {k: getattr(args, k) for k in ("intra_gbps", "inter_gbps", "gpus_per_node") if getattr(args, k) is not None}
-    return Network(**given)
+def _hardware(args: argparse.Namespace) -> Hardware:
+    """--hw with the links and node size given as flags on top: what the recommender prices on."""
+    return with_links(load_hardware(args.hw or DEFAULT_HW), intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
+                      gpus_per_node=args.gpus_per_node)
 
 
 def _topology(args: argparse.Namespace):
-    """--topology as a RunTopology (None when not given), after setting --world and --gpus-per-node
-    from it: the run's hosts decide which collectives cross them."""
-    from zeroshard.tools.planner.topology_source import parse
+    """The run's hosts (``plan_time.run_topology``), after setting --world and --gpus-per-node from
+    them: they decide which collectives cross hosts."""
+    from zeroshard.cli.plan_time import run_topology
 
-    if args.topology is None:
+    if (topology := run_topology(args)) is None:
         return None
-    topology = parse(args.topology)
-    if args.world is None:
-        args.world = topology.world
-    elif args.world != topology.world:
-        raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology ({topology.text}); "
-                         "drop --world or make them agree")
     if args.gpus_per_node is not None and args.gpus_per_node != topology.ranks_per_host:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node} disagrees with the {topology.ranks_per_host} ranks "
                          "per host of --topology; drop --gpus-per-node")
@@ -182,69 +180,25 @@ def _given(args: argparse.Namespace, *dests: str) -> list[str]:
 
 
 def unread_flag(args: argparse.Namespace) -> str | None:
-    """The one-line error for a flag the chosen mode would not read, or None when every flag given is read.
+    """The one-line error for a flag read only together with another one that is missing.
 
-    ``plan`` has three modes over one parser: memory (the default), --time (the step-time simulator)
-    and --calibrate. A flag one of them ignores must not be taken silently: the user would read a
-    result that does not have what they asked for. --calibrate reads its own few flags (see its help).
-    """
+    A flag `plan memory` never reads is refused by argparse (zeroshard/cli/plan_flags.py); these
+    are read only under a condition, and taken silently they would hand back a result without
+    what the user asked for."""
     if args.model_config is not None and not is_module_spec(args.model or ""):
         return ("--model-config gives a module:Class its keyword arguments; pass --model module:Class or drop "
                 "--model-config")
-    if args.hw_out is not None and not args.calibrate:
-        return "--hw-out is where --calibrate writes its hardware TOML; add --calibrate or drop --hw-out"
-    if args.calibrate:
-        return None
     if args.routing_skew is not None and (args.ep or 1) == 1:
         return "--routing-skew sizes the expert-parallel all-to-alls; add --ep N (N > 1) or drop --routing-skew"
-    if not args.time:
-        pp_recommend = plan_pipeline.wants_pipeline(args) and args.device_mem is not None
-        if flags := _given(args, *(() if pp_recommend else ("hw",)), "micro_batch", "sweep", "shard_sizes"):
-            return f"{flags[0]} is read only with --time (the step-time simulator); add --time or drop {flags[0]}"
-        if args.device_mem is None and (flags := _given(args, "intra_gbps", "inter_gbps")):
-            return f"{flags[0]} prices the recommender's candidates; add --device-mem SIZE or drop {flags[0]}"
-        if args.comm_quant_block is not None and args.comm_quant in (None, "none"):
-            return "--comm-quant-block sizes the blocks of --comm-quant; add --comm-quant (e.g. weights) or drop it"
-        return None
-    from zeroshard.tools.sim.workload import SHAPES
-
-    quant = "--time does not simulate quantized communication (the memory planner, without --time, prices it)"
-    why = {"params": "--time simulates a model's shape: pass --model (a zeroshard preset, llama3-8b, llama3-70b, "
-                     "a save_pretrained folder or hf:NAME)",
-           "sequence_parallel": "--time does not model sequence parallelism (the memory planner, without --time, "
-                                "does)",
-           "comm_quant_block": quant,
-           "accounting": "--time plans memory its own way (runtime accounting for zeroshard's GPT, textbook for the "
-                         "Llama shapes)",
-           "intra_gbps": "--time takes its links from --hw (a preset, or a TOML file's intra_bandwidth)",
-           "inter_gbps": "--time takes its links from --hw (a preset, or a TOML file's inter_bandwidth)",
-           "gpus_per_node": "--time takes GPUs per node from --hw (a preset, or a TOML file's gpus_per_node) or "
-                            "from --topology",
-           "measure": "--measure checks the memory planner against one real step; run it without --time"}
-
-    if unsimulated := sorted(given_knobs(args, tuple(k for k in PLAN_KNOBS if k not in SIMULATED_KNOBS))):
-        flag = "--" + unsimulated[0].replace("_", "-")
-        return f"--time does not simulate {flag} (the memory planner, without --time, plans it); drop {flag}"
-    if args.comm_quant not in (None, "none"):  # "none" is what the simulator assumes, so it is read
-        return f"{quant}; drop --comm-quant"
-    for dest, reason in why.items():
-        if getattr(args, dest) not in (None, False):
-            return f"{reason}; drop --{dest.replace('_', '-')}"
-    if str(args.optimizer).lower() != "adamw":
-        return f"--time simulates AdamW's step; drop --optimizer {args.optimizer} (the memory planner sizes any optimizer)"
-    if args.device == "cpu":
-        return ("--time simulates the devices of --hw; for this CPU host pass --hw FILE from --calibrate and drop "
-                "--device cpu")
-    if args.vocab_size is not None and args.model in SHAPES:
-        return f"--vocab-size resizes zeroshard's GPT presets; {args.model} keeps its own vocabulary: drop --vocab-size"
-    for one, other in (("world", "sweep"), ("shard_size", "shard_sizes"), ("batch", "micro_batch")):
-        if getattr(args, one) is not None and getattr(args, other) is not None:
-            flag, flag2 = "--" + one.replace("_", "-"), "--" + other.replace("_", "-")
-            return f"give {flag} or {flag2}, not both ({flag2} wins, so {flag} would be ignored)"
+    if args.device_mem is None and (flags := _given(args, "hw", "intra_gbps", "inter_gbps")):
+        return f"{flags[0]} prices the recommender's candidates; add --device-mem SIZE or drop {flags[0]}"
+    if args.comm_quant_block is not None and args.comm_quant in (None, "none"):
+        return "--comm-quant-block sizes the blocks of --comm-quant; add --comm-quant (e.g. weights) or drop it"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
+    """`plan memory` and `plan measure`."""
     from zeroshard.tools.planner import plan
     from zeroshard.tools.planner.recommend import recommend
 
@@ -252,32 +206,20 @@ def run(args: argparse.Namespace) -> int:
     if unread is not None:
         return fail("plan", unread)
     if plan_pipeline.wants_pipeline(args):
-        return plan_pipeline.run(args)  # per-stage memory and the bubble, or (--time) the schedule's replay
-    if args.time or args.calibrate:  # the step-time simulator (zeroshard.tools.sim) instead of the memory tables
-        from zeroshard.cli.plan_time import print_time
-
-        try:
-            return print_time(args)
-        except ValueError as e:
-            return fail("plan", str(e))
+        return plan_pipeline.run(args)  # per-stage memory and the bubble
     try:
         topology = _topology(args)
     except ValueError as e:
         return fail("plan", str(e))
     if args.world is None:
         return fail("plan", "--world is required: the number of data-parallel ranks (or --topology HOSTSxRANKS)")
-    from zeroshard.tools.sim.workload import SHAPES
-
-    if args.model in SHAPES:
-        return fail("plan", f"--model {args.model} is planned only with --time; for memory use a preset "
-                    f"({', '.join(MODEL_NAMES)}), a save_pretrained folder, hf:NAME or module:Class")
     if (args.params is None) == (args.model is None):
         return fail("plan", "give exactly one of --model NAME or --params COUNT")
     try:
         target, kwargs = _plan_kwargs(args)
-        network = _network(args)
-        p = plan(target, shard_size=args.shard_size, gpus_per_node=network.gpus_per_node, **kwargs)
-        rec = recommend(target, device_mem=args.device_mem, network=network, **kwargs) if args.device_mem else None
+        hw = _hardware(args)
+        p = plan(target, shard_size=args.shard_size, gpus_per_node=hw.gpus_per_node, **kwargs)
+        rec = recommend(target, device_mem=args.device_mem, hw=hw, **kwargs) if args.device_mem else None
         checks = _measure(p, args) if args.measure else None
         chart = None
         if args.plot:
@@ -338,69 +280,12 @@ def _measure(p, args: argparse.Namespace):
 
 
 def add_parser(sub: Any) -> None:
-    from zeroshard.cli.plan_time import add_arguments as add_time_arguments
-    from zeroshard.tools.sim.workload import SHAPES
+    from zeroshard.cli import plan_time
+    from zeroshard.cli.plan_flags import HELP, add_subcommands
 
-    p = sub.add_parser("plan", help="per-rank memory of every stage, a recommendation, and a measured check",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = p.add_argument_group("what to plan (one of)")
-    what.add_argument("--model", metavar="MODEL", help="what to plan, built on the meta device: a GPT preset "
-                      f"({', '.join(MODEL_NAMES)}), a save_pretrained folder, hf:NAME, module:Class (with "
-                      f"--model-config), or with --time {' or '.join(SHAPES)}")
-    what.add_argument("--model-config", metavar="JSON", help="module:Class's keyword arguments: a JSON object, "
-                      "inline or a .json file")
-    what.add_argument("--params", metavar="COUNT", help="a bare parameter count (7e9, 350M): the textbook table")
-    run_ = p.add_argument_group("the run")
-    run_.add_argument("--world", type=int, help="ranks in all: data-parallel x --tp (required unless --time --sweep)")
-    run_.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: consecutive ranks each block is "
-                      "split over (Megatron column/row split of zeroshard's GPT; with --time, of the Llama shapes "
-                      "too; default: 1)")
-    run_.add_argument("--sequence-parallel", action="store_true", help="with --tp: also split the norms' and "
-                      "residual's activations along the sequence")
-    add_typed_flag(run_, "ep", field_type("ep"), f"{field_help('ep')} (default: 1)")  # train's own key
-    run_.add_argument("--routing-skew", type=float, help="with --ep: extra rows the busiest ep rank receives, as a "
-                      "share of its balanced tokens x top_k (0: balanced, the default; 1: twice its share); sizes "
-                      "its all-to-all buffers, activations and traffic")
-    add_pp_flags(run_)  # --pp, --pp-schedule, --microbatches, --pp-stages-per-rank: TrainConfig's fields
-    run_.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="the stage you intend (highlighted; "
-                      "the one measured by --measure); every stage is planned")
-    run_.add_argument("--batch", type=int, help="GLOBAL batch in sequences per step (default: one per rank)")
-    run_.add_argument("--seq", type=int, help="tokens per sequence (default: the model's seq_len)")
-    run_.add_argument("--accum", type=int, default=1, help="gradient-accumulation micro-steps (default: 1)")
-    run_.add_argument("--mp", choices=("fp32", "bf16", "fp16"), help="compute dtype (fp32 master, fp32 reduction); "
-                      "default: the model's own dtype, or bf16 params and grads for --params")
-    run_.add_argument("--optimizer", default="adamw", help="torch.optim name or module:Class (default: adamw); "
-                      "its state size is found by running it")
-    run_.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")
-    run_.add_argument("--shard-size", type=int, help="also plan hybrid variants sharded over groups of this size")
-    # The engine's knobs, from its own table: --offload adds the offload variants (with --time, every
-    # layout is simulated offloaded); --checkpointing also takes op and full for the Llama shapes with --time.
-    engine = p.add_argument_group("the engine's knobs (as zeroshard train takes them)")
-    add_knob_flags(engine, PLAN_KNOBS)
-    run_.add_argument("--comm-quant", help="quantized communication as in train: weights, grads, "
-                      "grads+ef or weights,grads[+ef] (int8 + fp32 block scales on the wire; default: none)")
-    run_.add_argument("--comm-quant-block", type=int, help="elements per quantization block of --comm-quant "
-                      f"(default: {DEFAULT_COMM_QUANT_BLOCK})")
-    run_.add_argument("--headroom", type=float, default=0.10, help="allocator headroom fraction (default: 0.10)")
-    run_.add_argument("--accounting", choices=("runtime", "textbook"),
-                      help="runtime (zeroshard's real buffers; default for --model) or textbook (default for --params)")
-    run_.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                      help="target backend: optimizer scratch and grad-buffer lifetime differ (default: cuda)")
-    net = p.add_argument_group("recommendation")
-    net.add_argument("--device-mem", metavar="SIZE", help="memory per device, e.g. 80GB; turns on the recommender")
-    net.add_argument("--intra-gbps", type=float, help=f"intra-node link, Gb/s (default: {Network.intra_gbps:g}); "
-                     "prices the recommender's candidates, so it needs --device-mem")
-    net.add_argument("--inter-gbps", type=float, help=f"inter-node link, Gb/s (default: {Network.inter_gbps:g}); "
-                     "prices the recommender's candidates, so it needs --device-mem")
-    net.add_argument("--gpus-per-node", type=int, help=f"ranks per node (default: {Network.gpus_per_node}): which "
-                     "collectives cross nodes")
-    net.add_argument("--topology", metavar="SPEC", help="the run's hosts: HOSTSxRANKS (2x4), a run directory (its "
-                     "summary.json or metrics.jsonl header), or a plan --calibrate TOML; sets --world and the ranks "
-                     "per host (--gpus-per-node), and with --time the simulated node size")
-
-    out = p.add_argument_group("output")
-    out.add_argument("--measure", action="store_true", help="run one real step per stage on gloo and compare")
-    out.add_argument("--plot", metavar="OUT.png", help="write a stacked per-component chart (needs matplotlib)")
-    out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    add_time_arguments(p)
-    p.set_defaults(run=run)
+    p = sub.add_parser("plan", help="per-rank memory, step time, a recommendation, and a measured check",
+                       description="\n".join(f"  plan {mode:10s} {text}" for mode, text in HELP.items()) + "\n\n"
+                       "`plan ARGS` is `plan memory ARGS`; `plan --time`, `plan --calibrate [OP]` and `plan --measure` "
+                       "are `plan time`, `plan calibrate [OP]` and `plan measure`.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_subcommands(p, {"memory": run, "measure": run, "time": plan_time.run, "calibrate": plan_time.run_calibrate})

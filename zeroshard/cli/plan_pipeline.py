@@ -56,16 +56,14 @@ def unread_flag(args: argparse.Namespace) -> str | None:
         given = [f for f in PP_FIELDS[1:] + PP_KNOBS if getattr(args, f, None) is not None]
         return (f"--{given[0].replace('_', '-')} describes a pipeline; add --pp N (N >= 2) or drop it"
                 if given else None)
-    if args.calibrate:
-        return "--calibrate times this host's units, not a pipeline; drop --pp"
     if args.time:
         for dest in ("sweep", "shard_sizes", "shard_size", "plot", "topology", "offload", "checkpointing", "ep",
                      "routing_skew"):
             if getattr(args, dest, None) not in (None, False, "none"):
                 flag = "--" + dest.replace("_", "-")
-                return f"--time --pp does not replay {flag} yet; drop {flag}"
+                return f"plan time --pp does not replay {flag} yet; drop {flag}"
         if (args.accum or 1) > 1:
-            return "--time --pp replays one run of the schedule per step; drop --accum (or fold it into --microbatches)"
+            return "plan time --pp replays one run of the schedule per step; drop --accum (or fold it into --microbatches)"
         return None
     for dest, why in _UNPLANNED.items():
         if getattr(args, dest, None) not in (None, False, "none"):
@@ -76,7 +74,7 @@ def unread_flag(args: argparse.Namespace) -> str | None:
                 flag = "--" + dest.replace("_", "-")
                 return f"--pp --device-mem times each candidate on --hw (its links and node size); drop {flag}"
         if args.measure:
-            return "--measure checks one --pp plan; drop --device-mem (the recommender weighs several pp)"
+            return "plan measure checks one --pp plan; drop --device-mem (the recommender weighs several pp)"
         if args.stage is not None:
             return "--pp --device-mem weighs every ZeRO stage inside the stages; drop --stage"
         from zeroshard.cli.typed_flags import given_knobs
@@ -150,8 +148,9 @@ def measure_table(checks) -> Table:
 
 
 def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
-    """(workload, hardware, ZeRO stage -> the pipeline replay): `plan --time --pp`."""
-    from zeroshard.cli.plan_time import DEFAULT_HW, _workload
+    """(workload, hardware, ZeRO stage -> the pipeline replay): `plan time --pp`."""
+    from zeroshard.cli.plan_time import _workload
+    from zeroshard.tools.sim.hardware import DEFAULT_HW
     from zeroshard.tools.sim.hardware import load_hardware
     from zeroshard.tools.sim.pipeline import simulate_pipeline
     from zeroshard.tools.sim.step import Layout
@@ -203,11 +202,11 @@ def time_table(w, hw, results: dict[int, Any], args: argparse.Namespace) -> Tabl
 
 
 def run_time(args: argparse.Namespace) -> int:
-    """`plan --time --pp`: the pipeline replay (zeroshard/tools/sim/pipeline.py) for each ZeRO stage."""
+    """`plan time --pp`: the pipeline replay (zeroshard/tools/sim/pipeline.py) for each ZeRO stage."""
     from zeroshard.cli.train import fail
 
     if args.world is None:
-        return fail("plan", "--time --pp needs --world: every rank of the run (pp x data-parallel x tp)")
+        return fail("plan", "plan time --pp needs --world: every rank of the run (pp x data-parallel x tp)")
     try:
         w, hw, results = simulated(args)
     except ValueError as e:
@@ -226,7 +225,7 @@ def recommended(args: argparse.Namespace):
     """`plan --pp N --device-mem SIZE`: no pipeline against every pp up to N (planner/recommend_pipeline.py)."""
     from zeroshard.models import GPTConfig
     from zeroshard.tools.planner.recommend_pipeline import recommend_pipeline
-    from zeroshard.cli.plan_time import DEFAULT_HW
+    from zeroshard.tools.sim.hardware import DEFAULT_HW
     from zeroshard.tools.sim.hardware import load_hardware
 
     if (args.tp or 1) > 1 or (args.accum or 1) > 1:
@@ -274,11 +273,10 @@ def run_recommend(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`plan --pp`, after `plan`'s own check of the flags given (zeroshard/cli/plan.py)."""
+    """`plan memory --pp` and `plan measure --pp`, after `plan`'s own check of the flags given
+    (zeroshard/cli/plan.py); `plan time --pp` is ``run_time``."""
     from zeroshard.cli.train import fail, one_line
 
-    if args.time:
-        return run_time(args)
     if args.world is None:
         return fail("plan", "--world is required: every rank of the run (pp x data-parallel x tp)")
     if args.device_mem is not None:

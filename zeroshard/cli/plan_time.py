@@ -1,4 +1,4 @@
-"""``zeroshard plan --time``: predicted step time, throughput, MFU and memory per layout, or a sweep."""
+"""``zeroshard plan time`` (and ``plan calibrate``): predicted step time, throughput, MFU and memory per layout, or a sweep."""
 
 from __future__ import annotations
 
@@ -8,26 +8,45 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zeroshard.tools.sim.hardware import PRESETS, load_hardware
+from zeroshard.tools.sim.hardware import DEFAULT_HW, load_hardware
 from zeroshard.tools.sim.workload import SHAPES, TORCHTITAN_POLICIES, Workload, gpt_shape
 
 DEFAULT_SEQ = 8192
-DEFAULT_HW = "h100"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("step time (--time)")
-    g.add_argument("--time", action="store_true", help="simulate one step: time, tokens/s/GPU, MFU, exposed comm")
-    g.add_argument("--hw", help=f"hardware preset ({', '.join(PRESETS)}) or a .toml file (default: {DEFAULT_HW})")
-    g.add_argument("--micro-batch", type=int, help="sequences per rank per step (default: --batch / world, or 1)")
-    g.add_argument("--sweep", metavar="N,N,...", help="world sizes to sweep instead of --world")
-    g.add_argument("--shard-sizes", metavar="S,S,...", help="hybrid shard-group sizes to include (with --time)")
-    g.add_argument("--calibrate", nargs="?", const="all", choices=("all", "all_gather", "reduce_scatter", "all_reduce"),
-                   help="alone: fit every collective the step uses and time --model's units on gloo ranks here "
-                        "(at --world, or each of --sweep; default 2,4) and write a hardware TOML for --hw; "
-                        "with a collective's name: fit only that one at --world and print it")
-    g.add_argument("--hw-out", metavar="FILE.toml", default=None,
-                   help="with --calibrate: where the hardware TOML goes (default: ~/.cache/zeroshard/local.toml)")
+def run(args: argparse.Namespace) -> int:
+    """`plan time`: the step replay per layout, or (with --pp) the pipeline schedule's replay."""
+    from zeroshard.cli import plan_pipeline
+    from zeroshard.cli.train import fail
+
+    unread = plan_pipeline.unread_flag(args)
+    if args.routing_skew is not None and (args.ep or 1) == 1:
+        unread = "--routing-skew sizes the expert-parallel all-to-alls; add --ep N (N > 1) or drop --routing-skew"
+    if args.vocab_size is not None and args.model in SHAPES:
+        unread = f"--vocab-size resizes zeroshard's GPT presets; {args.model} keeps its own vocabulary: drop --vocab-size"
+    if unread is not None:
+        return fail("plan", unread)
+    if plan_pipeline.wants_pipeline(args):
+        return plan_pipeline.run_time(args)
+    try:
+        return print_time(args)
+    except ValueError as e:
+        return fail("plan", str(e))
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """`plan calibrate [COLLECTIVE]`."""
+    from zeroshard.cli.train import fail
+
+    whole = ("model", "sweep", "seq", "micro_batch", "vocab_size", "hw_out")
+    if args.calibrate != "all" and (flags := [f for f in whole if getattr(args, f) is not None]):
+        flag = "--" + flags[0].replace("_", "-")
+        return fail("plan", f"{flag} is read by a whole calibration; plan calibrate {args.calibrate} fits one "
+                            f"collective at --world: drop {flag}")
+    try:
+        return print_calibration(args)
+    except ValueError as e:
+        return fail("plan", str(e))
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -46,7 +65,7 @@ def _workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
 
     headroom = _headroom(args)
     if args.model is None:
-        raise ValueError("--time needs --model (a zeroshard preset, " + ", ".join(SHAPES) + ", a save_pretrained "
+        raise ValueError("plan time needs --model (a zeroshard preset, " + ", ".join(SHAPES) + ", a save_pretrained "
                          "folder or hf:NAME)")
     accum = getattr(args, "accum", 1) or 1  # plan's --accum: micro-steps per optimizer step
     checkpointing = _knobs(args)["checkpointing"]
@@ -138,11 +157,6 @@ def run_time(args: argparse.Namespace) -> list:
     topology = run_topology(args)
     if topology is not None:  # the run's hosts, not the preset's node size, decide what crosses hosts
         hw = dataclasses.replace(hw, gpus_per_node=topology.ranks_per_host)
-        if args.world is None and not args.sweep:
-            args.world = topology.world
-        elif args.world is not None and args.world != topology.world and getattr(args, "topology", None):
-            raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology "
-                             f"({topology.text}); drop --world or make them agree")
     if getattr(args, "device_mem", None):  # the device you mean to run on: fits are judged against it
         from zeroshard.tools.planner.spec import parse_bytes
 
@@ -150,7 +164,7 @@ def run_time(args: argparse.Namespace) -> list:
                                  hbm_bytes=float(parse_bytes(args.device_mem)))
     worlds = _ints(args.sweep, "--sweep") if args.sweep else (args.world,)
     if worlds == (None,):
-        raise ValueError("give --world N, or --sweep N,N,... with --time")
+        raise ValueError("give --world N, or --sweep N,N,... with plan time")
     shard_sizes = _ints(args.shard_sizes, "--shard-sizes") if args.shard_sizes else (
         (args.shard_size,) if args.shard_size else ())
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
@@ -171,7 +185,7 @@ DEFAULT_HW_OUT = Path("~/.cache/zeroshard/local.toml")
 
 
 def calibrate_to_toml(args: argparse.Namespace) -> int:
-    """``plan --calibrate``: every collective and --model's units at each world size, stored as TOML."""
+    """``plan calibrate``: every collective and --model's units at each world size, stored as TOML."""
     from zeroshard.trainer.config import TrainConfig
     from zeroshard.models import GPTConfig
     from zeroshard.tools.sim.calibrate import calibrate_hardware
@@ -187,9 +201,9 @@ def calibrate_to_toml(args: argparse.Namespace) -> int:
     out = Path(args.hw_out).expanduser() if args.hw_out else DEFAULT_HW_OUT.expanduser()
     hw, raw = calibrate_hardware(worlds, model, vocab, args.micro_batch or 1, seq, name=out.stem)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(to_toml(hw, f"zeroshard plan --calibrate: {model}, vocab {vocab}, micro-batch "
+    out.write_text(to_toml(hw, f"zeroshard plan calibrate: {model}, vocab {vocab}, micro-batch "
                                f"{args.micro_batch or 1} x seq {seq}, worlds {', '.join(map(str, worlds))}\n"
-                               "measured on this host with gloo; use it with zeroshard plan --time --hw FILE")
+                               "measured on this host with gloo; use it with zeroshard plan time --hw FILE")
                    + calibrated_topology(max(worlds)))
     if args.json:
         print(json.dumps({"hardware": str(out), "points": raw}, indent=1))
@@ -223,12 +237,12 @@ per-unit times scale with tokens in the replay (``_measured_durations``)."""
 
 def _calibrated_hf(args: argparse.Namespace, model: str) -> tuple[int, int]:
     """(vocab, seq) to time a folder's or hf: model's units at: the vocabulary its config gives,
-    which is what ``plan --time`` matches the timings by."""
+    which is what ``plan time`` matches the timings by."""
     from zeroshard.trainer import adapter
     from zeroshard.trainer.targets import build_target, is_module_spec
 
     if is_module_spec(model):
-        raise ValueError(f"--calibrate times a transformer's units for plan --time, which reads their shape from a "
+        raise ValueError(f"plan calibrate times a transformer's units for plan time, which reads their shape from a "
                          f"Hugging Face config; {model} has none: give a preset, a save_pretrained folder or hf:NAME")
     built = build_target(model, vocab_size=getattr(args, "vocab_size", None), seq_len=args.seq or CALIBRATE_SEQ)
     positions = adapter.max_positions(built)
@@ -250,18 +264,27 @@ def calibrated_topology(world: int) -> str:
 
     mine = local_facts(0, torch.device("cpu"))
     topology = Topology(tuple(dataclasses.replace(mine, rank=r, local_rank=r) for r in range(world)))
-    return to_toml_table(topology.describe({Dim.SHARD: world}), f"zeroshard plan --calibrate on {world} gloo ranks")
+    return to_toml_table(topology.describe({Dim.SHARD: world}), f"zeroshard plan calibrate on {world} gloo ranks")
 
 
 def run_topology(args: argparse.Namespace):
-    """--topology's, else the [topology] a --hw TOML recorded, else None (the --hw preset's nodes)."""
+    """--topology's, else the [topology] a --hw TOML recorded, else None (the --hw preset's nodes);
+    --world, when not given, is its ranks."""
     from zeroshard.tools.planner.topology_source import from_toml, parse
 
+    topology = None
     if getattr(args, "topology", None):
-        return parse(args.topology)
-    if args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
-        return from_toml(Path(args.hw))
-    return None
+        topology = parse(args.topology)
+    elif args.hw and args.hw.endswith(".toml") and Path(args.hw).is_file():
+        topology = from_toml(Path(args.hw))  # None when the file recorded no [topology]
+    if topology is None:
+        return None
+    if args.world is None and not getattr(args, "sweep", None):
+        args.world = topology.world
+    elif args.world is not None and args.world != topology.world and args.topology:
+        raise ValueError(f"--world {args.world} is not the {topology.world} ranks of --topology ({topology.text}); "
+                         "drop --world or make them agree")
+    return topology
 
 
 def print_calibration(args: argparse.Namespace) -> int:
@@ -270,7 +293,7 @@ def print_calibration(args: argparse.Namespace) -> int:
     if args.calibrate == "all":
         return calibrate_to_toml(args)
     if not args.world or args.world < 2:
-        raise ValueError("--calibrate needs --world N with N >= 2 local gloo ranks")
+        raise ValueError(f"plan calibrate {args.calibrate} needs --world N with N >= 2 local gloo ranks")
     result = calibrate(args.world, args.calibrate)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -279,7 +302,7 @@ def print_calibration(args: argparse.Namespace) -> int:
         print(f"{args.calibrate} {nbytes / 1e6:10.3f} MB on {args.world} ranks: {seconds * 1e6:10.1f} us")
     print(f"fit: alpha {result['alpha_s'] * 1e6:.1f} us per ring step, bus bandwidth "
           f"{result['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s")
-    print(f"as --hw TOML: base = \"{args.hw or DEFAULT_HW}\"\nintra_latency = {result['alpha_s']:.3g}\n"
+    print(f"as --hw TOML: base = \"{DEFAULT_HW}\"\nintra_latency = {result['alpha_s']:.3g}\n"
           f"intra_bandwidth = {result['bandwidth_bytes_per_s']:.3g}")
     return 0
 
@@ -289,8 +312,6 @@ def print_time(args: argparse.Namespace) -> int:
 
     from zeroshard.tools.sim.report import sweep_plot, time_table
 
-    if args.calibrate:
-        return print_calibration(args)
     w, hw, rows, topology = run_time(args)
     chart = sweep_plot(rows, args.plot, w, hw) if args.plot else None
     if args.json:

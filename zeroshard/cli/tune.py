@@ -77,8 +77,8 @@ def _base_config(args: argparse.Namespace):
         # Not planning alone: tune trains each candidate with train's own step and writes a train config.
         raise ValueError(f"tune ranks candidates by training them as zeroshard train does, and train builds presets, "
                          f"hf:NAME and save_pretrained folders, not module:Class ({args.model}); plan it with "
-                         f"zeroshard plan --model {args.model} --model-config JSON --world N --device-mem SIZE (and "
-                         "--measure for one real step per stage), or tune its save_pretrained folder")
+                         f"zeroshard plan memory --model {args.model} --model-config JSON --world N --device-mem SIZE (and "
+                         "plan measure for one real step per stage), or tune its save_pretrained folder")
     base = config_from_args(args)
     if base.engine.offload.kind != "none" or base.shard_size is not None:
         raise ValueError("tune does not search offload or hybrid sharding yet; remove offload/shard_size from "

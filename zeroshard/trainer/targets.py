@@ -1,4 +1,4 @@
-"""What `--model` names for `plan`, `plan --time`, `plan --measure` and `tune`: the model a run will
+"""What `--model` names for `plan`, `plan time`, `plan measure` and `tune`: the model a run will
 train, on meta. `tune` takes all but module:Class: it trains its candidates as `zeroshard train`
 does, and train builds no module:Class.
 
@@ -29,7 +29,7 @@ from zeroshard.models.names import HF_PREFIX, MODEL_NAMES
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Target:
     """A --model that is not a preset, with what it was built with: plain data, so a spawned rank
-    (``plan --measure``) builds the very model the parent planned."""
+    (``plan measure``) builds the very model the parent planned."""
 
     spec: str
     vocab_size: int | None = None

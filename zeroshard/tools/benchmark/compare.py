@@ -12,7 +12,6 @@ import dataclasses
 import functools
 from typing import Any
 import statistics
-import time
 
 import torch
 
@@ -20,8 +19,8 @@ from zeroshard.comm import get_ledger as ledger
 from zeroshard.comm.world import init
 from zeroshard.runtime import CommQuant
 from zeroshard.tools.benchmark import candidates as c
-from zeroshard.comm import collectives
 from zeroshard.models import GPTConfig
+from zeroshard.tools.harness import timed
 from zeroshard.runtime.precision import parse_dtype
 
 
@@ -82,18 +81,6 @@ def _peak_live_bytes(candidate, x, y, device) -> int:
     return int(next(v for k, v in snapshot.items() if str(k) == "Total"))
 
 
-def _timed(candidate, x, y, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        collectives.barrier(phase="bench")
-        start = time.perf_counter()
-        candidate.step(x, y)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()  # the step is queued, not done, when step() returns
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def rank_main(spec: BenchSpec) -> dict:
     mesh = init()
     torch.set_num_threads(1)
@@ -113,7 +100,8 @@ def rank_main(spec: BenchSpec) -> dict:
         rows[cand.name] = {"times": [], "peak_bytes": peak, "comm_bytes": comm}
     for _ in range(spec.rounds):
         for cand in built:
-            rows[cand.name]["times"] += _timed(cand, x, y, spec.steps_per_round)
+            rows[cand.name]["times"] += timed(functools.partial(cand.step, x, y), spec.steps_per_round, phase="bench",
+                                              device=x.device)
     tokens = spec.batch * spec.seq * mesh.world
     out = {}
     for name, row in rows.items():

@@ -46,13 +46,24 @@ def plan_dims(world: int, *, pp: int = 1, tp: int = 1, shard_size: int | None = 
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"pp must be a positive int, got {pp!r}")
     return ParallelDims.of(world * pp, pp=pp, tp=tp, shard=shard_size, ep=ep)
+def _shape(model_or_config: Any) -> Any:
+    """The simulator's ``Shape`` when ``model_or_config`` is one or names one (llama3-8b), else None:
+    the one description of a transformer the planner and the simulator both read."""
+    from zeroshard.tools.sim.workload import SHAPES, Shape
+
+    if isinstance(model_or_config, Shape):
+        return model_or_config
+    return SHAPES.get(model_or_config) if isinstance(model_or_config, str) else None
 
 
 def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, str, Any, int]:
-    """(model, name, GPTConfig or None, seq). Configs and names are built on the meta device."""
+    """(model, name, GPTConfig or None, seq). Configs, shapes and names are built on the meta device."""
     from zeroshard.models import GPT, GPTConfig
+    from zeroshard.tools.sim.workload import DEFAULT_SEQ, meta_module
 
     cfg: GPTConfig | None
+    if (shape := _shape(model_or_config)) is not None:
+        return meta_module(shape), shape.name, None, seq or DEFAULT_SEQ
     if isinstance(model_or_config, str):
         cfg = GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
         return meta_gpt(cfg), model_or_config, cfg, cfg.seq_len
@@ -84,6 +95,16 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
                                 rebuilt_layers=sum(b - a for a, b in activations.segments),
                                 segments=len(activations.segments))
     return activations, tp_comm
+
+
+def _shape_activations(shape: Any, inventory: Inventory, spec: PlanSpec) -> ActivationEstimate:
+    """A Llama shape's activations per rank, as the simulator counts them for the same workload."""
+    from zeroshard.tools.sim.workload import Workload, activation_estimate
+
+    c = torch.empty(0, dtype=spec.mp.compute_dtype(next(iter(inventory.dtypes)))).element_size()
+    w = Workload(shape=shape, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
+                 checkpointing=spec.engine.checkpointing, accum=spec.accum)
+    return activation_estimate(w, tp=spec.tp)
 
 
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
@@ -169,6 +190,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
     if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory
         activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
+    elif activations is None and (shape := _shape(model_or_config)) is not None and inventory is not None:
+        activations = _shape_activations(shape, inventory, spec)
     elif activations is None and analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
                      "workspace is the optimizer's scratch")

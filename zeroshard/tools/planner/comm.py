@@ -13,8 +13,9 @@ all-reduces the grads; stages 1-2 reduce-scatter them and all-gather the params;
 all-gathers in forward and again in backward, and reduce-scatters).
 
 Per-rank wire bytes use the ring cost: (n-1)/n of the buffer for a reduce-scatter or all-gather,
-twice that for an all-reduce. A collective is as slow as its slowest link, so a group that spans
-nodes runs at the inter-node bandwidth.
+twice that for an all-reduce. What the rows take in seconds is the simulator's model of the links
+(``zeroshard.tools.sim.network.rows_seconds``): a group that spans nodes runs at the inter-node
+bandwidth and latency.
 """
 
 from __future__ import annotations
@@ -64,28 +65,6 @@ class Collective:
             return 0
         factor = 2 if self.op == "all_reduce" else 1
         return int(factor * (self.size - 1) / self.size * self.buffer_bytes * self.count)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Network:
-    """Link speeds in gigabits per second (what NICs and NVLink specs quote divided by 8 is GB/s)."""
-
-    intra_gbps: float = 1600.0
-    inter_gbps: float = 200.0
-    gpus_per_node: int = 8
-
-    def __post_init__(self) -> None:
-        if not (self.intra_gbps > 0 and self.inter_gbps > 0):
-            raise ValueError(f"bandwidths must be positive Gb/s, got intra={self.intra_gbps} inter={self.inter_gbps}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be a positive int, got {self.gpus_per_node!r}")
-
-    def seconds(self, collectives: tuple[Collective, ...]) -> float:
-        total = 0.0
-        for c in collectives:
-            gbps = self.inter_gbps if c.spans_nodes else self.intra_gbps
-            total += c.wire_bytes / (gbps * 1e9 / 8)
-        return total
 
 
 def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: ParallelDims, options: EngineOptions,

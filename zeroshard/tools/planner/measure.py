@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zeroshard.tools.harness import slowest_median, timed
 from zeroshard.tools.planner.result import COMPONENTS, MODEL_STATES, Components, Plan
 from zeroshard.tools.planner.spec import STAGE_NAMES
 from zeroshard.runtime.events import EventKind
@@ -303,7 +304,9 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
     sampler.close()
     for handle in expert_hooks:
         handle.remove()
-    times = _timed_steps(lambda: one_step(model, opt, x, y, accum=req["accum"]), req["timed_steps"], mesh.device)
+    # Plain steps (no tracker, no hooks); the parent takes the slowest rank's per step.
+    times = timed(lambda: one_step(model, opt, x, y, accum=req["accum"]), req["timed_steps"], phase="measure",
+                  device=mesh.device)
     host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
         **{k: states[k] for k in MODEL_STATES}, "host": host if offloaded else {}, "activations": saved.get("peak", 0),
@@ -312,24 +315,6 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
         "step_times": times, "expert_held_in_forward": experts["peak"],
     }
     return out
-
-
-def _timed_steps(step, steps: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``steps`` plain steps (no tracker, no hooks), each started after a barrier
-    so every rank's clock starts together; the parent takes the slowest rank's per step."""
-    import time
-
-    from zeroshard.comm import collectives
-
-    times = []
-    for _ in range(steps):
-        collectives.barrier(phase="measure")
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def model_state_bytes(model, opt) -> dict[str, int]:
@@ -403,7 +388,7 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
     after the measured one (``ComponentCheck.step_s``)."""
     spec = plan.spec
     if plan.model is None:
-        raise ValueError("--measure runs a real step of a model: pass --model (a preset, a save_pretrained folder, "
+        raise ValueError("plan measure runs a real step of a model: pass --model (a preset, a save_pretrained folder, "
                          "hf:NAME or module:Class), not --params")
     if plan.model.gpt is None:
         if target is None:
@@ -411,11 +396,11 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
                              "pass target=zeroshard.trainer.targets.Target(spec=...) (the CLI's --model)")
         _check_steppable(target, spec.seq)
     if spec.sequence_parallel:
-        raise ValueError("--measure runs tp without sequence parallelism; drop --sequence-parallel to measure")
+        raise ValueError("plan measure runs tp without sequence parallelism; drop --sequence-parallel to measure")
     if spec.offload != "none" and spec.hybrid:
-        raise ValueError("--measure checks offload over the whole world; drop --shard-size or --offload")
+        raise ValueError("plan measure checks offload over the whole world; drop --shard-size or --offload")
     if spec.offload == "disk":
-        raise ValueError("--measure runs offload 'cpu' (or none): disk offload keeps its bytes in memory-mapped "
+        raise ValueError("plan measure runs offload 'cpu' (or none): disk offload keeps its bytes in memory-mapped "
                          "files, which storage accounting cannot tell from memory")
     if spec.accounting != "runtime":
         raise ValueError("measurement checks the runtime accounting; plan with accounting='runtime'")
@@ -437,9 +422,9 @@ def _check_steppable(target: Target, seq: int) -> None:
     from zeroshard.trainer import adapter
     model = target.build()  # on meta: nothing is allocated
     if adapter.token_vocab(model) is None:
-        raise ValueError(f"--measure trains {target.spec} one step on token ids, and it embeds none (no nn.Embedding): "
+        raise ValueError(f"plan measure trains {target.spec} one step on token ids, and it embeds none (no nn.Embedding): "
                          "measure a causal LM (forward(ids) -> logits, or loss_sum(ids, targets)), or plan it "
-                         "without --measure")
+                         "without plan measure")
     positions = adapter.max_positions(model)
     if positions is not None and seq > positions:
         raise ValueError(f"--seq {seq} is longer than the {positions} positions of {target.spec}; pass --seq {positions} "
@@ -476,16 +461,5 @@ def checks(plan: Plan, per_rank: list[dict]) -> list[ComponentCheck]:
                                   predicted_peak=layout.combined_peak if both else layout.device.allocated,
                                   predicted_host=layout.host_bytes, measured_host=host,
                                   predicted_kept=plan.activations.saved if plan.activations else None,
-                                  step_s=_slowest_median([r[stage]["step_times"] for r in per_rank])))
+                                  step_s=slowest_median([r[stage]["step_times"] for r in per_rank])))
     return out
-
-
-def _slowest_median(per_rank: list[list[float]]) -> float | None:
-    """The median over timed steps of the slowest rank's time (a step lasts as long as its slowest
-    rank); None when no step was timed."""
-    import statistics
-
-    from zeroshard.trainer.step import slowest_per_step
-
-    steps = slowest_per_step(per_rank)
-    return statistics.median(steps) if steps else None

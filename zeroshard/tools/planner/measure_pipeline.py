@@ -143,7 +143,7 @@ def measure(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, timeout_
     from zeroshard.parallel.pipeline.schedules import schedule_spec
 
     if schedule_spec(pplan.shape.schedule).split_backward:
-        raise ValueError(f"--measure reads each rank's peak with torch's MemTracker, whose module hooks fail inside "
+        raise ValueError(f"plan measure reads each rank's peak with torch's MemTracker, whose module hooks fail inside "
                          f"the torch.autograd.grad calls of {pplan.shape.schedule}'s split backward; plan it without "
                          "--measure, or measure interleaved-1f1b (the same stages, each backward whole)")
 

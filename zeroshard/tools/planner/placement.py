@@ -17,7 +17,6 @@ from typing import Any, Mapping
 from zeroshard.comm.names import Dim
 from zeroshard.comm.topology import Topology
 from zeroshard.tools.planner.api import plan
-from zeroshard.tools.planner.comm import Network
 from zeroshard.tools.planner.result import Plan
 from zeroshard.tools.planner.spec import STAGE_NAMES
 
@@ -93,19 +92,22 @@ def plan_command(model: Any, train: Mapping[str, Any], *, world: int, shard_size
             f"--shard-size {shard_size}", f"--device {device}"]
     optional = {"tp": 1, "accum": 1, "checkpointing": "none", "prefetch": 1, "bucket_mb": 25.0}
     args += [f"--{k.replace('_', '-')} {train[k]}" for k, default in optional.items() if train.get(k, default) != default]
-    return "zeroshard plan " + " ".join(args)
+    return "zeroshard plan memory " + " ".join(args)
 
 
 def cross_host_tp_cost(model: Any, train: Mapping[str, Any], *, world: int, ranks_per_host: int,
-                       network: Network | None = None) -> str:
-    """"tp's all-reduces move X MB per rank per step: ~A ms across hosts against ~B ms inside one", at
-    ``zeroshard plan``'s default links (or ``network``'s)."""
-    net = network or Network()
+                       hw: Any = None) -> str:
+    """"tp's all-reduces move X MB per rank per step: ~A ms across hosts against ~B ms inside one", on
+    ``zeroshard plan``'s default hardware (or ``hw``), priced by the simulator's link model."""
+    from zeroshard.tools.sim.hardware import DEFAULT_HW, PRESETS
+    from zeroshard.tools.sim.network import rows_seconds
+
+    hw = hw or PRESETS[DEFAULT_HW]
     p = plan_run(model, train, world=world, shard_size=None, gpus_per_node=ranks_per_host, device="cuda")
     rows = tuple(c for c in p[STAGE_NAMES[train["stage"]]].collectives if c.group == "tp")
     inside = tuple(dataclasses.replace(c, spans_nodes=False) for c in rows)
     across = tuple(dataclasses.replace(c, spans_nodes=True) for c in rows)
     moved = sum(c.wire_bytes for c in rows)
     return (f"modelled cost: tp's collectives move {moved / 1e6:,.1f} MB per rank per step, "
-            f"~{net.seconds(across) * 1e3:,.2f} ms on the host network ({net.inter_gbps:g} Gb/s) against "
-            f"~{net.seconds(inside) * 1e3:,.2f} ms inside a host ({net.intra_gbps:g} Gb/s)")
+            f"~{rows_seconds(across, hw) * 1e3:,.2f} ms on the host network ({hw.inter_bandwidth * 8 / 1e9:g} Gb/s) "
+            f"against ~{rows_seconds(inside, hw) * 1e3:,.2f} ms inside a host ({hw.intra_bandwidth * 8 / 1e9:g} Gb/s)")

@@ -1,7 +1,8 @@
 """Pick the cheapest layout that fits, and say why: a higher stage is not a better one, since each
 stage buys memory with more communication.
 
-Cost is communication time per step on the given network (``comm.Network``); ties go to the lower
+Cost is communication time per step on the given hardware, priced by the simulator's link model
+(``zeroshard.tools.sim.network.rows_seconds``, the h100 preset by default); ties go to the lower
 stage, because a stage that buys memory you do not need only adds moving parts. The order of
 resort when nothing fits cheaply:
 
@@ -28,9 +29,11 @@ import dataclasses
 from typing import Any
 
 from zeroshard.tools.planner.api import plan as make_plan
-from zeroshard.tools.planner.comm import Network
 from zeroshard.tools.planner.result import COMPONENTS, LayoutPlan, Plan
 from zeroshard.tools.planner.spec import parse_bytes
+from zeroshard.tools.search import first_fit, ranked
+from zeroshard.tools.sim.hardware import DEFAULT_HW, PRESETS, Hardware
+from zeroshard.tools.sim.network import rows_seconds
 
 PRETTY = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 
@@ -93,28 +96,27 @@ def _dominant(layout: LayoutPlan) -> str:
     return "model states" if states >= values[best] else best
 
 
-def _candidates(p: Plan, net: Network, device_mem: int, names: list[str]) -> list[Candidate]:
+def _candidates(p: Plan, hw: Hardware, device_mem: int, names: list[str]) -> list[Candidate]:
     out = []
     for name in names:
         layout = p[name]
         out.append(Candidate(layout=name, checkpointing=layout.checkpointing, offload=layout.offload,
                              total_bytes=layout.device.total, fits=layout.device.total <= device_mem,
-                             comm_seconds=net.seconds(layout.collectives), dominant=_dominant(layout), ep=p.spec.ep))
+                             comm_seconds=rows_seconds(layout.collectives, hw), dominant=_dominant(layout), ep=p.spec.ep))
     return _ranked(out, p)
 
 
 def _ranked(cands: list[Candidate], p: Plan) -> list[Candidate]:
-    """By communication time; within 1% of each other counts as a tie, and a tie goes to the lower
-    stage, then to fewer moving parts (no ep), then the plain layout."""
-    floor = min((c.comm_seconds for c in cands if c.comm_seconds > 0), default=1.0)
-    return sorted(cands, key=lambda c: (round(c.comm_seconds / floor, 2), p[c.layout].stage, c.ep, c.layout))
+    """By communication time (within 1%: a tie), then the lower stage, then fewer moving parts (no
+    ep), then the plain layout."""
+    return ranked(cands, lambda c: c.comm_seconds, lambda c: p[c.layout].stage, lambda c: c.ep, lambda c: c.layout)
 
 
 def label(c: Candidate) -> str:
     return pretty(c.layout) + (f" with ep {c.ep}" if c.ep > 1 else "")
 
 
-def _expert_options(model_or_config: Any, kwargs: dict, net: Network) -> tuple[int, ...]:
+def _expert_options(model_or_config: Any, kwargs: dict, hw: Hardware) -> tuple[int, ...]:
     """The ep degrees to weigh for an MoE model: the one asked for, or every one that divides the
     data-parallel ranks and each layer's experts and keeps an ep group inside a node."""
     if kwargs.get("tp", 1) > 1:
@@ -131,7 +133,7 @@ def _expert_options(model_or_config: Any, kwargs: dict, net: Network) -> tuple[i
         return ()
     out = []
     for ep in (2, 4, 8, 16, 32, 64):
-        if ep > min(dp, net.gpus_per_node) or dp % ep:
+        if ep > min(dp, hw.gpus_per_node) or dp % ep:
             continue
         try:
             expert_split(model, ep)
@@ -169,111 +171,139 @@ def _comm_note(chosen: Candidate, cands: list[Candidate]) -> str:
     return f"; {pretty(other.layout)} would add {extra:.0%} more communication" if extra > 0.005 else ""
 
 
-def recommend(model_or_config: Any, *, device_mem: int | str, network: Network | None = None,
+class _Search:
+    """What every resort of ``recommend`` reads: the run, the device, and the candidates so far."""
+
+    def __init__(self, target: Any, mem: int, hw: Hardware, kwargs: dict, ckpt: str, hybrid: int | None) -> None:
+        self.target, self.mem, self.hw, self.kwargs, self.ckpt, self.hybrid = target, mem, hw, kwargs, ckpt, hybrid
+        self.base = self.plan_with()
+        self.names = [n for n in self.base.layouts if not n.endswith("_offload")]
+        self.cands = _candidates(self.base, hw, mem, self.names)
+        # An MoE model's layouts at the other ep degrees, and the offloaded ones, once tried.
+        self.other_cands: list[Candidate] = []
+        self.offloaded: list[Candidate] = []
+        self.expert_rows: tuple[Candidate, ...] = ()
+
+    def plan_with(self, **extra: Any) -> Plan:
+        return make_plan(self.target, gpus_per_node=self.hw.gpus_per_node, shard_size=self.hybrid,
+                         checkpointing=extra.pop("checkpointing", self.ckpt), **dict(self.kwargs, **extra))
+
+    @property
+    def plain(self) -> Candidate | None:
+        return first_fit(self.cands, lambda c: c.fits)
+
+    def answer(self, c: Candidate, reason: str, plan: Plan, **extra: Any) -> Recommendation:
+        return Recommendation(layout=c.layout, checkpointing=extra.pop("checkpointing", str(plan.spec.checkpointing)),
+                              offload=c.offload, fits=True, reason=reason, device_mem=self.mem,
+                              candidates=extra.pop("candidates", tuple(self.cands)), plan=plan, **extra)
+
+    @property
+    def head(self) -> str:
+        smallest = min([*self.cands, *self.other_cands], key=lambda c: c.total_bytes)
+        return (f"nothing fits in {gb(self.mem)} on the device: the smallest, {label(smallest)}, needs "
+                f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
+
+
+def recommend(model_or_config: Any, *, device_mem: int | str, hw: Hardware | None = None,
               **plan_kwargs: Any) -> Recommendation:
-    """The cheapest layout of ``model_or_config`` that fits ``device_mem`` per rank, with the reason.
+    """The cheapest layout of ``model_or_config`` that fits ``device_mem`` per rank, with the reason:
+    the first resort that finds one (the module docstring's order) answers.
 
     ``plan_kwargs`` are ``zs.plan``'s (world, batch, seq, mp, optimizer, ...). With a world larger than
-    ``network.gpus_per_node``, hybrid layouts (shard inside a node, replicate across) are candidates.
+    ``hw.gpus_per_node``, hybrid layouts (shard inside a node, replicate across) are candidates.
     """
-    net = network or Network()
-    mem = parse_bytes(device_mem)
+    hw = hw or PRESETS[DEFAULT_HW]
     if "world" not in plan_kwargs:
         raise ValueError("recommend needs world=N (the data-parallel ranks you have)")
-    world = plan_kwargs["world"]
     for key in ("offload", "shard_size", "gpus_per_node"):
         plan_kwargs.pop(key, None)
     ckpt = plan_kwargs.pop("checkpointing", "none")
     tp = plan_kwargs.get("tp", 1)
-    dp, dp_per_node = world // tp, max(1, net.gpus_per_node // tp)
-    hybrid = dp_per_node if dp > dp_per_node and dp % dp_per_node == 0 else None
+    dp, dp_per_node = plan_kwargs["world"] // tp, max(1, hw.gpus_per_node // tp)
+    s = _Search(model_or_config, parse_bytes(device_mem), hw, plan_kwargs, ckpt,
+                dp_per_node if dp > dp_per_node and dp % dp_per_node == 0 else None)
+    resorts = (_with_experts, _with_recompute, _as_planned, _tensor_parallel, _with_offload, _nothing_fits)
+    return next(rec for resort in resorts if (rec := resort(s)) is not None)
 
-    def plan_with(**extra: Any) -> Plan:
-        return make_plan(model_or_config, gpus_per_node=net.gpus_per_node, shard_size=hybrid,
-                         checkpointing=extra.pop("checkpointing", ckpt), **dict(plan_kwargs, **extra))
 
-    base = plan_with()
-    names = [n for n in base.layouts if not n.endswith("_offload")]
-    cands = _candidates(base, net, mem, names)
-    fitting = [c for c in cands if c.fits]
-    plain = fitting[0] if fitting else None
+def _with_experts(s: _Search) -> Recommendation | None:
+    """1b. For an MoE model, the other ep degrees' layouts next to these (every ep that fits when
+    none was asked, else none), and ZeRO-3's row of each; an ep layout that wins answers."""
+    world = s.kwargs["world"] // s.kwargs.get("tp", 1)
+    others = {ep: s.plan_with(ep=ep) for ep in _expert_options(s.target, dict(s.kwargs, world=world), s.hw)
+              if ep != s.base.spec.ep}
+    if not others:
+        return None
+    s.other_cands = [c for p in others.values() for c in _candidates(p, s.hw, s.mem, s.names)]
+    everything = [*s.cands, *s.other_cands]
+    s.expert_rows = tuple(sorted((c for c in everything if c.layout == "zero3"), key=lambda c: c.ep))
+    ranked_all = _ranked(everything, s.base)
+    best = first_fit(ranked_all, lambda c: c.fits)
+    if best is None or best.ep == s.base.spec.ep:
+        return None
+    reason = f"{label(best)} fits with {gb(s.mem - best.total_bytes)} headroom" + _expert_note(s.expert_rows)
+    return s.answer(best, reason, others[best.ep], candidates=tuple(ranked_all), ep=best.ep,
+                    expert_rows=s.expert_rows, checkpointing=str(s.base.spec.checkpointing))
 
-    # Expert parallelism for an MoE model: the other degrees' layouts next to these (every ep that
-    # fits when none was asked, else none), and ZeRO-3's row of each.
-    others = {ep: plan_with(ep=ep) for ep in _expert_options(model_or_config, dict(plan_kwargs, world=dp), net)
-              if ep != base.spec.ep}
-    expert_rows: tuple[Candidate, ...] = ()
-    other_cands: list[Candidate] = []
-    if others:
-        other_cands = [c for p in others.values() for c in _candidates(p, net, mem, names)]
-        expert_rows = tuple(sorted((c for c in [*cands, *other_cands] if c.layout == "zero3"), key=lambda c: c.ep))
-        ranked = _ranked([*cands, *other_cands], base)
-        best = next((c for c in ranked if c.fits), None)
-        if best is not None and best.ep != base.spec.ep:
-            reason = f"{label(best)} fits with {gb(mem - best.total_bytes)} headroom" + _expert_note(expert_rows)
-            return Recommendation(layout=best.layout, checkpointing=str(base.spec.checkpointing), offload="none",
-                                  fits=True, reason=reason, device_mem=mem, candidates=tuple(ranked),
-                                  plan=others[best.ep], ep=best.ep, expert_rows=expert_rows)
 
-    # 2. Prefer recompute over a costly stage when activations are what overflows a cheaper layout.
-    if base.activations is not None and str(base.spec.checkpointing) == "none" and (
-            plain is None or base[plain.layout].stage == 3 or "hybrid" in plain.layout):
-        cheaper = [c for c in cands if not c.fits and (plain is None or cands.index(c) < cands.index(plain))]
-        sqrt_plan = plan_with(checkpointing="sqrt")
-        for c in cheaper:
-            after = _candidates(sqrt_plan, net, mem, [c.layout])[0]
-            if c.dominant == "activations" and after.fits:
-                act = base[c.layout].device.activations
-                reason = (f"activations dominate ({gb(act)} of {gb(c.total_bytes)} on {pretty(c.layout)}): enable "
-                          f"sqrt checkpointing before raising the stage; {pretty(c.layout)} then fits with "
-                          f"{gb(mem - after.total_bytes)} headroom" + _comm_note(after, cands))
-                return Recommendation(layout=c.layout, checkpointing="sqrt", offload="none", fits=True, reason=reason,
-                                      device_mem=mem, candidates=tuple(cands) + (after,), plan=sqrt_plan)
+def _with_recompute(s: _Search) -> Recommendation | None:
+    """2. Recompute over a costly stage when activations are what overflows a cheaper layout."""
+    plain, base, cands = s.plain, s.base, s.cands
+    if base.activations is None or str(base.spec.checkpointing) != "none" or (
+            plain is not None and base[plain.layout].stage != 3 and "hybrid" not in plain.layout):
+        return None
+    sqrt_plan = s.plan_with(checkpointing="sqrt")
+    for c in (c for c in cands if not c.fits and (plain is None or cands.index(c) < cands.index(plain))):
+        after = _candidates(sqrt_plan, s.hw, s.mem, [c.layout])[0]
+        if c.dominant == "activations" and after.fits:
+            act = base[c.layout].device.activations
+            reason = (f"activations dominate ({gb(act)} of {gb(c.total_bytes)} on {pretty(c.layout)}): enable "
+                      f"sqrt checkpointing before raising the stage; {pretty(c.layout)} then fits with "
+                      f"{gb(s.mem - after.total_bytes)} headroom" + _comm_note(after, cands))
+            return s.answer(after, reason, sqrt_plan, candidates=tuple(cands) + (after,), checkpointing="sqrt")
+    return None
 
-    if plain is not None:
-        reason = f"{label(plain)} fits with {gb(mem - plain.total_bytes)} headroom" + _comm_note(plain, cands)
-        lower = [c for c in cands if base[c.layout].stage < base[plain.layout].stage and not c.fits]
-        if lower:
-            worst = min(lower, key=lambda c: c.total_bytes)
-            reason += f"; {pretty(worst.layout)} would need {gb(worst.total_bytes)}"
-        return Recommendation(layout=plain.layout, checkpointing=str(base.spec.checkpointing), offload="none",
-                              fits=True, reason=reason + _expert_note(expert_rows), device_mem=mem,
-                              candidates=tuple(cands), plan=base, ep=base.spec.ep, expert_rows=expert_rows)
 
-    smallest = min([*cands, *other_cands], key=lambda c: c.total_bytes)
-    head = (f"nothing fits in {gb(mem)} on the device: the smallest, {label(smallest)}, needs "
-            f"{gb(smallest.total_bytes)} ({smallest.dominant} dominate)")
-    # 3. A layer too large for the device even fully sharded: split it.
-    split = _tensor_parallel(model_or_config, base, net, mem, plan_kwargs, ckpt, head)
-    if split is not None:
-        return split
+def _as_planned(s: _Search) -> Recommendation | None:
+    """1. The cheapest layout that fits as planned."""
+    if (plain := s.plain) is None:
+        return None
+    reason = f"{label(plain)} fits with {gb(s.mem - plain.total_bytes)} headroom" + _comm_note(plain, s.cands)
+    lower = [c for c in s.cands if s.base[c.layout].stage < s.base[plain.layout].stage and not c.fits]
+    if lower:
+        worst = min(lower, key=lambda c: c.total_bytes)
+        reason += f"; {pretty(worst.layout)} would need {gb(worst.total_bytes)}"
+    return s.answer(plain, reason + _expert_note(s.expert_rows), s.base, ep=s.base.spec.ep, expert_rows=s.expert_rows)
 
-    # 4. Offload: masters, optimizer state and the reduced grads to host memory, the step on the CPU.
-    tried = list(cands)
-    for offload in ("cpu",):
-        off_plan = plan_with(offload=offload)
-        off = _candidates(off_plan, net, mem, [n for n in off_plan.layouts if n.endswith("_offload")])
-        tried += off
-        # Among equally cheap ones, the one that moves the least to the host (DDP would move every master).
-        floor = min((c.comm_seconds for c in off if c.comm_seconds > 0), default=1.0)
-        fit = min((c for c in off if c.fits), default=None,
-                  key=lambda c: (round(c.comm_seconds / floor, 2), off_plan[c.layout].host_bytes))
-        if fit is not None:
-            host = off_plan[fit.layout].host_bytes
-            reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with cpu offload fits with "
-                      f"{gb(mem - fit.total_bytes)} headroom, moving {gb(host)} per rank to host memory")
-            return Recommendation(layout=fit.layout, checkpointing=str(base.spec.checkpointing), offload=offload,
-                                  fits=True, reason=reason, device_mem=mem, candidates=tuple(tried), plan=off_plan)
 
+def _with_offload(s: _Search) -> Recommendation | None:
+    """4. Masters, optimizer state and the reduced grads in host memory, the step on the CPU: among
+    equally cheap layouts, the one that moves the least to the host (DDP would move every master)."""
+    head = s.head
+    off_plan = s.plan_with(offload="cpu")
+    off = _candidates(off_plan, s.hw, s.mem, [n for n in off_plan.layouts if n.endswith("_offload")])
+    s.offloaded = off
+    fit = first_fit(ranked(off, lambda c: c.comm_seconds, lambda c: off_plan[c.layout].host_bytes), lambda c: c.fits)
+    if fit is None:
+        return None
+    host = off_plan[fit.layout].host_bytes
+    reason = (f"{head}; {pretty(fit.layout.removesuffix('_offload'))} with cpu offload fits with "
+              f"{gb(s.mem - fit.total_bytes)} headroom, moving {gb(host)} per rank to host memory")
+    return s.answer(fit, reason, off_plan, candidates=(*s.cands, *off))
+
+
+def _nothing_fits(s: _Search) -> Recommendation:
+    """5. Nothing: say why, and how many ranks ZeRO-3 would need when more ranks would help."""
+    smallest = min([*s.cands, *s.other_cands], key=lambda c: c.total_bytes)
     if smallest.dominant == "activations":
         # More ranks shrink model states, never a rank's activations.
         more = "; more ranks will not help: lower the micro-batch or sequence length, or checkpoint more"
     else:
-        need = _ranks_needed(model_or_config, mem, plan_kwargs, world)
+        need = _ranks_needed(s.target, s.mem, s.kwargs, s.kwargs["world"])
         more = f"; ZeRO-3 would fit from {need} ranks" if need else "; even 4096 ranks of ZeRO-3 would not fit"
-    return Recommendation(layout=None, checkpointing=str(base.spec.checkpointing), offload="none", fits=False,
-                          reason=head + ", even with offload" + more, device_mem=mem, candidates=tuple(tried),
-                          plan=base)
+    return Recommendation(layout=None, checkpointing=str(s.base.spec.checkpointing), offload="none", fits=False,
+                          reason=s.head + ", even with offload" + more, device_mem=s.mem,
+                          candidates=(*s.cands, *s.offloaded), plan=s.base)
 
 
 def layer_floor(p: Plan) -> int:
@@ -284,25 +314,25 @@ def layer_floor(p: Plan) -> int:
     return z3.total - z3.model_states - z3.activations
 
 
-def _tensor_parallel(model_or_config: Any, base: Plan, net: Network, mem: int, kwargs: dict, ckpt: str,
-                     head: str) -> Recommendation | None:
-    """The smallest tp (within a node, dividing the world) whose cheapest fitting layout fits, when
+def _tensor_parallel(s: _Search) -> Recommendation | None:
+    """3. The smallest tp (within a node, dividing the world) whose cheapest fitting layout fits, when
     the largest layer's working set alone exceeds the device at ZeRO-3; None otherwise."""
+    model_or_config, base, hw, mem, kwargs, ckpt = s.target, s.base, s.hw, s.mem, s.kwargs, s.ckpt
     floor, world, current = layer_floor(base), kwargs["world"], kwargs.get("tp", 1)
     if base.mode == "analytic" or floor <= mem:
         return None
-    for tp in (t for t in (2, 4, 8, 16, 32, 64) if current < t <= net.gpus_per_node and world % t == 0):
-        dp, per_node = world // tp, max(1, net.gpus_per_node // tp)
+    for tp in (t for t in (2, 4, 8, 16, 32, 64) if current < t <= hw.gpus_per_node and world % t == 0):
+        dp, per_node = world // tp, max(1, hw.gpus_per_node // tp)
         hybrid = per_node if dp > per_node and dp % per_node == 0 else None
         try:
             p = make_plan(model_or_config, **dict(kwargs, tp=tp), checkpointing=ckpt,
-                          gpus_per_node=net.gpus_per_node, shard_size=hybrid)
+                          gpus_per_node=hw.gpus_per_node, shard_size=hybrid)
         except ValueError:  # this tp does not divide the heads or the hidden size, or the batch
             continue
-        fits = [c for c in _candidates(p, net, mem, [n for n in p.layouts if not n.endswith("_offload")]) if c.fits]
+        fits = [c for c in _candidates(p, hw, mem, [n for n in p.layouts if not n.endswith("_offload")]) if c.fits]
         if fits:
             pick = fits[0]
-            reason = (f"{head}; the largest layer's full params and working buffers need {gb(floor)} even at "
+            reason = (f"{s.head}; the largest layer's full params and working buffers need {gb(floor)} even at "
                       f"ZeRO-3, and sharding never splits a layer while it computes: tensor parallelism over "
                       f"{tp} ranks of a node splits each block, and {pretty(pick.layout)} with tp={tp} fits with "
                       f"{gb(mem - pick.total_bytes)} headroom")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zeroshard.tools import search
 from zeroshard.tools.planner.recommend import gb
 from zeroshard.tools.planner.spec import STAGE_NAMES, parse_bytes
 
@@ -122,15 +123,14 @@ def recommend_pipeline(cfg: Any, *, device_mem: int | str, world: int, max_pp: i
                                       stages_per_rank=shape.stages_per_rank, world=world)
             cands.append(PipelineCandidate(pp=pp, layout=name, total_bytes=total, step_s=timed.step_s,
                                            bubble=timed.bubble, fits=total <= mem))
-    fastest = min(c.step_s for c in cands)
-    ranked = sorted(cands, key=lambda c: (round(c.step_s / fastest, 2), c.pp, c.layout))
+    ranked = search.ranked(cands, lambda c: c.step_s, lambda c: c.pp, lambda c: c.layout)
     zero3 = tuple(c for c in cands if c.layout == "zero3")
     rows = "; ZeRO-3 against pp: " + ", ".join(
         f"{label(c)} {gb(c.total_bytes)}, {c.step_s * 1e3:,.1f} ms a step"
         + (f" ({c.bubble:.0%} bubble)" if c.pp > 1 else "") for c in zero3)
     nodes = world // hw.gpus_per_node if world > hw.gpus_per_node else 1
     where = f" ({world} ranks on {nodes} nodes of {hw.gpus_per_node})" if nodes > 1 else ""
-    best = next((c for c in ranked if c.fits), None)
+    best = search.first_fit(ranked, lambda c: c.fits)
     if best is None:
         small = min(cands, key=lambda c: c.total_bytes)
         reason = (f"nothing fits in {gb(mem)} on the device{where}: the smallest, {label(small)}, needs "

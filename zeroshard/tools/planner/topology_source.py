@@ -5,7 +5,7 @@
 - ``2x4``: 2 hosts of 4 ranks each (consecutive ranks on a host, as torchrun numbers them);
 - a run directory, its ``summary.json`` or its ``metrics.jsonl``: the topology the run gathered at
   ``zs.init`` (zeroshard/comm/topology.py);
-- a hardware TOML from ``plan --calibrate``: the ``[topology]`` table it recorded.
+- a hardware TOML from ``plan calibrate``: the ``[topology]`` table it recorded.
 
 What the planner and the simulator take from it is the ranks per host (which collectives cross
 hosts) and the world; the host names and facts are shown so the plan says what it was made for.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 TOML_TABLE = "topology"
-"""The hardware TOML's table ``plan --calibrate`` writes and ``load_hardware`` leaves to this module."""
+"""The hardware TOML's table ``plan calibrate`` writes and ``load_hardware`` leaves to this module."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +113,11 @@ def parse(spec: str) -> RunTopology:
         path = path / "summary.json" if (path / "summary.json").exists() else path / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"--topology {spec}: not HOSTSxRANKS (e.g. 2x4) and no such run directory or file; pass "
-                         "2x4, a run directory, its summary.json or metrics.jsonl, or a plan --calibrate TOML")
+                         "2x4, a run directory, its summary.json or metrics.jsonl, or a plan calibrate TOML")
     if path.suffix == ".toml":
         found = from_toml(path)
         if found is None:
-            raise ValueError(f"{path} has no [topology] table; it was not written by plan --calibrate")
+            raise ValueError(f"{path} has no [topology] table; it was not written by plan calibrate")
         return found
     if path.name.endswith(".jsonl"):
         return _from_metrics(path)

@@ -23,6 +23,7 @@ import time
 
 from typing import TYPE_CHECKING
 
+from zeroshard.tools.harness import timed, warm_median
 from zeroshard.tools.sim.network import bus_factor
 
 if TYPE_CHECKING:
@@ -94,21 +95,15 @@ def settle() -> None:
 def _time_op(op: str, sizes: tuple[int, ...], repeats: int, p: int, group: str = "world") -> list[tuple[float, float]]:
     import torch
 
-    from zeroshard.comm import collectives
 
     out, device = [], group_device()
     for nbytes in sizes:
         numel = max(p, nbytes // 4 // p * p)
         full = torch.zeros(numel, device=device)
         shard = torch.ones(numel // p, device=device)
-        times = []
-        for _ in range(repeats + 1):  # the first call pays connection setup
-            collectives.barrier(phase="calibrate")
-            start = time.perf_counter()
-            _issue(op, full, shard, group=group)
-            settle()
-            times.append(time.perf_counter() - start)
-        out.append((float(numel * 4), statistics.median(times[1:])))
+        # The first call pays connection setup.
+        out.append((float(numel * 4), warm_median(lambda: _issue(op, full, shard, group=group), repeats,
+                                                  phase="calibrate", device=device)))
     return out
 
 
@@ -126,18 +121,11 @@ def calibrate(world: int = 2, op: str = "all_gather", sizes: tuple[int, ...] = D
 
 def _once(fn) -> float:
     """Seconds of one ``fn()`` started after a barrier, so every rank runs it at once."""
-    from zeroshard.comm import collectives
-
-    collectives.barrier(phase="calibrate")
-    start = time.perf_counter()
-    fn()
-    settle()
-    return time.perf_counter() - start
+    return timed(fn, 1, phase="calibrate", device=group_device())[0]
 
 
 def _median_times(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls, the first (allocations, lazy init) dropped."""
-    return statistics.median([_once(fn) for _ in range(repeats + 1)][1:])
+    return warm_median(fn, repeats, phase="calibrate", device=group_device())
 
 
 UNIT_REPEATS = 9

@@ -38,12 +38,12 @@ class Hardware:
     """Fraction of peak for FlashAttention-2 (FlashAttention-3 paper, Shah et al. 2024: FA2 reaches
     about 35% of H100 peak)."""
     links: tuple[MeasuredLink, ...] = ()
-    """Fitted alpha-beta per collective and group size (``zeroshard plan --calibrate``); where one
+    """Fitted alpha-beta per collective and group size (``zeroshard plan calibrate``); where one
     exists for a collective it replaces the intra-node link model for it."""
     compute: tuple[MeasuredCompute, ...] = ()
     """Measured seconds per unit; where one exists the FLOP model is not used for that model."""
     concurrency: tuple[MeasuredConcurrency, ...] = ()
-    """How collectives in flight at once share the backend, per world size (``plan --calibrate``).
+    """How collectives in flight at once share the backend, per world size (``plan calibrate``).
     Without it each process group's collectives run one at a time in launch order, as on one NCCL
     stream; with it every collective in flight shares one pool (gloo's threads on a CPU host)."""
     contention: float = 0.0
@@ -112,6 +112,25 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+DEFAULT_HW = "h100"
+"""What ``plan`` prices and simulates on when no --hw is given."""
+
+
+def with_links(hw: Hardware, *, intra_gbps: float | None = None, inter_gbps: float | None = None,
+               gpus_per_node: int | None = None) -> Hardware:
+    """``hw`` with the links a user gave in gigabits per second (what NIC and NVLink specs quote;
+    divided by 8 it is the bytes/s this model keeps) and its node size; what is None stays ``hw``'s."""
+    given: dict[str, Any] = {}
+    for field, gbps in (("intra_bandwidth", intra_gbps), ("inter_bandwidth", inter_gbps)):
+        if gbps is not None:
+            if not gbps > 0:
+                raise ValueError(f"--{field.split('_')[0]}-gbps must be a positive Gb/s figure, got {gbps}")
+            given[field] = gbps * 1e9 / 8
+    if gpus_per_node is not None:
+        given["gpus_per_node"] = gpus_per_node
+    return dataclasses.replace(hw, **given) if given else hw
+
+
 def load_hardware(name_or_path: str) -> Hardware:
     """A preset by name, or a TOML file whose top-level keys are ``Hardware`` fields.
 
@@ -127,7 +146,7 @@ def load_hardware(name_or_path: str) -> Hardware:
     with path.open("rb") as f:
         table = tomllib.load(f)
     base = table.pop("base", None)
-    table.pop("topology", None)  # where plan --calibrate measured: zeroshard/tools/planner/topology_source.py reads it
+    table.pop("topology", None)  # where plan calibrate measured: zeroshard/tools/planner/topology_source.py reads it
     try:  # arrays of tables become the measured entries
         for key, cls in (("links", MeasuredLink), ("compute", MeasuredCompute),
                          ("concurrency", MeasuredConcurrency)):

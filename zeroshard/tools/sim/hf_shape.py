@@ -25,7 +25,7 @@ def hf_shape(model: nn.Module, name: str) -> Shape:
     """The simulator's transformer shape of a Hugging Face causal LM, from its config."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
-        raise ValueError(f"--time simulates a transformer's shape, read from a Hugging Face config; {name} has none: "
+        raise ValueError(f"plan time simulates a transformer's shape, read from a Hugging Face config; {name} has none: "
                          "plan its memory without --time")
     hidden, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     kv_heads = getattr(config, "num_key_value_heads", None) or (1 if getattr(config, "multi_query", False) else heads)

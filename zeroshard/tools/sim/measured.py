@@ -1,5 +1,5 @@
 """Measured figures a hardware description may carry: per-collective alpha-beta fits and per-unit
-compute times, as ``zeroshard plan --calibrate`` stores them, and the TOML that holds them.
+compute times, as ``zeroshard plan calibrate`` stores them, and the TOML that holds them.
 
 A measured link replaces the preset's link model for its collective and group size: the ring cost
 ``steps * alpha + bus_factor * n / bandwidth`` with the fitted alpha and bandwidth. A measured
@@ -140,7 +140,7 @@ def pick_compute(entries: tuple[MeasuredCompute, ...], model: str, vocab: int, w
     if not mine:
         have = ", ".join(sorted({f"{c.model} (vocab {c.vocab})" for c in entries}))
         raise ValueError(f"this hardware's compute was measured on {have}, not {model} (vocab {vocab}); "
-                         f"plan that model (and --vocab-size), or run zeroshard plan --calibrate --model {model} "
+                         f"plan that model (and --vocab-size), or run zeroshard plan calibrate --model {model} "
                          f"--vocab-size {vocab}")
     return min(mine, key=lambda c: (abs(c.world - world), -c.world))
 

@@ -27,6 +27,7 @@ ring step waits for its slowest hop, so all of its steps pay the network latency
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable
 
 from zeroshard.tools.sim.hardware import Hardware
 from zeroshard.tools.sim.measured import OPS, pick_link
@@ -89,3 +90,10 @@ def collective_seconds(op: str, nbytes: float, p: int, hw: Hardware, algorithm: 
 def wire_bytes(op: str, nbytes: float, p: int) -> float:
     """Bytes each rank sends with a ring: the volume the ZeRO paper counts."""
     return bus_factor(op, p) * nbytes
+
+
+def rows_seconds(rows: Iterable[Any], hw: Hardware) -> float:
+    """Seconds the planner's collective rows (``planner.comm.Collective``: op, size, buffer_bytes,
+    count, spans_nodes) take one after another on ``hw``: the simulator's
+    alpha-beta cost of each (latency included), so plan's recommender and plan time price alike."""
+    return sum(r.count * collective_seconds(r.op, r.buffer_bytes, r.size, hw, spans=r.spans_nodes) for r in rows)

@@ -1,4 +1,4 @@
-"""The pipeline replay of `plan --time --pp`: torch's schedule walked microbatch by microbatch.
+"""The pipeline replay of `plan time --pp`: torch's schedule walked microbatch by microbatch.
 
 Each pp rank runs its actions in torch's own order (zeroshard/parallel/pipeline/order.py, the class the
 runtime runs): a forward of microbatch j on stage s starts once the rank is free and stage s − 1's

@@ -1,4 +1,4 @@
-"""Tables and the sweep chart for ``zeroshard plan --time``."""
+"""Tables and the sweep chart for ``zeroshard plan time``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ all-reduces, checkpoint rebuilds, tp all-reduces, accumulation inside ``no_sync`
 gathers) and prices each event. This module holds what the pricing needs:
 
 - ``Layout``: the mesh and the engine knobs the replay models (``SIMULATED_KNOBS``);
-- the seconds of each unit's passes (``_Durations``): measured on this host by ``plan --calibrate``,
+- the seconds of each unit's passes (``_Durations``): measured on this host by ``plan calibrate``,
   or matmuls and attention at their efficiencies and the rest at memory bandwidth. With a tp
   mesh dim (``Layout.tp``) each block's matmuls and attention are split over tp consecutive ranks
   of a node (Megatron's column/row split; elementwise work is taken as whole, a bound), and ZeRO
@@ -62,7 +62,7 @@ _ENGINE = EngineOptions()
 
 SIMULATED_KNOBS = ("checkpointing", "offload", "bucket_mb", "prefetch", "reshard_after_forward")
 """The engine's knobs the step replay models (checkpointing through the workload, the rest through
-``Layout``); `plan --time` refuses any other knob by name."""
+``Layout``); `plan time` refuses any other knob by name."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

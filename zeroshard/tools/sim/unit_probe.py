@@ -1,4 +1,4 @@
-"""What ``plan --calibrate`` times: a model built for real, one of its blocks, and the inputs that
+"""What ``plan calibrate`` times: a model built for real, one of its blocks, and the inputs that
 block gets in the model's own forward.
 
 zeroshard's GPT presets and any Hugging Face causal LM the simulator reads a shape from (a

@@ -14,8 +14,15 @@ moved by eager PyTorch kernels and costs bytes / HBM bandwidth; the counts are o
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
 
 from zeroshard.runtime.recompute import segment_length
+
+DEFAULT_SEQ = 8192
+"""Tokens per sequence for a Llama shape when --seq is not given (torchtitan's Llama 3 runs)."""
 
 # Checkpointing policies beyond zeroshard's own (none, all, every:K, sqrt): "op" is torchtitan's
 # selective op-level policy, which keeps every other matmul output and SDPA's output, recomputing the rest.
@@ -94,6 +101,53 @@ SHAPES = {
     "llama3-70b": Shape(name="llama3-70b", n_layer=80, hidden=8192, ffn=28672, n_head=64, kv_dim=1024,
                         vocab=128256),
 }
+
+
+class _Block(nn.Module):
+    """A transformer block holding a ``Shape``'s params (two norms, q/k/v/o, the MLP's two or three
+    matmuls): what the memory planner lays out, never run."""
+
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        h, f, kv = s.hidden, s.ffn, s.kv_dim
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(h, bias=s.bias), nn.LayerNorm(h, bias=s.bias)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, n, bias=s.bias) for n in (h, kv, kv, h))
+        self.up, self.down = nn.Linear(h, f, bias=s.bias), nn.Linear(f, h, bias=s.bias)
+        self.gate = nn.Linear(h, f, bias=False) if s.gated else None
+
+
+class _Model(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.blocks = nn.ModuleList(_Block(s) for _ in range(s.n_layer))
+        self.norm = nn.Parameter(torch.empty(s.hidden))
+        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+        if s.tied:
+            self.head.weight = self.embed.weight
+
+
+def meta_module(shape: Shape) -> nn.Module:
+    """A dense ``shape`` as a module on the meta device, so the memory planner lays out the same
+    workload the simulator times (``plan memory --model llama3-8b``); no memory is allocated."""
+    if shape.n_expert:
+        raise ValueError(f"{shape.name} is an MoE shape; plan its memory from its folder or hf: name")
+    with torch.device("meta"):
+        return _Model(shape)
+
+
+def activation_estimate(w: "Workload", tp: int = 1) -> Any:
+    """The planner's ``ActivationEstimate`` of this workload: what ``per_layer_activation_bytes``
+    and ``activation_peak_bytes`` count, split into the planner's terms."""
+    from zeroshard.tools.planner.activations import ActivationEstimate
+
+    s, c = w.shape, w.compute_bytes
+    per_layer = int(w.per_layer_activation_bytes(tp=tp))
+    root = int(w.tokens * (2 * s.hidden * c + 4 * s.vocab))
+    rebuilt = int(w.per_layer_activation_bytes("none", tp=tp)) if w.checkpointing != "none" else 0
+    head = int(w.tokens * (4 + c) * s.vocab)
+    return ActivationEstimate(saved=s.n_layer * per_layer + root, recompute=rebuilt, workspace=head,
+                              per_layer=per_layer, root=root, head=head)
 
 
 def gpt_shape(cfg, name: str = "GPT") -> Shape:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroshard.tools.search import ranked
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.tools.tune.grid import Candidate
 from zeroshard.tools.tune.prune import Prediction, Pruned, mb
@@ -22,7 +23,7 @@ def rank(rows: list[dict], cands: list[Candidate], predictions: dict[Candidate, 
     for row, cand in zip(rows, cands):
         row["predicted_allocated_bytes"] = predictions[cand].allocated
         row["predicted_total_bytes"] = predictions[cand].total
-    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: -r["tokens_per_s"])
+    ok = ranked((r for r in rows if r["status"] == "ok"), lambda r: -r["tokens_per_s"], exact=True)
     best = ok[0]["tokens_per_s"] if ok else None
     for i, row in enumerate(ok, 1):
         row["rank"] = i

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
 import statistics
-import time
 import warnings
 from typing import Any
 
 from zeroshard.comm import fault_points as faults
+from zeroshard.tools.harness import timed
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.step import slowest_per_step
 from zeroshard.tools.tune.grid import Candidate
@@ -133,19 +134,6 @@ def _peak_bytes(built: _Built, x, y, device: Any) -> int | None:
     return int(max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()))
 
 
-def _timed(built: _Built, x, y, steps: int, device: Any) -> list[float]:
-    from zeroshard.comm import collectives
-
-    times = []
-    for _ in range(steps):
-        collectives.barrier(phase="tune")
-        start = time.perf_counter()
-        built.step(x, y)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
 # --------------------------------------------------------------------------- every candidate, on one rank
 
 
@@ -194,7 +182,8 @@ def rank_main(spec: MeasureSpec) -> list[dict]:
                         built[i].step(x, y)
                     if out[i]["peak_bytes"] is None:
                         out[i]["peak_bytes"] = _peak_bytes(built[i], x, y, mesh.device)
-                out[i]["times"] += _timed(built[i], x, y, spec.steps, mesh.device)
+                out[i]["times"] += timed(functools.partial(built[i].step, x, y), spec.steps, phase="tune",
+                                         device=mesh.device)
             except Exception as e:  # noqa: BLE001 - a failed candidate is a result, not the end
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             errors = all_gather_object(error, phase="tune")
