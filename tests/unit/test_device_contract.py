@@ -14,12 +14,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zeroshard.comm import collectives, host_sync
 from zeroshard.comm import devices as devices_mod
 from zeroshard.comm.collectives import DeviceContractError
+from zeroshard.comm.dims import ParallelDims
 from zeroshard.comm.ledger import Ledger
 from zeroshard.comm.mesh import Mesh
 
 
 def _mesh(device: str, backend: str, world: int = 2) -> Mesh:
-    return Mesh(rank=0, world=world, shard_size=world, device=torch.device(device), backend=backend,
+    return Mesh(rank=0, dims=ParallelDims.of(world), device=torch.device(device), backend=backend,
                 world_group=None, shard_group=None, replicate_group=None, ledger=Ledger())
 
 

@@ -62,7 +62,7 @@ def test_the_command_line_starts_the_rank_server_before_its_own_imports():
     code = ("import sys, zeroshard.cli.main as m; "
             "print(sorted(n for n in ('torch', 'zeroshard.runtime') if n in sys.modules), "
             "m.starts_ranks(['train', '--nproc', '2']), m.starts_ranks(['plan', '--model', 'tiny']), "
-            "m.starts_ranks(['plan', '--measure']), m.model_library(['train', '--model=hf:llama-tiny']), "
+            "m.starts_ranks(['plan', 'measure']), m.model_library(['train', '--model=hf:llama-tiny']), "
             "m.model_library(['train', '--model', 'tiny']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True False True ('transformers.modeling_utils',) ()"

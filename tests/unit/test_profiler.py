@@ -155,7 +155,7 @@ def test_nccl_waits_are_timed_on_the_device_not_by_the_host_stopwatch(monkeypatc
     ledger = Ledger()
     ledger.clock = DeviceClock("cuda", new_event=device.event)
     monkeypatch.setattr(collectives.dist, "all_reduce", lambda *args, **kwargs: Work())
-    mesh = SimpleNamespace(ledger=ledger, ledger_name="", backend="nccl", group=lambda g: None,
+    mesh = SimpleNamespace(ledger=ledger, ledger_name="", backend="nccl", device=torch.device("cpu"), group=lambda g: None,
                            group_size=lambda g: 2)
     device.now = 1.0  # the stream reaches the issue at 1.0 ...
     pending = collectives.all_reduce(torch.zeros(8), group="shard", unit="blocks.0", phase="backward", async_op=True,

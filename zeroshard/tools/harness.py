@@ -23,7 +23,7 @@ def timed(fn: Callable[[], Any], calls: int, *, phase: str, device: Any = None) 
         start = time.perf_counter()
         fn()
         if device is not None and device.type != "cpu":
-            torch.accelerator.synchronize(device)
+            torch.accelerator.current_stream(device).synchronize()
         out.append(time.perf_counter() - start)
     return out
 
