@@ -33,6 +33,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "meta_init": ("zeroshard.runtime.materialize", "meta_init"),
     "MixedPrecision": ("zeroshard.runtime", "MixedPrecision"),
     "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
+    "muon_groups": ("zeroshard.runtime.recipes", "muon_groups"),
     "new_mesh": ("zeroshard.comm.mesh", "new_mesh"),
     "no_sync": ("zeroshard.runtime", "no_sync"),
     "observe": ("zeroshard.observing", "observe"),
