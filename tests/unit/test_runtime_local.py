@@ -177,10 +177,11 @@ def test_per_tensor_classes_are_accepted_and_mixed_in_one_optimizer():
     groups = zs.muon_groups(model, muon={"lr": 0.02}, weight_decay=0.1)
     opt = zs.optimizer(model, torch.optim.AdamW, param_groups=groups, lr=3e-4)
     assert isinstance(opt, torch.optim.AdamW)
-    assert [g["lr"] for g in opt.param_groups] == [0.02, 3e-4]
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 3e-4, 3e-4]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]  # Muon's own default, then ours
     assert "momentum" in opt.param_groups[0] and "betas" in opt.param_groups[1]  # each class's own defaults
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
-    assert [g["lr"] for g in opt.param_groups] == [0.01, 1.5e-4]
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 1.5e-4, 1.5e-4]
     del sched
     names = groups[0]["params"]
     assert names and all(n.endswith("weight") and "wte" not in n and "lm_head" not in n for n in names)

@@ -27,7 +27,6 @@ from zeroshard.runtime import (
     clip_grad_norm_ as zs_clip_grad_norm_,
     mesh_of,
     no_sync,
-    optimizer as zs_optimizer,
     shard as zs_shard,
 )
 from zeroshard.runtime.materialize import meta_init
@@ -36,6 +35,7 @@ from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
 from zeroshard.trainer.config import HF_PREFIX, TrainConfig, check_batch_split
 from zeroshard.trainer.data import GlobalBatchSampler, build_dataset
+from zeroshard.trainer.optimizers import BETAS, sharded_optimizer  # noqa: F401 (BETAS: the tools read it here)
 from zeroshard.trainer import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.observing.profile.timeline import phase
@@ -43,7 +43,6 @@ from zeroshard.runtime.precision import parse_dtype
 from zeroshard.trainer.ep_setup import apply_expert_parallel
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
 
-BETAS = (0.9, 0.95)
 IGNORE_INDEX = -100
 META_INIT_THRESHOLD = 50_000_000
 """Above this many params `init="auto"` builds on the meta device (see zeroshard/runtime/materialize.py)."""
@@ -189,7 +188,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     apply_expert_parallel(cfg, model, mesh)  # an ep dim: keep this rank's experts, route tokens to the others
     shard_model(cfg, model, **{"mesh": mesh, **shard_overrides})
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
-    opt = zs_optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    opt = sharded_optimizer(cfg.optimizer, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = zs_ShardedGradScaler(model) if cfg.mp == "fp16" else None
     # Tensor-parallel ranks (zs.init(tp=N)) share a batch: data is split over the data-parallel ranks only.
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
@@ -261,7 +260,7 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     for module in pipe.modules:  # a pretrained folder on meta: each stage reads only its own tensors
         adapter.after_shard(module, whole=model, tied=pipe.tied_copies)
     pipe.check_batch(cfg.batch // mesh.dp_size // cfg.accum)
-    opts = pipe.optimizers(torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    opts = [sharded_optimizer(cfg.optimizer, module, lr=cfg.lr, weight_decay=cfg.weight_decay) for module in pipe.modules]
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
     # fp16: one scaler over all of this rank's stages, its overflow flag agreed over the world (every pp rank).
     scaler = zs_ShardedGradScaler(pipe.modules) if cfg.mp == "fp16" else None
