@@ -66,7 +66,7 @@ def resolve_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 def _takes(cls: type, option: str) -> bool:
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     return option in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
