@@ -181,6 +181,25 @@ def reference(name: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def train_step(model, opt, sched, step: int, rank: int, world: int) -> None:
+    """One optimizer step on this rank's rows of the global batch, in ACCUM micro-steps, clipped."""
+    idx, tgt = batches(step)
+    per_rank = GLOBAL_BATCH // world
+    for part in range(ACCUM):
+        lo = part * GLOBAL_BATCH // ACCUM + rank * per_rank // ACCUM
+        rows = slice(lo, lo + per_rank // ACCUM)
+        if part < ACCUM - 1:
+            with zs.no_sync(model):
+                (model(idx[rows], tgt[rows]) / ACCUM).backward()
+        else:
+            (model(idx[rows], tgt[rows]) / ACCUM).backward()
+    zs.clip_grad_norm_(model, CLIP)
+    opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
+
+
 def sharded(name: str, stage: int, mesh=None) -> dict:
     rank, world = (mesh or zs.get_mesh()).rank, (mesh or zs.get_mesh()).world
     torch.manual_seed(0)
@@ -188,22 +207,8 @@ def sharded(name: str, stage: int, mesh=None) -> dict:
     opt, sched = zs_optimizer(name, model)
     ledger = (mesh or zs.get_mesh()).ledger
     start = ledger.next_seq
-    per_rank = GLOBAL_BATCH // world
     for step in range(STEPS):
-        idx, tgt = batches(step)
-        for part in range(ACCUM):
-            lo = part * GLOBAL_BATCH // ACCUM + rank * per_rank // ACCUM
-            rows = slice(lo, lo + per_rank // ACCUM)
-            if part < ACCUM - 1:
-                with zs.no_sync(model):
-                    (model(idx[rows], tgt[rows]) / ACCUM).backward()
-            else:
-                (model(idx[rows], tgt[rows]) / ACCUM).backward()
-        zs.clip_grad_norm_(model, CLIP)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+        train_step(model, opt, sched, step, rank, world)
     owned = sharded_state(opt).per_tensor.owned
     shard_rank = get_engine(model).trainable_groups[0].shard_rank
     state_numel = sum(v.numel() for s in opt.state.values() for v in s.values()
@@ -219,8 +224,11 @@ def sharded(name: str, stage: int, mesh=None) -> dict:
     }
 
 
-def owner_suite(hybrid: bool = False) -> dict:
-    zs.init()
+def owner_suite(directory: str) -> dict:
+    """Every case on this world; at world 4 also hybrid 2 x 2 and a Muon checkpoint saved into
+    ``directory``, which the world-2 suite (spawned after it) resumes."""
+    mesh = zs.init()
+    hybrid = mesh.world == 4
     out: dict = {}
     with fp32_newton_schulz():
         for name in ("muon_adamw", "adafactor", "lamb"):
@@ -234,4 +242,42 @@ def owner_suite(hybrid: bool = False) -> dict:
     out[("muon_bf16", "ref")] = reference("muon_adamw")
     for stage in (0, 3):
         out[("muon_bf16", stage)] = sharded("muon_adamw", stage)
+    out["checkpoint"] = checkpoint_save(directory) if mesh.world == 4 else checkpoint_resume(directory)
+    return out
+
+
+SAVED_AT = 3
+
+
+def checkpoint_save(directory: str) -> dict:
+    """Muon + AdamW at stage 3 (world 4): SAVED_AT steps, save, then one more step (the continuous run)."""
+    mesh = zs.get_mesh()
+    with fp32_newton_schulz():
+        torch.manual_seed(0)
+        model = zs.shard(Net(), stage=3)
+        opt, sched = zs_optimizer("muon_adamw", model)
+        for step in range(SAVED_AT):
+            train_step(model, opt, sched, step, mesh.rank, mesh.world)
+        zs.save(directory, model, opt, sched, step=SAVED_AT)
+        before = zs.full_state_dict(model)
+        train_step(model, opt, sched, SAVED_AT, mesh.rank, mesh.world)
+        return {"before": before, "after": zs.full_state_dict(model)}
+
+
+def checkpoint_resume(directory: str) -> dict:
+    """The checkpoint resumed at stage 2 (world 2): the next step, with and without its optimizer state."""
+    mesh = zs.get_mesh()
+    out = {}
+    with fp32_newton_schulz():
+        for with_state in (True, False):
+            torch.manual_seed(1)  # other init values: every one must come from the checkpoint
+            model = zs.shard(Net(), stage=2)
+            opt, sched = zs_optimizer("muon_adamw", model)
+            zs.load(directory, model, opt if with_state else None, scheduler=sched if with_state else None)
+            if not with_state:
+                for group in opt.param_groups:  # the same lr, so only the missing state differs
+                    group["lr"] = group["initial_lr"] * _decay(SAVED_AT)
+            loaded = zs.full_state_dict(model)
+            train_step(model, opt, sched, SAVED_AT, mesh.rank, mesh.world)
+            out[with_state] = {"loaded": loaded, "after": zs.full_state_dict(model)}
     return out

@@ -79,7 +79,8 @@ def assign_owners(items: list[tuple[FlatGroup, int]]) -> list[int]:
 class GroupExchange:
     """The owner exchange of one flat group: which of this rank's pieces go to which owner, and back.
 
-    ``send[r]``: ranges of this rank's shard holding pieces of params rank ``r`` owns. ``recv[r]``:
+    ``send[r]``: (param, start, stop) ranges of this rank's shard holding pieces of params rank ``r``
+    owns. ``recv[r]``:
     (param, start, stop) ranges, within the flattened param, that rank ``r``'s shard holds of the
     params this rank owns. Every rank derives both from the layout, so all issue the same collectives.
     """
@@ -88,7 +89,7 @@ class GroupExchange:
         self.group = group
         self.owned = [o for o in owned if o.mine]
         me, shards = group.shard_rank, group.shards
-        self.send: list[list[tuple[int, int]]] = [[] for _ in range(shards)]
+        self.send: list[list[tuple[OwnedParam, int, int]]] = [[] for _ in range(shards)]
         self.recv: list[list[tuple[OwnedParam, int, int]]] = [[] for _ in range(shards)]
         self.active = False  # whether any piece crosses ranks, on any rank
         for item in sorted(owned, key=lambda o: o.slot_index):
@@ -100,7 +101,7 @@ class GroupExchange:
                     continue
                 self.active |= rank != item.owner
                 if rank == me and item.owner != me:
-                    self.send[item.owner].append((a - group.lo, b - group.lo))
+                    self.send[item.owner].append((item, a - group.lo, b - group.lo))
                 if item.owner == me and rank != me:
                     self.recv[rank].append((item, a - slot.offset, b - slot.offset))
 
@@ -135,7 +136,7 @@ class GroupExchange:
                 whole[id(o)][0][a - slot.offset:b - slot.offset].copy_(grad[a - group.lo:b - group.lo])
                 whole[id(o)][1][a - slot.offset:b - slot.offset].copy_(master[a - group.lo:b - group.lo])
         if self.active:
-            chunks = [[grad[a:b] for a, b in ranges] + [master[a:b] for a, b in ranges] for ranges in self.send]
+            chunks = [[grad[a:b] for _, a, b in ranges] + [master[a:b] for _, a, b in ranges] for ranges in self.send]
             counts = [2 * sum(b - a for _, a, b in pieces) for pieces in self.recv]
             for pieces, received in zip(self.recv, self._exchange(chunks, counts)):
                 half = received.numel() // 2
@@ -160,12 +161,63 @@ class GroupExchange:
             if not self.active:
                 return
             chunks = [[updated(item)[a:b] for item, a, b in pieces] for pieces in self.recv]
-            counts = [sum(b - a for a, b in ranges) for ranges in self.send]
+            counts = [sum(b - a for _, a, b in ranges) for ranges in self.send]
             for ranges, received in zip(self.send, self._exchange(chunks, counts)):
                 at = 0
-                for a, b in ranges:
+                for _, a, b in ranges:
                     master[a:b].copy_(received[at:at + b - a])
                     at += b - a
+
+
+def held_range(item: OwnedParam) -> tuple[int, int]:
+    """The part of ``item`` this rank's shard holds, as elements [start, stop) of the flattened param
+    (empty when it holds none)."""
+    group, slot = item.group, item.group.layout.slots[item.slot_index]
+    a, b = max(slot.offset, group.lo), min(slot.end, group.hi)
+    return (a - slot.offset, b - slot.offset) if a < b else (0, 0)
+
+
+def to_holders(exchange: GroupExchange, whole: dict[int, list[torch.Tensor]],
+               count: Callable[[OwnedParam], int]) -> dict[int, list[torch.Tensor]]:
+    """Cut each owned param's ``count(param)`` flat tensors (``whole``, on the owner) into the pieces
+    each rank's shard holds: id(param) -> this rank's pieces (a checkpoint's owner state, saved by
+    whichever rank writes those elements). ``count`` must give every rank the same numbers."""
+    mine: dict[int, list[torch.Tensor]] = {}
+    for item in exchange.owned:
+        a, b = held_range(item)
+        if a < b:
+            mine[id(item)] = [t[a:b].clone() for t in whole[id(item)]]
+    if exchange.active:
+        chunks = [[t[a:b] for item, a, b in pieces for t in whole[id(item)]] for pieces in exchange.recv]
+        counts = [sum(count(item) * (b - a) for item, a, b in ranges) for ranges in exchange.send]
+        for ranges, received in zip(exchange.send, exchange._exchange(chunks, counts)):  # noqa: SLF001 (same room)
+            at = 0
+            for item, a, b in ranges:
+                mine[id(item)] = [received[at + j * (b - a):at + (j + 1) * (b - a)].clone() for j in range(count(item))]
+                at += count(item) * (b - a)
+    return mine
+
+
+def to_owners(exchange: GroupExchange, pieces: dict[int, list[torch.Tensor]],
+              count: Callable[[OwnedParam], int]) -> dict[int, list[torch.Tensor]]:
+    """The inverse of ``to_holders``: every rank's pieces of each param joined whole on its owner."""
+    dtype, device = exchange.group.shard.dtype, exchange.group.shard.device
+    whole = {id(o): [torch.zeros(o.numel, dtype=dtype, device=device) for _ in range(count(o))] for o in exchange.owned}
+    for item in exchange.owned:
+        a, b = held_range(item)
+        if a < b:
+            for target, piece in zip(whole[id(item)], pieces[id(item)]):
+                target[a:b].copy_(piece)
+    if exchange.active:
+        chunks = [[t for item, _, _ in ranges for t in pieces[id(item)]] for ranges in exchange.send]
+        counts = [sum(count(item) * (b - a) for item, a, b in recv) for recv in exchange.recv]
+        for recv, received in zip(exchange.recv, exchange._exchange(chunks, counts)):  # noqa: SLF001 (same room)
+            at = 0
+            for item, a, b in recv:
+                for target in whole[id(item)]:
+                    target[a:b].copy_(received[at:at + b - a])
+                    at += b - a
+    return whole
 
 
 def exchange_bytes(owned: list[OwnedParam], rank: int) -> int:
