@@ -184,7 +184,7 @@ def test_per_tensor_classes_are_accepted_and_mixed_in_one_optimizer():
     assert [g["lr"] for g in opt.param_groups] == [0.01, 1.5e-4, 1.5e-4]
     del sched
     names = groups[0]["params"]
-    assert names and all(n.endswith("weight") and "wte" not in n and "lm_head" not in n for n in names)
+    assert names and all(n.endswith("weight") and "emb" not in n and "lm_head" not in n for n in names)
 
 
 def test_muon_on_a_vector_is_refused_by_name_with_the_fix():
