@@ -20,4 +20,4 @@ def test_toml_optimizer_table_trains_muon_and_saves(tmp_path):
     muon = [f for f, state in kinds.items() if state == ["momentum_buffer"]]
     assert muon and all(".attn." in f or ".mlp." in f for f in muon)  # the hidden matrices, under Muon
     assert kinds["tok_emb.weight"] == ["exp_avg", "exp_avg_sq"]  # the embedding, under AdamW
-    assert manifest["optimizer"]["param_groups"][0]["options"]["lr"] == 0.02
+    assert manifest["optimizer"]["param_groups"][0]["options"]["initial_lr"] == 0.02  # the peak; lr is mid-warm-up
