@@ -96,7 +96,7 @@ def test_undeclared_optimizer_is_refused_and_the_error_says_why():
 
 def test_allow_list_and_opt_in_are_accepted():
     model = zs.shard(tiny(), stage=1)
-    for cls in zs.sharding.optim.ELEMENTWISE_OPTIMIZERS:
+    for cls in zs.runtime.optim.ELEMENTWISE_OPTIMIZERS:
         opt = zs.optimizer(model, cls, lr=1e-3)
         assert isinstance(opt, cls)
     opt = zs.optimizer(model, _TrustRatio, elementwise=True, lr=0.1)  # the user's word is taken
