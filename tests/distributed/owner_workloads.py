@@ -200,6 +200,27 @@ def train_step(model, opt, sched, step: int, rank: int, world: int) -> None:
         sched.step()
 
 
+def sharded_fp16(stage: int) -> dict:
+    """LAMB on owners with fp16 compute and the sharded loss scaler: the scaler unscales and checks
+    the grad shards before the owners gather them, so stages agree as in fp32."""
+    mesh = zs.get_mesh()
+    torch.manual_seed(0)
+    model = zs.shard(Net(), stage=stage, mp=zs.MixedPrecision(param_dtype=torch.float16))
+    opt, _ = zs_optimizer("lamb", model)
+    scaler = zs.ShardedGradScaler(model, init_scale=2.0**10)
+    per_rank = GLOBAL_BATCH // mesh.world
+    for step in range(STEPS):
+        idx, tgt = batches(step)
+        rows = slice(mesh.rank * per_rank, (mesh.rank + 1) * per_rank)
+        scaler.scale(model(idx[rows], tgt[rows])).backward()
+        scaler.unscale_(opt)
+        zs.clip_grad_norm_(model, CLIP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return {"params": zs.full_state_dict(model), "skipped": scaler.skipped_steps}
+
+
 def sharded(name: str, stage: int, mesh=None) -> dict:
     rank, world = (mesh or zs.get_mesh()).rank, (mesh or zs.get_mesh()).world
     torch.manual_seed(0)
@@ -242,6 +263,9 @@ def owner_suite(directory: str) -> dict:
     out[("muon_bf16", "ref")] = reference("muon_adamw")
     for stage in (0, 3):
         out[("muon_bf16", stage)] = sharded("muon_adamw", stage)
+    if mesh.world == 2:
+        for stage in (0, 3):
+            out[("lamb_fp16", stage)] = sharded_fp16(stage)
     out["checkpoint"] = checkpoint_save(directory) if mesh.world == 4 else checkpoint_resume(directory)
     return out
 

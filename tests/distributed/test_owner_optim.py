@@ -92,3 +92,13 @@ def test_muon_checkpoint_at_world4_stage3_resumes_at_world2_stage2(suites):
           f"{diff:.3e}; without the optimizer state {stateless:.3e}")
     assert diff <= 1e-5
     assert stateless > 1e-4  # the momentum really was carried over: without it the update differs
+
+
+def test_fp16_loss_scaling_composes_with_owners(suites):
+    out = suites[2][0]
+    stage0, stage3 = out[("lamb_fp16", 0)], out[("lamb_fp16", 3)]
+    diff = _diff(stage3["params"], stage0["params"])
+    vs_fp32 = _diff(stage3["params"], out[("lamb", "ref")])
+    print(f"LAMB fp16 + loss scaling world 2: stage 3 vs stage 0 {diff:.3e}, vs fp32 single process {vs_fp32:.3e}")
+    assert stage0["skipped"] == stage3["skipped"]
+    assert diff <= 1e-5 and vs_fp32 <= 2e-2
