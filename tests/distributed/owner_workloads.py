@@ -224,7 +224,9 @@ def sharded_fp16(stage: int) -> dict:
 def sharded(name: str, stage: int, mesh=None) -> dict:
     rank, world = (mesh or zs.get_mesh()).rank, (mesh or zs.get_mesh()).world
     torch.manual_seed(0)
-    model = zs.shard(Net(), stage=stage, **({"mesh": mesh} if mesh is not None else {}))
+    # check_schedule: every step's engine collectives are compared with its schedule (debug mode).
+    model = zs.shard(Net(), stage=stage, options=zs.EngineOptions(check_schedule=True),
+                     **({"mesh": mesh} if mesh is not None else {}))
     opt, sched = zs_optimizer(name, model)
     ledger = (mesh or zs.get_mesh()).ledger
     start = ledger.next_seq
