@@ -23,6 +23,7 @@ import torch
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.trainer.launch import spawn
+from zeroshard.trainer.step import Each, one_step, plain_step
 
 
 def _zs_arm(cfg: GPTConfig, stage: int, muon: bool):
@@ -35,10 +36,7 @@ def _zs_arm(cfg: GPTConfig, stage: int, muon: bool):
         opt = zs.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
 
     def step(x, y):
-        model(x, y).backward()
-        zs.clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
+        one_step(model, opt, x, y)  # no clipping, as in the DDP arm's plain step
     return step, opt
 
 
@@ -52,13 +50,10 @@ def _ddp_arm(cfg: GPTConfig):
                                                                                if k != "params"}}
                                for g in groups[1:]], lr=3e-4, weight_decay=0.1)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    both = Each([muon, adamw])
 
     def step(x, y):
-        ddp(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for opt in (muon, adamw):
-            opt.step()
-            opt.zero_grad()
+        plain_step(ddp, both, x, y)
     return step, (muon, adamw)
 
 

@@ -218,9 +218,9 @@ class Each:
         for item in self.items:
             item.step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for item in self.items:
-            item.zero_grad()
+            item.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The first stage's (LR schedulers): every stage's steps with it, so they hold the same state."""
