@@ -33,6 +33,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "meta_init": ("zeroshard.runtime.materialize", "meta_init"),
     "MixedPrecision": ("zeroshard.runtime", "MixedPrecision"),
     "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
+    "muon_groups": ("zeroshard.runtime.recipes", "muon_groups"),
     "new_mesh": ("zeroshard.comm.world", "new_mesh"),
     "no_sync": ("zeroshard.runtime", "no_sync"),
     "observe": ("zeroshard.observing", "observe"),
@@ -84,6 +85,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.parallel.experts import MoELayer, expert_parallel
     from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained
     from zeroshard.runtime.materialize import meta_init
+    from zeroshard.runtime.recipes import muon_groups
     from zeroshard.observing import Observer, observe
     from zeroshard.runtime.offload import OffloadPolicy
     from zeroshard.tools.planner import plan

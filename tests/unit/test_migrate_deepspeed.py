@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import math
 
 import json
@@ -383,3 +385,18 @@ def test_cli_refuses_by_name_and_strict_refuses_notes(tmp_path, capsys):
     assert strict.returncode == 1 and "--strict: fp16.loss_scale_window=1000" in strict.stderr
     missing = _main(capsys, str(tmp_path / "nope.json"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_per_tensor_optimizer_types_map_to_zeroshards_owners():
+    muon = from_deepspeed({**ZERO1_BF16, "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.9,
+                                                                                   "weight_decay": 0.05}}}, world=8)
+    assert muon.values["optimizer"] == {"name": "muon", "momentum": 0.9}
+    assert muon.values["lr"] == 0.02 and muon.values["weight_decay"] == 0.05
+    assert 'optimizer = {name = "muon", momentum = 0.9}' in muon.toml("ds.json").splitlines()
+    assert tomllib.loads(muon.toml("ds.json"))["optimizer"] == {"name": "muon", "momentum": 0.9}  # train reads it
+    ada = from_deepspeed({**ZERO1_BF16, "optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}}, world=8)
+    assert ada.values["optimizer"] == "adafactor" and ada.values["lr"] == 1e-3
+    with pytest.raises(UnsupportedKey, match="unknown DeepSpeed key|unsupported"):
+        from_deepspeed({**ZERO1_BF16, "optimizer": {"type": "Muon", "params": {"bogus": 1}}}, world=8)
+    with pytest.raises(UnsupportedKey, match="per_tensor = true"):
+        from_deepspeed({**ZERO1_BF16, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, world=8)

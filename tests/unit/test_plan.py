@@ -342,3 +342,10 @@ def test_plot_writes_a_png(tmp_path, capsys):
 def test_recommender_does_not_promise_ranks_when_activations_overflow():
     rec = recommend("medium", world=2, batch=128, seq=512, device_mem="2GB")
     assert rec.layout is None and "activations dominate" in rec.reason and "more ranks will not help" in rec.reason
+
+
+def test_per_tensor_optimizer_state_is_probed_on_a_matrix_and_noted():
+    muon = probe(torch.optim.Muon, torch.float32)  # a vector would be refused by Muon itself
+    assert muon.per_element == 4.0  # one fp32 momentum per element
+    planned = plan("small", world=4, stage=3, optimizer="muon")
+    assert any("owner rank" in n for n in planned.notes)

@@ -170,3 +170,38 @@ def test_original_params_are_released_after_sharding():
     zs.shard(model, stage=3)
     gc.collect()
     assert original() is None, "the pre-shard full param must not outlive zs.shard"
+
+
+def test_per_tensor_classes_are_accepted_and_mixed_in_one_optimizer():
+    model = zs.shard(tiny(), stage=3)
+    groups = zs.muon_groups(model, muon={"lr": 0.02}, weight_decay=0.1)
+    opt = zs.optimizer(model, torch.optim.AdamW, param_groups=groups, lr=3e-4)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 3e-4, 3e-4]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]  # Muon's own default, then ours
+    assert "momentum" in opt.param_groups[0] and "betas" in opt.param_groups[1]  # each class's own defaults
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 1.5e-4, 1.5e-4]
+    del sched
+    names = groups[0]["params"]
+    assert names and all(n.endswith("weight") and "emb" not in n and "lm_head" not in n for n in names)
+
+
+def test_muon_on_a_vector_is_refused_by_name_with_the_fix():
+    model = zs.shard(tiny(), stage=0)
+    with pytest.raises(ValueError) as info:
+        zs.optimizer(model, torch.optim.Muon, lr=0.02)
+    message = str(info.value)
+    assert "Muon" in message and "zs.muon_groups" in message and "\n" not in message
+
+
+def test_undeclared_optimizer_error_offers_both_declarations():
+    model = zs.shard(tiny(), stage=1)
+    with pytest.raises(ValueError, match="per_tensor=True"):
+        zs.optimizer(model, _TrustRatio, lr=0.1)
+    with pytest.raises(ValueError, match="declare one"):
+        zs.optimizer(model, _TrustRatio, lr=0.1, elementwise=True, per_tensor=True)
+    with pytest.raises(ValueError, match="torch.optim.Optimizer class"):
+        zs.optimizer(model, torch.optim.AdamW, lr=0.1, param_groups=[{"params": [n for n, _ in
+                                                                             model.named_parameters()],
+                                                                      "optimizer": "muon"}])

@@ -34,6 +34,7 @@ from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.comm import collectives
 from zeroshard.runtime import tp
 from zeroshard.runtime.optim import user_class
+from zeroshard.checkpoint import owner_state
 
 if TYPE_CHECKING:
     from zeroshard.parallel.pipeline import Pipeline
@@ -155,6 +156,8 @@ class Plan:
         self.reads: list[_Read] = []
         self.files: set[str] = set()
         self.new_state: dict[nn.Parameter, dict[str, Any]] = {}
+        self.owner_reads: dict[int, owner_state.OwnerReads] = {}  # id(optimizer) -> its owned params' reads
+        self.saved_groups: list[dict] = []
         self.options: list[dict] = []
         self.where = directory / fmt.MANIFEST
 
@@ -255,6 +258,10 @@ class Plan:
             raise CheckpointError(f"{self.where} has {len(saved['param_groups'])} optimizer param groups, the "
                                   f"optimizer has {len(optimizer.param_groups)}; build it with the same groups")
         self.options = [fmt.from_json(g["options"]) for g in saved["param_groups"]]
+        self.saved_groups = saved["param_groups"]
+        whole = owner_state.plan_reads(self, optimizer)
+        if whole is not None:
+            self.owner_reads[id(optimizer)] = whole
         for segment in SegmentIndex(optimizer).all:
             group, lo = segment.group, segment.group.lo
             scalars = saved["param_groups"][segment.index]["scalars"]
@@ -284,6 +291,10 @@ class Plan:
                     value = value.to(segment.param.device)  # capturable/fused steps keep `step` on the device
                 state[n] = value
             self.new_state[segment.param] = state
+
+    def param_of(self, group, index: int) -> dict:
+        """The saved param (manifest entry) slot ``index`` of ``group`` reads from."""
+        return self._param_of(group, index)
 
     def _param_of(self, group, index: int) -> dict:
         return self.resolve(group.refs[index].aliases, saved_extent(group, index)[0], group.master_dtype,
@@ -431,6 +442,8 @@ def load(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, *
             for param, state in plan.new_state.items():
                 if param in mine:
                     part.optimizer.state[param] = state
+            if id(part.optimizer) in plan.owner_reads:  # collective: every rank's pieces to the owners
+                owner_state.gather_owned(part.optimizer, plan.owner_reads[id(part.optimizer)], plan.saved_groups)
         _publish(part.engine)
     m = plan.manifest
     return Loaded(path=directory, step=m["step"], extra=fmt.from_json(m.get("extra")), saved_world=m["world"],

@@ -32,6 +32,8 @@ from zeroshard.checkpoint.manifest import CHECKSUMS_KEY, REPORT_KEY, SKELETON_KE
 from zeroshard.checkpoint.stages import Parts
 from zeroshard.checkpoint.pieces import (SegmentIndex, owned_slots, persistent_buffers, saved_extent, saved_name,
                                          split_state, writer_range)
+from zeroshard.checkpoint import owner_state
+from zeroshard.runtime.owners import held_range
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, as_bytes, dtype_name
 from zeroshard.runtime.engine import Engine
 
@@ -58,6 +60,7 @@ def collect(model: nn.Module, engine: Engine, optimizer, *, skip: frozenset[str]
     buffers (default: rank 0, which holds every buffer without a pipeline), except ``buffers_done``."""
     rank, world = engine.mesh.rank, engine.mesh.world
     segments = SegmentIndex(optimizer) if optimizer is not None else None
+    owned = owner_state.spread(optimizer, engine)  # collective: owners' state cut into this rank's pieces
     entries: list[Entry] = []
     values: list[torch.Tensor] = []
     pieces: list[list] = []
@@ -77,7 +80,14 @@ def collect(model: nn.Module, engine: Engine, optimizer, *, skip: frozenset[str]
             stop = start + b - a
             add(fmt.piece_key("master", fqn, start, stop), group.shard[a - lo:b - lo])
             kinds, index = [], None
-            if segments is not None and group.trainable:
+            whole = owned.lookup(group, slot_index) if owned is not None else None
+            if whole is not None:  # stepped whole on an owner: its state arrived in pieces like this one's
+                item, names, tensors = whole
+                index, rel = item.torch_group, a - slot.offset - held_range(item)[0]
+                for name, tensor in zip(names, tensors):
+                    add(fmt.piece_key(f"optim.{name}", fqn, start, stop), tensor[rel:rel + b - a])
+                    kinds.append(name)
+            elif segments is not None and group.trainable:
                 segment = segments.find(group, a, b)
                 index = segment.index
                 state = optimizer.state.get(segment.param, {})
@@ -88,6 +98,8 @@ def collect(model: nn.Module, engine: Engine, optimizer, *, skip: frozenset[str]
                     kinds.append(name)
                 _merge_scalars(scalars.setdefault(index, {}), values_0d, index)
             pieces.append([fqn, start, stop, kinds, index])
+    for index, values_0d in (owned.scalars.items() if owned is not None else ()):
+        _merge_scalars(scalars.setdefault(index, {}), values_0d, index)
     buffers = []
     if rank == 0 if write_buffers is None else write_buffers:
         for name, buffer in persistent_buffers(model):

@@ -70,7 +70,8 @@ def compare(cfg: TrainConfig, ref: dict, dist: dict, stage0: dict, *, tol: float
            if cfg.pp > 1 else {}),
         "global_batch": cfg.batch, "seq_len": cfg.seq_len, "mp": cfg.mp, "accum": cfg.accum,
         "tol": tol, "loss_tol": loss_tol, "comm_quant": cfg.comm_quant,
-        "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else "exact communication",
+        "tolerance_mode": "lossy communication" if cfg.comm_quant != "none" else
+        "bf16 orthogonalisation (Muon)" if uses_muon(cfg.optimizer) and cfg.mp == "fp32" else "exact communication",
         "max_abs_param_diff_vs_single": p_single,
         "max_abs_loss_diff_vs_single": max(loss_diffs),
         "max_abs_param_diff_vs_stage0": p_stage0,
@@ -127,7 +128,18 @@ measured worst loss difference is 7.4e-3 and the worst param difference 1.2e-2 (
 moves the loss by tenths at the first step)."""
 
 
-def default_tolerances(mp: str, comm_quant: str = "none") -> tuple[float, float]:
+BF16_ORTHOGONALISATION_TOLERANCES = (5e-3, 1e-4)
+"""torch's Muon orthogonalises each update in bf16, so a grad that differs from one process's in its
+last fp32 bit (any reduction's summation order) can move an update by a bf16 ulp: the param bound
+for ``--optimizer muon`` in fp32 (stages 1-3 against our stage 0 stay exact all the same)."""
+
+
+def uses_muon(optimizer: object) -> bool:
+    name = optimizer.get("name") if isinstance(optimizer, dict) else optimizer
+    return isinstance(name, str) and name.strip().lower() == "muon"
+
+
+def default_tolerances(mp: str, comm_quant: str = "none", optimizer: object = "adamw") -> tuple[float, float]:
     """(param, loss) tolerances against the fp32 single process.
 
     In fp32 only summation order differs, so 1e-5 holds. With bf16/fp16 compute the run is
@@ -137,6 +149,8 @@ def default_tolerances(mp: str, comm_quant: str = "none") -> tuple[float, float]
     """
     if comm_quant != "none":
         return LOSSY_COMM_TOLERANCES
+    if mp == "fp32" and uses_muon(optimizer):
+        return BF16_ORTHOGONALISATION_TOLERANCES
     return (1e-5, 1e-5) if mp == "fp32" else (2e-2, 2e-2)
 
 
@@ -173,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("verify", one_line(e))
     except ValueError as e:
         return fail("verify", str(e))
-    tol, loss_tol = default_tolerances(cfg.mp, cfg.comm_quant)
+    tol, loss_tol = default_tolerances(cfg.mp, cfg.comm_quant, cfg.optimizer)
     result = compare(cfg, ref, dist, stage0, tol=args.tol if args.tol is not None else tol,
                      loss_tol=args.loss_tol if args.loss_tol is not None else loss_tol)
     if args.json:

@@ -61,6 +61,9 @@ class Phase(_Name):
     RECOMPUTE = "recompute"
     PARAM_SYNC = "param_sync"
     """Stages 1-2: the updated shards gathered back into the full params after the optimizer step."""
+    OWNER_EXCHANGE = "owner_exchange"
+    """A per-tensor optimizer's step: reduced grads and masters of each param sent whole to its owner
+    rank, and the updated values sent back to the ranks whose shards hold them."""
     INIT = "init"
     CLIP = "clip"
     GRAD_SCALER = "grad_scaler"

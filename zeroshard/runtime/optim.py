@@ -19,40 +19,13 @@ from zeroshard.runtime.offload.stepper import SlicedStep
 from zeroshard.runtime.engine import Engine, find_engine, get_engine
 from zeroshard.runtime.events import EventKind
 from zeroshard.runtime.flat import FlatGroup
+from zeroshard.runtime.optim_kinds import ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, OptimKind
+from zeroshard.runtime.optim_parts import Part, build_parts, group_plans, probe, step_parts, unhooked
+from zeroshard.runtime.owners import OwnedParam, PerTensorStep, assign_owners
 
-# The optimizer runs on flat shard slices: one segment holds pieces of several params, and a param
-# split across ranks is seen in part. That is exact only when each element's update reads nothing
-# but its own grad and state (plus per-step scalars such as the step count, equal on every segment).
-# Each class below was checked to be so, with every option it takes (amsgrad, nesterov, centered, ...).
-ELEMENTWISE_OPTIMIZERS: frozenset[type] = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
-    torch.optim.ASGD,
-})
-
-# torch classes known to read other elements, with what they read; opting in cannot make them right.
-_PER_TENSOR = {
-    "LBFGS": "dot products and a line search over all params at once",
-    "SparseAdam": "sparse gradients, which the flat reduction never produces",
-    "Adafactor": "row and column means of each matrix and each param's RMS",
-    "Muon": "an orthogonalisation of each whole matrix",
-}
-
-
-def check_elementwise(optim_cls: type, elementwise: bool) -> None:
-    """Refuse an optimizer that would compute wrong updates on flat shard slices."""
-    name = optim_cls.__name__
-    if optim_cls.__module__.startswith("torch.optim") and name in _PER_TENSOR:
-        raise ValueError(f"{name} is not elementwise ({_PER_TENSOR[name]}), so it cannot run on flat shards; "
-                         "use AdamW, Adam, SGD, Adagrad, RMSprop or another elementwise optimizer")
-    if optim_cls in ELEMENTWISE_OPTIMIZERS or elementwise:
-        return
-    raise ValueError(
-        f"{name} is not a known elementwise optimizer: zs.optimizer steps it on flat shard slices that mix "
-        "pieces of several params and hold only part of each, so any per-tensor quantity (a norm, a LAMB/LARS "
-        "trust ratio, a factored moment, an orthogonalisation) would be computed over the wrong elements; "
-        "if every element's update reads only its own grad and state, pass elementwise=True, otherwise "
-        "opting in would silently give wrong updates, so use an elementwise optimizer such as AdamW")
+# Re-exported: the classification lives with its own concept (zeroshard/runtime/optim_kinds.py).
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "PER_TENSOR_OPTIMIZERS", "optim_groups", "optimizer", "sharded_state",
+           "user_class"]
 
 
 def decays(fqn: str, shape: torch.Size) -> bool:
@@ -78,12 +51,6 @@ def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _unhooked(step):
-    """torch wraps an optimizer class's ``step`` to run step hooks; calling the wrapped one from our
-    own (already hooked) step would run every hook twice."""
-    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
-
-
 @dataclasses.dataclass
 class ShardedState:
     """What a sharded optimizer steps with, kept on it as ``optimizer.zeroshard_state``."""
@@ -92,6 +59,8 @@ class ShardedState:
     segments: SegmentMap
     sliced_step: SlicedStep | None = None  # disk offload: the step runs slice by slice
     pipeline: _UnitPipeline | None = None  # on-device masters: the step runs unit by unit
+    parts: list[Part] | None = None  # several classes, or per-tensor ones: each steps its own groups
+    per_tensor: PerTensorStep | None = None  # the params stepped whole on their owners
 
     def report_step(self) -> None:
         """The ``step`` event: this rank's master values were updated (``bytes``: their size)."""
@@ -133,14 +102,46 @@ def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
         if state.pipeline is None or closure is not None:
             state.segments.attach_grads()
             sliced = state.sliced_step
-            loss = sliced(closure) if sliced is not None else _unhooked(optim_cls.step)(self, closure)
+            loss = sliced(closure) if sliced is not None else unhooked(optim_cls.step)(self, closure)
             state.engine.sync_params()
         else:
-            state.pipeline.run(self, _unhooked(optim_cls.step))
+            state.pipeline.run(self, unhooked(optim_cls.step))
         state.report_step()
         return loss
 
     return type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "step": step})
+
+
+_PARTS_CLASSES: dict[type, type] = {}
+
+
+def _sharded_parts_class(optim_cls: type[torch.optim.Optimizer]) -> type:
+    """The class of an optimizer made of parts (several classes, or per-tensor ones)."""
+    if optim_cls in _PARTS_CLASSES:
+        return _PARTS_CLASSES[optim_cls]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        optim_cls.zero_grad(self, set_to_none=True)
+        self.zeroshard_state.engine.zero_grad()
+
+    def step(self, closure=None):
+        state = self.zeroshard_state
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        state.segments.attach_grads()
+        # Owners first: its exchange reads every grad shard, so all reductions are done by then.
+        state.per_tensor.load_whole()
+        step_parts(self, state.parts)
+        state.per_tensor.store_whole()
+        state.engine.sync_params()
+        state.report_step()
+        return loss
+
+    cls = type(f"Sharded{optim_cls.__name__}", (optim_cls,), {"zero_grad": zero_grad, "step": step})
+    _PARTS_CLASSES[optim_cls] = cls
+    return cls
 
 
 def _group_index(fqn: str, shape: torch.Size, user_groups: list[dict] | None, name_to_group: dict) -> int:
@@ -237,29 +238,50 @@ class _UnitPipeline:
 
 
 def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param_groups: list[dict] | None = None,
-              elementwise: bool = False, **defaults: Any):
+              elementwise: bool = False, per_tensor: bool = False, **defaults: Any):
     """Build ``optim_cls`` over this rank's shard of a sharded model.
 
     ``param_groups``, if given, is a list of dicts whose ``"params"`` are param *names* (or the
     params themselves from before ``zs.shard``) plus per-group options. By default two groups are
     made: decaying matrices/embeddings (``weight_decay`` from the keywords) and non-decaying
-    biases and norms.
+    biases and norms. A group may name its own class, ``{"params": [...], "optimizer":
+    torch.optim.Muon, "lr": 0.02}`` (its options are its own; ``defaults`` go to ``optim_cls``).
 
-    ``optim_cls`` must be one of ``ELEMENTWISE_OPTIMIZERS``, or a class of your own whose update of
-    each element reads only that element's grad and state, declared with ``elementwise=True``.
+    An elementwise class (``ELEMENTWISE_OPTIMIZERS``, or your own declared ``elementwise=True``:
+    each element's update reads only its own grad and state) steps flat shard slices. A per-tensor
+    class (``PER_TENSOR_OPTIMIZERS``, or your own declared ``per_tensor=True``: it reads one whole
+    param at a time) steps each param whole on one owner rank (zeroshard/runtime/owners.py).
     """
-    check_elementwise(optim_cls, elementwise)
     engine = get_engine(model)
     name_to_group, options = _resolve_user_groups(engine, param_groups, defaults)
+    plans = group_plans(options, optim_cls, elementwise, per_tensor)
+    group_of_slot = {id(g): [_group_index(s.fqn, s.shape, param_groups, name_to_group) for s in g.layout.slots]
+                     for g in engine.trainable_groups}
+    if all(cls is optim_cls and kind is OptimKind.ELEMENTWISE for cls, kind in plans):
+        return _flat_optimizer(engine, optim_cls, options, group_of_slot, defaults)
+    return _parts_optimizer(engine, optim_cls, options, plans, group_of_slot, defaults)
+
+
+def _flat_segments(engine: Engine, group_of_slot: dict[int, list[int]], n_groups: int,
+                   flat: set[int]) -> tuple[SegmentMap, list[list[nn.Parameter]]]:
+    """The segment params of the torch groups in ``flat``, per torch group."""
     segment_map = SegmentMap()
-    buckets: list[list[nn.Parameter]] = [[] for _ in options]
+    buckets: list[list[nn.Parameter]] = [[] for _ in range(n_groups)]
     for group in engine.trainable_groups:
-        group_of_slot = [_group_index(s.fqn, s.shape, param_groups, name_to_group) for s in group.layout.slots]
-        for index, start, stop in _segments(group, group_of_slot):
+        for index, start, stop in _segments(group, group_of_slot[id(group)]):
+            if index not in flat:
+                continue
             segment = nn.Parameter(group.shard[start:stop], requires_grad=True)
             buckets[index].append(segment)
             segment_map.entries.append((segment, group, start, stop))
             segment_map.group_index[id(segment)] = index
+    return segment_map, buckets
+
+
+def _flat_optimizer(engine: Engine, optim_cls: type[torch.optim.Optimizer], options: list[dict],
+                    group_of_slot: dict[int, list[int]], defaults: dict):
+    """One elementwise class over flat segments: the fast path, stepped unit by unit."""
+    segment_map, buckets = _flat_segments(engine, group_of_slot, len(options), set(range(len(options))))
     torch_groups = [dict(opts, params=params) for opts, params in zip(options, buckets)]
     # An empty group would make some optimizers fail; a rank whose shard holds only padding still
     # needs the same groups, so keep them and give them a zero-size segment.
@@ -271,7 +293,7 @@ def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param
     state = opt.zeroshard_state = ShardedState(engine, segment_map)
     if engine.store is not None and engine.store.kind == "disk":
         max_numel = engine.options.offload.slice_numel
-        state.sliced_step = SlicedStep(opt, engine.store, _unhooked(optim_cls.step), max_numel)
+        state.sliced_step = SlicedStep(opt, engine.store, unhooked(optim_cls.step), max_numel)
     elif engine.store is None:
         state.pipeline = _UnitPipeline(engine, segment_map, len(torch_groups))
 
@@ -282,6 +304,58 @@ def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param
 
     opt.register_step_pre_hook(before_step)
     return opt
+
+
+def _parts_optimizer(engine: Engine, optim_cls: type, options: list[dict], plans: list[tuple[type, OptimKind]],
+                     group_of_slot: dict[int, list[int]], defaults: dict):
+    """Several classes, or per-tensor ones: each part steps its own groups (zeroshard/runtime/optim_parts.py)."""
+    per_tensor = {i for i, (_, kind) in enumerate(plans) if kind is OptimKind.PER_TENSOR}
+    items = [(g, slot) for g in engine.trainable_groups for slot, index in enumerate(group_of_slot[id(g)])
+             if index in per_tensor]
+    _refuse_unsupported(engine, items)
+    owned = [OwnedParam(g, slot, owner, group_of_slot[id(g)][slot])
+             for (g, slot), owner in zip(items, assign_owners(items))]
+    segment_map, buckets = _flat_segments(engine, group_of_slot, len(options), set(range(len(options))) - per_tensor)
+    step = PerTensorStep(owned)
+    for item in step.mine():
+        assert item.param is not None, "an owner holds a whole param for each param it owns"
+        buckets[item.torch_group].append(item.param)
+    device = engine.trainable_groups[0].shard.device
+    for index in per_tensor:
+        shapes = [g.layout.slots[slot].shape for g, slot in items if group_of_slot[id(g)][slot] == index]
+        probe(plans[index][0], shapes, options[index] if plans[index][0] is not optim_cls else {**defaults,
+                                                                                              **options[index]}, index)
+        if not buckets[index]:  # a rank owning none of the group's params still needs the group
+            buckets[index] = [nn.Parameter(torch.zeros([0] * len(shapes[0]) if shapes else [0], device=device))]
+    for index, bucket in enumerate(buckets):
+        if not bucket:
+            bucket.append(nn.Parameter(torch.zeros(0, device=device)))
+    torch_groups = [dict(opts, params=params) for opts, params in zip(options, buckets)]
+    own = [torch_groups[i] for i, (cls, _) in enumerate(plans) if cls is optim_cls]
+    if not own:
+        raise ValueError(f"no param group uses {optim_cls.__name__}, the class zs.optimizer was called with; pass "
+                         "the class of some group (e.g. AdamW) and name the others' classes in their groups")
+    opt = _sharded_parts_class(optim_cls)(own, **defaults)
+    parts = build_parts(opt, torch_groups, plans)
+    step.release()
+    opt.zeroshard_state = ShardedState(engine, segment_map, parts=parts, per_tensor=step)
+    return opt
+
+
+def _refuse_unsupported(engine: Engine, items: list[tuple[FlatGroup, int]]) -> None:
+    """What per-tensor owners do not compose with yet, refused by name before any state is built."""
+    if not items:
+        return
+    if engine.store is not None:
+        raise ValueError("a per-tensor optimizer cannot run with offload= yet (owners step whole tensors on the "
+                         "device); drop offload or use an elementwise optimizer such as AdamW")
+    for group, slot in items:
+        if group.tp_specs[slot] is not None:
+            raise ValueError(f"{group.layout.slots[slot].fqn} is tensor-parallel: a per-tensor optimizer cannot step "
+                             "it yet (its whole matrix spans the tp ranks); run without tp or put it in an AdamW group")
+        if group.mesh is not engine.mesh:
+            raise ValueError(f"{group.layout.slots[slot].fqn} is an expert param: a per-tensor optimizer cannot step "
+                             "stacked experts yet; put expert params in an AdamW group")
 
 
 def _resolve_user_groups(engine: Engine, param_groups: list[dict] | None, defaults: dict):

@@ -28,7 +28,11 @@ def pp_microbatches(cfg: TrainConfig) -> int:
 
 
 def check_runnable(cfg: TrainConfig) -> TrainConfig:
-    """One line naming the problem and the fix for a pipeline the model or the schedule cannot run."""
+    """One line naming the problem and the fix for an optimizer zeroshard cannot build, or a pipeline
+    the model or the schedule cannot run."""
+    from zeroshard.trainer.optimizers import parse_optimizer  # torch's classes: not at config time
+
+    parse_optimizer(cfg.optimizer)
     dims = cfg.dims
     if dims.pp == 1:
         return cfg

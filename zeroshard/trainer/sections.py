@@ -122,6 +122,11 @@ class OptimSection:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
 
+    optimizer: str | dict = "adamw"
+    """adamw, muon (Muon for the hidden matrices, AdamW for embeddings, head, norms and biases), adafactor,
+    or module:Class for a class of your own; a TOML [optimizer] table takes name = "..." and the class's
+    options (per_tensor = true or elementwise = true declare your own class; zeroshard/trainer/optimizers.py)."""
+
     clip: float = 1.0
     """Clip the GLOBAL gradient norm (over every shard, tied params counted once) to this value;
     0 disables clipping."""

@@ -27,7 +27,6 @@ from zeroshard.runtime import (
     clip_grad_norm_ as zs_clip_grad_norm_,
     mesh_of,
     no_sync,
-    optimizer as zs_optimizer,
     shard as zs_shard,
 )
 from zeroshard.runtime.materialize import meta_init
@@ -37,6 +36,7 @@ from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, sl
 from zeroshard.models.names import HF_PREFIX
 from zeroshard.trainer.config import TrainConfig, check_batch_split
 from zeroshard.trainer.data import GlobalBatchSampler, build_dataset
+from zeroshard.trainer.optimizers import BETAS, sharded_optimizer  # noqa: F401 (BETAS: the tools read it here)
 from zeroshard.trainer import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.observing.profile.timeline import phase
@@ -44,7 +44,6 @@ from zeroshard.runtime.precision import parse_dtype
 from zeroshard.trainer.ep_setup import apply_expert_parallel
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
 
-BETAS = (0.9, 0.95)
 IGNORE_INDEX = -100
 META_INIT_THRESHOLD = 50_000_000
 """Above this many params `init="auto"` builds on the meta device (see zeroshard/runtime/materialize.py)."""
@@ -190,7 +189,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     apply_expert_parallel(cfg, model, mesh)  # an ep dim: keep this rank's experts, route tokens to the others
     shard_model(cfg, model, **{"mesh": mesh, **shard_overrides})
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
-    opt = zs_optimizer(model, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    opt = sharded_optimizer(cfg.optimizer, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = zs_ShardedGradScaler(model) if cfg.mp == "fp16" else None
     # Tensor-parallel ranks (zs.init(tp=N)) share a batch: data is split over the data-parallel ranks only.
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
@@ -220,9 +219,9 @@ class Each:
         for item in self.items:
             item.step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for item in self.items:
-            item.zero_grad()
+            item.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The first stage's (LR schedulers): every stage's steps with it, so they hold the same state."""
@@ -262,7 +261,7 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     for module in pipe.modules:  # a pretrained folder on meta: each stage reads only its own tensors
         adapter.after_shard(module, whole=model, tied=pipe.tied_copies)
     pipe.check_batch(cfg.batch // mesh.dp_size // cfg.accum)
-    opts = pipe.optimizers(torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    opts = [sharded_optimizer(cfg.optimizer, module, lr=cfg.lr, weight_decay=cfg.weight_decay) for module in pipe.modules]
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
     # fp16: one scaler over all of this rank's stages, its overflow flag agreed over the world (every pp rank).
     scaler = zs_ShardedGradScaler(pipe.modules) if cfg.mp == "fp16" else None

@@ -27,7 +27,7 @@ from zeroshard.comm import get_ledger as zs_ledger
 from zeroshard.comm.mesh import shutdown
 from zeroshard.comm.world import init
 from zeroshard.observing import observe as zs_observe
-from zeroshard.runtime import full_state_dict as zs_full_state_dict, optim_groups, precision_manifest
+from zeroshard.runtime import full_state_dict as zs_full_state_dict, precision_manifest
 from zeroshard.comm import fault_points as fault_points
 from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.watchdog import process_group_timeout
@@ -35,6 +35,7 @@ from zeroshard.checkpoint.training import TrainingCheckpoints
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.config_checks import check_runnable, pp_microbatches
 from zeroshard.trainer.data import GlobalBatchSampler, collate
+from zeroshard.trainer.optimizers import plain_optimizers
 from zeroshard.trainer import adapter
 from zeroshard.runtime import get_engine
 from zeroshard.trainer import step as step_mod
@@ -328,8 +329,9 @@ def reference_train(cfg: TrainConfig, model: torch.nn.Module | None = None) -> d
     """
     dataset = build_data(cfg)
     model = build_model(cfg, dataset.vocab_size, torch.device("cpu"), allow_meta=False) if model is None else model
-    opt = torch.optim.AdamW(optim_groups(model, cfg.weight_decay), lr=cfg.lr, betas=BETAS)
-    scheduler = make_scheduler(cfg, opt)
+    opts = plain_optimizers(cfg.optimizer, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = opts[0] if len(opts) == 1 else step_mod.Each(opts)
+    scheduler = make_scheduler(cfg, opts[0]) if len(opts) == 1 else step_mod.Each([make_scheduler(cfg, o) for o in opts])
     sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=1, rank=0, seed=cfg.seed)
     losses: list[float] = []
     norms: list[float] = []

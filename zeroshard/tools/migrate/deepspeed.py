@@ -253,6 +253,14 @@ def _optimizer(root: Section, out: Builder) -> None:
         return
     kind = str(opt.concrete("type", "")).lower()
     params = opt.section("params") or Section({}, opt.name("params"))
+    if kind in PER_TENSOR_TYPES:
+        _per_tensor_optimizer(kind, opt, params, out)
+        return
+    if kind == "lamb":
+        raise UnsupportedKey(f"DeepSpeed key {opt.name('type')}={opt.data.get('type')!r} is unsupported: torch ships no "
+                             "LAMB; zeroshard steps a LAMB of your own whole per tensor (zeroshard train --optimizer "
+                             "mypkg.optim:Lamb with per_tensor = true in an [optimizer] table), or --drop optimizer "
+                             "converts with zeroshard's AdamW")
     if kind not in ("adam", "adamw") or (kind == "adam" and params.take("adam_w_mode") is False):
         raise UnsupportedKey(f"DeepSpeed key {opt.name('type')}={opt.data.get('type')!r} is unsupported: zeroshard "
                              "train steps AdamW (decoupled weight decay); from Python, zs.optimizer takes any "
@@ -276,6 +284,25 @@ def _optimizer(root: Section, out: Builder) -> None:
                 f"zeroshard train's AdamW uses {key} {value}")
     for key in ("torch_adam", "fused"):
         out.note(params, key, "zeroshard steps torch.optim.AdamW; the update is the same")
+    params.finish()
+    opt.finish()
+
+
+PER_TENSOR_TYPES = {"muon": "Muon for the hidden matrices, AdamW for embeddings, head, norms and biases",
+                    "adafactor": "torch.optim.Adafactor"}
+"""DeepSpeed optimizer types zeroshard train runs per tensor on owner ranks (zeroshard/runtime/owners.py)."""
+MUON_OPTIONS = ("momentum", "nesterov", "ns_steps", "eps")
+"""DeepSpeed Muon params that are torch.optim.Muon options of the same name and meaning."""
+
+
+def _per_tensor_optimizer(kind: str, opt: Section, params: Section, out: Builder) -> None:
+    """Muon (the matrices; AdamW for the rest, as DeepSpeed's Muon does) and Adafactor: ``optimizer``
+    with lr and weight_decay as the run's; Muon's own options go into the [optimizer] table."""
+    out.map(params, "lr", "lr", cast=float)
+    out.map(params, "weight_decay", "weight_decay", cast=float)
+    extra = {key: params.take(key) for key in MUON_OPTIONS if kind == "muon" and params.has(key)}
+    value: Any = {"name": kind, **extra} if extra else kind
+    out.set(opt.name("type"), opt.data.get("type"), "optimizer", value, FROM_JSON, PER_TENSOR_TYPES[kind])
     params.finish()
     opt.finish()
 

@@ -16,6 +16,7 @@ from zeroshard.tools.planner.experts import ExpertSplit, expert_split
 from zeroshard.tools.planner.inventory import Inventory, meta_gpt
 from zeroshard.tools.planner.memory import Estimator, variants
 from zeroshard.tools.planner.result import LayoutPlan, Plan
+from zeroshard.runtime.optim_kinds import PER_TENSOR_OPTIMIZERS
 from zeroshard.tools.planner.spec import PlanSpec, parse_count, resolve_mp, resolve_optimizer
 from zeroshard.tools.planner.tp import TensorParallel, layer_collectives
 from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
@@ -197,6 +198,10 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                      "workspace is the optimizer's scratch")
     elif activations is None:
         notes.append("activations not estimated: the formula covers zeroshard's GPT only")
+    if optim_cls in PER_TENSOR_OPTIMIZERS:
+        notes.append(f"{optim_cls.__name__} steps each param whole on one owner rank; its state is estimated from "
+                     "a square matrix's, spread as 1/N of the params (owners balance by elements, within one "
+                     "param's size), without the owner exchange's traffic or its whole-param temporaries")
     if spec.offload != "none":
         notes.append(f"{spec.offload} offload keeps masters, optimizer state and the reduced grads off the device "
                      f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"

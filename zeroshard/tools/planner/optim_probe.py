@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.runtime.optim_kinds import PER_TENSOR_OPTIMIZERS
+
 # Multiples of every common quantisation block (64 ... 4096) so block scales divide evenly.
 _SIZES = (4096, 16384)
 
@@ -51,8 +53,11 @@ def _state_bytes(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple
 
 def _one_step(optim_cls: type, kwargs: tuple, dtype: torch.dtype, numel: int) -> tuple[int, dict[str, str]]:
     generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(numel, generator=generator).to(dtype))
-    param.grad = torch.randn(numel, generator=generator).to(dtype)
+    # A per-tensor class steps whole matrices on owners (Muon takes nothing else): probe a square one.
+    side = int(numel ** 0.5)
+    shape = (side, numel // side) if optim_cls in PER_TENSOR_OPTIMIZERS else (numel,)
+    param = torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
+    param.grad = torch.randn(shape, generator=generator).to(dtype)
     options = dict(kwargs)
     options.setdefault("lr", 1e-3)  # some optimizers have no default learning rate
     optimizer = optim_cls([param], **options)

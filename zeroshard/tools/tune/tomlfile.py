@@ -3,7 +3,8 @@ keys, then one table per section ([optim], [parallel], ...), each key spelled as
 
 tomllib only reads; rather than add a dependency for writing, this serialises the only shape a
 TrainConfig has: str / int / float / bool values in at most one level of tables (None has no TOML
-spelling, and every optional field defaults to None, so a None is simply left out).
+spelling, and every optional field defaults to None, so a None is simply left out), and the `optimizer` key's
+options as an inline table (with lists, e.g. betas).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def _value(value: Any) -> str:
         return repr(value)  # "25.0", "0.001", "1e-05", "1e+16": each a TOML float, and exact
     if isinstance(value, str):
         return _string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None) + "}"
     raise TypeError(f"cannot write {type(value).__name__} {value!r} as a flat TOML value")
 
 
