@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from doc_commands import ROOT, DocCommand, all_commands, commands_in_text
+from zeroshard.cli.plan_flags import subcommand_argv
 from test_cli import run_cli, run_main
 
 DOC_COMMANDS = all_commands()
@@ -96,12 +97,15 @@ def _names_read_file(command: DocCommand) -> bool:
 
 def parse_problem(parser, command: DocCommand) -> str | None:
     """Why ``command`` would not get past the CLI's parser as written (None: it does), with its place."""
-    path, text = _subcommand(parser, command.argv)
+    # The old `plan` spellings (`plan --time`, a bare `plan`) are read as the subcommand the CLI
+    # turns them into, with the CLI's own rewrite.
+    argv = tuple(subcommand_argv(command.argv))
+    path, text = _subcommand(parser, argv)
     # The options as --help lists them: each entry's invocation ("  -w WORLD, --world WORLD"), the
     # part before the help text, not flags its prose mentions.
     listed = [line.strip().split("  ")[0] for line in text.splitlines() if line.strip().startswith("-")]
     options = {flag for entry in listed for flag in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", entry)}
-    unknown = [w.split("=")[0] for w in command.argv[len(path):]
+    unknown = [w.split("=")[0] for w in argv[len(path):]
                if re.match(r"^--?[A-Za-z]", w) and w.split("=")[0] not in options]
     if unknown:
         return (f"{command.where}: `{command.text}`: `zeroshard {' '.join(path)} --help` lists no "
@@ -109,7 +113,7 @@ def parse_problem(parser, command: DocCommand) -> str | None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            parser.parse_args(list(command.argv))
+            parser.parse_args(list(argv))
     except SystemExit as e:
         if e.code != 0:
             lines = err.getvalue().strip().splitlines()
@@ -171,13 +175,13 @@ def test_the_docs_show_the_commands_and_a_wrong_one_fails_with_its_place(parser)
         (8, "zeroshard train --steps 5", True, None),
     ]
     assert parse_problem(parser, found[0]) == (
-        "docs/example.md:2: `zeroshard plan --model small --world 4 --no-such-flag 3`: `zeroshard plan --help` "
-        "lists no --no-such-flag (an abbreviation or a flag that is gone)")
+        "docs/example.md:2: `zeroshard plan --model small --world 4 --no-such-flag 3`: `zeroshard plan memory "
+        "--help` lists no --no-such-flag (an abbreviation or a flag that is gone)")
     assert "abbreviation" in parse_problem(parser, found[1])  # --seq for --seq-len: argparse alone takes it
     assert "docs/example.md:5:" in resolve_problem(parser, found[2]) and "tp=3" in resolve_problem(parser, found[2])
     bad_value = DocCommand("docs/example.md", 9, ("plan", "--world", "four"), False)
     assert parse_problem(parser, bad_value) == (
-        "docs/example.md:9: `zeroshard plan --world four`: zeroshard plan: error: argument --world: "
+        "docs/example.md:9: `zeroshard plan --world four`: zeroshard plan memory: error: argument --world: "
         "invalid int value: 'four'")
 
 

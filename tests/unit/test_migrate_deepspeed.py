@@ -393,7 +393,7 @@ def test_per_tensor_optimizer_types_map_to_zeroshards_owners():
     assert muon.values["optimizer"] == {"name": "muon", "momentum": 0.9}
     assert muon.values["lr"] == 0.02 and muon.values["weight_decay"] == 0.05
     assert 'optimizer = {name = "muon", momentum = 0.9}' in muon.toml("ds.json").splitlines()
-    assert tomllib.loads(muon.toml("ds.json"))["optimizer"] == {"name": "muon", "momentum": 0.9}  # train reads it
+    assert tomllib.loads(muon.toml("ds.json"))["optim"]["optimizer"] == {"name": "muon", "momentum": 0.9}  # train reads it
     ada = from_deepspeed({**ZERO1_BF16, "optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}}, world=8)
     assert ada.values["optimizer"] == "adafactor" and ada.values["lr"] == 1e-3
     with pytest.raises(UnsupportedKey, match="unknown DeepSpeed key|unsupported"):

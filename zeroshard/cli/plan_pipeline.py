@@ -149,7 +149,7 @@ def measure_table(checks) -> Table:
 
 def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
     """(workload, hardware, ZeRO stage -> the pipeline replay): `plan time --pp`."""
-    from zeroshard.cli.plan_time import _workload
+    from zeroshard.cli.plan_workload import workload
     from zeroshard.tools.sim.hardware import DEFAULT_HW
     from zeroshard.tools.sim.hardware import load_hardware
     from zeroshard.tools.sim.pipeline import simulate_pipeline
@@ -163,7 +163,7 @@ def simulated(args: argparse.Namespace) -> tuple[Any, Any, dict[int, Any]]:
         raise ValueError(f"--pp {args.pp} x --tp {tp} does not divide --world {args.world}; each stage has world / "
                          "(pp x tp) data-parallel ranks")
     dp = args.world // args.pp // tp
-    w, _ = _workload(args, args.world)
+    w, _ = workload(args, args.world)
     if args.micro_batch is None:  # the global batch over the stage's data-parallel ranks and the microbatches
         batch = args.batch or dp * shape.microbatches
         if batch % (dp * shape.microbatches):
