@@ -91,10 +91,17 @@ def _sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
     return _SHARDED_CLASSES[optim_cls]
 
 
-def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
+def _zero_grad_of(optim_cls: type[torch.optim.Optimizer]):
+    """The sharded classes' zero_grad: the user's class drops its grads, the engine its flat ones."""
     def zero_grad(self, set_to_none: bool = True) -> None:
         optim_cls.zero_grad(self, set_to_none=True)
         self.zeroshard_state.engine.zero_grad()
+
+    return zero_grad
+
+
+def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
+    zero_grad = _zero_grad_of(optim_cls)
 
     def step(self, closure=None):
         state = self.zeroshard_state
@@ -120,9 +127,7 @@ def _sharded_parts_class(optim_cls: type[torch.optim.Optimizer]) -> type:
     if optim_cls in _PARTS_CLASSES:
         return _PARTS_CLASSES[optim_cls]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        optim_cls.zero_grad(self, set_to_none=True)
-        self.zeroshard_state.engine.zero_grad()
+    zero_grad = _zero_grad_of(optim_cls)
 
     def step(self, closure=None):
         state = self.zeroshard_state
