@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	@# torch is pinned only here, and only when missing: pip must never resolve the open
 	@# `torch>=2.6` range itself (it would pick whatever index it sees first).
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	@# hf: transformers, for the Hugging Face tests (it does not depend on torch, so the pin holds).
+	@# hf: transformers; test adds peft, datasets and torchft. With torch installed first, their
+	@# torch requirement is already met, so the pin holds.
 	$(PY) -m pip install -q -e '.[test,hf,lint]'
 	@touch $(STAMP)
 
