@@ -54,6 +54,8 @@ class ActivationEstimate:
     """Backward temporaries inside one block: the MLP's hidden-size gradients and the residual's."""
     segments: tuple[tuple[int, int], ...] = ()
     """The runtime's checkpoint segments, ``[start, stop)`` block ranges (empty: none)."""
+    block_names: tuple[str, ...] = ()
+    """The blocks' module names in forward order, where they are not our GPT's ``blocks.N``."""
 
     @property
     def total(self) -> int:

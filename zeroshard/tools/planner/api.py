@@ -108,6 +108,16 @@ def _shape_activations(shape: Any, inventory: Inventory, spec: PlanSpec) -> Acti
     return activation_estimate(w, tp=spec.tp)
 
 
+def _traced(model: nn.Module, inventory: Inventory, spec: PlanSpec) -> ActivationEstimate:
+    """Any other model's activations per rank, read from one traced forward (traced.py)."""
+    from zeroshard.tools.planner.traced import traced_activations
+
+    blocks = [(s.name, s.module) for s in inventory.specs if not s.is_root]
+    compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
+    return traced_activations(model, blocks, micro_batch=spec.micro_batch, seq=spec.seq, compute=compute,
+                              policy=spec.checkpointing)
+
+
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
          optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
          seq: int | None = None, accum: int = 1, shard_size: int | None = None, headroom: float = 0.10,
@@ -196,8 +206,14 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     elif activations is None and analytic:
         notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
                      "workspace is the optimizer's scratch")
-    elif activations is None:
-        notes.append("activations not estimated: the formula covers zeroshard's GPT only")
+    elif activations is None and inventory is not None:
+        try:
+            activations = _traced(model, inventory, spec)
+            notes.append("activations traced from one forward of the model on fake tensors; backward's "
+                         "temporaries estimated from its largest saved tensors")
+        except (TypeError, ValueError, RuntimeError, IndexError) as e:  # a module that takes no token ids
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            notes.append(f"activations not estimated: one forward on token ids failed ({first})")
     if optim_cls in PER_TENSOR_OPTIMIZERS:
         notes.append(f"{optim_cls.__name__} steps each param whole on one owner rank; its state is estimated from "
                      "a square matrix's, spread as 1/N of the params (owners balance by elements, within one "

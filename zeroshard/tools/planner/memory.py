@@ -462,8 +462,8 @@ class Estimator:
         """
         if self.act is None:
             return [0] * len(units)
-        found = [min((int(s.fqn.split(".")[1]) for g in u.groups for s in g.layout.slots
-                      if s.fqn.startswith("blocks.")), default=None) for u in units]
+        found = [min((k for g in u.groups for s in g.layout.slots if (k := self._block_index(s.fqn)) is not None),
+                     default=None) for u in units]
         # A pipeline stage keeps the unsplit model's names (its blocks are blocks.4, blocks.5, ...):
         # counted from the first block it holds.
         lowest = min((k for k in found if k is not None), default=0)
@@ -481,6 +481,14 @@ class Estimator:
                 out.append(self.act.root + (index + 1) * self.act.boundary
                            + (k - segments[index][0]) * self.act.per_layer)
         return out
+
+    def _block_index(self, fqn: str) -> int | None:
+        """The forward index of the block holding param ``fqn``: our GPT's ``blocks.N``, or where the
+        estimate names its blocks (a traced model's), the block whose name prefixes it."""
+        names = self.act.block_names if self.act else ()
+        if not names:
+            return int(fqn.split(".")[1]) if fqn.startswith("blocks.") else None
+        return next((i for i, name in enumerate(names) if fqn.startswith(name + ".")), None)
 
     def _backward(self, units: tuple[CommUnit, ...], v: Variant,
                   late: list[int]) -> tuple[int, int, int, list[tuple[int, int]]]:
