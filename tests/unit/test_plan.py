@@ -120,7 +120,7 @@ def test_padding_frozen_and_tied_params_are_counted_like_the_runtime():
     # ...and no optimizer state; the buffer [b.w, b.b, a.b, a.w] makes 3 decay/no-decay segments,
     # each with AdamW's 4-byte step counter.
     assert ddp.optimizer == 8 * trainable + 3 * 4
-    assert p.activations is None and any("GPT only" in n for n in p.notes)
+    assert p.activations is None and any("activations not estimated" in n for n in p.notes)  # it has no forward
 
 
 def test_model_mode_builds_on_meta_and_allocates_nothing():

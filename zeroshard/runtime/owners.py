@@ -26,6 +26,7 @@ from torch import nn
 from zeroshard.comm import collectives
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.flat import FlatGroup
+from zeroshard.runtime.layout import FlatLayout
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,19 +59,30 @@ class OwnedParam:
 def assign_owners(items: list[tuple[FlatGroup, int]]) -> list[int]:
     """The owner (a shard rank of the item's group) of each (group, slot index), balancing elements.
 
-    Groups that shard over the same ranks share one balance. Largest first onto the least loaded
-    rank (the LPT rule: within 4/3 of the best split); every rank computes the same answer from the
-    same layout, so no message is needed.
+    Groups that shard over the same ranks share one balance (``balance_owners``).
     """
-    owners = [0] * len(items)
-    domains: dict[tuple[int, int], list[int]] = {}
-    for index, (group, _) in enumerate(items):
-        domains.setdefault((id(group.mesh), group.shards), []).append(index)
-    for (_, shards), members in domains.items():
-        loads = [0] * shards
-        sizes = {i: items[i][0].layout.slots[items[i][1]].numel for i in members}
-        for i in sorted(members, key=lambda i: (-sizes[i], i)):
-            rank = min(range(shards), key=lambda r: (loads[r], r))
+    return balance_owners([group.layout.slots[slot].numel for group, slot in items],
+                          [((id(group.mesh), group.shards), group.shards) for group, _ in items])
+
+
+def balance_owners(sizes: list[int], domains: list[tuple[object, int]]) -> list[int]:
+    """The owner of each item of ``sizes`` elements among the ``shards`` ranks of its domain
+    (``domains[i]`` = (key, shards); items with one key share one balance).
+
+    Largest first onto the least loaded rank (the LPT rule: within 4/3 of the best split); every
+    rank computes the same answer from the same layout, so no message is needed. The planner calls
+    it on the layout it plans, so its owners are the runtime's.
+    """
+    owners = [0] * len(sizes)
+    members: dict[object, list[int]] = {}
+    shards_of: dict[object, int] = {}
+    for index, (key, shards) in enumerate(domains):
+        members.setdefault(key, []).append(index)
+        shards_of[key] = shards
+    for key, items in members.items():
+        loads = [0] * shards_of[key]
+        for i in sorted(items, key=lambda i: (-sizes[i], i)):
+            rank = min(range(len(loads)), key=lambda r: (loads[r], r))
             owners[i] = rank
             loads[rank] += sizes[i]
     return owners
@@ -222,19 +234,24 @@ def to_owners(exchange: GroupExchange, pieces: dict[int, list[torch.Tensor]],
 
 def exchange_bytes(owned: list[OwnedParam], rank: int) -> int:
     """Bytes shard rank ``rank`` of the owned params' groups puts into the owner exchange per step
-    (what the ledger records under ``owner_exchange``): twice the elements it holds of params others
-    own (grad and master, to the owner), plus the elements others hold of the params it owns (back)."""
+    (what the ledger records under ``owner_exchange``)."""
+    return sum(slot_exchange_bytes(item.group.layout, item.slot_index, item.owner, rank,
+                                   item.group.shard.element_size()) for item in owned)
+
+
+def slot_exchange_bytes(layout: FlatLayout, slot_index: int, owner: int, rank: int, element_size: int) -> int:
+    """Bytes ``rank`` puts into the owner exchange per step for one param owned by ``owner``: twice
+    the elements it holds of it when another rank owns it (grad and master, to the owner), or, on
+    the owner, the elements the others hold (the updated values, back)."""
+    slot = layout.slots[slot_index]
     total = 0
-    for item in owned:
-        group, slot = item.group, item.group.layout.slots[item.slot_index]
-        size = group.shard.element_size()
-        for holder in range(group.shards):
-            lo, hi = group.layout.shard_range(holder)
-            n = max(0, min(slot.end, hi) - max(slot.offset, lo))
-            if holder != item.owner and holder == rank:
-                total += 2 * n * size
-            if item.owner == rank and holder != rank:
-                total += n * size
+    for holder in range(layout.shards):
+        lo, hi = layout.shard_range(holder)
+        n = max(0, min(slot.end, hi) - max(slot.offset, lo))
+        if holder != owner and holder == rank:
+            total += 2 * n * element_size
+        if owner == rank and holder != rank:
+            total += n * element_size
     return total
 
 

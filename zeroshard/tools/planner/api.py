@@ -15,8 +15,8 @@ from zeroshard.tools.planner.comm import Collective
 from zeroshard.tools.planner.experts import ExpertSplit, expert_split
 from zeroshard.tools.planner.inventory import Inventory, meta_gpt
 from zeroshard.tools.planner.memory import Estimator, variants
+from zeroshard.tools.planner.owner_state import per_tensor_params
 from zeroshard.tools.planner.result import LayoutPlan, Plan
-from zeroshard.runtime.optim_kinds import PER_TENSOR_OPTIMIZERS
 from zeroshard.tools.planner.spec import PlanSpec, parse_count, resolve_mp, resolve_optimizer
 from zeroshard.tools.planner.tp import TensorParallel, layer_collectives
 from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
@@ -214,10 +214,11 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
         except (TypeError, ValueError, RuntimeError, IndexError) as e:  # a module that takes no token ids
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             notes.append(f"activations not estimated: one forward on token ids failed ({first})")
-    if optim_cls in PER_TENSOR_OPTIMIZERS:
-        notes.append(f"{optim_cls.__name__} steps each param whole on one owner rank; its state is estimated from "
-                     "a square matrix's, spread as 1/N of the params (owners balance by elements, within one "
-                     "param's size), without the owner exchange's traffic or its whole-param temporaries")
+    per_tensor = per_tensor_params(model, optim_cls, kwargs) if inventory is not None else None
+    if per_tensor is not None:
+        notes.append(f"{per_tensor.recipe}: {len(per_tensor.classes)} params step whole on owner ranks (the runtime's "
+                     "balance); each rank's state is its owned params' plus the elementwise class's on the rest "
+                     "of its shard; the owner exchange's whole-param temporaries are not counted")
     if spec.offload != "none":
         notes.append(f"{spec.offload} offload keeps masters, optimizer state and the reduced grads off the device "
                      f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"
@@ -231,7 +232,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
-                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=experts)
+                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=experts,
+                          per_tensor=per_tensor)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     if spec.comm_quant != "none":
         layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=counted is None)

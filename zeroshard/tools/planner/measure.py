@@ -241,8 +241,18 @@ def _expert_bytes_in_forward(model, engine) -> tuple[dict[str, int], list]:
     return sink, [layer.module.register_forward_pre_hook(read) for layer in layers]
 
 
-def _measure_stage(stage: int, req: dict, mesh) -> dict:
+def _optimizer(model, optim_cls: type, kwargs: dict):
+    """The planned optimizer over the sharded model: Muon as the recipe ``zeroshard train`` runs
+    (the hidden matrices on Muon with ``kwargs``, the rest on AdamW), any other class over every param."""
     from zeroshard.runtime import optimizer as zs_optimizer
+    from zeroshard.runtime.recipes import muon_groups
+
+    if optim_cls is torch.optim.Muon:
+        return zs_optimizer(model, torch.optim.AdamW, param_groups=muon_groups(model, muon=kwargs))
+    return zs_optimizer(model, optim_cls, **kwargs)
+
+
+def _measure_stage(stage: int, req: dict, mesh) -> dict:
     from zeroshard.runtime import get_engine
     from zeroshard.trainer.step import one_step
 
@@ -256,7 +266,7 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
     offloaded = options.offload.kind != "none"
     model, blocks, vocab = _build(req, stage, options, mesh)
     engine = get_engine(model)
-    opt = zs_optimizer(model, req["optimizer"], **req["optimizer_kwargs"])
+    opt = _optimizer(model, req["optimizer"], req["optimizer_kwargs"])
     gen = torch.Generator().manual_seed(1000 + mesh.dp_rank)  # a tp group's ranks share their batch
     # The rank's whole slice, as training holds it; the step cuts it into `accum` micro-batches.
     rows = req["micro_batch"] * req["accum"]

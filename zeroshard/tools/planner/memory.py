@@ -25,6 +25,7 @@ from zeroshard.tools.planner.activations import ActivationEstimate
 from zeroshard.tools.planner.experts import ExpertSplit, ep_collectives
 from zeroshard.tools.planner.inventory import CommUnit, Inventory
 from zeroshard.tools.planner.optim_probe import OptimStateCost, probe
+from zeroshard.tools.planner.owner_state import PerTensorParams, optimizer_per_rank, owner_loads
 from zeroshard.tools.planner.result import Components, LayoutPlan
 from zeroshard.tools.planner.spec import STAGE_NAMES, PlanSpec
 # The engine's constants, imported: one value, not two copies.
@@ -135,8 +136,9 @@ class Estimator:
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, reduce_in_place: bool = False, host_is_device: bool = False,
                  tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None,
-                 experts: ExpertSplit | None = None) -> None:
+                 experts: ExpertSplit | None = None, per_tensor: PerTensorParams | None = None) -> None:
         self.spec = spec
+        self.per_tensor = per_tensor  # params stepped whole on owner ranks (owner_state.py)
         self.experts = experts or ExpertSplit()
         # The engine finishes the oldest reduction while more than this many are pending; with 0,
         # each launch first finishes the one before it, so one is still in flight.
@@ -156,7 +158,10 @@ class Estimator:
         self.act = activations
         self.foreach = foreach
         self.master_dtypes = inventory.dtypes if inventory else {torch.float32}
-        self.costs = {d: probe(spec.optimizer, d, spec.optimizer_kwargs) for d in sorted(self.master_dtypes, key=str)}
+        # With the Muon recipe the params off Muon step on AdamW, with the run's own options.
+        cls, kwargs = (spec.optimizer, spec.optimizer_kwargs) if per_tensor is None or \
+            per_tensor.elementwise is spec.optimizer else (per_tensor.elementwise, {})
+        self.costs = {d: probe(cls, d, kwargs) for d in sorted(self.master_dtypes, key=str)}
 
     def compute(self, dtype: torch.dtype) -> torch.dtype:
         return self.spec.mp.compute_dtype(dtype)
@@ -233,9 +238,21 @@ class Estimator:
                 reshard_after_forward=spec.engine.reshard_after_forward, gpus_per_node=dp_per_node)
         # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
         options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
-        return comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
+        step = comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
                                      accum=spec.accum, gpus_per_node=dp_per_node, ep=spec.ep,
                                      pipeline_order=spec.pipeline_order)
+        return step + self._owner_exchange(units, v)
+
+    def _owner_exchange(self, units: tuple[CommUnit, ...], v: Variant) -> tuple[comm.Collective, ...]:
+        """The per-tensor optimizer's owner exchange (zeroshard/runtime/owners.py): one all-to-all per
+        step over the shard ranks, sized so its wire bytes are the busiest rank's (owner_state.py)."""
+        shards = v.shards if v.policy.shard_optimizer else 1
+        if self.per_tensor is None or shards == 1:
+            return ()
+        trainable = [g for u in units for g in u.groups if g.trainable]
+        busiest = max(owner_loads(trainable, self.per_tensor, shards, {d: d for d in self.master_dtypes}).exchange)
+        return (comm.Collective(op="all_to_all", group="shard", size=shards, phase="owner_exchange",
+                                buffer_bytes=busiest * shards // (shards - 1)),)
 
     # -- expert parallelism -------------------------------------------------------------------
     def _compute_bytes(self) -> int:
@@ -356,6 +373,9 @@ class Estimator:
         """Optimizer bytes on the worst rank (the buffer tail makes the last ranks lighter)."""
         trainable = [g for g in groups if g.trainable]
         shards = v.shards if v.policy.shard_optimizer else 1
+        if self.per_tensor is not None:
+            per_element = max((self.costs[g.dtype].per_element for g in trainable), default=0.0)
+            return max(optimizer_per_rank(trainable, self.per_tensor, shards, per_element))
         best_rank, best = 0, -1.0
         for rank in range(shards):
             value = sum(self.costs[g.dtype].per_element * g.optimizer_numel(rank) for g in trainable)
