@@ -23,7 +23,7 @@ from zeroshard.checkpoint.pieces import saved_extent
 from zeroshard.comm import collectives
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.optim import sharded_state
-from zeroshard.runtime.owners import OwnedParam, PerTensorStep, held_range, to_holders, to_owners
+from zeroshard.runtime.owners import OwnedParam, PerTensorStep, held_range, to_holders, to_owners, tp_part, tp_whole
 
 
 def _step_of(optimizer) -> PerTensorStep | None:
@@ -56,7 +56,7 @@ def spread(optimizer, engine) -> OwnerPieces | None:
         state = optimizer.state.get(item.param, {})
         local[i] = sorted(n for n, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
         for n in local[i]:
-            if state[n].numel() != item.numel:
+            if state[n].numel() != item.whole_shape.numel():
                 problem = (f"optimizer state {n!r} of {item.group.layout.slots[item.slot_index].fqn!r} has "
                            f"{state[n].numel()} elements for a param of {item.numel}: only state with one value per "
                            "element (Muon's momentum, LAMB's moments) can be checkpointed per element; save the "
@@ -80,7 +80,8 @@ def spread(optimizer, engine) -> OwnerPieces | None:
         whole = {}
         for item in exchange.owned:
             state = optimizer.state.get(item.param, {})
-            whole[id(item)] = [state[n].detach().reshape(-1).to(exchange.group.shard.dtype)
+            # A tp-split param's state is whole across tp on each tp rank's owner: each saves its part.
+            whole[id(item)] = [tp_part(state[n].detach(), item).reshape(-1).to(exchange.group.shard.dtype)
                                for n in names.get(index_of[id(item)], [])]
             scalars.setdefault(item.torch_group, {}).update(
                 {n: v for n, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)})
@@ -134,7 +135,7 @@ def gather_owned(optimizer, reads: OwnerReads, saved_groups: list[dict]) -> None
                 continue
             assert item.param is not None
             shape = exchange.group.layout.slots[item.slot_index].shape
-            state: dict[str, Any] = {n: t.view(shape) for n, t in zip(names, whole[id(item)])}
+            state: dict[str, Any] = {n: tp_whole(t.view(shape), item) for n, t in zip(names, whole[id(item)])}
             for n, value in saved_groups[item.torch_group]["scalars"].items():
                 value = fmt.from_json(value)
                 state[n] = value.to(item.param.device) if isinstance(value, torch.Tensor) and \

@@ -355,9 +355,6 @@ def _refuse_unsupported(engine: Engine, items: list[tuple[FlatGroup, int]]) -> N
         raise ValueError("a per-tensor optimizer cannot run with offload= yet (owners step whole tensors on the "
                          "device); drop offload or use an elementwise optimizer such as AdamW")
     for group, slot in items:
-        if group.tp_specs[slot] is not None:
-            raise ValueError(f"{group.layout.slots[slot].fqn} is tensor-parallel: a per-tensor optimizer cannot step "
-                             "it yet (its whole matrix spans the tp ranks); run without tp or put it in an AdamW group")
         if group.mesh is not engine.mesh:
             raise ValueError(f"{group.layout.slots[slot].fqn} is an expert param: a per-tensor optimizer cannot step "
                              "stacked experts yet; put expert params in an AdamW group")

@@ -27,6 +27,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.flat import FlatGroup
 from zeroshard.runtime.layout import FlatLayout
+from zeroshard.runtime.tp import TPSpec, full_value, to_local
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,6 +48,18 @@ class OwnedParam:
     @property
     def numel(self) -> int:
         return self.group.layout.slots[self.slot_index].numel
+
+    @property
+    def tp(self) -> TPSpec | None:
+        """The param's tensor-parallel split, when its rows or columns are split over the tp ranks."""
+        spec = self.group.tp_specs[self.slot_index]
+        return spec if spec is not None and spec.shard_dim is not None else None
+
+    @property
+    def whole_shape(self) -> torch.Size:
+        """What the user's optimizer steps: the param whole, across the tp ranks too."""
+        spec = self.tp
+        return spec.shape if spec is not None else self.group.layout.slots[self.slot_index].shape
 
     def local_range(self) -> tuple[int, int] | None:
         """Where the whole param lies in this rank's shard, when it lies there whole."""
@@ -256,8 +269,27 @@ def slot_exchange_bytes(layout: FlatLayout, slot_index: int, owner: int, rank: i
 
 
 def _whole_values(item: OwnedParam) -> torch.Tensor:
+    """The owner's updated values of the param's slot, flat (its tp rank's part of a tp-split one)."""
     assert item.param is not None, "only an owner's params are scattered"
-    return item.param.detach().reshape(-1)
+    return tp_part(item.param.detach(), item).reshape(-1)
+
+
+def tp_whole(part: torch.Tensor, item: OwnedParam) -> torch.Tensor:
+    """``part`` (this tp rank's, of the slot's shape) joined whole across the tp ranks, in the
+    model's own layout: a collective over "tp" among the param's owners (one per tp rank: owners
+    are placed alike on every tp rank, whose layouts are alike). Identity without tp."""
+    spec = item.tp
+    if spec is None:
+        return part
+    return full_value(part, spec, unit=item.group.unit, phase=Phase.OWNER_EXCHANGE, mesh=item.group.mesh)
+
+
+def tp_part(whole: torch.Tensor, item: OwnedParam) -> torch.Tensor:
+    """This tp rank's part of a tensor of the param's whole shape (``tp_whole``'s inverse)."""
+    spec = item.tp
+    if spec is None:
+        return whole
+    return to_local(whole, spec.describe(), spec.mesh.get_local_rank()).contiguous()
 
 
 class PerTensorStep:
@@ -273,8 +305,7 @@ class PerTensorStep:
             if item.mine:
                 shard = item.group.shard
                 # Built at its real shape (Muon checks its params are matrices), emptied between steps.
-                item.param = nn.Parameter(torch.empty(item.group.layout.slots[item.slot_index].shape,
-                                                      dtype=shard.dtype, device=shard.device))
+                item.param = nn.Parameter(torch.empty(item.whole_shape, dtype=shard.dtype, device=shard.device))
         self.release()
 
     def mine(self) -> list[OwnedParam]:
@@ -295,12 +326,21 @@ class PerTensorStep:
                     value = group.shard[where[0]:where[1]]
                     shard_grad = group.grad_shard
                     grad = torch.zeros_like(value) if shard_grad is None else shard_grad[where[0]:where[1]]
-                item.param.data = value.view(shape)
-                item.param.grad = grad.view(shape)
+                if item.tp is not None:  # whole across the tp ranks: every tp rank's owner joins the same matrix
+                    value, grad = (tp_whole(t.view(shape), item) for t in (value, grad))
+                item.param.data = value.view(item.whole_shape)
+                item.param.grad = grad.view(item.whole_shape)
 
     def store_whole(self) -> None:
-        """Send the updated values back into every rank's shard, then drop the whole tensors."""
+        """Send the updated values back into every rank's shard, then drop the whole tensors. A
+        tp-split param stepped on a view of its shard was stepped whole across tp instead: its
+        tp rank's part goes back into the view."""
         for exchange in self.exchanges:
+            with torch.no_grad():
+                for item in exchange.owned:
+                    where = item.local_range()
+                    if item.tp is not None and where is not None:
+                        exchange.group.shard[where[0]:where[1]].copy_(_whole_values(item))
             exchange.scatter(_whole_values)
         self.release()
 
