@@ -12,4 +12,4 @@ from pp_workloads import _train, config
 def suite() -> dict:
     mesh = zs.init(pp=2)
     with fp32_newton_schulz():
-        return {stage: _train(config("gpt", stage, optimizer="muon"), mesh) for stage in (0, 3)}
+        return {stage: _train(config("gpt", stage, optimizer="muon", steps=4), mesh) for stage in (0, 3)}

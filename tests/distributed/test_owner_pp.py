@@ -22,7 +22,7 @@ def ranks():
 @pytest.fixture(scope="module")
 def reference():
     with fp32_newton_schulz():
-        return reference_train(w.config("gpt", 0, optimizer="muon", nproc=1, pp=1))
+        return reference_train(w.config("gpt", 0, optimizer="muon", nproc=1, pp=1, steps=4))
 
 
 def test_muon_in_pipeline_stages_matches_one_process(ranks, reference):
