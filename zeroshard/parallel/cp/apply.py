@@ -120,11 +120,7 @@ def _apply_hf(model: nn.Module, ctx: ContextParallel) -> None:
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     # Our function masks by global positions itself: transformers builds no mask for it.
     AttentionMaskInterface.register(HF_ATTENTION, _no_mask)
-    set_impl = getattr(model, "set_attn_implementation", None)
-    if callable(set_impl):
-        set_impl(HF_ATTENTION)
-    else:
-        config._attn_implementation = HF_ATTENTION
+    model.set_attn_implementation(HF_ATTENTION)  # type: ignore[operator]  # sets config._attn_implementation
     for m in model.modules():
         _OWNERS[m] = ctx
     model.register_forward_pre_hook(functools.partial(_global_position_ids, ctx), with_kwargs=True)
