@@ -64,7 +64,8 @@ def test_zero_shards_over_dp_times_cp(suite):
 
 def _cp_bytes_from_shapes(name: str, scheme: str) -> int:
     """One step's cp bytes on a rank, from the shapes: per layer, ring all-gathers k and v (the
-    ledger counts the gathered output) and reduce-scatters their grads (the full input); Ulysses
+    ledger counts the gathered output) in forward and again in backward's recompute, and
+    reduce-scatters their grads (the full input); Ulysses
     sends q, k, v and the output through an all-to-all each way, and their grads back."""
     if name == "gpt":
         cfg = GPTConfig.named("tiny")
@@ -73,7 +74,7 @@ def _cp_bytes_from_shapes(name: str, scheme: str) -> int:
         layers, q_width, kv_width = 2, 4 * 8, 2 * 8
     rows = w.BATCH // 2  # dp 2: each rank's samples, cp 2 ranks of each
     if scheme == "ring":
-        return layers * 4 * rows * w.SEQ * kv_width * 4  # fp32
+        return layers * 6 * rows * w.SEQ * kv_width * 4  # fp32
     return layers * 2 * rows * (w.SEQ // 2) * (2 * q_width + 2 * kv_width) * 4
 
 

@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from zeroshard.comm.names import Phase
 
 from zeroshard.parallel.cp.exchange import gather_seq, heads_to_seq, seq_to_heads
 from zeroshard.parallel.cp.layout import chunk_ids, pieces
@@ -68,12 +71,32 @@ def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scale: float | None = None,
                    window: int | None = None) -> torch.Tensor:
     """This rank's rows of causal attention over the whole sequence: its two query chunks against
-    every earlier chunk of keys and values, merged by log-sum-exp ([Note: ring merge])."""
+    every earlier chunk of keys and values, merged by log-sum-exp ([Note: ring merge]).
+
+    Recomputed in backward (as flash attention recomputes its scores): the whole sequence's keys
+    and values and the blocks' scores live only while one layer's attention runs, so what a layer
+    keeps for backward is this rank's q, k, v and output, 1/cp of the sequence's. Backward then
+    gathers the keys and values again (the ledger's recompute phase) before reduce-scattering their
+    gradients, the volume a ring's backward passes around too."""
+    calls: list[int] = []
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return _ring(q, k, v, mesh=mesh, scale=scale, window=window,
+                     phase=Phase.FORWARD if len(calls) == 1 else Phase.RECOMPUTE)
+
+    if not torch.is_grad_enabled():
+        return run(q, k, v)
+    return checkpoint(run, q, k, v, use_reentrant=False)
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scale: float | None,
+          window: int | None, phase: Phase) -> torch.Tensor:
     cp, rank = mesh.cp_size, mesh.cp_rank
     B, H, t, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     size = t // 2  # one chunk: the sequence is 2 * cp chunks
-    keys, values = gather_seq(k, mesh), gather_seq(v, mesh)  # (B, Hkv, cp * t, D), rank j's at [j*t, (j+1)*t)
+    keys, values = gather_seq(k, mesh, phase), gather_seq(v, mesh, phase)  # (B, Hkv, cp*t, D): rank j's at [j*t, (j+1)*t)
     where = {c: j * t + i * size for j in range(cp) for i, c in enumerate(chunk_ids("ring", cp, j))}
     outs = []
     for i, ci in enumerate(chunk_ids("ring", cp, rank)):

@@ -44,18 +44,19 @@ def _reduce_scatter_seq(g: torch.Tensor, mesh: Mesh, phase: Phase) -> torch.Tens
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, phase: Phase) -> torch.Tensor:  # type: ignore[override]
         ctx.mesh = mesh
-        return _all_gather_seq(x, mesh, Phase.FORWARD)
+        return _all_gather_seq(x, mesh, phase)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _reduce_scatter_seq(g, ctx.mesh, Phase.BACKWARD), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return _reduce_scatter_seq(g, ctx.mesh, Phase.BACKWARD), None, None
 
 
-def gather_seq(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Every cp rank's (B, H, t, D) concatenated along the sequence, differentiable."""
-    return _GatherSeq.apply(x, mesh)
+def gather_seq(x: torch.Tensor, mesh: Mesh, phase: Phase = Phase.FORWARD) -> torch.Tensor:
+    """Every cp rank's (B, H, t, D) concatenated along the sequence, differentiable; ``phase`` says
+    whether it is forward's gather or backward's recompute of it."""
+    return _GatherSeq.apply(x, mesh, phase)
 
 
 def _a2a(x: torch.Tensor, mesh: Mesh, phase: Phase, *, to_heads: bool) -> torch.Tensor:
