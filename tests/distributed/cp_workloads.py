@@ -47,7 +47,7 @@ def train_config(model: str, *, scheme: str = "ring", shard: int | None = None, 
                  cp: int = 2, steps: int = STEPS) -> TrainConfig:
     return TrainConfig(model=model, stage=stage, nproc=WORLD, cp=cp, cp_attention=scheme, shard_size=shard,
                        batch=BATCH, seq_len=SEQ, steps=steps, warmup=1, num_samples=64, dropout=False, profile=False,
-                       lr=1e-3, clip=1.0)
+                       lr=5e-4, clip=1.0)
 
 
 def model_name(name: str, folder: str) -> str:
