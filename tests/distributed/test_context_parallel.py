@@ -18,6 +18,7 @@ import cp_workloads as w
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.parallel.cp import apply_context_parallel, positions, split
 from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.config_checks import check_runnable
 from zeroshard.trainer.launch import spawn
 from zeroshard.trainer.train import reference_train
 
@@ -101,7 +102,7 @@ def _fake_mesh(cp: int) -> object:
 
 def test_one_line_errors():
     with pytest.raises(ValueError, match=r"^sequence length 30 does not divide into 2 x cp = 4 load-balanced") as e:
-        TrainConfig(model="tiny", nproc=2, cp=2, seq_len=30)
+        check_runnable(TrainConfig(model="tiny", nproc=2, cp=2, seq_len=30))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"^ulysses attention splits the heads over cp=8 ranks, but the model has 4 "):
         apply_context_parallel(GPT(GPTConfig.named("tiny", seq_len=32)), _fake_mesh(8), "ulysses")  # type: ignore[arg-type]

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from zeroshard.comm.dims import ParallelDims
-from zeroshard.parallel.cp.layout import check_seq
 from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
@@ -162,10 +161,10 @@ class TrainConfig:
                              f"ep=1, {', '.join(MOE_MODEL_NAMES)}, or an HF Mixtral or Qwen-MoE save_pretrained folder")
 
     def _check_cp(self, dims: ParallelDims) -> None:
-        """What context parallelism asks: no pipeline yet, a sequence its chunks divide."""
+        """What context parallelism asks of the layout (the sequence its chunks must divide:
+        zeroshard/trainer/config_checks.py)."""
         if dims.pp > 1:
             raise ValueError(f"cp={dims.cp} with pp={dims.pp} is not composed yet; use cp=1 with pipeline parallelism")
-        check_seq(self.data.seq_len, cp=dims.cp, scheme=self.parallel.cp_attention)
 
     def _check_ranges(self) -> None:
         """The top-level keys, then what needs more than one section (each section checked its own)."""
