@@ -54,9 +54,26 @@ def model_name(name: str, folder: str) -> str:
     return "tiny" if name == "gpt" else folder
 
 
+def resume_across_cp(root: str) -> dict:
+    """Five steps at cp 2 x shard 2 (stage 3), saved; loaded into cp 1 over the 4 ranks (stage 3,
+    ZeRO over all four) and five more steps there: cp holds no params, so the state carries over."""
+    from zeroshard.checkpoint import load, save
+
+    cfg = train_config("tiny", shard=2, stage=3)
+    run = setup(cfg, zs.new_mesh(dims=ParallelDims.of(WORLD, shard=2, cp=2), name="cp-save"))
+    for step in range(STEPS // 2):
+        train_step(run, step)
+    path = save(Path(root) / "cp2", run.model, run.opt, run.scheduler, run.sampler, step=STEPS // 2)
+    again = setup(train_config("tiny", stage=3, cp=1), zs.get_mesh())  # the default mesh: cp 1, shard 4
+    load(path, again.model, again.opt, scheduler=again.scheduler, sampler=again.sampler)
+    losses = [train_step(again, step).loss for step in range(STEPS // 2, STEPS)]
+    state = zs.full_state_dict(again.model)
+    return {"losses": losses, "params": {k: v.detach().float().clone() for k, v in state.items()}}
+
+
 def suite(folder: str) -> dict:
     zs.init()
-    out: dict = {"cases": {}}
+    out: dict = {"cases": {}, "resumed": resume_across_cp(folder)}
     for index, (name, scheme, (layout, shard, stage)) in enumerate(CASES):
         cfg = train_config(model_name(name, folder), scheme=scheme, shard=shard, stage=stage)
         mesh = zs.new_mesh(dims=ParallelDims.of(WORLD, shard=shard, cp=2), name=f"cp{index}")

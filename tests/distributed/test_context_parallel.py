@@ -56,6 +56,16 @@ def test_cp_trains_as_one_process_on_whole_sequences(suite, references, case):
         assert all(torch.equal(theirs[k], got["params"][k]) for k in got["params"])
 
 
+def test_a_cp_checkpoint_resumes_at_cp_1(suite, references):
+    """Saved after 5 steps at cp 2 x shard 2, resumed for 5 more at cp 1 over the 4 ranks: the run
+    ends where one process does after 10 (cp holds no params of its own)."""
+    got, ref = suite[0]["resumed"], references["gpt"]
+    param_diff = max((got["params"][k] - ref["params"][k].float()).abs().max().item() for k in ref["params"])
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][w.STEPS // 2:], strict=True))
+    print(f"cp 2 -> cp 1 resume: |param diff| {param_diff:.2e}, |loss diff| {loss_diff:.2e}")
+    assert param_diff <= PARAM_TOL and loss_diff <= LOSS_TOL
+
+
 def test_zero_shards_over_dp_times_cp(suite):
     groups = suite[0]["cases"][("gpt", "ring", "shard2", 3)]["groups"]
     assert groups == {"cp": 2, "shard": 4, "dp": 4, "batch_dp": 2}
