@@ -23,6 +23,7 @@ from zeroshard.parallel.cp.attention import check_heads, ring_attention, ulysses
 
 if TYPE_CHECKING:
     from zeroshard.comm.mesh import Mesh
+    from zeroshard.models.gpt import GPT
 
 HF_ATTENTION = "zeroshard_cp"
 """The name our attention function is registered under in transformers' AttentionInterface."""
@@ -79,10 +80,10 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, scheme: str = "ring") -
     if scheme not in layout.CP_SCHEMES:
         raise ValueError(f"cp_attention={scheme!r} is not a scheme; use one of {', '.join(layout.CP_SCHEMES)}")
     ctx = ContextParallel(mesh=mesh, scheme=scheme)
-    from zeroshard.models.gpt import GPT, CausalSelfAttention
+    from zeroshard.models.gpt import GPT
 
     if isinstance(model, GPT):
-        _apply_gpt(model, ctx, CausalSelfAttention)
+        _apply_gpt(model, ctx)
     elif _hf_attention_interface(model):
         _apply_hf(model, ctx)
     else:
@@ -93,13 +94,15 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, scheme: str = "ring") -
     return ctx
 
 
-def _apply_gpt(model: nn.Module, ctx: ContextParallel, attention_cls: type) -> None:
+def _apply_gpt(model: GPT, ctx: ContextParallel) -> None:
+    from zeroshard.models.gpt import CausalSelfAttention
+
     if ctx.scheme == "ulysses":
-        heads = model.cfg.n_head // ctx.mesh.tp_size  # type: ignore[operator]  # tp leaves a rank its heads
+        heads = model.cfg.n_head // ctx.mesh.tp_size  # tp leaves a rank its heads
         check_heads(heads, heads, ctx.cp)
     model.positions = ctx.positions
     for m in model.modules():
-        if isinstance(m, attention_cls):
+        if isinstance(m, CausalSelfAttention):
             m.attend = ctx.attention
 
 

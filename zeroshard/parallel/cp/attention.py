@@ -102,7 +102,8 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scal
     for i, ci in enumerate(chunk_ids("ring", cp, rank)):
         qc = q[:, :, i * size:(i + 1) * size]
         qpos = torch.arange(ci * size, (ci + 1) * size, device=q.device)
-        o = lse = None
+        o: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
         for cj in range(pieces("ring", cp)):
             if cj > ci or (window and (ci - cj - 1) * size >= window - 1 and cj < ci):
                 continue  # wholly in the future, or wholly outside the window
@@ -111,7 +112,7 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scal
             kc = _repeat_kv(keys[:, :, at:at + size], H)
             vc = _repeat_kv(values[:, :, at:at + size], H)
             ob, lb = _block(qc, kc, vc, _allowed(qpos, kpos, window), scale)
-            o, lse = (ob, lb) if o is None else _merge(o, lse, ob, lb)
+            o, lse = (ob, lb) if o is None or lse is None else _merge(o, lse, ob, lb)
         outs.append(o)
     return torch.cat(outs, dim=2).to(q.dtype)  # type: ignore[arg-type]
 
