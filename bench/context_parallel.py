@@ -17,6 +17,7 @@ measured: the figures are bytes and differences, valid on a loaded machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -72,12 +73,15 @@ def _saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
     return sum(seen.values())
 
 
+_MESHES = itertools.count()
+
+
 def activation_bytes(cp: int, seq: int) -> int:
     """Rank 0's saved activations of one sequence per dp group of ``small`` at ``seq``, split over cp."""
     from zeroshard.parallel.cp import apply_context_parallel
     from zeroshard.models import GPT, GPTConfig
 
-    mesh = zs.new_mesh(dims=ParallelDims.of(WORLD, cp=cp), name=f"mem-{cp}-{seq}")
+    mesh = zs.new_mesh(dims=ParallelDims.of(WORLD, cp=cp), name=f"mem{next(_MESHES)}")
     torch.manual_seed(0)
     model = GPT(GPTConfig.named("small", seq_len=seq))
     cpx = apply_context_parallel(model, mesh, "ring")
