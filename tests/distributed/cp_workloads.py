@@ -26,7 +26,9 @@ STEPS = 10
 WORLD = 4
 LAYOUTS = (("shard2", 2, 3), ("shard2", 2, 1), ("replicate2", 1, 3))
 """(name, shard size, stage) at cp 2, world 4: cp 2 x shard 2 at stages 3 and 1; cp 2 x replicate 2
-at stage 3 (ZeRO over the two cp ranks of each replica: cp 2 on two ranks, twice)."""
+at stage 3 (ZeRO over the two cp ranks of each replica: cp 2 on two ranks, twice), with 2
+accumulation micro-steps (the token mean is over dp, cp and accumulation)."""
+ACCUM = {"replicate2": 2}
 CASES = [("gpt", scheme, layout) for scheme in ("ring", "ulysses") for layout in LAYOUTS] + \
         [("qwen3", scheme, LAYOUTS[0]) for scheme in ("ring", "ulysses")]
 
@@ -44,8 +46,8 @@ def make_folder(root: Path) -> Path:
 
 
 def train_config(model: str, *, scheme: str = "ring", shard: int | None = None, stage: int = 3,
-                 cp: int = 2, steps: int = STEPS) -> TrainConfig:
-    return TrainConfig(model=model, stage=stage, nproc=WORLD, cp=cp, cp_attention=scheme, shard_size=shard,
+                 cp: int = 2, steps: int = STEPS, accum: int = 1) -> TrainConfig:
+    return TrainConfig(model=model, stage=stage, nproc=WORLD, cp=cp, cp_attention=scheme, shard_size=shard, accum=accum,
                        batch=BATCH, seq_len=SEQ, steps=steps, warmup=1, num_samples=64, dropout=False, profile=False,
                        lr=5e-4, clip=1.0)
 
@@ -75,7 +77,7 @@ def suite(folder: str) -> dict:
     zs.init()
     out: dict = {"cases": {}, "resumed": resume_across_cp(folder)}
     for index, (name, scheme, (layout, shard, stage)) in enumerate(CASES):
-        cfg = train_config(model_name(name, folder), scheme=scheme, shard=shard, stage=stage)
+        cfg = train_config(model_name(name, folder), scheme=scheme, shard=shard, stage=stage, accum=ACCUM.get(layout, 1))
         mesh = zs.new_mesh(dims=ParallelDims.of(WORLD, shard=shard, cp=2), name=f"cp{index}")
         run = setup(cfg, mesh)
         losses, cp_bytes = [], []
