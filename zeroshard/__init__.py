@@ -16,6 +16,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "CheckpointError": ("zeroshard.checkpoint", "CheckpointError"),
     "clip_grad_norm_": ("zeroshard.runtime", "clip_grad_norm_"),
     "CommQuant": ("zeroshard.runtime", "CommQuant"),
+    "context_parallel": ("zeroshard.parallel.cp", "apply_context_parallel"),
     "Dim": ("zeroshard.comm.names", "Dim"),
     "EngineOptions": ("zeroshard.runtime", "EngineOptions"),
     "expert_parallel": ("zeroshard.parallel.experts", "expert_parallel"),
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.comm.dims import ParallelDims
     from zeroshard.comm.names import Dim, Group, Phase
     from zeroshard.parallel.experts import MoELayer, expert_parallel
+    from zeroshard.parallel.cp import apply_context_parallel as context_parallel
     from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained
     from zeroshard.runtime.materialize import meta_init
     from zeroshard.runtime.recipes import muon_groups

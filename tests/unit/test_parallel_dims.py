@@ -141,7 +141,8 @@ def test_no_holder_keeps_a_degree_of_its_own(holder):
     (lambda: ParallelDims.of(6, pp=4), "pp=4 does not divide world size 6"),
     (lambda: ParallelDims.of(8, tp=2, shard=3), "shard_size=3 does not divide the 4 data-parallel ranks"),
     (lambda: ParallelDims.of(4, ep=3), "ep=3 does not divide the 4 data-parallel ranks"),
-    (lambda: ParallelDims(shard=2, cp=2), "context parallelism is not implemented yet"),
+    (lambda: ParallelDims.of(4, cp=3), "cp=3 does not divide the 4 ranks of a stage without tp"),
+    (lambda: ParallelDims(shard=2, cp=2, ep=2), "cp=2 with ep=2 is not composed yet"),
     (lambda: ParallelDims(tp=0), "tp=0 must be a positive int"),
 ])
 def test_a_bad_layout_is_one_line_naming_the_fix(call, message):
@@ -154,8 +155,18 @@ def test_sizes_and_rank_arithmetic():
     d = ParallelDims.of(16, pp=2, tp=2, shard=2)
     assert (d.world, d.stage_world, d.dp, d.replicate, d.edp) == (16, 8, 4, 2, 8)
     assert d[Dim.REPLICATE] == 2 and d.sizes()[Dim.PP] == 2
-    assert d.coords(13) == {Dim.PP: 1, Dim.REPLICATE: 1, Dim.SHARD: 0, Dim.TP: 1, Dim.EP: 0}
+    assert d.coords(13) == {Dim.PP: 1, Dim.REPLICATE: 1, Dim.SHARD: 0, Dim.CP: 0, Dim.TP: 1, Dim.EP: 0}
     assert d.groups(Dim.TP)[:2] == [[0, 1], [2, 3]] and d.groups(Dim.SHARD)[0] == [0, 2]
     assert d.groups(Dim.PP)[0] == [0, 8] and d.stage_dp_groups()[0] == [0, 2, 4, 6]
     assert d.with_shard(None) == ParallelDims(pp=2, shard=4, tp=2)
     assert d.group_size("dp") == 4 and d.dp_group == "dp" and ParallelDims(shard=2).dp_group == "world"
+
+
+def test_cp_sits_between_shard_and_tp_and_zero_shards_over_shard_times_cp():
+    d = ParallelDims.of(16, tp=2, cp=2, shard=2)  # replicate 2 x shard 2 x cp 2 x tp 2
+    assert (d.replicate, d.shard, d.cp, d.tp, d.dp, d.zero_shard, d.grad_dp) == (2, 2, 2, 2, 4, 4, 8)
+    assert d.groups("cp")[:2] == [[0, 2], [1, 3]]  # tp-strided neighbours: inside a host with tp
+    assert d.zero_groups()[0] == [0, 2, 4, 6]  # one (replicate, tp) index: shard x cp
+    assert [d.dp_rank(r) for r in range(0, 16, 2)] == [0, 0, 1, 1, 2, 2, 3, 3]  # cp ranks read one batch
+    assert all(d.rank_of(**{str(k): v for k, v in d.coords(r).items() if str(k) != "ep"}) == r for r in range(16))
+    assert d.group_size("shard") == 4 and d.group_size("dp") == 8 and d.group_size("cp") == 2

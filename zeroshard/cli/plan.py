@@ -145,7 +145,7 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
                   comm_quant=args.comm_quant or "none", comm_quant_block=args.comm_quant_block or DEFAULT_COMM_QUANT_BLOCK,
                   device="cpu" if args.measure else args.device, tp=args.tp,
                   sequence_parallel=args.sequence_parallel, ep=args.ep or 1,
-                  routing_skew=args.routing_skew or 0.0)
+                  routing_skew=args.routing_skew or 0.0, cp=args.cp or 1, cp_attention=args.cp_attention or "ring")
     return target, kwargs
 
 

@@ -82,6 +82,8 @@ def _layout(p: argparse.ArgumentParser, mode: str) -> None:
         g.add_argument("--sequence-parallel", action="store_true", help="with --tp: also split the norms' and "
                        "residual's activations along the sequence")
     add_typed_flag(g, "ep", field_type("ep"), f"{field_help('ep')} (default: 1)")  # train's own key
+    add_typed_flag(g, "cp", field_type("cp"), f"{field_help('cp')} (default: 1)")
+    add_typed_flag(g, "cp_attention", field_type("cp_attention"), f"{field_help('cp_attention')} (default: ring)")
     g.add_argument("--routing-skew", type=float, help="with --ep: extra rows the busiest ep rank receives, as a "
                    "share of its balanced tokens x top_k (0: balanced, the default; 1: twice its share)")
     add_pp_flags(g)  # --pp, --pp-schedule, --microbatches, --pp-stages-per-rank: TrainConfig's fields

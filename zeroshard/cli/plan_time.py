@@ -88,6 +88,7 @@ def run_time(args: argparse.Namespace) -> list:
         param_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
         knobs = {k: v for k, v in _knobs(args).items() if k != "checkpointing"}  # the workload's
         layouts = layouts_for(world, stages, shard_sizes, param_bytes=param_bytes, tp=getattr(args, "tp", 1) or 1,
+                              cp=getattr(args, "cp", None) or 1, cp_attention=getattr(args, "cp_attention", None) or "ring",
                               ep=getattr(args, "ep", None) or 1, **knobs)
         rows += evaluate(w, hw, layouts, memory or (lambda layout: peak_bytes(w, layout, headroom=_headroom(args))))
     return [w, hw, rows, topology]

@@ -24,7 +24,10 @@ def workload(args: argparse.Namespace, world: int) -> tuple[Workload, Any]:
     if tp < 1 or world % tp:
         raise ValueError(f"--tp {tp} does not divide world {world}; pick a tp that divides every world size")
     # The batch is split over the data-parallel ranks; the ranks of a tp group share theirs.
-    mb = args.micro_batch or (max(1, args.batch // (world // tp * accum)) if args.batch else 1)
+    cp = getattr(args, "cp", None) or 1  # a cp group shares its samples too (each rank holds seq / cp of each)
+    if world % (tp * cp):
+        raise ValueError(f"--tp {tp} x --cp {cp} does not divide world {world}; pick degrees whose product divides it")
+    mb = args.micro_batch or (max(1, args.batch // (world // tp // cp * accum)) if args.batch else 1)
     # --mp fp32 computes (and all-reduces tp activations) in fp32; otherwise the bf16 of GPU runs.
     compute_bytes = 4 if getattr(args, "mp", None) == "fp32" else 2
     ep = getattr(args, "ep", None) or 1

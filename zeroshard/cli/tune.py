@@ -28,10 +28,10 @@ from zeroshard.tools.tune.grid import DEFAULT_AXES
 
 WORKLOAD_FLAGS = ("model", "nproc", "tp", "batch", "seq_len", "mp", "accum", "vocab_size", "data", "seed", "lr",
                   "weight_decay", "clip", "accumulation", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank",
-                  "ep")
+                  "ep", "cp", "cp_attention")
 """TrainConfig fields tune takes as flags: what shapes a step's cost. Others come from --config. `tp` is
 fixed for the search (every candidate runs at it), not searched: it decides which model fits at all.
-`ep` is fixed too, or searched by --ep-degrees."""
+`ep` and `cp` are fixed too, or searched by --ep-degrees and --cp-degrees."""
 
 
 def _mb(n: int | None) -> str:
@@ -41,7 +41,7 @@ def _mb(n: int | None) -> str:
 def _knobs(r: dict) -> str:
     pipe = "".join([f", {r['pp_schedule']}" if r.get("pp_schedule") else "",
                     f", {r['microbatches']} microbatches" if r.get("microbatches") else "",
-                    f", ep {r['ep']}" if r.get("ep") else ""])
+                    f", ep {r['ep']}" if r.get("ep") else "", f", cp {r['cp']}" if r.get("cp") else ""])
     if r["stage"] == 3:
         return f"prefetch {r['prefetch']}, {'reshard' if r['reshard_after_forward'] else 'no reshard'}{pipe}"
     return f"bucket {r['bucket_mb']:g} MB{pipe}"
@@ -133,6 +133,23 @@ def _ep_axis(args: argparse.Namespace, base: Any) -> str | None:
     return args.ep_degrees
 
 
+def _cp_axis(args: argparse.Namespace, base: Any) -> str | None:
+    """--cp-degrees, each checked as `zeroshard train` checks its --cp before launch (the ranks it
+    divides, a sequence its chunks divide)."""
+    from zeroshard.tools.tune.grid import parse_axes
+
+    if args.cp_degrees is None:
+        return None
+    if args.cp is not None:
+        raise ValueError("--cp fixes the context-parallel degree and --cp-degrees searches it; give one of them")
+    for cp in parse_axes(**DEFAULT_AXES, cp_degrees=args.cp_degrees).cp:
+        try:
+            check_before_launch(base.replace(cp=cp))
+        except ValueError as e:
+            raise ValueError(f"--cp-degrees {args.cp_degrees}: {one_line(e)} (drop {cp} from --cp-degrees)") from None
+    return args.cp_degrees
+
+
 def run(args: argparse.Namespace) -> int:
     from zeroshard.trainer.launch import WorkerError
     from zeroshard.tools.planner.spec import parse_bytes
@@ -149,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         axes = parse_axes(stages=args.stages, prefetch=args.grid_prefetch, bucket_mb=args.grid_bucket_mb,
                           checkpointing=_checkpointing_axis(args, base), reshard=args.reshard,
                           comm_quant=args.grid_comm_quant, pp_schedules=args.pp_schedules,
-                          microbatches=args.microbatch_counts, ep_degrees=_ep_axis(args, base))
+                          microbatches=args.microbatch_counts, ep_degrees=_ep_axis(args, base),
+                          cp_degrees=_cp_axis(args, base))
         budget = parse_bytes(args.device_mem) if args.device_mem else None
         # Built now so that a bad --steps/--rounds/--warmup fails before any planning.
         spec = MeasureSpec(base=base, candidates=(), steps=args.tune_steps, rounds=args.rounds,
@@ -238,6 +256,9 @@ def add_parser(sub: Any) -> None:
     grid.add_argument("--ep-degrees", metavar="LIST",
                       help="for an MoE model, expert-parallel degrees to search, e.g. 1,2,4 (each one train's --ep "
                            "accepts; default: --ep's)")
+    grid.add_argument("--cp-degrees", metavar="LIST",
+                      help="context-parallel degrees to search, e.g. 1,2,4 (each one train's --cp accepts; default: "
+                           "--cp's)")
     m = p.add_argument_group("measurement")
     m.add_argument("--device-mem", metavar="SIZE",
                    help="per-rank memory budget (2GB, 512MB, 24GiB); the planner prunes what would not fit")

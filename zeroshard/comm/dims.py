@@ -11,8 +11,11 @@ reduce-scatter, and only the all-reduce of already-reduced shards crosses replic
 
 ``ep`` is not a factor of the world of its own: an ep group is a run of ``ep`` consecutive ranks
 borrowed from each stage's data-parallel x tp ranks (docs/expert_parallel.md). ``cp`` (context
-parallelism) has its place in the object and in a stage's size, and must be 1 until the runtime
-splits sequences (its ranks will then sit between shard and tp in the arithmetic below).
+parallelism, docs/context_parallel.md) sits between shard and tp:
+rank = (((pp_index * replicate + replicate_index) * shard + shard_index) * cp + cp_index) * tp + tp_index,
+so a cp group is tp-strided ranks next to each other (inside a host when cp x tp fits one). A cp rank
+holds other tokens of the same samples, so its grads sum with the data-parallel ranks' and ZeRO
+shards over shard x cp ranks (``zero_shard``), as torchtitan shards FSDP over dp_shard x cp.
 
 The mesh, the step schedule, the planner's ``PlanSpec`` and the simulator's ``Layout`` all hold one
 of these; none of them keeps a degree of its own.
@@ -32,13 +35,13 @@ if TYPE_CHECKING:
     from zeroshard.comm.mesh import Mesh
     from zeroshard.comm.topology import Topology
 
-SHAPE_DIMS = ("pp", "replicate", "shard", "ep", "tp")
+SHAPE_DIMS = ("pp", "replicate", "shard", "cp", "ep", "tp")
 """The names ``mesh_shape`` may use, outermost first. ``pp`` is outside the data-parallel dims (a
 stage's ranks are consecutive). ``ep`` is carved out of the data-parallel ranks (torchtitan's
 dp_shard_in_ep): with ``names=("shard", "ep")`` the dense params are sharded over shard × ep ranks
 and each expert's params over the ``shard`` ranks that hold it."""
 
-MESH_DIMS = ("pp", "replicate", "shard", "tp")
+MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")
 """The DeviceMesh's dims, outermost first (``tp`` innermost, consecutive ranks)."""
 
 
@@ -50,7 +53,7 @@ def _positive(name: str, value: Any) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """The degrees of one layout: pp x replicate x shard x tp ranks, ep borrowed from each stage's
-    data-parallel x tp ranks, cp reserved. Built valid or not at all."""
+    data-parallel x tp ranks, cp ranks splitting each sequence. Built valid or not at all."""
 
     pp: int = 1
     """Pipeline stages: each a run of ``world / pp`` consecutive ranks."""
@@ -63,21 +66,23 @@ class ParallelDims:
     ep: int = 1
     """Expert-parallel ranks one MoE layer's experts are split over (runs of dp x tp)."""
     cp: int = 1
-    """Context parallelism: ranks one sequence would be split over. Not run yet; must be 1."""
+    """Context parallelism: ranks one sequence is split over (between shard and tp)."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "replicate", "shard", "tp", "ep", "cp"):
             _positive(name, getattr(self, name))
-        if self.cp != 1:
-            raise ValueError(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"cp={self.cp} with ep={self.ep} is not composed yet; use cp=1 with expert parallelism")
         check_ep_layout(self.ep, self.dp, self.tp, self.pp)
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def of(cls, world: int, *, pp: int = 1, tp: int = 1, shard: int | None = None, ep: int = 1) -> ParallelDims:
-        """The layout of ``world`` ranks: ``pp`` stages, ``tp`` ranks per block, ZeRO over groups of
-        ``shard`` of a stage's data-parallel ranks (None: all of them) and replicas over the rest."""
+    def of(cls, world: int, *, pp: int = 1, tp: int = 1, shard: int | None = None, ep: int = 1,
+           cp: int = 1) -> ParallelDims:
+        """The layout of ``world`` ranks: ``pp`` stages, ``tp`` ranks per block, ``cp`` ranks per
+        sequence, ZeRO over groups of ``shard`` of a stage's data-parallel ranks (None: all of them,
+        each with its cp ranks) and replicas over the rest."""
         _positive("world", world)
         _positive("pp", pp)
         if world % pp:
@@ -89,13 +94,18 @@ class ParallelDims:
             where = f"world size {world}" if pp == 1 else f"the {stage_world} ranks of a pipeline stage (world {world} / pp {pp})"
             raise ValueError(f"tp={tp} does not divide {where}; pick a divisor of {stage_world} (tp=1 is no tensor "
                              "parallelism)")
-        dp = stage_world // tp
+        _positive("cp", cp)
+        if (stage_world // tp) % cp:
+            raise ValueError(f"cp={cp} does not divide the {stage_world // tp} ranks of a stage without tp (world {world}"
+                             f"{f' / pp {pp}' if pp > 1 else ''}{f' / tp {tp}' if tp > 1 else ''}); pick a divisor "
+                             f"of {stage_world // tp} (cp=1 is no context parallelism)")
+        dp = stage_world // tp // cp
         shard = dp if shard is None else shard
         if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or dp % shard:
             raise ValueError(f"shard_size={shard} does not divide the {dp} data-parallel ranks (world {world} / tp {tp}"
                              f"{f' / pp {pp}' if pp > 1 else ''}); pick a divisor of {dp} (shard_size == {dp} is plain "
                              "full sharding)")
-        return cls(pp=pp, replicate=dp // shard, shard=shard, tp=tp, ep=ep)
+        return cls(pp=pp, replicate=dp // shard, shard=shard, tp=tp, ep=ep, cp=cp)
 
     @classmethod
     def from_shape(cls, mesh_shape, names, world: int) -> ParallelDims:
@@ -116,14 +126,14 @@ class ParallelDims:
             raise ValueError(f"mesh_shape {shape} covers {product} ranks but the world has {world}; make the product "
                              f"of mesh_shape equal the world size (WORLD_SIZE / --nproc)")
         dims = dict(zip(names, shape))
-        tp, ep, pp = dims.get("tp", 1), dims.get("ep", 1), dims.get("pp", 1)
-        shard = dims.get("shard", world // tp // ep // pp // dims.get("replicate", 1)) * ep
-        return cls.of(world, pp=pp, tp=tp, shard=shard, ep=ep)
+        tp, ep, pp, cp = dims.get("tp", 1), dims.get("ep", 1), dims.get("pp", 1), dims.get("cp", 1)
+        shard = dims.get("shard", world // tp // ep // pp // cp // dims.get("replicate", 1)) * ep
+        return cls.of(world, pp=pp, tp=tp, shard=shard, ep=ep, cp=cp)
 
     def with_shard(self, shard: int | None) -> ParallelDims:
         """This layout with ZeRO over groups of ``shard`` data-parallel ranks (None: all of them),
         replicated over the rest: what a stage that shards nothing (shard 1) or a hybrid plan runs."""
-        return ParallelDims.of(self.world, pp=self.pp, tp=self.tp, shard=shard, ep=self.ep)
+        return ParallelDims.of(self.world, pp=self.pp, tp=self.tp, shard=shard, ep=self.ep, cp=self.cp)
 
     # ------------------------------------------------------------------ sizes
 
@@ -143,6 +153,17 @@ class ParallelDims:
         return self.replicate * self.shard
 
     @property
+    def zero_shard(self) -> int:
+        """Ranks a ZeRO flat buffer is sharded over: a shard group's ranks with each of their cp
+        ranks (a cp rank's grads sum like a data-parallel rank's)."""
+        return self.shard * self.cp
+
+    @property
+    def grad_dp(self) -> int:
+        """Ranks of a stage whose grads are summed: data-parallel x cp (the ``dp`` group's size)."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel ranks: the ranks of a stage holding the same experts (experts are
         not tp split, so ep's ranks come from dp x tp)."""
@@ -156,7 +177,7 @@ class ParallelDims:
     @property
     def dp_name(self) -> Group:
         """The group spanning the data-parallel ranks: the world without tp or pp, else ``dp``."""
-        return Group.WORLD if self.tp == 1 and self.pp == 1 else Group.DP
+        return Group.WORLD if self.tp == 1 and self.pp == 1 else Group.DP  # the dp group spans cp too
 
     @property
     def dp_group(self) -> str:
@@ -165,8 +186,8 @@ class ParallelDims:
 
     def sizes(self) -> dict[Dim, int]:
         """Every mesh dim's size, outermost first; 1 for a dim this layout does not use."""
-        return {Dim.PP: self.pp, Dim.REPLICATE: self.replicate, Dim.SHARD: self.shard, Dim.TP: self.tp,
-                Dim.EP: self.ep}
+        return {Dim.PP: self.pp, Dim.REPLICATE: self.replicate, Dim.SHARD: self.shard, Dim.CP: self.cp,
+                Dim.TP: self.tp, Dim.EP: self.ep}
 
     def __getitem__(self, dim: Dim | str) -> int:
         return self.sizes()[Dim(dim)]
@@ -175,11 +196,12 @@ class ParallelDims:
         return iter(self.sizes())
 
     def group_size(self, group: str | Group) -> int:
-        """Ranks in one group of ``group`` (world, shard, replicate, tp, dp, pp, pp_ends, ep)."""
+        """Ranks in one group of ``group`` (world, shard, replicate, tp, dp, pp, pp_ends, ep, cp): the
+        shard and dp groups span the cp ranks."""
         g = group_of(group)
-        return {Group.WORLD: self.world, Group.SHARD: self.shard, Group.REPLICATE: self.replicate,
-                Group.TP: self.tp, Group.DP: self.dp, Group.PP: self.pp, Group.PP_ENDS: min(self.pp, 2),
-                Group.EP: self.ep}[g]
+        return {Group.WORLD: self.world, Group.SHARD: self.zero_shard, Group.REPLICATE: self.replicate,
+                Group.TP: self.tp, Group.DP: self.grad_dp, Group.PP: self.pp, Group.PP_ENDS: min(self.pp, 2),
+                Group.EP: self.ep, Group.CP: self.cp}[g]
 
     def size(self, group: str) -> int:
         """``group_size`` by name, as the step schedule's events spell their groups."""
@@ -188,33 +210,44 @@ class ParallelDims:
     # ------------------------------------------------------------------ rank arithmetic
 
     def coords(self, rank: int) -> dict[Dim, int]:
-        """Where ``rank`` sits: its index along pp, replicate, shard and tp, and its ep index."""
+        """Where ``rank`` sits: its index along pp, replicate, shard, cp and tp, and its ep index."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside the world of {self.world} ranks")
-        return {Dim.PP: rank // self.stage_world, Dim.REPLICATE: (rank // (self.shard * self.tp)) % self.replicate,
-                Dim.SHARD: (rank // self.tp) % self.shard, Dim.TP: rank % self.tp,
+        inner = self.cp * self.tp
+        return {Dim.PP: rank // self.stage_world, Dim.REPLICATE: (rank // (self.shard * inner)) % self.replicate,
+                Dim.SHARD: (rank // inner) % self.shard, Dim.CP: (rank // self.tp) % self.cp, Dim.TP: rank % self.tp,
                 Dim.EP: (rank % self.stage_world) % self.ep}
 
-    def rank_of(self, *, pp: int = 0, replicate: int = 0, shard: int = 0, tp: int = 0) -> int:
+    def rank_of(self, *, pp: int = 0, replicate: int = 0, shard: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The inverse of ``coords`` over the dense dims."""
-        return ((pp * self.replicate + replicate) * self.shard + shard) * self.tp + tp
+        return (((pp * self.replicate + replicate) * self.shard + shard) * self.cp + cp) * self.tp + tp
 
     def dp_rank(self, rank: int) -> int:
-        """Which data-parallel batch of its stage ``rank`` reads."""
-        return (rank // self.tp) % self.dp
+        """Which data-parallel batch of its stage ``rank`` reads (its cp ranks read the same one)."""
+        return (rank // (self.tp * self.cp)) % self.dp
+
+    def zero_rank(self, rank: int) -> int:
+        """``rank``'s index in its ZeRO shard group (shard x cp)."""
+        c = self.coords(rank)
+        return c[Dim.SHARD] * self.cp + c[Dim.CP]
 
     def groups(self, dim: Dim | str) -> list[list[int]]:
         """Every group of ``dim`` as a list of global ranks (ep: runs of ep of each stage's dp x tp)."""
         return rank_groups(self.sizes(), Dim(dim))
 
+    def zero_groups(self) -> list[list[int]]:
+        """ZeRO's groups: the ranks with one (pp, replicate, tp) index, shard x cp of them."""
+        return [[self.rank_of(pp=p, replicate=r, shard=s, cp=c, tp=t) for s in range(self.shard) for c in range(self.cp)]
+                for p in range(self.pp) for r in range(self.replicate) for t in range(self.tp)]
+
     def stage_dp_groups(self) -> list[list[int]]:
-        """Each stage's data-parallel groups: its ranks with one tp index (replicate x shard)."""
+        """Each stage's data-parallel groups: its ranks with one tp index (replicate x shard x cp)."""
         return [list(range(stage * self.stage_world + offset, (stage + 1) * self.stage_world, self.tp))
                 for stage in range(self.pp) for offset in range(self.tp)]
 
     def describe(self) -> dict[str, int]:
         return {"world": self.world, "pp": self.pp, "replicate": self.replicate, "shard": self.shard,
-                "tp": self.tp, "ep": self.ep, "dp": self.dp}
+                "tp": self.tp, "ep": self.ep, "dp": self.dp, **({"cp": self.cp} if self.cp > 1 else {})}
 
     # ------------------------------------------------------------------ the mesh
 
@@ -245,4 +278,4 @@ def check_ep_layout(ep: Any, dp: int, tp: int, pp: int = 1) -> None:
 
 def dims_of(sizes: Mapping[str, int]) -> ParallelDims:
     """A ParallelDims from a dict of its degrees (as ``describe`` or a manifest writes them)."""
-    return ParallelDims(**{k: int(v) for k, v in sizes.items() if k in ("pp", "replicate", "shard", "tp", "ep")})
+    return ParallelDims(**{k: int(v) for k, v in sizes.items() if k in ("pp", "replicate", "shard", "tp", "ep", "cp")})

@@ -47,7 +47,9 @@ class Mesh:
     """The first and last rank of this rank's pp group (tied embedding/head grads); None for a middle one."""
     tp_group: object | None = dataclasses.field(default=None, repr=False)
     dp_group: object | None = dataclasses.field(default=None, repr=False)
-    """Every rank of this pp stage with this rank's tp index (replicate × shard); the world when tp and pp are 1."""
+    """Every rank of this pp stage with this rank's tp index (replicate × shard × cp); the world when tp and pp are 1."""
+    cp_group: object | None = dataclasses.field(default=None, repr=False)
+    """The ranks this rank's sequences are split over (None without context parallelism)."""
     device_mesh: object | None = dataclasses.field(default=None, repr=False)
     """The torch DeviceMesh over the dims of more than one rank, and "shard" always."""
     name: str = "default"
@@ -71,7 +73,17 @@ class Mesh:
 
     @property
     def shard_size(self) -> int:
-        return self.dims.shard
+        """Ranks ZeRO shards over: shard × cp."""
+        return self.dims.zero_shard
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel degree: ranks one sequence is split over (1: every rank holds whole sequences)."""
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dims.coords(self.rank)[Dim.CP]
 
     @property
     def tp_size(self) -> int:
@@ -110,7 +122,8 @@ class Mesh:
 
     @property
     def shard_rank(self) -> int:
-        return self.dims.coords(self.rank)[Dim.SHARD]
+        """This rank's index in its ZeRO group (shard × cp)."""
+        return self.dims.zero_rank(self.rank)
 
     @property
     def replicate_rank(self) -> int:
@@ -132,15 +145,15 @@ class Mesh:
     def __post_init__(self) -> None:
         # Asked for on every collective: one dict lookup, keyed by the enum and by its text alike.
         sizes = {Group.WORLD: self.world, Group.SHARD: self.shard_size, Group.REPLICATE: self.replicate_size,
-                 Group.TP: self.tp_size, Group.DP: self.dp_size, Group.PP: self.pp_size,
-                 Group.PP_ENDS: min(self.pp_size, 2), Group.EP: self.ep_size}
+                 Group.TP: self.tp_size, Group.DP: self.dims.grad_dp, Group.PP: self.pp_size,
+                 Group.PP_ENDS: min(self.pp_size, 2), Group.EP: self.ep_size, Group.CP: self.cp_size}
         object.__setattr__(self, "_sizes", sizes)
         # tp/pp/ep are None when one rank each: their group_size of 1 keeps callers from using them.
         # Without tp, the data-parallel ranks are the world.
         handles = {Group.WORLD: self.world_group, Group.SHARD: self.shard_group,
                    Group.REPLICATE: self.replicate_group, Group.TP: self.tp_group,
                    Group.DP: self.dp_group or self.world_group, Group.PP: self.pp_group,
-                   Group.PP_ENDS: self.pp_ends_group,
+                   Group.PP_ENDS: self.pp_ends_group, Group.CP: self.cp_group,
                    Group.EP: self.experts.group(Group.EP) if self.experts is not None else None}
         object.__setattr__(self, "_handles", handles)
 
@@ -190,6 +203,7 @@ class Mesh:
             "tp_size": self.tp_size,
             **({"ep_size": self.ep_size} if self.ep_size > 1 else {}),
             **({"pp_size": self.pp_size} if self.pp_size > 1 else {}),  # unchanged for a mesh without pp
+            **({"cp_size": self.cp_size} if self.cp_size > 1 else {}),
             "backend": self.backend,
             "device": str(self.device),
         }

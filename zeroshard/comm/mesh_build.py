@@ -60,14 +60,17 @@ def build_mesh(dims: ParallelDims, topology: Topology | None, *, name: str, ledg
 def _dense_groups(dims: ParallelDims, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    kept = [(d, n) for d, n in (("pp", dims.pp), ("replicate", dims.replicate), ("shard", dims.shard), ("tp", dims.tp))
-            if n > 1 or d == "shard"]
+    kept = [(d, n) for d, n in (("pp", dims.pp), ("replicate", dims.replicate), ("shard", dims.shard), ("cp", dims.cp),
+                                ("tp", dims.tp)) if n > 1 or d == "shard"]
     device_mesh = init_device_mesh(_device_type(), tuple(n for _, n in kept), mesh_dim_names=tuple(d for d, _ in kept))
     out = {"device_mesh": device_mesh, "shard_group": device_mesh.get_group("shard"),
            "replicate_group": device_mesh.get_group("replicate") if dims.replicate > 1 else None,
            "tp_group": device_mesh.get_group("tp") if dims.tp > 1 else None,
-           "pp_group": device_mesh.get_group("pp") if dims.pp > 1 else None}
-    if dims.tp > 1 or dims.pp > 1:  # without either the data-parallel ranks are the world
+           "pp_group": device_mesh.get_group("pp") if dims.pp > 1 else None,
+           "cp_group": device_mesh.get_group("cp") if dims.cp > 1 else None}
+    if dims.cp > 1:  # ZeRO shards over shard x cp: a cp rank's grads sum like a data-parallel rank's
+        out["shard_group"] = _own_group(dims.zero_groups(), rank)
+    if dims.tp > 1 or dims.pp > 1:  # without either the data-parallel (x cp) ranks are the world
         out["dp_group"] = _own_group(dims.stage_dp_groups(), rank)
     if dims.pp > 1:
         out["pp_ends_group"] = _pp_ends_group(dims, rank, out["pp_group"])

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from zeroshard.comm.names import Dim
 
-LAYOUT = (Dim.PP, Dim.REPLICATE, Dim.SHARD, Dim.TP)
+LAYOUT = (Dim.PP, Dim.REPLICATE, Dim.SHARD, Dim.CP, Dim.TP)
 """The factors of the world, outermost first (``ep`` splits data-parallel ranks instead)."""
 
 ALLOW_CROSS_HOST = "allow_cross_host"

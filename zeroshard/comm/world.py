@@ -23,33 +23,35 @@ from zeroshard.comm.topology_gather import gather_topology
 
 def resolve_dims(*, world: int, shard_size: int | str | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
                  mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
-                 topology: Topology | None = None) -> ParallelDims:
+                 topology: Topology | None = None, cp: int = 1) -> ParallelDims:
     """The ParallelDims that ``init``'s layout arguments spell for ``world`` ranks. ``shard_size``:
     None shards over every data-parallel rank; "node" over the ranks of one host (the gathered
     topology's, else torchrun's LOCAL_WORLD_SIZE) divided by tp."""
     if mesh_shape is not None:
-        if shard_size is not None or tp != 1 or ep != 1 or pp != 1:
-            raise ValueError("pass either mesh_shape/names or shard_size/tp/ep/pp, not both")
+        if shard_size is not None or tp != 1 or ep != 1 or pp != 1 or cp != 1:
+            raise ValueError("pass either mesh_shape/names or shard_size/tp/ep/pp/cp, not both")
         return ParallelDims.from_shape(mesh_shape, names, world)
     if shard_size == "node":
         if topology is not None and topology.uneven_error() is None:
             # The hosts the ranks reported, not LOCAL_WORLD_SIZE: a launcher may not set it, and one
             # that runs several "hosts" on a machine (ZEROSHARD_HOST) sets it to the machine's count.
-            shard_size = max(1, topology.ranks_per_host // (tp if isinstance(tp, int) and tp > 0 else 1))
+            inner = (tp if isinstance(tp, int) and tp > 0 else 1) * (cp if isinstance(cp, int) and cp > 0 else 1)
+            shard_size = max(1, topology.ranks_per_host // inner)
         else:  # torchrun's ranks per host; without it, one host
             local = os.environ.get("LOCAL_WORLD_SIZE")
-            shard_size = max(1, int(local) // (tp if tp > 1 else 1)) if local else None
+            shard_size = max(1, int(local) // max(1, tp) // max(1, cp)) if local else None
     elif shard_size is not None and not isinstance(shard_size, int):
         raise ValueError(f"shard_size must be an int, 'node' or None, got {shard_size!r}")
-    return ParallelDims.of(world, pp=pp, tp=tp, shard=shard_size, ep=ep)
+    return ParallelDims.of(world, pp=pp, tp=tp, shard=shard_size, ep=ep, cp=cp)
 
 
-def _check_existing(mesh: Mesh, asked: ParallelDims | None, tp: int, ep: int, pp: int) -> None:
+def _check_existing(mesh: Mesh, asked: ParallelDims | None, tp: int, ep: int, pp: int, cp: int = 1) -> None:
     """A second ``init`` that names a tensor-, expert- or pipeline-parallel shape must ask for the
     mesh that exists: returning another one silently would run a different layout than the caller wrote."""
     if asked is not None:
-        tp, ep, pp = asked.tp, asked.ep, asked.pp
-    for dim, want, has in (("tp", tp, mesh.tp_size), ("ep", ep, mesh.ep_size), ("pp", pp, mesh.pp_size)):
+        tp, ep, pp, cp = asked.tp, asked.ep, asked.pp, asked.cp
+    for dim, want, has in (("tp", tp, mesh.tp_size), ("ep", ep, mesh.ep_size), ("pp", pp, mesh.pp_size),
+                           ("cp", cp, mesh.cp_size)):
         if want != has:
             raise ValueError(f"the mesh already exists with {dim}={has}; call zs.shutdown() before zs.init() "
                              f"with {dim}={want}")
@@ -57,7 +59,7 @@ def _check_existing(mesh: Mesh, asked: ParallelDims | None, tp: int, ep: int, pp
 
 def init(*, backend: str | None = None, shard_size: int | str | None = None, tp: int = 1, pp: int = 1,
          mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
-         timeout_s: float = 600.0, allow_cross_host: bool = False, ep: int = 1,
+         timeout_s: float = 600.0, allow_cross_host: bool = False, ep: int = 1, cp: int = 1,
          dims: ParallelDims | None = None) -> Mesh:
     """Join (or create) the default process group from the environment and build the mesh.
 
@@ -76,6 +78,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     builds ``Mesh.experts``, the mesh the expert params are sharded over (docs/expert_parallel.md).
     ``pp=p`` adds an outermost pipeline dim: p stages of world / p consecutive ranks each, ZeRO
     (and tp) inside every stage (``names=("pp", "shard")`` by name). See docs/pipeline.md.
+    ``cp=c`` splits every sequence over c ranks (between shard and tp): ZeRO shards over shard × cp
+    and attention exchanges keys/values over the cp group. See docs/context_parallel.md.
 
     Every rank's host and device facts are gathered first (``Mesh.topology``). Hosts with different
     numbers of ranks, and a tp group spanning hosts, are refused before any group is built; pass
@@ -85,8 +89,8 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     if existing is not None:
         if mesh_shape is not None:
             dims = ParallelDims.from_shape(mesh_shape, names, existing.world)  # a wrong shape: its own error
-        if dims is not None or tp != 1 or ep != 1 or pp != 1:
-            _check_existing(existing, dims, tp, ep, pp)
+        if dims is not None or tp != 1 or ep != 1 or pp != 1 or cp != 1:
+            _check_existing(existing, dims, tp, ep, pp, cp)
         return existing
     backend = choose_backend(backend)
     if not dist.is_initialized():
@@ -105,7 +109,7 @@ def init(*, backend: str | None = None, shard_size: int | str | None = None, tp:
     topology = _join_topology()
     if dims is None:
         dims = resolve_dims(world=dist.get_world_size(), shard_size=shard_size, tp=tp, pp=pp, ep=ep,
-                            mesh_shape=mesh_shape, names=names, topology=topology)
+                            mesh_shape=mesh_shape, names=names, topology=topology, cp=cp)
     mesh = dims.build(topology, name="default", allow_cross_host=allow_cross_host)
     return _meshes.register(mesh, default=True)
 
@@ -134,7 +138,7 @@ def _join_topology() -> Topology:
 
 def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, pp: int = 1, mesh_shape: tuple[int, ...] | None = None,
              names: tuple[str, ...] | None = None, name: str, ledger: Ledger | None = None,
-             allow_cross_host: bool = False, ep: int = 1, dims: ParallelDims | None = None) -> Mesh:
+             allow_cross_host: bool = False, ep: int = 1, cp: int = 1, dims: ParallelDims | None = None) -> Mesh:
     """Another parallel context over the process group ``zs.init`` joined, next to the default one.
 
     Pass it to ``zs.shard(model, mesh=...)``: that model's collectives then run on this mesh's
@@ -152,6 +156,6 @@ def new_mesh(*, shard_size: int | str | None = None, tp: int = 1, pp: int = 1, m
         raise ValueError(f"a mesh named {name!r} exists already; give each zs.new_mesh its own name")
     if dims is None:
         dims = resolve_dims(world=dist.get_world_size(), shard_size=shard_size, tp=tp, pp=pp, ep=ep,
-                            mesh_shape=mesh_shape, names=names, topology=default.topology)
+                            mesh_shape=mesh_shape, names=names, topology=default.topology, cp=cp)
     mesh = dims.build(default.topology, name=name, ledger=ledger, allow_cross_host=allow_cross_host)
     return _meshes.register(mesh, default=False)

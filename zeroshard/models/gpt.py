@@ -135,6 +135,9 @@ class CausalSelfAttention(nn.Module):
         # One fused projection: a single GEMM (and one parameter to shard) instead of three.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        # Context parallelism (zeroshard/parallel/cp) puts its exact split attention here: (q, k, v)
+        # of this rank's tokens -> their rows of causal attention over the whole sequence.
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -148,7 +151,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, heads, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, heads, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, heads, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        if self.attend is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        else:
+            y = self.attend(q, k, v)  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, width)  # (B, T, width)
         return self.proj(y)
 
@@ -272,6 +278,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # Context parallelism (zeroshard/parallel/cp): (local length, device) -> the global
+        # positions of this rank's tokens; None is positions 0..T-1.
+        self.positions: Callable[[int, torch.device], torch.Tensor] | None = None
         # Layers are built on meta so their default inits draw nothing from the RNG;
         # only init_weights does. That makes a direct build and a meta build followed by
         # init_weights() consume the same random numbers, hence give the same bits.
@@ -345,7 +354,8 @@ class GPT(nn.Module):
                 f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}; "
                 f"truncate the input or build the model with a larger seq_len"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        # Under context parallelism a rank holds some of each sequence's tokens: their global positions.
+        pos = torch.arange(T, device=idx.device) if self.positions is None else self.positions(T, idx.device)  # (T,)
         x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)

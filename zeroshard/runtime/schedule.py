@@ -118,7 +118,7 @@ class _Replay:
                  tp: TensorParallelSizes | None = None) -> None:
         self.units, self.policy, self.mesh, self.options, self.comm = units, policy, mesh, options, comm
         self.tp = tp
-        self.shards = mesh.shard if policy.shard_optimizer else 1
+        self.shards = mesh.zero_shard if policy.shard_optimizer else 1  # shard x cp
         self.events: list[Event] = []
         self.micro = 0
         self.action = ""  # a pipeline stage's current action (pipeline)
@@ -482,7 +482,7 @@ class _Replay:
     def optimizer_step(self, *, clip: bool) -> None:
         if clip:  # zeroshard/runtime/clip.py: every grad shard is read, then the squares summed
             self.finish_reductions()
-            if self.policy.shard_optimizer and self.mesh.shard > 1:
+            if self.policy.shard_optimizer and self.mesh.zero_shard > 1:
                 self._emit("all_reduce", "shard", "", CLIP, 2, torch.float64)
             if self.mesh.tp > 1:
                 self._emit("all_reduce", "tp", "", CLIP, 1, torch.float64)

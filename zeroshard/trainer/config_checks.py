@@ -34,6 +34,10 @@ def check_runnable(cfg: TrainConfig) -> TrainConfig:
 
     parse_optimizer(cfg.optimizer)
     dims = cfg.dims
+    if dims.cp > 1:  # the attention scheme's chunks must divide the sequence
+        from zeroshard.parallel.cp.layout import check_seq
+
+        check_seq(cfg.data.seq_len, cp=dims.cp, scheme=cfg.parallel.cp_attention)
     if dims.pp == 1:
         return cfg
     from zeroshard.parallel.pipeline.grad_reduce import check_grad_reduce

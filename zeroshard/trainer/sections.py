@@ -14,6 +14,7 @@ import typing
 from typing import Any, ClassVar, Mapping
 
 from zeroshard.comm.dims import ParallelDims
+from zeroshard.parallel.cp.layout import CP_SCHEMES
 
 WARMUP_SHAPES = ("linear", "log")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
@@ -182,21 +183,34 @@ class ParallelSection:
     (nproc = pp x data-parallel x tp) and with ep (each stage's experts split over ep of its ranks).
     1 is no pipeline."""
 
+    cp: int = 1
+    """Context parallelism: split every sequence over this many ranks (between the data-parallel
+    ranks and tp); attention exchanges keys and values over them (`cp_attention`), ZeRO shards over
+    data-parallel x cp ranks (docs/context_parallel.md). Needs zeroshard's GPT or an HF model whose
+    attention goes through transformers' attention interface. 1 is no context parallelism."""
+
+    cp_attention: str = "ring"
+    """How attention sees the whole sequence under cp: "ring" (keys/values passed around the cp ranks,
+    load-balanced causal chunks: seq divisible by 2 x cp) or "ulysses" (all-to-all from sequence to
+    head shards: heads and kv heads divisible by cp)."""
+
     allow_cross_host: bool = False
     """Run tp (or ep) groups that span hosts anyway. Without it such a layout is refused at start,
     since every per-layer tp collective would cross the host network (docs/topology.md)."""
 
     def __post_init__(self) -> None:
         check_types(self)
-        for name in ("tp", "ep", "pp"):
+        for name in ("tp", "ep", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (1 is no {name} parallelism)")
+        if self.cp_attention not in CP_SCHEMES:
+            raise ValueError(f"cp_attention={self.cp_attention!r} is not a scheme; use one of {', '.join(CP_SCHEMES)}")
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"shard_size={self.shard_size} must be >= 1, or unset to shard over every rank")
 
     def dims(self, nproc: int) -> ParallelDims:
         """The layout of ``nproc`` ranks these degrees make; a degree that does not fit is one line."""
-        return ParallelDims.of(nproc, pp=self.pp, tp=self.tp, shard=self.shard_size, ep=self.ep)
+        return ParallelDims.of(nproc, pp=self.pp, tp=self.tp, shard=self.shard_size, ep=self.ep, cp=self.cp)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ from zeroshard.observing.profile.timeline import phase
 from zeroshard.runtime.precision import parse_dtype
 from zeroshard.trainer.ep_setup import apply_expert_parallel
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
+from zeroshard.parallel.cp import apply_context_parallel, context_of
 
 IGNORE_INDEX = -100
 META_INIT_THRESHOLD = 50_000_000
@@ -187,6 +188,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
     apply_expert_parallel(cfg, model, mesh)  # an ep dim: keep this rank's experts, route tokens to the others
+    apply_context_parallel(model, mesh, cfg.cp_attention)  # a cp dim: attention exact over split sequences
     shard_model(cfg, model, **{"mesh": mesh, **shard_overrides})
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = sharded_optimizer(cfg.optimizer, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -275,7 +277,8 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
 
 def global_token_count(targets: torch.Tensor, mesh: Any = None) -> torch.Tensor:
     """Tokens that carry a loss (targets != -100) in the whole global batch of ``mesh`` (the
-    default one unless given), on every rank."""
+    default one unless given), on every rank: summed over the dp group, which spans the cp ranks
+    (each holding other tokens of its samples), so every token is counted once."""
     mesh = mesh or get_mesh()
     count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     all_reduce(count, op="sum", group=mesh.dp_name, phase=METRICS_PHASE, mesh=mesh)
@@ -293,6 +296,9 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     Only the last micro-step synchronises; the others run under `zs.no_sync`.
     """
     mesh = mesh_of(model)  # the batch is split over the data-parallel ranks of the model's own mesh
+    cp = context_of(model)
+    if cp is not None:  # a cp rank trains its tokens of the same samples; the count below sums over cp too
+        x, y = cp.split(x), cp.split(y)
     count = global_token_count(y, mesh)
     norm = mesh.dp_size / count
     total = torch.zeros((), dtype=torch.float64, device=x.device)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zeroshard.parallel.cp import context_of
 from zeroshard.comm import get_ledger as zs_ledger
 from zeroshard.comm.mesh import shutdown
 from zeroshard.comm.world import init
@@ -125,6 +126,8 @@ def train_step(run: Run, step: int) -> StepRecord:
 
 def average_token_loss(run: Run, loss_sum: torch.Tensor, y: torch.Tensor) -> float:
     """The global batch's mean token loss, as a single process would report it."""
+    cp = context_of(run.model)
+    y = y if cp is None else cp.split(y)  # a cp rank's loss_sum is over its tokens only
     totals = torch.stack([loss_sum, (y != IGNORE_INDEX).sum().double()]).reshape(2)
     all_reduce(totals, op="sum", phase=METRICS_PHASE)
     run.metric_bytes += totals.numel() * totals.element_size()
@@ -256,7 +259,8 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
     check_runnable(cfg)  # a library caller's config, checked against the model as the CLI's is
     # gloo's own timeout comes after the watchdog's, which names the collective and leaves dumps.
     mesh = init(backend=cfg.backend, timeout_s=process_group_timeout(cfg.hang_timeout_s),
-                   shard_size=cfg.shard_size, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, allow_cross_host=cfg.allow_cross_host)
+                   shard_size=cfg.shard_size, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
+                   allow_cross_host=cfg.allow_cross_host)
     with observer_for(cfg) as obs:  # rank 0 names the run dir; every rank dumps its ledger there
         summary = train(cfg.replace(run_dir=str(obs.run_dir)), mesh, obs, reporter)
     shutdown()
@@ -266,7 +270,7 @@ def train_worker(cfg: TrainConfig, reporter: Reporter | None = None) -> dict[str
 def verify_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Train quietly and return per-step losses; rank 0 also returns the full fp32 params."""
     mesh = init(backend=cfg.backend, timeout_s=cfg.hang_timeout_s, shard_size=cfg.shard_size, tp=cfg.tp, pp=cfg.pp,
-                   ep=cfg.ep, allow_cross_host=cfg.allow_cross_host)
+                   ep=cfg.ep, cp=cfg.cp, allow_cross_host=cfg.allow_cross_host)
     run = setup(cfg, mesh)
     for step in range(cfg.steps):
         run.records.append(train_step(run, step))

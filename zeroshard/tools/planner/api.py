@@ -10,6 +10,7 @@ from torch import nn
 
 from zeroshard.comm.dims import ParallelDims
 from zeroshard.comm.quant import CommQuant
+from zeroshard.tools.planner.context import cp_collectives, cp_shape, with_exchange
 from zeroshard.tools.planner.activations import ActivationEstimate, gpt_activations
 from zeroshard.tools.planner.comm import Collective
 from zeroshard.tools.planner.experts import ExpertSplit, expert_split
@@ -40,13 +41,14 @@ def _is_count(value: Any) -> bool:
     return False
 
 
-def plan_dims(world: int, *, pp: int = 1, tp: int = 1, shard_size: int | None = None, ep: int = 1) -> ParallelDims:
+def plan_dims(world: int, *, pp: int = 1, tp: int = 1, shard_size: int | None = None, ep: int = 1,
+              cp: int = 1) -> ParallelDims:
     """The layout a plan is asked for: ``world`` is one pipeline stage's ranks (every rank without pp)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"pp must be a positive int, got {pp!r}")
-    return ParallelDims.of(world * pp, pp=pp, tp=tp, shard=shard_size, ep=ep)
+    return ParallelDims.of(world * pp, pp=pp, tp=tp, shard=shard_size, ep=ep, cp=cp)
 def _shape(model_or_config: Any) -> Any:
     """The simulator's ``Shape`` when ``model_or_config`` is one or names one (llama3-8b), else None:
     the one description of a transformer the planner and the simulator both read."""
@@ -87,15 +89,23 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
     """Our GPT's activations per rank and its tp collectives per step (none at tp=1)."""
     compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
     c = torch.empty(0, dtype=compute).element_size()
-    activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq, compute_bytes=c,
+    activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq // spec.cp, compute_bytes=c,
                                   policy=spec.checkpointing, tp=split.tp, sequence_parallel=split.sequence_parallel,
                                   skew=spec.routing_skew, routed_tokens=inventory.experts.routed_tokens(spec.tokens))
+    if spec.cp > 1:  # a rank's tokens are seq / cp of each sequence; one layer's exchange runs at a time
+        shape = cp_shape(cp=spec.cp, rows=spec.micro_batch, seq=spec.seq, q_width=cfg.n_embd // split.tp,
+                         kv_width=cfg.n_embd // split.tp, elem=c)
+        activations = with_exchange(activations, spec.cp_attention, shape)
+        cp_comm = cp_collectives(spec.cp_attention, shape, layers=cfg.n_layer, micro_steps=spec.accum,
+                                 spans_nodes=gpus_per_node is not None and spec.cp * spec.tp > gpus_per_node)
+    else:
+        cp_comm = ()
     tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
                                 micro_steps=spec.accum, gpus_per_node=gpus_per_node,
                                 norm_vectors=2 * (2 if cfg.bias else 1),  # ln1, ln2: weight (and bias)
                                 rebuilt_layers=sum(b - a for a, b in activations.segments),
                                 segments=len(activations.segments))
-    return activations, tp_comm
+    return activations, tp_comm + cp_comm
 
 
 def _shape_activations(shape: Any, inventory: Inventory, spec: PlanSpec) -> ActivationEstimate:
@@ -125,7 +135,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          gpus_per_node: int | None = None, comm_quant: str = "none", comm_quant_block: int = 256,
          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
          engine: EngineOptions | None = None, activations: ActivationEstimate | None = None,
-         pp: int = 1, pipeline_order: tuple[tuple[str, int], ...] | None = None, **knobs: Any) -> Plan:
+         pp: int = 1, pipeline_order: tuple[tuple[str, int], ...] | None = None, cp: int = 1,
+         cp_attention: str = "ring", **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -139,7 +150,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     parallel); see zeroshard/tools/planner/tp.py and docs/planner.md. ``ep`` splits an MoE model's experts
     over that many ranks of dp × tp, each expert sharded over the ``world / ep`` that hold it;
     ``routing_skew`` is the busiest ep rank's extra share of routed rows (zeroshard/tools/planner/experts.py,
-    docs/expert_parallel.md).
+    docs/expert_parallel.md). ``cp`` splits each sequence over that many ranks (``cp_attention``
+    ring or ulysses): activations are those of ``seq / cp`` tokens plus one layer's exchange, ZeRO
+    shards over dp × cp, and the exchanges are the step's "cp" collectives (docs/context_parallel.md).
 
     The engine's knobs are the runtime's ``EngineOptions``: pass one as ``engine``, or its knobs
     flat as ``zs.shard`` and ``zeroshard train`` spell them (``checkpointing="sqrt"``,
@@ -153,7 +166,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     if unknown:
         raise TypeError(f"plan() got unknown keywords {unknown}; the engine's knobs are {', '.join(KNOB_NAMES)}")
     options = EngineOptions.from_flat(knobs, base=engine)
-    dims = plan_dims(world, pp=pp, tp=tp, shard_size=shard_size, ep=ep)  # the layout, checked before anything reads it
+    dims = plan_dims(world, pp=pp, tp=tp, shard_size=shard_size, ep=ep, cp=cp)  # the layout, checked before anything reads it
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     analytic = _is_count(model_or_config)
@@ -196,7 +209,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     engine=options, headroom=headroom,
                     accounting=accounting or ("textbook" if analytic else "runtime"),
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
-                    sequence_parallel=sequence_parallel, routing_skew=routing_skew, pipeline_order=pipeline_order)
+                    sequence_parallel=sequence_parallel, routing_skew=routing_skew, pipeline_order=pipeline_order,
+                    cp_attention=cp_attention)
     tp_comm: tuple[Collective, ...] = ()
     # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
     if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory

@@ -111,7 +111,7 @@ def _spans_nodes(group: str, mesh: ParallelDims, gpus_per_node: int | None) -> b
     """Whether ``group`` crosses nodes of ``gpus_per_node`` data-parallel ranks (default: one node).
     An edp group (every ep-th rank) spans them exactly when the data-parallel ranks do."""
     gpn = gpus_per_node or mesh.dp
-    return (mesh.shard if group == "shard" else mesh.dp) > gpn
+    return (mesh.zero_shard if group == "shard" else mesh.grad_dp) > gpn
 
 
 def textbook_collectives(*, policy: StagePolicy, mesh: ParallelDims, padded: int, compute_bytes: int, reduce_bytes: int,
@@ -119,7 +119,7 @@ def textbook_collectives(*, policy: StagePolicy, mesh: ParallelDims, padded: int
                          gpus_per_node: int | None = None) -> tuple[Collective, ...]:
     """The ZeRO paper's volumes for a bare count of ``padded`` elements (no units, so every param
     is re-gathered in backward at stage 3 when resharded): what ``plan(7e9, ...)`` tabulates."""
-    shards = mesh.shard if policy.shard_optimizer else 1
+    shards = mesh.zero_shard if policy.shard_optimizer else 1
 
     def row(op: str, group: str, nbytes: int, count: int, phase: str) -> Collective:
         return Collective(op=op, group=group, size=mesh.size(group), buffer_bytes=nbytes, count=count,

@@ -110,11 +110,11 @@ class Variant:
 
 def variants(spec: PlanSpec) -> list[Variant]:
     """DDP and ZeRO-1/2/3 over every data-parallel rank, plus hybrid and offload variants when asked."""
-    out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.dp) for s in range(4)]
+    out = [Variant(name=STAGE_NAMES[s], stage=s, shards=1 if s == 0 else spec.zero_dp) for s in range(4)]
     if spec.hybrid and spec.shard_size is not None:  # hybrid means a shard size below the world
-        out += [Variant(name=f"{STAGE_NAMES[s]}_hybrid", stage=s, shards=spec.shard_size) for s in (1, 2, 3)]
+        out += [Variant(name=f"{STAGE_NAMES[s]}_hybrid", stage=s, shards=spec.shard_size * spec.cp) for s in (1, 2, 3)]
     if spec.offload != "none":  # zs.shard offloads at every stage
-        out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=1 if s == 0 else spec.dp,
+        out += [Variant(name=f"{STAGE_NAMES[s]}_offload", stage=s, shards=1 if s == 0 else spec.zero_dp,
                         offload=spec.offload) for s in range(4)]
     return out
 
@@ -217,7 +217,7 @@ class Estimator:
                        phases[2] + host_total)
         collectives = self._collectives(v, units, padded if self.inventory is None else 0) + self.tp_collectives \
             + self._ep_collectives()
-        return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.dp // v.shards,
+        return LayoutPlan(name=v.name, stage=v.stage, shard_size=v.shards, replicas=self.spec.zero_dp // v.shards,
                           offload=v.offload, checkpointing=str(self.spec.checkpointing), device=device,
                           host_bytes=host_total, host=host, combined_peak=combined, collectives=collectives,
                           experts=self._expert_bytes(v, units, self._all_to_all_buffers()))
@@ -227,7 +227,8 @@ class Estimator:
         (zeroshard/runtime/schedule.py), or the textbook volumes of ``padded`` elements without units."""
         spec = self.spec
         # The data-parallel mesh of the layout (stage 0 has no shards: its buffers span every rank).
-        mesh = spec.dims.with_shard(v.shards if v.policy.shard_optimizer else None)
+        # (A variant's shards count its cp ranks too: ZeRO shards over shard x cp.)
+        mesh = spec.dims.with_shard(v.shards // spec.cp if v.policy.shard_optimizer else None)
         # Data-parallel groups take every tp-th rank: a node holds gpus_per_node / tp of each.
         dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // spec.tp)
         if self.inventory is None:

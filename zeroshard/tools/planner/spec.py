@@ -163,6 +163,8 @@ class PlanSpec:
     routing_skew: float = 0.0
     """With ep > 1: extra rows the busiest ep rank receives, as a share of the balanced
     ``tokens × top_k`` (0 balanced, 1 twice its share); sizes its all-to-all buffers and traffic."""
+    cp_attention: str = "ring"
+    """With cp > 1: the attention scheme whose exchanges and buffers are planned (ring or ulysses)."""
     pipeline_order: tuple[tuple[str, int], ...] | None = None
     """One pipeline stage's forwards and backwards in torch's order (``step_schedule``'s
     ``pipeline_order``): the step its engine runs, which its collectives and gather window follow."""
@@ -176,6 +178,12 @@ class PlanSpec:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tp ranks; it needs tp > 1")
         self._check_ep()
+        if self.cp > 1:
+            from zeroshard.parallel.cp.layout import CP_SCHEMES, check_seq
+
+            if self.cp_attention not in CP_SCHEMES:
+                raise ValueError(f"cp_attention={self.cp_attention!r} is not a scheme; use one of {', '.join(CP_SCHEMES)}")
+            check_seq(self.seq, cp=self.cp, scheme=self.cp_attention)
         if self.stage is not None:
             StagePolicy(self.stage)  # the runtime's own check
         if self.batch % (self.dp * self.accum):
@@ -211,6 +219,16 @@ class PlanSpec:
         """Expert parallelism: each MoE layer's experts split over ``ep`` consecutive data-parallel ranks,
         each expert sharded over the ``world / ep`` ranks that hold it (zeroshard/tools/planner/experts.py)."""
         return self.dims.ep
+
+    @property
+    def cp(self) -> int:
+        """Context parallelism: ranks each sequence is split over (a rank's activations are seq / cp tokens')."""
+        return self.dims.cp
+
+    @property
+    def zero_dp(self) -> int:
+        """Ranks ZeRO shards over without hybrid groups: data-parallel × cp."""
+        return self.dims.grad_dp
 
     @property
     def pp(self) -> int:
@@ -258,7 +276,8 @@ class PlanSpec:
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq
+        """Tokens a rank runs per micro-step (a cp rank holds seq / cp of each sequence)."""
+        return self.micro_batch * self.seq // self.cp
 
     @property
     def hybrid(self) -> bool:
@@ -276,6 +295,7 @@ class PlanSpec:
             "comm_quant": self.comm_quant, "comm_quant_block": self.comm_quant_block,
             "tp": self.tp, "dp": self.dp, "sequence_parallel": self.sequence_parallel,
             "ep": self.ep, "edp": self.edp, "routing_skew": self.routing_skew,
+            **({"cp": self.cp, "cp_attention": self.cp_attention} if self.cp > 1 else {}),
         }
 
 

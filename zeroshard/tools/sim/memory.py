@@ -10,6 +10,7 @@ the stage-3 all-gather window and the full grads of the reductions in flight.
 from __future__ import annotations
 
 from zeroshard.tools.planner import plan
+from zeroshard.parallel.cp.volume import transient_bytes
 from zeroshard.tools.planner.spec import STAGE_NAMES
 from zeroshard.runtime.engine import MAX_INFLIGHT_REDUCTIONS
 from zeroshard.tools.sim.step import Layout
@@ -22,7 +23,7 @@ def _layout_name(layout: Layout) -> str:
 
 def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     """Bytes per rank at the step's peak, with the planner's allocator headroom."""
-    p = plan(w.shape.params, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, tp=layout.tp,
+    p = plan(w.shape.params, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, tp=layout.tp, cp=layout.cp,
              batch=w.micro_batch * layout.dp, shard_size=layout.shard_group if layout.hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom, accounting="textbook",
              offload=layout.offload)
@@ -35,7 +36,10 @@ def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     inflight = 0.0
     if layout.policy.transient_grads:
         inflight = (MAX_INFLIGHT_REDUCTIONS + 1) * s.block_params / layout.tp * layout.reduce_bytes
-    backward = w.activation_peak_bytes(tp=layout.tp) + window + inflight
+    # A cp rank holds seq / cp of each sequence, and one layer's attention exchange buffers at a time.
+    exchange = transient_bytes(layout.cp_attention, cp=layout.cp, rows=w.micro_batch, seq=w.seq,
+                               q_width=s.hidden // layout.tp, kv_width=s.kv_dim // layout.tp, elem=w.compute_bytes)
+    backward = w.activation_peak_bytes(tp=layout.tp) / layout.cp + exchange + window + inflight
     # Optimizer scratch and the backward peak happen at different moments: the larger one counts.
     allocated = device.model_states + max(backward, device.workspace)
     return allocated * (1 + headroom)
@@ -44,7 +48,7 @@ def peak_bytes(w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
 def gpt_peak_bytes(name: str, w: Workload, layout: Layout, *, headroom: float = 0.10) -> float:
     """zeroshard's own GPT preset, planned whole by the runtime-accounting estimator."""
     p = plan(name, world=layout.world, stage=layout.stage, mp="bf16", seq=w.seq, batch=w.micro_batch * layout.dp,
-             tp=layout.tp,
+             tp=layout.tp, cp=layout.cp, cp_attention=layout.cp_attention,
              checkpointing=w.checkpointing, shard_size=layout.shard_group if layout.hybrid else None,
              prefetch=layout.prefetch, bucket_mb=layout.bucket_mb, headroom=headroom,
              reshard_after_forward=layout.reshard_after_forward, offload=layout.offload, ep=layout.ep,

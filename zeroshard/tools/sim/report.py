@@ -20,6 +20,7 @@ def layout_label(layout: Layout) -> str:
     name = f"{name} shard={layout.shard_group}" if layout.hybrid else name
     name += f" tp={layout.tp}" if layout.tp > 1 else ""
     name += f" ep={layout.ep}" if layout.ep > 1 else ""
+    name += f" cp={layout.cp} {layout.cp_attention}" if layout.cp > 1 else ""
     return name + (f" offload={layout.offload}" if layout.offload != "none" else "")
 
 
@@ -28,7 +29,7 @@ def layouts_for(world: int, stages: tuple[int, ...], shard_sizes: tuple[int, ...
     ranks (world / tp; without offload, which is simulated over the whole world only, as the planner
     prices it)."""
     out = []
-    dp = world // kw.get("tp", 1)
+    dp = world // kw.get("tp", 1) // kw.get("cp", 1)
     for stage in stages:
         out.append(Layout.of(world=world, stage=stage, **kw))
         if stage and kw.get("offload", "none") == "none":
@@ -45,7 +46,7 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": layout_label(self.layout), "world": self.layout.world, "stage": self.layout.stage,
-                "tp": self.layout.tp, "ep": self.layout.ep, "shard_group": self.layout.shard_group,
+                "tp": self.layout.tp, "ep": self.layout.ep, "cp": self.layout.cp, "shard_group": self.layout.shard_group,
                 "peak_bytes": self.peak_bytes, "fits": self.fits,
                 **self.result.to_dict()}
 

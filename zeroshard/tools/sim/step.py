@@ -35,6 +35,7 @@ import dataclasses
 from typing import Any
 
 from zeroshard.comm.dims import ParallelDims
+from zeroshard.parallel.cp.volume import exchanges
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.tools.sim.hardware import Hardware
@@ -82,10 +83,13 @@ class Layout:
     bucket size and offload (``SIMULATED_KNOBS``)."""
     param_bytes: int = 2
     reduce_bytes: int = 4
+    cp_attention: str = "ring"
+    """With ``dims.cp > 1``: the attention scheme whose exchanges the replay times."""
 
     @classmethod
     def of(cls, *, world: int, stage: int, shards: int | None = None, tp: int = 1, ep: int = 1,
-           param_bytes: int = 2, reduce_bytes: int = 4, **knobs: Any) -> Layout:
+           param_bytes: int = 2, reduce_bytes: int = 4, cp: int = 1, cp_attention: str = "ring",
+           **knobs: Any) -> Layout:
         """A layout of ``world`` ranks, ``tp`` per block, buffers sharded over ``shards`` of the data-parallel
         ranks (None: all of them) and experts split over ``ep``; ``knobs`` are the engine's, spelled flat
         (``prefetch=2``, ``offload="cpu"``)."""
@@ -93,8 +97,9 @@ class Layout:
         unknown = sorted(set(knobs) - set(own))
         if unknown:
             raise TypeError(f"Layout.of got unknown keywords {unknown}; the layout's knobs are {', '.join(own)}")
-        return cls(dims=ParallelDims.of(world, tp=tp, shard=shards, ep=ep), stage=stage,
-                   engine=EngineOptions.from_flat(knobs), param_bytes=param_bytes, reduce_bytes=reduce_bytes)
+        return cls(dims=ParallelDims.of(world, tp=tp, shard=shards, ep=ep, cp=cp), stage=stage,
+                   engine=EngineOptions.from_flat(knobs), param_bytes=param_bytes, reduce_bytes=reduce_bytes,
+                   cp_attention=cp_attention)
 
     @property
     def prefetch(self) -> int:
@@ -144,8 +149,14 @@ class Layout:
         return StagePolicy(self.stage)
 
     @property
+    def cp(self) -> int:
+        """Ranks each sequence is split over."""
+        return self.dims.cp
+
+    @property
     def shard_group(self) -> int:
-        return self.dims.shard if self.policy.shard_optimizer else 1
+        """Ranks ZeRO shards a buffer over: shard x cp."""
+        return self.dims.zero_shard if self.policy.shard_optimizer else 1
 
     @property
     def mesh(self) -> ParallelDims:
@@ -159,7 +170,7 @@ class Layout:
 
     @property
     def replicas(self) -> int:
-        return self.dp // self.shard_group
+        return self.dims.grad_dp // self.shard_group
 
     @property
     def expert_group(self) -> int:
@@ -390,6 +401,27 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
                       block_recompute=recompute)
 
 
+def with_cp(d: _Durations, w: Workload, hw: Hardware, layout: Layout) -> _Durations:
+    """A cp rank computes 1/cp of its micro-batch (every rank's causal attention is balanced: ring's
+    load-balanced chunks, Ulysses' head slices), and each block waits on its attention's exchanges
+    (zeroshard/parallel/cp/volume.py's bytes over the cp group, not overlapped with compute: the
+    runtime issues them in line)."""
+    cp, s = layout.cp, w.shape
+    shape = dict(cp=cp, rows=w.micro_batch, seq=w.seq, q_width=s.hidden // layout.tp,
+                 kv_width=s.kv_dim // layout.tp, elem=w.compute_bytes)
+    spans = cp * layout.tp > hw.gpus_per_node
+    fwd = bwd = 0.0
+    for e in exchanges(layout.cp_attention, **shape):
+        seconds = e.count * collective_seconds(e.op, e.bytes, cp, hw, spans=spans, world=layout.world)
+        if e.phase == "forward":
+            fwd += seconds
+        else:
+            bwd += seconds
+    parts = {k: v / cp for k, v in d.parts.items()} | {"attention exchange (cp)": s.n_layer * (fwd + bwd)}
+    return _Durations(block_fwd=d.block_fwd / cp + fwd, block_bwd=d.block_bwd / cp + bwd, root_fwd=d.root_fwd / cp,
+                      root_bwd=d.root_bwd / cp, parts=parts, block_recompute=d.block_recompute / cp)
+
+
 def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_per_unit: bool = False,
                ep: int = 1) -> _Durations:
     """Seconds per unit: measured ones when ``hw`` has them, else matmuls and attention at their
@@ -428,6 +460,8 @@ def replayed_collectives(w: Workload, hw: Hardware, layout: Layout) -> list[tupl
 
 def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, CommLink]:
     d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params, ep=layout.ep)
+    if layout.cp > 1:
+        d = with_cp(d, w, hw, layout)
     pol, s = layout.policy, w.shape
     comm, host = CommLink(hw, layout), HostLink(hw, layout)
     walked = walk(w, layout, d, comm, host)
@@ -446,7 +480,7 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
     under = comm.under_compute()
     stolen = _contention_seconds(w, hw, layout, under)
     t += stolen
-    tokens = w.tokens * w.accum / layout.tp  # a tp group shares its micro-batch
+    tokens = w.tokens * w.accum / layout.tp / layout.cp  # a tp (and a cp) group shares its micro-batch
     breakdown = {k: v * w.accum for k, v in d.parts.items()} | {"optimizer": optimizer, "exposed comm": exposed}
     if stolen:
         breakdown["comm contention"] = stolen

@@ -1,5 +1,5 @@
 """The candidates `zeroshard tune` tries: stage x prefetch x reshard x bucket size x checkpointing
-x quantized communication (x schedule x microbatches under a pipeline, x ep for an MoE model).
+x quantized communication (x schedule x microbatches under a pipeline, x ep for an MoE model, x cp).
 
 Each knob only enters the grid where the runtime reads it, as the runtime says: ``StagePolicy.reads``
 for the engine's knobs (prefetch and reshard_after_forward at stage 3, bucket_mb at stages 0-2),
@@ -22,7 +22,8 @@ T = TypeVar("T")
 DEFAULT_AXES = {"stages": "0,1,2,3", "prefetch": "1,2", "bucket_mb": "5,25", "checkpointing": "none,sqrt",
                 "reshard": "true,false", "comm_quant": "none"}
 _EXAMPLES = {"--" + axis.replace("_", "-"): text for axis, text in DEFAULT_AXES.items()} | {
-    "--pp-schedules": "1f1b,gpipe", "--microbatch-counts": "2,4,8", "--ep-degrees": "1,2,4"}
+    "--pp-schedules": "1f1b,gpipe", "--microbatch-counts": "2,4,8", "--ep-degrees": "1,2,4",
+    "--cp-degrees": "1,2,4"}
 LAYOUT = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 """The planner's name for each stage's layout."""
 
@@ -45,6 +46,8 @@ class Candidate:
     """Under a pipeline, microbatches per schedule run; None keeps the base config's."""
     ep: int | None = None
     """Expert parallelism's degree (TrainConfig.ep) where --ep-degrees searches it; None keeps the base config's."""
+    cp: int | None = None
+    """Context parallelism's degree (TrainConfig.cp) where --cp-degrees searches it; None keeps the base config's."""
 
     @property
     def name(self) -> str:
@@ -59,7 +62,8 @@ class Candidate:
         pipe = "".join([f", {self.pp_schedule}" if self.pp_schedule else "",
                         f", {self.microbatches} microbatches" if self.microbatches else ""])
         ep = "" if self.ep is None else f", ep {self.ep}"
-        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}{pipe}{ep}"
+        cp = "" if self.cp is None else f", cp {self.cp}"
+        return f"stage {self.stage}, {', '.join(knobs)}, ckpt {self.checkpointing}{comm}{pipe}{ep}{cp}"
 
     def train_keys(self) -> dict[str, Any]:
         """The TrainConfig keys this candidate sets; knobs its stage ignores keep the base config's values."""
@@ -67,7 +71,7 @@ class Candidate:
                                 "comm_quant": self.comm_quant}
         searched = {"prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
                     "bucket_mb": self.bucket_mb, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
-                    "ep": self.ep}
+                    "ep": self.ep, "cp": self.cp}
         keys.update({knob: value for knob, value in searched.items() if value is not None})
         return keys
 
@@ -85,6 +89,8 @@ class Axes:
     microbatches: tuple[int | None, ...] = (None,)
     ep: tuple[int | None, ...] = (None,)
     """Expert-parallel degrees; (None,): the base config's ep."""
+    cp: tuple[int | None, ...] = (None,)
+    """Context-parallel degrees; (None,): the base config's cp."""
 
 
 def _split(flag: str, text: str, convert: Callable[[str], T]) -> tuple[T, ...]:
@@ -158,10 +164,14 @@ def _count(part: str) -> int:
     return int(part)
 
 
-def _degree(part: str) -> int:
+def _degree(part: str, flag: str = "--ep-degrees", what: str = "an expert-parallel", dim: str = "ep") -> int:
     if not part.isdigit() or int(part) < 1:
-        raise ValueError(f"--ep-degrees: {part!r} is not an expert-parallel degree; e.g. 1,2,4 (1 is no ep)")
+        raise ValueError(f"{flag}: {part!r} is not {what} degree; e.g. 1,2,4 (1 is no {dim})")
     return int(part)
+
+
+def _cp_degree(part: str) -> int:
+    return _degree(part, "--cp-degrees", "a context-parallel", "cp")
 
 
 def _schedule_takes(schedule: str | None, checkpointing: str) -> bool:
@@ -180,9 +190,10 @@ def _schedule_takes(schedule: str | None, checkpointing: str) -> bool:
 
 def parse_axes(*, stages: str, prefetch: str, bucket_mb: str, checkpointing: str, reshard: str,
                comm_quant: str = "none", pp_schedules: str | None = None,
-               microbatches: str | None = None, ep_degrees: str | None = None) -> Axes:
+               microbatches: str | None = None, ep_degrees: str | None = None, cp_degrees: str | None = None) -> Axes:
     """Comma-separated flag values to typed axes; a bad value raises ValueError naming its flag."""
     return Axes(ep=_split("--ep-degrees", ep_degrees, _degree) if ep_degrees else (None,),
+                cp=_split("--cp-degrees", cp_degrees, _cp_degree) if cp_degrees else (None,),
                 pp_schedules=_split("--pp-schedules", pp_schedules, _schedule) if pp_schedules else (None,),
                 microbatches=_split("--microbatch-counts", microbatches, _count) if microbatches else (None,),
                 stages=_split("--stages", stages, _stage),
@@ -205,8 +216,8 @@ def candidates(axes: Axes) -> list[Candidate]:
 
         comms = [q for q in axes.comm_quant if comm_quant_applies(q, stage)]
         out += [Candidate(stage=stage, checkpointing=ckpt, comm_quant=comm, prefetch=p, reshard_after_forward=r,
-                          bucket_mb=b, pp_schedule=sched, microbatches=m, ep=ep)
-                for ep in axes.ep for sched in axes.pp_schedules for m in axes.microbatches
+                          bucket_mb=b, pp_schedule=sched, microbatches=m, ep=ep, cp=cp)
+                for ep in axes.ep for cp in axes.cp for sched in axes.pp_schedules for m in axes.microbatches
                 for ckpt in axes.checkpointing if _schedule_takes(sched, ckpt) for comm in comms
                 for p in values("prefetch", axes.prefetch)
                 for r in values("reshard_after_forward", axes.reshard)

@@ -61,14 +61,16 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
                      bucket_mb=base.engine.bucket_mb if c.bucket_mb is None else c.bucket_mb,
                      comm_quant=c.comm_quant, comm_quant_block=base.comm_quant_block)
         ep = base.ep if c.ep is None else c.ep
+        cp = base.cp if c.cp is None else c.cp
         if base.pp > 1:
             out[c] = _pipeline_prediction(gpt, c, base, knobs, device, plans, ep=ep)
             continue
-        key = tuple(sorted(knobs.items())) + (("ep", ep),)
+        key = tuple(sorted(knobs.items())) + (("ep", ep), ("cp", cp))
         if key not in plans:
             # The planner splits the experts over ep (zeroshard/tools/planner/experts.py) and refuses, in
             # one line, what it does not model yet (ep with tp).
-            plans[key] = plan(gpt, world=base.nproc, tp=base.tp, ep=ep, mp=base.mp, batch=base.batch,
+            plans[key] = plan(gpt, world=base.nproc, tp=base.tp, ep=ep, cp=cp, cp_attention=base.cp_attention,
+                              mp=base.mp, batch=base.batch,
                               seq=base.seq_len, accum=base.accum, accumulation=base.engine.accumulation,
                               device=device, optimizer="adamw", offload=base.engine.offload.kind,
                               optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True}, **knobs)

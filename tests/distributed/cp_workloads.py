@@ -1,0 +1,94 @@
+"""Workers for the context-parallel tests: world 4, sequences split over cp 2, against one process.
+
+Module level so spawned ranks can import it; one process group runs every case, each on a mesh of
+its own (``zs.new_mesh``), through `zeroshard train`'s own build and step.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched
+
+from pathlib import Path
+
+import torch
+
+import zeroshard as zs
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.train import setup, train_step
+
+VOCAB = 96
+SEQ = 32
+BATCH = 4
+STEPS = 10
+WORLD = 4
+LAYOUTS = (("shard2", 2, 3), ("shard2", 2, 1), ("replicate2", 1, 3))
+"""(name, shard size, stage) at cp 2, world 4: cp 2 x shard 2 at stages 3 and 1; cp 2 x replicate 2
+at stage 3 (ZeRO over the two cp ranks of each replica: cp 2 on two ranks, twice), with 2
+accumulation micro-steps (the token mean is over dp, cp and accumulation)."""
+ACCUM = {"replicate2": 2}
+CASES = [("gpt", scheme, layout) for scheme in ("ring", "ulysses") for layout in LAYOUTS] + \
+        [("qwen3", scheme, LAYOUTS[0]) for scheme in ("ring", "ulysses")]
+
+
+def make_folder(root: Path) -> Path:
+    """A small random Qwen3 (GQA: 4 heads, 2 kv heads; rotary positions) written by save_pretrained."""
+    import transformers as tf
+
+    config = tf.Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, intermediate_size=64, max_position_embeddings=64, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    out = root / "qwen3"
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def train_config(model: str, *, scheme: str = "ring", shard: int | None = None, stage: int = 3,
+                 cp: int = 2, steps: int = STEPS, accum: int = 1) -> TrainConfig:
+    return TrainConfig(model=model, stage=stage, nproc=WORLD, cp=cp, cp_attention=scheme, shard_size=shard, accum=accum,
+                       batch=BATCH, seq_len=SEQ, steps=steps, warmup=1, num_samples=64, dropout=False, profile=False,
+                       lr=5e-4, clip=1.0)
+
+
+def model_name(name: str, folder: str) -> str:
+    return "tiny" if name == "gpt" else folder
+
+
+def resume_across_cp(root: str) -> dict:
+    """Five steps at cp 2 x shard 2 (stage 3), saved; loaded into cp 1 over the 4 ranks (stage 3,
+    ZeRO over all four) and five more steps there: cp holds no params, so the state carries over."""
+    from zeroshard.checkpoint import load, save
+
+    cfg = train_config("tiny", shard=2, stage=3)
+    run = setup(cfg, zs.new_mesh(dims=ParallelDims.of(WORLD, shard=2, cp=2), name="cp-save"))
+    for step in range(STEPS // 2):
+        train_step(run, step)
+    path = save(Path(root) / "cp2", run.model, run.opt, run.scheduler, run.sampler, step=STEPS // 2)
+    again = setup(train_config("tiny", stage=3, cp=1), zs.get_mesh())  # the default mesh: cp 1, shard 4
+    load(path, again.model, again.opt, scheduler=again.scheduler, sampler=again.sampler)
+    losses = [train_step(again, step).loss for step in range(STEPS // 2, STEPS)]
+    state = zs.full_state_dict(again.model)
+    return {"losses": losses, "params": {k: v.detach().float().clone() for k, v in state.items()}}
+
+
+def suite(folder: str) -> dict:
+    zs.init()
+    out: dict = {"cases": {}, "resumed": resume_across_cp(folder)}
+    for index, (name, scheme, (layout, shard, stage)) in enumerate(CASES):
+        cfg = train_config(model_name(name, folder), scheme=scheme, shard=shard, stage=stage, accum=ACCUM.get(layout, 1))
+        mesh = zs.new_mesh(dims=ParallelDims.of(WORLD, shard=shard, cp=2), name=f"cp{index}")
+        run = setup(cfg, mesh)
+        losses, cp_bytes = [], []
+        for step in range(cfg.steps):
+            seq = mesh.ledger.next_seq
+            losses.append(train_step(run, step).loss)
+            cp_bytes.append(sum(r.bytes for r in mesh.ledger.since(seq) if r.group == "cp" and r.mesh == mesh.name))
+        state = zs.full_state_dict(run.model)
+        out["cases"][(name, scheme, layout, stage)] = {
+            "losses": losses, "cp_bytes": cp_bytes,
+            "params": {k: v.detach().float().clone() for k, v in state.items()},
+            "mesh": mesh.describe(), "groups": {"cp": mesh.group_size("cp"), "shard": mesh.shard_size,
+                                                "dp": mesh.group_size("dp"), "batch_dp": mesh.dp_size}}
+    return out
