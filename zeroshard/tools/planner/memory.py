@@ -25,7 +25,7 @@ from zeroshard.tools.planner.activations import ActivationEstimate
 from zeroshard.tools.planner.experts import ExpertSplit, ep_collectives
 from zeroshard.tools.planner.inventory import CommUnit, Inventory
 from zeroshard.tools.planner.optim_probe import OptimStateCost, probe
-from zeroshard.tools.planner.owner_state import PerTensorParams, optimizer_per_rank, owner_loads
+from zeroshard.tools.planner.owner_state import PerTensorParams, exchange_collective, optimizer_per_rank
 from zeroshard.tools.planner.result import Components, LayoutPlan
 from zeroshard.tools.planner.spec import STAGE_NAMES, PlanSpec
 # The engine's constants, imported: one value, not two copies.
@@ -245,15 +245,11 @@ class Estimator:
         return step + self._owner_exchange(units, v)
 
     def _owner_exchange(self, units: tuple[CommUnit, ...], v: Variant) -> tuple[comm.Collective, ...]:
-        """The per-tensor optimizer's owner exchange (zeroshard/runtime/owners.py): one all-to-all per
-        step over the shard ranks, sized so its wire bytes are the busiest rank's (owner_state.py)."""
         shards = v.shards if v.policy.shard_optimizer else 1
         if self.per_tensor is None or shards == 1:
             return ()
         trainable = [g for u in units for g in u.groups if g.trainable]
-        busiest = max(owner_loads(trainable, self.per_tensor, shards, {d: d for d in self.master_dtypes}).exchange)
-        return (comm.Collective(op="all_to_all", group="shard", size=shards, phase="owner_exchange",
-                                buffer_bytes=busiest * shards // (shards - 1)),)
+        return (exchange_collective(trainable, self.per_tensor, shards, {d: d for d in self.master_dtypes}),)
 
     # -- expert parallelism -------------------------------------------------------------------
     def _compute_bytes(self) -> int:

@@ -20,6 +20,7 @@ from torch import nn
 
 from zeroshard.runtime.optim_kinds import PER_TENSOR_OPTIMIZERS
 from zeroshard.runtime.owners import balance_owners, slot_exchange_bytes
+from zeroshard.tools.planner.comm import Collective
 from zeroshard.tools.planner.inventory import GroupShape
 
 # Stepping a real tensor to read its state is capped at this many elements; a larger param is
@@ -124,3 +125,12 @@ def optimizer_per_rank(trainable: list[GroupShape], params: PerTensorParams, sha
     return [loads.state[r] + int(round(per_element * (sum(g.optimizer_numel(r) for g in trainable)
                                                       - loads.owned_in_shard[r])))
             for r in range(shards)]
+
+
+def exchange_collective(trainable: list[GroupShape], params: PerTensorParams, shards: int,
+                        master: dict[torch.dtype, torch.dtype]) -> Collective:
+    """The owner exchange (grad and master to the owner, updated values back) as one all-to-all per
+    step over the shard ranks, sized so its wire bytes are the busiest rank's."""
+    busiest = max(owner_loads(trainable, params, shards, master).exchange)
+    return Collective(op="all_to_all", group="shard", size=shards, phase="owner_exchange",
+                      buffer_bytes=busiest * shards // (shards - 1))
