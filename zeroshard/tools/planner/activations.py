@@ -116,3 +116,41 @@ def gpt_activations(cfg, *, micro_batch: int, seq: int, compute_bytes: int, poli
     block = tokens * (2 * hidden // tp + 5 * C // whole) * c
     return ActivationEstimate(saved=saved + root, recompute=recompute, workspace=max(head, block),
                               per_layer=per_layer, root=root, boundary=boundary, head=head, block=block, segments=segments)
+
+
+def block_index(act: ActivationEstimate, fqn: str) -> int | None:
+    """The forward index of the block holding param ``fqn``: our GPT's ``blocks.N``, or where the
+    estimate names its blocks (a traced model's), the block whose name prefixes it."""
+    if not act.block_names:
+        return int(fqn.split(".")[1]) if fqn.startswith("blocks.") else None
+    return next((i for i, name in enumerate(act.block_names) if fqn.startswith(name + ".")), None)
+
+
+def alive_activations(act: ActivationEstimate, units: list[tuple[list[str], bool]], policy: Checkpointing) -> list[int]:
+    """Per unit (its params' names, whether it is the root), in reduction order, the activations
+    still alive at its last grad.
+
+    Each block saves ``per_layer`` and the root ``root`` (kept to the end: the embedding's grads come
+    last). At a unit whose first block is k, blocks k and later are through backward. Without
+    checkpointing blocks 0..k-1 still hold theirs; with it, each segment starting at or before k
+    still holds its input (``boundary``), and k's own segment [a, b) has rebuilt blocks a..k-1 that
+    are not through backward yet.
+    """
+    found = [min((k for fqn in names if (k := block_index(act, fqn)) is not None), default=None)
+             for names, _ in units]
+    # A pipeline stage keeps the unsplit model's names (its blocks are blocks.4, blocks.5, ...):
+    # counted from the first block it holds.
+    lowest = min((k for k in found if k is not None), default=0)
+    firsts = [None if k is None else k - lowest for k in found]
+    depth = 1 + max((k for k in firsts if k is not None), default=-1)
+    segments = policy.segments(depth)
+    out = []
+    for (_, is_root), k in zip(units, firsts):
+        if k is None or is_root:  # the root: reduced last, when every block is through backward
+            out.append(0)
+        elif not segments:
+            out.append(act.root + k * act.per_layer)
+        else:
+            index = next(i for i, (a, b) in enumerate(segments) if a <= k < b)
+            out.append(act.root + (index + 1) * act.boundary + (k - segments[index][0]) * act.per_layer)
+    return out

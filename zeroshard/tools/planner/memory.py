@@ -21,7 +21,7 @@ import torch
 
 from zeroshard.runtime.offload.policy import OffloadPolicy
 from zeroshard.tools.planner import comm
-from zeroshard.tools.planner.activations import ActivationEstimate
+from zeroshard.tools.planner.activations import ActivationEstimate, alive_activations
 from zeroshard.tools.planner.experts import ExpertSplit, ep_collectives
 from zeroshard.tools.planner.inventory import CommUnit, Inventory
 from zeroshard.tools.planner.optim_probe import OptimStateCost, probe
@@ -469,43 +469,10 @@ class Estimator:
         return out
 
     def _alive_activations(self, units: tuple[CommUnit, ...]) -> list[int]:
-        """Per unit, in reduction order, the activations still alive at its last grad.
-
-        Our GPT saves ``per_layer`` per block and ``root`` in the embeddings and head (kept to the
-        end: the embedding's grads come last). At a unit whose first block is k, blocks k and later
-        are through backward. Without checkpointing blocks 0..k-1 still hold theirs; with it, each
-        segment starting at or before k still holds its input (``boundary``), and k's own segment
-        [a, b) has rebuilt blocks a..k-1 that are not through backward yet.
-        """
         if self.act is None:
             return [0] * len(units)
-        found = [min((k for g in u.groups for s in g.layout.slots if (k := self._block_index(s.fqn)) is not None),
-                     default=None) for u in units]
-        # A pipeline stage keeps the unsplit model's names (its blocks are blocks.4, blocks.5, ...):
-        # counted from the first block it holds.
-        lowest = min((k for k in found if k is not None), default=0)
-        firsts = [None if k is None else k - lowest for k in found]
-        depth = 1 + max((k for k in firsts if k is not None), default=-1)
-        segments = self.spec.checkpointing.segments(depth)
-        out = []
-        for u, k in zip(units, firsts):
-            if k is None or u.is_root:  # the root: reduced last, when every block is through backward
-                out.append(0)
-            elif not segments:
-                out.append(self.act.root + k * self.act.per_layer)
-            else:
-                index = next(i for i, (a, b) in enumerate(segments) if a <= k < b)
-                out.append(self.act.root + (index + 1) * self.act.boundary
-                           + (k - segments[index][0]) * self.act.per_layer)
-        return out
-
-    def _block_index(self, fqn: str) -> int | None:
-        """The forward index of the block holding param ``fqn``: our GPT's ``blocks.N``, or where the
-        estimate names its blocks (a traced model's), the block whose name prefixes it."""
-        names = self.act.block_names if self.act else ()
-        if not names:
-            return int(fqn.split(".")[1]) if fqn.startswith("blocks.") else None
-        return next((i for i, name in enumerate(names) if fqn.startswith(name + ".")), None)
+        return alive_activations(self.act, [([s.fqn for g in u.groups for s in g.layout.slots], u.is_root)
+                                            for u in units], self.spec.checkpointing)
 
     def _backward(self, units: tuple[CommUnit, ...], v: Variant,
                   late: list[int]) -> tuple[int, int, int, list[tuple[int, int]]]:
