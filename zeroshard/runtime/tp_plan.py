@@ -169,10 +169,11 @@ def stream_input(stream: Placement) -> ParallelStyle:
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 def whole(x: Any) -> Any:
-                    if isinstance(x, DTensor) or not hasattr(x, "dim"):
+                    if not hasattr(x, "dim"):
                         return x
-                    return DTensor.from_local(x, device_mesh, (stream,), run_check=False).redistribute(
-                        placements=(Replicate(),))
+                    if not isinstance(x, DTensor):  # a norm under sequence parallelism gives a DTensor already
+                        x = DTensor.from_local(x, device_mesh, (stream,), run_check=False)
+                    return x.redistribute(placements=(Replicate(),))
                 if args:
                     return (whole(args[0]), *args[1:]), kwargs
                 if "hidden_states" in kwargs:
