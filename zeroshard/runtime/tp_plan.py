@@ -155,7 +155,7 @@ def torch_style(style: str, stream: Placement, *, prepared: bool) -> ParallelSty
     if style == REPLICATED_GRAD:
         # The param is replicated, its input is this rank's heads (dim -2): DTensor computes the
         # norm locally and turns the param's grad, a partial sum over the heads, into the total.
-        return SequenceParallel(sequence_dim=-2)
+        return SequenceParallel(sequence_dim=-2, use_local_output=True)
     assert style == SEQUENCE, style
     return SequenceParallel()
 

@@ -206,8 +206,8 @@ def load_pretrained(model: nn.Module, path: str | Path, *, whole: nn.Module | No
                 continue
             spec = group.tp_specs[index]
             if _tp_split(spec):  # this tp rank's part of the whole tensor, in its flat order
-                whole = reader.read(name) if merge is None else merge.build(name, reader.read, model)
-                local = tp_layout.to_local(whole.reshape(spec.shape), spec.describe(), spec.mesh.get_local_rank())
+                full = reader.read(name) if merge is None else merge.build(name, reader.read, model)
+                local = tp_layout.to_local(full.reshape(spec.shape), spec.describe(), spec.mesh.get_local_rank())
                 values = local.reshape(-1)[start - slot.offset:stop - slot.offset]
                 held += values.numel() * values.element_size()
                 with torch.no_grad():

@@ -10,7 +10,7 @@ the head, the param-free modules every stage needs. No architecture is named her
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, cast
 
 from torch import nn
 
@@ -50,10 +50,10 @@ def _conversions(model: nn.Module) -> list[Any]:
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:  # a transformers without conversion mappings converts nothing
         return []
-    return list(get_model_conversion_mapping(model, add_legacy=False) or [])
+    return list(get_model_conversion_mapping(cast(Any, model), add_legacy=False) or [])
 
 
-def _divides(model: nn.Module, config: Any, styles: dict[str, str], blocks: str) -> dict[str, int]:
+def _divides(model: nn.Module, config: Any, styles: Mapping[str, str], blocks: str) -> dict[str, int]:
     """The config's sizes the split must divide: the heads where attention is split, the MLP width
     where a projection of that width is split column-wise (``styles``: per block, experts left out)."""
     out: dict[str, int] = {}
@@ -71,7 +71,7 @@ def _divides(model: nn.Module, config: Any, styles: dict[str, str], blocks: str)
     return out
 
 
-def _sequence(model: nn.Module, blocks: str, styles: dict[str, str]) -> tuple[tuple[str, ...], str]:
+def _sequence(model: nn.Module, blocks: str, styles: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
     """The block's norms (what runs on the sequence-split stream), or why sequence parallelism is refused:
     a child of a block that holds params, is not a norm and has nothing split (an MoE block)."""
     norms: list[str] = []
@@ -112,8 +112,9 @@ def hf_spec(model: nn.Module) -> ModelSpec | None:
     name = type(model).__name__
     tp_plan = _prefixed(prefix, getattr(config, "base_model_tp_plan", None))
     ep_plan = _prefixed(prefix, getattr(config, "base_model_ep_plan", None))
-    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None) \
-        if callable(getattr(model, "get_output_embeddings", None)) else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head_module = get_head() if callable(get_head) else None
+    head = next((n for n, m in model.named_modules() if head_module is not None and m is head_module), None)
     before, after = _order(model, prefix, pp_plan, blocks, head)
     base_module = model.get_submodule(base) if prefix else model
     shared = tuple(f"{prefix}{n}" for n, m in base_module.named_children()
