@@ -29,6 +29,8 @@ from zeroshard.runtime.tp_plan import TPPlan, matches
 
 SPEC_ATTR = "_zeroshard_spec"
 """Where ``attach`` keeps a user's spec on the model."""
+DERIVED_ATTR = "_zeroshard_derived_spec"
+"""Where ``find_spec`` keeps the spec it derived."""
 
 MOE_TP_STYLES = ("moe_tp_experts", "moe_identity_expert")
 """Styles transformers puts on an experts module: zeroshard keeps the experts whole on each tp rank
@@ -117,9 +119,15 @@ def find_spec(model: nn.Module) -> ModelSpec | None:
     own = getattr(model, SPEC_ATTR, None)
     if isinstance(own, ModelSpec):
         return own
+    derived = getattr(model, DERIVED_ATTR, None)
+    if isinstance(derived, ModelSpec):
+        return derived
     from zeroshard.models.specs import derive
 
-    return derive(model)
+    spec = derive(model)
+    if spec is not None:  # kept: an export asks once per tensor, and a model's modules do not change
+        object.__setattr__(model, DERIVED_ATTR, spec)
+    return spec
 
 
 def spec_of(model: nn.Module) -> ModelSpec:
