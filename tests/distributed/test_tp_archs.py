@@ -37,7 +37,7 @@ def test_declared_plan_at_tp2_trains_as_one_process_does(world4, folders, name):
     run = world4[name]
     assert "refused" not in run, run.get("refused")
     ref = reference_train(w.train_config(str(folders[name])))
-    tol, loss_tol = default_tolerances("fp32")
+    tol, loss_tol = default_tolerances("fp32")[0], 1e-6  # loss: one process within 1e-6
     loss_diff = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"], strict=True))
     assert set(run["params"]) == set(ref["params"])
     param_diff = max((run["params"][k] - ref["params"][k].float()).abs().max().item() for k in ref["params"])
