@@ -27,7 +27,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def world4(folders) -> dict:
-    return spawn(w.suite, 4, args=({k: str(v) for k, v in folders.items()},), timeout_s=900)[0]
+    # One group of 4 runs every architecture and the user's NanoGPT.
+    return spawn(w.suite, 4, args=({k: str(v) for k, v in folders.items()}, True), timeout_s=900)[0]
 
 
 @pytest.mark.parametrize("name", w.SUITE)
@@ -45,9 +46,8 @@ def test_declared_plan_at_tp2_trains_as_one_process_does(world4, folders, name):
     assert loss_diff <= loss_tol and param_diff <= tol
 
 
-def test_a_users_nanogpt_through_its_own_spec_at_tp2_equals_one_process():
-    got = spawn(w.nano_suite, 4, timeout_s=600)[0]
-    ref = w.nano_reference()
+def test_a_users_nanogpt_through_its_own_spec_at_tp2_equals_one_process(world4):
+    got, ref = world4["nanoGPT"], w.nano_reference()
     assert set(got) == set(ref)
     diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
     print(f"nanoGPT (user spec) 2 shard x 2 tp stage 3, {w.NANO_STEPS} steps: max abs param diff {diff:.2e}")

@@ -24,9 +24,10 @@ STEPS = 3
 SHARD_BYTES = "20KB"  # every folder spans >= 3 safetensors files
 DENSE = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
              max_position_embeddings=32, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-SUITE = ("gemma2", "phi3", "qwen3")
-"""The suite's subset: soft-capping and sliding windows (Gemma2), fused projections gathered whole
-(Phi-3's qkv_proj and gate_up_proj), per-head norms whose grads sum over tp (Qwen3)."""
+SUITE = ("phi3", "qwen3")
+"""The suite's subset, the styles beyond Llama's colwise/rowwise (which tests/distributed/test_tp.py
+covers): fused projections gathered whole (Phi-3's qkv_proj and gate_up_proj, colwise_gather_output
+and rowwise_split_input), per-head norms whose grads sum over tp (Qwen3's replicated_with_grad_allreduce)."""
 
 
 def configs() -> dict:
@@ -72,13 +73,15 @@ def train_config(folder: str, **overrides) -> TrainConfig:
                                  num_samples=64, dropout=False, profile=False), **overrides})
 
 
-def suite(folders: dict[str, str]) -> dict:
+def suite(folders: dict[str, str], nano: bool = False) -> dict:
     """Per architecture: STEPS training steps at stage 3, tp 2 (losses, full params), or the one-line
-    refusal; on rank 0."""
+    refusal; with ``nano``, NanoGPT through its own spec too (under "nanoGPT"); on rank 0."""
     from zeroshard.trainer.train import setup, train_step
 
     out: dict = {}
     mesh = zs.init(tp=2)
+    if nano:
+        out["nanoGPT"] = _nano_train(mesh)
     for name, folder in folders.items():
         cfg = train_config(folder)
         try:
@@ -197,57 +200,3 @@ def _nano_train(mesh) -> dict:
         x, y = collate(run.dataset, run.sampler.next_indices())
         step.step(run, x, y)
     return zs.full_state_dict(run.model)
-
-
-def nano_suite() -> dict:
-    """NanoGPT at 2 shard x 2 tp, stage 3, through its user-written spec."""
-    mesh = zs.init(mesh_shape=(2, 2), names=("shard", "tp"))
-    out = _nano_train(mesh)
-    zs.shutdown()
-    return out if mesh.rank == 0 else {}
-
-
-def _full_grad(param: torch.nn.Parameter) -> torch.Tensor:
-    """A param's grad in the model's own layout (a tp part's joined, a partial sum summed)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    from zeroshard.runtime import tp as tp_layout
-
-    grad = param.grad
-    if not isinstance(grad, DTensor):
-        return grad
-    spec = tp_layout.spec_of(param)
-    if spec is None or spec.shard_dim is None:
-        return grad.redistribute(placements=[Replicate()]).to_local()
-    parts = grad.redistribute(placements=list(spec.placements)).full_tensor().chunk(spec.mesh.size(), spec.shard_dim)
-    return tp_layout.canonical(list(parts), spec.describe())
-
-
-def grad_suite(folders: dict[str, str]) -> dict:
-    """Per architecture on 2 ranks = tp 2: the largest difference between the split model's grads
-    and one process's on one batch, and the largest grad (what rounding is measured against)."""
-    from zeroshard.checkpoint.hf.pretrained import plain_pretrained
-    from zeroshard.trainer.adapter import hf_loss_sum
-
-    zs.init(tp=2)
-    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(7))
-    out = {}
-    for name, folder in folders.items():
-        grads = []
-        for split in (False, True):
-            model = plain_pretrained(folder).eval()
-            if split:
-                try:
-                    zs.tensor_parallel(model)
-                except ValueError as exc:
-                    out[name] = {"refused": str(exc)}
-                    break
-            total, count = hf_loss_sum(model, ids, ids.roll(-1, dims=1))
-            (total / count).backward()
-            grads.append({n: _full_grad(p) for n, p in model.named_parameters()})
-        else:
-            ref, got = grads
-            out[name] = {"diff": max((got[n] - ref[n]).abs().max().item() for n in ref),
-                         "largest": max(g.abs().max().item() for g in ref.values())}
-    zs.shutdown()
-    return out
