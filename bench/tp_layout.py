@@ -24,7 +24,7 @@ from zeroshard.trainer.data import build_dataset, collate
 from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.runtime import get_engine
-from zeroshard.runtime.tp import tensor_parallel
+from zeroshard.parallel.tp import tensor_parallel
 
 
 def _peak_rss_mib() -> float:

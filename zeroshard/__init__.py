@@ -34,6 +34,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "meta_init": ("zeroshard.runtime.materialize", "meta_init"),
     "MixedPrecision": ("zeroshard.runtime", "MixedPrecision"),
     "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
+    "ModelSpec": ("zeroshard.models.spec", "ModelSpec"),
+    "spec_of": ("zeroshard.models.spec", "spec_of"),
     "muon_groups": ("zeroshard.runtime.recipes", "muon_groups"),
     "new_mesh": ("zeroshard.comm.world", "new_mesh"),
     "no_sync": ("zeroshard.runtime", "no_sync"),
@@ -50,7 +52,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "shard": ("zeroshard.runtime", "shard"),
     "ShardedGradScaler": ("zeroshard.runtime", "ShardedGradScaler"),
     "shutdown": ("zeroshard.comm.mesh", "shutdown"),
-    "tensor_parallel": ("zeroshard.runtime.tp", "tensor_parallel"),
+    "tensor_parallel": ("zeroshard.parallel.tp", "tensor_parallel"),
     "unsharded": ("zeroshard.runtime", "unsharded"),
 }
 """Public name -> (module, attribute there)."""
@@ -87,6 +89,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.parallel.cp import apply_context_parallel as context_parallel
     from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained
     from zeroshard.runtime.materialize import meta_init
+    from zeroshard.models.spec import ModelSpec, spec_of
     from zeroshard.runtime.recipes import muon_groups
     from zeroshard.observing import Observer, observe
     from zeroshard.runtime.offload import OffloadPolicy
@@ -107,4 +110,4 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         shard,
         unsharded,
     )
-    from zeroshard.runtime.tp import tensor_parallel
+    from zeroshard.parallel.tp import tensor_parallel

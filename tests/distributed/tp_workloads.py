@@ -22,7 +22,7 @@ from zeroshard.trainer.adapter import mean_loss
 from zeroshard.models.hf import build_hf_model
 from zeroshard.tools.planner.measure import model_state_bytes
 from zeroshard.runtime import get_engine
-from zeroshard.runtime.tp import tensor_parallel
+from zeroshard.parallel.tp import tensor_parallel
 
 SEED = 1234
 LR = 1e-3
@@ -150,25 +150,25 @@ def _saved_activation_bytes(run) -> int:
 
 def _errors() -> dict[str, str]:
     """The one-line errors for a TP degree that does not divide the heads or the hidden size."""
-    import types
+    import transformers
 
-    from transformers import LlamaConfig
-
-    from zeroshard.runtime.tp import gpt_plan, llama_plan
+    from zeroshard.parallel.tp import check_tensor_parallel
 
     out = {}
     try:
-        gpt_plan(GPT(GPTConfig(n_layer=1, n_head=3, n_embd=48, vocab_size=64)), 2)
+        check_tensor_parallel(GPT(GPTConfig(n_layer=1, n_head=3, n_embd=48, vocab_size=64)), 2)
     except ValueError as exc:
         out["heads"] = str(exc)
-    llama = types.SimpleNamespace(config=LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                                                     intermediate_size=91))
+    with torch.device("meta"):  # the checks read the spec and the shapes: nothing is allocated
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=91, num_hidden_layers=1,
+            vocab_size=64))
     try:
-        llama_plan(llama, 4)  # type: ignore[arg-type]
+        check_tensor_parallel(llama, 4)
     except ValueError as exc:
         out["kv_heads"] = str(exc)
     try:
-        llama_plan(llama, 2)  # type: ignore[arg-type]
+        check_tensor_parallel(llama, 2)
     except ValueError as exc:
         out["hidden"] = str(exc)
     # Sequence parallelism with a length tp does not divide: refused before any collective (gloo

@@ -598,15 +598,15 @@ def test_tp_is_a_toml_key(tmp_path) -> None:
 
 
 def test_the_tp_plan_models_are_the_runtimes_plans() -> None:
-    """TrainConfig refuses tp > 1 for a model without a plan, without importing torch; its list must
-    be exactly the models whose class zeroshard.runtime.tp has a plan for."""
+    """TrainConfig refuses tp > 1 for a named model without a plan, without importing torch; its list
+    must be exactly the named models whose spec (zeroshard/models/spec.py) has a tensor-parallel plan."""
     import torch
 
     import zeroshard as zs
     from zeroshard.trainer.config import HF_MODEL_NAMES, MODEL_NAMES, TP_MODEL_NAMES
     from zeroshard.models.gpt import GPT, GPTConfig
     from zeroshard.models.hf import build_hf_model
-    from zeroshard.runtime.tp import PLANS
+    from zeroshard.models.spec import spec_of
 
     for name in MODEL_NAMES + HF_MODEL_NAMES:
         if name in HF_MODEL_NAMES:
@@ -615,7 +615,7 @@ def test_the_tp_plan_models_are_the_runtimes_plans() -> None:
         else:
             with zs.meta_init():
                 model = GPT(GPTConfig.named(name, vocab_size=16))
-        splits = type(model).__name__ in PLANS
+        splits = not spec_of(model).tp_refusal
         assert splits == (name in TP_MODEL_NAMES), name
 
 

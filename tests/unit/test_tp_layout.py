@@ -41,7 +41,11 @@ def test_mesh_shape_parsing():
 
 
 def test_placement_by_name_matches_the_runtime_plans():
-    from zeroshard.runtime.tp import placement_by_name
+    from zeroshard.models.specs import named_tp_plan
+    from zeroshard.runtime.tp_plan import placement_of
+
+    def placement_by_name(plan: str, fqn: str, ndim: int, tp: int) -> dict | None:
+        return placement_of(named_tp_plan(plan), fqn, ndim, tp)
 
     assert placement_by_name("gpt", "blocks.3.attn.qkv.bias", 1, 2) == {"placement": "shard", "dim": 0, "chunks": 3,
                                                                          "tp": 2}
@@ -50,8 +54,13 @@ def test_placement_by_name_matches_the_runtime_plans():
     assert placement_by_name("gpt", "blocks.0.ln1.weight", 1, 2) is None
     assert placement_by_name("llama", "model.layers.1.self_attn.k_proj.weight", 2, 2)["dim"] == 0  # type: ignore[index]
     assert placement_by_name("llama", "lm_head.weight", 2, 2) is None
+    # Derived from the config like any other: Phi-3's fused projections are gathered whole (no reorder).
+    assert placement_by_name("phi3", "model.layers.0.self_attn.qkv_proj.weight", 2, 2) == \
+        {"placement": "shard", "dim": 0, "chunks": 1, "tp": 2}
     with pytest.raises(ValueError, match="unknown tensor-parallel plan 'bert'; use one of gpt, llama"):
         placement_by_name("bert", "x", 1, 2)
+    with pytest.raises(ValueError, match="unknown tensor-parallel plan 'gpt2'"):  # GPT-2 declares none
+        placement_by_name("gpt2", "x", 1, 2)
 
 
 def test_cli_reshard_of_a_checkpoint_without_tp_to_tp2_and_back(tmp_path, capsys):

@@ -23,7 +23,8 @@ from zeroshard.checkpoint.save import commit
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.runtime.expert_placement import split_over
-from zeroshard.runtime import tp as tp_layout
+from zeroshard.runtime.tp_plan import placement_of
+from zeroshard.models.specs import NAMED_TP_PLANS, named_tp_plan
 from zeroshard.runtime.layout import FlatLayout
 
 
@@ -241,10 +242,11 @@ def _target(param: dict, tp: int, tp_plan: str | None, saved_tp: bool, directory
         return None
     elif tp_plan is None:
         raise CheckpointError(f"{directory} was saved without tensor parallelism, so it records no tp placements; "
-                              f"pass the model's plan (--tp-plan {' or '.join(tp_layout.NAMED_PLANS)}) or --tp 1")
+                              f"pass the model's plan (--tp-plan {' or '.join(NAMED_TP_PLANS)}) or --tp 1; a "
+                              "transformers model_type whose config declares a plan is a plan name too")
     else:
         try:
-            target = tp_layout.placement_by_name(tp_plan, param["fqn"], len(param["shape"]), tp)
+            target = placement_of(named_tp_plan(tp_plan), param["fqn"], len(param["shape"]), tp)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
     if target is None:

@@ -279,8 +279,9 @@ def add_parser(sub: Any) -> None:
     q.add_argument("dst")
     q.add_argument("-w", "--world", type=int, required=True, help="number of rank files to write")
     q.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the new layout (world = dp x tp)")
-    q.add_argument("--tp-plan", choices=("gpt", "llama"), default=None,
-                   help="the model's ready TP plan, for a checkpoint saved without TP going to --tp > 1")
+    q.add_argument("--tp-plan", default=None, metavar="NAME",
+                   help="the model's TP plan, for a checkpoint saved without TP going to --tp > 1: gpt, or the "
+                        "model_type of a transformers model whose config declares one (llama, mistral, ...)")
     q.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree of the new layout: each rank holds 1/ep of the experts (default 1)")
     q.add_argument("--overwrite", action="store_true")

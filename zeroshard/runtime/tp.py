@@ -24,7 +24,7 @@ is [q_r; k_r; v_r], and ``canonical``/``to_local`` convert between that and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, overload
+from typing import TYPE_CHECKING, Callable, overload
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ from zeroshard.comm.mesh import Mesh, get_mesh
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.lazy_dtensor import is_dtensor
 from zeroshard.runtime.attached import find_engine
+from zeroshard.runtime.tp_plan import (SEQUENCE, SEQUENCE_STYLES, TPPlan, check_divides, check_param_sizes,
+                                       chunk_count, resolve, stream_input, stream_parents, torch_style)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -135,168 +137,75 @@ def _interleave(tensor: torch.Tensor, chunks: int, tp: int) -> torch.Tensor:
     return torch.cat([to_local(tensor, {"dim": 0, "tp": tp, "chunks": chunks}, r) for r in range(tp)], dim=0)
 
 
-# -- plans -------------------------------------------------------------------------------------
-def _check_divides(tp: int, sizes: dict[str, int], what: str) -> None:
-    for name, size in sizes.items():
-        if size % tp:
-            raise ValueError(f"tp={tp} does not divide {name}={size} of this {what}; pick a tp that divides "
-                             f"{name} (each tp rank holds {name}/tp of it)")
+# -- applying a plan ---------------------------------------------------------------------------
+PlanFn = Callable[..., "TPPlan"]
 
 
-COLWISE, ROWWISE = "colwise", "rowwise"
-"""Megatron's two splits: a linear's output features (weight rows and bias) across the tp ranks, or
-its input features (weight columns; the bias added once after the all-reduce)."""
-
-GPT_TP_STYLES: dict[str, str] = {"attn.qkv": COLWISE, "attn.proj": ROWWISE, "mlp.fc": COLWISE, "mlp.proj": ROWWISE}
-"""Submodule of each GPT block -> its split; the planner (zeroshard/tools/planner/tp.py) reads the same table."""
-
-
-GPT_MOE_TP_STYLES: dict[str, str] = {name: style for name, style in GPT_TP_STYLES.items() if name.startswith("attn.")}
-"""A GPT block whose MLP is routed experts (``n_expert > 0``): the attention alone is split. The
-MoE layer stays whole on every tp rank (its router computes on every token); with ep its experts
-are split over ep instead, each tp rank dispatching its share of the tokens (zeroshard/parallel/experts/)."""
-
-GPT_FUSED = {"attn.qkv": 3}
-"""The GPT's fused projections: q, k and v stacked by rows in one linear, each split on its own."""
-
-LLAMA_TP_STYLES: dict[str, str] = {
-    "self_attn.q_proj": COLWISE, "self_attn.k_proj": COLWISE, "self_attn.v_proj": COLWISE,
-    "self_attn.o_proj": ROWWISE, "mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
-"""Submodule of each Llama decoder layer -> its split (transformers' own plan)."""
-
-HF_MOE_TP_STYLES: dict[str, str] = {name: style for name, style in LLAMA_TP_STYLES.items()
-                                    if name.startswith("self_attn.")}
-"""An HF MoE decoder layer (Mixtral, Qwen2-MoE): its attention is Llama's, split the same way; its
-sparse MoE block (router, stacked experts, Qwen2-MoE's shared expert) stays whole, its experts split
-by ep instead (zeroshard/parallel/experts/)."""
-
-NAMED_PLANS: dict[str, tuple[str, dict[str, str], dict[str, int]]] = {
-    "gpt": ("blocks", GPT_TP_STYLES, GPT_FUSED), "llama": ("model.layers", LLAMA_TP_STYLES, {})}
-"""The ready plans by name, as offline tools see them: (blocks' prefix, styles, fused chunks).
-``ckpt reshard --tp-plan`` reads the placements of a checkpoint saved without TP from here."""
+def blocks_of(model: nn.Module, plan: TPPlan) -> list[nn.Module]:
+    try:
+        blocks = model.get_submodule(plan.blocks)
+    except AttributeError:
+        raise ValueError(f"the tensor-parallel plan's blocks {plan.blocks!r} are not a module of this "
+                         f"{type(model).__name__}; give the spec the dotted path of its blocks' ModuleList") from None
+    return list(blocks.children())
 
 
-def placement_by_name(plan: str, fqn: str, ndim: int, tp: int) -> dict | None:
-    """Param ``fqn``'s placement (as ``TPSpec.describe``) under ready plan ``plan`` at degree ``tp``,
-    or None where that plan keeps it whole: column-wise splits the weight's rows and the bias,
-    row-wise the weight's columns (the bias is replicated)."""
-    if plan not in NAMED_PLANS:
-        raise ValueError(f"unknown tensor-parallel plan {plan!r}; use one of {', '.join(NAMED_PLANS)}")
-    prefix, styles, fused = NAMED_PLANS[plan]
-    head, _, rest = fqn.partition(prefix + ".")
-    index, _, inside = rest.partition(".")
-    if head or not index.isdigit():
-        return None
-    module, _, leaf = inside.rpartition(".")
-    style = styles.get(module)
-    if style is None or tp == 1:
-        return None
-    dim = 0 if style == COLWISE else (1 if leaf == "weight" and ndim == 2 else None)
-    if dim is None:
-        return None
-    return {"placement": "shard", "dim": dim, "chunks": fused.get(module, 1), "tp": tp}
-
-
-def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
-             ) -> tuple[list[nn.Module], dict, dict[str, int]]:
-    """The built-in GPT: qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise; with
-    ``sequence_parallel`` the norms run on Shard(1) (the sequence dim) and the splits take and give it."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    cfg: Any = model.cfg
-    moe = bool(getattr(cfg, "n_expert", 0))
-    if moe:
-        _check_divides(tp, {"n_head": cfg.n_head}, "GPT")
+def check_plan(model: nn.Module, plan: TPPlan, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Whether ``plan`` can split ``model`` over ``tp`` ranks, changing nothing: every style known,
+    tp dividing what it splits; a ValueError names the problem and the fix."""
+    check_divides(tp, plan.divides, plan.name)
+    if sequence_parallel and plan.sequence_refusal:
+        raise ValueError(plan.sequence_refusal)
+    for index, block in enumerate(blocks_of(model, plan)):
+        where = f"{plan.blocks}.{index}."
+        resolved = resolve(block, plan.styles, where)
+        check_param_sizes(block, resolved, plan.chunks, tp, where)
         if sequence_parallel:
-            raise ValueError("sequence parallelism with an MoE GPT (n_expert > 0) is not supported: its MoE layer "
-                             "needs the whole sequence on every tp rank; call zs.tensor_parallel without "
-                             "sequence_parallel")
-    else:
-        _check_divides(tp, {"n_head": cfg.n_head, "mlp hidden size": cfg.mlp_ratio * cfg.n_embd}, "GPT")
-    styles = GPT_MOE_TP_STYLES if moe else GPT_TP_STYLES
-    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel()
-                                      for name, style in styles.items()}
-    if sequence_parallel:
-        # The residual stream stays split by sequence: each column-wise linear all-gathers its
-        # input, each row-wise linear reduce-scatters its output (Megatron-SP).
-        plan = {name: ColwiseParallel(input_layouts=Shard(1)) if style == COLWISE
-                else RowwiseParallel(output_layouts=Shard(1)) for name, style in styles.items()}
-        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
-    blocks: Any = model.blocks
-    return list(blocks), plan, dict(GPT_FUSED)
+            odd = sorted({s for s in resolved.values() if s not in SEQUENCE_STYLES})
+            if odd:
+                raise ValueError(f"sequence parallelism does not compose with the style {odd[0]!r} of "
+                                 f"{plan.name}'s plan; call zs.tensor_parallel without sequence_parallel")
+    outer = resolve(model, plan.outer, "")
+    check_param_sizes(model, outer, {}, tp, "")
+    if sequence_parallel and outer:
+        raise ValueError(f"sequence parallelism does not compose with {plan.name}'s split of {sorted(outer)[0]}; "
+                         "call zs.tensor_parallel without sequence_parallel")
 
 
-def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
-               ) -> tuple[list[nn.Module], dict, dict[str, int]]:
-    """HF Llama: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (as transformers' own
-    plan); with ``sequence_parallel`` the two RMSNorms run on Shard(1), as torchtitan's plan."""
+def _block_styles(block: nn.Module, plan: TPPlan, sequence_parallel: bool) -> tuple[dict, dict[str, int]]:
+    """The block's {submodule: torch ParallelStyle} and {packed submodule: chunks}."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
 
-    cfg: Any = model.config
-    _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
-                        "num_key_value_heads": cfg.num_key_value_heads,
-                        "intermediate_size": cfg.intermediate_size}, "Llama")
-    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between the modules
-    col, row = ColwiseParallel(), RowwiseParallel(output_layouts=stream)
-    plan: dict[str, ParallelStyle] = {name: col if style == COLWISE else row
-                                      for name, style in LLAMA_TP_STYLES.items()}
-    # The attention's (and the MLP's) input becomes one replicated DTensor before its column-wise
-    # projections: their input grads then add up as one Partial DTensor and are reduced once per
-    # module, not once per projection (q, k, v: three). Under SP this is where the all-gather runs.
-    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
-                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    plan["mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the modules
+    resolved = resolve(block, plan.styles, "")
+    parents = stream_parents(block, resolved) if plan.stream_inputs else []
+    styles: dict[str, ParallelStyle] = {}
+    for name, style in resolved.items():
+        prepared = name.rpartition(".")[0] in parents
+        styles[name] = torch_style(style, stream, prepared=prepared)
+    # Each such module takes the stream once as one whole DTensor: its projections' input grads then
+    # add up as one Partial DTensor, reduced once per module, not once per projection (q, k, v: three).
+    # Under sequence parallelism this is where the all-gather runs.
+    styles.update({parent: stream_input(stream) for parent in parents})
     if sequence_parallel:
-        plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
-    decoder: Any = model.model
-    return list(decoder.layers), plan, {}
+        styles.update({norm: torch_style(SEQUENCE, stream, prepared=False) for norm in plan.sequence_norms})
+    fused = {name: chunk_count(name, style, plan.chunks) for name, style in resolved.items()}
+    return styles, {name: n for name, n in fused.items() if n > 1}
 
 
-def hf_moe_attention_plan(model: nn.Module, tp: int, sequence_parallel: bool = False
-                          ) -> tuple[list[nn.Module], dict, dict[str, int]]:
-    """HF Mixtral and Qwen2-MoE: the attention as Llama's (q/k/v column-wise, o_proj row-wise to a
-    replicated output); the sparse MoE block stays whole (experts split by ep, zeroshard/parallel/experts/).
-    Not Qwen3-MoE: its per-head q/k norms hold one weight that every tp rank's heads would use, whose
-    grad would then be a partial sum on each tp rank."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    cfg: Any = model.config
-    if sequence_parallel:
-        raise ValueError(f"sequence parallelism with HF {type(model).__name__} is not supported: its MoE block "
-                         "needs the whole sequence on every tp rank; call zs.tensor_parallel without sequence_parallel")
-    _check_divides(tp, {"num_attention_heads": cfg.num_attention_heads,
-                        "num_key_value_heads": cfg.num_key_value_heads}, type(model).__name__)
-    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel()
-                                      for name, style in HF_MOE_TP_STYLES.items()}
-    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    decoder: Any = model.model
-    return list(decoder.layers), plan, {}
-
-
-PlanFn = Callable[..., tuple[list[nn.Module], dict, dict[str, int]]]
-PLANS: dict[str, PlanFn] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan,
-                            "MixtralForCausalLM": hf_moe_attention_plan, "Qwen2MoeForCausalLM": hf_moe_attention_plan}
-
-
-def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_parallel: bool = False,
+def tensor_parallel(model: nn.Module, plan: TPPlan | PlanFn, *, sequence_parallel: bool = False,
                     mesh: Mesh | None = None) -> nn.Module:
-    """Split ``model``'s blocks across the mesh's "tp" dim (``zs.init(tp=N)``), in place; then ``zs.shard`` it.
+    """Split ``model``'s blocks across the mesh's "tp" dim (``zs.init(tp=N)``) by ``plan``, in place;
+    then ``zs.shard`` it. ``zs.tensor_parallel`` (zeroshard/parallel/tp.py) reads the plan from the
+    model's spec; here it is data (a ``TPPlan``, or ``plan(model, tp)`` returning one).
 
-    ``plan(model, tp)`` returns (blocks, {submodule name: ParallelStyle}, {name: chunks}); the
-    built-in GPT and HF ``LlamaForCausalLM`` have one. Call it on every rank, on a model built the
-    same way on each (same seed), before ``zs.shard``. The model may be on the meta device
-    (``zs.meta_init()``): ``zs.shard`` then replays its init at full size, one param at a time, and
-    keeps each rank's tp part, bitwise the plain build's.
+    Call it on every rank, on a model built the same way on each (same seed), before ``zs.shard``.
+    The model may be on the meta device (``zs.meta_init()``): ``zs.shard`` then replays its init at
+    full size, one param at a time, and keeps each rank's tp part, bitwise the plain build's.
 
     ``sequence_parallel``: the residual stream between and inside the blocks is split along the
     sequence (dim 1) across the tp ranks, the norms run on their part of it (torch's
     ``SequenceParallel``), and the first block's input is cut / the last block's output gathered.
-    A custom plan is then called as ``plan(model, tp, sequence_parallel=True)``.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
@@ -307,26 +216,25 @@ def tensor_parallel(model: nn.Module, plan: PlanFn | None = None, *, sequence_pa
     mesh = mesh or get_mesh()  # the mesh the model will be sharded over: zs.shard(model, mesh=...) takes the same
     if mesh.tp_size == 1:
         raise ValueError("the mesh has no tp dim; call zs.init(tp=N) (or mesh_shape=..., names=(..., 'tp')) first")
-    if plan is None:
-        name = type(model).__name__
-        if name not in PLANS:
-            raise ValueError(f"no tensor-parallel plan for {name}; pass plan=fn(model, tp) -> (blocks, "
-                             f"{{submodule: ColwiseParallel()/RowwiseParallel()}}, {{submodule: chunks}})")
-        plan = PLANS[name]
-    blocks, styles, fused = plan(model, mesh.tp_size, sequence_parallel=True) if sequence_parallel else \
-        plan(model, mesh.tp_size)
-    tp_mesh = mesh.tp_mesh
+    if not isinstance(plan, TPPlan):
+        plan = plan(model, mesh.tp_size)
+    check_plan(model, plan, mesh.tp_size, sequence_parallel=sequence_parallel)
+    blocks, tp_mesh = blocks_of(model, plan), mesh.tp_mesh
     for block in blocks:
+        styles, fused = _block_styles(block, plan, sequence_parallel)
         for name, chunks in fused.items():
-            linear = block.get_submodule(name)
             with torch.no_grad():
-                for param in linear.parameters(recurse=False):
+                for param in block.get_submodule(name).parameters(recurse=False):
                     if not param.is_meta:  # a meta param's values are cut in this layout when zs.shard makes them
                         param.copy_(_interleave(param, chunks, mesh.tp_size))
         parallelize_module(block, tp_mesh, styles)
         for name, chunks in fused.items():
             for param in block.get_submodule(name).parameters(recurse=False):
                 setattr(param, CHUNKS_ATTR, chunks)
+    outer = resolve(model, plan.outer, "")
+    if outer:
+        parallelize_module(model, tp_mesh, {name: torch_style(style, Replicate(), prepared=False)
+                                            for name, style in outer.items()})
     if sequence_parallel and blocks:
         # Before torch's input hook: an uneven cut would reach gloo as mismatched sizes and abort
         # the process (NCCL would hang) instead of a Python error.

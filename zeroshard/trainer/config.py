@@ -40,10 +40,10 @@ __all__ = ["COMPILE_BACKENDS", "WARMUP_SHAPES", "TrainConfig", "config_from_sour
            "field_section", "field_type", "load_toml", "merge_config"]
 
 TP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
-"""The models `tp` > 1 can split: those whose class has a ready plan in zeroshard.runtime.tp.PLANS
-(zeroshard's GPT, its MoE preset's attention included, and HF Llama; a unit test keeps the two
-lists in step). HF GPT-2 has none, and a
-pretrained folder's weights are read shard by shard without a tp split (zeroshard/checkpoint/hf/pretrained.py)."""
+"""The named models `tp` > 1 can split: those whose spec has a tensor-parallel plan
+(zeroshard/models/spec.py: zeroshard's GPT, its MoE preset's attention included, and HF Llama, whose
+config declares one; HF GPT-2's declares none). Read here without building them (a unit test keeps
+this list equal to the specs); a pretrained folder's spec is checked before launch on a meta build."""
 PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
 (zeroshard/parallel/pipeline/families.py); a pretrained folder of one of PP_FOLDER_TYPES too."""
@@ -148,9 +148,9 @@ class TrainConfig:
         """What the degrees ask of the model, by its name: a tp plan, MoE layers for ep. The blocks pp
         cuts and the schedule's rules need the model and the schedules: zeroshard/trainer/config_checks.py."""
         tp, ep, pp = dims.tp, dims.ep, dims.pp
-        if tp > 1 and self.model not in TP_MODEL_NAMES:
-            raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, or one of "
-                             f"{', '.join(TP_MODEL_NAMES)} (zeroshard's GPT and HF Llama have one)")
+        if tp > 1 and self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in TP_MODEL_NAMES:
+            raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, one of "
+                             f"{', '.join(TP_MODEL_NAMES)}, or a save_pretrained folder whose config declares one")
         if ep > 1 and pp > 1 and tp > 1:
             raise ValueError(f"ep={ep} with tp={tp} under pp={pp} is not composed yet; use tp=1 with pp and ep, or pp=1")
         if dims.cp > 1:

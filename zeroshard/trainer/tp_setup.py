@@ -17,15 +17,16 @@ from zeroshard.trainer.config import TrainConfig
 
 
 def tensor_parallel_plan(cfg: TrainConfig, model: torch.nn.Module) -> None:
-    """Check that ``model`` can be split over ``cfg.tp`` ranks (its class has a plan, and tp divides
-    what the plan splits) without splitting it; a ValueError names the problem and the fix."""
-    from zeroshard.runtime.tp import PLANS
+    """Check that ``model`` can be split over ``cfg.tp`` ranks (its spec has a tensor-parallel plan,
+    zeroshard/models/spec.py, and tp divides what the plan splits) without splitting it; a
+    ValueError names the problem and the fix."""
+    from zeroshard.models.spec import spec_of
+    from zeroshard.parallel.tp import check_tensor_parallel as check
 
-    plan = PLANS.get(type(model).__name__)
-    if plan is None:
-        raise ValueError(f"model={cfg.model!r} ({type(model).__name__}) has no tensor-parallel plan; use tp=1, or "
-                         f"a model whose class has one ({', '.join(PLANS)})")
-    plan(model, cfg.tp)  # builds the styles only, changing nothing: raises if tp does not divide the heads or MLP
+    spec = spec_of(model)
+    if spec.tp_refusal:
+        raise ValueError(f"model={cfg.model!r} has no tensor-parallel plan: {spec.tp_refusal}")
+    check(model, cfg.tp)
 
 
 def check_tensor_parallel(cfg: TrainConfig) -> None:
@@ -36,13 +37,18 @@ def check_tensor_parallel(cfg: TrainConfig) -> None:
     from zeroshard.trainer import adapter
     from zeroshard.models.gpt import GPT, GPTConfig
 
-    vocab = cfg.vocab_size  # the plans never split the embeddings: the vocabulary cannot matter here
+    vocab = cfg.vocab_size  # the plans never split the embeddings by a size the data sets
     model: torch.nn.Module
     if adapter.is_hf_name(cfg.model):
-        from zeroshard.models.hf import build_hf_model
+        from zeroshard.models.hf import build_hf_model, is_hf_name
 
-        model = build_hf_model(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed,
-                               device=torch.device("cpu"), meta=True)
+        if is_hf_name(cfg.model):
+            model = build_hf_model(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed,
+                                   device=torch.device("cpu"), meta=True)
+        else:  # a save_pretrained folder
+            from zeroshard.checkpoint.hf.pretrained import build_pretrained
+
+            model = build_pretrained(cfg.model)
     else:
         with meta_init():
             model = GPT(GPTConfig.named(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len))
@@ -56,7 +62,7 @@ def apply_tensor_parallel(cfg: TrainConfig, model: torch.nn.Module, mesh: Any) -
     if mesh.tp_size != cfg.tp:
         raise ValueError(f"tp={cfg.tp} but the mesh's tp dim is {mesh.tp_size}; build the mesh with "
                          f"zs.init(tp={cfg.tp}) (zeroshard train does)")
-    from zeroshard.runtime.tp import tensor_parallel
+    from zeroshard.parallel.tp import tensor_parallel
 
     tensor_parallel_plan(cfg, model)
     tensor_parallel(model, mesh=mesh)  # the mesh zs.shard will shard it over (step.build passes the same)

@@ -12,6 +12,9 @@ the master dtype (bf16 files into fp32 masters) and copy them into the shard; th
 publishes the masters to the compute params as after a checkpoint load. No rank ever holds more
 than its shard plus one slice being copied.
 
+A param split by tensor parallelism is the exception: each rank of its tp group reads the whole
+tensor and keeps its tp part (``zeroshard.runtime.tp.to_local``), then the shard of that part.
+
 Tied weights: a tied LM head is one param registered under two names; the files hold it under one
 of them (save_pretrained drops the tied copy), so any of the param's names may supply it.
 Buffers: the model is built with its params on meta but its buffers real, so every buffer holds
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.runtime import tp as tp_layout
 from zeroshard.runtime.expert_placement import expert_rows
 from zeroshard.checkpoint.hf.errors import PretrainedError
 from zeroshard.checkpoint.hf.folder import CONFIG, FolderReader, is_pretrained_folder
@@ -146,12 +150,19 @@ def _plan(engine, reader: FolderReader, names: FileNames, model: nn.Module,
                 name, merge = merged, names.merged[merged]
                 shape = merge.build(name, lambda n: torch.empty(reader.shape(n), device="meta"), model).shape
                 where, what = str(reader.folder), f"{name}, merged from {merge.sources[0][0]} and the rest,"
-            expected, _ = expert_rows(group.mesh, slot.shape)  # an expert param: the whole stack's shape
+            spec = group.tp_specs[index]
+            # An expert param: the whole stack's shape; a tp-split param: its full shape.
+            expected = spec.shape if _tp_split(spec) else expert_rows(group.mesh, slot.shape)[0]
             if shape != expected:
                 raise PretrainedError(f"{where}: {what} has shape {list(shape)}, the model expects "
                                       f"{list(expected)}; config.json and weights disagree")
             plan.append((group, index, name, merge))
     return plan
+
+
+def _tp_split(spec: Any) -> bool:
+    """A param split over tp (``TPSpec``): the files hold it whole, a rank reads all of it and keeps its part."""
+    return spec is not None and spec.shard_dim is not None
 
 
 def _fill_buffers(model: nn.Module, reader: FolderReader, renamed: dict[str, str], init_module: Any) -> None:
@@ -192,6 +203,15 @@ def load_pretrained(model: nn.Module, path: str | Path, *, whole: nn.Module | No
             slot = group.layout.slots[index]
             start, stop = max(slot.offset, group.lo), min(slot.end, group.hi)
             if start >= stop:
+                continue
+            spec = group.tp_specs[index]
+            if _tp_split(spec):  # this tp rank's part of the whole tensor, in its flat order
+                full = reader.read(name) if merge is None else merge.build(name, reader.read, model)
+                local = tp_layout.to_local(full.reshape(spec.shape), spec.describe(), spec.mesh.get_local_rank())
+                values = local.reshape(-1)[start - slot.offset:stop - slot.offset]
+                held += values.numel() * values.element_size()
+                with torch.no_grad():
+                    group.shard[start - group.lo:stop - group.lo].copy_(values)
                 continue
             # An expert param (expert parallelism) is this rank's block of rows of the file's tensor.
             _, block = expert_rows(group.mesh, slot.shape)

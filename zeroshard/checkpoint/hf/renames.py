@@ -26,11 +26,12 @@ from zeroshard.checkpoint.hf.errors import PretrainedError
 
 
 def _conversions(model: Any) -> list[Any]:
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:  # a transformers without conversion mappings converts nothing
-        return []
-    return list(get_model_conversion_mapping(model, add_legacy=False) or [])
+    """The model's conversions, as its spec holds them (zeroshard/models/spec.py: transformers' own
+    mapping for a transformers model, none for a model whose spec declares none)."""
+    from zeroshard.models.spec import find_spec
+
+    spec = find_spec(model)
+    return [] if spec is None or spec.renames is None else list(spec.renames(model))
 
 
 @dataclasses.dataclass

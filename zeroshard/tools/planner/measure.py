@@ -203,7 +203,7 @@ def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list,
     experts read per rank)."""
     from zeroshard.parallel.experts import expert_parallel
     from zeroshard.runtime import shard as zs_shard
-    from zeroshard.runtime.tp import tensor_parallel
+    from zeroshard.parallel.tp import tensor_parallel
     from zeroshard.models import GPT, GPTConfig
     from zeroshard.trainer import adapter
     from zeroshard.runtime.wrap import find_blocks

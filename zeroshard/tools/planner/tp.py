@@ -23,7 +23,8 @@ import dataclasses
 import torch
 
 from zeroshard.tools.planner.comm import Collective
-from zeroshard.runtime.tp import COLWISE, GPT_MOE_TP_STYLES, GPT_TP_STYLES
+from zeroshard.models.specs.gpt import GPT_MOE_TP_STYLES, GPT_TP_STYLES
+from zeroshard.runtime.tp_plan import COLWISE
 
 GPT_TP_PLAN = dict(GPT_TP_STYLES)
 """Submodule of each block -> style: the runtime's own split of zeroshard's GPT (Megatron's MLP and attention)."""
