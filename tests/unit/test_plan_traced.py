@@ -115,3 +115,23 @@ def test_plan_of_a_folder_model_counts_traced_activations():
     result = plan(model, world=2, stage=3, batch=4, seq=T, device="cpu")
     assert result.activations is not None and result.activations.saved > 0
     assert any("traced" in n for n in result.notes)
+
+
+def test_plan_of_a_folder_model_at_tp2_splits_its_declared_plan():
+    """A transformers model at tp 2 is planned with its own declared plan: every projection the plan
+    splits holds half its elements per rank, the embeddings, head and norms whole; a plan-less
+    model (GPT-2) is refused in one line."""
+    tf = pytest.importorskip("transformers")
+    from zeroshard.tools.planner.api import plan
+
+    config = tf.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    split = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in projections)
+    whole = plan(model, world=4, stage=0, batch=4, seq=T, device="cpu").layouts["ddp"].device.params
+    halved = plan(model, world=4, tp=2, stage=0, batch=4, seq=T, device="cpu").layouts["ddp"].device.params
+    assert whole - halved == pytest.approx(split // 2 * 4, abs=4 * 64 * 16)  # alignment padding aside
+    gpt2 = tf.AutoModelForCausalLM.from_config(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128))
+    with pytest.raises(ValueError, match="tensor-parallel plan"):
+        plan(gpt2, world=4, tp=2, device="cpu")

@@ -128,6 +128,16 @@ def _traced(model: nn.Module, inventory: Inventory, spec: PlanSpec) -> Activatio
                               policy=spec.checkpointing)
 
 
+def _traced_tp_collectives(split: TensorParallel, act: ActivationEstimate, spec: PlanSpec,
+                           gpus_per_node: int | None) -> tuple[Collective, ...]:
+    """A traced model's tp collectives per step: Megatron's per layer, over its block input's bytes
+    (the residual stream every row-wise split reduces)."""
+    layers = len(act.block_names)
+    return layer_collectives(split, layers=layers, tokens=spec.tokens, width=1, compute_bytes=act.boundary // spec.tokens,
+                             micro_steps=spec.accum, gpus_per_node=gpus_per_node,
+                             rebuilt_layers=sum(b - a for a, b in act.segments), segments=len(act.segments))
+
+
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
          optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
          seq: int | None = None, accum: int = 1, shard_size: int | None = None, headroom: float = 0.10,
@@ -189,9 +199,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
             notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
     else:
         model, name, cfg, seq = _resolve_model(model_or_config, seq)
-        if tp > 1 and cfg is None:
-            raise ValueError(f"tp={tp} is planned for zeroshard's GPT (its Megatron split of attention and MLP); "
-                             "plan a preset or a GPTConfig, or tp=1")
+        if tp > 1 and cfg is None:  # any model with a spec: its own plan, as the runtime splits it
+            split = TensorParallel.of_model(model, tp, sequence_parallel)
         if cfg is not None:
             # The runtime's split of these blocks: an MoE block's attention alone (zeroshard.runtime.tp).
             split = TensorParallel.of_gpt(cfg, tp, sequence_parallel)
@@ -228,6 +237,10 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
         except (TypeError, ValueError, RuntimeError, IndexError) as e:  # a module that takes no token ids
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             notes.append(f"activations not estimated: one forward on token ids failed ({first})")
+        if split.tp > 1 and activations is not None:
+            tp_comm = _traced_tp_collectives(split, activations, spec, gpus_per_node)
+            notes.append(f"tp={split.tp}: the model's own plan splits its params; the traced activations are "
+                         "one whole rank's (not divided by tp), so they are an upper bound")
     per_tensor = per_tensor_params(model, optim_cls, kwargs) if inventory is not None else None
     if per_tensor is not None:
         notes.append(f"{per_tensor.recipe}: {len(per_tensor.classes)} params step whole on owner ranks (the runtime's "

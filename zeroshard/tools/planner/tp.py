@@ -24,7 +24,7 @@ import torch
 
 from zeroshard.tools.planner.comm import Collective
 from zeroshard.models.specs.gpt import GPT_MOE_TP_STYLES, GPT_TP_STYLES
-from zeroshard.runtime.tp_plan import COLWISE
+from zeroshard.runtime.tp_plan import COLWISE, TPPlan, placement_of
 
 GPT_TP_PLAN = dict(GPT_TP_STYLES)
 """Submodule of each block -> style: the runtime's own split of zeroshard's GPT (Megatron's MLP and attention)."""
@@ -50,10 +50,17 @@ class TensorParallel:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism splits the sequence over the tp ranks; it needs tp > 1")
 
+    plan: TPPlan | None = None
+    """A model's own plan (its spec's, zeroshard/models/spec.py), read by name as offline tools read
+    it; None for our GPT's ``styles``."""
+
     def split_dim(self, fqn: str, ndim: int) -> int | None:
         """The dim of param ``fqn`` divided across the tp ranks, or None where it is replicated."""
         if self.tp == 1:
             return None
+        if self.plan is not None:
+            placement = placement_of(self.plan, fqn, ndim, self.tp)
+            return None if placement is None else placement["dim"]
         module, _, leaf = fqn.rpartition(".")
         for name, style in self.styles:
             if module == name or module.endswith("." + name):
@@ -78,6 +85,18 @@ class TensorParallel:
         moe = bool(getattr(cfg, "n_expert", 0))
         return cls(tp=tp, sequence_parallel=sequence_parallel,
                    styles=tuple((GPT_MOE_TP_STYLES if moe else GPT_TP_PLAN).items()))
+
+    @classmethod
+    def of_model(cls, model, tp: int, sequence_parallel: bool = False) -> TensorParallel:
+        """The runtime's split of any model with a spec (a transformers model's declared plan, or a
+        user's), checked as the runtime checks it before anything is split: a ValueError names the
+        problem (no plan, tp not dividing the heads or the MLP) and the fix."""
+        from zeroshard.models.spec import spec_of
+        from zeroshard.runtime.tp import check_plan
+
+        plan = spec_of(model).tp()
+        check_plan(model, plan, tp, sequence_parallel=sequence_parallel)
+        return cls(tp=tp, sequence_parallel=sequence_parallel, styles=tuple(plan.styles.items()), plan=plan)
 
     @property
     def splits_mlp(self) -> bool:
