@@ -135,6 +135,9 @@ def _sharded_parts_class(optim_cls: type[torch.optim.Optimizer]) -> type:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if state.engine.store is not None:  # offload: the host step reads grads the device copies down
+            state.engine.finish_reductions()
+            state.engine.wait_host_copies()
         state.segments.attach_grads()
         # Owners first: its exchange reads every grad shard, so all reductions are done by then.
         state.per_tensor.load_whole()
@@ -351,9 +354,9 @@ def _refuse_unsupported(engine: Engine, items: list[tuple[FlatGroup, int]]) -> N
     """What per-tensor owners do not compose with yet, refused by name before any state is built."""
     if not items:
         return
-    if engine.store is not None:
-        raise ValueError("a per-tensor optimizer cannot run with offload= yet (owners step whole tensors on the "
-                         "device); drop offload or use an elementwise optimizer such as AdamW")
+    if engine.store is not None and engine.store.kind == "disk":
+        raise ValueError("a per-tensor optimizer cannot run with offload='disk' (its step is not sliced to "
+                         "whole tensors); use offload='cpu', or an elementwise optimizer such as AdamW")
     for group, slot in items:
         if group.mesh is not engine.mesh:
             raise ValueError(f"{group.layout.slots[slot].fqn} is an expert param: a per-tensor optimizer cannot step "

@@ -133,13 +133,16 @@ class GroupExchange:
     def _exchange(self, chunks: list[list[torch.Tensor]], out_counts: list[int]) -> list[torch.Tensor]:
         """Send ``chunks[r]`` (concatenated) to rank ``r``; return what each rank sent here."""
         group, dtype = self.group, self.group.shard.dtype
+        # Offloaded masters are host tensors: gloo exchanges them where they are; a group on an
+        # accelerator (NCCL) takes them through its device and back.
+        device = group.mesh.device
         in_counts = [sum(c.numel() for c in cs) for cs in chunks]
-        flat = [c for cs in chunks for c in cs]
-        source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=group.shard.device)
-        out = torch.empty(sum(out_counts), dtype=dtype, device=group.shard.device)
+        flat = [c.to(device) for cs in chunks for c in cs]
+        source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        out = torch.empty(sum(out_counts), dtype=dtype, device=device)
         collectives.all_to_all(out, source, group=Group.SHARD, unit=group.unit, phase=Phase.OWNER_EXCHANGE,
                                mesh=group.mesh, input_splits=in_counts, output_splits=out_counts)
-        return list(out.split(out_counts))
+        return list(out.to(group.shard.device).split(out_counts))
 
     def gather(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """id(param) -> (whole grad, whole master), flat, for each param this rank owns and holds
@@ -281,7 +284,10 @@ def tp_whole(part: torch.Tensor, item: OwnedParam) -> torch.Tensor:
     spec = item.tp
     if spec is None:
         return part
-    return full_value(part, spec, unit=item.group.unit, phase=Phase.OWNER_EXCHANGE, mesh=item.group.mesh)
+    # An offloaded master is on the host; the tp group's collective runs on its mesh's device.
+    whole = full_value(part.to(item.group.mesh.device), spec, unit=item.group.unit, phase=Phase.OWNER_EXCHANGE,
+                       mesh=item.group.mesh)
+    return whole.to(part.device)
 
 
 def tp_part(whole: torch.Tensor, item: OwnedParam) -> torch.Tensor:
