@@ -39,7 +39,12 @@ class OwnedParam:
     owner: int
     torch_group: int
     param: nn.Parameter | None = None
-    """The whole tensor the user's optimizer steps (and keys its state by); on the owner only."""
+    """The whole tensor (on the owner only) the user's optimizer steps and keys its state by, or,
+    for stacked experts, the tensor its ``units`` view."""
+    experts: int = 0
+    """Stacked expert params (``experts`` on dim 0): each expert's matrix is the optimizer's unit."""
+    units: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    """With ``experts``: one param per expert, a view of ``param`` while a step runs (on the owner)."""
 
     @property
     def mine(self) -> bool:
@@ -312,7 +317,13 @@ class PerTensorStep:
                 shard = item.group.shard
                 # Built at its real shape (Muon checks its params are matrices), emptied between steps.
                 item.param = nn.Parameter(torch.empty(item.whole_shape, dtype=shard.dtype, device=shard.device))
+                # One param per expert: the class steps (and keeps state for) each expert's matrix on
+                # its own, as it would the separate matrices of one process's experts. The user's
+                # class updates them in place, so the stacked ``param`` they view holds the result.
+                item.units = [nn.Parameter(torch.empty(item.whole_shape[1:], dtype=shard.dtype, device=shard.device))
+                              for _ in range(item.experts)]
         self.release()
+
 
     def mine(self) -> list[OwnedParam]:
         return [o for o in self.owned if o.mine]
@@ -336,6 +347,8 @@ class PerTensorStep:
                     value, grad = (tp_whole(t.view(shape), item) for t in (value, grad))
                 item.param.data = value.view(item.whole_shape)
                 item.param.grad = grad.view(item.whole_shape)
+                for e, unit in enumerate(item.units):
+                    unit.data, unit.grad = item.param.data[e], item.param.grad[e]
 
     def store_whole(self) -> None:
         """Send the updated values back into every rank's shard, then drop the whole tensors. A
@@ -353,6 +366,7 @@ class PerTensorStep:
     def release(self) -> None:
         for item in self.mine():
             assert item.param is not None
-            item.param.grad = None
-            # Empty but of the same rank: a class may check a param's ndim (Muon wants matrices).
-            item.param.data = item.param.data.new_empty([0] * item.param.dim())
+            for param in [item.param, *item.units]:
+                param.grad = None
+                # Empty but of the same rank: a class may check a param's ndim (Muon wants matrices).
+                param.data = param.data.new_empty([0] * param.dim())
