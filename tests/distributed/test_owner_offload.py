@@ -48,6 +48,7 @@ def test_muon_adamw_owners_with_cpu_offload_equal_the_run_without():
     same = _diff(offloaded["params"], out["device"]["params"])
     single = _diff(offloaded["params"], out["ref"])
     print(f"Muon+AdamW stage 3 world 2: offload='cpu' vs none {same:.3e}; vs one process {single:.3e}")
-    # Same numbers through the same ops in the same order (on gloo both runs' masters are on the host).
-    assert same == 0.0
+    # On gloo both runs' masters are on the host: the same ops in the same order, so bitwise. Where
+    # the run without offload steps on an accelerator, its matmuls round differently: fp32 rounding.
+    assert same == 0.0 if out["device"]["master_device"] == "cpu" else same <= 1e-5
     assert single <= 1e-5
