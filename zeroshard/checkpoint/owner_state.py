@@ -43,11 +43,21 @@ class OwnerPieces:
         return self.by_slot.get((id(group), slot_index))
 
 
+def _refuse_stacked_experts(step: PerTensorStep) -> None:
+    """Per-expert state is keyed by each expert's unit, not by the stacked param a checkpoint names."""
+    stacked = next((o for o in step.owned if o.experts), None)
+    if stacked is not None:
+        raise CheckpointError(f"{stacked.group.layout.slots[stacked.slot_index].fqn!r} is a stacked expert param "
+                              "stepped per expert by a per-tensor optimizer, whose state cannot be checkpointed yet; "
+                              "save without the optimizer (optimizer=None) or put expert params in an AdamW group")
+
+
 def spread(optimizer, engine) -> OwnerPieces | None:
     """Collective over the shard group: the owners' state cut into the pieces each rank writes."""
     step = _step_of(optimizer)
     if step is None:
         return None
+    _refuse_stacked_experts(step)
     local: dict[int, list[str]] = {}
     problem = None
     for i, item in enumerate(step.owned):
@@ -105,6 +115,7 @@ def plan_reads(plan, optimizer) -> OwnerReads | None:
     step = _step_of(optimizer)
     if step is None:
         return None
+    _refuse_stacked_experts(step)
     reads = OwnerReads(step, {}, {})
     for item in step.owned:
         group, index = item.group, item.slot_index

@@ -135,6 +135,9 @@ def _sharded_parts_class(optim_cls: type[torch.optim.Optimizer]) -> type:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if state.engine.store is not None:  # offload: the host step reads grads the device copies down
+            state.engine.finish_reductions()
+            state.engine.wait_host_copies()
         state.segments.attach_grads()
         # Owners first: its exchange reads every grad shard, so all reductions are done by then.
         state.per_tensor.load_whole()
@@ -318,16 +321,20 @@ def _parts_optimizer(engine: Engine, optim_cls: type, options: list[dict], plans
     items = [(g, slot) for g in engine.trainable_groups for slot, index in enumerate(group_of_slot[id(g)])
              if index in per_tensor]
     _refuse_unsupported(engine, items)
-    owned = [OwnedParam(g, slot, owner, group_of_slot[id(g)][slot])
+    # Expert params (sharded over their expert mesh) stack the experts on dim 0: each expert's
+    # matrix is the class's unit, owned with its stack inside the expert-data-parallel group.
+    owned = [OwnedParam(g, slot, owner, group_of_slot[id(g)][slot],
+                        experts=g.layout.slots[slot].shape[0] if g.mesh is not engine.mesh else 0)
              for (g, slot), owner in zip(items, assign_owners(items))]
     segment_map, buckets = _flat_segments(engine, group_of_slot, len(options), set(range(len(options))) - per_tensor)
     step = PerTensorStep(owned)
     for item in step.mine():
         assert item.param is not None, "an owner holds a whole param for each param it owns"
-        buckets[item.torch_group].append(item.param)
+        buckets[item.torch_group].extend(item.units if item.experts else [item.param])
     device = engine.trainable_groups[0].shard.device
     for index in per_tensor:
-        shapes = [g.layout.slots[slot].shape for g, slot in items if group_of_slot[id(g)][slot] == index]
+        shapes = [shape for o in owned if o.torch_group == index
+                  for shape in _unit_shapes(o.group.layout.slots[o.slot_index].shape, o.experts)]
         probe(plans[index][0], shapes, options[index] if plans[index][0] is not optim_cls else {**defaults,
                                                                                               **options[index]}, index)
         if not buckets[index]:  # a rank owning none of the group's params still needs the group
@@ -347,17 +354,18 @@ def _parts_optimizer(engine: Engine, optim_cls: type, options: list[dict], plans
     return opt
 
 
+def _unit_shapes(shape: torch.Size, experts: int) -> list[torch.Size]:
+    """The shapes the class steps for one param: the param's own, or each stacked expert's."""
+    return [shape[1:]] * experts if experts else [shape]
+
+
 def _refuse_unsupported(engine: Engine, items: list[tuple[FlatGroup, int]]) -> None:
     """What per-tensor owners do not compose with yet, refused by name before any state is built."""
     if not items:
         return
-    if engine.store is not None:
-        raise ValueError("a per-tensor optimizer cannot run with offload= yet (owners step whole tensors on the "
-                         "device); drop offload or use an elementwise optimizer such as AdamW")
-    for group, slot in items:
-        if group.mesh is not engine.mesh:
-            raise ValueError(f"{group.layout.slots[slot].fqn} is an expert param: a per-tensor optimizer cannot step "
-                             "stacked experts yet; put expert params in an AdamW group")
+    if engine.store is not None and engine.store.kind == "disk":
+        raise ValueError("a per-tensor optimizer cannot run with offload='disk' (its step is not sliced to "
+                         "whole tensors); use offload='cpu', or an elementwise optimizer such as AdamW")
 
 
 def _resolve_user_groups(engine: Engine, param_groups: list[dict] | None, defaults: dict):

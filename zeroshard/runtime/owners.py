@@ -39,7 +39,12 @@ class OwnedParam:
     owner: int
     torch_group: int
     param: nn.Parameter | None = None
-    """The whole tensor the user's optimizer steps (and keys its state by); on the owner only."""
+    """The whole tensor (on the owner only) the user's optimizer steps and keys its state by, or,
+    for stacked experts, the tensor its ``units`` view."""
+    experts: int = 0
+    """Stacked expert params (``experts`` on dim 0): each expert's matrix is the optimizer's unit."""
+    units: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    """With ``experts``: one param per expert, a view of ``param`` while a step runs (on the owner)."""
 
     @property
     def mine(self) -> bool:
@@ -133,13 +138,16 @@ class GroupExchange:
     def _exchange(self, chunks: list[list[torch.Tensor]], out_counts: list[int]) -> list[torch.Tensor]:
         """Send ``chunks[r]`` (concatenated) to rank ``r``; return what each rank sent here."""
         group, dtype = self.group, self.group.shard.dtype
+        # Offloaded masters are host tensors: gloo exchanges them where they are; a group on an
+        # accelerator (NCCL) takes them through its device and back.
+        device = group.mesh.device
         in_counts = [sum(c.numel() for c in cs) for cs in chunks]
-        flat = [c for cs in chunks for c in cs]
-        source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=group.shard.device)
-        out = torch.empty(sum(out_counts), dtype=dtype, device=group.shard.device)
+        flat = [c.to(device) for cs in chunks for c in cs]
+        source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        out = torch.empty(sum(out_counts), dtype=dtype, device=device)
         collectives.all_to_all(out, source, group=Group.SHARD, unit=group.unit, phase=Phase.OWNER_EXCHANGE,
                                mesh=group.mesh, input_splits=in_counts, output_splits=out_counts)
-        return list(out.split(out_counts))
+        return list(out.to(group.shard.device).split(out_counts))
 
     def gather(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """id(param) -> (whole grad, whole master), flat, for each param this rank owns and holds
@@ -281,7 +289,10 @@ def tp_whole(part: torch.Tensor, item: OwnedParam) -> torch.Tensor:
     spec = item.tp
     if spec is None:
         return part
-    return full_value(part, spec, unit=item.group.unit, phase=Phase.OWNER_EXCHANGE, mesh=item.group.mesh)
+    # An offloaded master is on the host; the tp group's collective runs on its mesh's device.
+    whole = full_value(part.to(item.group.mesh.device), spec, unit=item.group.unit, phase=Phase.OWNER_EXCHANGE,
+                       mesh=item.group.mesh)
+    return whole.to(part.device)
 
 
 def tp_part(whole: torch.Tensor, item: OwnedParam) -> torch.Tensor:
@@ -306,7 +317,13 @@ class PerTensorStep:
                 shard = item.group.shard
                 # Built at its real shape (Muon checks its params are matrices), emptied between steps.
                 item.param = nn.Parameter(torch.empty(item.whole_shape, dtype=shard.dtype, device=shard.device))
+                # One param per expert: the class steps (and keeps state for) each expert's matrix on
+                # its own, as it would the separate matrices of one process's experts. The user's
+                # class updates them in place, so the stacked ``param`` they view holds the result.
+                item.units = [nn.Parameter(torch.empty(item.whole_shape[1:], dtype=shard.dtype, device=shard.device))
+                              for _ in range(item.experts)]
         self.release()
+
 
     def mine(self) -> list[OwnedParam]:
         return [o for o in self.owned if o.mine]
@@ -330,6 +347,8 @@ class PerTensorStep:
                     value, grad = (tp_whole(t.view(shape), item) for t in (value, grad))
                 item.param.data = value.view(item.whole_shape)
                 item.param.grad = grad.view(item.whole_shape)
+                for e, unit in enumerate(item.units):
+                    unit.data, unit.grad = item.param.data[e], item.param.grad[e]
 
     def store_whole(self) -> None:
         """Send the updated values back into every rank's shard, then drop the whole tensors. A
@@ -347,6 +366,7 @@ class PerTensorStep:
     def release(self) -> None:
         for item in self.mine():
             assert item.param is not None
-            item.param.grad = None
-            # Empty but of the same rank: a class may check a param's ndim (Muon wants matrices).
-            item.param.data = item.param.data.new_empty([0] * item.param.dim())
+            for param in [item.param, *item.units]:
+                param.grad = None
+                # Empty but of the same rank: a class may check a param's ndim (Muon wants matrices).
+                param.data = param.data.new_empty([0] * param.dim())
