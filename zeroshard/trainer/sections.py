@@ -14,8 +14,8 @@ import typing
 from typing import Any, ClassVar, Mapping
 
 from zeroshard.comm.dims import ParallelDims
+from zeroshard.trainer.schedules import DEFAULT_SCHEDULE, check_schedule
 
-WARMUP_SHAPES = ("linear", "log")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
 RESUME_MODES = ("auto", "fresh-ok")
@@ -109,15 +109,37 @@ class OptimSection:
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warm-up."""
 
+    lr_schedule: str = DEFAULT_SCHEDULE
+    """The learning-rate schedule by name (zeroshard/trainer/schedules.py): warmup_cosine (zeroshard's), the HF
+    Trainer's lr_scheduler_type values (linear, cosine, cosine_with_min_lr, constant, constant_with_warmup,
+    polynomial, warmup_stable_decay) or DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR), each with its
+    own formula at 0-based step s."""
+
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """The floor the decay ends at: warmup_cosine, cosine_with_min_lr, polynomial (HF's lr_end),
+    warmup_stable_decay (min_lr_ratio·lr) and WarmupCosineLR (cos_min_ratio·lr)."""
 
     warmup: int = 10
-    """Warm-up steps from 0 to `lr` (shaped by `warmup_shape`); cosine decay to `min_lr` follows."""
+    """Warm-up steps (warmup_num_steps in DeepSpeed's schedules, which warm up over at least 2)."""
 
     warmup_shape: str = "linear"
-    """How warm-up climbs: `linear` (lr·(s+1)/warmup at 0-based step s) or `log`
-    (lr·ln(s+2)/ln(warmup+1): most of the climb in the first steps, DeepSpeed WarmupLR's default)."""
+    """How warm-up climbs: `linear`, `log` (DeepSpeed's schedules, where it is the default, and warmup_cosine:
+    most of the climb in the first steps), `cosine` or `1-sqrt` (warmup_stable_decay)."""
+
+    warmup_min_lr: float = 0.0
+    """Where DeepSpeed's warm-up starts (WarmupLR's warmup_min_lr; WarmupDecayLR decays back to it)."""
+
+    power: float = 1.0
+    """polynomial's power."""
+
+    decay_steps: int | None = None
+    """warmup_stable_decay's decay phase in steps; None takes decay_ratio of the steps."""
+
+    decay_ratio: float = 0.1
+    """warmup_stable_decay's decay phase as a share of the steps, when decay_steps is None."""
+
+    decay_shape: str = "cosine"
+    """warmup_stable_decay's decay: linear, cosine or 1-sqrt."""
 
     weight_decay: float = 0.1
     """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
@@ -140,12 +162,14 @@ class OptimSection:
         _at_least(self, 1, "steps", "accum")
         _at_least(self, 0, "warmup", note=" (0 disables warm-up)")
         _at_least(self, 0, "weight_decay", "clip")
-        if self.warmup_shape not in WARMUP_SHAPES:
-            raise ValueError(f"warmup_shape={self.warmup_shape!r} is invalid; use one of {', '.join(WARMUP_SHAPES)}")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
+        if self.power <= 0 or not 0 <= self.decay_ratio <= 1 or (self.decay_steps or 0) < 0:
+            raise ValueError(f"power={self.power} must be > 0, decay_ratio={self.decay_ratio} in [0, 1] and "
+                             f"decay_steps={self.decay_steps} >= 0")
+        check_schedule(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
