@@ -481,7 +481,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "model": "small", "stage": "1", "nproc": "4", "batch": "32", "seq_len": "32", "steps": "5", "lr": "0.002",
         "min_lr": "0.00001", "warmup": "5", "warmup_shape": "log", "weight_decay": "0.0", "clip": "0.5", "accum": "2",
         "lr_schedule": "linear", "warmup_min_lr": "0.00001", "power": "2.0", "decay_steps": "3", "decay_ratio": "0.2",
-        "decay_shape": "linear",
+        "decay_shape": "linear", "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.1", "lora_targets": "qkv",
         "seed": "1", "backend": "gloo", "optimizer": "muon",
         "data": "corpus.txt", "num_samples": "1000", "vocab_size": "32", "order": "1", "checkpointing": "sqrt",
         "offload": "cpu", "shard_size": "1", "tp": "2", "bucket_mb": "5", "prefetch": "2", "mp": "bf16",

@@ -355,6 +355,40 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+    """[lora]: train LoRA adapters (peft) on a frozen base model; r = 0 trains the whole model."""
+
+    TABLE: ClassVar[str] = "lora"
+    FLAT: ClassVar[dict[str, str]] = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+                                      "targets": "lora_targets"}
+
+    r: int = 0
+    """LoRA rank; 0 is no adapters (full fine-tuning). With r > 0 the base params are frozen and held only
+    in the compute dtype (no master, grad or optimizer state), the adapters train in fp32."""
+
+    alpha: float = 16.0
+    """LoRA's alpha: the adapter's update is scaled by alpha / r."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+
+    targets: str = "all-linear"
+    """The modules that get adapters: comma-separated module names or suffixes (q_proj,v_proj), as peft's
+    target_modules, or all-linear (every linear layer but the output head)."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _at_least(self, 0, "r", note=" (0 trains the whole model)")
+        if self.r and (self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets.strip()):
+            raise ValueError(f"lora_alpha={self.alpha} must be > 0, lora_dropout={self.dropout} in [0, 1) and "
+                             f"lora_targets={self.targets!r} must name modules")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ObserveSection:
     """[observe]: what the run records and prints, and how it watches for hangs."""
 
@@ -410,7 +444,7 @@ LOGGERS = ("tensorboard", "wandb")
 """The experiment loggers `log` names (zeroshard/observe/loggers.py writes to them)."""
 
 SECTIONS: tuple[type, ...] = (DataSection, OptimSection, ParallelSection, PipelineSection, CommSection,
-                              CompileSection, CheckpointSection, ObserveSection)
+                              CompileSection, CheckpointSection, ObserveSection, LoraSection)
 """Every section but the engine's (the runtime's own EngineOptions, its knobs flat in [engine])."""
 
 

@@ -41,6 +41,7 @@ from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.observing.profile.timeline import phase
 from zeroshard.runtime.precision import parse_dtype
 from zeroshard.trainer.ep_setup import apply_expert_parallel
+from zeroshard.trainer.lora import apply_lora
 from zeroshard.trainer.schedules import lr_of
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
 
@@ -121,6 +122,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
     with the values a plain build under the same seed would have. `hf:` names build a Hugging
     Face model (zeroshard/models/hf.py).
     """
+    allow_meta = allow_meta and not cfg.lora.enabled  # LoRA adapters go into a base built whole
+    return apply_lora(cfg, _build_base(cfg, vocab_size, device, allow_meta=allow_meta))
+
+
+def _build_base(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool) -> torch.nn.Module:
     if adapter.is_hf_name(cfg.model):
         return adapter.build_hf(cfg, vocab_size, device, allow_meta=allow_meta, threshold=META_INIT_THRESHOLD)
     model_cfg = GPTConfig.named(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
