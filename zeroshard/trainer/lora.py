@@ -51,12 +51,17 @@ def apply_lora(cfg: Any, model: nn.Module) -> nn.Module:
     Every rank builds the same adapters from the same seed (the sharded run also broadcasts rank 0's)."""
     if not cfg.lora.enabled:
         return model
-    peft = _require_peft()
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("LoRA needs the base model built whole; use init = 'full' (or 'auto') with lora_r > 0")
-    config = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                             target_modules=target_modules(model, cfg.lora.targets))
+    return inject_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets)
+
+
+def inject_lora(model: nn.Module, *, r: int, alpha: float = 16.0, dropout: float = 0.0,
+                targets: str = ALL_LINEAR) -> nn.Module:
+    """peft's LoRA layers in `model`, in place (on meta too: the planner counts a model it never builds)."""
+    peft = _require_peft()
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules(model, targets))
     try:
         return peft.inject_adapter_in_model(config, model)
     except ValueError as e:  # peft's "Target modules {...} not found in the base model"
-        raise ValueError(f"lora_targets={cfg.lora.targets!r}: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"lora_targets={targets!r}: {str(e).splitlines()[0]}") from None
