@@ -27,8 +27,7 @@ from zeroshard.comm.dims import ParallelDims
 from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
-from zeroshard.trainer.schedules import WARMUP_SHAPES
-from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, CheckpointSection,
+from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, WARMUP_SHAPES, CheckpointSection,
                                         CommSection, CompileSection, DataSection, LoraSection, ObserveSection, OptimSection,
                                         ParallelSection, PipelineSection, check_types, check_values, flat_name)
 

@@ -14,7 +14,7 @@ import typing
 from typing import Any, ClassVar, Mapping
 
 from zeroshard.comm.dims import ParallelDims
-from zeroshard.trainer.schedules import DEFAULT_SCHEDULE, check_schedule
+from zeroshard.trainer.schedules import DEFAULT_SCHEDULE, WARMUP_SHAPES as WARMUP_SHAPES, check_schedule
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""

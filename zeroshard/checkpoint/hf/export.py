@@ -179,11 +179,11 @@ def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int |
         return value
 
     try:
-        if adapter:
+        if record is not None and adapter:
             tensors = {k: v.to(dtype or v.dtype) for k, v in adapter_tensors(list(by_name), read).items()}
             return write_adapter_folder(out, record, tensors, source, overwrite)
-        kept = [(p, base_name(p["fqn"]) if record else p["fqn"]) for p in params]
-        kept = [(p, name) for p, name in kept if name is not None]
+        named = [(p, base_name(p["fqn"]) if record else p["fqn"]) for p in params]
+        kept: list[tuple[dict, str]] = [(p, name) for p, name in named if name is not None]
         as_saved = saved_tensors_of_config(config)
         entries = [e for p, name in kept for e in _entries(as_saved(name, _meta(p["shape"], dtype or saved[p["fqn"]])))]
         entries += [e for b in manifest["buffers"]

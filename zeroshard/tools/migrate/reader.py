@@ -41,7 +41,7 @@ class Section:
             raise UnsupportedKey(f"DeepSpeed key {path!r} must be a JSON object, got {data!r}")
         self.path = path
         self.spelled: dict[str, str] = {}
-        self.data = {}
+        self.data: dict[str, Any] = {}
         for key, value in data.items():
             field = (aliases or {}).get(key, key)
             if field in self.data:
