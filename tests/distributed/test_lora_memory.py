@@ -15,7 +15,7 @@ from zeroshard.trainer.launch import spawn  # noqa: E402
 from zeroshard.trainer.lora import inject_lora  # noqa: E402
 
 WORLD = 2
-MODEL = GPTConfig.named("small", n_layer=4)
+MODEL = GPTConfig.named("small", n_layer=2)
 LORA = dict(r=8, alpha=16.0, targets="all-linear")
 TARGET = 0.10
 
