@@ -37,9 +37,9 @@ def test_lora_stage3_memory_matches_the_plan_and_undercuts_full_finetuning():
     print(f"lora / full per-rank peak: {lora.measured_total / full.measured_total:.2f}, model states "
           f"{sum(states['lora'].values()) / sum(states['full'].values()):.2f}")
     assert abs(lora.model_state_error) <= TARGET and abs(lora.total_error) <= TARGET
-    # The base's weights only (plus the adapters, 2.5% of them here): no master, grad or optimizer
+    # The base's weights only (plus the adapters, 3% of them here): no master, grad or optimizer
     # state beyond the adapters' own.
-    assert states["full"]["params"] < states["lora"]["params"] < 1.03 * states["full"]["params"]
+    assert states["full"]["params"] < states["lora"]["params"] < 1.05 * states["full"]["params"]
     assert states["lora"]["grads"] < 0.05 * states["full"]["grads"]
     assert states["lora"]["optimizer"] < 0.05 * states["full"]["optimizer"]
-    assert lora.measured_total < 0.6 * full.measured_total
+    assert lora.measured_total < 0.7 * full.measured_total  # activations are the same in both
