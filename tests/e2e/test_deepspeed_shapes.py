@@ -61,11 +61,12 @@ ZERO2_OFFLOAD_ZENFLOW = {
     "gradient_clipping": 1.0,
 }
 
-# ZeRO-1 with an expert-parallel block (an MoE model's experts spread over 2 ranks).
+# ZeRO-1 with AutoEP (an MoE model's experts spread over 2 ranks), its model found by a preset.
 ZERO1_EXPERT_PARALLEL = {
     "train_batch_size": 16, "gradient_accumulation_steps": 1, "steps_per_print": 1,
     "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
-    "expert_parallel": {"enabled": True, "ep_size": 2},
+    "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": True,
+                        "top_k": "auto", "load_balance_coeff": None},
     "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
     "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 3, "warmup_num_steps": 1,
                                                        "warmup_type": "linear", "cos_min_ratio": 0.1}},
@@ -78,6 +79,20 @@ ZERO3_QUANTIZED = {
                           "zero_hpz_partition_size": 1, "reduce_bucket_size": 1e7, "stage3_prefetch_bucket_size": 0,
                           "contiguous_gradients": True, "overlap_comm": True, "stage3_max_live_parameters": 1e8},
     "gradient_clipping": 1.0, "fp16": {"enabled": False},
+}
+
+
+# ZeRO-3 written with DeepSpeed's field names rather than their stage3_ aliases, and its
+# WarmupDecayLR: warm-up, then linear decay to warmup_min_lr at the last step.
+ZERO3_FIELD_NAMES_DECAY = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True, "prefetch_bucket_size": 5e7,
+                          "param_persistence_threshold": 1e5, "max_live_parameters": 1e9,
+                          "use_multi_rank_bucket_allreduce": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3,
+                                                      "warmup_num_steps": 1, "total_num_steps": 3,
+                                                      "warmup_type": "linear"}},
 }
 
 
@@ -110,15 +125,18 @@ SMALL_RUN = ["--steps", "3", "--seq-len", "16", "--num-samples", "64"]
 # name: (config, converter args, the key a plain conversion refuses (None: it converts), TOML keys it must hold)
 SHAPES: dict[str, tuple] = {
     "hf_zero3_offload": (HF_ZERO3_OFFLOAD, ["--world", "2", "--batch", "8", "--lr", "3e-4", "--warmup", "1"], None,
-                         dict(stage=3, nproc=2, batch=8, accum=1, offload="cpu", lr=3e-4, min_lr=3e-4, warmup=1,
-                              warmup_shape="log", clip=1.0, mp="fp32")),
+                         dict(stage=3, nproc=2, batch=8, accum=1, offload="cpu", lr=3e-4, lr_schedule="WarmupLR",
+                              warmup_min_lr=0.0, warmup=1, warmup_shape="log", clip=1.0, mp="fp32")),
     "zero2_autotp4": (ZERO2_AUTOTP4, ["--world", "4"], None,
                       dict(stage=2, nproc=4, tp=4, batch=2, accum=1, mp="bf16", lr=1e-3, weight_decay=0.0)),
     "zero2_offload_zenflow": (ZERO2_OFFLOAD_ZENFLOW, [], "zero_optimization.zenflow",
                               dict(stage=2, nproc=2, batch=8, accum=2, offload="cpu", lr=1e-3, weight_decay=0.01)),
-    "zero1_expert_parallel": (ZERO1_EXPERT_PARALLEL, ["--world", "2"], "expert_parallel",
-                              dict(stage=1, nproc=2, batch=16, accum=1, steps=3, warmup=1, lr=2e-3,
-                                   min_lr=2e-3 * 0.1, log_every=1)),
+    "zero1_expert_parallel": (ZERO1_EXPERT_PARALLEL, ["--world", "2", "--model", "tiny-moe"], None,
+                              dict(stage=1, nproc=2, ep=2, model="tiny-moe", batch=16, accum=1, steps=3, warmup=1,
+                                   lr=2e-3, lr_schedule="WarmupCosineLR", min_lr=2e-3 * 0.1, log_every=1)),
+    "zero3_field_names_decay": (ZERO3_FIELD_NAMES_DECAY, ["--world", "2"], None,
+                                dict(stage=3, nproc=2, batch=8, accum=2, lr=1e-3, lr_schedule="WarmupDecayLR",
+                                     warmup_min_lr=1e-5, warmup=1, steps=3, warmup_shape="linear")),
     "zero3_quantized": (ZERO3_QUANTIZED, ["--world", "2"], None,
                         dict(stage=3, nproc=2, batch=8, comm_quant="weights,grads", prefetch=0, clip=1.0)),
     "zero3_nvme_fp16": (None, [], None, dict(stage=3, nproc=2, batch=8, accum=2, offload="disk", mp="fp16", lr=5e-4,
@@ -164,7 +182,8 @@ def test_each_shape_converts_with_its_table_or_is_refused_by_name(name, tmp_path
     print("\n".join(table))
     # Every top-level key and every zero_optimization key of the JSON has its row.
     keys = {ln.split()[0] for ln in table[1:]}
-    assert set(ds) - {"zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "tensor_parallel"} <= keys | \
+    assert set(ds) - {"zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "tensor_parallel",
+                      "expert_parallel"} <= keys | \
         ({refused} if refused else set())
     zero = {f"zero_optimization.{k}" for k in ds.get("zero_optimization", {})} - {"zero_optimization.offload_optimizer",
                                                                                   "zero_optimization.offload_param"}
@@ -181,6 +200,10 @@ def test_hf_auto_rows_say_where_each_value_came_from(tmp_path, capsys):
     assert "lr = 0.0003" in rows["optimizer.params.lr"] and "auto: --lr" in rows["optimizer.params.lr"]
     assert "offload = 'cpu'" in rows["zero_optimization.offload_param.device"]
     assert "ckpt export" in rows["zero_optimization.stage3_gather_16bit_weights_on_model_save"]
+    field = [ln[2:] for ln in convert(tmp_path, "zero3_field_names_decay", capsys).read_text().splitlines()
+             if ln.startswith("# ")]
+    assert any(ln.startswith("zero_optimization.gather_16bit_weights_on_model_save") and "ckpt export" in ln
+               for ln in field), "the field behind the alias reads the same"
     assert "warmup_shape = 'log'" in rows["scheduler.params.warmup_type"] and "DeepSpeed" in rows["scheduler.params.warmup_type"]
 
 
@@ -200,4 +223,9 @@ def test_converted_config_trains(name, tmp_path, capsys):
     ran = json.loads((run_dir / "config.json").read_text())["train"]  # the TrainConfig the ranks ran
     for key, value in load_toml(toml).items():
         assert ran[key] == value, f"{name}: train ran {key}={ran[key]!r}, the TOML says {value!r}"
-    print(f"{name}: losses {[round(r['loss'], 4) for r in records]}")
+    from zeroshard.trainer.config import config_from_sources
+    from zeroshard.trainer.step import lr_at
+
+    cfg = config_from_sources(toml, {})
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(cfg, s) for s in range(3)], rel=1e-12, abs=1e-15)
+    print(f"{name}: losses {[round(r['loss'], 4) for r in records]}, lr {[r['lr'] for r in records]}")

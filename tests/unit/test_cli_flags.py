@@ -171,6 +171,9 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--json": [(m, drop(m, "--json", 0), CHANGES)],
         "--hw": [(plus(rec, "--hw", "a100"), rec, CHANGES), (plus(m, "--hw", "a100"), None, REFUSED)],
         "--pp": [(plus(m, "--pp", "2"), m, CHANGES), (plus(m, "--pp", "2", "--shard-size", "2"), None, REFUSED)],
+        "--cp": [(plus(m, "--cp", "2"), m, CHANGES), (plus(m, "--cp", "3"), None, REFUSED)],
+        "--cp-attention": [(plus(m, "--cp", "2", "--cp-attention", "ulysses"), plus(m, "--cp", "2"), CHANGES),
+                           (plus(m, "--cp", "2", "--cp-attention", "tree"), None, REFUSED)],
         "--pp-schedule": [(plus(m, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
                            plus(m, "--pp", "2", "--microbatches", "4"), CHANGES),
                           (plus(m, "--pp-schedule", "gpipe"), None, REFUSED)],
@@ -223,6 +226,8 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--sweep": [(["plan", "time", "--model", "tiny", "--sweep", "2,4", "--json"], t, CHANGES)],
         "--shard-sizes": [(plus(t, "--shard-sizes", "2"), t, CHANGES)],
         "--pp": [(plus(t, "--pp", "2"), t, CHANGES), (plus(t, "--pp", "2", "--shard-sizes", "2"), None, REFUSED)],
+        "--cp": [(plus(t, "--cp", "2"), t, CHANGES), (plus(t, "--cp", "3"), None, REFUSED)],
+        "--cp-attention": [(plus(t, "--cp", "2", "--cp-attention", "ulysses"), plus(t, "--cp", "2"), CHANGES)],
         "--pp-schedule": [(plus(t, "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
                            plus(t, "--pp", "2", "--microbatches", "4"), CHANGES),
                           (plus(t, "--pp-schedule", "gpipe"), None, REFUSED)],
@@ -331,7 +336,7 @@ def test_a_flag_a_plan_subcommand_does_not_read_is_refused_by_argparse(tmp_path,
             assert got.err == (f"zeroshard plan {mode}: error: plan {mode} does not read {flag} (it is read by "
                                f"{readers}); drop {flag}\n"), got.err
             refused += 1
-    assert refused == 60 and called == {}  # 4 each for memory and measure, 15 for time, 37 for calibrate
+    assert refused == 62 and called == {}  # 4 each for memory and measure, 15 for time, 39 for calibrate
 
 
 def test_the_old_plan_spellings_are_the_subcommands(tmp_path, capsys, monkeypatch) -> None:
@@ -426,6 +431,9 @@ def _tune_table(tmp: Path, out: Path) -> dict[str, list[Entry]]:
                                 (plus(b, "--microbatch-counts", "2"), None, REFUSED)],
         # Expert parallelism, against the same tune of tiny-moe (tiny has no experts).
         "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(b, "--ep", "2"), None, REFUSED)],
+        "--cp": [(plus(b, "--cp", "2"), b, CHANGES), (plus(b, "--cp", "3"), None, REFUSED)],
+        "--cp-attention": [(plus(b, "--cp", "2", "--cp-attention", "ulysses"), plus(b, "--cp", "2"), CHANGES)],
+        "--cp-degrees": [(plus(b, "--cp-degrees", "1,2"), b, CHANGES), (plus(b, "--cp-degrees", "1,3"), None, REFUSED)],
         "--ep-degrees": [(plus(moe, "--ep-degrees", "1,2"), moe, CHANGES),
                          (plus(moe, "--ep-degrees", "1,4"), None, REFUSED)],  # 4 does not divide 2 ranks
     }
@@ -480,6 +488,8 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
     values = {  # a valid value other than the default, for each TrainConfig field
         "model": "small", "stage": "1", "nproc": "4", "batch": "32", "seq_len": "32", "steps": "5", "lr": "0.002",
         "min_lr": "0.00001", "warmup": "5", "warmup_shape": "log", "weight_decay": "0.0", "clip": "0.5", "accum": "2",
+        "lr_schedule": "linear", "warmup_min_lr": "0.00001", "power": "2.0", "decay_steps": "3", "decay_ratio": "0.2",
+        "decay_shape": "linear", "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.1", "lora_targets": "qkv",
         "seed": "1", "backend": "gloo", "optimizer": "muon",
         "data": "corpus.txt", "num_samples": "1000", "vocab_size": "32", "order": "1", "checkpointing": "sqrt",
         "offload": "cpu", "shard_size": "1", "tp": "2", "bucket_mb": "5", "prefetch": "2", "mp": "bf16",
@@ -497,6 +507,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
              "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
              "save_every": (["--ckpt-dir", "ckpt"], "10"),
              "ep": (["--model", "tiny-moe", "--nproc", "4"], "2"),
+             "cp": (["--nproc", "4"], "2"), "cp_attention": (["--nproc", "4", "--cp", "2"], "ulysses"),
              "pp_grad_reduce": (["--pp", "2", "--stage", "2"], "microbatch")}
     table: dict[str, list[Entry]] = {"--config": [(plus(t, "--config", str(toml)), t, CHANGES)],
                                      "--tp": [(plus(t, "--tp", "3"), None, REFUSED),

@@ -132,7 +132,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
     log = TrainConfig(steps=20, warmup=5, lr=1e-3, min_lr=1e-4, warmup_shape="log")
     assert [lr_at(log, s) for s in range(5)] == pytest.approx([1e-3 * math.log(s + 2) / math.log(6) for s in range(5)])
     assert [lr_at(log, s) for s in range(5, 20)] == pytest.approx(lrs[5:]), "the same decay after either warm-up"
-    with pytest.raises(ValueError, match="warmup_shape='cubic' is invalid; use one of linear, log"):
+    with pytest.raises(ValueError, match="warmup_shape=.cubic. is invalid; use one of linear, log, cosine, 1-sqrt"):
         TrainConfig(warmup_shape="cubic")
 
 

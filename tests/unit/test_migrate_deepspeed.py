@@ -82,16 +82,17 @@ ZERO3_HF_AUTO = {
 
 def test_zero1_bf16_exact_toml():
     conv = from_deepspeed(ZERO1_BF16, world=8)
-    assert conv.values == dict(stage=1, nproc=8, batch=256, steps=1000, lr=3e-4, min_lr=3e-4 * 0.1, warmup=100,
-                               warmup_shape="linear", weight_decay=0.1, clip=1.0, accum=4, bucket_mb=5e8 * 4 / 2**20,
-                               mp="bf16", log_every=50)
+    assert conv.values == dict(stage=1, nproc=8, batch=256, steps=1000, lr=3e-4, lr_schedule="WarmupCosineLR",
+                               min_lr=3e-4 * 0.1, warmup=100, warmup_shape="linear", warmup_min_lr=0.0,
+                               weight_decay=0.1, clip=1.0, accum=4, bucket_mb=5e8 * 4 / 2**20, mp="bf16", log_every=50)
     text = conv.toml("ds.json")
     comments = [ln for ln in text.splitlines() if ln.startswith("#")]
     assert comments[0] == "# Converted from the DeepSpeed config ds.json by `zeroshard config from-deepspeed`."
     assert comments[1:] == [f"# {ln}".rstrip() for ln in conv.table().splitlines()]
     assert text.splitlines()[len(comments):] == [  # the top-level keys, then each section's table
         "stage = 1", "nproc = 8", 'mp = "bf16"', "", "[data]", "batch = 256", "", "[optim]", "steps = 1000",
-        "lr = 0.0003", f"min_lr = {3e-4 * 0.1!r}", "warmup = 100", 'warmup_shape = "linear"', "weight_decay = 0.1",
+        "lr = 0.0003", 'lr_schedule = "WarmupCosineLR"', f"min_lr = {3e-4 * 0.1!r}", "warmup = 100",
+        'warmup_shape = "linear"', "warmup_min_lr = 0.0", "weight_decay = 0.1",
         "clip = 1.0", "accum = 4", "", "[observe]", "log_every = 50", "", "[engine]",
         f"bucket_mb = {5e8 * 4 / 2**20!r}"]
     rows = {d.key: d for d in conv.decisions}
@@ -99,10 +100,8 @@ def test_zero1_bf16_exact_toml():
     assert "derived" in rows["gradient_accumulation_steps"].source
     assert rows["scheduler.params.cos_min_ratio"].became == f"min_lr = {3e-4 * 0.1!r}"
     assert conv.notes == [
-        "optimizer.params.weight_decay=0.1: zeroshard decays matrices and embeddings only, not biases or norm weights",
-        "scheduler.type='WarmupCosineLR': zeroshard's warm-up reaches lr one step earlier "
-        "(linear: lr*(s+1)/warmup rather than lr*s/warmup; log: lr*ln(s+2)/ln(warmup+1) rather than "
-        "lr*ln(s+1)/ln(warmup))"]
+        "optimizer.params.weight_decay=0.1: zeroshard decays matrices and embeddings only, not biases or norm weights"]
+    assert rows["scheduler.type"].became == "lr_schedule = 'WarmupCosineLR'", "DeepSpeed's own schedule, exactly"
 
 
 def test_zero2_fp16_loss_scaling_with_cpu_offload():
@@ -178,25 +177,31 @@ def test_drop_removes_a_refused_key_on_the_users_word():
         from_deepspeed(ZERO1_BF16, world=8, drop=("zero_optimization.nope",))
 
 
-def test_warmup_lr_is_a_cosine_whose_floor_is_the_peak():
+def test_warmup_lr_is_deepspeeds_own_schedule():
     ds = {**ZERO1_BF16, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 7,
                                                                       "warmup_type": "linear"}}}
     conv = from_deepspeed(ds, world=8)
-    assert (conv.values["lr"], conv.values["min_lr"], conv.values["warmup"]) == (3e-4, 3e-4, 7)
+    assert (conv.values["lr"], conv.values["lr_schedule"], conv.values["warmup"]) == (3e-4, "WarmupLR", 7)
     from zeroshard.trainer.step import lr_at
 
     cfg = config_from_sources(None, {**conv.values, "steps": 20})
     assert [lr_at(cfg, s) for s in range(7, 20)] == [3e-4] * 13, "constant after warm-up, as WarmupLR holds it"
+    assert [lr_at(cfg, s) for s in range(3)] == pytest.approx([0.0, 3e-4 / 7, 2 * 3e-4 / 7]), "DeepSpeed's s / warmup"
     # Without warmup_type DeepSpeed warms up logarithmically, as HF Trainer configs leave it.
     log = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 7}}}
     conv = from_deepspeed(log, world=8)
     assert conv.values["warmup_shape"] == "log" and conv.values["warmup"] == 7
     cfg = config_from_sources(None, {**conv.values, "steps": 20})
     climb = [lr_at(cfg, s) for s in range(8)]
-    assert climb[0] == pytest.approx(3e-4 * math.log(2) / math.log(8)) and climb[6] == pytest.approx(3e-4)
-    assert climb[1] - climb[0] > climb[6] - climb[5] > 0, "a log climb is steepest first"
-    with pytest.raises(UnsupportedKey, match="warmup_type='cubic' is unsupported: zeroshard warms up linear or log"):
+    assert climb[1] == pytest.approx(3e-4 * math.log(2) / math.log(7)) and climb[7] == pytest.approx(3e-4)
+    assert climb[2] - climb[1] > climb[6] - climb[5] > 0, "a log climb is steepest first"
+    with pytest.raises(UnsupportedKey, match="warmup_type='cubic' is unsupported: WarmupLR warms up log or linear"):
         from_deepspeed({**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, world=8)
+    decay = {**ds, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-4, "warmup_min_lr": 1e-5,
+                                                                     "warmup_num_steps": 4, "total_num_steps": 12}}}
+    conv = from_deepspeed(decay, world=8)
+    assert {k: conv.values[k] for k in ("lr_schedule", "warmup_min_lr", "steps")} == dict(
+        lr_schedule="WarmupDecayLR", warmup_min_lr=1e-5, steps=12)
     peak = {**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}
     with pytest.raises(UnsupportedKey, match="warmup_max_lr=0.001 .DeepSpeed default. and optimizer.params.lr"):
         from_deepspeed(peak, world=8)
@@ -258,14 +263,18 @@ def _with(base: dict, **zero) -> dict:
     ({**ZERO1_BF16, "bf16": {"enabled": "yes"}}, 8, "bf16.enabled='yes' must be true, false or \"auto\""),
     (_with(ZERO2_FP16_OFFLOAD, zenflow={"topk_ratio": 0.1}), 4, "zero_optimization.zenflow={'topk_ratio': 0.1} is "
      "unsupported: ZenFlow updates only the top-k"),
-    ({**ZERO1_BF16, "expert_parallel": {"enabled": True}}, 8, "expert_parallel={'enabled': True} is unsupported: "
-     "expert parallelism"),
+    ({**ZERO1_BF16, "expert_parallel": {"enabled": True, "autoep_size": 2, "top_k": 4}}, 8,
+     "expert_parallel.top_k=4 is unsupported: it overrides the model's routing"),
     (_with(ZERO3_NVME, offload_param={"device": "cpu"}), None, "offload to different places"),
     ({**ZERO2_FP16_OFFLOAD, "fp16": {"enabled": True, "loss_scale": 128}}, 4, "fp16.loss_scale=128"),
     (_with(ZERO1_BF16, allgather_bucket_size=2e8), 8, "allgather_bucket_size=200000000.0 differ"),
     ({**ZERO1_BF16, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 8, "optimizer.type='Lamb'"),
     ({**ZERO1_BF16, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}}, 8, "optimizer.params.betas"),
-    ({**ZERO1_BF16, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 8, "scheduler.type='WarmupDecayLR'"),
+    ({**ZERO1_BF16, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 8,
+     "scheduler.params.total_num_steps is missing"),
+    ({**ZERO1_BF16, "scheduler": {"type": "OneCycle", "params": {}}}, 8, "scheduler.type='OneCycle' is unsupported"),
+    (_with(ZERO1_BF16, stage3_prefetch_bucket_size=0, prefetch_bucket_size=0), 8,
+     "zero_optimization.stage3_prefetch_bucket_size and zero_optimization.prefetch_bucket_size are the same setting"),
     ({**ZERO1_BF16, "tensorboard_extra": 1}, 8, "unknown DeepSpeed key 'tensorboard_extra'"),
     ({**ZERO1_BF16, "sparse_attention": True}, 8, "sparse_attention=True is unsupported"),
     ({**ZERO1_BF16, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, 8, "optimizer.type='Adam'"),

@@ -162,8 +162,11 @@ def _precision(model: nn.Module, optimizer) -> dict | None:
 def _model_info(model: nn.Module, model_class: str | None = None) -> dict:
     cfg = getattr(model, "cfg", None)
     config = cfg.to_dict() if cfg is not None and hasattr(cfg, "to_dict") else None
+    from zeroshard.checkpoint.hf.adapter import adapter_record
+
+    adapter = adapter_record(model)  # a LoRA run's LoraConfig, for the merged or adapter export
     return {"class": model_class or f"{type(model).__module__}.{type(model).__qualname__}",
-            "config": fmt.to_json(config, "model.cfg.to_dict()")}
+            "config": fmt.to_json(config, "model.cfg.to_dict()"), **({"adapter": adapter} if adapter else {})}
 
 
 def _optimizer_info(optimizer: dict | None, reports: list[dict]) -> dict | None:

@@ -5,7 +5,8 @@
   repair DIR             rebuild a lost or damaged manifest from intact rank files (a root: every
                          checkpoint in it that does not verify); the damaged manifest is kept
   export DIR OUT         one safetensors file for the plain model, streamed one param at a time
-  export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index)
+  export DIR --hf OUT    a from_pretrained folder (config.json, sharded safetensors, index); a LoRA run merged
+  export DIR --adapter OUT  a LoRA run's adapter folder, for peft.PeftModel.from_pretrained
   reshard SRC DST -w M   rewrite as M rank files (any checkpoint loads at any world size anyway);
                          --tp T lays them out as (M/T, T) tensor-parallel ranks; --ep E splits the
                          experts over E ranks, each block sharded over M/E
@@ -174,7 +175,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, export
     from zeroshard.runtime.precision import parse_dtype
 
-    if args.hf is not None:
+    if args.hf is not None or args.adapter is not None:
         return _export_hf(args)
     if args.out is None:
         return _err("export needs OUT (one safetensors file) or --hf OUT (a from_pretrained folder)")
@@ -192,11 +193,12 @@ def _export_hf(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint.hf import export_checkpoint
     from zeroshard.runtime.precision import parse_dtype
 
-    if args.out is not None:
-        return _err(f"give either OUT or --hf OUT, not both (got {args.out} and {args.hf})")
+    given = [f for f in (args.out, args.hf, args.adapter) if f is not None]
+    if len(given) > 1:
+        return _err(f"give one of OUT, --hf OUT and --adapter OUT (got {' and '.join(given)})")
     try:
-        out = export_checkpoint(_one(args.dir), args.hf, max_shard_size=args.max_shard_size,
-                                dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+        out = export_checkpoint(_one(args.dir), args.hf or args.adapter, max_shard_size=args.max_shard_size,
+                                dtype=parse_dtype(args.dtype), overwrite=args.overwrite, adapter=args.adapter is not None)
     except (CheckpointError, ValueError) as e:
         return _err(str(e))
     files = sorted(p.name for p in out.iterdir())
@@ -270,6 +272,8 @@ def add_parser(sub: Any) -> None:
     q.add_argument("out", nargs="?", help="the safetensors file to write (or use --hf)")
     q.add_argument("--hf", metavar="OUT", default=None,
                    help="write a from_pretrained folder instead: config.json, sharded safetensors, index")
+    q.add_argument("--adapter", metavar="OUT", default=None,
+                   help="a LoRA run: write the adapter folder PeftModel.from_pretrained opens (--hf writes it merged)")
     q.add_argument("--max-shard-size", default="5GB", help="with --hf: largest safetensors file (default 5GB)")
     q.add_argument("--dtype", default=None, help="cast params to fp32, bf16 or fp16 (default: as saved)")
     q.add_argument("--overwrite", action="store_true")

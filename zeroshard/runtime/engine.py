@@ -197,6 +197,10 @@ class Engine:
         self._order_recorded = False
         self._position = 0
         self._prefetch_after_first_grad: Unit | None = None
+        # [Note: frozen params at stage 3] units whose input grads are still to come, and those of
+        # them whose own grads are all in (resharded once their input grads are too).
+        self._awaiting_inputs: set[Unit] = set()
+        self._held: set[Unit] = set()
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
@@ -269,6 +273,29 @@ class Engine:
         if self.recompute is not None and self.recompute.begin_cached_call(module, args):
             return  # the unit already ran inside its checkpointed segment
         self.enter_unit(unit)
+        self._hold_until_input_grads(unit, args)
+
+    def _hold_until_input_grads(self, unit: Unit, args) -> None:
+        """[Note: frozen params at stage 3] A unit with frozen params (an adapter's base weights) is
+        not done with its full params when its trainable grads are all in: backward still multiplies
+        by the frozen weights to reach the unit's inputs (a LoRA layer's input grad runs through its
+        base weight). So such a unit reshards once both its grads and its inputs' grads are in, the
+        latter seen by a grad hook on the inputs, as FSDP2's post-backward hook on a module's inputs.
+        A unit whose inputs need no grad is done at its last param grad, as any other."""
+        if not (self.policy.shard_params and torch.is_grad_enabled() and not unit.is_root
+                and len(unit.trainable_groups) < len(unit.groups)):
+            return
+        tensors = [t for t in _tensors_in(args) if t.requires_grad]
+        if tensors:
+            self._awaiting_inputs.add(unit)
+            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._inputs_done, unit),
+                                                          mode="all")
+
+    def _inputs_done(self, unit: Unit, grads) -> None:
+        self._awaiting_inputs.discard(unit)
+        if unit in self._held:
+            self._held.discard(unit)
+            unit.reshard()
 
     def enter_unit(self, unit: Unit) -> None:
         tracking = torch.is_grad_enabled()
@@ -412,7 +439,10 @@ class Engine:
             if self.defers_reduction:
                 unit.collect_grads()  # accumulate in the flat buffer until the synchronising backward
             if self.policy.shard_params and not unit.is_root:
-                unit.reshard()
+                if unit in self._awaiting_inputs:
+                    self._held.add(unit)  # backward still needs its frozen params
+                else:
+                    unit.reshard()
             if not self.defers_reduction:
                 self._launch_ready()
         elif self._next_reap < self._next_reduce:
@@ -472,6 +502,8 @@ class Engine:
     def _finish_backward(self) -> None:
         self.state = TrainingState.IDLE
         self._prefetch_after_first_grad = None
+        self._awaiting_inputs.clear()  # every unit reshards below
+        self._held.clear()
         if self.defers_reduction:
             for unit in self.units:
                 unit.collect_grads()  # units with unused params were never complete

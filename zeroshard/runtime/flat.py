@@ -151,7 +151,9 @@ class FlatGroup:
         # A tensor-parallel (DTensor) param is flattened as its tp-local part (FSDP2's 2-D composition).
         self.tp_specs = [tp.spec_of(r.param) for r in refs]
         self.layout = FlatLayout([(r.fqn, tp.local_shape(r.param)) for r in refs], self.shards)
-        self.master_dtype = refs[0].param.dtype
+        # A frozen group (an adapter run's base weights) has no master: its values are held only in
+        # the compute dtype, sharded as the stage shards params, with no grad or optimizer state.
+        self.master_dtype = refs[0].param.dtype if trainable else mp.compute_dtype(refs[0].param.dtype)
         self.compute_dtype = mp.compute_dtype(self.master_dtype)
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
@@ -552,7 +554,7 @@ class FlatGroup:
     # -- after the optimizer step -------------------------------------------------------------
     def sync_params(self) -> collectives.Pending | None:
         """Publish updated masters to the compute params (stages 0-2; stage 3 gathers lazily)."""
-        if self.policy.shard_params:
+        if self.policy.shard_params or not self.trainable:  # frozen values never change
             return None
         if not self.policy.shard_optimizer:
             if not self.aliased:

@@ -505,7 +505,8 @@ class _Replay:
     def _sync_params(self, unit: UnitSizes) -> None:
         if self.policy.gathers_after_step:
             for g in unit.groups:
-                self._gather_group(unit, g, PARAM_SYNC)
+                if g.trainable:  # a frozen group's values never change
+                    self._gather_group(unit, g, PARAM_SYNC)
 
 
 def _pipeline_stages(units: Iterable[UnitSizes]) -> list[list[UnitSizes]]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from zeroshard.trainer.config import TrainConfig
+from zeroshard.trainer.lora import is_adapted
 from zeroshard.models import hf as hf_models
 from zeroshard.models.hf import build_hf_model, hf_loss_sum, init_weights, is_hf_model, token_loss_sum
 
@@ -98,6 +99,8 @@ def after_shard(model: nn.Module, *, whole: nn.Module | None = None, tied: dict[
     """A model built from a pretrained folder reads its weights now: each rank only its shard. A
     pipeline stage passes ``whole``, the model it was cut from, and its tied copies' names."""
     source = whole if whole is not None else model
+    if is_adapted(source):
+        return  # built whole by transformers before its adapters went in: its values are in place
     if _is_pretrained(source) and (whole is None or any(p.is_meta for p in whole.parameters())):
         from zeroshard.checkpoint.hf.pretrained import load_pretrained
 

@@ -28,7 +28,7 @@ from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
 from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, WARMUP_SHAPES, CheckpointSection,
-                                        CommSection, CompileSection, DataSection, ObserveSection, OptimSection,
+                                        CommSection, CompileSection, DataSection, LoraSection, ObserveSection, OptimSection,
                                         ParallelSection, PipelineSection, check_types, check_values, flat_name)
 
 if sys.version_info >= (3, 11):
@@ -106,6 +106,7 @@ class TrainConfig:
     compile: CompileSection = dataclasses.field(default_factory=CompileSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     observe: ObserveSection = dataclasses.field(default_factory=ObserveSection)
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
 
     def __init__(self, **values: Any) -> None:
         tables = _split(values)
@@ -151,6 +152,9 @@ class TrainConfig:
         if tp > 1 and self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in TP_MODEL_NAMES:
             raise ValueError(f"model={self.model!r} has no tensor-parallel plan; use tp=1, one of "
                              f"{', '.join(TP_MODEL_NAMES)}, or a save_pretrained folder whose config declares one")
+        if self.lora.enabled and (tp > 1 or pp > 1):
+            raise ValueError(f"lora_r={self.lora.r} with {'tp' if tp > 1 else 'pp'} > 1 is not composed yet; LoRA "
+                             "runs at stages 0-3 with ep, or drop --lora-r")
         if ep > 1 and pp > 1 and tp > 1:
             raise ValueError(f"ep={ep} with tp={tp} under pp={pp} is not composed yet; use tp=1 with pp and ep, or pp=1")
         if dims.cp > 1:

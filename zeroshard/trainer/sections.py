@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Mapping
 
 from zeroshard.comm.dims import ParallelDims
 from zeroshard.parallel.cp.layout import CP_SCHEMES
+from zeroshard.trainer.schedules import DEFAULT_SCHEDULE, WARMUP_SHAPES as WARMUP_SHAPES, check_schedule
 
-WARMUP_SHAPES = ("linear", "log")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
 RESUME_MODES = ("auto", "fresh-ok")
@@ -110,15 +110,37 @@ class OptimSection:
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warm-up."""
 
+    lr_schedule: str = DEFAULT_SCHEDULE
+    """The learning-rate schedule by name (zeroshard/trainer/schedules.py): warmup_cosine (zeroshard's), the HF
+    Trainer's lr_scheduler_type values (linear, cosine, cosine_with_min_lr, constant, constant_with_warmup,
+    polynomial, warmup_stable_decay) or DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR), each with its
+    own formula at 0-based step s."""
+
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """The floor the decay ends at: warmup_cosine, cosine_with_min_lr, polynomial (HF's lr_end),
+    warmup_stable_decay (min_lr_ratio·lr) and WarmupCosineLR (cos_min_ratio·lr)."""
 
     warmup: int = 10
-    """Warm-up steps from 0 to `lr` (shaped by `warmup_shape`); cosine decay to `min_lr` follows."""
+    """Warm-up steps (warmup_num_steps in DeepSpeed's schedules, which warm up over at least 2)."""
 
     warmup_shape: str = "linear"
-    """How warm-up climbs: `linear` (lr·(s+1)/warmup at 0-based step s) or `log`
-    (lr·ln(s+2)/ln(warmup+1): most of the climb in the first steps, DeepSpeed WarmupLR's default)."""
+    """How warm-up climbs: `linear`, `log` (DeepSpeed's schedules, where it is the default, and warmup_cosine:
+    most of the climb in the first steps), `cosine` or `1-sqrt` (warmup_stable_decay)."""
+
+    warmup_min_lr: float = 0.0
+    """Where DeepSpeed's warm-up starts (WarmupLR's warmup_min_lr; WarmupDecayLR decays back to it)."""
+
+    power: float = 1.0
+    """polynomial's power."""
+
+    decay_steps: int | None = None
+    """warmup_stable_decay's decay phase in steps; None takes decay_ratio of the steps."""
+
+    decay_ratio: float = 0.1
+    """warmup_stable_decay's decay phase as a share of the steps, when decay_steps is None."""
+
+    decay_shape: str = "cosine"
+    """warmup_stable_decay's decay: linear, cosine or 1-sqrt."""
 
     weight_decay: float = 0.1
     """AdamW weight decay, applied to >=2-D weights only (see `zeroshard.optim_groups`)."""
@@ -141,12 +163,14 @@ class OptimSection:
         _at_least(self, 1, "steps", "accum")
         _at_least(self, 0, "warmup", note=" (0 disables warm-up)")
         _at_least(self, 0, "weight_decay", "clip")
-        if self.warmup_shape not in WARMUP_SHAPES:
-            raise ValueError(f"warmup_shape={self.warmup_shape!r} is invalid; use one of {', '.join(WARMUP_SHAPES)}")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
+        if self.power <= 0 or not 0 <= self.decay_ratio <= 1 or (self.decay_steps or 0) < 0:
+            raise ValueError(f"power={self.power} must be > 0, decay_ratio={self.decay_ratio} in [0, 1] and "
+                             f"decay_steps={self.decay_steps} >= 0")
+        check_schedule(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -345,6 +369,40 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+    """[lora]: train LoRA adapters (peft) on a frozen base model; r = 0 trains the whole model."""
+
+    TABLE: ClassVar[str] = "lora"
+    FLAT: ClassVar[dict[str, str]] = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+                                      "targets": "lora_targets"}
+
+    r: int = 0
+    """LoRA rank; 0 is no adapters (full fine-tuning). With r > 0 the base params are frozen and held only
+    in the compute dtype (no master, grad or optimizer state), the adapters train in fp32."""
+
+    alpha: float = 16.0
+    """LoRA's alpha: the adapter's update is scaled by alpha / r."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+
+    targets: str = "all-linear"
+    """The modules that get adapters: comma-separated module names or suffixes (q_proj,v_proj), as peft's
+    target_modules, or all-linear (every linear layer but the output head)."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _at_least(self, 0, "r", note=" (0 trains the whole model)")
+        if self.r and (self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets.strip()):
+            raise ValueError(f"lora_alpha={self.alpha} must be > 0, lora_dropout={self.dropout} in [0, 1) and "
+                             f"lora_targets={self.targets!r} must name modules")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ObserveSection:
     """[observe]: what the run records and prints, and how it watches for hangs."""
 
@@ -400,7 +458,7 @@ LOGGERS = ("tensorboard", "wandb")
 """The experiment loggers `log` names (zeroshard/observe/loggers.py writes to them)."""
 
 SECTIONS: tuple[type, ...] = (DataSection, OptimSection, ParallelSection, PipelineSection, CommSection,
-                              CompileSection, CheckpointSection, ObserveSection)
+                              CompileSection, CheckpointSection, ObserveSection, LoraSection)
 """Every section but the engine's (the runtime's own EngineOptions, its knobs flat in [engine])."""
 
 

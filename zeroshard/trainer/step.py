@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -42,6 +41,8 @@ from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.observing.profile.timeline import phase
 from zeroshard.runtime.precision import parse_dtype
 from zeroshard.trainer.ep_setup import apply_expert_parallel
+from zeroshard.trainer.lora import apply_lora
+from zeroshard.trainer.schedules import lr_of
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
 from zeroshard.parallel.cp import apply_context_parallel, context_of
 
@@ -95,15 +96,8 @@ class StepOutcome:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Warm-up to `lr` (linear, or logarithmic as DeepSpeed's WarmupLR by default), then cosine
-    decay to `min_lr` at the last step. `step` is 0-based; either warm-up reaches `lr` at its last step."""
-    if step < cfg.warmup:
-        if cfg.warmup_shape == "log":
-            return cfg.lr * math.log(step + 2) / math.log(cfg.warmup + 1)
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - 1 - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    """The learning rate at 0-based step `step` under the run's `lr_schedule` (zeroshard/trainer/schedules.py)."""
+    return lr_of(cfg, step)
 
 
 def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -129,6 +123,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
     with the values a plain build under the same seed would have. `hf:` names build a Hugging
     Face model (zeroshard/models/hf.py).
     """
+    allow_meta = allow_meta and not cfg.lora.enabled  # LoRA adapters go into a base built whole
+    return apply_lora(cfg, _build_base(cfg, vocab_size, device, allow_meta=allow_meta))
+
+
+def _build_base(cfg: TrainConfig, vocab_size: int, device: torch.device, *, allow_meta: bool) -> torch.nn.Module:
     if adapter.is_hf_name(cfg.model):
         return adapter.build_hf(cfg, vocab_size, device, allow_meta=allow_meta, threshold=META_INIT_THRESHOLD)
     model_cfg = GPTConfig.named(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter
+from zeroshard.checkpoint.hf.adapter import adapter_tensors, base_name, merged_value, write_adapter_folder
 from zeroshard.checkpoint.hf.errors import PretrainedError
 from zeroshard.checkpoint.hf.folder import CONFIG, INDEX
 from zeroshard.checkpoint.hf.renames import saved_tensors, saved_tensors_of_config
@@ -151,8 +152,10 @@ def _hf_config(model_config: Any, where: str) -> tuple[dict[str, Any], str | Non
 
 
 def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int | str = "5GB",
-                      dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
-    """A zeroshard checkpoint of an hf model -> a ``from_pretrained`` folder (offline, one param in memory)."""
+                      dtype: torch.dtype | None = None, overwrite: bool = False, adapter: bool = False) -> Path:
+    """A zeroshard checkpoint of an hf model -> a ``from_pretrained`` folder (offline, one param in memory).
+    A LoRA run's checkpoint is written merged (each adapter folded into its base weight, the base
+    model's names); ``adapter=True`` writes its adapter folder instead (zeroshard/checkpoint/hf/adapter.py)."""
     from zeroshard.checkpoint import format as fmt
     from zeroshard.checkpoint.load import PieceReader
     from zeroshard.checkpoint.tensorfile import parse_dtype
@@ -162,23 +165,39 @@ def export_checkpoint(src: str | Path, out: str | Path, *, max_shard_size: int |
     manifest = verify(directory)
     # The manifest stores the config in its own JSON encoding (int keys of id2label, tuples).
     config, source = _hf_config(fmt.from_json((manifest.get("model") or {}).get("config")), str(directory))
+    record = (manifest.get("model") or {}).get("adapter")
+    if adapter and record is None:
+        raise PretrainedError(f"{directory} holds no adapter (the run trained without --lora-r); export it with --hf")
     params = manifest["params"]
-    saved = [parse_dtype(p["dtype"], str(directory)) for p in params]
-    as_saved = saved_tensors_of_config(config)
-    entries = [e for p, d in zip(params, saved) for e in _entries(as_saved(p["fqn"], _meta(p["shape"], dtype or d)))]
-    entries += [e for b in manifest["buffers"]
-                for e in _entries(as_saved(b["name"], _meta(b["shape"], parse_dtype(b["dtype"], str(directory)))))]
+    by_name = {p["fqn"]: p for p in params}
+    saved = {p["fqn"]: parse_dtype(p["dtype"], str(directory)) for p in params}
     reader = PieceReader(directory, manifest)
 
-    def produce(writer: FolderWriter) -> None:
-        for param, d in zip(params, saved):
-            value = torch.empty(tuple(param["shape"]), dtype=d)
-            reader.fill(param, "master", 0, value.view(-1))
-            _write(writer, as_saved(param["fqn"], value.to(dtype or d)))
-        for b in manifest["buffers"]:
-            _write(writer, as_saved(b["name"], reader.file(b["file"]).read(b["key"])))
+    def read(fqn: str) -> torch.Tensor:
+        value = torch.empty(tuple(by_name[fqn]["shape"]), dtype=saved[fqn])
+        reader.fill(by_name[fqn], "master", 0, value.view(-1))
+        return value
 
     try:
+        if record is not None and adapter:
+            tensors = {k: v.to(dtype or v.dtype) for k, v in adapter_tensors(list(by_name), read).items()}
+            return write_adapter_folder(out, record, tensors, source, overwrite)
+        named = [(p, base_name(p["fqn"]) if record else p["fqn"]) for p in params]
+        kept: list[tuple[dict, str]] = [(p, name) for p, name in named if name is not None]
+        as_saved = saved_tensors_of_config(config)
+        entries = [e for p, name in kept for e in _entries(as_saved(name, _meta(p["shape"], dtype or saved[p["fqn"]])))]
+        entries += [e for b in manifest["buffers"]
+                    for e in _entries(as_saved(b["name"], _meta(b["shape"], parse_dtype(b["dtype"], str(directory)))))]
+
+        def produce(writer: FolderWriter) -> None:
+            for param, name in kept:
+                value = read(param["fqn"])
+                if record:
+                    value = merged_value(param["fqn"], value, record, read)
+                _write(writer, as_saved(name, value.to(dtype or value.dtype)))
+            for b in manifest["buffers"]:
+                _write(writer, as_saved(b["name"], reader.file(b["file"]).read(b["key"])))
+
         return _write_all(FolderWriter(out, config, source, entries, parse_size(max_shard_size), overwrite), produce)
     finally:
         reader.close()

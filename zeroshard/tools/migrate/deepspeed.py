@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from zeroshard.trainer.config import WARMUP_SHAPES, TrainConfig, field_names
+from zeroshard.models.names import MOE_MODEL_NAMES
+from zeroshard.trainer.config import TrainConfig, field_names
+from zeroshard.trainer.optimizers import NAMED as OPTIMIZERS
+from zeroshard.trainer.schedules import SCHEDULES
+from zeroshard.tools.migrate.ds_keys import ZERO_ALIASES
 from zeroshard.tools.migrate.decisions import (AUTO, FROM_DERIVED, FROM_DS_DEFAULT, FROM_JSON, FROM_ZS_DEFAULT,
                                          MISSING, Conversion, Decision, UnsupportedKey)
 from zeroshard.tools.migrate.ds_zero import convert_zero
@@ -59,8 +63,9 @@ def from_deepspeed(ds: Mapping[str, Any], *, world: int | None = None, flags: Ma
     root = Section(without_keys(ds, tuple(drop), out), "")
     _tensor_parallel(root, out)  # first: with tp the batch keys count data-parallel ranks, not the world
     _batch(root, out)
+    _expert_parallel(root, out)
     _precision(root, out)
-    zero = root.section("zero_optimization")
+    zero = root.section("zero_optimization", ZERO_ALIASES)
     if zero is not None:
         convert_zero(zero, out)
         zero.finish()
@@ -79,9 +84,14 @@ def from_deepspeed(ds: Mapping[str, Any], *, world: int | None = None, flags: Ma
     if "nproc" not in values:
         out.row("", MISSING, "-", "world size unknown", "nproc is not written: give zeroshard train --nproc N "
                 "(or run it under torchrun)", noted=True)
+    if values.get("ep", 1) > 1 and "model" not in values:
+        out.row("", MISSING, "-", "ep needs an MoE model", "give zeroshard train --model (tiny-moe, or an HF Mixtral "
+                "or Qwen-MoE save_pretrained folder)", noted=True)
     try:
-        # With the world unknown, check what does not depend on it (the smallest world a tp fits in).
-        TrainConfig(**{"nproc": values.get("tp", 1), **values})
+        # With the world unknown, check what does not depend on it (the smallest world tp and ep fit in);
+        # without a model named, an ep run is checked on one of zeroshard's MoE models.
+        model = {"model": MOE_MODEL_NAMES[0]} if values.get("ep", 1) > 1 and "model" not in values else {}
+        TrainConfig(**{"nproc": values.get("tp", 1) * values.get("ep", 1), **model, **values})
     except ValueError as e:
         raise ValueError(f"the converted config is not a valid zeroshard run: {e}") from e
     return Conversion(values, out.decisions)
@@ -119,6 +129,45 @@ def _tensor_parallel(root: Section, out: Builder) -> None:
              "collectives are the ones it overlaps")
     out.note(section, "dtype", "zeroshard's tp runs in the compute dtype (mp)")
     out.note(section, "keep_module_on_host", "zeroshard splits the model where it was built (or on meta)")
+    section.finish()
+
+
+# AutoEP keys that find the MoE layers or pick kernels: zeroshard splits the model's own MoE layers by its ep plan.
+_AUTOEP_NOTED = ("preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2",
+                 "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
+                 "shared_experts_gate_pattern", "use_grouped_mm", "disable_triton_grouped_mm", "combine_impl",
+                 "validate_folding_routing")
+# AutoEP keys that override the model's routing; their defaults ("auto", None, 1.0) keep the model's own.
+_AUTOEP_ROUTING = {"route_norm": (None,), "route_scale": (None, 1, 1.0), "score_apply": (None, AUTO),
+                   "score_func": (None, AUTO), "top_k": (None, AUTO), "routed_scaling_factor": (None, AUTO),
+                   "num_expert_groups": (None,), "num_limited_groups": (None,), "load_balance_coeff": (None,)}
+
+
+def _expert_parallel(root: Section, out: Builder) -> None:
+    """AutoEP (``expert_parallel.autoep_size``) -> ep, where the run's config has it (zeroshard/trainer/sections.py):
+    the model's own MoE layers split over ep ranks, tokens sent to them by all-to-all (docs/expert_parallel.md)."""
+    section = root.section("expert_parallel")
+    if section is None:
+        if (ep := out.flag("ep")) is not None:
+            out.set("", MISSING, "ep", ep, flag_name("ep"))
+        return
+    enabled = section.concrete("enabled", False)
+    if not enabled:
+        section.take_all()
+        out.row(section.name("enabled"), enabled, "-", FROM_JSON, "AutoEP off: no expert parallelism")
+        return section.finish()
+    out.row(section.name("enabled"), enabled, "-", FROM_JSON, "AutoEP on")
+    if "ep" not in field_names():
+        raise UnsupportedKey(f"DeepSpeed key {section.name('autoep_size')} is unsupported: zeroshard has no ep "
+                             "(--drop expert_parallel converts without it)")
+    out.map(section, "autoep_size", "ep", absent=1, cast=int)
+    out.refuse(section, "expert_tensor_parallel_size", "tensor parallelism inside each expert; zeroshard's experts "
+               "are whole on their ep rank", off=(None, 1))
+    for key in _AUTOEP_NOTED:
+        out.note(section, key, "zeroshard finds the MoE layers by the model's own ep plan and runs their experts")
+    for key, defaults in _AUTOEP_ROUTING.items():
+        out.refuse(section, key, "it overrides the model's routing; zeroshard runs the model's own router",
+                   off=defaults)
     section.finish()
 
 
@@ -253,7 +302,7 @@ def _optimizer(root: Section, out: Builder) -> None:
         return
     kind = str(opt.concrete("type", "")).lower()
     params = opt.section("params") or Section({}, opt.name("params"))
-    if kind in PER_TENSOR_TYPES:
+    if kind in OPTIMIZERS and kind != "adamw":  # the trainer's own table: a per-tensor optimizer it runs
         _per_tensor_optimizer(kind, opt, params, out)
         return
     if kind == "lamb":
@@ -290,7 +339,8 @@ def _optimizer(root: Section, out: Builder) -> None:
 
 PER_TENSOR_TYPES = {"muon": "Muon for the hidden matrices, AdamW for embeddings, head, norms and biases",
                     "adafactor": "torch.optim.Adafactor"}
-"""DeepSpeed optimizer types zeroshard train runs per tensor on owner ranks (zeroshard/runtime/owners.py)."""
+"""What the decision table says of the per-tensor optimizers (which ones run is zeroshard/trainer/optimizers.py's
+NAMED; they step per tensor on owner ranks, zeroshard/runtime/owners.py)."""
 MUON_OPTIONS = ("momentum", "nesterov", "ns_steps", "eps")
 """DeepSpeed Muon params that are torch.optim.Muon options of the same name and meaning."""
 
@@ -302,53 +352,60 @@ def _per_tensor_optimizer(kind: str, opt: Section, params: Section, out: Builder
     out.map(params, "weight_decay", "weight_decay", cast=float)
     extra = {key: params.take(key) for key in MUON_OPTIONS if kind == "muon" and params.has(key)}
     value: Any = {"name": kind, **extra} if extra else kind
-    out.set(opt.name("type"), opt.data.get("type"), "optimizer", value, FROM_JSON, PER_TENSOR_TYPES[kind])
+    out.set(opt.name("type"), opt.data.get("type"), "optimizer", value, FROM_JSON, PER_TENSOR_TYPES.get(kind, ""))
     params.finish()
     opt.finish()
 
 
+DS_SCHEDULES = {sched.deepspeed: name for name, sched in SCHEDULES.items() if sched.deepspeed}
+"""DeepSpeed scheduler types -> zeroshard's lr_schedule, read from the schedules' own table."""
+
+
 def _scheduler(root: Section, out: Builder) -> None:
-    """WarmupCosineLR and WarmupLR (a cosine whose floor is the peak) -> warmup, steps, min_lr."""
+    """A DeepSpeed scheduler -> lr_schedule of the same name (zeroshard/trainer/schedules.py) and its params."""
     sched = root.section("scheduler")
     if sched is None:
         out.row("scheduler", MISSING, "-", FROM_ZS_DEFAULT, "no scheduler section: zeroshard's linear warm-up then "
-                "cosine decay (warmup, min_lr); DeepSpeed alone would hold lr constant (--warmup 0 --min-lr LR)",
+                "cosine decay (warmup, min_lr); DeepSpeed alone would hold lr constant (--lr-schedule constant)",
                noted=True)
         return
     kind = sched.concrete("type")
     params = sched.section("params") or Section({}, sched.name("params"))
-    if kind not in ("WarmupCosineLR", "WarmupLR"):
-        raise UnsupportedKey(f"DeepSpeed key {sched.name('type')}={kind!r} is unsupported: zeroshard train runs linear "
-                             "warm-up then cosine decay (WarmupCosineLR; WarmupLR is that with min_lr = lr); "
-                             "--drop scheduler converts with zeroshard's schedule (--warmup, --min-lr)")
+    if kind not in DS_SCHEDULES:
+        raise UnsupportedKey(f"DeepSpeed key {sched.name('type')}={kind!r} is unsupported: zeroshard runs "
+                             f"{', '.join(DS_SCHEDULES)} and the HF Trainer's schedules (--lr-schedule); "
+                             "--drop scheduler converts with zeroshard's schedule")
+    name = DS_SCHEDULES[kind]
+    out.set(sched.name("type"), kind, "lr_schedule", name, FROM_JSON)
     given_type = params.take("warmup_type", MISSING)
     warmup_type = "log" if given_type is MISSING else given_type  # DeepSpeed's default is "log"
-    if warmup_type not in WARMUP_SHAPES:
-        raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_type')}={warmup_type!r} is unsupported: zeroshard "
-                             f"warms up {' or '.join(WARMUP_SHAPES)}; write one of them, or --drop scheduler for "
-                             "zeroshard's schedule")
+    if warmup_type not in SCHEDULES[name].shapes:
+        raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_type')}={warmup_type!r} is unsupported: {kind} "
+                             f"warms up {' or '.join(SCHEDULES[name].shapes)}")
     out.set(params.name("warmup_type"), given_type, "warmup_shape", warmup_type,
             FROM_JSON if given_type is not MISSING else f"{FROM_DS_DEFAULT} log")
-    out.row(sched.name("type"), kind, "-", FROM_JSON, "zeroshard's warm-up reaches lr one step earlier "
-            "(linear: lr*(s+1)/warmup rather than lr*s/warmup; log: lr*ln(s+2)/ln(warmup+1) rather than "
-            "lr*ln(s+1)/ln(warmup))", noted=True)
     out.refuse(params, "last_batch_iteration", "zeroshard resumes its schedule from checkpoints", off=(None, -1))
-    out.refuse(params, "warmup_min_ratio", "zeroshard warms up from 0", off=(None, 0, 0.0))
-    lr = out.values.get("lr", default_of("lr"))
-    if kind == "WarmupCosineLR":
+    out.map(params, "warmup_num_steps", "warmup", absent=1000, cast=int)  # DeepSpeed's default
+    if kind in ("WarmupCosineLR", "WarmupDecayLR"):
         steps = out.map(params, "total_num_steps", "steps", cast=int)
         if steps is MISSING:
             raise UnsupportedKey(f"{params.name('total_num_steps')} is missing; zeroshard needs it as steps (or "
                                  "\"auto\" to take --steps)")
-        out.map(params, "warmup_num_steps", "warmup", absent=0, cast=int)
-        ratio = params.concrete("cos_min_ratio", 1e-4)  # DeepSpeed's default
-        out.set(params.name("cos_min_ratio"), params.data.get("cos_min_ratio", MISSING), "min_lr", lr * float(ratio),
-                "lr x cos_min_ratio" + ("" if params.has("cos_min_ratio") else f" ({FROM_DS_DEFAULT} 1e-4)"))
+    if kind == "WarmupCosineLR":  # ratios of the optimizer's lr
+        lr = out.values.get("lr", default_of("lr"))
+        for key, field, default in (("cos_min_ratio", "min_lr", 1e-4), ("warmup_min_ratio", "warmup_min_lr", 0.0)):
+            ratio = float(params.concrete(key, default))
+            out.set(params.name(key), params.data.get(key, MISSING), field, lr * ratio,
+                    f"lr x {key}" + ("" if params.has(key) else f" ({FROM_DS_DEFAULT} {default})"))
         return _finish_scheduler(params, sched)
-    # WarmupLR: from warmup_min_lr to warmup_max_lr, then constant; the constant is a cosine with
-    # min_lr = lr, which is lr exactly.
-    # WarmupLR sets the lr itself (DeepSpeed's default peak is 1e-3), whatever the optimizer's says;
-    # "auto" is the Trainer's learning rate, which is the optimizer's.
+    _warmup_lr_params(params, out)
+    _finish_scheduler(params, sched)
+
+
+def _warmup_lr_params(params: Section, out: Builder) -> None:
+    """WarmupLR's and WarmupDecayLR's own lrs: warmup_max_lr is the peak (DeepSpeed's default 1e-3,
+    whatever the optimizer's says; "auto" is the Trainer's, the optimizer's), warmup_min_lr the start."""
+    lr = out.values.get("lr", default_of("lr"))
     given = params.take("warmup_max_lr", MISSING)
     if given == AUTO:
         out.row(params.name("warmup_max_lr"), given, f"lr = {lr!r}", "auto: the optimizer's lr")
@@ -358,17 +415,12 @@ def _scheduler(root: Section, out: Builder) -> None:
             raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_max_lr')}={given if given is not MISSING else 1e-3!r}"
                                  f"{' (DeepSpeed default)' if given is MISSING else ''} and optimizer.params.lr="
                                  f"{out.values['lr']!r} differ; the scheduler's wins in DeepSpeed: make them agree")
-        lr = peak
-        out.set(params.name("warmup_max_lr"), given, "lr", lr, FROM_JSON if given is not MISSING else FROM_DS_DEFAULT)
-    low = params.take("warmup_min_lr", 0)
-    if low not in (0, 0.0, AUTO):  # the Trainer fills 0
-        raise UnsupportedKey(f"DeepSpeed key {params.name('warmup_min_lr')}={low!r} is unsupported: zeroshard warms "
-                             "up from 0 (write 0 or \"auto\")")
-    out.row(params.name("warmup_min_lr"), low, "-", "auto: 0 (as the HF Trainer fills it)" if low == AUTO else
-            FROM_JSON, "zeroshard warms up from 0")
-    out.map(params, "warmup_num_steps", "warmup", absent=1000, cast=int)  # DeepSpeed's default
-    out.set("", MISSING, "min_lr", lr, "WarmupLR holds lr after warm-up: a cosine from lr to lr")
-    _finish_scheduler(params, sched)
+        out.set(params.name("warmup_max_lr"), given, "lr", peak, FROM_JSON if given is not MISSING else FROM_DS_DEFAULT)
+    low = params.take("warmup_min_lr", MISSING)
+    value = 0.0 if low in (MISSING, AUTO) else float(low)  # the Trainer fills 0
+    out.set(params.name("warmup_min_lr"), low, "warmup_min_lr", value,
+            "auto: 0 (as the HF Trainer fills it)" if low == AUTO else FROM_JSON if low is not MISSING
+            else FROM_DS_DEFAULT)
 
 
 def _finish_scheduler(params: Section, sched: Section) -> None:
@@ -389,12 +441,8 @@ _ROOT_REFUSED = {
     "elasticity": "DeepSpeed elastic batch sizes, which change the batch with the world",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which the model calls itself; "
                                 "zeroshard's checkpointing key (none, all, every:K, sqrt) does the job",
-    "expert_parallel": "expert parallelism: each rank holds some of an MoE layer's experts and tokens travel to them "
-                       "by all-to-all; zeroshard has no expert-parallel group yet. The nearest is stage 3, which "
-                       "shards every expert's params over all ranks like any other param (the same math for a model "
-                       "whose routing drops no tokens)",
-    "moe": "DeepSpeed MoE settings (expert parallelism); zeroshard has no expert-parallel group yet. The nearest is "
-           "stage 3, which shards every expert's params over all ranks like any other param",
+    "moe": "DeepSpeed-MoE's own layer settings (deepspeed.moe.layer.MoE, its gating and capacity); zeroshard runs "
+           "the model's own MoE layers, split over ranks by expert_parallel.autoep_size (ep)",
 }
 # Keys that change nothing numeric: logging, profiling, I/O tuning. Dropped with a note.
 _ROOT_NOTED = {

@@ -24,10 +24,21 @@ _ZERO_OWN_WAY = {
     "elastic_checkpoint": "zeroshard checkpoints load at any world size and stage",
     "ignore_unused_parameters": "zeroshard reduces unused params' zero gradients without error",
     "sub_group_size": "optimizer step chunking; zeroshard steps per unit (disk offload: slice_mb)",
-    "stage3_max_live_parameters": "zeroshard bounds live params by prefetch and reshard_after_forward",
-    "stage3_max_reuse_distance": "zeroshard bounds live params by prefetch and reshard_after_forward",
-    "stage3_param_persistence_threshold": "zeroshard shards every unit's params, small ones included",
-    "stage3_model_persistence_threshold": "zeroshard shards every unit's params, small ones included",
+    "max_live_parameters": "zeroshard bounds live params by prefetch and reshard_after_forward",
+    "max_reuse_distance": "zeroshard bounds live params by prefetch and reshard_after_forward",
+    "param_persistence_threshold": "zeroshard shards every unit's params, small ones included",
+    "model_persistence_threshold": "zeroshard shards every unit's params, small ones included",
+    "module_granularity_threshold": "zeroshard gathers one unit (a block) at a time",
+    "use_all_reduce_for_fetch_params": "zeroshard all-gathers param shards",
+    "allgather_sequential": "zeroshard all-gathers each unit's flat buffer at once",
+    "use_multi_rank_bucket_allreduce": "zeroshard reduces each bucket once, over its own groups",
+    "leaf_module": "zeroshard's units are the model's blocks (a unit is gathered whole)",
+    "legacy_stage1": "an older DeepSpeed stage-1 code path; the same math",
+    "pipeline_loading_checkpoint": "zeroshard loads checkpoints into shards directly",
+    "override_module_apply": "zeroshard replays a model's init into its shards itself",
+    "enable_sanity_checks": "a DeepSpeed debugging switch",
+    "save_muon_momentum_buffer_in_memory": "zeroshard keeps Muon's state on its owner rank",
+    "cpu_offload_use_pin_memory": "zeroshard pins host buffers when a GPU is present",
     "mics_hierarchical_params_gather": "zeroshard gathers within the shard group (shard_size) directly",
     "memory_efficient_linear": "zeroshard uses torch's own linear",
     "log_trace_cache_warnings": "a DeepSpeed log switch",
@@ -45,7 +56,8 @@ def convert_zero(zero: Section, out: Builder) -> None:
     if mics not in (-1, 0, None):
         out.set(zero.name("mics_shard_size"), mics, "shard_size", mics, FROM_JSON)  # MiCS: shard in groups
     _quantized_comm(zero, out)
-    for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
+    # The field behind the stage3_gather_16bit_... alias, and its deprecated fp16 spelling.
+    for key in ("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
         if zero.has(key):
             given = zero.take(key)
             out.row(zero.name(key), given, "export" if given else "-", FROM_NOTE, _EXPORT if given else
@@ -72,6 +84,7 @@ def _offload_target(section: Section, out: Builder, what: str, why: str = "") ->
         return
     if device == "cpu":
         kind, directory = "cpu", None
+        out.note(section, "nvme_path", "read only with device 'nvme'")
     elif device == "nvme":
         directory = section.concrete("nvme_path")
         if not directory:
@@ -91,6 +104,9 @@ def _offload_target(section: Section, out: Builder, what: str, why: str = "") ->
 def _offload(zero: Section, out: Builder) -> None:
     if zero.take("cpu_offload"):  # the pre-0.3.16 spelling of offload_optimizer.device = cpu
         out.set(zero.name("cpu_offload"), True, "offload", "cpu", FROM_JSON)
+    if zero.take("cpu_offload_param"):  # the deprecated spelling of offload_param.device = cpu
+        out.set(zero.name("cpu_offload_param"), True, "offload", "cpu", FROM_JSON, "zeroshard offloads the fp32 "
+                "masters and optimizer state; each rank's 1/N compute-dtype param shard stays on the device", noted=True)
     opt = zero.section("offload_optimizer")
     if opt is not None:
         _offload_target(opt, out, "optimizer", "fp32 masters and optimizer state in host memory (or files), "
@@ -100,6 +116,8 @@ def _offload(zero: Section, out: Builder) -> None:
         out.note(opt, "pin_memory", "zeroshard pins host buffers when a GPU is present")
         for key in ("buffer_count", "fast_init", "pipeline", "pipeline_read", "pipeline_write"):
             out.note(opt, key, "a DeepSpeed offload I/O tuning knob; zeroshard's disk offload streams slice by slice")
+        out.note(opt, "super_offload", "SuperOffload's superchip scheduling; the optimizer step is the same")
+        out.note(opt, "cpuadam_cores_perc", "DeepSpeed's CPU-Adam thread share; zeroshard steps torch's optimizer")
         opt.finish()
     param = zero.section("offload_param")
     if param is not None:
@@ -149,7 +167,7 @@ def _prefetch(zero: Section, out: Builder) -> None:
     """DeepSpeed prefetches parameter elements (a byte budget); zeroshard prefetches whole units, so
     only 0 (prefetch nothing) carries over as a number. Prefetching changes when a gather is issued,
     never a value."""
-    for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
+    for key in ("prefetch_bucket_size",):  # the field behind the stage3_prefetch_bucket_size alias
         if not zero.has(key):
             continue
         given = zero.take(key)

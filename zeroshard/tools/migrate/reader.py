@@ -34,13 +34,25 @@ def default_of(name: str) -> Any:
 class Section:
     """One JSON object whose keys are taken one at a time; what is left at the end is unknown."""
 
-    def __init__(self, data: Any, path: str) -> None:
+    def __init__(self, data: Any, path: str, aliases: Mapping[str, str] | None = None) -> None:
+        """``aliases`` (alias -> field name, as DeepSpeed's pydantic models declare them): a key
+        written under its alias is read under its field name and named as written."""
         if not isinstance(data, Mapping):
             raise UnsupportedKey(f"DeepSpeed key {path!r} must be a JSON object, got {data!r}")
-        self.data, self.path = dict(data), path
+        self.path = path
+        self.spelled: dict[str, str] = {}
+        self.data: dict[str, Any] = {}
+        for key, value in data.items():
+            field = (aliases or {}).get(key, key)
+            if field in self.data:
+                first, second = (f"{path}.{k}" if path else k for k in (self.spelled[field], key))
+                raise UnsupportedKey(f"DeepSpeed keys {first} and {second} are the same setting (a field and its "
+                                     "alias), given twice; keep one")
+            self.data[field], self.spelled[field] = value, key
         self.taken: set[str] = set()
 
     def name(self, key: str) -> str:
+        key = getattr(self, "spelled", {}).get(key, key)
         return f"{self.path}.{key}" if self.path else key
 
     def take(self, key: str, default: Any = None) -> Any:
@@ -62,9 +74,9 @@ class Section:
                                  "write the value in the JSON")
         return value
 
-    def section(self, key: str) -> Section | None:
+    def section(self, key: str, aliases: Mapping[str, str] | None = None) -> Section | None:
         value = self.take(key)
-        return None if value is None else Section(value, self.name(key))
+        return None if value is None else Section(value, self.name(key), aliases)
 
     def finish(self) -> None:
         for key in self.data:

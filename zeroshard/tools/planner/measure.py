@@ -184,15 +184,35 @@ def _peak_tracker(device: torch.device, externals: list):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return contextlib.nullcontext(), lambda: torch.cuda.max_memory_allocated(), "cuda max_memory_allocated"
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    tracker = _frozen_aware_tracker()
     tracker.track_external(*[e for e in externals if e is not None])
 
     def peak() -> int:
         return max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
 
     return tracker, peak, "storage accounting (torch MemTracker)"
+
+
+class _NoHook:
+    @staticmethod
+    def remove() -> None:
+        pass
+
+
+def _frozen_aware_tracker() -> Any:
+    """torch's MemTracker, which hooks every param's grad in each forward and so fails on a frozen
+    param (an adapter's base weights: "cannot register a hook on a tensor that doesn't require
+    gradient"); a frozen param is marked hooked already, with a handle that removes nothing."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):  # type: ignore[override]
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, (_NoHook, _NoHook))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return Tracker()
 
 
 def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list, int]:
@@ -210,6 +230,10 @@ def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list,
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_dict(req["gpt"])).to(mesh.device) if req["gpt"] is not None else req["target"].build()
+    if req.get("lora"):  # the planned model's adapters (zeroshard.trainer.lora), on its base as train puts them
+        from zeroshard.trainer.lora import inject_lora
+
+        inject_lora(model, **req["lora"])
     blocks = [m for _, m in find_blocks(model)]  # the units zs.shard picks (no units are given)
     vocab = adapter.token_vocab(model)
     assert vocab is not None  # request() refused a model without one
@@ -390,12 +414,14 @@ def measure_many_worker(reqs: list[dict]) -> list[dict]:
     return [measure_worker(r, meshes[key(r)]) for r in reqs]
 
 
-def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None, timed_steps: int = 0) -> dict:
+def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None, timed_steps: int = 0,
+            lora: dict | None = None) -> dict:
     """What the workers need, as plain picklable data; refuses what the runtime cannot run.
 
     A plan of zeroshard's GPT carries its config; any other model is rebuilt on each rank from
     ``target``, the --model it was planned from. ``timed_steps`` plain steps per stage are timed
-    after the measured one (``ComponentCheck.step_s``)."""
+    after the measured one (``ComponentCheck.step_s``). ``lora`` (zeroshard.trainer.lora.inject_lora's
+    keywords) puts the adapters the plan counted on the built model."""
     spec = plan.spec
     if plan.model is None:
         raise ValueError("plan measure runs a real step of a model: pass --model (a preset, a save_pretrained folder, "
@@ -422,7 +448,7 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
         "mp": spec.mp, "optimizer": spec.optimizer,
         "optimizer_kwargs": dict(spec.optimizer_kwargs), "engine": spec.engine,
         "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
-        "ep": spec.ep, "tp": spec.tp,
+        "ep": spec.ep, "tp": spec.tp, "lora": lora,
     }
 
 

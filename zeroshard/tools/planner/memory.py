@@ -313,6 +313,9 @@ class Estimator:
         for g in groups:
             m, c = g.dtype, self.compute(g.dtype)
             P, S = g.numel, g.shard_numel
+            if not g.trainable:  # frozen (an adapter's base): its compute-dtype values only, sharded as params
+                dev["params"] += (S if v.policy.shard_params else P) * _size(c)
+                continue
             # The master is the param itself when the dtypes agree, unless offload keeps it on the host.
             own = c == m and not off
             dev["params"] += (S * _size(m) if own else 0) if v.policy.shard_params else P * _size(c)
