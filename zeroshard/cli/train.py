@@ -170,6 +170,10 @@ class RichReporter:
                 highlight=False,
             )
             self.window.clear()
+        if rec.eval is not None:
+            self.console.print(f"step {rec.step:>5}/{self.info['steps']}  eval loss {rec.eval['eval_loss']:.4f}  "
+                               f"perplexity {rec.eval['eval_perplexity']:.3f}  ({rec.eval['eval_tokens']:,} tokens)",
+                               highlight=False)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:

@@ -34,16 +34,23 @@ def is_pretrained_model(model: nn.Module) -> bool:
     return _is_pretrained(model)
 
 
-def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of per-token losses, tokens counted)``; targets of -100 are left out of both.
 
-    Any other causal LM (a ``module:Class``) either has GPT's ``loss_sum(idx, targets)`` or returns
-    logits (or an output with ``.logits``) of shape (batch, seq, vocab) from ``model(idx)``."""
+    ``positions`` (position_ids restarting at each packed sample) go to the model, which keeps the
+    samples apart; None is the plain call. Any other causal LM (a ``module:Class``) either has GPT's
+    ``loss_sum(idx, targets)`` or returns logits (or an output with ``.logits``) of shape
+    (batch, seq, vocab) from ``model(idx)``."""
     if is_hf_model(model):
-        return hf_loss_sum(model, idx, targets)
+        return hf_loss_sum(model, idx, targets, positions)
     # nn.Module's __getattr__ is typed for params and submodules; this is the model's method (GPT's).
-    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = \
-        getattr(model, "loss_sum", None)
+    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(model, "loss_sum", None)
+    if positions is not None:
+        if not callable(loss):
+            raise ValueError(f"{type(model).__name__} takes no position_ids, so packed samples would attend to "
+                             f"each other; use --packing off (or drop --doc-mask)")
+        return loss(idx, targets, position_ids=positions)
     if callable(loss):
         return loss(idx, targets)
     out = model(idx)
@@ -74,8 +81,12 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def mean_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def mean_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """The mean token loss, as the single-process reference computes it."""
+    if positions is not None:
+        total, count = loss_sum(model, idx, targets, positions)
+        return total / count
     if is_hf_model(model):
         total, count = hf_loss_sum(model, idx, targets)
         return total / count
