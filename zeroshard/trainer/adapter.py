@@ -6,6 +6,7 @@ The training loop calls these functions instead of model methods, so an HF model
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -29,6 +30,12 @@ def _is_pretrained(model: nn.Module) -> bool:
     return isinstance(getattr(model, "cfg", None), PretrainedSpec)
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """A transformers model however it was built (its own from_pretrained included): it takes
+    input_ids, and its packed-sequence masks need use_cache=False, which hf_loss_sum passes."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
 def is_pretrained_model(model: nn.Module) -> bool:
     """Built from a save_pretrained folder: its values are read from the folder after ``zs.shard``."""
     return _is_pretrained(model)
@@ -42,18 +49,18 @@ def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
     samples apart; None is the plain call. Any other causal LM (a ``module:Class``) either has GPT's
     ``loss_sum(idx, targets)`` or returns logits (or an output with ``.logits``) of shape
     (batch, seq, vocab) from ``model(idx)``."""
-    if is_hf_model(model):
+    if is_hf_model(model) or _is_transformers_model(model):
         return hf_loss_sum(model, idx, targets, positions)
     # nn.Module's __getattr__ is typed for params and submodules; this is the model's method (GPT's).
     loss: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(model, "loss_sum", None)
-    if positions is not None:
-        if not callable(loss):
-            raise ValueError(f"{type(model).__name__} takes no position_ids, so packed samples would attend to "
-                             f"each other; use --packing off (or drop --doc-mask)")
+    if positions is not None and callable(loss):
         return loss(idx, targets, position_ids=positions)
     if callable(loss):
         return loss(idx, targets)
-    out = model(idx)
+    if positions is not None and "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__} takes no position_ids, so packed samples would attend to "
+                         f"each other; use --packing off (or drop --doc-mask)")
+    out = model(idx) if positions is None else model(idx, position_ids=positions)
     logits = getattr(out, "logits", out)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != targets.shape:
         raise TypeError(f"{type(model).__name__}(ids) returned {type(logits).__name__}"

@@ -69,7 +69,7 @@ def make_chat_folder(root: Path, records: list[dict] | None = None, *, layers: i
     texts = [m["content"] for r in records for m in r["messages"]] + ["system user assistant"]
     tok = make_tokenizer(texts)
     config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                             tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(SEED)
     model = tf.AutoModelForCausalLM.from_config(config)
