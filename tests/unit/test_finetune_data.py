@@ -4,6 +4,7 @@ tests/distributed/test_finetune.py trains and evaluates on 2 ranks."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from chat_fixtures import dialogues, make_chat_folder, make_tokenizer, write_jsonl  # noqa: E402
+from chat_fixtures import dialogues, make_chat_folder, write_jsonl  # noqa: E402
 from zeroshard.models.gpt import GPT, GPTConfig  # noqa: E402
 from zeroshard.trainer import adapter  # noqa: E402
 from zeroshard.trainer.data import build_dataset, collate  # noqa: E402
@@ -60,8 +61,7 @@ def test_chat_loss_covers_exactly_the_assistant_turns(tok, root):
 
 def test_generation_tags_give_the_same_mask(tok):
     """A template with {% generation %} is asked for its own assistant mask: the same tokens."""
-    tagged = make_tokenizer(["x"])
-    tagged._tokenizer = tok._tokenizer  # same vocabulary; only the template differs
+    tagged = copy.deepcopy(tok)  # same vocabulary; only the template differs
     tagged.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
                             "{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}"
                             "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"

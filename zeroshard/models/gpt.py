@@ -313,8 +313,9 @@ class GPT(nn.Module):
         if device.type != "meta":
             self.to_empty(device=device)
         self.packed = PackedMask()
-        for block in self.blocks:
-            block.attn.packed = self.packed
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.packed = self.packed
         self.init_weights()  # also ties lm_head to tok_emb
 
     def tie_weights(self) -> None:

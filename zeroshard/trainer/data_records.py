@@ -162,7 +162,7 @@ def _chat(tok: Any, messages: list[dict[str, str]], first: int) -> Sample:
             mask = [0] * start + mask[start:]
         return Sample(ids, [bool(m) for m in mask])
     text = _render(tok, messages, False)
-    spans = []
+    spans: list[tuple[int, int | None]] = []
     for k, message in enumerate(messages):
         if k < first or message["role"] != "assistant":
             continue
