@@ -49,7 +49,7 @@ def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
     samples apart; None is the plain call. Any other causal LM (a ``module:Class``) either has GPT's
     ``loss_sum(idx, targets)`` or returns logits (or an output with ``.logits``) of shape
     (batch, seq, vocab) from ``model(idx)``."""
-    if is_hf_model(model) or _is_transformers_model(model):
+    if is_hf_model(model) or (positions is not None and _is_transformers_model(model)):
         return hf_loss_sum(model, idx, targets, positions)
     # nn.Module's __getattr__ is typed for params and submodules; this is the model's method (GPT's).
     loss: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(model, "loss_sum", None)
