@@ -67,11 +67,16 @@ def test_train_a_folder_on_a_chat_file_at_stage_3_as_one_process_does(files):
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5 and evals[20] < evals[10]
 
 
-def test_held_out_loss_at_every_stage_equals_one_process(files):
+def test_held_out_loss_at_every_stage_equals_one_process_and_packed_steps_match_stage_0(files):
     out = spawn(fw.eval_every_stage, 2, args=(str(files["folder"]), str(files["data"]), str(files["eval"])),
                 timeout_s=300)[0]
     cfg = fw.eval_config(str(files["folder"]), str(files["data"]), str(files["eval"]), stage=0)
     ref = reference_eval(_plain(files["folder"]), build_data(cfg, str(files["eval"])))
+    trained = {k: out.pop(k) for k in list(out) if k.startswith("train")}
+    for stage in (1, 2, 3):  # packed rows, accum 2: stages 1-3 bitwise stage 0
+        losses, _, params = trained[f"train{stage}"]
+        assert losses == trained["train0"][0] and torch.equal(params, trained["train0"][2])
+    print(f"packed training, 2 steps at stages 0-3: losses {trained['train0'][0]} (bitwise equal)")
     diffs = {k: abs(v - ref) for k, v in out.items()}
     print(f"one process {ref:.8f}; |diff| {', '.join(f'{k} {d:.1e}' for k, d in diffs.items())}")
     assert max(diffs.values()) <= 1e-6

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from chat_fixtures import dialogues, make_chat_folder, write_jsonl  # noqa: E402
 from zeroshard.models.gpt import GPT, GPTConfig  # noqa: E402
 from zeroshard.trainer import adapter  # noqa: E402
-from zeroshard.trainer.data import build_dataset, collate  # noqa: E402
+from zeroshard.trainer.data import build_dataset, check_data_path, collate, data_tokenizer  # noqa: E402
 from zeroshard.trainer.data_pack import RecordDataset, collate_positions, document_positions  # noqa: E402
 from zeroshard.trainer.data_records import load_records, tokenize_records  # noqa: E402
 from zeroshard.trainer.evaluate import rank_rows  # noqa: E402
@@ -181,7 +181,18 @@ def test_record_data_without_a_tokenizer_is_one_line(root):
     path = write_jsonl(root / "t.jsonl", [{"text": "the cat"}])
     with pytest.raises(ValueError, match="need a tokenizer: pass --model DIR"):
         build_dataset(data_path=path, seq_len=8)
+    with pytest.raises(ValueError, match="need a tokenizer: pass --model DIR"):  # before any rank starts
+        check_data_path(str(path), 8, data_tokenizer("tiny", None))
+    with pytest.raises(ValueError, match="does not exist"):
+        check_data_path(str(root / "missing.parquet"), 8, str(root / "chat-model"))
     bad = root / "bad.jsonl"
     bad.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ValueError, match="expected 'text', 'messages'"):
         build_dataset(data_path=bad, seq_len=8, tokenizer=str(root / "chat-model"))
+
+
+def test_eval_figures_reach_the_loggers_under_eval():
+    from zeroshard.observing.loggers import scalars
+
+    logged = scalars({"step": 3, "loss": 2.5, "eval_loss": 2.0, "eval_perplexity": 7.389, "eval_tokens": 57})
+    assert (logged["eval/loss"], logged["eval/perplexity"], logged["train/loss"]) == (2.0, 7.389, 2.5)

@@ -27,6 +27,8 @@ __all__ = [
     "GlobalBatchSampler",
     "collate",
     "build_dataset",
+    "check_data_path",
+    "data_tokenizer",
 ]
 
 # Transition tables beyond this many entries (V**(k+1)) stop being "small and fast".
@@ -477,3 +479,30 @@ def build_dataset(
         return ByteFileDataset(data_path, seq_len)
     source = MarkovSource(vocab_size=vocab_size, order=order, seed=seed)
     return SyntheticDataset(source, num_samples, seq_len, seed)
+
+
+def data_tokenizer(model: str, tokenizer: str | None) -> str | None:
+    """The tokenizer folder record data is read with: ``tokenizer``, else the model's folder (one
+    save_pretrained wrote: it has a config.json), else None."""
+    if tokenizer is not None:
+        return tokenizer
+    return model if (Path(model) / "config.json").is_file() else None
+
+
+def check_data_path(path: str | None, seq_len: int, tokenizer: str | None) -> None:
+    """What the launcher checks of a data path before any rank starts, so a mistake is one line and
+    no run directory is made: a token folder opens, record data exists and has a tokenizer."""
+    if path is None:
+        return
+    from zeroshard.trainer.data_records import is_record_path, load_chat_tokenizer
+    from zeroshard.trainer.data_tokens import TokenFileDataset, is_token_dir
+
+    if is_record_path(path):
+        if not Path(path).exists():
+            raise ValueError(f"data {path!r} does not exist; pass a .jsonl, .json, .parquet or .arrow file")
+        if tokenizer is None:
+            raise ValueError(f"data {path!r} holds records, which need a tokenizer: pass --model DIR (a folder saved "
+                             f"with its tokenizer) or --tokenizer DIR")
+        load_chat_tokenizer(tokenizer)
+    elif is_token_dir(path):
+        TokenFileDataset(path, seq_len)

@@ -35,7 +35,7 @@ from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
 from zeroshard.models.names import HF_PREFIX
 from zeroshard.trainer.config import TrainConfig, check_batch_split
-from zeroshard.trainer.data import GlobalBatchSampler, build_dataset
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, data_tokenizer
 from zeroshard.trainer.optimizers import BETAS, sharded_optimizer  # noqa: F401 (BETAS: the tools read it here)
 from zeroshard.trainer import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
@@ -119,15 +119,10 @@ def build_data(cfg: TrainConfig, path: str | None = None) -> Any:
     """The run's training data, or with ``path`` other data read the same way (the held-out set)."""
     return build_dataset(
         data_path=cfg.data.path if path is None else path, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
-        vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed, tokenizer=data_tokenizer(cfg),
+        vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed, tokenizer=data_tokenizer(cfg.model, cfg.data.tokenizer),
         packing=cfg.packing, doc_mask=cfg.doc_mask,
     )
 
-
-def data_tokenizer(cfg: TrainConfig) -> str | None:
-    """The tokenizer folder record data is read with: `tokenizer`, else the model folder."""
-    return cfg.data.tokenizer if cfg.data.tokenizer is not None else (
-        cfg.model if adapter.is_hf_name(cfg.model) and not cfg.model.startswith(HF_PREFIX) else None)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
