@@ -21,7 +21,10 @@ from zeroshard.trainer.train import train_step
 
 def eval_config(folder: str, data: str, eval_data: str, *, stage: int, packing: str = "on") -> TrainConfig:
     return TrainConfig(model=folder, data=data, eval_data=eval_data, stage=stage, nproc=2, batch=4, seq_len=256,
-                       packing=packing, dropout=False, accum=2, steps=2, warmup=0, lr=1e-2)
+                       packing=packing, dropout=False, accum=2, steps=2, warmup=0, lr=1e-2,
+                       # Each rank sums its own micro-steps first, as stages 0-1 do, so the sums are
+                       # the same adds in the same order (sharded accumulation adds in another order).
+                       accumulation="unsharded")
 
 
 def eval_every_stage(folder: str, data: str, eval_data: str) -> dict:
