@@ -196,3 +196,28 @@ def test_eval_figures_reach_the_loggers_under_eval():
 
     logged = scalars({"step": 3, "loss": 2.5, "eval_loss": 2.0, "eval_perplexity": 7.389, "eval_tokens": 57})
     assert (logged["eval/loss"], logged["eval/perplexity"], logged["train/loss"]) == (2.0, 7.389, 2.5)
+
+
+def test_prepare_ends_every_document_with_eos_and_doc_mask_restarts_there(folder, tok, root):
+    import numpy as np
+
+    from zeroshard.cli.data import prepare
+
+    texts = [{"text": f"the cat sat on mat {i}"} for i in range(30)]
+    text_file = root / "corpus.txt"
+    text_file.write_text("blue rivers run far away\n" * 20)
+    meta = prepare([write_jsonl(root / "docs.jsonl", texts), text_file], folder, root / "tokens", show_progress=False)
+    assert meta["eos_id"] == tok.eos_token_id
+    records, whole = (np.fromfile(root / "tokens" / name, dtype="<u2").tolist() for name in meta["files"])
+    assert records.count(tok.eos_token_id) == len(texts) and records[-1] == tok.eos_token_id
+    assert whole.count(tok.eos_token_id) == 1 and whole[-1] == tok.eos_token_id  # a text file is one document
+    first = tok(texts[0]["text"], add_special_tokens=False)["input_ids"]
+    assert records[:len(first) + 1] == first + [tok.eos_token_id]
+    windows = build_dataset(data_path=root / "tokens", seq_len=16, doc_mask=True)
+    x, _ = windows[0]
+    pos = windows.positions(0)
+    ends = [t for t in range(15) if x[t] == tok.eos_token_id]
+    assert ends and all(pos[t + 1] == 0 for t in ends) and pos[0] == 0
+    assert torch.equal(pos, document_positions(x, tok.eos_token_id))
+    with pytest.raises(ValueError, match="doc_mask needs a token folder"):
+        build_dataset(data_path=text_file, seq_len=16, doc_mask=True)
