@@ -49,7 +49,7 @@ def test_train_a_folder_on_a_chat_file_at_stage_3_as_one_process_does(files):
 
     run_dir = files["root"] / "run"
     args = ["train", "--model", str(files["folder"]), "--data", str(files["data"]), "--eval-data", str(files["eval"]),
-            "--eval-every", "10", "--stage", "3", "--nproc", "2", "--steps", str(STEPS), "--batch", "8",
+            "--eval-every", "10", "--stage", "3", "--nproc", "2", "--steps", str(STEPS), "--batch", "4",
             "--accum", "2", "--seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--run-dir", str(run_dir)]
     assert main(args) == 0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
