@@ -498,17 +498,19 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "peak_flops": "1e12", "ckpt_dir": "ckpt", "resume": "ckpt/step-00000001", "keep_last": "1",
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
         "pp": "2", "pp_schedule": "gpipe", "microbatches": "4", "pp_stages_per_rank": "2",
+        "tokenizer": "tok", "packing": "off", "eval_data": "held-out.jsonl",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
                 "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
                 "compile": "--compile", "dropout": "--no-dropout", "save_async": "--save-async",
-                "profile": "--no-profile", "trace": "--trace"}
+                "profile": "--no-profile", "trace": "--trace", "doc_mask": "--doc-mask"}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
              "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
              "save_every": (["--ckpt-dir", "ckpt"], "10"),
              "ep": (["--model", "tiny-moe", "--nproc", "4"], "2"),
              "cp": (["--nproc", "4"], "2"), "cp_attention": (["--nproc", "4", "--cp", "2"], "ulysses"),
-             "pp_grad_reduce": (["--pp", "2", "--stage", "2"], "microbatch")}
+             "pp_grad_reduce": (["--pp", "2", "--stage", "2"], "microbatch"),
+             "eval_every": (["--eval-data", "held-out.jsonl"], "5")}
     table: dict[str, list[Entry]] = {"--config": [(plus(t, "--config", str(toml)), t, CHANGES)],
                                      "--tp": [(plus(t, "--tp", "3"), None, REFUSED),
                                               (plus(t, "--model", "hf:gpt2-tiny", "--tp", "2"), None, REFUSED)],
@@ -527,7 +529,11 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                                           (plus(t, "--pp", "2", "--pp-grad-reduce", "once"), None,
                                                            REFUSED)],
                                      "--backward-prefetch-at": [(plus(t, "--backward-prefetch-at", "1.5"), None,
-                                                                 REFUSED)]}
+                                                                 REFUSED)],
+                                     "--packing": [(plus(t, "--packing", "maybe"), None, REFUSED)],
+                                     "--eval-every": [(plus(t, "--eval-every", "5"), None, REFUSED)],
+                                     "--eval-data": [(plus(t, "--pp", "2", "--eval-data", "held-out.jsonl"), None,
+                                                      REFUSED)]}
     for name in field_names():
         flag = "--" + name.replace("_", "-")
         if name in switches:

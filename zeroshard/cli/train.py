@@ -11,7 +11,6 @@ import argparse
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -170,6 +169,10 @@ class RichReporter:
                 highlight=False,
             )
             self.window.clear()
+        if rec.eval is not None:
+            self.console.print(f"step {rec.step:>5}/{self.info['steps']}  eval loss {rec.eval['eval_loss']:.4f}  "
+                               f"perplexity {rec.eval['eval_perplexity']:.3f}  ({rec.eval['eval_tokens']:,} tokens)",
+                               highlight=False)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:
@@ -257,11 +260,12 @@ def run(args: argparse.Namespace) -> int:
         check_before_launch(cfg)
     except ValueError as e:
         return fail("train", str(e))
-    if cfg.data.path is not None and Path(cfg.data.path).is_dir():
-        from zeroshard.trainer.data_tokens import TokenFileDataset
+    if cfg.data.path is not None or cfg.eval.data is not None:
+        from zeroshard.trainer.data import check_data_path, data_tokenizer
 
-        try:  # before any rank starts or the run dir is made: a bad token folder writes nothing
-            TokenFileDataset(cfg.data.path, cfg.seq_len)
+        try:  # before any rank starts or the run dir is made: a bad token folder or record file writes nothing
+            for path in (cfg.data.path, cfg.eval.data):
+                check_data_path(path, cfg.seq_len, data_tokenizer(cfg.model, cfg.data.tokenizer))
         except ValueError as e:
             return fail("train", str(e))
     if under_torchrun:

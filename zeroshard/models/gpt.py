@@ -128,9 +128,33 @@ class GPTConfig:
         return cls(**d)
 
 
+class PackedMask:
+    """The block-diagonal causal mask of the forward in flight, or None (plain causal attention).
+
+    One object shared by the model and every attention layer: the blocks keep their one-tensor
+    signature (activation checkpointing chains them, pipelines cut between them), and a recompute in
+    backward reads the mask its own micro-step's forward set."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+
+    def set(self, position_ids: torch.Tensor | None) -> None:
+        """From ``position_ids`` (B, T): a new sample starts wherever a position is not its
+        predecessor's plus one (transformers' rule for packed sequences), and attends only inside it."""
+        if position_ids is None:
+            self.mask = None
+            return
+        step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+        segment = (step != 1).cumsum(-1)  # (B, T)
+        T = position_ids.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+        self.mask = ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.packed: PackedMask | None = None  # set by GPT: its shared mask for packed samples
         self.n_head = cfg.n_head
         # One fused projection: a single GEMM (and one parameter to shard) instead of three.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
@@ -151,10 +175,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, heads, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, heads, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, heads, C // self.n_head).transpose(1, 2)
-        if self.attend is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        else:
+        mask = self.packed.mask if self.packed is not None else None
+        if self.attend is not None:  # context parallelism: its split attention (packing is refused with cp)
             y = self.attend(q, k, v)  # (B, nh, T, hd)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        else:  # packed samples: causal inside each one, nothing across
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, width)  # (B, T, width)
         return self.proj(y)
 
@@ -293,6 +320,10 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if device.type != "meta":
             self.to_empty(device=device)
+        self.packed = PackedMask()
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.packed = self.packed
         self.init_weights()  # also ties lm_head to tok_emb
 
     def tie_weights(self) -> None:
@@ -347,15 +378,20 @@ class GPT(nn.Module):
                 if module.proj_bias is not None and fresh(module.proj_bias):
                     nn.init.zeros_(module.proj_bias)
 
-    def _logits(self, idx: torch.Tensor) -> torch.Tensor:
+    def _logits(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}; "
                 f"truncate the input or build the model with a larger seq_len"
             )
-        # Under context parallelism a rank holds some of each sequence's tokens: their global positions.
-        pos = torch.arange(T, device=idx.device) if self.positions is None else self.positions(T, idx.device)  # (T,)
+        self.packed.set(position_ids)
+        if position_ids is not None:  # packed samples: positions restart in each
+            pos = position_ids  # (T,) or (B, T)
+        elif self.positions is not None:  # context parallelism: this rank's tokens' global positions
+            pos = self.positions(T, idx.device)  # (T,)
+        else:
+            pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
@@ -363,9 +399,9 @@ class GPT(nn.Module):
         return self.lm_head(x)  # (B, T, V)
 
     def _token_losses(
-        self, idx: torch.Tensor, targets: torch.Tensor, reduction: str
+        self, idx: torch.Tensor, targets: torch.Tensor, reduction: str, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        logits = self._logits(idx)  # (B, T, V)
+        logits = self._logits(idx, position_ids)  # (B, T, V)
         # The softmax is computed in fp32 even when the model runs in bf16/fp16: a
         # low-precision log-sum-exp over the vocabulary loses the digits the loss lives in.
         aux = self._aux_sum()
@@ -389,20 +425,21 @@ class GPT(nn.Module):
         return torch.stack(terms).mean() if terms else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:
+                reduction: str = "mean", position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)``, or with ``targets`` the loss over non-ignored tokens:
         their mean (``reduction="mean"``) or their sum (``"sum"``).
 
-        Targets equal to -100 are excluded from both the sum and the count.
+        Targets equal to -100 are excluded from both the sum and the count. ``position_ids`` (B, T)
+        that restart at 0 mark packed samples: each attends only inside itself (``PackedMask``).
         """
         if targets is None:
-            return self._logits(idx)
+            return self._logits(idx, position_ids)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        return self._token_losses(idx, targets, reduction=reduction)
+        return self._token_losses(idx, targets, reduction=reduction, position_ids=position_ids)
 
     def loss_sum(
-        self, idx: torch.Tensor, targets: torch.Tensor
+        self, idx: torch.Tensor, targets: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum of per-token losses, number of counted tokens)`` as 0-dim tensors.
 
@@ -410,7 +447,7 @@ class GPT(nn.Module):
         different numbers of real tokens is weighted per token, not per rank.
         """
         # Through __call__, not _token_losses: a sharded runtime gathers params in forward hooks.
-        total = self(idx, targets, reduction="sum")
+        total = self(idx, targets, reduction="sum", position_ids=position_ids)
         n_tokens = (targets != IGNORE_INDEX).sum()
         return total, n_tokens
 

@@ -163,19 +163,23 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(getattr(model, "cfg", None), HFSpec)
 
 
-def hf_loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of token losses, tokens counted)``, the contract of ``GPT.loss_sum``.
 
     Our batches carry already-shifted targets. HF's ``labels=`` loss shifts again inside the model
     (dropping the last position), so we take the output's ``logits`` and apply the same fp32
     cross-entropy as zeroshard's GPT. An MoE config with ``output_router_logits`` adds its
     load-balancing loss, ``router_aux_loss_coef`` times transformers' ``aux_loss`` of the global
-    micro-batch, in sum form (zeroshard/models/router_aux.py).
+    micro-batch, in sum form (zeroshard/models/router_aux.py). ``position_ids`` that restart at 0 mark
+    packed samples, which transformers keeps apart (its masks read them when no attention mask is given).
     """
     coef = router_aux_coef(model)
+    # Only passed when given: the call without them is the one every other path makes.
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     if not coef:
-        return token_loss_sum(model(input_ids=idx, use_cache=False).logits, targets)
-    out = model(input_ids=idx, use_cache=False, output_router_logits=True)
+        return token_loss_sum(model(input_ids=idx, use_cache=False, **extra).logits, targets)
+    out = model(input_ids=idx, use_cache=False, output_router_logits=True, **extra)
     total, count = token_loss_sum(out.logits, targets)
     return total + coef * aux_loss_sum(model, out.router_logits, count), count
 

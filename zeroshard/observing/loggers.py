@@ -20,6 +20,8 @@ SCALARS: dict[str, tuple[str, ...]] = {
     "train/lr": ("lr",),
     "train/grad_norm": ("grad_norm",),
     "train/loss_scale": ("loss_scale",),
+    "eval/loss": ("eval_loss",),
+    "eval/perplexity": ("eval_perplexity",),
     "perf/step_time_s": ("step_time_s",),
     "perf/tokens_per_s": ("tokens_per_s",),
     "perf/mfu": ("profile", "mfu"),

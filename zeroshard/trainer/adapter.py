@@ -6,6 +6,7 @@ The training loop calls these functions instead of model methods, so an HF model
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -30,24 +31,37 @@ def _is_pretrained(model: nn.Module) -> bool:
     return isinstance(getattr(model, "cfg", None), PretrainedSpec)
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """A transformers model however it was built (its own from_pretrained included): it takes
+    input_ids, and its packed-sequence masks need use_cache=False, which hf_loss_sum passes."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
 def is_pretrained_model(model: nn.Module) -> bool:
     """Built from a save_pretrained folder: its values are read from the folder after ``zs.shard``."""
     return _is_pretrained(model)
 
 
-def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of per-token losses, tokens counted)``; targets of -100 are left out of both.
 
-    Any other causal LM (a ``module:Class``) either has GPT's ``loss_sum(idx, targets)`` or returns
-    logits (or an output with ``.logits``) of shape (batch, seq, vocab) from ``model(idx)``."""
-    if is_hf_model(model):
-        return hf_loss_sum(model, idx, targets)
+    ``positions`` (position_ids restarting at each packed sample) go to the model, which keeps the
+    samples apart; None is the plain call. Any other causal LM (a ``module:Class``) either has GPT's
+    ``loss_sum(idx, targets)`` or returns logits (or an output with ``.logits``) of shape
+    (batch, seq, vocab) from ``model(idx)``."""
+    if is_hf_model(model) or (positions is not None and _is_transformers_model(model)):
+        return hf_loss_sum(model, idx, targets, positions)
     # nn.Module's __getattr__ is typed for params and submodules; this is the model's method (GPT's).
-    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = \
-        getattr(model, "loss_sum", None)
+    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(model, "loss_sum", None)
+    if positions is not None and callable(loss):
+        return loss(idx, targets, position_ids=positions)
     if callable(loss):
         return loss(idx, targets)
-    out = model(idx)
+    if positions is not None and "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__} takes no position_ids, so packed samples would attend to "
+                         f"each other; use --packing off (or drop --doc-mask)")
+    out = model(idx) if positions is None else model(idx, position_ids=positions)
     logits = getattr(out, "logits", out)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != targets.shape:
         raise TypeError(f"{type(model).__name__}(ids) returned {type(logits).__name__}"
@@ -75,8 +89,12 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def mean_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def mean_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """The mean token loss, as the single-process reference computes it."""
+    if positions is not None:
+        total, count = loss_sum(model, idx, targets, positions)
+        return total / count
     if is_hf_model(model):
         total, count = hf_loss_sum(model, idx, targets)
         return total / count

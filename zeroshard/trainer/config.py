@@ -28,8 +28,9 @@ from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
 from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, WARMUP_SHAPES, CheckpointSection,
-                                        CommSection, CompileSection, DataSection, LoraSection, ObserveSection, OptimSection,
-                                        ParallelSection, PipelineSection, check_types, check_values, flat_name)
+                                        CommSection, CompileSection, DataSection, EvalSection, LoraSection, ObserveSection,
+                                        OptimSection, ParallelSection, PipelineSection, check_types, check_values,
+                                        flat_name)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,6 +108,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     observe: ObserveSection = dataclasses.field(default_factory=ObserveSection)
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
     def __init__(self, **values: Any) -> None:
         tables = _split(values)
@@ -188,6 +190,9 @@ class TrainConfig:
         if self.engine.offload.kind == "disk" and not self.engine.offload.directory:
             raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
         self.comm.check_stage(self.stage)
+        if self.eval.data is not None and dims.pp > 1:
+            raise ValueError("eval_data needs pp=1 (held-out loss through a pipeline is not written yet); "
+                             "drop --eval-data or use pp=1")
         # Tensor-parallel ranks share a batch: it is split over the data-parallel ranks only.
         check_batch_split(self.data.batch, dims.dp, self.optim.accum)
 

@@ -27,6 +27,8 @@ __all__ = [
     "GlobalBatchSampler",
     "collate",
     "build_dataset",
+    "check_data_path",
+    "data_tokenizer",
 ]
 
 # Transition tables beyond this many entries (V**(k+1)) stop being "small and fast".
@@ -450,18 +452,57 @@ def build_dataset(
     vocab_size: int = 64,
     order: int = 2,
     seed: int = 0,
+    tokenizer: str | None = None,
+    packing: str = "on",
+    doc_mask: bool = False,
 ) -> Any:
-    """Token windows of a folder of token files (``zeroshard.trainer.data_tokens``), byte-level
-    windows of a text file, or, without ``data_path``, a synthetic Markov dataset.
+    """Record files (JSONL, JSON, Parquet, Arrow: text, chat or prompt/completion, tokenized with
+    ``tokenizer``'s folder and packed or padded, ``zeroshard.trainer.data_pack``), token windows of a
+    folder of token files (``zeroshard.trainer.data_tokens``; with ``doc_mask`` attention stops at each
+    EOS), byte-level windows of a text file, or, without ``data_path``, a synthetic Markov dataset.
 
     ``num_samples``, ``vocab_size``, ``order`` and ``seed`` only apply to synthetic data.
     """
     if data_path is not None:
+        from zeroshard.trainer.data_pack import document_windows, record_dataset
+        from zeroshard.trainer.data_records import is_record_path
         from zeroshard.trainer.data_tokens import TokenFileDataset, is_token_dir
 
+        if is_record_path(data_path):
+            return record_dataset(str(data_path), tokenizer, seq_len, packing=packing == "on")
         if is_token_dir(data_path):
-            return TokenFileDataset(data_path, seq_len)
+            windows = TokenFileDataset(data_path, seq_len)
+            return document_windows(windows) if doc_mask else windows
+        if doc_mask:
+            raise ValueError(f"doc_mask needs a token folder from `zeroshard data prepare`, not the text file "
+                             f"{str(data_path)!r}; prepare it first, or drop --doc-mask")
         return ByteFileDataset(data_path, seq_len)
     source = MarkovSource(vocab_size=vocab_size, order=order, seed=seed)
     return SyntheticDataset(source, num_samples, seq_len, seed)
 
+
+def data_tokenizer(model: str, tokenizer: str | None) -> str | None:
+    """The tokenizer folder record data is read with: ``tokenizer``, else the model's folder (one
+    save_pretrained wrote: it has a config.json), else None."""
+    if tokenizer is not None:
+        return tokenizer
+    return model if (Path(model) / "config.json").is_file() else None
+
+
+def check_data_path(path: str | None, seq_len: int, tokenizer: str | None) -> None:
+    """What the launcher checks of a data path before any rank starts, so a mistake is one line and
+    no run directory is made: a token folder opens, record data exists and has a tokenizer."""
+    if path is None:
+        return
+    from zeroshard.trainer.data_records import is_record_path, load_chat_tokenizer
+    from zeroshard.trainer.data_tokens import TokenFileDataset, is_token_dir
+
+    if is_record_path(path):
+        if not Path(path).exists():
+            raise ValueError(f"data {path!r} does not exist; pass a .jsonl, .json, .parquet or .arrow file")
+        if tokenizer is None:
+            raise ValueError(f"data {path!r} holds records, which need a tokenizer: pass --model DIR (a folder saved "
+                             f"with its tokenizer) or --tokenizer DIR")
+        load_chat_tokenizer(tokenizer)
+    elif is_token_dir(path):
+        TokenFileDataset(path, seq_len)

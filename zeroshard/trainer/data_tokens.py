@@ -109,6 +109,8 @@ class TokenFileDataset:
                 f"use more text or a smaller seq_len"
             )
         self._vocab = self._vocab_size(meta)
+        self.eos_id: int | None = None if meta is None or meta.get("eos_id") is None else int(meta["eos_id"])
+        """The id `data prepare` put after each document (None: not recorded, as in nanoGPT's files)."""
 
     def _vocab_size(self, meta: dict[str, Any] | None) -> int:
         if meta is not None and "vocab_size" in meta:

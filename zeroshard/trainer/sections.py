@@ -20,6 +20,7 @@ from zeroshard.trainer.schedules import DEFAULT_SCHEDULE, WARMUP_SHAPES as WARMU
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 """torch.compile backends `compile_backend` accepts (a library caller may pass any registered one)."""
 RESUME_MODES = ("auto", "fresh-ok")
+PACKING_MODES = ("on", "off")
 
 
 def check_values(values: Mapping[str, Any], types: Mapping[str, Any], names: Mapping[str, str] | None = None
@@ -67,8 +68,9 @@ class DataSection:
 
     path: str | None = None
     """Path to a text file for byte-level training, a folder of token files (from `zeroshard data
-    prepare`, or nanoGPT's .bin; see docs/data.md), or None for the synthetic Markov source
-    (whose entropy floor is known exactly)."""
+    prepare`, or nanoGPT's .bin; see docs/data.md), a JSONL, JSON, Parquet or Arrow file of records
+    (`text`, chat `messages`, or `prompt` and `completion`; the loss covers the assistant and
+    completion tokens), or None for the synthetic Markov source (whose entropy floor is known exactly)."""
 
     batch: int = 16
     """GLOBAL batch in sequences per optimizer step, split evenly over ranks. It does not change
@@ -88,9 +90,23 @@ class DataSection:
     """Order k of the synthetic Markov chain: each token depends on the previous k. With k >= 2
     the model must learn to attend backwards, so the loss plateaus before it falls."""
 
+    tokenizer: str | None = None
+    """Tokenizer folder for record data (its chat template renders `messages`); None takes the model
+    folder's own."""
+
+    packing: str = "on"
+    """Record data: 'on' packs several samples into each sequence (positions restart per sample and
+    attention stays inside it: the same loss as unpacked), 'off' pads one sample per sequence."""
+
+    doc_mask: bool = False
+    """Token folders: attention stops at each EOS `data prepare` wrote between documents, so a window
+    never attends across a document end (positions restart after each EOS)."""
+
     def __post_init__(self) -> None:
         check_types(self)
         _at_least(self, 1, "batch", "seq_len", "num_samples", "order")
+        if self.packing not in PACKING_MODES:
+            raise ValueError(f"packing={self.packing!r} is invalid; use 'on' (pack samples) or 'off' (pad them)")
         _at_least(self, 2, "vocab_size")
         if self.path is None and self.num_samples < self.batch:
             raise ValueError(f"num_samples={self.num_samples} is smaller than one global batch ({self.batch}); "
@@ -454,11 +470,32 @@ class ObserveSection:
             raise ValueError(f"unknown logger {unknown[0]!r}: choose from {', '.join(LOGGERS)} (comma-separated)")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    """[eval]: held-out loss and perplexity during training."""
+
+    TABLE: ClassVar[str] = "eval"
+    FLAT: ClassVar[dict[str, str]] = {"data": "eval_data", "every": "eval_every"}
+
+    data: str | None = None
+    """Held-out data, read as `data` is (the same tokenizer, packing and seq_len); its loss is the exact
+    token mean over every sample, each rank evaluating its share. None: no evaluation."""
+
+    every: int = 0
+    """Evaluate every this many optimizer steps, and after the last one; 0 only after the last."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _at_least(self, 0, "every", note=" (0 evaluates after the last step only)")
+        if self.every and self.data is None:
+            raise ValueError(f"eval_every={self.every} needs held-out data: pass --eval-data PATH")
+
+
 LOGGERS = ("tensorboard", "wandb")
 """The experiment loggers `log` names (zeroshard/observe/loggers.py writes to them)."""
 
 SECTIONS: tuple[type, ...] = (DataSection, OptimSection, ParallelSection, PipelineSection, CommSection,
-                              CompileSection, CheckpointSection, ObserveSection, LoraSection)
+                              CompileSection, CheckpointSection, ObserveSection, LoraSection, EvalSection)
 """Every section but the engine's (the runtime's own EngineOptions, its knobs flat in [engine])."""
 
 

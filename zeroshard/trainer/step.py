@@ -34,7 +34,7 @@ from zeroshard.comm.collectives import all_reduce
 from zeroshard.observing.rank_metrics import METRICS_PHASE, slowest_per_step, slowest_rank  # noqa: F401  (the tools time steps with them)
 from zeroshard.models.names import HF_PREFIX
 from zeroshard.trainer.config import TrainConfig, check_batch_split
-from zeroshard.trainer.data import GlobalBatchSampler, build_dataset
+from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, data_tokenizer
 from zeroshard.trainer.optimizers import BETAS, sharded_optimizer  # noqa: F401 (BETAS: the tools read it here)
 from zeroshard.trainer import adapter
 from zeroshard.models.gpt import GPT, GPTConfig
@@ -77,6 +77,8 @@ class Run:
     """Bytes of our own metric all-reduces, kept apart from the training traffic."""
     profiler: Any = None
     """A zeroshard.observing.profile.step.StepProfiler, or None when profiling is off."""
+    eval_data: Any = None
+    """The held-out rows `eval.data` names (read as the training data is), or None."""
     pipeline: Any = None
     """With pp > 1, the zeroshard.parallel.pipeline.Pipeline of this rank's stages; `model` is then its first
     stage module and `opt` / `scheduler` drive one per stage."""
@@ -108,11 +110,14 @@ def make_scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer) -> torch.optim.
 # --------------------------------------------------------------------------- building
 
 
-def build_data(cfg: TrainConfig) -> Any:
+def build_data(cfg: TrainConfig, path: str | None = None) -> Any:
+    """The run's training data, or with ``path`` other data read the same way (the held-out set)."""
     return build_dataset(
-        data_path=cfg.data.path, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
-        vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed,
+        data_path=cfg.data.path if path is None else path, seq_len=cfg.seq_len, num_samples=cfg.num_samples,
+        vocab_size=cfg.vocab_size, order=cfg.order, seed=cfg.seed, tokenizer=data_tokenizer(cfg.model, cfg.data.tokenizer),
+        packing=cfg.packing, doc_mask=cfg.doc_mask,
     )
+
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, *,
@@ -183,6 +188,9 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     if cfg.pp > 1:
         return _build_pipeline(cfg, mesh, model=model, dataset=dataset, **shard_overrides)
     dataset = build_data(cfg) if dataset is None else dataset
+    if cfg.cp > 1 and getattr(dataset, "positions", None) is not None and dataset.positions(0) is not None:
+        raise ValueError("packed samples (or doc_mask) need cp=1: context parallelism splits each row's tokens "
+                         "but not yet its samples' positions; use --packing off, drop --doc-mask, or cp=1")
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
@@ -197,6 +205,7 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     return Run(
         cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
         dataset=dataset, sampler=sampler, model_cfg=getattr(model, "cfg", None), num_params=num_params,
+        eval_data=build_data(cfg, cfg.eval.data) if cfg.eval.data is not None else None,
     )
 
 
@@ -243,6 +252,9 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
         raise ValueError(f"pp={cfg.pp} but the mesh's pp dim is {mesh.pp_size}; build the mesh with "
                          f"zs.init(pp={cfg.pp}) (zeroshard train does)")
     dataset = build_data(cfg) if dataset is None else dataset
+    if getattr(dataset, "positions", None) is not None and dataset.positions(0) is not None:
+        raise ValueError("packed samples (or doc_mask) need pp=1: a pipeline stage takes no position_ids yet; "
+                         "use --packing off, drop --doc-mask, or pp=1")
     # On the meta device (init="meta", or "auto" above the threshold; a pretrained folder always) each
     # rank keeps only its stages' values (Pipeline, zeroshard/runtime/materialize.py; a folder's are read stage
     # by stage below); not yet with an hf: preset, nor a folder with tp (read whole, then cut).
@@ -285,14 +297,16 @@ def global_token_count(targets: torch.Tensor, mesh: Any = None) -> torch.Tensor:
 
 
 def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, accum: int,
-                         scaler: Any = None, micro: Micro | None = None) -> tuple[torch.Tensor, int]:
+                         scaler: Any = None, micro: Micro | None = None,
+                         positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Forward/backward over `accum` micro-batches; returns this rank's summed token loss and the
     bytes of the token-count all-reduce.
 
     Every micro-step backpropagates `loss_sum * world / global_tokens`: the runtime averages
     over ranks (divides by world), so the gradient is exactly the mean over every loss-carrying
     token of the global batch, however unevenly masked tokens fall across micro-batches and ranks.
-    Only the last micro-step synchronises; the others run under `zs.no_sync`.
+    Only the last micro-step synchronises; the others run under `zs.no_sync`. ``positions`` (packed
+    samples' position_ids, or None) are cut into micro-batches with the rows.
     """
     mesh = mesh_of(model)  # the batch is split over the data-parallel ranks of the model's own mesh
     cp = context_of(model)
@@ -302,12 +316,13 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     norm = mesh.dp_size / count
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     pairs = list(zip(x.chunk(accum), y.chunk(accum)))
-    for index, (xm, ym) in enumerate(pairs):
+    cuts = positions.chunk(accum) if positions is not None else [None] * len(pairs)
+    for index, ((xm, ym), pm) in enumerate(zip(pairs, cuts)):
         last = index == len(pairs) - 1
         with contextlib.nullcontext() if last else no_sync(model), \
                 micro(index) if micro is not None else contextlib.nullcontext():
             with phase("forward"):
-                loss_sum, _ = adapter.loss_sum(model, xm, ym)
+                loss_sum, _ = adapter.loss_sum(model, xm, ym, pm)
             scaled = loss_sum * norm.to(loss_sum.dtype)
             with phase("backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -338,9 +353,11 @@ def optimizer_step(model: torch.nn.Module, opt: Any, *, clip: float, scaler: Any
 
 def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, *, accum: int = 1,
              clip: float = 0.0, scaler: Any = None, scheduler: Any = None, micro: Micro | None = None,
-             before_zero_grad: Callable[[], None] | None = None) -> StepOutcome:
+             before_zero_grad: Callable[[], None] | None = None,
+             positions: torch.Tensor | None = None) -> StepOutcome:
     """One optimizer step of a `zs.shard` model on this rank's slice (`x`, `y`) of the global batch."""
-    loss_sum, metric_bytes = accumulate_gradients(model, x, y, accum=accum, scaler=scaler, micro=micro)
+    loss_sum, metric_bytes = accumulate_gradients(model, x, y, accum=accum, scaler=scaler, micro=micro,
+                                                  positions=positions)
     with phase("optimizer"):
         norm = optimizer_step(model, opt, clip=clip, scaler=scaler, scheduler=scheduler,
                               before_zero_grad=before_zero_grad)
@@ -379,14 +396,17 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
 
 
 def step(run: Run, x: torch.Tensor, y: torch.Tensor, *, micro: Micro | None = None,
-         before_zero_grad: Callable[[], None] | None = None) -> StepOutcome:
-    """One optimizer step of `run`, with its config's accumulation, clipping, scaler and schedule."""
+         before_zero_grad: Callable[[], None] | None = None, positions: torch.Tensor | None = None) -> StepOutcome:
+    """One optimizer step of `run`, with its config's accumulation, clipping, scaler and schedule.
+    ``positions``: the packed samples' position_ids of the rows, or None."""
     if run.pipeline is not None:
+        if positions is not None:
+            raise ValueError("packed samples need pp=1 (a pipeline stage takes no position_ids yet)")
         if micro is not None or before_zero_grad is not None:
             raise ValueError("micro and before_zero_grad hooks do not apply to a pipeline step (pp > 1)")
         return pipeline_step(run, x, y)
     out = one_step(run.model, run.opt, x, y, accum=run.cfg.accum, clip=run.cfg.clip, scaler=run.scaler,
-                   scheduler=run.scheduler, micro=micro, before_zero_grad=before_zero_grad)
+                   scheduler=run.scheduler, micro=micro, before_zero_grad=before_zero_grad, positions=positions)
     run.metric_bytes += out.metric_bytes
     return out
 

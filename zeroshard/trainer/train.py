@@ -36,6 +36,8 @@ from zeroshard.checkpoint.training import TrainingCheckpoints
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.config_checks import check_runnable, pp_microbatches
 from zeroshard.trainer.data import GlobalBatchSampler, collate
+from zeroshard.trainer.data_pack import collate_positions
+from zeroshard.trainer.evaluate import EvalResult, evaluate
 from zeroshard.trainer.optimizers import plain_optimizers
 from zeroshard.trainer import adapter
 from zeroshard.runtime import get_engine
@@ -84,6 +86,8 @@ class StepRecord:
     loss_scale: float | None = None
     profile: dict[str, Any] | None = None
     """This step's time breakdown, communication, memory and MFU (zeroshard/observing/profile/step.py)."""
+    eval: dict[str, float] | None = None
+    """After an evaluation: the held-out loss, perplexity and tokens (zeroshard/trainer/evaluate.py)."""
 
 
 # --------------------------------------------------------------------------- building
@@ -110,9 +114,12 @@ def train_step(run: Run, step: int) -> StepRecord:
     fault_points.point("train.step", rank=run.mesh.rank, step=step + 1)  # 1-based, as the progress counts
     lr = run.opt.param_groups[0]["lr"]
     with phase("data"):
-        x, y = collate(run.dataset, run.sampler.next_indices())
+        indices = run.sampler.next_indices()
+        x, y = collate(run.dataset, indices)
         x, y = x.to(run.mesh.device), y.to(run.mesh.device)
-    out = step_mod.step(run, x, y)
+        positions = collate_positions(run.dataset, indices)  # packed samples' position_ids, or None
+        positions = None if positions is None else positions.to(run.mesh.device)
+    out = step_mod.step(run, x, y, positions=positions)
     loss_sum, norm = out.loss_sum, out.grad_norm
     mean_loss = average_token_loss(run, loss_sum, y)
     dt = time.perf_counter() - t0
@@ -143,8 +150,12 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
     for step in range(start, run.cfg.steps):
         zs_ledger().step = step + 1  # stamped on every collective of the step, for the doctor
         rec = train_step(run, step)
+        result = evaluate_if_due(run, step + 1)
+        if result is not None:
+            rec.eval = result.fields()
         if obs is not None:
-            fields = {k: v for k, v in rec.__dict__.items() if k not in ("step", "profile")}
+            fields = {k: v for k, v in rec.__dict__.items() if k not in ("step", "profile", "eval")}
+            fields.update(rec.eval or {})
             rec.profile = obs.step(**fields, **ckpts.step_fields())["profile"]
             if step == start and obs.rank == 0:
                 # After the first step, so the optimizer's lazily created state shows its real dtypes.
@@ -153,6 +164,18 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
         reporter.step(rec)
         with phase("checkpoint"):
             ckpts.after_step(step + 1)
+
+
+def evaluate_if_due(run: Run, step: int) -> EvalResult | None:
+    """The held-out loss after 1-based `step` when `eval.every` divides it or it is the last; collective."""
+    every, last = run.cfg.eval.every, step == run.cfg.steps
+    if run.eval_data is None or not (last or (every and step % every == 0)):
+        return None
+    micro = run.cfg.batch // run.mesh.dp_size // run.cfg.accum  # the training micro-batch: its memory is known
+    with phase("eval"):
+        result = evaluate(run.model, run.eval_data, run.mesh, micro=micro)
+    run.metric_bytes += result.metric_bytes
+    return result
 
 
 # --------------------------------------------------------------------------- outputs
@@ -305,7 +328,7 @@ def global_micro_batches(x: torch.Tensor, y: torch.Tensor, *, dp: int,
 
 
 def reference_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, dp: int,
-                       accum: int) -> torch.Tensor:
+                       accum: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """One process's backward of a global batch, as the distributed step computes it; returns the
     step's mean loss. A loss that is not a sum over samples (an MoE load-balancing term) is
     backpropagated over the distributed step's own global micro-batches, so both see the same ones."""
@@ -316,7 +339,7 @@ def reference_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             (loss_sum / count).backward()
             loss = loss + loss_sum.detach() / count
         return loss
-    loss = adapter.mean_loss(model, x, y)
+    loss = adapter.mean_loss(model, x, y, positions)
     loss.backward()
     return loss
 
@@ -340,9 +363,11 @@ def reference_train(cfg: TrainConfig, model: torch.nn.Module | None = None) -> d
     losses: list[float] = []
     norms: list[float] = []
     for _ in range(cfg.steps):
-        x, y = collate(dataset, sampler.next_indices())
+        indices = sampler.next_indices()
+        x, y = collate(dataset, indices)
         # Under pp each accumulation step's slice is cut into the schedule's microbatches too.
-        loss = reference_backward(model, x, y, dp=cfg.dims.dp, accum=cfg.accum * pp_microbatches(cfg))
+        loss = reference_backward(model, x, y, dp=cfg.dims.dp, accum=cfg.accum * pp_microbatches(cfg),
+                                  positions=collate_positions(dataset, indices))
         if cfg.clip > 0:  # the global norm before clipping, as a distributed step reports it
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)))
         opt.step()
