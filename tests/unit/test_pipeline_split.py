@@ -8,7 +8,8 @@ from zeroshard.comm.dims import ParallelDims
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.config_checks import check_runnable
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.parallel.pipeline.families import GPT_FAMILY, StageModule, block_names
+from zeroshard.parallel.pipeline.layout import block_names, layout_of
+from zeroshard.parallel.pipeline.own_forward import StageModule
 from zeroshard.parallel.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
 from zeroshard.parallel.pipeline.split import even_split, explicit_split
 from zeroshard.parallel.pipeline.tied import find_tied
@@ -35,13 +36,14 @@ def test_explicit_split_names_blocks_in_order():
 def test_stage_modules_keep_the_model_names_and_the_tie_is_found():
     model = GPT(GPTConfig.named("tiny"))
     split = even_split(4, 2)
-    first = StageModule(model, GPT_FAMILY, split.blocks[0], stage_index=0, num_stages=2)
-    last = StageModule(model, GPT_FAMILY, split.blocks[1], stage_index=1, num_stages=2)
+    layout = layout_of(model)
+    first = StageModule(model, layout, split.blocks[0], stage_index=0, num_stages=2)
+    last = StageModule(model, layout, split.blocks[1], stage_index=1, num_stages=2)
     assert [n for n, _ in first.named_parameters()][:3] == ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight"]
     assert {n.split(".")[1] for n, _ in last.named_parameters() if n.startswith("blocks.")} == {"2", "3"}
     assert "lm_head.weight" in dict(last.named_parameters(remove_duplicate=False))
-    assert block_names(model, GPT_FAMILY)[-1] == "blocks.3"
-    tied = find_tied(model, GPT_FAMILY, split)
+    assert block_names(layout)[-1] == "blocks.3"
+    tied = find_tied(model, layout, split)
     assert [(t.owner_fqn, t.copy_fqn, t.owner_stage, t.copy_stage) for t in tied] == \
         [("tok_emb.weight", "lm_head.weight", 0, 1)]
 
