@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+import torch
 from torch import nn
 
 
@@ -29,6 +30,9 @@ class Layout:
     """Modules with params that run after the blocks: only the last stage keeps them."""
     count: int
     """How many blocks there are."""
+    widths: tuple[int, ...] = ()
+    """The output width of each of ``first`` (read before any sharding reshapes its params): the
+    stand-ins other stages run in its place give tensors of that width."""
 
 
 def _module_list(model: nn.Module, path: str) -> nn.ModuleList | None:
@@ -96,7 +100,15 @@ def layout_of(model: nn.Module, user_blocks: str | None = None) -> Layout:
             if any(True for _ in child.parameters()):
                 side.append(prefix + child_name)
         module, prefix = cast(nn.Module, module._modules[head]), f"{prefix}{head}."  # noqa: SLF001
-    return Layout(blocks=path, first=tuple(first), last=tuple(last), count=len(cast(nn.ModuleList, module)))
+    return Layout(blocks=path, first=tuple(first), last=tuple(last), count=len(cast(nn.ModuleList, module)),
+                  widths=tuple(_width(model.get_submodule(p)) for p in first))
+
+
+def _width(module: nn.Module) -> int:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[-1])
+    return int(next(module.parameters()).shape[-1])
 
 
 def block_names(layout: Layout) -> list[str]:

@@ -118,13 +118,6 @@ def _shallow(module: nn.Module) -> nn.Module:
     return out
 
 
-def _width(module: nn.Module) -> int:
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[-1])
-    return int(next(module.parameters()).shape[-1])
-
-
 def _swap(root: nn.Module, path: str, new: nn.Module, copies: set[int]) -> None:
     """Put ``new`` at ``path`` of the copied tree ``root``, copying each module on the way that is
     not a copy yet, so the whole model keeps its own children."""
@@ -165,8 +158,8 @@ class StageModule(nn.Module):
         self._hf = _is_hf(model)
         root = _shallow(model)
         copies = {id(root)}
-        for path in () if self.is_first else layout.first:
-            _swap(root, path, _Before(self, path, _width(model.get_submodule(path))), copies)
+        for path, width in () if self.is_first else zip(layout.first, layout.widths):
+            _swap(root, path, _Before(self, path, width), copies)
         for path in () if self.is_last else layout.last:
             _swap(root, path, _After(path), copies)
         whole = cast(nn.ModuleList, model.get_submodule(layout.blocks))
