@@ -25,7 +25,8 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        # No bias (nanoGPT's bias=False): a key bias's grad is zero but for rounding, which AdamW scales up.
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
@@ -49,6 +50,11 @@ class NanoGPT(nn.Module):
             drop=nn.Dropout(0.0), h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)), ln_f=nn.LayerNorm(cfg.n_embd)))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's tie
+        for module in self.modules():  # nanoGPT's init
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         pos = torch.arange(idx.shape[1], device=idx.device)
