@@ -14,7 +14,7 @@ where it runs is caught when a stage runs it (zeroshard/parallel/pipeline/own_fo
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -132,10 +132,10 @@ def hidden_width(model: nn.Module, layout: Layout) -> int:
 def vocab_rows(model: nn.Module, layout: Layout) -> int:
     """The logits' width: the output embedding's rows (the head)."""
     get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head: Any = get() if callable(get) else None
     if head is None:
         heads = [m for path in layout.last for m in model.get_submodule(path).modules()
-                 if isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2]
+                 if isinstance(getattr(m, "weight", None), nn.Parameter) and getattr(m, "weight").dim() == 2]
         head = heads[-1] if heads else None
     if head is None:
         raise ValueError(f"zeroshard cannot find {type(model).__name__}'s output head after its blocks; "

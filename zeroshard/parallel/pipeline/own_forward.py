@@ -73,7 +73,7 @@ class _End(nn.Module):
             raise ValueError("a block of this model takes no hidden-state tensor first (or as hidden_states); "
                              "pipeline stages cannot hand on its input")
         # torch's zero-bubble schedules detach a stage's output in place, which a view refuses: a copy then.
-        raise _StageEnd(hidden.clone() if hidden._is_view() else hidden)
+        raise _StageEnd(hidden.clone() if hidden._is_view() else hidden)  # noqa: SLF001
 
 
 class _Before(nn.Module):
