@@ -498,7 +498,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "peak_flops": "1e12", "ckpt_dir": "ckpt", "resume": "ckpt/step-00000001", "keep_last": "1",
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
         "pp": "2", "pp_schedule": "gpipe", "microbatches": "4", "pp_stages_per_rank": "2",
-        "tokenizer": "tok", "packing": "off", "eval_data": "held-out.jsonl",
+        "tokenizer": "tok", "packing": "off", "eval_data": "held-out.jsonl", "pp_blocks": "blocks",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
                 "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
@@ -518,7 +518,7 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                               (plus(t, "--model", "tiny-moe", "--nproc", "4", "--ep", "3"), None,
                                                REFUSED)],
                                      "--pp": [(plus(t, "--pp", "3"), None, REFUSED),
-                                              (plus(t, "--model", "hf:gpt2-tiny", "--pp", "2"), None, REFUSED)],
+                                              (plus(t, "--model", "hf:gpt2-tiny", "--pp", "3"), None, REFUSED)],
                                      "--pp-schedule": [(plus(t, "--pp", "2", "--pp-schedule", "zb"), None, REFUSED)],
                                      "--microbatches": [(plus(t, "--pp", "2", "--microbatches", "1"), None, REFUSED),
                                                         (plus(t, "--pp", "2", "--microbatches", "3"), None, REFUSED)],

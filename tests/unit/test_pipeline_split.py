@@ -8,7 +8,8 @@ from zeroshard.comm.dims import ParallelDims
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.config_checks import check_runnable
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.parallel.pipeline.families import GPT_FAMILY, StageModule, block_names
+from zeroshard.parallel.pipeline.layout import block_names, layout_of
+from zeroshard.parallel.pipeline.own_forward import StageModule
 from zeroshard.parallel.pipeline.schedules import check_microbatches, schedule_spec, stages_per_rank
 from zeroshard.parallel.pipeline.split import even_split, explicit_split
 from zeroshard.parallel.pipeline.tied import find_tied
@@ -35,13 +36,14 @@ def test_explicit_split_names_blocks_in_order():
 def test_stage_modules_keep_the_model_names_and_the_tie_is_found():
     model = GPT(GPTConfig.named("tiny"))
     split = even_split(4, 2)
-    first = StageModule(model, GPT_FAMILY, split.blocks[0], stage_index=0, num_stages=2)
-    last = StageModule(model, GPT_FAMILY, split.blocks[1], stage_index=1, num_stages=2)
+    layout = layout_of(model)
+    first = StageModule(model, layout, split.blocks[0], stage_index=0, num_stages=2)
+    last = StageModule(model, layout, split.blocks[1], stage_index=1, num_stages=2)
     assert [n for n, _ in first.named_parameters()][:3] == ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight"]
     assert {n.split(".")[1] for n, _ in last.named_parameters() if n.startswith("blocks.")} == {"2", "3"}
     assert "lm_head.weight" in dict(last.named_parameters(remove_duplicate=False))
-    assert block_names(model, GPT_FAMILY)[-1] == "blocks.3"
-    tied = find_tied(model, GPT_FAMILY, split)
+    assert block_names(layout)[-1] == "blocks.3"
+    tied = find_tied(model, layout, split)
     assert [(t.owner_fqn, t.copy_fqn, t.owner_stage, t.copy_stage) for t in tied] == \
         [("tok_emb.weight", "lm_head.weight", 0, 1)]
 
@@ -87,7 +89,7 @@ def test_train_config_takes_compile_under_every_schedule_with_one_backward_pass(
     (dict(pp=3, nproc=6), "pp=3 x 1 stages per rank does not divide the 4 blocks"),
     (dict(pp=2, nproc=4, batch=8, microbatches=1), "at least pp=2 microbatches"),
     (dict(pp=2, nproc=4, batch=12, microbatches=4), "microbatches=4 does not split"),
-    (dict(pp=2, nproc=4, batch=8, model="hf:gpt2-tiny"), "cannot be cut into pipeline stages"),
+    (dict(pp=3, nproc=6, batch=6, model="hf:gpt2-tiny"), "pp=3 x 1 stages per rank does not divide the 4 blocks"),
     (dict(pp=2, nproc=4, batch=8, compile=True, pp_schedule="interleaved-zero-bubble"),
      "compile is not composed with the interleaved-zero-bubble schedule"),
     (dict(pp=2, nproc=4, batch=8, model="hf:llama-tiny", init="meta"),
@@ -102,7 +104,8 @@ def test_train_config_refuses_pipelines_it_cannot_run(kw, message):
 
 
 def test_a_pretrained_folder_is_cut_by_its_config(tmp_path):
-    """pp reads a folder's config.json: a dense decoder's layers are its blocks, another model is refused."""
+    """pp reads a folder's config.json: its layers are the blocks, whatever the architecture; a config
+    that counts none needs the blocks path."""
     import json
 
     def folder(name: str, **config) -> str:
@@ -113,9 +116,11 @@ def test_a_pretrained_folder_is_cut_by_its_config(tmp_path):
     assert check_runnable(TrainConfig(pp=2, nproc=4, batch=8, model=folder("llama", model_type="llama",
                                                                            num_hidden_layers=4))).pp == 2
     for model, message in [(folder("odd", model_type="qwen2", num_hidden_layers=3), "does not divide the 3 blocks"),
-                           (folder("gpt2", model_type="gpt2", num_hidden_layers=4),
-                            "the 'gpt2' model in .* cannot be cut into pipeline stages")]:
+                           (folder("gpt2", model_type="gpt2", n_layer=3), "does not divide the 3 blocks"),
+                           (folder("own", model_type="own"), "counts no layers .* give the model's blocks path")]:
         with pytest.raises(ValueError, match=message) as e:
             check_runnable(TrainConfig(pp=2, nproc=4, batch=8, model=model))
         assert "\n" not in str(e.value)
+    own = TrainConfig(pp=2, nproc=4, batch=8, model=str(tmp_path / "own"), pp_blocks="transformer.h")
+    assert check_runnable(own).pipeline.blocks == "transformer.h"
 

@@ -45,12 +45,9 @@ TP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 (zeroshard/models/spec.py: zeroshard's GPT, its MoE preset's attention included, and HF Llama, whose
 config declares one; HF GPT-2's declares none). Read here without building them (a unit test keeps
 this list equal to the specs); a pretrained folder's spec is checked before launch on a meta build."""
-PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
-"""The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
-(zeroshard/parallel/pipeline/families.py); a pretrained folder of one of PP_FOLDER_TYPES too."""
-PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-"""``model_type`` of the pretrained folders `pp` > 1 cuts: decoders whose blocks are model.layers, dense
-or MoE (their experts split over ep inside each stage with `ep` > 1)."""
+PP_MODEL_NAMES = MODEL_NAMES + HF_MODEL_NAMES
+"""The models `pp` > 1 cuts into stages by name (zeroshard/parallel/pipeline/layout.py finds their
+blocks); a pretrained folder too, whatever its architecture."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)
 TOP = ("model", "stage", "nproc", "seed", "mp", "init", "dropout")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from zeroshard.models.names import HF_PREFIX, HF_TINY_LAYERS
-from zeroshard.trainer.config import PP_FOLDER_TYPES, PP_MODEL_NAMES, TrainConfig
+from zeroshard.trainer.config import PP_MODEL_NAMES, TrainConfig
 
 # The schedules, the model and the folder reader are imported where a pipeline is checked: torch's
 # pipelining loads DTensor, which the command line's own process must not pay for (it only parses).
@@ -48,8 +48,8 @@ def check_runnable(cfg: TrainConfig) -> TrainConfig:
     per_rank = stages_per_rank(spec, cfg.pipeline.stages_per_rank)
     check_checkpointing(spec, cfg.engine.checkpointing)
     check_compile(spec, cfg.compile.enabled)
-    layers = pp_blocks(cfg.model)
-    if layers % (dims.pp * per_rank):
+    layers = pp_block_count(cfg.model, cfg.pipeline.blocks)
+    if layers is not None and layers % (dims.pp * per_rank):
         raise ValueError(f"pp={dims.pp} x {per_rank} stages per rank does not divide the {layers} blocks of "
                          f"{cfg.model}; pick pp x pp_stages_per_rank dividing {layers}")
     if cfg.init == "meta" and cfg.model.startswith(HF_PREFIX):
@@ -65,8 +65,13 @@ def check_runnable(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def pp_blocks(model: str) -> int:
-    """The blocks pp cuts into stages: a preset's, or a pretrained decoder folder's layers."""
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+"""Where a config.json counts its blocks (transformers' configs map their own spellings onto the first)."""
+
+
+def pp_block_count(model: str, blocks: str = "") -> int | None:
+    """The blocks pp cuts into stages: a preset's, or a pretrained folder's layers; None when a folder
+    does not count them (the pipeline checks its split when it is built)."""
     from zeroshard.checkpoint.hf.folder import CONFIG, is_pretrained_folder
     from zeroshard.models.gpt import GPTConfig
 
@@ -75,19 +80,19 @@ def pp_blocks(model: str) -> int:
             hf = json.loads((Path(model) / CONFIG).read_text())
         except ValueError as e:
             raise ValueError(f"{Path(model) / CONFIG} is not JSON ({e}); fix or rewrite the folder") from e
-        kind, layers = hf.get("model_type"), hf.get("num_hidden_layers")
-        if kind not in PP_FOLDER_TYPES or not isinstance(layers, int):
-            raise ValueError(f"the {kind!r} model in {model} cannot be cut into pipeline stages; use pp=1, "
-                             f"or a folder of one of {', '.join(PP_FOLDER_TYPES)}")
         if hf.get("output_router_logits") and hf.get("router_aux_loss_coef"):
-            # (zeroshard/parallel/pipeline/families.py refuses the built model the same way)
-            raise ValueError(f"the {kind} model in {model} asks for its routers' load-balancing loss "
+            # (zeroshard/parallel/pipeline/layout.py refuses the built model the same way)
+            raise ValueError(f"the {hf.get('model_type')} model in {model} asks for its routers' load-balancing loss "
                              "(output_router_logits), one term over every layer's tokens that no pipeline stage "
                              "holds; set output_router_logits to false in its config.json or use pp=1")
+        layers = next((hf[k] for k in LAYER_KEYS if isinstance(hf.get(k), int)), None)
+        if layers is None and not blocks:
+            raise ValueError(f"the config.json of {model} counts no layers ({', '.join(LAYER_KEYS)}); give the "
+                             "model's blocks path (--pp-blocks, [pipeline] blocks) or use pp=1")
         return layers
     if model not in PP_MODEL_NAMES:
         raise ValueError(f"model={model!r} cannot be cut into pipeline stages; use pp=1, one of "
-                         f"{', '.join(PP_MODEL_NAMES)}, or a pretrained folder of {', '.join(PP_FOLDER_TYPES)}")
+                         f"{', '.join(PP_MODEL_NAMES)}, or a save_pretrained folder")
     if model.startswith(HF_PREFIX):
         return HF_TINY_LAYERS
     return GPTConfig.named(model).n_layer

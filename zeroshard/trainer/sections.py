@@ -258,7 +258,8 @@ class PipelineSection:
     """[pipeline]: how the stages `parallel.pp` cuts are scheduled."""
 
     TABLE: ClassVar[str] = "pipeline"
-    FLAT: ClassVar[dict[str, str]] = {"schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank"}
+    FLAT: ClassVar[dict[str, str]] = {"schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank",
+                                      "blocks": "pp_blocks"}
 
     schedule: str = "1f1b"
     """The pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or
@@ -271,6 +272,10 @@ class PipelineSection:
     stages_per_rank: int = 0
     """Stages each pipeline rank holds: 0 takes the schedule's own (1, or 2 for interleaved-1f1b and
     looped-bfs); blocks are split over pp x this many stages."""
+
+    blocks: str = ""
+    """Dotted path of the model's blocks (its ModuleList, e.g. 'transformer.h') for a model whose
+    blocks zeroshard cannot find itself; empty: found from the model."""
 
     def __post_init__(self) -> None:
         check_types(self)

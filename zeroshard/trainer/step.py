@@ -269,7 +269,7 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                     stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,
                     comm=CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block),
-                    compile=cfg.compile.backend if cfg.compile.enabled else None,
+                    compile=cfg.compile.backend if cfg.compile.enabled else None, blocks=cfg.pipeline.blocks or None,
                     **{**adapter.shard_kwargs(model), **shard_overrides})
     for module in pipe.modules:  # a pretrained folder on meta: each stage reads only its own tensors
         adapter.after_shard(module, whole=model, tied=pipe.tied_copies)

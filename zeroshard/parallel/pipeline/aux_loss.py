@@ -9,7 +9,7 @@ output: an identity whose backward also gives the share its grad (the loss scale
 backpropagated inside the stage's own backward, by torch's schedule, with nothing added to it.
 
 Transformers' ``output_router_logits`` loss is not of this form (one E·Σ f_e·P_e over every layer's
-tokens at once) and stays refused under pp (families.py).
+tokens at once) and stays refused under pp (layout.py).
 """
 
 from __future__ import annotations

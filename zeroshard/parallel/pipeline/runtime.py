@@ -1,7 +1,7 @@
 """One rank's part of a pipeline-parallel model: its stages, each a ZeRO engine, run by torch's schedule.
 
 ``Pipeline(model, mesh=zs.init(pp=2), stage=S, schedule="1f1b", microbatches=M)`` cuts the model
-into ``pp × stages_per_rank`` stages (zeroshard/parallel/pipeline/split.py, families.py), keeps this rank's
+into ``pp × stages_per_rank`` stages (zeroshard/parallel/pipeline/split.py, layout.py, own_forward.py), keeps this rank's
 (stage ``s`` on pp rank ``s % pp``), gives the last stage its own copy of a param tied to the first
 (tied.py) and shards each kept stage with ``zs.shard`` over the mesh's stage-local groups: ZeRO
 runs over the stage's replicate × shard ranks, exactly as without a pipeline. torch's schedule
@@ -29,7 +29,9 @@ from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.materialize import materialize_stages
 from zeroshard.parallel.pipeline.aux_loss import stage_aux_loss
-from zeroshard.parallel.pipeline.families import StageModule, block_names, family_of
+from zeroshard.parallel.pipeline.layout import (block_names, hidden_width, layout_of, refuse_router_loss,
+                                                vocab_rows)
+from zeroshard.parallel.pipeline.own_forward import StageModule
 from zeroshard.parallel.pipeline.grad_reduce import stage_options
 from zeroshard.parallel.pipeline.schedules import (check_checkpointing, check_compile, check_microbatches, make_schedule,
                                           schedule_spec)
@@ -57,7 +59,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, *, mesh: Mesh, stage: int, schedule: str = "1f1b", microbatches: int = 0,
                  stages_per_rank: int = 0, split: Sequence[Sequence[str]] | None = None, mp: Any = None,
                  options: EngineOptions | None = None, comm: Any = None, init_fn: Callable | None = None,
-                 skip_init: bool = False, compile: CompileArg = None) -> None:
+                 skip_init: bool = False, compile: CompileArg = None, blocks: str | None = None) -> None:
         if mesh.pp_size < 2:
             raise ValueError("a pipeline needs a mesh with pp >= 2: build it with zs.init(pp=N)")
         options = options or EngineOptions()
@@ -72,11 +74,12 @@ class Pipeline:
         per_rank = resolve_stages_per_rank(self.spec, stages_per_rank)
         self.microbatches = microbatches or mesh.pp_size * per_rank  # 0: one per stage, the fewest that fill it
         self.num_stages = mesh.pp_size * per_rank
-        self.family = family_of(model)
-        names = block_names(model, self.family)
+        self.layout = layout_of(model, blocks)  # blocks: the user's path to a model zeroshard does not know
+        refuse_router_loss(model)
+        names = block_names(self.layout)
         self.split = explicit_split(split, names, self.num_stages) if split else even_split(len(names),
                                                                                             self.num_stages)
-        self.tied = find_tied(model, self.family, self.split)
+        self.tied = find_tied(model, self.layout, self.split)
         cls = type(model)
         self.model_class = f"{cls.__module__}.{cls.__qualname__}"
         """The whole model's class, which a checkpoint of the stages records (zeroshard/checkpoint/stages.py)."""
@@ -84,14 +87,14 @@ class Pipeline:
         """Every param and persistent buffer name of the whole model: a checkpoint loaded into this
         rank's stages is checked against them (the stages hold only some)."""
         self.stage_indices = [mesh.pp_rank + k * mesh.pp_size for k in range(per_rank)]
-        self.vocab = int(getattr(model.get_submodule(self.family.last[-1]), "weight").shape[0])  # the head's rows
-        self.hidden = self.family.hidden(model)
+        self.vocab = vocab_rows(model, self.layout)
+        self.hidden = hidden_width(model, self.layout)
         # A meta-device model: each stage is sharded with zeroed buffers, then the whole model's init
         # is replayed once, keeping only these stages' shards (zeroshard/runtime/materialize.py).
         meta = any(p.is_meta for p in model.parameters())
         self.modules: list[StageModule] = []
         for s in self.stage_indices:
-            module = StageModule(model, self.family, self.split.blocks[s], stage_index=s, num_stages=self.num_stages)
+            module = StageModule(model, self.layout, self.split.blocks[s], stage_index=s, num_stages=self.num_stages)
             module.aux_loss = stage_aux_loss(model, module)  # a per-layer load-balancing loss: each stage its layers'
             for tied in self.tied:
                 if s == tied.copy_stage:

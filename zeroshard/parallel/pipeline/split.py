@@ -3,7 +3,7 @@
 A split is over *virtual* stages: ``pp × stages_per_rank`` of them, stage ``s`` on pp rank
 ``s % pp`` (the looped placement torch's interleaved schedules expect). Only the blocks are split;
 the first stage always keeps the embeddings and the last the final norm, the head and the loss
-(zeroshard/parallel/pipeline/families.py), which is where the params outside the blocks must run.
+(zeroshard/parallel/pipeline/layout.py), which is where the params outside the blocks must run.
 """
 
 from __future__ import annotations

@@ -29,26 +29,26 @@ class TiedParam:
     copy_stage: int
 
 
-def _stage_of_module(path: str, family, split, num_stages: int) -> int | None:
+def _stage_of_module(path: str, layout, split, num_stages: int) -> int | None:
     """The virtual stage that keeps the module at ``path`` (None: every stage, or none)."""
     def under(prefix: str) -> bool:
         return path == prefix or path.startswith(prefix + ".")
 
-    if any(under(p) for p in family.first):
+    if any(under(p) for p in layout.first):
         return 0
-    if any(under(p) for p in family.last):
+    if any(under(p) for p in layout.last):
         return num_stages - 1
-    if under(family.blocks) and path != family.blocks:
-        index = int(path[len(family.blocks) + 1:].split(".")[0])
+    if under(layout.blocks) and path != layout.blocks:
+        index = int(path[len(layout.blocks) + 1:].split(".")[0])
         return next(s for s, blocks in enumerate(split.blocks) if index in blocks)
     return None
 
 
-def find_tied(model: nn.Module, family, split) -> list[TiedParam]:
+def find_tied(model: nn.Module, layout, split) -> list[TiedParam]:
     """Params whose places fall on two stages; only the first and the last stage may share one."""
     places: dict[int, list[tuple[int, str]]] = {}
     for mod_name, module in model.named_modules():
-        stage = _stage_of_module(mod_name, family, split, split.num_stages)
+        stage = _stage_of_module(mod_name, layout, split, split.num_stages)
         for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if stage is not None:
                 places.setdefault(id(param), []).append((stage, f"{mod_name}.{attr}" if mod_name else attr))

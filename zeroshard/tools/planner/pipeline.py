@@ -1,6 +1,6 @@
 """Per-stage memory of a pipeline-parallel run, and its bubble (docs/pipeline.md, "Planning").
 
-The model is cut as the runtime cuts it (zeroshard/parallel/pipeline/split.py, families.py, tied.py: the
+The model is cut as the runtime cuts it (zeroshard/parallel/pipeline/split.py, layout.py, tied.py: the
 same functions, on a meta-device build), and each virtual stage is planned by ``zs.plan`` as the
 ``zs.shard`` engine the runtime makes of it: its blocks as units, over the stage's world / pp
 ranks, with the engine options the runtime gives a stage (zeroshard/parallel/pipeline/grad_reduce.py: at
@@ -258,18 +258,19 @@ def _planned_gpt(model_or_config: Any, seq: int | None):
 
 def _stage_modules(cfg, num_stages: int) -> tuple[list, Any, list]:
     """The stages of a meta-device GPT, cut as the runtime cuts it: (modules, split, tied params)."""
-    from zeroshard.parallel.pipeline.families import StageModule, block_names, family_of
+    from zeroshard.parallel.pipeline.layout import layout_of
+    from zeroshard.parallel.pipeline.own_forward import StageModule
     from zeroshard.parallel.pipeline.split import even_split
     from zeroshard.parallel.pipeline.tied import find_tied, untie_copy
     from zeroshard.tools.planner.inventory import meta_gpt
 
     model = meta_gpt(cfg)
-    family = family_of(model)
-    split = even_split(len(block_names(model, family)), num_stages)
-    tied = find_tied(model, family, split)
+    layout = layout_of(model)
+    split = even_split(layout.count, num_stages)
+    tied = find_tied(model, layout, split)
     modules = []
     for s in range(num_stages):
-        module = StageModule(model, family, split.blocks[s], stage_index=s, num_stages=num_stages)
+        module = StageModule(model, layout, split.blocks[s], stage_index=s, num_stages=num_stages)
         for t in tied:
             if s == t.copy_stage:
                 untie_copy(module, t)
