@@ -47,7 +47,7 @@ pretrained folder's weights are read shard by shard without a tp split (zeroshar
 PP_MODEL_NAMES = MODEL_NAMES + ("hf:llama-tiny",)
 """The models `pp` > 1 can cut into stages: zeroshard's GPT and the HF decoders with model.layers
 (zeroshard/parallel/pipeline/families.py); a pretrained folder of one of PP_FOLDER_TYPES too."""
-PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+PP_FOLDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 """``model_type`` of the pretrained folders `pp` > 1 cuts: decoders whose blocks are model.layers, dense
 or MoE (their experts split over ep inside each stage with `ep` > 1)."""
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
