@@ -62,9 +62,9 @@ def test_the_layout_is_the_declared_plan(name, blocks):
 
 def _block(module: nn.Module, rank: int, local: int) -> nn.Module:
     """Ep rank ``rank``'s module: its own block of every stacked param, as zs.expert_parallel leaves it."""
-    block = copy.copy(module)
-    block._parameters = {k: None if v is None else nn.Parameter(v.detach()[rank * local:(rank + 1) * local])
-                         for k, v in module._parameters.items()}
+    block = copy.deepcopy(module)
+    for name, param in module.named_parameters(recurse=False):
+        setattr(block, name, nn.Parameter(param.detach()[rank * local:(rank + 1) * local]))
     return block
 
 

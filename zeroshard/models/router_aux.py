@@ -4,8 +4,9 @@ GPT-OSS, ...), made exact over data-parallel ranks and expert parallelism.
 transformers adds it when the config asks (``output_router_logits=True``, weight
 ``router_aux_loss_coef``) and the model's code computes one (its modeling module's
 ``load_balancing_loss_func``; DeepSeek-V3, whose routing is balanced by a correction bias instead,
-has none), per forward call, over every MoE layer's router logits of that call: ``aux = E · Σ_e (C_e / N) · (S_e / N)``, ``C_e`` the top-k
-assignments to expert ``e``, ``S_e`` the sum of its softmax probabilities, ``N`` the rows (tokens ×
+has none), per forward call, over every MoE layer's router logits of that call:
+``aux = E · Σ_e (C_e / N) · (S_e / N)``, ``C_e`` the top-k assignments to expert ``e``, ``S_e`` the
+sum of its softmax probabilities, ``N`` the rows (tokens ×
 MoE layers; with an attention mask, the unmasked ones). It is a product of two means over the
 call's tokens, so each rank's own would be a different loss from the one of the batch the ranks
 hold together.
