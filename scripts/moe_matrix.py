@@ -3,7 +3,8 @@
 For each family: a small random model written by ``save_pretrained`` in >= 3 shards, 4 blocks, 4
 experts, top 2, then ``zeroshard verify --model DIR --nproc 4 --stage 3 --ep 2`` (3 steps) against
 one process. A line says PASS or FAIL with the max param and loss differences (pass: params
-<= 1e-5, loss <= 1e-6), or the one-line refusal / error of the run or of building the folder.
+<= 1e-5, loss <= 1e-6), REFUSED with verify's one-line refusal, ERROR with the exception a run
+ended on, or NOT BUILT when the family's config or model cannot be built small.
 
     python scripts/moe_matrix.py                  # the named families (NAMED)
     python scripts/moe_matrix.py --all            # every causal-LM family with base_model_ep_plan
@@ -38,8 +39,6 @@ SMALL: dict[str, Any] = dict(
     pad_token_id=None, bos_token_id=None, eos_token_id=None)
 """Small values for the config keys MoE families use; a key a config lacks is left out."""
 PER_FAMILY: dict[str, dict[str, Any]] = {
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=4),  # MLA: a key/value head per query head
-    "deepseek_v2": dict(num_key_value_heads=4, head_dim=4),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"] * 2),
 }
 
@@ -51,6 +50,8 @@ def small_config(family: str) -> Any:
     default = AutoConfig.for_model(family)
     keys = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     values = {k: v for k, v in SMALL.items() if k in keys}
+    if "kv_lora_rank" in keys:  # latent attention (MLA): one key/value head per query head
+        values.update(num_key_value_heads=values["num_attention_heads"], head_dim=4)
     values.update(PER_FAMILY.get(family, {}))
     if "layer_types" in keys and "layer_types" not in values:
         values["layer_types"] = None  # recomputed for 4 blocks by the config
@@ -67,6 +68,8 @@ def make_folder(family: str, root: Path, *, seed: int = 0, **overrides: Any) -> 
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # the small model must run as one process before ep is worth asking about
+        model(input_ids=torch.randint(0, SMALL["vocab_size"], (2, 16)), use_cache=False)
     out = root / family
     model.save_pretrained(out, max_shard_size=SHARD_BYTES)
     files = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
@@ -97,9 +100,12 @@ def verify(folder: Path, extra: list[str]) -> str:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        tail = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
-        errors = [line for line in tail if "error" in line.lower()]
-        return "REFUSED: " + (errors[-1] if errors else tail[-1] if tail else f"exit {run.returncode}").strip()[:300]
+        tail = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+        refused = [line for line in tail if line.startswith("zeroshard verify: error:")]
+        if refused:  # the CLI's one-line refusal, before any rank started
+            return "REFUSED: " + refused[-1].removeprefix("zeroshard verify: error:").strip()[:300]
+        errors = [line for line in tail if "Error" in line]  # a crash: the exception's last line
+        return "ERROR: " + (errors[-1] if errors else tail[-1] if tail else f"exit {run.returncode}")[:300]
     result = json.loads(lines[-1])
     params, loss = result["max_abs_param_diff_vs_single"], result["max_abs_loss_diff_vs_single"]
     ok = params <= PARAM_TOL and loss <= LOSS_TOL and not result["mismatched_param_names"]
