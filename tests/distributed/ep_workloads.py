@@ -354,13 +354,18 @@ def run_folder(folder: str, mesh) -> dict:
             "expert_groups": sum(g.mesh is mesh.experts for g in get_engine(run.model).groups)}
 
 
-def suite(names: tuple[str, ...] = tuple(CASES), folder: str | None = None) -> dict:
+def suite(names: tuple[str, ...] = tuple(CASES), folder: str | None = None,
+          families: dict[str, str] | None = None) -> dict:
     """The cases ``names`` (default all) on world 4, each on its mesh (MESHES): (shard 2 x ep 2), ep 4,
     or (shard 2 x tp 2) with ep 2 or ep 4;
-    then, given ``folder``, a pretrained Mixtral folder loaded straight into split experts."""
+    then, given ``folder``, a pretrained Mixtral folder loaded straight into split experts, and given
+    ``families``, other MoE families' folders (moe_family_workloads) at (shard 2 x ep 2)."""
+    import moe_family_workloads
+
     zs.init()
     meshes = {name: zs.new_mesh(**kwargs, name=name) for name, kwargs in MESHES.items()}
     described = {name: {"dense": m.describe(), "experts": m.experts.describe()} for name, m in meshes.items()}
     out = {name: run_case(CASES[name], meshes[CASES[name].mesh]) for name in names}
     loaded = run_folder(folder, meshes["ep2"]) if folder is not None else None
-    return {"cases": out, "meshes": described, "folder": loaded, "rank": zs.get_mesh().rank}
+    others = moe_family_workloads.run_families(families, meshes["ep2"]) if families else {}
+    return {"cases": out, "meshes": described, "folder": loaded, "families": others, "rank": zs.get_mesh().rank}

@@ -5,7 +5,9 @@ ep 2) at stages 1, 2 (with frozen experts) and 3, ep 4 at stage 3, for zeroshard
 HF Mixtral (also with the config's load-balancing loss) and HF Qwen2-MoE, and ep with tp ((shard 2
 x tp 2) with ep 2 at stages 1 and 3, GPT and Mixtral, Qwen2-MoE at 3; ep 4 at stage 3 with tokens tp does not
 divide); accumulation 2 (and 1 and 4 once each) and clipping on. Every case is held against plain
-single-process PyTorch over 10 steps, and its all-to-all bytes against its own routing counts.
+single-process PyTorch over 10 steps, and its all-to-all bytes against its own routing counts. The
+same spawn trains OLMoE, DeepSeek-V3 and GPT-OSS save_pretrained folders at (shard 2 x ep 2), their
+MoE layers found by the plan transformers declares (moe_family_workloads.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import ep_workloads as ew  # noqa: E402
+import moe_family_workloads as mw  # noqa: E402
 from zeroshard.trainer.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # the first test carries the group's spawn (slow on a loaded machine)
@@ -31,8 +34,13 @@ def folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world4(folder) -> dict:
-    return spawn(ew.suite, 4, args=(tuple(ew.CASES), folder), timeout_s=600)[0]
+def families(tmp_path_factory) -> dict[str, str]:
+    return mw.make_folders(tmp_path_factory.mktemp("moe-families"))
+
+
+@pytest.fixture(scope="module")
+def world4(folder, families) -> dict:
+    return spawn(ew.suite, 4, args=(tuple(ew.CASES), folder, families), timeout_s=600)[0]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +216,22 @@ def test_meta_init_with_ep_is_seed_exact(world4, name):
           f"largest dense param {dense} B)")
     assert dense < one_expert_and_block < whole
     assert got["init_peak_allocated"] == one_expert_and_block == got["init_stats"]["peak_expert_temp_bytes"]
+
+
+@pytest.mark.parametrize("name", list(mw.FAMILIES))
+def test_a_family_with_no_zeroshard_code_splits_by_its_declared_plan(world4, families, name):
+    """OLMoE, DeepSeek-V3 (dense block 0, shared expert, grouped sigmoid routing) and GPT-OSS (expert
+    biases, clamped gate, with its load-balancing loss), each a save_pretrained folder at (shard 2 x
+    ep 2), stage 3, as `zeroshard verify --ep 2` runs it: one process's losses and params."""
+    from zeroshard.trainer.train import reference_train
+
+    got, ref = world4["families"][name], reference_train(mw.train_config(families[name]))
+    assert set(got["params"]) == set(ref["params"])
+    params = max((got["params"][k].float() - ref["params"][k].float()).abs().max().item() for k in ref["params"])
+    loss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    print(f"{name}: {len(got['layers'])} MoE layers, rows sent {got['sent']}, |param diff| {params:.1e}, "
+          f"|loss diff| {loss:.1e}")
+    assert params <= TOL and loss <= 1e-6
+    assert got["received"] > 0 and got["sent"] > 0
+    first_moe = 1 if name == "deepseek_v3" else 0  # first_k_dense_replace=1: block 0 has no experts
+    assert got["layers"] == [f"model.layers.{i}.mlp.experts" for i in range(first_moe, 4)]

@@ -39,7 +39,8 @@ def test_a_model_ep_cannot_split_is_named():
     with zs.meta_init():
         dense = GPT(GPTConfig.named("tiny"))
         moe = GPT(GPTConfig.named("tiny-moe"))
-    with pytest.raises(ExpertParallelError, match="ep=2 needs a mixture-of-experts model, but GPT has no MoE layer"):
+    with pytest.raises(ExpertParallelError,
+                       match="ep=2 needs a mixture-of-experts model, but GPT declares no expert-parallel plan"):
         check_ep(dense, 2)
     with pytest.raises(ExpertParallelError, match="ep=3 does not divide the 4 experts of blocks.0.mlp.experts"):
         check_ep(moe, 3)

@@ -1,6 +1,6 @@
 """The HF routers' load-balancing loss in sum form (zeroshard/models/router_aux.py) is transformers'
 own: divided by the scored targets it is ``load_balancing_loss_func`` of the same router logits
-(Mixtral, Qwen2-MoE, Qwen3-MoE; with and without an attention mask), the terms of two ranks holding halves of
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS; with and without an attention mask), the terms of two ranks holding halves of
 a batch add up to the whole batch's loss (values and gradients), and ``hf_loss_sum`` over the
 scored targets is the model's own ``labels=`` loss with the aux term."""
 
@@ -13,10 +13,10 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from zeroshard.models.hf import hf_loss_sum  # noqa: E402
-from zeroshard.models.router_aux import aux_loss_sum, router_aux_coef, set_count_reduction  # noqa: E402
+from zeroshard.models.router_aux import aux_loss_sum, model_balance_loss, router_aux_coef, set_count_reduction  # noqa: E402,E501
 
 VOCAB, BATCH, SEQ = 48, 4, 8
-FAMILIES = ("mixtral", "qwen2moe", "qwen3moe")
+FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "gpt_oss")
 
 
 def tiny(family: str, **extra) -> torch.nn.Module:
@@ -28,6 +28,17 @@ def tiny(family: str, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=48, num_local_experts=4, **common))
+    if family == "olmoe":  # softmax routing, the top-k weights not renormalised
+        return tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=32, num_experts=4, **common))
+    if family == "gpt_oss":  # a router bias, softmax over the top-k logits only
+        return tf.GptOssForCausalLM(tf.GptOssConfig(intermediate_size=16, num_local_experts=4, head_dim=8,
+                                                    sliding_window=4, **common))
+    if family == "deepseek_v3":  # sigmoid grouped routing balanced by a correction bias: no aux loss in its code
+        common.update(num_key_value_heads=4)
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, n_group=2, topk_group=1,
+            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+            v_head_dim=8, head_dim=4, **common))
     if family == "qwen3moe":  # no shared expert; its router renormalises the top-k weights
         return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                                                          head_dim=8, norm_topk_prob=True, **common))
@@ -36,11 +47,9 @@ def tiny(family: str, **extra) -> torch.nn.Module:
 
 
 def transformers_aux(model, router_logits, mask=None) -> torch.Tensor:
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as mixtral_lb
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func as qwen2_lb
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as qwen3_lb
-
-    func = {"mixtral": mixtral_lb, "qwen2_moe": qwen2_lb, "qwen3_moe": qwen3_lb}[model.config.model_type]
+    """The model's own load_balancing_loss_func (its modeling module's)."""
+    func = model_balance_loss(model)
+    assert func is not None and func.__module__ == type(model).__module__
     experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
     return func(router_logits, experts, model.config.num_experts_per_tok, mask)
 
@@ -71,7 +80,7 @@ def test_sum_form_over_the_scored_targets_is_transformers_loss(family, masked):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES[:3])  # the sum form's algebra: the same for every family
 def test_two_ranks_terms_add_up_to_the_whole_batchs_loss_and_gradient(family, masked):
     """Ranks a and b hold halves of the batch; their counts are summed (as the all-reduce does), each
     keeps its own probabilities. Their terms add up to aux x K of the whole batch, and so do the
@@ -146,3 +155,12 @@ def test_pipeline_stages_refuse_a_config_asking_for_the_aux_loss():
         refuse_router_loss(model)
     model.config.output_router_logits = False
     refuse_router_loss(model)
+
+
+def test_no_aux_loss_where_the_models_code_has_none():
+    """DeepSeek-V3 balances its routing with a correction bias; its forward adds no load-balancing
+    loss whatever the config says, so neither does ours."""
+    model = tiny("deepseek_v3")
+    model.config.router_aux_loss_coef = 0.1
+    assert model.config.output_router_logits and model_balance_loss(model) is None
+    assert router_aux_coef(model) == 0.0

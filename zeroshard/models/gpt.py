@@ -326,6 +326,15 @@ class GPT(nn.Module):
                 module.packed = self.packed
         self.init_weights()  # also ties lm_head to tok_emb
 
+    @property
+    def ep_plan(self) -> dict[str, str]:
+        """Where the experts are, in transformers' ``base_model_ep_plan`` format (``*``: a block
+        number), which expert parallelism reads (zeroshard/parallel/experts/plan.py); {} without MoE."""
+        if not self.cfg.n_expert:
+            return {}
+        return {"blocks.*.mlp.experts": "ep_dispatch_experts",
+                **{f"blocks.*.mlp.experts.{name}": "grouped_gemm" for name in GPTExperts.PARAMS}}
+
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the very Parameter object of ``tok_emb.weight``.
 

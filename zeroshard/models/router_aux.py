@@ -1,10 +1,12 @@
-"""The load-balancing loss of a Hugging Face MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE), made exact
-over data-parallel ranks and expert parallelism.
+"""The load-balancing loss of a Hugging Face MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GPT-OSS, ...), made exact over data-parallel ranks and expert parallelism.
 
 transformers adds it when the config asks (``output_router_logits=True``, weight
-``router_aux_loss_coef``), per forward call, over every MoE layer's router logits of that call
-(``load_balancing_loss_func``): ``aux = E · Σ_e (C_e / N) · (S_e / N)``, ``C_e`` the top-k
-assignments to expert ``e``, ``S_e`` the sum of its softmax probabilities, ``N`` the rows (tokens ×
+``router_aux_loss_coef``) and the model's code computes one (its modeling module's
+``load_balancing_loss_func``; DeepSeek-V3, whose routing is balanced by a correction bias instead,
+has none), per forward call, over every MoE layer's router logits of that call:
+``aux = E · Σ_e (C_e / N) · (S_e / N)``, ``C_e`` the top-k assignments to expert ``e``, ``S_e`` the
+sum of its softmax probabilities, ``N`` the rows (tokens ×
 MoE layers; with an attention mask, the unmasked ones). It is a product of two means over the
 call's tokens, so each rank's own would be a different loss from the one of the batch the ranks
 hold together.
@@ -24,6 +26,7 @@ extra forward). The gradient flows through ``S`` only, as in transformers (the c
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -40,7 +43,16 @@ def router_aux_coef(model: nn.Module) -> float:
         return 0.0
     if not getattr(config, "num_experts_per_tok", None) or not _num_experts(config):
         return 0.0
+    if model_balance_loss(model) is None:  # the model's own forward adds no such loss
+        return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def model_balance_loss(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The model's own ``load_balancing_loss_func`` (from its modeling module), or None: what this
+    module computes in sum form, and what tests/unit/test_moe_layout.py holds it to."""
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    return fn if callable(fn) else None
 
 
 def _num_experts(config: Any) -> int:

@@ -43,8 +43,8 @@ def gpt_spec(model: nn.Module) -> ModelSpec:
         sequence_refusal="sequence parallelism with an MoE GPT (n_expert > 0) is not supported: its MoE layer needs "
                          "the whole sequence on every tp rank; call zs.tensor_parallel without sequence_parallel"
         if moe else "",
-        experts=(f"{BLOCKS}.*.mlp.experts",) if moe else (), ep_plan={f"{BLOCKS}.*.mlp.experts": "ep_dispatch_experts"}
-        if moe else {}, no_split=("Block",))
+        experts=(f"{BLOCKS}.*.mlp.experts",) if moe else (), ep_plan=dict(getattr(model, "ep_plan")),  # the GPT's own
+        no_split=("Block",))
 
 
 def gpt_plan_by_name() -> TPPlan:

@@ -6,7 +6,7 @@ and expert params over the expert mesh.
 """
 
 from zeroshard.parallel.experts.apply import ExpertParallelError, check_ep, ep_forwards, expert_parallel, moe_layers
-from zeroshard.parallel.experts.plan import PLANS, MoELayer, hf_moe_plan
+from zeroshard.parallel.experts.plan import LocalExperts, MoELayer, MoELayoutError, declared_ep_plan, moe_layout
 
-__all__ = ["PLANS", "ExpertParallelError", "MoELayer", "check_ep", "ep_forwards", "expert_parallel", "hf_moe_plan",
-           "moe_layers"]
+__all__ = ["ExpertParallelError", "LocalExperts", "MoELayer", "MoELayoutError", "check_ep", "declared_ep_plan",
+           "ep_forwards", "expert_parallel", "moe_layers", "moe_layout"]

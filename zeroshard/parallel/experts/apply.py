@@ -20,7 +20,7 @@ from zeroshard.comm.mesh import Mesh, get_mesh
 from zeroshard.comm.names import Phase
 from zeroshard.parallel.experts.layer import ExpertParallelForward
 from zeroshard.runtime.expert_placement import expert_mesh_of, mark_expert
-from zeroshard.parallel.experts.plan import MoELayer, plan_for
+from zeroshard.parallel.experts.plan import MoELayer, MoELayoutError, declared_ep_plan, moe_layout
 
 Plan = Callable[[nn.Module], list[MoELayer]]
 
@@ -30,18 +30,22 @@ class ExpertParallelError(ValueError):
 
 
 def moe_layers(model: nn.Module, plan: Plan | None = None) -> list[MoELayer]:
-    """The model's MoE layers by ``plan`` (default: the ready plan for its class; none: [])."""
-    plan = plan or plan_for(model)
-    return plan(model) if plan is not None else []
+    """The model's MoE layers by ``plan`` (default: the layout its declared ep plan gives; none: [])."""
+    try:
+        return (plan or moe_layout)(model)
+    except MoELayoutError as e:
+        raise ExpertParallelError(str(e)) from None
 
 
 def check_ep(model: nn.Module, ep: int, plan: Plan | None = None) -> list[MoELayer]:
     """The model's MoE layers, or a one-line error when ``ep`` cannot split them."""
     layers = moe_layers(model, plan)
     if not layers:
-        raise ExpertParallelError(f"ep={ep} needs a mixture-of-experts model, but {type(model).__name__} has no MoE "
-                                  "layer zeroshard knows; use ep=1, a model with experts (tiny-moe, an HF Mixtral or "
-                                  "Qwen-MoE folder), or pass zs.expert_parallel(model, plan=...) for your own layer")
+        what = ("declares an ep plan, but no module of it matches one" if plan is None and declared_ep_plan(model)
+                else "declares no expert-parallel plan (transformers' config.base_model_ep_plan, or an ep_plan)")
+        raise ExpertParallelError(f"ep={ep} needs a mixture-of-experts model, but {type(model).__name__} {what}; "
+                                  "use ep=1, a model with experts (tiny-moe, an HF MoE folder whose config declares "
+                                  "base_model_ep_plan), or pass zs.expert_parallel(model, plan=...) for your own layer")
     for layer in layers:
         if layer.num_experts % ep:
             raise ExpertParallelError(f"ep={ep} does not divide the {layer.num_experts} experts of {layer.name}; "
@@ -55,7 +59,7 @@ def expert_parallel(model: nn.Module, *, mesh: Mesh | None = None, plan: Plan | 
 
     ``mesh`` is the dense mesh ``zs.shard`` will get (the default one unless given); its
     ``experts`` (from ``zs.init(ep=N)``) says how the experts are split. ``plan`` finds the MoE
-    layers (zeroshard/parallel/experts/plan.py); the ready one for the model's class by default. Call it on
+    layers (zeroshard/parallel/experts/plan.py); by default the layout of the ep plan the model declares. Call it on
     every rank, on a model built with the same seed, before ``zs.shard``. Returns the model.
     A model on the meta device keeps meta blocks, filled after ``zs.shard``: by the replay of the
     model's init, which draws the stacked experts as a plain build does and keeps this rank's rows

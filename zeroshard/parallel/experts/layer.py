@@ -11,8 +11,9 @@ chose. On each rank:
    expert runs once on all of its rows, and the outputs go back in the order they came;
 4. each output is scaled by its routing weight and summed into its token, as the model does.
 
-Per-expert rows are computed with the model's own expert function, so a token's output is the
-one one process computes, up to the order of the top-k sum.
+The received rows run through the experts module's own forward on this rank's block of experts
+(``plan.LocalExperts``, top-1 with unit weights), so a token's output is the one one process
+computes, up to the order of the top-k sum.
 
 Under tensor parallelism (the dense mesh has tp > 1) the layer's input is replicated over the tp
 group: each tp rank runs steps 1-4 on its own run of the tokens only, and the outputs are
@@ -28,7 +29,7 @@ import torch
 
 from zeroshard.comm import host_sync
 from zeroshard.parallel.experts.dispatch import all_to_all_rows, exchange_counts
-from zeroshard.parallel.experts.plan import MoELayer
+from zeroshard.parallel.experts.plan import LocalExperts, MoELayer
 from zeroshard.parallel.experts.tp_tokens import all_rows, own_rows, run_of
 
 
@@ -42,6 +43,7 @@ class ExpertParallelForward:
         self.dense = dense if dense is not None and dense.tp_size > 1 else None
         self.ep = mesh.ep_size
         self.local = layer.num_experts // self.ep
+        self.experts = LocalExperts(layer.module, layer.num_experts, self.local)
         self.sent_rows: list[int] = []
         """Rows this rank sent to other ranks' experts and its own at each call (the tests' record)."""
         self.received_rows: list[int] = []
@@ -89,7 +91,8 @@ class ExpertParallelForward:
         received = all_to_all_rows(hidden_states[token_of], send, recv, unit=unit, mesh=self.mesh)
         outputs = self._run_experts(received, recv_counts, recv_table)
         returned = all_to_all_rows(outputs, recv, send, unit=unit, mesh=self.mesh)
-        weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
+        # The weight in its own dtype, as the model's forward multiplies (DeepSeek-V3's are float32).
+        weights = top_k_weights.reshape(-1)[order]
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, (returned * weights[:, None]).to(out.dtype))
 
@@ -99,9 +102,12 @@ class ExpertParallelForward:
         ``recv_table`` is ``recv_counts`` already on the host: no further sync here."""
         local = torch.arange(self.local, device=received.device).repeat(self.ep)
         expert_of_row = torch.repeat_interleave(local, recv_counts.reshape(-1), output_size=received.shape[0])
+        if self.layer.expert is None:  # the module's own forward, on local expert ids
+            return self.experts(received, expert_of_row)
         by_expert = torch.argsort(expert_of_row, stable=True)
         chunks = received[by_expert].split([sum(row[e] for row in recv_table) for e in range(self.local)])
         # Every local expert runs, on zero rows if none came: its params then get a zero grad, so
         # each rank's reduction holds the same params in every step.
-        computed = torch.cat([self.layer.expert(self.layer.module, e, rows) for e, rows in enumerate(chunks)])
+        expert = self.layer.expert
+        computed = torch.cat([expert(self.layer.module, e, rows) for e, rows in enumerate(chunks)])
         return computed[torch.argsort(by_expert)]

@@ -124,7 +124,8 @@ def _tensor_parallel(root: Section, out: Builder) -> None:
             "ready plan (from Python, zs.tensor_parallel(model, plan=fn) takes your own)", off=(None, {}))
     out.refuse(section, "tp_grain_size", "zeroshard splits every head and MLP column evenly over the tp ranks",
             off=(None, 1))
-    out.note(section, "preset_model", "zeroshard picks the plan by the model's class (GPT or LlamaForCausalLM)")
+    out.note(section, "preset_model", "zeroshard reads the tensor-parallel plan from the model's spec "
+             "(zeroshard's GPT, or what a transformers config declares)")
     out.note(section, "tp_overlap_comm", "zeroshard's tp all-reduces block the next op (DTensor's); ZeRO's "
              "collectives are the ones it overlaps")
     out.note(section, "dtype", "zeroshard's tp runs in the compute dtype (mp)")

@@ -1,7 +1,7 @@
 """Expert parallelism in the plan: which params are experts, how a rank holds them, what routing moves.
 
-The MoE layers are the runtime's own (``zeroshard.parallel.experts.check_ep``, the ready plans by model
-class), read off the meta-device model, so the plan splits exactly the params ``zs.expert_parallel``
+The MoE layers are the runtime's own (``zeroshard.parallel.experts.check_ep``, the layout of the ep plan the
+model declares), read off the meta-device model, so the plan splits exactly the params ``zs.expert_parallel``
 splits and refuses what it refuses (an ep that does not divide a layer's experts, a model with no
 MoE layer). Per rank, as the runtime lays them out (docs/expert_parallel.md):
 
