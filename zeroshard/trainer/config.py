@@ -28,7 +28,7 @@ from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
 from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, WARMUP_SHAPES, CheckpointSection,
-                                        CommSection, CompileSection, DataSection, ObserveSection, OptimSection,
+                                        CommSection, CompileSection, DataSection, HealSection, ObserveSection, OptimSection,
                                         ParallelSection, PipelineSection, check_types, check_values, flat_name)
 
 if sys.version_info >= (3, 11):
@@ -106,6 +106,7 @@ class TrainConfig:
     compile: CompileSection = dataclasses.field(default_factory=CompileSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     observe: ObserveSection = dataclasses.field(default_factory=ObserveSection)
+    heal: HealSection = dataclasses.field(default_factory=HealSection)
 
     def __init__(self, **values: Any) -> None:
         tables = _split(values)
@@ -176,6 +177,7 @@ class TrainConfig:
         if self.engine.offload.kind == "disk" and not self.engine.offload.directory:
             raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
         self.comm.check_stage(self.stage)
+        self.heal.check_with(self.checkpoint, dims.replicate)
         # Tensor-parallel ranks share a batch: it is split over the data-parallel ranks only.
         check_batch_split(self.data.batch, dims.dp, self.optim.accum)
 

@@ -382,11 +382,63 @@ class ObserveSection:
             raise ValueError(f"unknown logger {unknown[0]!r}: choose from {', '.join(LOGGERS)} (comma-separated)")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealSection:
+    """[heal]: what the run does about a bad step, a loss spike and a lost replica."""
+
+    TABLE: ClassVar[str] = "heal"
+    FLAT: ClassVar[dict[str, str]] = {}
+
+    skip_nonfinite: bool = True
+    """Skip, on every rank, a step whose loss or global grad norm is not finite (one flag all ranks
+    agree on; zeroshard/runtime/guard.py): counted, logged, and diagnosed (first rank, first unit)."""
+
+    max_bad_steps: int = 5
+    """Stop after this many consecutive skipped steps, writing RUN_DIR/nonfinite.json (the step, the
+    first rank and the first unit whose grads went non-finite; `zeroshard doctor RUN_DIR` shows it);
+    0 never stops."""
+
+    rollback_on_spike: float = 0.0
+    """Roll back when a step's loss exceeds this many times the mean of the `rollback_window` steps
+    before it: reload the last verified checkpoint and skip the batches from it up to the spike,
+    recording them in RUN_DIR/rollbacks.jsonl and in later checkpoints. Needs checkpointing
+    (save_every and ckpt_dir). 0 is off."""
+
+    rollback_window: int = 20
+    """Steps of recent losses a spike is measured against."""
+
+    skip_from: str | None = None
+    """A rollbacks.jsonl (or the run dir holding one) whose skipped batches this run skips too, so a
+    rerun reproduces a run that rolled back."""
+
+    replica_recovery: bool = False
+    """Keep training on the healthy replicas when a rank of one replica dies, and let a replacement
+    take its state from a live peer (torchft; needs replicas: shard_size below the world)."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _at_least(self, 0, "max_bad_steps", note=" (0 never stops)")
+        _at_least(self, 0, "rollback_on_spike", note=" (0 disables it)")
+        _at_least(self, 1, "rollback_window")
+        if 0 < self.rollback_on_spike <= 1:
+            raise ValueError(f"rollback_on_spike={self.rollback_on_spike} must be > 1 (a multiple of the recent "
+                             "mean loss), or 0 to disable it")
+
+    def check_with(self, checkpoint: CheckpointSection, replicas: int) -> None:
+        """What this section needs of the others: checkpoints to roll back to, replicas to recover."""
+        if self.rollback_on_spike and not (checkpoint.every and checkpoint.dir):
+            raise ValueError(f"rollback_on_spike={self.rollback_on_spike} rolls back to the last checkpoint, but "
+                             "none is saved: pass --save-every N --ckpt-dir DIR")
+        if self.replica_recovery and replicas < 2:
+            raise ValueError(f"replica_recovery=True needs replicas, but this layout has {replicas}: pass --shard-size S "
+                             "with nproc/S >= 2 (hybrid sharding)")
+
+
 LOGGERS = ("tensorboard", "wandb")
 """The experiment loggers `log` names (zeroshard/observe/loggers.py writes to them)."""
 
 SECTIONS: tuple[type, ...] = (DataSection, OptimSection, ParallelSection, PipelineSection, CommSection,
-                              CompileSection, CheckpointSection, ObserveSection)
+                              CompileSection, CheckpointSection, ObserveSection, HealSection)
 """Every section but the engine's (the runtime's own EngineOptions, its knobs flat in [engine])."""
 
 

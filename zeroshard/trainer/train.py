@@ -39,6 +39,7 @@ from zeroshard.trainer.optimizers import plain_optimizers
 from zeroshard.trainer import adapter
 from zeroshard.runtime import get_engine
 from zeroshard.trainer import step as step_mod
+from zeroshard.trainer.heal import SpikeWatch, heal_summary, injected_spike, rollback
 from zeroshard.trainer.step import (  # noqa: F401 - re-exported: callers import the run's parts from here
     BETAS, IGNORE_INDEX, METRICS_PHASE, META_INIT_THRESHOLD, Run, build_data, build_model, lr_at, make_scheduler,
     mixed_precision, use_meta_init,
@@ -81,6 +82,8 @@ class StepRecord:
     tokens: int
     tokens_per_s: float
     loss_scale: float | None = None
+    skipped: bool = False
+    """The non-finite guard skipped this step's update on every rank (zeroshard/runtime/guard.py)."""
     profile: dict[str, Any] | None = None
     """This step's time breakdown, communication, memory and MFU (zeroshard/observing/profile/step.py)."""
 
@@ -113,13 +116,13 @@ def train_step(run: Run, step: int) -> StepRecord:
         x, y = x.to(run.mesh.device), y.to(run.mesh.device)
     out = step_mod.step(run, x, y)
     loss_sum, norm = out.loss_sum, out.grad_norm
-    mean_loss = average_token_loss(run, loss_sum, y)
+    mean_loss = injected_spike(average_token_loss(run, loss_sum, y), step + 1)  # ZEROSHARD_SPIKE_FAULT, else as is
     dt = time.perf_counter() - t0
     tokens = cfg.batch * cfg.seq_len
     return StepRecord(
         step=step + 1, loss=mean_loss, lr=lr, grad_norm=norm,
         step_time_s=dt, tokens=tokens, tokens_per_s=tokens / dt if dt > 0 else 0.0,
-        loss_scale=None if run.scaler is None else run.scaler.get_scale(),
+        loss_scale=None if run.scaler is None else run.scaler.get_scale(), skipped=step_mod.skipped(run.model),
     )
 
 
@@ -137,7 +140,9 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
     attached) records each step; without one the steps only reach `reporter`. `ckpts` saves
     every `cfg.save_every` steps (one is made when not given)."""
     ckpts = TrainingCheckpoints(run) if ckpts is None else ckpts
-    for step in range(start, run.cfg.steps):
+    watch = SpikeWatch(run.cfg.rollback_on_spike, run.cfg.rollback_window)
+    step = start
+    while step < run.cfg.steps:
         zs_ledger().step = step + 1  # stamped on every collective of the step, for the doctor
         rec = train_step(run, step)
         if obs is not None:
@@ -148,8 +153,16 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
                 write_manifest(obs.run_dir, run)
         run.records.append(rec)
         reporter.step(rec)
+        mean = watch.spike(rec.loss, rec.skipped)
+        if mean is not None:  # before saving: the spiked state is never checkpointed
+            restored = rollback(run, ckpts, obs, rec.step, rec.loss, mean)
+            if restored is not None:
+                step = restored
+                watch.reset()
+                continue
         with phase("checkpoint"):
             ckpts.after_step(step + 1)
+        step += 1
 
 
 # --------------------------------------------------------------------------- outputs
@@ -191,6 +204,7 @@ def summarize(run: Run, info: dict[str, Any], obs: Observer) -> dict[str, Any]:
         "precision": precision_manifest(run.model, run.opt),
         "init_path": get_engine(run.model).init_stats["path"],
         "skipped_steps": 0 if run.scaler is None else run.scaler.skipped_steps,
+        **heal_summary(run),
     }
 
 
