@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -86,7 +87,7 @@ def _user_loop(mp: str, mesh, *, clip: bool, drop: int | None = None) -> dict:
 
 def guard_suite(root: str) -> dict:
     """Each case with a NaN in rank 1's grad of blocks.0 at step BAD_STEP, against its reference that
-    never saw that step's batch; then K consecutive injections with max_bad_steps K."""
+    never saw that step's batch."""
     mesh = zs.init()
     out: dict = {}
     fault = f"rank=1,step={BAD_STEP},unit=blocks.0"
@@ -110,26 +111,8 @@ def guard_suite(root: str) -> dict:
                 "trained_after": not _same(snaps[STEPS], snaps[BAD_STEP]),
                 "finite": all(bool(torch.isfinite(v).all()) for v in snaps[STEPS].values()),
             }
-    out["stop"] = _stop_case(mesh, f"{root}/stop")
+    out["cpu_s"] = time.process_time()
     return out
-
-
-def _stop_case(mesh, run_dir: str) -> dict:
-    os.environ[GRAD_FAULT] = "rank=1,step=3,unit=blocks.1,count=3"
-    try:
-        cfg = _cfg("fp32", run_dir, max_bad_steps=3, steps=8)
-        run = step_mod.build(cfg, mesh)
-        try:
-            train_mod.run_loop(run, train_mod.NullReporter())
-            error = None
-        except guard.NonFiniteRunError as e:
-            error = str(e)
-        collectives.barrier()
-        report = Path(run_dir, guard.REPORT_NAME)
-        return {"error": error, "steps": len(run.records),
-                "report": json.loads(report.read_text()) if report.is_file() else None}
-    finally:
-        del os.environ[GRAD_FAULT]
 
 
 SPIKE_FAULT = "ZEROSHARD_SPIKE_FAULT"
@@ -172,6 +155,6 @@ def rollback_suite(root: str) -> dict:
         del os.environ[SPIKE_FAULT]
     collectives.barrier()
     again = _rollback_run(mesh, root, "again", skip_from=f"{root}/first")
-    return {"first": {k: v for k, v in first.items() if k != "params"},
+    return {"cpu_s": time.process_time(), "first": {k: v for k, v in first.items() if k != "params"},
             "again": {k: v for k, v in again.items() if k != "params"},
             "bitwise": _same(first["params"], again["params"])}

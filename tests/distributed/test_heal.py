@@ -1,5 +1,6 @@
 """Runs that heal: a non-finite step skipped on every rank by agreement, bitwise as if its batch
-had never come, diagnosed to the rank and unit; K in a row stop the run with that report."""
+had never come, diagnosed to the rank and unit (K in a row stopping the run: tests/e2e/test_heal_cli.py);
+a loss spike rolled back to the last checkpoint with its data window skipped, and reproduced by a rerun."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def guard_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", [("train", "fp32"), ("train", "bf16"), ("user", "fp32"), ("user", "bf16"),
                                   ("user-noclip", "fp32")])
 def test_nan_step_is_skipped_on_every_rank_as_if_its_batch_never_came(guard_runs, case):
+    print(f"guard suite: {max(o['cpu_s'] for o in guard_runs):.1f} s CPU per rank")
     for rank, out in enumerate(guard_runs):
         r = out[case]
         assert r["equal_before"], (rank, case)
@@ -29,17 +31,6 @@ def test_nan_step_is_skipped_on_every_rank_as_if_its_batch_never_came(guard_runs
         assert report["skipped_steps"] == 1 and report["consecutive"] == 0
         skip = report["skips"][0]
         assert (skip["step"], skip["first_rank"], skip["first_unit"]) == (w.BAD_STEP, 1, "blocks.0")
-
-
-def test_k_consecutive_bad_steps_stop_the_run_with_a_report(guard_runs):
-    for out in guard_runs:
-        stop = out["stop"]
-        assert stop["error"] is not None and "3 consecutive steps" in stop["error"], stop
-        assert "rank 1, unit blocks.1" in stop["error"]
-        assert stop["steps"] == 4  # steps 1-4 recorded; step 5, the third skip, stopped the run
-    report = guard_runs[0]["stop"]["report"]
-    assert report["consecutive"] == 3 and report["max_bad_steps"] == 3
-    assert (report["first"]["step"], report["first"]["first_rank"], report["first"]["first_unit"]) == (3, 1, "blocks.1")
 
 
 def test_spike_rolls_back_skips_its_window_and_a_rerun_reproduces_it(tmp_path):
@@ -55,3 +46,4 @@ def test_spike_rolls_back_skips_its_window_and_a_rerun_reproduces_it(tmp_path):
         assert again["rollbacks"] == []
         assert again["losses"] == first["losses"]
         assert out["bitwise"]
+    print(f"rollback suite: {max(o['cpu_s'] for o in first_rank):.1f} s CPU per rank")

@@ -22,7 +22,7 @@ from zeroshard.cli.train import fail
 def run(args: argparse.Namespace) -> int:
     from zeroshard.observing.doctor import analyse, load, render
 
-    from zeroshard.observing.heal_view import findings, has_findings, lines
+    from zeroshard.observing.heal_view import findings, has_findings, lines, stopped
 
     healed = findings(args.run_dir)
     try:
@@ -35,9 +35,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run_dir": args.run_dir, **(report or {}), "healing": healed}, indent=2))
     else:
-        print("\n".join((render(report, args.run_dir) if report is not None else []) + lines(healed)))
-    stopped = healed["nonfinite_stop"] is not None
-    return 0 if (report is None or report["verdict"] == "ok") and not stopped else 1
+        # What the run healed first: a run the guard stopped ended on every rank alike, by design.
+        print("\n".join(lines(healed) + (render(report, args.run_dir) if report is not None else [])))
+    return 0 if (report is None or report["verdict"] == "ok") and not stopped(healed) else 1
 
 
 def add_parser(sub: Any) -> None:

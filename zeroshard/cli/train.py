@@ -160,7 +160,7 @@ class RichReporter:
             )
         if getattr(rec, "skipped", False):
             self.console.print(f"step {rec.step:>5}/{self.info['steps']}  skipped on every rank: the loss or the grad "
-                               "norm is not finite (RUN_DIR/nonfinite.json names where)", highlight=False)
+                               "norm is not finite (RUN_DIR/nonfinite.json names the rank and unit)", highlight=False)
         self.window.append(rec.loss)
         if rec.step % self.log_every == 0 or rec.step == 1 or rec.step == self.info["steps"]:
             # The mean since the last line: a single batch's loss is too noisy to compare with

@@ -24,7 +24,8 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def findings(run_dir: str | Path) -> dict[str, Any]:
-    """The run's skipped steps, its stop for non-finite steps (or None), rollbacks and replica changes."""
+    """The run's skipped steps, the guard's report (None when nothing was skipped; ``stopped`` when it
+    ended the run), rollbacks and replica changes."""
     folder = Path(run_dir)
     stop = json.loads((folder / NONFINITE).read_text()) if (folder / NONFINITE).is_file() else None
     steps = [r for r in _lines(folder / "metrics.jsonl") if "step" in r]
@@ -34,6 +35,11 @@ def findings(run_dir: str | Path) -> dict[str, Any]:
 
 def has_findings(found: dict[str, Any]) -> bool:
     return bool(found["skipped_steps"] or found["nonfinite_stop"] or found["rollbacks"] or found["replica_changes"])
+
+
+def stopped(found: dict[str, Any]) -> bool:
+    """Whether the non-finite guard ended the run."""
+    return bool((found["nonfinite_stop"] or {}).get("stopped"))
 
 
 def _where(report: dict[str, Any] | None) -> str:
@@ -48,7 +54,7 @@ def lines(found: dict[str, Any]) -> list[str]:
     """The doctor's paragraph on what the run healed (empty when nothing happened)."""
     out: list[str] = []
     stop = found["nonfinite_stop"]
-    if stop is not None:
+    if stop is not None and stop.get("stopped"):
         first = stop.get("first") or {}
         out.append(f"stopped: {stop['consecutive']} consecutive steps had a non-finite loss or grad norm "
                    f"(max_bad_steps {stop['max_bad_steps']}); the first, step {first.get('step')}, went "
@@ -57,10 +63,12 @@ def lines(found: dict[str, Any]) -> list[str]:
         if len(bad) > 1:
             out.append("  non-finite grads held by: " + ", ".join(f"rank {b['rank']} {b['unit']}" for b in bad[:8])
                        + (" ..." if len(bad) > 8 else ""))
-    if found["skipped_steps"]:
-        steps = found["skipped_steps"]
+    skips = (stop or {}).get("skips") or []
+    steps = sorted(set(found["skipped_steps"]) | {s["step"] for s in skips})
+    if steps:
         out.append(f"skipped {len(steps)} step(s) for a non-finite loss or grad norm: "
                    + ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else ""))
+        out += [f"  step {s['step']}: {_where(s)}" for s in skips[:10]]
     for rb in found["rollbacks"]:
         out.append(f"rollback: loss {rb['loss']:.4g} at step {rb['step']} ({rb['loss'] / rb['window_mean']:.1f}x "
                    f"the recent mean); reloaded step {rb['restored_step']} and skipped "

@@ -19,8 +19,8 @@ into every rank's), and every later loss is NaN. The sharded optimizer's ``step`
 A skipped step is counted, reported to the engine's event stream (``skip``) and diagnosed: every
 rank's per-unit squared norms of the grad shards it holds are gathered (once, on the bad step only)
 and the first rank and the first unit (in the engine's unit order) holding a non-finite value are
-named. After ``max_bad_steps`` consecutive skips the guard raises ``NonFiniteRunError`` on every
-rank, after rank 0 wrote the report to ``report_dir/nonfinite.json`` (``zeroshard doctor`` reads it).
+named; rank 0 keeps the report in ``report_dir/nonfinite.json`` (``zeroshard doctor`` reads it). After
+``max_bad_steps`` consecutive skips the guard raises ``NonFiniteRunError`` on every rank.
 
 The fault point ``grad.nonfinite`` (``ZEROSHARD_GRAD_FAULT="rank=R,step=S[,unit=U][,count=K]"``,
 zeroshard/comm/fault_points.py) writes a NaN into rank R's grad shard of unit U at steps S..S+K-1,
@@ -190,8 +190,10 @@ def record(engine: Any, bad: bool) -> None:
         st.first_report = report
     if engine.events.active:
         engine.events.emit(EventKind.SKIP, report.get("first_unit") or "", "step", 0)
-    if st.max_bad_steps and st.consecutive >= st.max_bad_steps:
-        raise NonFiniteRunError(stop_message(engine, st))
+    stop = bool(st.max_bad_steps and st.consecutive >= st.max_bad_steps)
+    path = write_report(engine, st, stopped=stop)  # after every skip: a run killed later still tells where
+    if stop:
+        raise NonFiniteRunError(stop_message(st, path))
 
 
 def diagnose(engine: Any) -> dict[str, Any]:
@@ -217,28 +219,29 @@ def diagnose(engine: Any) -> dict[str, Any]:
             "cause": "grads" if bad else "loss (the grads this step left were finite)"}
 
 
-def stop_message(engine: Any, st: GuardState) -> str:
+def stop_message(st: GuardState, path: Path | None) -> str:
     first = st.first_report or {}
     where = (f"rank {first['first_rank']}, unit {first['first_unit']}" if first.get("first_rank") is not None
              else "a non-finite loss")
-    path = write_report(engine, st)
     return (f"{st.consecutive} consecutive steps had a non-finite loss or grad norm and were skipped "
             f"(the first at step {first.get('step')}, {where}); stopping"
             + (f"; report in {path}" if path is not None else ""))
 
 
-def report(engine: Any) -> dict[str, Any]:
-    """What the guard saw: skipped steps, the current run of skips and where it started."""
+def report(engine: Any, *, stopped: bool = False) -> dict[str, Any]:
+    """What the guard saw: skipped steps, the current run of skips and where it started, and whether
+    it stopped the run."""
     st = state_of(engine)
     return {"skipped_steps": st.skipped_steps, "consecutive": st.consecutive, "max_bad_steps": st.max_bad_steps,
-            "first": st.first_report, "skips": st.reports}
+            "stopped": stopped, "first": st.first_report, "skips": st.reports}
 
 
-def write_report(engine: Any, st: GuardState) -> Path | None:
+def write_report(engine: Any, st: GuardState, *, stopped: bool) -> Path | None:
+    """``report_dir/nonfinite.json`` (rank 0 writes it; the path on every rank), or None without a dir."""
     if st.report_dir is None:
         return None
     path = st.report_dir / REPORT_NAME
     if engine.mesh.rank == 0:
         st.report_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report(engine), indent=2) + "\n")
+        path.write_text(json.dumps(report(engine, stopped=stopped), indent=2) + "\n")
     return path
