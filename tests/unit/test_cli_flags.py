@@ -488,13 +488,13 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "peak_flops": "1e12", "ckpt_dir": "ckpt", "resume": "ckpt/step-00000001", "keep_last": "1",
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
         "pp": "2", "pp_schedule": "gpipe", "microbatches": "4", "pp_stages_per_rank": "2",
-        "max_bad_steps": "2", "rollback_window": "5", "skip_from": "runs/x",
+        "max_bad_steps": "2", "rollback_window": "5", "skip_from": "runs/x", "replicas": "2",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
                 "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
                 "compile": "--compile", "dropout": "--no-dropout", "save_async": "--save-async",
                 "profile": "--no-profile", "trace": "--trace", "skip_nonfinite": "--no-skip-nonfinite"}
-    switch_needs = {"replica_recovery": ["--nproc", "4", "--shard-size", "2"]}
+    switch_needs = {"replica_recovery": ["--replicas", "2"]}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
              "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
              "save_every": (["--ckpt-dir", "ckpt"], "10"),
@@ -522,7 +522,9 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                                                  REFUSED)],
                                      # no checkpoint to roll back to; no replica to recover
                                      "--rollback-on-spike": [(plus(t, "--rollback-on-spike", "3"), None, REFUSED)],
-                                     "--replica-recovery": [(plus(t, "--replica-recovery"), None, REFUSED)]}
+                                     "--replica-recovery": [(plus(t, "--replica-recovery"), None, REFUSED),
+                                                            (plus(t, "--replicas", "2", "--tp", "2", "--replica-recovery"),
+                                                             None, REFUSED)]}
     for name in field_names():
         flag = "--" + name.replace("_", "-")
         if name in switches:

@@ -12,6 +12,8 @@ middle of a save. The points and their variables:
   halfway through writing its file for the checkpoint of step S, as a node dying mid-save would;
   with ``attempt``, only in that torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a
   restarted group gets past it;
+- ``train.kill`` (``ZEROSHARD_KILL_FAULT="rank=R,step=S[,attempt=A]"``): rank R SIGKILLs itself at the
+  start of step S, as a lost node; with ``attempt``, only in that torchrun restart attempt;
 - ``tune.build`` (``ZEROSHARD_TUNE_FAULT=NAME``): every rank raises while building the tune
   candidate called NAME, so a failed candidate is reported and the search goes on;
 - ``grad.nonfinite`` (``ZEROSHARD_GRAD_FAULT="rank=R,step=S[,unit=U][,count=K]"``): a NaN written into
@@ -57,6 +59,8 @@ def _check_comm(spec: dict[str, Any]) -> str | None:
 POINTS: dict[str, Point] = {
     "train.step": Point(env="ZEROSHARD_FAULT", example="rank=1,step=3", required=("rank", "step")),
     "ckpt.write": Point(env="ZEROSHARD_CKPT_FAULT", example="rank=1,step=4", required=("rank", "step"),
+                        optional=("attempt",), ints=("rank", "step", "attempt")),
+    "train.kill": Point(env="ZEROSHARD_KILL_FAULT", example="rank=1,step=7,attempt=0", required=("rank", "step"),
                         optional=("attempt",), ints=("rank", "step", "attempt")),
     "tune.build": Point(env="ZEROSHARD_TUNE_FAULT", example="stage3-prefetch1", raw="candidate"),
     "grad.nonfinite": Point(env="ZEROSHARD_GRAD_FAULT", example="rank=1,step=5,unit=blocks.0",
@@ -149,7 +153,7 @@ def point(name: str, **where: Any) -> None:
     if any(where.get(k) != v for k, v in spec.items()):
         return
     env = POINTS[name].env
-    if name == "ckpt.write":
+    if name in ("ckpt.write", "train.kill"):
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: as a node dying mid-write
     at = ", ".join(f"{k} {v}" for k, v in where.items())
     raise RuntimeError(f"injected fault ({env}) at {name}: {at}")

@@ -177,7 +177,7 @@ class TrainConfig:
         if self.engine.offload.kind == "disk" and not self.engine.offload.directory:
             raise ValueError("offload='disk' needs offload_dir: pass --offload-dir DIR")
         self.comm.check_stage(self.stage)
-        self.heal.check_with(self.checkpoint, dims.replicate)
+        self.heal.check_with(self.checkpoint, dims)
         # Tensor-parallel ranks share a batch: it is split over the data-parallel ranks only.
         check_batch_split(self.data.batch, dims.dp, self.optim.accum)
 

@@ -412,26 +412,36 @@ class HealSection:
     rerun reproduces a run that rolled back."""
 
     replica_recovery: bool = False
-    """Keep training on the healthy replicas when a rank of one replica dies, and let a replacement
-    take its state from a live peer (torchft; needs replicas: shard_size below the world)."""
+    """Keep training on the healthy replica groups when a rank of one dies, and let its replacement take
+    the live state from a peer of its shard position, without a checkpoint (torchft; docs/heal.md).
+    Each of the `replicas` groups is its own torchrun job (REPLICA_GROUP_ID=i, TORCHFT_LIGHTHOUSE=addr),
+    sharding over its own ranks."""
+
+    replicas: int = 1
+    """Replica groups `replica_recovery` trains with (each its own torchrun job); the global batch is
+    split over all of their data-parallel ranks."""
 
     def __post_init__(self) -> None:
         check_types(self)
         _at_least(self, 0, "max_bad_steps", note=" (0 never stops)")
         _at_least(self, 0, "rollback_on_spike", note=" (0 disables it)")
-        _at_least(self, 1, "rollback_window")
+        _at_least(self, 1, "rollback_window", "replicas")
         if 0 < self.rollback_on_spike <= 1:
             raise ValueError(f"rollback_on_spike={self.rollback_on_spike} must be > 1 (a multiple of the recent "
                              "mean loss), or 0 to disable it")
 
-    def check_with(self, checkpoint: CheckpointSection, replicas: int) -> None:
+    def check_with(self, checkpoint: CheckpointSection, dims: ParallelDims) -> None:
         """What this section needs of the others: checkpoints to roll back to, replicas to recover."""
+        replicas = self.replicas if self.replica_recovery else dims.replicate
         if self.rollback_on_spike and not (checkpoint.every and checkpoint.dir):
             raise ValueError(f"rollback_on_spike={self.rollback_on_spike} rolls back to the last checkpoint, but "
                              "none is saved: pass --save-every N --ckpt-dir DIR")
         if self.replica_recovery and replicas < 2:
-            raise ValueError(f"replica_recovery=True needs replicas, but this layout has {replicas}: pass --shard-size S "
-                             "with nproc/S >= 2 (hybrid sharding)")
+            raise ValueError(f"replica_recovery=True needs replicas, but this run has {replicas}: pass --replicas N "
+                             "(N >= 2 replica groups, each its own torchrun job; docs/heal.md)")
+        if self.replica_recovery and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or dims.replicate > 1):
+            raise ValueError("replica_recovery=True shards each replica group over its own ranks: use tp=1, pp=1, "
+                             "ep=1 and no shard_size (the groups are the replicas)")
 
 
 LOGGERS = ("tensorboard", "wandb")

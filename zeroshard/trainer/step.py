@@ -207,7 +207,12 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
 
 def make_sampler(cfg: TrainConfig, dataset: Any, mesh: Any) -> GlobalBatchSampler:
     """This rank's sampler; `skip_from` passes over the batches a rolled-back run skipped."""
-    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
+    from zeroshard.comm.replicas import replica_index
+
+    world, rank = mesh.dp_size, mesh.dp_rank
+    if cfg.replica_recovery:  # the replica groups split the global batch too (zeroshard/trainer/replicas.py)
+        world, rank = cfg.replicas * world, replica_index() * world + rank
+    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=world, rank=rank, seed=cfg.seed)
     if cfg.skip_from is not None:
         sampler.skip |= load_skips(cfg.skip_from)
     return sampler

@@ -253,9 +253,17 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     if run.profiler is not None and run.pipeline is not None:
         run.profiler.watch_pipeline(run.pipeline)
     reporter.start(info)
-    run_loop(run, reporter, obs, start, ckpts)
+    healed: dict[str, Any] = {}
+    if cfg.replica_recovery:  # the replica groups train on as long as one lives (zeroshard/trainer/replicas.py)
+        from zeroshard.trainer.replicas import run_replica_loop
+
+        healed = run_replica_loop(run, reporter, obs, timeout_s=min(60.0, cfg.hang_timeout_s))
+    else:
+        run_loop(run, reporter, obs, start, ckpts)
     ckpts.close()  # an asynchronous save still in flight commits (or fails) before the summary
-    summary = summarize(run, info, obs)
+    summary = {**summarize(run, info, obs), **healed}
+    if healed and mesh.rank == 0:  # summary.json was written by the observer; add what the groups did
+        (obs.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     ckpts.record_resize(summary, obs.run_dir)
     reporter.finish(summary)
     return summary
