@@ -58,7 +58,9 @@ def main() -> int:
     # Late enough that replica 1 has joined replica 0 (it starts seconds later and heals on joining),
     # early enough that replica 0 is still training when the restarted group comes back.
     kill_step = random.Random(args.seed).randint(int(args.steps * 0.35), int(args.steps * 0.5))
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    # join_timeout longer than a step: a group waits for the other live ones to ask for the quorum too,
+    # rather than forming one of its own (two quorums would train apart until one heals).
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000)
     root = Path(tempfile.mkdtemp(prefix="zs-replicas-"))
     t0 = time.monotonic()
     procs = [launch(0, lighthouse.address(), root / "r0", args.steps, None)]

@@ -27,12 +27,13 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     return grad_norm_of(get_engine(model))
 
 
-def grad_norm_of(engine) -> torch.Tensor:
+def grad_norm_of(engine, *, phase: Phase = Phase.CLIP) -> torch.Tensor:
     """``grad_norm`` of an engine; a loss noted to the non-finite guard is folded into its squares,
-    so a non-finite loss on any rank makes the norm non-finite (zeroshard/runtime/guard.py)."""
+    so a non-finite loss on any rank makes the norm non-finite (zeroshard/runtime/guard.py, which
+    computes it under its own ``phase`` when the step did not clip)."""
     total = local_squares(engine)
     guard.fold_loss(engine, total)
-    sum_squares_over_shards(total, engine)
+    sum_squares_over_shards(total, engine, phase=phase)
     return total[0].sqrt().to(torch.float32)
 
 
@@ -90,21 +91,21 @@ def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
     return total
 
 
-def sum_squares_over_shards(total: torch.Tensor, engine) -> None:
+def sum_squares_over_shards(total: torch.Tensor, engine, *, phase: Phase = Phase.CLIP) -> None:
     """``local_squares`` summed over the shard group, tp-sharded params over tp and expert params
     over the expert mesh, in place: ``total[0]`` is then the squared norm over the engine's whole model."""
     if engine.policy.shard_optimizer and engine.mesh.shard_size > 1:
-        collectives.all_reduce(total[:2], group=Group.SHARD, phase=Phase.CLIP, mesh=engine.mesh)
+        collectives.all_reduce(total[:2], group=Group.SHARD, phase=phase, mesh=engine.mesh)
     if engine.mesh.tp_size > 1:
         tp_part = total[1:2].clone()
-        collectives.all_reduce(tp_part, group=Group.TP, phase=Phase.CLIP, mesh=engine.mesh)
+        collectives.all_reduce(tp_part, group=Group.TP, phase=phase, mesh=engine.mesh)
         total[0] += tp_part[0] - total[1]
     experts = engine.mesh.experts
     if experts is not None:
         # Sharded: every rank holds a distinct piece (edp x ep is the world); else only ep differs.
         over = Group.WORLD if engine.policy.shard_optimizer else Group.EP
         expert_part = total[2:3].clone()
-        collectives.all_reduce(expert_part, group=over, phase=Phase.CLIP, mesh=experts)
+        collectives.all_reduce(expert_part, group=over, phase=phase, mesh=experts)
         total[0] += expert_part[0]
 
 

@@ -14,7 +14,7 @@ into every rank's), and every later loss is NaN. The sharded optimizer's ``step`
   that group is not the whole world (DDP, hybrid sharding, tp, pp, experts) a value that went bad
   after the reduction on one rank would be seen there alone, so the flag is max-reduced over the
   world, one 4-byte all-reduce, as the fp16 scaler does. With ZeRO over the whole world the norm
-  itself is that reduction.
+  itself is that reduction. The guard's own collectives are recorded under phase ``guard``.
 
 A skipped step is counted, reported to the engine's event stream (``skip``) and diagnosed: every
 rank's per-unit squared norms of the grad shards it holds are gathered (once, on the bad step only)
@@ -72,6 +72,8 @@ class GuardState:
     reports: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Every skip's diagnosis (step, first rank, first unit), in order."""
     injected_step: int = -1
+    norm_value: float | None = None
+    """The norm as the guard read it on the host this step, for the step's log (no second read)."""
 
 
 _STATES: weakref.WeakKeyDictionary[Any, GuardState] = weakref.WeakKeyDictionary()
@@ -135,13 +137,24 @@ def covers_world(engine: Any) -> bool:
                                and mesh.tp_size == 1 and mesh.pp_size == 1 and mesh.experts is None)
 
 
-def agree(engine: Any, norm: torch.Tensor, *, over_world: bool) -> bool:
+def agree(engine: Any, norm: torch.Tensor, *, over_world: bool, logged: bool) -> bool:
     """Whether the step is bad, the same on every rank: the norm's finiteness, max-reduced over the
-    world unless the norm's reduction already spanned it. One host read."""
-    bad = torch.logical_not(torch.isfinite(norm)).to(torch.float32).reshape(1)
-    if over_world:
-        collectives.all_reduce(bad, op="max", group=Group.WORLD, phase=Phase.CLIP, mesh=engine.mesh)
-    return bool(host_sync.item(bad, "guard.nonfinite", fake_value=0.0))
+    world unless the norm's reduction already spanned it. One host read, which also reads the norm
+    itself: a step that logs its norm (``logged``: clipping computed it) takes it from
+    ``norm_value`` instead of reading it again."""
+    pair = torch.stack([torch.logical_not(torch.isfinite(norm)).to(torch.float32), norm.to(torch.float32)])
+    if over_world:  # the norm is the same on every rank, so its max is itself
+        collectives.all_reduce(pair, op="max", group=Group.WORLD, phase=Phase.GUARD, mesh=engine.mesh)
+    bad, value = host_sync.tolist(pair, "step.grad_norm" if logged else "guard.nonfinite", fake_value=[0.0, 0.0])
+    state_of(engine).norm_value = float(value)
+    return bool(bad)
+
+
+def norm_value(engine: Any) -> float | None:
+    """The grad norm the guard read on the host for the step just taken (once), else None."""
+    st = state_of(engine)
+    value, st.norm_value = st.norm_value, None
+    return value
 
 
 def should_skip(engine: Any) -> bool:
@@ -154,13 +167,13 @@ def should_skip(engine: Any) -> bool:
     if st.decided is not None:
         bad = st.decided
     else:
-        norm = st.norm
+        norm, logged = st.norm, st.norm is not None
         if norm is None:  # no clipping this step: the norm clipping would have computed
             from zeroshard.runtime.clip import grad_norm_of
 
             inject_fault(engine)
-            norm = grad_norm_of(engine)
-        bad = agree(engine, norm, over_world=not covers_world(engine))
+            norm = grad_norm_of(engine, phase=Phase.GUARD)
+        bad = agree(engine, norm, over_world=not covers_world(engine), logged=logged)
     st.norm, st.loss, st.decided = None, None, None
     record(engine, bad)
     return bad
@@ -169,7 +182,7 @@ def should_skip(engine: Any) -> bool:
 def decide_for(engines: list[Any], norm: torch.Tensor) -> bool:
     """One decision for several engines of this rank (a pipeline rank's stages), from their joint
     norm; each engine's ``should_skip`` then returns it without a collective of its own."""
-    bad = agree(engines[0], norm, over_world=True)
+    bad = agree(engines[0], norm, over_world=True, logged=True)
     for engine in engines:
         st = state_of(engine)
         st.norm, st.loss, st.decided = None, None, bad if st.enabled else None
@@ -207,7 +220,7 @@ def diagnose(engine: Any) -> dict[str, Any]:
                 local[i] += group.grad_shard.detach().to(torch.float64).square().sum()
     world = engine.mesh.world
     every = torch.empty(world * len(units), dtype=torch.float64, device=local.device)
-    collectives.all_gather(every, local, group=Group.WORLD, phase=Phase.METRICS, mesh=engine.mesh)
+    collectives.all_gather(every, local, group=Group.WORLD, phase=Phase.GUARD, mesh=engine.mesh)
     rows = host_sync.tolist(every.reshape(world, len(units)), "guard.diagnose")
     bad = [(r, units[i]) for r in range(world) for i in range(len(units)) if not math.isfinite(rows[r][i])]
     first_rank = bad[0][0] if bad else None

@@ -361,8 +361,15 @@ def optimizer_step(model: torch.nn.Module, opt: Any, *, clip: float, scaler: Any
     if before_zero_grad is not None:
         before_zero_grad()
     opt.zero_grad()
-    # The norm is logged on the host: the step's one deliberate sync outside the scaler's check.
-    return None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
+    # The norm is logged on the host: the step's one deliberate sync outside the scaler's check (the
+    # non-finite guard read it with its flag when it decided the step).
+    return None if norm is None else logged_norm(model, norm)
+
+
+def logged_norm(model: torch.nn.Module, norm: torch.Tensor) -> float:
+    """The step's grad norm on the host: as the guard read it, else one read of its own."""
+    value = guard.norm_value(get_engine(model))
+    return value if value is not None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
 
 
 def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, *, accum: int = 1,
@@ -408,7 +415,7 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
     loss_sum = pipe.pp_sum(total)  # only the last stage computed it
     metric_bytes = count.numel() * count.element_size() + loss_sum.element_size()
     run.metric_bytes += metric_bytes
-    grad_norm = None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
+    grad_norm = None if norm is None else logged_norm(run.model, norm)
     return StepOutcome(loss_sum=loss_sum, grad_norm=grad_norm, metric_bytes=metric_bytes)
 
 
