@@ -75,16 +75,18 @@ def main() -> int:
     alone = [r["step"] for r in r0 if r.get("replicas") == 1]
     print(f"run dirs under {root}; exit codes {codes}; {wall:.0f} s wall")
     print(f"replica 1 rank 1 killed at step {kill_step}")
-    print(f"replica 0: {len(r0)} steps committed, {len(alone)} of them alone "
-          f"(steps {alone[:1]}..{alone[-1:]}); changes: {s0.get('replica_changes')}")
+    after_kill = [s for s in alone if s >= kill_step]
+    print(f"replica 0: {len(r0)} steps committed, {len(after_kill)} of them alone after the kill "
+          f"(steps {after_kill[:1]}..{after_kill[-1:]}); changes: {s0.get('replica_changes')}")
     print(f"replica 1: steps in its metrics {len(r1)}; changes: {s1.get('replica_changes')}")
     same = s0.get("params_digest") is not None and s0.get("params_digest") == s1.get("params_digest")
     print(f"final params (rank 0 master shards) bitwise equal across the groups: {same}")
     # Group 0 may itself have joined group 1's first steps (whichever group starts first trains alone until
     # the other joins); from then on its committed steps run without a gap to the end, through the kill.
     steps0 = [r["step"] for r in r0]
-    kept_going = bool(steps0) and steps0 == list(range(steps0[0], args.steps + 1)) and bool(alone) \
-        and alone[0] <= kill_step + 1 and alone == list(range(alone[0], alone[-1] + 1))
+    after = [s for s in alone if s >= kill_step]  # alone from the kill until group 1 came back
+    kept_going = bool(steps0) and steps0 == list(range(steps0[0], args.steps + 1)) and bool(after) \
+        and after[0] <= kill_step + 1 and after == list(range(after[0], after[-1] + 1))
     print(f"replica 0 kept committing steps through the kill and while replica 1 was down: {kept_going}")
     ok = codes == [0, 0] and kept_going and same
     print("OK" if ok else "FAILED (see the replica logs in the run dirs' parent)")

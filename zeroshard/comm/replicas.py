@@ -54,11 +54,20 @@ class Replicas:
 
         self.replica = replica_index()
         timeout = timedelta(seconds=timeout_s)
+        host, port = self._fresh_store(rank)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, state_dict=state_dict,
             load_state_dict=load_state_dict, use_async_quorum=False, replica_id=f"replica{self.replica}",
-            rank=rank, world_size=world, timeout=timeout, quorum_timeout=timeout,
+            rank=rank, world_size=world, store_addr=host, store_port=port, timeout=timeout, quorum_timeout=timeout,
             init_sync=False)  # every group builds the same weights from the same seed
+
+    def _fresh_store(self, rank: int) -> tuple[str, int]:
+        """A store of this attempt's own for the Manager's keys. torchrun's store outlives a restart,
+        and a restarted rank could read the address the killed attempt's Manager wrote there."""
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+        port = self._store.port if self._store is not None else None
+        return host, int(collectives.all_gather_object(port, phase="init")[0])
 
     def start_step(self) -> None:
         """Join this step's quorum; a group behind the others takes the live state first."""
