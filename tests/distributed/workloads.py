@@ -75,8 +75,9 @@ def global_mean_loss(loss_sum: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def training_records(ledger, start: int):
-    """The ledger's records since ``start``, less the step's own metric all-reduce (the token count)."""
-    return [r for r in ledger.since(start) if r.phase != step.METRICS_PHASE]
+    """The ledger's records since ``start``, less the step's own metric all-reduce (the token count)
+    and the non-finite guard's flag (runtime/guard.py): what the engine itself sends."""
+    return [r for r in ledger.since(start) if r.phase not in (step.METRICS_PHASE, "guard")]
 
 
 def sharded_run(stage: int, steps: int, global_batch: int, **shard_kwargs) -> dict:

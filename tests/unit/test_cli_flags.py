@@ -499,14 +499,18 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
         "backward_prefetch_at": "0.25", "max_inflight_reductions": "1",
         "pp": "2", "pp_schedule": "gpipe", "microbatches": "4", "pp_stages_per_rank": "2",
         "tokenizer": "tok", "packing": "off", "eval_data": "held-out.jsonl", "pp_blocks": "blocks",
+        "max_bad_steps": "2", "rollback_window": "5", "skip_from": "runs/x", "replicas": "2",
     }
     switches = {"reshard_after_forward": "--no-reshard-after-forward", "reap_when_done": "--no-reap-when-done",
                 "check_schedule": "--check-schedule", "allow_cross_host": "--allow-cross-host",
                 "compile": "--compile", "dropout": "--no-dropout", "save_async": "--save-async",
-                "profile": "--no-profile", "trace": "--trace", "doc_mask": "--doc-mask"}
+                "profile": "--no-profile", "trace": "--trace", "doc_mask": "--doc-mask",
+                "skip_nonfinite": "--no-skip-nonfinite"}
+    switch_needs = {"replica_recovery": ["--replicas", "2"]}
     needs = {"offload_dir": (["--offload", "disk"], "/tmp/zs-offload"), "comm_quant": (["--stage", "3"], "weights"),
              "offload_slice_mb": (["--offload", "disk", "--offload-dir", "/tmp/zs-offload"], "8"),
              "save_every": (["--ckpt-dir", "ckpt"], "10"),
+             "rollback_on_spike": (["--save-every", "2", "--ckpt-dir", "ckpt"], "3"),
              "ep": (["--model", "tiny-moe", "--nproc", "4"], "2"),
              "cp": (["--nproc", "4"], "2"), "cp_attention": (["--nproc", "4", "--cp", "2"], "ulysses"),
              "pp_grad_reduce": (["--pp", "2", "--stage", "2"], "microbatch"),
@@ -533,11 +537,18 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                      "--packing": [(plus(t, "--packing", "maybe"), None, REFUSED)],
                                      "--eval-every": [(plus(t, "--eval-every", "5"), None, REFUSED)],
                                      "--eval-data": [(plus(t, "--pp", "2", "--eval-data", "held-out.jsonl"), None,
-                                                      REFUSED)]}
+                                                      REFUSED)],
+                                     # no checkpoint to roll back to; no replica to recover
+                                     "--rollback-on-spike": [(plus(t, "--rollback-on-spike", "3"), None, REFUSED)],
+                                     "--replica-recovery": [(plus(t, "--replica-recovery"), None, REFUSED),
+                                                            (plus(t, "--replicas", "2", "--tp", "2", "--replica-recovery"),
+                                                             None, REFUSED)]}
     for name in field_names():
         flag = "--" + name.replace("_", "-")
         if name in switches:
             entry: Entry = (plus(t, switches[name]), t, CHANGES)
+        elif name in switch_needs:
+            entry = (plus(t, *switch_needs[name], flag), plus(t, *switch_needs[name]), CHANGES)
         elif name in needs:
             companions, value = needs[name]
             entry = (plus(t, *companions, flag, value), plus(t, *companions), CHANGES)

@@ -103,6 +103,19 @@ class TrainingCheckpoints:
             raise CheckpointError(refusal)
         return None if path is None else Path(path)
 
+    def newest_verified(self) -> Path | None:
+        """The newest checkpoint in ``ckpt_dir`` that verifies, the same on every rank (collective); a
+        spike rollback's target."""
+        picked: tuple[str | None, str | None] = (None, None)
+        if self.run.mesh.rank == 0:
+            picked = search(self.run.cfg.ckpt_dir, FRESH_OK, lambda line: None)
+        path, _ = collectives.all_gather_object(picked, phase="checkpoint")[0]
+        return None if path is None else Path(path)
+
+    def restore(self, path: Path) -> int:
+        """Load ``path`` into the running run (collective), as a resume does; the step it holds."""
+        return self._load(path)
+
     def _load(self, path: Path) -> int:
         run, cfg = self.run, self.run.cfg
         model, opt = saved_state(run)

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from zeroshard.comm import fault_points as fault_points
 from zeroshard.comm.topology import placement_text
+from zeroshard.observing.heal_view import summary_rows
 from zeroshard.cli.typed_flags import add_typed_flag
 from zeroshard.trainer.config_checks import check_runnable
 from zeroshard.trainer.config import (TrainConfig, field_help, field_names, field_section, field_type, load_toml, merge_config,
@@ -156,6 +157,9 @@ class RichReporter:
                 self.task, advance=1, loss=f"{rec.loss:.4f}", tps=f"{rec.tokens_per_s:,.0f}",
                 ms=f"{rec.step_time_s * 1e3:.0f}",
             )
+        if getattr(rec, "skipped", False):
+            self.console.print(f"step {rec.step:>5}/{self.info['steps']}  skipped on every rank: the loss or the grad "
+                               "norm is not finite (RUN_DIR/nonfinite.json names the rank and unit)", highlight=False)
         self.window.append(rec.loss)
         if rec.step % self.log_every == 0 or rec.step == 1 or rec.step == self.info["steps"]:
             # The mean since the last line: a single batch's loss is too noisy to compare with
@@ -225,6 +229,7 @@ def summary_table(s: dict[str, Any]) -> Table:
     ]
     if s["skipped_steps"]:
         rows.append(("steps skipped (fp16 overflow)", str(s["skipped_steps"])))
+    rows += summary_rows(s)  # skipped steps, rollbacks, replica changes
     if s.get("profile"):
         from zeroshard.observing.profile.render import profile_rows
 

@@ -12,8 +12,15 @@ middle of a save. The points and their variables:
   halfway through writing its file for the checkpoint of step S, as a node dying mid-save would;
   with ``attempt``, only in that torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a
   restarted group gets past it;
+- ``train.kill`` (``ZEROSHARD_KILL_FAULT="rank=R,step=S[,attempt=A]"``): rank R SIGKILLs itself at the
+  start of step S, as a lost node; with ``attempt``, only in that torchrun restart attempt;
 - ``tune.build`` (``ZEROSHARD_TUNE_FAULT=NAME``): every rank raises while building the tune
   candidate called NAME, so a failed candidate is reported and the search goes on;
+- ``grad.nonfinite`` (``ZEROSHARD_GRAD_FAULT="rank=R,step=S[,unit=U][,count=K]"``): a NaN written into
+  rank R's grad shard of unit U (its first unit holding grads by default) at steps S..S+K-1, where
+  the non-finite guard first reads the step's grads (zeroshard/runtime/guard.py);
+- ``train.spike`` (``ZEROSHARD_SPIKE_FAULT="step=S[,factor=F]"``): the loss of step S reads F times
+  (1000 by default) what it was, once per process, for the spike rollback (zeroshard/trainer/heal.py);
 - ``comm.unit`` (``ZEROSHARD_COMM_FAULT="kind=K,rank=R,step=S,unit=U[,other=V]"``): a collective
   fault armed on a module of the model, see zeroshard/comm/faults.py for the kinds.
 """
@@ -53,7 +60,13 @@ POINTS: dict[str, Point] = {
     "train.step": Point(env="ZEROSHARD_FAULT", example="rank=1,step=3", required=("rank", "step")),
     "ckpt.write": Point(env="ZEROSHARD_CKPT_FAULT", example="rank=1,step=4", required=("rank", "step"),
                         optional=("attempt",), ints=("rank", "step", "attempt")),
+    "train.kill": Point(env="ZEROSHARD_KILL_FAULT", example="rank=1,step=7,attempt=0", required=("rank", "step"),
+                        optional=("attempt",), ints=("rank", "step", "attempt")),
     "tune.build": Point(env="ZEROSHARD_TUNE_FAULT", example="stage3-prefetch1", raw="candidate"),
+    "grad.nonfinite": Point(env="ZEROSHARD_GRAD_FAULT", example="rank=1,step=5,unit=blocks.0",
+                            required=("rank", "step"), optional=("unit", "count"), ints=("rank", "step", "count")),
+    "train.spike": Point(env="ZEROSHARD_SPIKE_FAULT", example="step=8", required=("step",), optional=("factor",),
+                         ints=("step",)),
     "comm.unit": Point(env="ZEROSHARD_COMM_FAULT", example="kind=raise,rank=1,step=2,unit=blocks.2",
                        required=("kind", "rank", "step", "unit"), optional=("other",), check=_check_comm),
 }
@@ -140,7 +153,7 @@ def point(name: str, **where: Any) -> None:
     if any(where.get(k) != v for k, v in spec.items()):
         return
     env = POINTS[name].env
-    if name == "ckpt.write":
+    if name in ("ckpt.write", "train.kill"):
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: as a node dying mid-write
     at = ", ".join(f"{k} {v}" for k, v in where.items())
     raise RuntimeError(f"injected fault ({env}) at {name}: {at}")

@@ -72,6 +72,10 @@ class Phase(_Name):
     INIT = "init"
     CLIP = "clip"
     GRAD_SCALER = "grad_scaler"
+    GUARD = "guard"
+    """The non-finite guard's own traffic (zeroshard/runtime/guard.py): the norm it computes when the
+    step did not clip, its flag where the norm's reduction does not span the world, and the diagnosis
+    of a bad step. Not part of the step schedule, like the scaler's flag and the metrics."""
     STATE_DICT = "state_dict"
     EXPORT = "export"
     CHECKPOINT = "checkpoint"

@@ -260,6 +260,18 @@ class Observer:
         self._begin()
         return record
 
+    def rewind(self, step: int) -> None:
+        """Continue after step ``step`` again (a rollback reloaded its checkpoint): the records past it
+        leave ``records`` and metrics.jsonl, so each step appears once, and the next one is ``step + 1``."""
+        from zeroshard.checkpoint.training import open_metrics
+
+        self.records = [r for r in self.records if r["step"] <= step]
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = open_metrics(self.run_dir / "metrics.jsonl", step)
+        self._next = step
+        self._begin()
+
     # -- end of run ---------------------------------------------------------------------------
     def summary(self, exclude_bytes: int = 0) -> dict[str, Any]:
         """Figures over the steps taken (the first, warm-up step left out of the timing when there are

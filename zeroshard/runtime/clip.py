@@ -7,6 +7,7 @@ from torch import nn
 
 from zeroshard.comm import collectives, host_sync
 from zeroshard.comm.names import Group, Phase
+from zeroshard.runtime import guard
 from zeroshard.runtime.engine import get_engine
 from zeroshard.runtime.tp import tp_sharded_ranges
 
@@ -23,9 +24,16 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     shard group (the ranks holding the same experts, when sharded) and its ep group (the other
     experts), so each expert element is counted once, next to each dense one.
     """
-    engine = get_engine(model)
+    return grad_norm_of(get_engine(model))
+
+
+def grad_norm_of(engine, *, phase: Phase = Phase.CLIP) -> torch.Tensor:
+    """``grad_norm`` of an engine; a loss noted to the non-finite guard is folded into its squares,
+    so a non-finite loss on any rank makes the norm non-finite (zeroshard/runtime/guard.py, which
+    computes it under its own ``phase`` when the step did not clip)."""
     total = local_squares(engine)
-    sum_squares_over_shards(total, engine)
+    guard.fold_loss(engine, total)
+    sum_squares_over_shards(total, engine, phase=phase)
     return total[0].sqrt().to(torch.float32)
 
 
@@ -83,28 +91,32 @@ def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
     return total
 
 
-def sum_squares_over_shards(total: torch.Tensor, engine) -> None:
+def sum_squares_over_shards(total: torch.Tensor, engine, *, phase: Phase = Phase.CLIP) -> None:
     """``local_squares`` summed over the shard group, tp-sharded params over tp and expert params
     over the expert mesh, in place: ``total[0]`` is then the squared norm over the engine's whole model."""
     if engine.policy.shard_optimizer and engine.mesh.shard_size > 1:
-        collectives.all_reduce(total[:2], group=Group.SHARD, phase=Phase.CLIP, mesh=engine.mesh)
+        collectives.all_reduce(total[:2], group=Group.SHARD, phase=phase, mesh=engine.mesh)
     if engine.mesh.tp_size > 1:
         tp_part = total[1:2].clone()
-        collectives.all_reduce(tp_part, group=Group.TP, phase=Phase.CLIP, mesh=engine.mesh)
+        collectives.all_reduce(tp_part, group=Group.TP, phase=phase, mesh=engine.mesh)
         total[0] += tp_part[0] - total[1]
     experts = engine.mesh.experts
     if experts is not None:
         # Sharded: every rank holds a distinct piece (edp x ep is the world); else only ep differs.
         over = Group.WORLD if engine.policy.shard_optimizer else Group.EP
         expert_part = total[2:3].clone()
-        collectives.all_reduce(expert_part, group=over, phase=Phase.CLIP, mesh=experts)
+        collectives.all_reduce(expert_part, group=over, phase=phase, mesh=experts)
         total[0] += expert_part[0]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale the gradient shards so the global norm is at most ``max_norm``; return the norm before clipping."""
-    norm = grad_norm(model)
-    scale_grad_shards(get_engine(model).trainable_groups, norm, max_norm)
+    """Scale the gradient shards so the global norm is at most ``max_norm``; return the norm before clipping.
+    The norm is also the non-finite guard's flag: the optimizer's step skips when it is not finite."""
+    engine = get_engine(model)
+    guard.inject_fault(engine)  # ZEROSHARD_GRAD_FAULT, for the guard's tests; else nothing
+    norm = grad_norm_of(engine)
+    guard.note_norm(engine, norm)
+    scale_grad_shards(engine.trainable_groups, norm, max_norm)
     return norm
 
 
@@ -114,6 +126,9 @@ def scale_grad_shards(groups, norm: torch.Tensor, max_norm: float) -> None:
     a CPU tensor cannot be multiplied by a CUDA one, only the reverse."""
     # Same arithmetic as torch.nn.utils.clip_grad_norm_: always multiply by the clamped coefficient.
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # A non-finite norm leaves the grads as they are: the guard skips that step, and its diagnosis
+    # must find the non-finite values where they arose, not spread over every shard by a NaN coefficient.
+    coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
     host_coef: float | None = None
     for group in groups:
         grad = group.grad_shard

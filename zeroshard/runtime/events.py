@@ -17,6 +17,8 @@ thread, at each of these moments (``EventKind``):
 - ``reduce_done``: the engine finished that reduction (waited on it, averaged it, freed its
   buffers); ``bytes`` is the grad shard it left for the optimizer.
 - ``step``: the sharded optimizer stepped; ``unit`` is empty, ``bytes`` this rank's master values.
+- ``skip``: the non-finite guard skipped this optimizer step on every rank (zeroshard/runtime/guard.py);
+  ``unit`` is the first unit found holding a non-finite grad ("" for a non-finite loss), ``bytes`` 0.
 - ``compute_begin`` / ``compute_end``: under pp, the engine's pipeline stage started / finished one
   microbatch's compute (zeroshard/parallel/pipeline/stage.py); ``unit`` is the stage and microbatch
   (``stage1.mb3``, the ledger's unit for its sends and receives), ``phase`` "forward", "backward"
@@ -52,6 +54,7 @@ class EventKind(enum.Enum):
     REDUCE_LAUNCHED = "reduce_launched"
     REDUCE_DONE = "reduce_done"
     STEP = "step"
+    SKIP = "skip"
     COMPUTE_BEGIN = "compute_begin"
     COMPUTE_END = "compute_end"
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.runtime import guard
 from zeroshard.runtime.offload.stepper import SlicedStep
 from zeroshard.runtime.engine import Engine, find_engine, get_engine
 from zeroshard.runtime.events import EventKind
@@ -106,6 +107,8 @@ def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
     def step(self, closure=None):
         state = self.zeroshard_state
         loss = None
+        if closure is None and guard.should_skip(state.engine):  # a non-finite step: every rank skips it
+            return None
         if state.pipeline is None or closure is not None:
             state.segments.attach_grads()
             sliced = state.sliced_step
@@ -138,6 +141,8 @@ def _sharded_parts_class(optim_cls: type[torch.optim.Optimizer]) -> type:
         if state.engine.store is not None:  # offload: the host step reads grads the device copies down
             state.engine.finish_reductions()
             state.engine.wait_host_copies()
+        if guard.should_skip(state.engine):  # a non-finite step: every rank skips it
+            return loss
         state.segments.attach_grads()
         # Owners first: its exchange reads every grad shard, so all reductions are done by then.
         state.per_tensor.load_whole()

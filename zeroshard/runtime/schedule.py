@@ -45,7 +45,8 @@ reaps the ones the backend reports done), but finishing then issues no collectiv
 sequence of collectives does not. Tensor parallelism's per-block all-reduces (DTensor's, sized by
 the caller: ``TensorParallelSizes``) come in their own order, at stage 3 also in place among the
 gathers and reductions. What is not modelled: sequence parallelism, the fp16 grad scaler's
-overflow all-reduce, the step's own token-count all-reduce
+overflow all-reduce, the non-finite guard's own collectives (runtime/guard.py, phase "guard"), the
+step's own token-count all-reduce
 (zeroshard/trainer/step.py, phase "metrics"), units that run on some ranks only, and a forward order
 that differs from the module order under checkpointing.
 """

@@ -28,9 +28,9 @@ from zeroshard.models.names import HF_MODEL_NAMES, MODEL_NAMES, MOE_MODEL_NAMES
 from zeroshard.runtime.docstrings import field_docs
 from zeroshard.runtime.options import KNOB_NAMES, KNOBS, EngineOptions
 from zeroshard.trainer.sections import (COMPILE_BACKENDS, FLAT, SECTIONS, WARMUP_SHAPES, CheckpointSection,
-                                        CommSection, CompileSection, DataSection, EvalSection, LoraSection, ObserveSection,
-                                        OptimSection, ParallelSection, PipelineSection, check_types, check_values,
-                                        flat_name)
+                                        CommSection, CompileSection, DataSection, EvalSection, HealSection, LoraSection,
+                                        ObserveSection, OptimSection, ParallelSection, PipelineSection, check_types,
+                                        check_values, flat_name)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -106,6 +106,7 @@ class TrainConfig:
     observe: ObserveSection = dataclasses.field(default_factory=ObserveSection)
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    heal: HealSection = dataclasses.field(default_factory=HealSection)
 
     def __init__(self, **values: Any) -> None:
         tables = _split(values)
@@ -190,6 +191,7 @@ class TrainConfig:
         if self.eval.data is not None and dims.pp > 1:
             raise ValueError("eval_data needs pp=1 (held-out loss through a pipeline is not written yet); "
                              "drop --eval-data or use pp=1")
+        self.heal.check_with(self.checkpoint, dims)
         # Tensor-parallel ranks share a batch: it is split over the data-parallel ranks only.
         check_batch_split(self.data.batch, dims.dp, self.optim.accum)
 

@@ -317,6 +317,10 @@ class GlobalBatchSampler:
 
     ``state_dict()`` is in global terms (epoch, step), so a checkpoint can resume at a
     different world size and still see the same global batches.
+
+    ``skip`` holds global batches, as (epoch, index in the epoch), that are passed over when they come
+    up: the data window a spike rollback left out (zeroshard/trainer/heal.py). It is saved with the
+    state, so a resumed run leaves them out too, and a rerun given them sees the same batches.
     """
 
     def __init__(
@@ -356,6 +360,7 @@ class GlobalBatchSampler:
         self._step = 0  # index of the next global batch within the epoch
         self._perm: list[int] | None = None
         self._perm_epoch = -1
+        self.skip: set[tuple[int, int]] = set()
 
     @property
     def local_batch(self) -> int:
@@ -384,8 +389,19 @@ class GlobalBatchSampler:
         assert self._perm is not None
         return self._perm
 
+    def _advance(self) -> None:
+        self._step += 1
+        if self._step == self.steps_per_epoch:
+            self._epoch += 1
+            self._step = 0
+
+    def _pass_skipped(self) -> None:
+        while (self._epoch, self._step) in self.skip:
+            self._advance()
+
     def global_indices(self) -> list[int]:
-        """The whole global batch ``next_indices`` will slice next, without advancing."""
+        """The whole global batch ``next_indices`` will slice next, without advancing (past a skipped one)."""
+        self._pass_skipped()
         start = self._step * self.global_batch
         return self._permutation()[start : start + self.global_batch]
 
@@ -393,20 +409,28 @@ class GlobalBatchSampler:
         """This rank's sample indices for the next step; rolls into the next epoch."""
         lo = self.rank * self.local_batch
         out = self.global_indices()[lo : lo + self.local_batch]
-        self._step += 1
-        if self._step == self.steps_per_epoch:
-            self._epoch += 1
-            self._step = 0
+        self._advance()
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {
+    def skip_next(self) -> tuple[int, int, list[int]]:
+        """Pass over the next global batch and keep it skipped: (epoch, index, its sample indices)."""
+        samples = self.global_indices()
+        where = (self._epoch, self._step)
+        self.skip.add(where)
+        self._advance()
+        return where[0], where[1], samples
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "seed": self.seed,
             "epoch": self._epoch,
             "step": self._step,
             "global_batch": self.global_batch,
             "num_samples": self.num_samples,
         }
+        if self.skip:
+            out["skip"] = [list(p) for p in sorted(self.skip)]
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Continue exactly where ``sd`` left off; world and rank may differ, batches may not."""
@@ -434,6 +458,7 @@ class GlobalBatchSampler:
         self._epoch = int(sd["epoch"])
         self._step = int(sd["step"])
         self._perm_epoch = -1
+        self.skip |= {(int(e), int(i)) for e, i in sd.get("skip", [])}
 
 
 def collate(dataset: TokenDataset, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -496,11 +496,73 @@ class EvalSection:
             raise ValueError(f"eval_every={self.every} needs held-out data: pass --eval-data PATH")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealSection:
+    """[heal]: what the run does about a bad step, a loss spike and a lost replica."""
+
+    TABLE: ClassVar[str] = "heal"
+    FLAT: ClassVar[dict[str, str]] = {}
+
+    skip_nonfinite: bool = True
+    """Skip, on every rank, a step whose loss or global grad norm is not finite (one flag all ranks
+    agree on; zeroshard/runtime/guard.py): counted, logged, and diagnosed (first rank, first unit)."""
+
+    max_bad_steps: int = 5
+    """Stop after this many consecutive skipped steps, writing RUN_DIR/nonfinite.json (the step, the
+    first rank and the first unit whose grads went non-finite; `zeroshard doctor RUN_DIR` shows it);
+    0 never stops."""
+
+    rollback_on_spike: float = 0.0
+    """Roll back when a step's loss exceeds this many times the mean of the `rollback_window` steps
+    before it: reload the last verified checkpoint and skip the batches from it up to the spike,
+    recording them in RUN_DIR/rollbacks.jsonl and in later checkpoints. Needs checkpointing
+    (save_every and ckpt_dir). 0 is off."""
+
+    rollback_window: int = 20
+    """Steps of recent losses a spike is measured against."""
+
+    skip_from: str | None = None
+    """A rollbacks.jsonl (or the run dir holding one) whose skipped batches this run skips too, so a
+    rerun reproduces a run that rolled back."""
+
+    replica_recovery: bool = False
+    """Keep training on the healthy replica groups when a rank of one dies, and let its replacement take
+    the live state from a peer of its shard position, without a checkpoint (torchft; docs/heal.md).
+    Each of the `replicas` groups is its own torchrun job (REPLICA_GROUP_ID=i, TORCHFT_LIGHTHOUSE=addr),
+    sharding over its own ranks."""
+
+    replicas: int = 1
+    """Replica groups `replica_recovery` trains with (each its own torchrun job); the global batch is
+    split over all of their data-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _at_least(self, 0, "max_bad_steps", note=" (0 never stops)")
+        _at_least(self, 0, "rollback_on_spike", note=" (0 disables it)")
+        _at_least(self, 1, "rollback_window", "replicas")
+        if 0 < self.rollback_on_spike <= 1:
+            raise ValueError(f"rollback_on_spike={self.rollback_on_spike} must be > 1 (a multiple of the recent "
+                             "mean loss), or 0 to disable it")
+
+    def check_with(self, checkpoint: CheckpointSection, dims: ParallelDims) -> None:
+        """What this section needs of the others: checkpoints to roll back to, replicas to recover."""
+        replicas = self.replicas if self.replica_recovery else dims.replicate
+        if self.rollback_on_spike and not (checkpoint.every and checkpoint.dir):
+            raise ValueError(f"rollback_on_spike={self.rollback_on_spike} rolls back to the last checkpoint, but "
+                             "none is saved: pass --save-every N --ckpt-dir DIR")
+        if self.replica_recovery and replicas < 2:
+            raise ValueError(f"replica_recovery=True needs replicas, but this run has {replicas}: pass --replicas N "
+                             "(N >= 2 replica groups, each its own torchrun job; docs/heal.md)")
+        if self.replica_recovery and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or dims.replicate > 1):
+            raise ValueError("replica_recovery=True shards each replica group over its own ranks: use tp=1, pp=1, "
+                             "ep=1 and no shard_size (the groups are the replicas)")
+
+
 LOGGERS = ("tensorboard", "wandb")
 """The experiment loggers `log` names (zeroshard/observe/loggers.py writes to them)."""
 
 SECTIONS: tuple[type, ...] = (DataSection, OptimSection, ParallelSection, PipelineSection, CommSection,
-                              CompileSection, CheckpointSection, ObserveSection, LoraSection, EvalSection)
+                              CompileSection, CheckpointSection, ObserveSection, LoraSection, EvalSection, HealSection)
 """Every section but the engine's (the runtime's own EngineOptions, its knobs flat in [engine])."""
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -28,6 +28,8 @@ from zeroshard.runtime import (
     no_sync,
     shard as zs_shard,
 )
+from zeroshard.runtime import guard
+from zeroshard.runtime.engine import get_engine
 from zeroshard.runtime.materialize import meta_init
 from zeroshard.comm import faults, host_sync
 from zeroshard.comm.collectives import all_reduce
@@ -37,6 +39,7 @@ from zeroshard.trainer.config import TrainConfig, check_batch_split
 from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, data_tokenizer
 from zeroshard.trainer.optimizers import BETAS, sharded_optimizer  # noqa: F401 (BETAS: the tools read it here)
 from zeroshard.trainer import adapter
+from zeroshard.trainer.heal import load_skips
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.observing.profile.timeline import phase
 from zeroshard.runtime.precision import parse_dtype
@@ -79,6 +82,8 @@ class Run:
     """A zeroshard.observing.profile.step.StepProfiler, or None when profiling is off."""
     eval_data: Any = None
     """The held-out rows `eval.data` names (read as the training data is), or None."""
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    """Each spike rollback taken (zeroshard/trainer/heal.py), as written to RUN_DIR/rollbacks.jsonl."""
     pipeline: Any = None
     """With pp > 1, the zeroshard.parallel.pipeline.Pipeline of this rank's stages; `model` is then its first
     stage module and `opt` / `scheduler` drive one per stage."""
@@ -199,14 +204,41 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     shard_model(cfg, model, **{"mesh": mesh, **shard_overrides})
     faults.install(model, mesh.rank)  # ZEROSHARD_COMM_FAULT, for the watchdog/doctor tests; else nothing
     opt = sharded_optimizer(cfg.optimizer, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    configure_guard(cfg, [model])
     scaler = zs_ShardedGradScaler(model) if cfg.mp == "fp16" else None
     # Tensor-parallel ranks (zs.init(tp=N)) share a batch: data is split over the data-parallel ranks only.
-    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
+    sampler = make_sampler(cfg, dataset, mesh)
     return Run(
         cfg=cfg, mesh=mesh, model=model, opt=opt, scheduler=make_scheduler(cfg, opt), scaler=scaler,
         dataset=dataset, sampler=sampler, model_cfg=getattr(model, "cfg", None), num_params=num_params,
         eval_data=build_data(cfg, cfg.eval.data) if cfg.eval.data is not None else None,
     )
+
+
+def make_sampler(cfg: TrainConfig, dataset: Any, mesh: Any) -> GlobalBatchSampler:
+    """This rank's sampler; `skip_from` passes over the batches a rolled-back run skipped."""
+    from zeroshard.comm.replicas import replica_index
+
+    world, rank = mesh.dp_size, mesh.dp_rank
+    if cfg.replica_recovery:  # the replica groups split the global batch too (zeroshard/trainer/replicas.py)
+        world, rank = cfg.replicas * world, replica_index() * world + rank
+    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=world, rank=rank, seed=cfg.seed)
+    if cfg.skip_from is not None:
+        sampler.skip |= load_skips(cfg.skip_from)
+    return sampler
+
+
+def configure_guard(cfg: TrainConfig, modules: Sequence[torch.nn.Module]) -> None:
+    """The non-finite guard of each engine (zeroshard/runtime/guard.py): on unless `skip_nonfinite` is
+    off, stopping after `max_bad_steps` consecutive skips with its report in the run dir."""
+    for module in modules:
+        guard.configure(get_engine(module), enabled=cfg.skip_nonfinite, max_bad_steps=cfg.max_bad_steps,
+                        report_dir=cfg.run_dir)
+
+
+def skipped(model: torch.nn.Module) -> bool:
+    """Whether the non-finite guard skipped the step just taken (on every rank alike)."""
+    return guard.state_of(get_engine(model)).skipped
 
 
 class Each:
@@ -275,7 +307,8 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
         adapter.after_shard(module, whole=model, tied=pipe.tied_copies)
     pipe.check_batch(cfg.batch // mesh.dp_size // cfg.accum)
     opts = [sharded_optimizer(cfg.optimizer, module, lr=cfg.lr, weight_decay=cfg.weight_decay) for module in pipe.modules]
-    sampler = GlobalBatchSampler(len(dataset), cfg.batch, world=mesh.dp_size, rank=mesh.dp_rank, seed=cfg.seed)
+    configure_guard(cfg, pipe.modules)
+    sampler = make_sampler(cfg, dataset, mesh)
     # fp16: one scaler over all of this rank's stages, its overflow flag agreed over the world (every pp rank).
     scaler = zs_ShardedGradScaler(pipe.modules) if cfg.mp == "fp16" else None
     return Run(cfg=cfg, mesh=mesh, model=pipe.modules[0], opt=Each(opts),
@@ -341,14 +374,22 @@ def optimizer_step(model: torch.nn.Module, opt: Any, *, clip: float, scaler: Any
         scaler.step(opt)
         scaler.update()
     else:
-        opt.step()
-    if scheduler is not None:
+        opt.step()  # skipped on every rank when the loss or the grad norm is not finite (runtime/guard.py)
+    # A step the guard skipped leaves the LR schedule where it was: as if its batch had never come.
+    if scheduler is not None and (scaler is not None or not skipped(model)):
         scheduler.step()
     if before_zero_grad is not None:
         before_zero_grad()
     opt.zero_grad()
-    # The norm is logged on the host: the step's one deliberate sync outside the scaler's check.
-    return None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
+    # The norm is logged on the host: the step's one deliberate sync outside the scaler's check (the
+    # non-finite guard read it with its flag when it decided the step).
+    return None if norm is None else logged_norm(model, norm)
+
+
+def logged_norm(model: torch.nn.Module, norm: torch.Tensor) -> float:
+    """The step's grad norm on the host: as the guard read it, else one read of its own."""
+    value = guard.norm_value(get_engine(model))
+    return value if value is not None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
 
 
 def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, *, accum: int = 1,
@@ -358,6 +399,7 @@ def one_step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
     """One optimizer step of a `zs.shard` model on this rank's slice (`x`, `y`) of the global batch."""
     loss_sum, metric_bytes = accumulate_gradients(model, x, y, accum=accum, scaler=scaler, micro=micro,
                                                   positions=positions)
+    guard.note_loss(get_engine(model), loss_sum)  # a non-finite loss on any rank skips the step too
     with phase("optimizer"):
         norm = optimizer_step(model, opt, clip=clip, scaler=scaler, scheduler=scheduler,
                               before_zero_grad=before_zero_grad)
@@ -385,13 +427,17 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
             scaler.step(run.opt)
             scaler.update()
         else:
+            # One non-finite flag for every stage of every pp rank, from the whole model's norm.
+            if cfg.skip_nonfinite:
+                guard.decide_for([get_engine(m) for m in pipe.modules], norm if norm is not None else pipe.grad_norm())
             run.opt.step()
-        run.scheduler.step()
+        if scaler is not None or not skipped(run.model):
+            run.scheduler.step()
         run.opt.zero_grad()
     loss_sum = pipe.pp_sum(total)  # only the last stage computed it
     metric_bytes = count.numel() * count.element_size() + loss_sum.element_size()
     run.metric_bytes += metric_bytes
-    grad_norm = None if norm is None else float(host_sync.item(norm, "step.grad_norm", fake_value=0.0))
+    grad_norm = None if norm is None else logged_norm(run.model, norm)
     return StepOutcome(loss_sum=loss_sum, grad_norm=grad_norm, metric_bytes=metric_bytes)
 
 

@@ -42,6 +42,7 @@ from zeroshard.trainer.optimizers import plain_optimizers
 from zeroshard.trainer import adapter
 from zeroshard.runtime import get_engine
 from zeroshard.trainer import step as step_mod
+from zeroshard.trainer.heal import SpikeWatch, heal_summary, injected_spike, rollback
 from zeroshard.trainer.step import (  # noqa: F401 - re-exported: callers import the run's parts from here
     BETAS, IGNORE_INDEX, METRICS_PHASE, META_INIT_THRESHOLD, Run, build_data, build_model, lr_at, make_scheduler,
     mixed_precision, use_meta_init,
@@ -84,6 +85,8 @@ class StepRecord:
     tokens: int
     tokens_per_s: float
     loss_scale: float | None = None
+    skipped: bool = False
+    """The non-finite guard skipped this step's update on every rank (zeroshard/runtime/guard.py)."""
     profile: dict[str, Any] | None = None
     """This step's time breakdown, communication, memory and MFU (zeroshard/observing/profile/step.py)."""
     eval: dict[str, float] | None = None
@@ -121,13 +124,13 @@ def train_step(run: Run, step: int) -> StepRecord:
         positions = None if positions is None else positions.to(run.mesh.device)
     out = step_mod.step(run, x, y, positions=positions)
     loss_sum, norm = out.loss_sum, out.grad_norm
-    mean_loss = average_token_loss(run, loss_sum, y)
+    mean_loss = injected_spike(average_token_loss(run, loss_sum, y), step + 1)  # ZEROSHARD_SPIKE_FAULT, else as is
     dt = time.perf_counter() - t0
     tokens = cfg.batch * cfg.seq_len
     return StepRecord(
         step=step + 1, loss=mean_loss, lr=lr, grad_norm=norm,
         step_time_s=dt, tokens=tokens, tokens_per_s=tokens / dt if dt > 0 else 0.0,
-        loss_scale=None if run.scaler is None else run.scaler.get_scale(),
+        loss_scale=None if run.scaler is None else run.scaler.get_scale(), skipped=step_mod.skipped(run.model),
     )
 
 
@@ -147,7 +150,9 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
     attached) records each step; without one the steps only reach `reporter`. `ckpts` saves
     every `cfg.save_every` steps (one is made when not given)."""
     ckpts = TrainingCheckpoints(run) if ckpts is None else ckpts
-    for step in range(start, run.cfg.steps):
+    watch = SpikeWatch(run.cfg.rollback_on_spike, run.cfg.rollback_window)
+    step = start
+    while step < run.cfg.steps:
         zs_ledger().step = step + 1  # stamped on every collective of the step, for the doctor
         rec = train_step(run, step)
         result = evaluate_if_due(run, step + 1)
@@ -162,8 +167,16 @@ def run_loop(run: Run, reporter: Reporter, obs: Observer | None = None, start: i
                 write_manifest(obs.run_dir, run)
         run.records.append(rec)
         reporter.step(rec)
+        mean = watch.spike(rec.loss, rec.skipped)
+        if mean is not None:  # before saving: the spiked state is never checkpointed
+            restored = rollback(run, ckpts, obs, rec.step, rec.loss, mean)
+            if restored is not None:
+                step = restored
+                watch.reset()
+                continue
         with phase("checkpoint"):
             ckpts.after_step(step + 1)
+        step += 1
 
 
 def evaluate_if_due(run: Run, step: int) -> EvalResult | None:
@@ -217,6 +230,7 @@ def summarize(run: Run, info: dict[str, Any], obs: Observer) -> dict[str, Any]:
         "precision": precision_manifest(run.model, run.opt),
         "init_path": get_engine(run.model).init_stats["path"],
         "skipped_steps": 0 if run.scaler is None else run.scaler.skipped_steps,
+        **heal_summary(run),
     }
 
 
@@ -265,9 +279,17 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     if run.profiler is not None and run.pipeline is not None:
         run.profiler.watch_pipeline(run.pipeline)
     reporter.start(info)
-    run_loop(run, reporter, obs, start, ckpts)
+    healed: dict[str, Any] = {}
+    if cfg.replica_recovery:  # the replica groups train on as long as one lives (zeroshard/trainer/replicas.py)
+        from zeroshard.trainer.replicas import run_replica_loop
+
+        healed = run_replica_loop(run, reporter, obs, timeout_s=min(60.0, cfg.hang_timeout_s))
+    else:
+        run_loop(run, reporter, obs, start, ckpts)
     ckpts.close()  # an asynchronous save still in flight commits (or fails) before the summary
-    summary = summarize(run, info, obs)
+    summary = {**summarize(run, info, obs), **healed}
+    if healed and mesh.rank == 0:  # summary.json was written by the observer; add what the groups did
+        (obs.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     ckpts.record_resize(summary, obs.run_dir)
     reporter.finish(summary)
     return summary
