@@ -23,6 +23,7 @@ from zeroshard.runtime.attached import attach_engine, find_engine, get_engine
 from zeroshard.runtime.compiled import eager_hook, refuse_traced
 from zeroshard.runtime.events import EngineEvents
 from zeroshard.runtime.flat import FlatGroup, GroupConfig, StagePolicy
+from zeroshard.runtime import host_clock as hc
 # The defaults live with the options; re-exported here, where the planner and simulator read them.
 from zeroshard.runtime.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.runtime.precision import MixedPrecision
@@ -201,11 +202,21 @@ class Engine:
         self.max_unsharded_units = 0
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
+        # None unless built inside host_clock.recording(): then the hooks below are timed ones.
+        self.host_clock = clock = hc.requested()
+        # Made once: the pre-backward hook is registered every forward, the end-of-backward callback queued every backward.
+        self._pre_backward_hooks = {u: hc.timed_if(clock, hc.PRE_BACKWARD, functools.partial(self._pre_backward, u))
+                                    for u in self.units}
+        self._finish_backward_callback = hc.timed_if(clock, hc.POST_BACKWARD, self._finish_backward)
+        if clock is not None:
+            self._instrument(clock)
         self._hooks = []
         # Reductions left running after a backward finish at the next forward at the latest, so
         # they never add their full grads to that forward's activations (gradient accumulation).
-        self._hooks.append(model.register_forward_pre_hook(eager_hook(self._begin_forward)))
-        self._hooks.append(model.register_forward_hook(eager_hook(self._end_forward)))
+        self._hooks.append(model.register_forward_pre_hook(eager_hook(hc.timed_if(clock, hc.PRE_FORWARD,
+                                                                                   self._begin_forward))))
+        self._hooks.append(model.register_forward_hook(eager_hook(hc.timed_if(clock, hc.POST_FORWARD,
+                                                                               self._end_forward))))
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
@@ -232,6 +243,15 @@ class Engine:
         self.init_stats = {**self.init_stats, "path": source}
 
     # -- hook registration --------------------------------------------------------------------
+    def _instrument(self, clock: hc.HostClock) -> None:
+        """Time the units' reductions and the groups' copies into the params (host_clock.KINDS)."""
+        for unit in self.units:
+            clock.instrument(unit, "launch_reduce", hc.REDUCE)
+            clock.instrument(unit, "finish_reduce", hc.REDUCE)
+            for group in unit.groups:
+                clock.instrument(group, "gather_full", hc.PARAM_COPY)
+                clock.instrument(group, "sync_params", hc.PARAM_COPY)
+
     def _register_grad_hooks(self) -> None:
         """Hooks on the params that exist now; stage 3 creates its params at the first gather,
         and ``_on_params_created`` hooks those then."""
@@ -256,13 +276,16 @@ class Engine:
     def _register_group_hooks(self, unit: Unit, group: FlatGroup) -> None:
         group_index = unit.groups.index(group)
         for pi, param in enumerate(group.created_params()):
-            hook = functools.partial(self._on_grad, unit, group_index, pi)
+            hook = hc.timed_if(self.host_clock, hc.POST_BACKWARD, functools.partial(self._on_grad, unit, group_index, pi))
             self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _register_forward_hooks(self) -> None:
+        clock = self.host_clock
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(functools.partial(self._pre_forward, unit))))
-            self._hooks.append(unit.module.register_forward_hook(eager_hook(functools.partial(self._post_forward, unit))))
+            pre = hc.timed_if(clock, hc.PRE_FORWARD, functools.partial(self._pre_forward, unit))
+            post = hc.timed_if(clock, hc.POST_FORWARD, functools.partial(self._post_forward, unit))
+            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(pre)))
+            self._hooks.append(unit.module.register_forward_hook(eager_hook(post)))
 
     # -- stage 3 forward ----------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
@@ -311,8 +334,7 @@ class Engine:
         if grad_enabled:
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, unit), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[unit], mode="any")
         if not grad_enabled or (self.options.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
             unit.reshard()
         if unit.is_root and grad_enabled and not self._order_recorded:
@@ -403,7 +425,7 @@ class Engine:
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and
             # FSDP2 use. It runs once the whole graph is done, on the same thread.
             torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001 (no public API)
-                self._finish_backward)
+                self._finish_backward_callback)
         ready = unit.mark_ready(group_index, param_index)
         if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.options.backward_prefetch_at):
             self._prefetch_after_first_grad = None
