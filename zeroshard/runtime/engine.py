@@ -29,7 +29,7 @@ from zeroshard.runtime.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTI
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.recompute import Recompute, segment_length
 from zeroshard.runtime.streams import Landings, side_streams
-from zeroshard.runtime.unit import Unit, UnitState
+from zeroshard.runtime.unit import FullTally, Unit, UnitState
 from zeroshard.runtime.wrap import ParamRef, UnitSpec
 
 __all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "MemorySnapshot",
@@ -174,9 +174,11 @@ class Engine:
         root_config = dataclasses.replace(config, is_root=True)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
+        self._tally = FullTally()
         if policy.shard_params:
             self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, root_config if s.is_root else config),
-                               is_root=s.is_root, sharded=True, events=self.events) for s in backward_order]
+                               is_root=s.is_root, sharded=True, events=self.events, tally=self._tally)
+                          for s in backward_order]
         else:
             self.units = []
             for bucket in reduction_buckets(backward_order, options.bucket_bytes):
@@ -184,7 +186,7 @@ class Engine:
                 refs = [r for s in bucket for r in s.refs]
                 is_root = any(s.is_root for s in bucket)
                 self.units.append(Unit(name, None, _split_groups(name, refs, root_config if is_root else config),
-                                       is_root=is_root, sharded=False, events=self.events))
+                                       is_root=is_root, sharded=False, events=self.events, tally=self._tally))
                 for group in self.units[-1].groups:
                     group.register(unsharded=True)
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
@@ -196,6 +198,8 @@ class Engine:
         self.state = TrainingState.IDLE
         self._forward_order: list[Unit] = []
         self._order_recorded = False
+        self._order_index: dict[Unit, int] = {}  # position in _forward_order, once recorded
+        self._kept_unit: Unit | None = None  # kept_for_backward()'s unit, once the order is recorded
         self._position = 0
         self._prefetch_after_first_grad: Unit | None = None
         self.peak_full_bytes = 0
@@ -339,6 +343,10 @@ class Engine:
             unit.reshard()
         if unit.is_root and grad_enabled and not self._order_recorded:
             self._order_recorded = True
+            # Read once per unit and step from here on: derived once.
+            self._order_index = {u: i for i, u in enumerate(self._forward_order)}
+            kept = self.kept_for_backward()
+            self._kept_unit = kept[0] if kept else None
         return output
 
     def kept_for_backward(self) -> list[Unit]:
@@ -357,7 +365,7 @@ class Engine:
         return list(self._forward_order) if self._order_recorded else []
 
     def _reused_next(self, unit: Unit) -> bool:
-        return unit in self.kept_for_backward()
+        return unit is self._kept_unit
 
     def gather_for_recompute(self, module) -> bool:
         """Make a unit's full params available to a recompute; True if it had to be gathered."""
@@ -393,8 +401,8 @@ class Engine:
         unit's last layer has freed its inputs, early enough to hide the all-gather behind the rest
         of the unit's backward.
         """
-        if self._order_recorded and unit in self._forward_order:
-            index = self._forward_order.index(unit)
+        index = self._order_index.get(unit)
+        if index is not None:
             for earlier in self._forward_order[max(0, index - self.options.prefetch):index][::-1]:
                 earlier.unshard(Phase.BACKWARD)
             self._track_memory()
@@ -672,9 +680,12 @@ class Engine:
         return sum(u.full_bytes() for u in self.units)
 
     def _track_memory(self) -> None:
-        self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes())
-        live_units = sum(1 for u in self.units if u.state is not UnitState.SHARDED)
-        self.max_unsharded_units = max(self.max_unsharded_units, live_units)
+        # The units' running tally: summing every unit's storages here would cost O(units) per gather.
+        tally = self._tally
+        if tally.bytes > self.peak_full_bytes:
+            self.peak_full_bytes = tally.bytes
+        if tally.units > self.max_unsharded_units:
+            self.max_unsharded_units = tally.units
 
     def reset_memory_stats(self) -> None:
         self.peak_full_bytes = 0
