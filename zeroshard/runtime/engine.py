@@ -424,10 +424,13 @@ class Engine:
         return self.policy.transient_grads and self.options.accumulation != "unsharded"
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
-        if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
-            refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
-                          "torch._dynamo.config.compiled_autograd off and compile the forward (zs.shard(compile=True))")
         if self.state is not TrainingState.BACKWARD:
+            # Asked at a backward's first grad only: compiled autograd traces every grad hook of
+            # its graph, the first one included.
+            if torch.compiler.is_compiling():
+                refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
+                              "torch._dynamo.config.compiled_autograd off and compile the forward "
+                              "(zs.shard(compile=True))")
             self.finish_reductions()  # the previous backward's, if nobody has read them yet
             self.state = TrainingState.BACKWARD
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -56,20 +57,20 @@ class StagePolicy:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
 
-    @property
+    @functools.cached_property  # read per param and step: a dict hit after the first
     def shard_optimizer(self) -> bool:
         return self.stage >= 1
 
-    @property
+    @functools.cached_property
     def transient_grads(self) -> bool:
         """Full grads exist only until their reduce-scatter completes (stages 2 and 3)."""
         return self.stage >= 2
 
-    @property
+    @functools.cached_property
     def shard_params(self) -> bool:
         return self.stage == 3
 
-    @property
+    @functools.cached_property
     def gathers_after_step(self) -> bool:
         """The updated shards are all-gathered into the full params after the optimizer step
         (stages 1-2; stage 0 steps the full params, stage 3 gathers at the next forward)."""
@@ -205,6 +206,9 @@ class FlatGroup:
                                                 master_dtype=self.master_dtype, device=device),
                                    mesh=mesh, shard_optimizer=policy.shard_optimizer)
         self._grad_full_zero = True
+        self._swaps: dict[bool, list[tuple[dict, str, nn.Parameter]]] = {}  # register()'s, per side
+        self._any_tp = any(spec is not None for spec in self.tp_specs)
+        self._in_place: bool | None = None  # reduce_scatter_lands_in_input, asked once
         self._grad_views: list[torch.Tensor] = []
         self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
         if trainable and not policy.transient_grads:
@@ -274,11 +278,14 @@ class FlatGroup:
 
     # -- registration -------------------------------------------------------------------------
     def register(self, unsharded: bool) -> None:
-        params = self.created_params() if unsharded else self.sharded_params
-        assert params is not None, "sharded params exist at stage 3 only"
-        for ref, param in zip(self.refs, params):
-            for module, attr in ref.places:
-                module._parameters[attr] = param  # noqa: SLF001 (swaps a registered param; torch has no public API)
+        swaps = self._swaps.get(unsharded)
+        if swaps is None:  # made once per side: stage 3 swaps every unit twice a step
+            params = self.created_params() if unsharded else self.sharded_params
+            assert params is not None, "sharded params exist at stage 3 only"
+            swaps = self._swaps[unsharded] = [(module._parameters, attr, param)  # noqa: SLF001
+                                              for ref, param in zip(self.refs, params) for module, attr in ref.places]
+        for registered, attr, param in swaps:
+            registered[attr] = param  # swaps a registered param; torch has no public API
 
     # -- full buffer --------------------------------------------------------------------------
     def full_bytes(self) -> int:
@@ -451,7 +458,8 @@ class FlatGroup:
         # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
         # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
         # allocated while every one of them was alive.
-        self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
+        if self.events.active:
+            self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
         for param in params:
             param.grad = None
 
@@ -472,8 +480,12 @@ class FlatGroup:
         """Whether this unit's grads are reduced where they lie (gloo at stages 2-3, grads not yet
         collected): no flat copy, and no unit-sized buffer beside the grads at the moment the unit
         completes (the step's late memory peak)."""
-        return (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
-                and self.params is not None and collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh))
+        if not (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
+                and self.params is not None):
+            return False
+        if self._in_place is None:
+            self._in_place = collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh)
+        return self._in_place
 
     def launch_reduce(self, phase: str = Phase.BACKWARD) -> None:
         if self.grad_quant is not None and self.shards > 1:
@@ -484,8 +496,9 @@ class FlatGroup:
             return
         pieces = None
         if self._reduces_in_place():  # (never for a unit that did not run: its params were not created)
-            pieces = self.reducer.pieces([tp.local_grad(p.grad, spec)
-                                          for p, spec in zip(self.created_params(), self.tp_specs)])
+            params = self.created_params()
+            pieces = self.reducer.pieces([tp.local_grad(p.grad, spec) for p, spec in zip(params, self.tp_specs)]
+                                         if self._any_tp else [p.grad for p in params])
         if pieces is not None:
             for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce
@@ -502,8 +515,9 @@ class FlatGroup:
         self._report_launch(phase)
 
     def _report_launch(self, phase: str) -> None:
-        nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
-        self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
+        if self.events.active:
+            nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
+            self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
 
     def finish_reduce(self, phase: str = Phase.BACKWARD) -> None:
         """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
@@ -527,7 +541,8 @@ class FlatGroup:
             # so that grad_shard accumulates exactly what it adds.
             self.full_grads().zero_()
             self._grad_full_zero = True
-        self.events.emit(EventKind.REDUCE_DONE, self.unit, phase, reduced.nbytes)
+        if self.events.active:
+            self.events.emit(EventKind.REDUCE_DONE, self.unit, phase, reduced.nbytes)
 
     @property
     def reducing(self) -> bool:

@@ -49,6 +49,7 @@ class Unit:
         self._phase = ""  # of the latest gather: a free reports the phase whose use of the params it ends
         self.module = module
         self.groups = groups
+        self._trainable = [g for g in groups if g.trainable]  # read per launch and finish
         self.is_root = is_root
         self.state = UnitState.SHARDED if sharded else UnitState.UNSHARDED
         self._gathers: list[collectives.Pending | QuantizedGather] = []
@@ -72,7 +73,7 @@ class Unit:
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
-        return [g for g in self.groups if g.trainable]
+        return self._trainable
 
     # -- params -------------------------------------------------------------------------------
     def unshard(self, phase: str) -> None:
@@ -106,10 +107,11 @@ class Unit:
             group.register(unsharded=False)
             group.free_full()
         self.state = UnitState.SHARDED
+        if self.events.active:
+            self.events.emit(EventKind.FREE, self.name, self._phase, freed)
         self.tally.bytes -= self._live_bytes
         self.tally.units -= 1
         self._live_bytes = 0
-        self.events.emit(EventKind.FREE, self.name, self._phase, freed)
 
     def full_bytes(self) -> int:
         return sum(g.full_bytes() for g in self.groups)
