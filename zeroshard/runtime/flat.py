@@ -209,6 +209,9 @@ class FlatGroup:
         self._swaps: dict[bool, list[tuple[dict, str, nn.Parameter]]] = {}  # register()'s, per side
         self._any_tp = any(spec is not None for spec in self.tp_specs)
         self._in_place: bool | None = None  # reduce_scatter_lands_in_input, asked once
+        self._own: torch.Tensor | None = None  # full[lo:hi] of the buffer _own_of, for the gathers
+        self._own_of: torch.Tensor | None = None
+        self._full_nbytes = 0
         self._grad_views: list[torch.Tensor] = []
         self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
         if trainable and not policy.transient_grads:
@@ -312,11 +315,14 @@ class FlatGroup:
         if self.params is None:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
             self._create_params()
+        if self._own is None or self._own_of is not self.full:
+            # This rank's slice of the full buffer, made once per buffer (a view survives the resizes).
+            self._own, self._own_of = self.full[self.lo:self.hi], self.full
+            self._full_nbytes = self.full.numel() * self.full.element_size()
         storage = self.full.untyped_storage()
-        needed = self.full.numel() * self.full.element_size()
-        if storage.nbytes() < needed:
-            storage.resize_(needed)
-        own = self.full[self.lo:self.hi]
+        if storage.nbytes() < self._full_nbytes:
+            storage.resize_(self._full_nbytes)
+        own = self._own
         if self.weight_quant is not None and self._gathers_quantized(phase):
             # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
             return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,

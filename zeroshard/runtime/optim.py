@@ -180,9 +180,11 @@ class SegmentMap:
         self.group_index: dict[int, int] = {}  # id(segment) -> its torch param group
 
     def attach_grads(self, groups: set[FlatGroup] | None = None) -> None:
+        last, grad = None, None
         for param, group, start, stop in self.entries:
             if groups is None or group in groups:
-                grad = group.grad_shard
+                if group is not last:  # a group's segments are consecutive: its shard read once
+                    last, grad = group, group.grad_shard
                 param.grad = None if grad is None else grad[start:stop]
 
 

@@ -107,11 +107,11 @@ class Unit:
             group.register(unsharded=False)
             group.free_full()
         self.state = UnitState.SHARDED
-        if self.events.active:
-            self.events.emit(EventKind.FREE, self.name, self._phase, freed)
         self.tally.bytes -= self._live_bytes
         self.tally.units -= 1
         self._live_bytes = 0
+        if self.events.active:
+            self.events.emit(EventKind.FREE, self.name, self._phase, freed)
 
     def full_bytes(self) -> int:
         return sum(g.full_bytes() for g in self.groups)

@@ -63,9 +63,10 @@ def rows(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = mean(lambda r: r["kinds"][kind]["calls"]) / steps
         out.append({"kind": kind, "us_per_step": us, "us_per_unit": us / units, "calls_per_step": calls,
                     "share": us / step_us if step_us else 0.0})
-    total = sum(r["us_per_step"] for r in out if r["kind"] in RUNTIME_KINDS)
+    runtime = [r for r in out if r["kind"] in RUNTIME_KINDS]
+    total = sum(r["us_per_step"] for r in runtime)
     out.append({"kind": "runtime total", "us_per_step": total, "us_per_unit": total / units,
-                "calls_per_step": sum(r["calls_per_step"] for r in out if r["kind"] in RUNTIME_KINDS), "share": total / step_us if step_us else 0.0})
+                "calls_per_step": sum(r["calls_per_step"] for r in runtime), "share": total / step_us if step_us else 0.0})
     out.append({"kind": "whole step", "us_per_step": step_us, "us_per_unit": step_us / units, "calls_per_step": 0.0,
                 "share": 1.0})
     return out
