@@ -337,7 +337,9 @@ class Engine:
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if tensors:
+            if len(tensors) == 1:  # the usual block output: its own hook fires once per backward, as "any" would
+                tensors[0].register_hook(self._pre_backward_hooks[unit])
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[unit], mode="any")
         if not grad_enabled or (self.options.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
             unit.reshard()

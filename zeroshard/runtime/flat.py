@@ -207,6 +207,8 @@ class FlatGroup:
                                    mesh=mesh, shard_optimizer=policy.shard_optimizer)
         self._grad_full_zero = True
         self._swaps: dict[bool, list[tuple[dict, str, nn.Parameter]]] = {}  # register()'s, per side
+        self.keeps_grads = not policy.transient_grads
+        """Stages 0-1: a complete grad is kept in the flat buffer at once (``take_grad`` has work)."""
         self._any_tp = any(spec is not None for spec in self.tp_specs)
         self._in_place: bool | None = None  # reduce_scatter_lands_in_input, asked once
         self._own: torch.Tensor | None = None  # full[lo:hi] of the buffer _own_of, for the gathers
@@ -427,7 +429,7 @@ class FlatGroup:
         flat buffer at the first grad would hold the whole unit's grads while the unit's backward,
         the step's memory peak, has produced only a few of them.
         """
-        self._grad_full_zero = False
+        self._grad_full_zero = False  # (read at stages 0-1 only, where the buffer is kept)
         if self.policy.transient_grads:
             return
         param, attached = self.created_params()[index], self._kept_grad_views()[index]

@@ -167,8 +167,10 @@ class GradReducer:
         views of itself; the small ones (biases, norms) are packed into one buffer per owner, since
         every gloo op has a fixed cost that would dominate tiny pieces."""
         t = self.target
-        if any(g is not None and (g.dtype != t.reduce_dtype or not g.is_contiguous()) for g in grads):
-            return None
+        dtype = t.reduce_dtype
+        for g in grads:
+            if g is not None and (g.dtype != dtype or not g.is_contiguous()):
+                return None
         plan = self._plan or self._make_plan()
         slots = t.layout.slots
         # A param unused here may have grads on other ranks: every rank reduces the same pieces.

@@ -124,13 +124,16 @@ class Unit:
     # -- grads --------------------------------------------------------------------------------
     def mark_ready(self, group_index: int, param_index: int) -> bool:
         """Record that a param's grad is complete; True when every trainable param's is."""
-        self.groups[group_index].take_grad(param_index)
+        group = self.groups[group_index]
+        if group.keeps_grads:  # stages 2-3 leave it on the param until the unit is ready: nothing to take
+            group.take_grad(param_index)
         key = (group_index, param_index)
         if key not in self._ready:  # a param used twice fires its hook once per use
             self._ready.add(key)
             self._missing -= 1
             self._ready_numel += self._numel[key]
-        return self.grads_ready
+        # A count, not a set comparison: this runs once per param per backward.
+        return self._missing == 0
 
     def collect_grads(self) -> None:
         for group in self.trainable_groups:
