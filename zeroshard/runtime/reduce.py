@@ -17,6 +17,7 @@ import dataclasses
 from typing import Union
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
@@ -71,6 +72,8 @@ class PiecePlan:
     large: list[tuple[int, int, int, int, int]]
     small: list[tuple[int, list[tuple[int, int, int]], list[tuple[int, int, int]]]]
     mine: list[tuple[str, int, int, int]]
+    whole: list[list[int] | None]
+    """Per ``small`` owner: its slots when every part is a whole slot (packed by one flatten), else None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,13 +177,14 @@ class GradReducer:
         plan = self._plan or self._make_plan()
         slots = t.layout.slots
         # A param unused here may have grads on other ranks: every rank reduces the same pieces.
-        flats = [torch.zeros(slot.numel, dtype=t.reduce_dtype, device=t.device) if grad is None else grad.view(-1)
+        grads = [torch.zeros(slot.shape, dtype=dtype, device=t.device) if grad is None else grad
                  for slot, grad in zip(slots, grads)]
-        out = [Piece(flats[i][a:a + n], owner, [(0, offset, n)]) for i, a, n, owner, offset in plan.large]
-        for owner, parts, spans in plan.small:
-            # One copy of every part into a fresh buffer (a whole slot needs no slicing view first).
-            chunks = [flats[i] if n == slots[i].numel else flats[i][a:a + n] for i, a, n in parts]
-            out.append(Piece(torch.cat(chunks), owner, spans))
+        out = [Piece(grads[i].view(-1)[a:a + n], owner, [(0, offset, n)]) for i, a, n, owner, offset in plan.large]
+        for (owner, parts, spans), whole in zip(plan.small, plan.whole):
+            # One copy of every part into a fresh buffer: whole slots flattened in one call.
+            buffer = _flatten_dense_tensors([grads[i] for i in whole]) if whole is not None else \
+                torch.cat([grads[i].view(-1)[a:a + n] for i, a, n in parts])
+            out.append(Piece(buffer, owner, spans))
         return out
 
     def _make_plan(self) -> PiecePlan:
@@ -220,7 +224,9 @@ class GradReducer:
             covered = offset + n
         if covered < per_shard:
             mine.append(("zero", 0, 0, per_shard - covered))
-        self._plan = PiecePlan(large=large, small=packed, mine=mine)
+        whole = [[i for i, _, _ in parts] if all(n == t.layout.slots[i].numel for i, _, n in parts) else None
+                 for _, parts, _ in packed]
+        self._plan = PiecePlan(large=large, small=packed, mine=mine, whole=whole)
         return self._plan
 
     # -- finish --------------------------------------------------------------------------------

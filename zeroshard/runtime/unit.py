@@ -80,7 +80,11 @@ class Unit:
         """Issue the all-gathers (async). Idempotent while gathering or unsharded."""
         if self.state is not UnitState.SHARDED:
             return
-        self._gathers = [p for p in (g.gather_full(phase) for g in self.groups) if p is not None]
+        self._gathers = []
+        for group in self.groups:
+            pending = group.gather_full(phase)
+            if pending is not None:
+                self._gathers.append(pending)
         self.state = UnitState.GATHERING
         self._count_live()
         self._phase = phase
