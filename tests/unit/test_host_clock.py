@@ -77,3 +77,28 @@ def test_the_full_param_tally_is_the_storages():
         _steps(model, False, steps=2)
     assert len(seen) > 10 and all(tally == storages for tally, storages in seen)
     assert engine.peak_full_bytes == max(s for s, _ in seen) and engine.max_unsharded_units >= 2
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_collected_grads_fill_the_flat_buffer_as_slot_copies(missing):
+    """Stages 2-3 collect a unit's grads into its flat buffer by one concatenation when every grad
+    is there (the slot copies otherwise): each slot holds its grad, padding and unused params zero."""
+    model = zs.shard(_gpt(), stage=3)
+    engine = get_engine(model)
+    with torch.no_grad():
+        model(torch.zeros(1, 16, dtype=torch.long))  # creates every unit's params
+    group = engine.units[0].groups[0]
+    generator = torch.Generator().manual_seed(2)
+    grads = [torch.randn(p.shape, generator=generator) for p in group.created_params()]
+    if missing:
+        grads[1] = None
+    for param, grad in zip(group.created_params(), grads):
+        param.grad = grad
+    group.collect_grads()
+    expected = torch.zeros(group.layout.numel)
+    for slot, grad in zip(group.layout.slots, grads):
+        if grad is not None:
+            expected[slot.offset:slot.end] = grad.reshape(-1)
+    assert torch.equal(group.full_grads(), expected)
+    assert all(p.grad is None for p in group.created_params())
+    group.grad_full = None

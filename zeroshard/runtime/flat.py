@@ -214,6 +214,7 @@ class FlatGroup:
         self._own: torch.Tensor | None = None  # full[lo:hi] of the buffer _own_of, for the gathers
         self._own_of: torch.Tensor | None = None
         self._full_nbytes = 0
+        self._pads: list[torch.Tensor | None] | None = None  # _concat_grads' zeros after each slot
         self._grad_views: list[torch.Tensor] = []
         self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
         if trainable and not policy.transient_grads:
@@ -452,17 +453,21 @@ class FlatGroup:
             return
         fresh = self.grad_full is None
         params = self.params or ()
-        if fresh:
-            self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
-            self._zero_where_no_grad(params)
-        with torch.no_grad():
-            for slot, param, spec in zip(self.layout.slots, params, self.tp_specs):
-                if param.grad is None:
-                    continue
-                view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
-                grad = tp.local_grad(param.grad, spec)
-                # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
-                view.copy_(grad) if fresh else view.add_(grad)
+        grads = [p.grad for p in params]
+        if fresh and grads and not self._any_tp and all(g is not None and g.dtype == self.reduce_dtype for g in grads):
+            self.grad_full = self._concat_grads(grads)  # every grad present: one concatenation fills the buffer
+        else:
+            if fresh:
+                self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+                self._zero_where_no_grad(params)
+            with torch.no_grad():
+                for slot, param, spec in zip(self.layout.slots, params, self.tp_specs):
+                    if param.grad is None:
+                        continue
+                    view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
+                    grad = tp.local_grad(param.grad, spec)
+                    # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
+                    view.copy_(grad) if fresh else view.add_(grad)
         # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
         # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
         # allocated while every one of them was alive.
@@ -470,6 +475,23 @@ class FlatGroup:
             self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
         for param in params:
             param.grad = None
+
+    def _concat_grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The flat grad buffer as one concatenation of the grads and the zeros of the padding between
+        them (made once per group): the same values as copying each grad into its slot of a buffer
+        whose padding was zeroed, with one kernel and no per-param view of the buffer."""
+        if self._pads is None:
+            ends = [s.offset + s.span for s in self.layout.slots]
+            gaps = [s.span - s.numel for s in self.layout.slots]
+            gaps[-1] += self.layout.numel - ends[-1]
+            zeros = {n: torch.zeros(n, dtype=self.reduce_dtype, device=self.full.device) for n in set(gaps) if n}
+            self._pads = [zeros.get(n) for n in gaps]
+        chunks: list[torch.Tensor] = []
+        for grad, pad in zip(grads, self._pads):
+            chunks.append(grad.reshape(-1))
+            if pad is not None:
+                chunks.append(pad)
+        return torch.cat(chunks)
 
     def _zero_where_no_grad(self, params) -> None:
         """Zero the parts of a fresh grad buffer no grad will be copied into (padding, unused params),
