@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -455,7 +455,8 @@ class FlatGroup:
         params = self.params or ()
         grads = [p.grad for p in params]
         if fresh and grads and not self._any_tp and all(g is not None and g.dtype == self.reduce_dtype for g in grads):
-            self.grad_full = self._concat_grads(grads)  # every grad present: one concatenation fills the buffer
+            # Every grad present: one concatenation fills the buffer.
+            self.grad_full = self._concat_grads(cast(list[torch.Tensor], grads))
         else:
             if fresh:
                 self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)

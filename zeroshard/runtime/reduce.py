@@ -177,13 +177,13 @@ class GradReducer:
         plan = self._plan or self._make_plan()
         slots = t.layout.slots
         # A param unused here may have grads on other ranks: every rank reduces the same pieces.
-        grads = [torch.zeros(slot.shape, dtype=dtype, device=t.device) if grad is None else grad
-                 for slot, grad in zip(slots, grads)]
-        out = [Piece(grads[i].view(-1)[a:a + n], owner, [(0, offset, n)]) for i, a, n, owner, offset in plan.large]
+        present: list[torch.Tensor] = [torch.zeros(slot.shape, dtype=dtype, device=t.device) if grad is None
+                                       else grad for slot, grad in zip(slots, grads)]
+        out = [Piece(present[i].view(-1)[a:a + n], owner, [(0, offset, n)]) for i, a, n, owner, offset in plan.large]
         for (owner, parts, spans), whole in zip(plan.small, plan.whole):
             # One copy of every part into a fresh buffer: whole slots flattened in one call.
-            buffer = _flatten_dense_tensors([grads[i] for i in whole]) if whole is not None else \
-                torch.cat([grads[i].view(-1)[a:a + n] for i, a, n in parts])
+            buffer = _flatten_dense_tensors([present[i] for i in whole]) if whole is not None else \
+                torch.cat([present[i].view(-1)[a:a + n] for i, a, n in parts])
             out.append(Piece(buffer, owner, spans))
         return out
 
