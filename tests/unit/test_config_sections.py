@@ -96,8 +96,8 @@ def test_every_flat_key_reads_through_its_section():
     cfg = TrainConfig()
     flat = cfg.to_dict()
     # 59, [comm] backend, [optim] optimizer, [parallel] cp and cp_attention, the schedules' 6 keys, [lora]'s 4,
-    # 3 of [data] (packing...), 2 of [eval], [heal]'s 7
-    assert list(flat) == field_names() and len(flat) == 85
+    # 4 of [data] (packing, tokenizer, doc_mask, ...), 2 of [eval], [heal]'s 7, [pipeline] blocks
+    assert list(flat) == field_names() and len(flat) == 86
     for name, value in flat.items():
         table = field_section(name)
         if table is None or table == "engine":

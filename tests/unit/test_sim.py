@@ -596,3 +596,21 @@ def test_offload_frees_device_memory_in_the_replays_peak():
         assert on < off
     big = _small_workload()
     assert peak_bytes(big, Layout.of(world=8, stage=3, offload="cpu")) < peak_bytes(big, Layout.of(world=8, stage=3))
+
+
+def test_measured_unit_host_seconds_are_paid_by_every_stage3_unit():
+    """The runtime's per-unit host cost (``plan calibrate`` reads it from the host-time breakdown)
+    adds to each unit's forward and backward at stage 3, blocks and root alike; stage 0 is unchanged."""
+    import dataclasses
+
+    hw, w = _calibrated(), _tiny()
+    host = dataclasses.replace(hw, compute=(dataclasses.replace(hw.compute[0], unit_host_forward_s=1e-4,
+                                                                unit_host_backward_s=2e-4),))
+    units = w.shape.n_layer + 1
+    s3 = Layout.of(world=2, stage=3, param_bytes=4)
+    base, more = simulate(w, hw, s3), simulate(w, host, s3)
+    assert more.breakdown["runtime host (measured)"] == pytest.approx(units * 3e-4)
+    assert more.compute_s - base.compute_s == pytest.approx(units * 3e-4)
+    assert more.step_s > base.step_s
+    s0 = Layout.of(world=2, stage=0, param_bytes=4)
+    assert simulate(w, host, s0).step_s == simulate(w, hw, s0).step_s

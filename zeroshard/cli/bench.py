@@ -23,20 +23,38 @@ def table(rows: list[dict], title: str) -> Table:
     return t
 
 
+def host_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("kind", "us/step", "us/unit", "calls/step", "share of step"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["kind"], f"{r['us_per_step']:.0f}", f"{r['us_per_unit']:.1f}", f"{r['calls_per_step']:.0f}",
+                  f"{r['share']:.1%}")
+    return t
+
+
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.tools.benchmark import BenchSpec, run_bench
+    from zeroshard.tools.benchmark import BenchSpec, run_bench, run_host_breakdown
 
     spec = BenchSpec(model=args.model, world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype,
                      rounds=args.rounds, steps_per_round=args.steps_per_round, layers=args.layers, width=args.width,
-                     only=tuple(k for k in args.only.split(",") if k) if args.only else ())
+                     only=tuple(k for k in args.only.split(",") if k) if args.only else (),
+                     host_breakdown=args.host_breakdown)
+    shape = "".join(f", {n} {v}" for n, v in (("layers", spec.layers), ("width", spec.width)) if v)
+    title = f"{spec.model}{shape}, world {spec.world}, B={spec.batch}/rank, T={spec.seq}, {spec.dtype}, AdamW, 1 thread/rank"
+    if spec.host_breakdown:
+        for name, rows in run_host_breakdown(spec).items():
+            if args.json:
+                print(json.dumps({"run": name, "rows": rows}))
+            else:
+                Console().print(host_table(rows, f"{name}: host time by kind (mean over ranks), {title}"))
+        return 0
     rows = run_bench(spec)
     if args.json:
         for row in rows:
             print(json.dumps(row))
     else:
-        shape = "".join(f", {n} {v}" for n, v in (("layers", spec.layers), ("width", spec.width)) if v)
-        Console().print(table(rows, f"{spec.model}{shape}, world {spec.world}, B={spec.batch}/rank, T={spec.seq}, "
-                                    f"{spec.dtype}, AdamW, 1 thread/rank"))
+        Console().print(table(rows, title))
     return 0
 
 
@@ -55,5 +73,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--only", default="", help="comma-separated runs to keep (floor, ddp and fsdp2 always run): "
                    "stage0,stage1,stage2,stage3,fsdp2-noreshard")
+    p.add_argument("--host-breakdown", action="store_true", help="instead of the comparison: the runtime's host "
+                   "time per kind of work (hooks, reductions, optimizer, param copies), per step and per unit, for "
+                   "each of our stages (--only picks them)")
     p.add_argument("--json", action="store_true", help="one JSON row per run")
     p.set_defaults(run=run)

@@ -256,7 +256,7 @@ def reduce_to_owners(pieces: list[tuple[torch.Tensor, int]], *, numel: int, grou
         raise RuntimeError("reduce_to_owners needs gloo or a one-rank group; use reduce_scatter with a flat input")
     dtype = pieces[0][0].dtype if pieces else torch.float32
     record = m.ledger.open(group=group, op="reduce_scatter", numel=numel, dtype=dtype,
-                           elem_size=torch.empty(0, dtype=dtype).element_size(), unit=unit, phase=phase,
+                           elem_size=dtype.itemsize, unit=unit, phase=phase,
                            mesh=m.ledger_name)
     work = None
     if m.group_size(group) > 1:

@@ -23,12 +23,13 @@ from zeroshard.runtime.attached import attach_engine, find_engine, get_engine
 from zeroshard.runtime.compiled import eager_hook, refuse_traced
 from zeroshard.runtime.events import EngineEvents
 from zeroshard.runtime.flat import FlatGroup, GroupConfig, StagePolicy
+from zeroshard.runtime import host_clock as hc
 # The defaults live with the options; re-exported here, where the planner and simulator read them.
 from zeroshard.runtime.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.recompute import Recompute, segment_length
 from zeroshard.runtime.streams import Landings, side_streams
-from zeroshard.runtime.unit import Unit, UnitState
+from zeroshard.runtime.unit import FullTally, Unit, UnitState
 from zeroshard.runtime.wrap import ParamRef, UnitSpec
 
 __all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "MemorySnapshot",
@@ -173,9 +174,11 @@ class Engine:
         root_config = dataclasses.replace(config, is_root=True)
         # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
+        self._tally = FullTally()
         if policy.shard_params:
             self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, root_config if s.is_root else config),
-                               is_root=s.is_root, sharded=True, events=self.events) for s in backward_order]
+                               is_root=s.is_root, sharded=True, events=self.events, tally=self._tally)
+                          for s in backward_order]
         else:
             self.units = []
             for bucket in reduction_buckets(backward_order, options.bucket_bytes):
@@ -183,7 +186,7 @@ class Engine:
                 refs = [r for s in bucket for r in s.refs]
                 is_root = any(s.is_root for s in bucket)
                 self.units.append(Unit(name, None, _split_groups(name, refs, root_config if is_root else config),
-                                       is_root=is_root, sharded=False, events=self.events))
+                                       is_root=is_root, sharded=False, events=self.events, tally=self._tally))
                 for group in self.units[-1].groups:
                     group.register(unsharded=True)
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
@@ -195,6 +198,8 @@ class Engine:
         self.state = TrainingState.IDLE
         self._forward_order: list[Unit] = []
         self._order_recorded = False
+        self._order_index: dict[Unit, int] = {}  # position in _forward_order, once recorded
+        self._kept_unit: Unit | None = None  # kept_for_backward()'s unit, once the order is recorded
         self._position = 0
         self._prefetch_after_first_grad: Unit | None = None
         # [Note: frozen params at stage 3] units whose input grads are still to come, and those of
@@ -205,11 +210,21 @@ class Engine:
         self.max_unsharded_units = 0
         self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
             if policy.shard_params else {}
+        # None unless built inside host_clock.recording(): then the hooks below are timed ones.
+        self.host_clock = clock = hc.requested()
+        # Made once: the pre-backward hook is registered every forward, the end-of-backward callback queued every backward.
+        self._pre_backward_hooks = {u: hc.timed_if(clock, hc.PRE_BACKWARD, functools.partial(self._pre_backward, u))
+                                    for u in self.units}
+        self._finish_backward_callback = hc.timed_if(clock, hc.POST_BACKWARD, self._finish_backward)
+        if clock is not None:
+            self._instrument(clock)
         self._hooks = []
         # Reductions left running after a backward finish at the next forward at the latest, so
         # they never add their full grads to that forward's activations (gradient accumulation).
-        self._hooks.append(model.register_forward_pre_hook(eager_hook(self._begin_forward)))
-        self._hooks.append(model.register_forward_hook(eager_hook(self._end_forward)))
+        self._hooks.append(model.register_forward_pre_hook(eager_hook(hc.timed_if(clock, hc.PRE_FORWARD,
+                                                                                   self._begin_forward))))
+        self._hooks.append(model.register_forward_hook(eager_hook(hc.timed_if(clock, hc.POST_FORWARD,
+                                                                               self._end_forward))))
         self._register_grad_hooks()
         if policy.shard_params:
             self._register_forward_hooks()
@@ -236,6 +251,15 @@ class Engine:
         self.init_stats = {**self.init_stats, "path": source}
 
     # -- hook registration --------------------------------------------------------------------
+    def _instrument(self, clock: hc.HostClock) -> None:
+        """Time the units' reductions and the groups' copies into the params (host_clock.KINDS)."""
+        for unit in self.units:
+            clock.instrument(unit, "launch_reduce", hc.REDUCE)
+            clock.instrument(unit, "finish_reduce", hc.REDUCE)
+            for group in unit.groups:
+                clock.instrument(group, "gather_full", hc.PARAM_COPY)
+                clock.instrument(group, "sync_params", hc.PARAM_COPY)
+
     def _register_grad_hooks(self) -> None:
         """Hooks on the params that exist now; stage 3 creates its params at the first gather,
         and ``_on_params_created`` hooks those then."""
@@ -260,13 +284,16 @@ class Engine:
     def _register_group_hooks(self, unit: Unit, group: FlatGroup) -> None:
         group_index = unit.groups.index(group)
         for pi, param in enumerate(group.created_params()):
-            hook = functools.partial(self._on_grad, unit, group_index, pi)
+            hook = hc.timed_if(self.host_clock, hc.POST_BACKWARD, functools.partial(self._on_grad, unit, group_index, pi))
             self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _register_forward_hooks(self) -> None:
+        clock = self.host_clock
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(functools.partial(self._pre_forward, unit))))
-            self._hooks.append(unit.module.register_forward_hook(eager_hook(functools.partial(self._post_forward, unit))))
+            pre = hc.timed_if(clock, hc.PRE_FORWARD, functools.partial(self._pre_forward, unit))
+            post = hc.timed_if(clock, hc.POST_FORWARD, functools.partial(self._post_forward, unit))
+            self._hooks.append(unit.module.register_forward_pre_hook(eager_hook(pre)))
+            self._hooks.append(unit.module.register_forward_hook(eager_hook(post)))
 
     # -- stage 3 forward ----------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
@@ -337,13 +364,18 @@ class Engine:
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, unit), mode="any")
+            if len(tensors) == 1:  # the usual block output: its own hook fires once per backward, as "any" would
+                tensors[0].register_hook(self._pre_backward_hooks[unit])
+            elif tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[unit], mode="any")
         if not grad_enabled or (self.options.reshard_after_forward and not unit.is_root and not self._reused_next(unit)):
             unit.reshard()
         if unit.is_root and grad_enabled and not self._order_recorded:
             self._order_recorded = True
+            # Read once per unit and step from here on: derived once.
+            self._order_index = {u: i for i, u in enumerate(self._forward_order)}
+            kept = self.kept_for_backward()
+            self._kept_unit = kept[0] if kept else None
         return output
 
     def kept_for_backward(self) -> list[Unit]:
@@ -362,7 +394,7 @@ class Engine:
         return list(self._forward_order) if self._order_recorded else []
 
     def _reused_next(self, unit: Unit) -> bool:
-        return unit in self.kept_for_backward()
+        return unit is self._kept_unit
 
     def gather_for_recompute(self, module) -> bool:
         """Make a unit's full params available to a recompute; True if it had to be gathered."""
@@ -398,8 +430,8 @@ class Engine:
         unit's last layer has freed its inputs, early enough to hide the all-gather behind the rest
         of the unit's backward.
         """
-        if self._order_recorded and unit in self._forward_order:
-            index = self._forward_order.index(unit)
+        index = self._order_index.get(unit)
+        if index is not None:
             for earlier in self._forward_order[max(0, index - self.options.prefetch):index][::-1]:
                 earlier.unshard(Phase.BACKWARD)
             self._track_memory()
@@ -421,16 +453,19 @@ class Engine:
         return self.policy.transient_grads and self.options.accumulation != "unsharded"
 
     def _on_grad(self, unit: Unit, group_index: int, param_index: int, param) -> None:
-        if torch.compiler.is_compiling():  # compiled autograd traces grad hooks into its graph
-            refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
-                          "torch._dynamo.config.compiled_autograd off and compile the forward (zs.shard(compile=True))")
         if self.state is not TrainingState.BACKWARD:
+            # Asked at a backward's first grad only: compiled autograd traces every grad hook of
+            # its graph, the first one included.
+            if torch.compiler.is_compiling():
+                refuse_traced("compiled autograd is not supported: zeroshard reduces grads from autograd hooks; turn "
+                              "torch._dynamo.config.compiled_autograd off and compile the forward "
+                              "(zs.shard(compile=True))")
             self.finish_reductions()  # the previous backward's, if nobody has read them yet
             self.state = TrainingState.BACKWARD
             # No public hook marks the end of backward; queue_callback is what torch's own DDP and
             # FSDP2 use. It runs once the whole graph is done, on the same thread.
             torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001 (no public API)
-                self._finish_backward)
+                self._finish_backward_callback)
         ready = unit.mark_ready(group_index, param_index)
         if unit is self._prefetch_after_first_grad and (ready or unit.ready_fraction >= self.options.backward_prefetch_at):
             self._prefetch_after_first_grad = None
@@ -682,9 +717,12 @@ class Engine:
         return sum(u.full_bytes() for u in self.units)
 
     def _track_memory(self) -> None:
-        self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes())
-        live_units = sum(1 for u in self.units if u.state is not UnitState.SHARDED)
-        self.max_unsharded_units = max(self.max_unsharded_units, live_units)
+        # The units' running tally: summing every unit's storages here would cost O(units) per gather.
+        tally = self._tally
+        if tally.bytes > self.peak_full_bytes:
+            self.peak_full_bytes = tally.bytes
+        if tally.units > self.max_unsharded_units:
+            self.max_unsharded_units = tally.units
 
     def reset_memory_stats(self) -> None:
         self.peak_full_bytes = 0

@@ -90,21 +90,21 @@ class EngineEvents:
 
     def __init__(self) -> None:
         self._subscriptions: list[Subscription] = []
-
-    @property
-    def active(self) -> bool:
-        """Whether anyone listens: emitters may skip computing an event nobody receives."""
-        return bool(self._subscriptions)
+        self.active = False
+        """Whether anyone listens: emitters may skip computing an event nobody receives (an
+        attribute, not a property: the engine reads it several times per unit and step)."""
 
     def subscribe(self, callback: Callback, kinds: Iterable[EventKind] | None = None) -> Subscription:
         """Call ``callback(event)`` at every event of ``kinds`` (default: all), until removed."""
         sub = Subscription(self, callback, None if kinds is None else frozenset(kinds))
         self._subscriptions.append(sub)
+        self.active = True
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         if sub in self._subscriptions:
             self._subscriptions.remove(sub)
+        self.active = bool(self._subscriptions)
 
     @contextlib.contextmanager
     def subscribed(self, callback: Callback, kinds: Iterable[EventKind] | None = None) -> Iterator[Subscription]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -56,20 +57,20 @@ class StagePolicy:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
 
-    @property
+    @functools.cached_property  # read per param and step: a dict hit after the first
     def shard_optimizer(self) -> bool:
         return self.stage >= 1
 
-    @property
+    @functools.cached_property
     def transient_grads(self) -> bool:
         """Full grads exist only until their reduce-scatter completes (stages 2 and 3)."""
         return self.stage >= 2
 
-    @property
+    @functools.cached_property
     def shard_params(self) -> bool:
         return self.stage == 3
 
-    @property
+    @functools.cached_property
     def gathers_after_step(self) -> bool:
         """The updated shards are all-gathered into the full params after the optimizer step
         (stages 1-2; stage 0 steps the full params, stage 3 gathers at the next forward)."""
@@ -207,6 +208,15 @@ class FlatGroup:
                                                 master_dtype=self.master_dtype, device=device),
                                    mesh=mesh, shard_optimizer=policy.shard_optimizer)
         self._grad_full_zero = True
+        self._swaps: dict[bool, list[tuple[dict, str, nn.Parameter]]] = {}  # register()'s, per side
+        self.keeps_grads = not policy.transient_grads
+        """Stages 0-1: a complete grad is kept in the flat buffer at once (``take_grad`` has work)."""
+        self._any_tp = any(spec is not None for spec in self.tp_specs)
+        self._in_place: bool | None = None  # reduce_scatter_lands_in_input, asked once
+        self._own: torch.Tensor | None = None  # full[lo:hi] of the buffer _own_of, for the gathers
+        self._own_of: torch.Tensor | None = None
+        self._full_nbytes = 0
+        self._pads: list[torch.Tensor | None] | None = None  # _concat_grads' zeros after each slot
         self._grad_views: list[torch.Tensor] = []
         self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
         if trainable and not policy.transient_grads:
@@ -276,11 +286,14 @@ class FlatGroup:
 
     # -- registration -------------------------------------------------------------------------
     def register(self, unsharded: bool) -> None:
-        params = self.created_params() if unsharded else self.sharded_params
-        assert params is not None, "sharded params exist at stage 3 only"
-        for ref, param in zip(self.refs, params):
-            for module, attr in ref.places:
-                module._parameters[attr] = param  # noqa: SLF001 (swaps a registered param; torch has no public API)
+        swaps = self._swaps.get(unsharded)
+        if swaps is None:  # made once per side: stage 3 swaps every unit twice a step
+            params = self.created_params() if unsharded else self.sharded_params
+            assert params is not None, "sharded params exist at stage 3 only"
+            swaps = self._swaps[unsharded] = [(module._parameters, attr, param)  # noqa: SLF001
+                                              for ref, param in zip(self.refs, params) for module, attr in ref.places]
+        for registered, attr, param in swaps:
+            registered[attr] = param  # swaps a registered param; torch has no public API
 
     # -- full buffer --------------------------------------------------------------------------
     def full_bytes(self) -> int:
@@ -307,11 +320,14 @@ class FlatGroup:
         if self.params is None:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
             self._create_params()
+        if self._own is None or self._own_of is not self.full:
+            # This rank's slice of the full buffer, made once per buffer (a view survives the resizes).
+            self._own, self._own_of = self.full[self.lo:self.hi], self.full
+            self._full_nbytes = self.full.numel() * self.full.element_size()
         storage = self.full.untyped_storage()
-        needed = self.full.numel() * self.full.element_size()
-        if storage.nbytes() < needed:
-            storage.resize_(needed)
-        own = self.full[self.lo:self.hi]
+        if storage.nbytes() < self._full_nbytes:
+            storage.resize_(self._full_nbytes)
+        own = self._own
         if self.weight_quant is not None and self._gathers_quantized(phase):
             # qwZ: the wire carries int8 + scales; every rank dequantizes, the owner's master stays exact.
             return QuantizedGather(self.full, self.shard, shards=self.shards, block_size=self.weight_quant,
@@ -416,7 +432,7 @@ class FlatGroup:
         flat buffer at the first grad would hold the whole unit's grads while the unit's backward,
         the step's memory peak, has produced only a few of them.
         """
-        self._grad_full_zero = False
+        self._grad_full_zero = False  # (read at stages 0-1 only, where the buffer is kept)
         if self.policy.transient_grads:
             return
         param, attached = self.created_params()[index], self._kept_grad_views()[index]
@@ -439,23 +455,46 @@ class FlatGroup:
             return
         fresh = self.grad_full is None
         params = self.params or ()
-        if fresh:
-            self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
-            self._zero_where_no_grad(params)
-        with torch.no_grad():
-            for slot, param, spec in zip(self.layout.slots, params, self.tp_specs):
-                if param.grad is None:
-                    continue
-                view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
-                grad = tp.local_grad(param.grad, spec)
-                # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
-                view.copy_(grad) if fresh else view.add_(grad)
+        grads = [p.grad for p in params]
+        if fresh and grads and not self._any_tp and all(g is not None and g.dtype == self.reduce_dtype for g in grads):
+            # Every grad present: one concatenation fills the buffer.
+            self.grad_full = self._concat_grads(cast(list[torch.Tensor], grads))
+        else:
+            if fresh:
+                self.grad_full = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.full.device)
+                self._zero_where_no_grad(params)
+            with torch.no_grad():
+                for slot, param, spec in zip(self.layout.slots, params, self.tp_specs):
+                    if param.grad is None:
+                        continue
+                    view = self.full_grads()[slot.offset:slot.end].view(slot.shape)
+                    grad = tp.local_grad(param.grad, spec)
+                    # The buffer may carry earlier micro-steps (unsharded accumulation), so add unless fresh.
+                    view.copy_(grad) if fresh else view.add_(grad)
         # Reported while the per-param grads and the buffer are both alive: the moment of the peak.
         # Releasing the grads after the loop rather than one by one changes no peak: the buffer was
         # allocated while every one of them was alive.
-        self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
+        if self.events.active:
+            self.events.emit(EventKind.GRADS_COLLECTED, self.unit, Phase.BACKWARD, self.full_grads().nbytes)
         for param in params:
             param.grad = None
+
+    def _concat_grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The flat grad buffer as one concatenation of the grads and the zeros of the padding between
+        them (made once per group): the same values as copying each grad into its slot of a buffer
+        whose padding was zeroed, with one kernel and no per-param view of the buffer."""
+        if self._pads is None:
+            ends = [s.offset + s.span for s in self.layout.slots]
+            gaps = [s.span - s.numel for s in self.layout.slots]
+            gaps[-1] += self.layout.numel - ends[-1]
+            zeros = {n: torch.zeros(n, dtype=self.reduce_dtype, device=self.full.device) for n in set(gaps) if n}
+            self._pads = [zeros.get(n) for n in gaps]
+        chunks: list[torch.Tensor] = []
+        for grad, pad in zip(grads, self._pads):
+            chunks.append(grad.reshape(-1))
+            if pad is not None:
+                chunks.append(pad)
+        return torch.cat(chunks)
 
     def _zero_where_no_grad(self, params) -> None:
         """Zero the parts of a fresh grad buffer no grad will be copied into (padding, unused params),
@@ -474,8 +513,12 @@ class FlatGroup:
         """Whether this unit's grads are reduced where they lie (gloo at stages 2-3, grads not yet
         collected): no flat copy, and no unit-sized buffer beside the grads at the moment the unit
         completes (the step's late memory peak)."""
-        return (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
-                and self.params is not None and collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh))
+        if not (self.policy.shard_optimizer and self.policy.transient_grads and self.grad_full is None
+                and self.params is not None):
+            return False
+        if self._in_place is None:
+            self._in_place = collectives.reduce_scatter_lands_in_input(Group.SHARD, self.mesh)
+        return self._in_place
 
     def launch_reduce(self, phase: str = Phase.BACKWARD) -> None:
         if self.grad_quant is not None and self.shards > 1:
@@ -486,8 +529,9 @@ class FlatGroup:
             return
         pieces = None
         if self._reduces_in_place():  # (never for a unit that did not run: its params were not created)
-            pieces = self.reducer.pieces([tp.local_grad(p.grad, spec)
-                                          for p, spec in zip(self.created_params(), self.tp_specs)])
+            params = self.created_params()
+            pieces = self.reducer.pieces([tp.local_grad(p.grad, spec) for p, spec in zip(params, self.tp_specs)]
+                                         if self._any_tp else [p.grad for p in params])
         if pieces is not None:
             for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce
@@ -504,8 +548,9 @@ class FlatGroup:
         self._report_launch(phase)
 
     def _report_launch(self, phase: str) -> None:
-        nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
-        self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
+        if self.events.active:
+            nbytes = self.layout.param_numel * self.reduce_dtype.itemsize
+            self.events.emit(EventKind.REDUCE_LAUNCHED, self.unit, phase, nbytes)
 
     def finish_reduce(self, phase: str = Phase.BACKWARD) -> None:
         """Wait for the reduction and leave the averaged fp32 grad of this rank's shard in ``grad_shard``."""
@@ -529,7 +574,8 @@ class FlatGroup:
             # so that grad_shard accumulates exactly what it adds.
             self.full_grads().zero_()
             self._grad_full_zero = True
-        self.events.emit(EventKind.REDUCE_DONE, self.unit, phase, reduced.nbytes)
+        if self.events.active:
+            self.events.emit(EventKind.REDUCE_DONE, self.unit, phase, reduced.nbytes)
 
     @property
     def reducing(self) -> bool:

@@ -11,6 +11,7 @@ tail. See docs/runtime.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -64,7 +65,7 @@ class FlatLayout:
         self.numel = _round_up(max(offset, 1), shards * ALIGN)
         self.shard_numel = self.numel // shards
 
-    @property
+    @functools.cached_property
     def param_numel(self) -> int:
         return sum(s.numel for s in self.slots)
 

@@ -20,6 +20,7 @@ from zeroshard.runtime.offload.stepper import SlicedStep
 from zeroshard.runtime.engine import Engine, find_engine, get_engine
 from zeroshard.runtime.events import EventKind
 from zeroshard.runtime.flat import FlatGroup
+from zeroshard.runtime import host_clock as hc
 from zeroshard.runtime.optim_kinds import ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, OptimKind
 from zeroshard.runtime.optim_parts import Part, build_parts, group_plans, probe, step_parts, unhooked
 from zeroshard.runtime.owners import OwnedParam, PerTensorStep, assign_owners
@@ -109,13 +110,14 @@ def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
         loss = None
         if closure is None and guard.should_skip(state.engine):  # a non-finite step: every rank skips it
             return None
+        base_step = hc.timed_if(state.engine.host_clock, hc.OPTIMIZER_MATH, unhooked(optim_cls.step))
         if state.pipeline is None or closure is not None:
             state.segments.attach_grads()
             sliced = state.sliced_step
-            loss = sliced(closure) if sliced is not None else unhooked(optim_cls.step)(self, closure)
+            loss = sliced(closure) if sliced is not None else base_step(self, closure)
             state.engine.sync_params()
         else:
-            state.pipeline.run(self, unhooked(optim_cls.step))
+            state.pipeline.run(self, base_step)
         state.report_step()
         return loss
 
@@ -186,9 +188,11 @@ class SegmentMap:
         self.group_index: dict[int, int] = {}  # id(segment) -> its torch param group
 
     def attach_grads(self, groups: set[FlatGroup] | None = None) -> None:
+        last, grad = None, None
         for param, group, start, stop in self.entries:
             if groups is None or group in groups:
-                grad = group.grad_shard
+                if group is not last:  # a group's segments are consecutive: its shard read once
+                    last, grad = group, group.grad_shard
                 param.grad = None if grad is None else grad[start:stop]
 
 
@@ -271,8 +275,13 @@ def optimizer(model: nn.Module, optim_cls: type[torch.optim.Optimizer], *, param
     group_of_slot = {id(g): [_group_index(s.fqn, s.shape, param_groups, name_to_group) for s in g.layout.slots]
                      for g in engine.trainable_groups}
     if all(cls is optim_cls and kind is OptimKind.ELEMENTWISE for cls, kind in plans):
-        return _flat_optimizer(engine, optim_cls, options, group_of_slot, defaults)
-    return _parts_optimizer(engine, optim_cls, options, plans, group_of_slot, defaults)
+        opt = _flat_optimizer(engine, optim_cls, options, group_of_slot, defaults)
+    else:
+        opt = _parts_optimizer(engine, optim_cls, options, plans, group_of_slot, defaults)
+    if engine.host_clock is not None:  # built inside host_clock.recording(): its step is timed too
+        engine.host_clock.instrument(opt, "step", hc.OPTIMIZER)
+        engine.host_clock.instrument(opt, "zero_grad", hc.OPTIMIZER)
+    return opt
 
 
 def _flat_segments(engine: Engine, group_of_slot: dict[int, list[int]], n_groups: int,

@@ -16,6 +16,19 @@ class UnitState(enum.Enum):
     UNSHARDED = "unsharded"      # full params registered on the modules
 
 
+class FullTally:
+    """Full-param bytes and units alive now, kept by the units of one engine as they gather and
+    free: the engine samples it after every gather, which reading every unit's storages would make
+    quadratic in the units per step. It equals the sum of the storages, which nothing but a unit's
+    own ``unshard`` and ``reshard`` resizes (``Engine.live_full_bytes`` reads them for observers)."""
+
+    __slots__ = ("bytes", "units")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.units = 0
+
+
 class Unit:
     """One module's (stage 3) or one bucket's (stages 0-2) flat groups, moved through one state machine.
 
@@ -30,35 +43,50 @@ class Unit:
     """
 
     def __init__(self, name: str, module, groups: list[FlatGroup], *, is_root: bool, sharded: bool,
-                 events: EngineEvents | None = None) -> None:
+                 events: EngineEvents | None = None, tally: FullTally | None = None) -> None:
         self.name = name
         self.events = events or EngineEvents()
         self._phase = ""  # of the latest gather: a free reports the phase whose use of the params it ends
         self.module = module
         self.groups = groups
+        self._trainable = [g for g in groups if g.trainable]  # read per launch and finish
         self.is_root = is_root
         self.state = UnitState.SHARDED if sharded else UnitState.UNSHARDED
         self._gathers: list[collectives.Pending | QuantizedGather] = []
         self._expected = {(gi, pi) for gi, g in enumerate(groups) if g.trainable for pi in range(len(g.layout.slots))}
         self._ready: set[tuple[int, int]] = set()
         self._missing = len(self._expected)
+        # Elements per trainable param and the running count of those ready: ready_fraction is read
+        # once per grad of the unit that prefetches, so it must not sum over the unit each time.
+        self._numel = {key: groups[key[0]].layout.slots[key[1]].numel for key in self._expected}
+        self._total_numel = sum(self._numel.values())
+        self._ready_numel = 0
         self.reduce_launched = False
+        self.tally = tally or FullTally()
+        self._live_bytes = 0  # what this unit added to the tally
         if sharded:
             for group in groups:
                 group.free_full()
                 group.register(unsharded=False)
+        else:
+            self._count_live()
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
-        return [g for g in self.groups if g.trainable]
+        return self._trainable
 
     # -- params -------------------------------------------------------------------------------
     def unshard(self, phase: str) -> None:
         """Issue the all-gathers (async). Idempotent while gathering or unsharded."""
         if self.state is not UnitState.SHARDED:
             return
-        self._gathers = [p for p in (g.gather_full(phase) for g in self.groups) if p is not None]
+        self._gathers = []
+        for group in self.groups:
+            pending = group.gather_full(phase)
+            if pending is not None:
+                self._gathers.append(pending)
         self.state = UnitState.GATHERING
+        self._count_live()
         self._phase = phase
         if self.events.active:
             self.events.emit(EventKind.GATHER, self.name, phase, self.full_bytes())
@@ -83,20 +111,33 @@ class Unit:
             group.register(unsharded=False)
             group.free_full()
         self.state = UnitState.SHARDED
-        self.events.emit(EventKind.FREE, self.name, self._phase, freed)
+        self.tally.bytes -= self._live_bytes
+        self.tally.units -= 1
+        self._live_bytes = 0
+        if self.events.active:
+            self.events.emit(EventKind.FREE, self.name, self._phase, freed)
 
     def full_bytes(self) -> int:
         return sum(g.full_bytes() for g in self.groups)
 
+    def _count_live(self) -> None:
+        self._live_bytes = self.full_bytes()
+        self.tally.bytes += self._live_bytes
+        self.tally.units += 1
+
     # -- grads --------------------------------------------------------------------------------
     def mark_ready(self, group_index: int, param_index: int) -> bool:
         """Record that a param's grad is complete; True when every trainable param's is."""
-        self.groups[group_index].take_grad(param_index)
+        group = self.groups[group_index]
+        if group.keeps_grads:  # stages 2-3 leave it on the param until the unit is ready: nothing to take
+            group.take_grad(param_index)
         key = (group_index, param_index)
         if key not in self._ready:  # a param used twice fires its hook once per use
             self._ready.add(key)
             self._missing -= 1
-        return self.grads_ready
+            self._ready_numel += self._numel[key]
+        # A count, not a set comparison: this runs once per param per backward.
+        return self._missing == 0
 
     def collect_grads(self) -> None:
         for group in self.trainable_groups:
@@ -105,9 +146,7 @@ class Unit:
     @property
     def ready_fraction(self) -> float:
         """Share of this unit's trainable elements whose grads are complete in this backward."""
-        total = sum(self.groups[gi].layout.slots[pi].numel for gi, pi in self._expected)
-        done = sum(self.groups[gi].layout.slots[pi].numel for gi, pi in self._ready)
-        return done / total if total else 1.0
+        return self._ready_numel / self._total_numel if self._total_numel else 1.0
 
     @property
     def grads_ready(self) -> bool:
@@ -132,4 +171,5 @@ class Unit:
     def clear_ready(self) -> None:
         self._ready.clear()
         self._missing = len(self._expected)
+        self._ready_numel = 0
         self.reduce_launched = False

@@ -40,6 +40,9 @@ class BenchSpec:
     """Blocks, replacing the preset's (a thin, deep model is where per-unit overheads show)."""
     width: int | None = None
     """Embedding width, replacing the preset's; a multiple of the preset's head count."""
+    host_breakdown: bool = False
+    """Instead of the comparison: the runtime's host time per kind of work and per unit, each of
+    our stages (``only`` picks them), zeroshard/tools/benchmark/host.py."""
     only: tuple[str, ...] = ()
     """Run names to keep (floor, stage0..stage3, stage3-quant, ddp, fsdp2, fsdp2-noreshard); empty keeps all
     but stage3-quant. The ratio
@@ -81,14 +84,46 @@ def _peak_live_bytes(candidate, x, y, device) -> int:
     return int(next(v for k, v in snapshot.items() if str(k) == "Total"))
 
 
-def rank_main(spec: BenchSpec) -> dict:
-    mesh = init()
-    torch.set_num_threads(1)
+def _workload(spec: BenchSpec, mesh) -> tuple[GPTConfig, torch.Tensor, torch.Tensor]:
     shape = {k: v for k, v in (("n_layer", spec.layers), ("n_embd", spec.width)) if v is not None}
     cfg = GPTConfig.named(spec.model, seq_len=spec.seq, **shape)
     gen = torch.Generator().manual_seed(spec.seed + mesh.rank)
     x = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
     y = torch.randint(0, cfg.vocab_size, (spec.batch, spec.seq), generator=gen).to(mesh.device)
+    return cfg, x, y
+
+
+def host_rank(spec: BenchSpec) -> dict:
+    """Spawn target of ``--host-breakdown``: each asked stage's host clock table on this rank."""
+    from zeroshard.models import GPT
+    from zeroshard.tools.benchmark.host import measure
+
+    mesh = init()
+    torch.set_num_threads(1)
+    cfg, x, y = _workload(spec, mesh)
+    stages = [int(k[len("stage"):]) for k in spec.only if k[len("stage"):].isdigit()] or [0, 1, 2, 3]
+    out = {}
+    for stage in stages:
+        torch.manual_seed(spec.seed)
+        model = GPT(cfg).to(mesh.device)
+        out[f"zeroshard stage {stage}"] = measure(model, x, y, stage=stage, steps=spec.rounds * spec.steps_per_round,
+                                                  warmup=spec.warmup)
+    return out
+
+
+def run_host_breakdown(spec: BenchSpec) -> dict[str, list[dict]]:
+    """Per stage, the rows of ``host.rows`` (mean over ranks)."""
+    from zeroshard.tools.benchmark.host import rows
+    from zeroshard.trainer.launch import spawn
+
+    per_rank = spawn(host_rank, spec.world, args=(spec,), timeout_s=3600)
+    return {name: rows([r[name] for r in per_rank]) for name in per_rank[0]}
+
+
+def rank_main(spec: BenchSpec) -> dict:
+    mesh = init()
+    torch.set_num_threads(1)
+    cfg, x, y = _workload(spec, mesh)
     built = [make() for make in _candidates(spec, cfg)]
     rows: dict[str, dict[str, Any]] = {}
     for cand in built:

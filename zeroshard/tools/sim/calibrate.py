@@ -374,6 +374,9 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
         unit = {k: med(r["unit"][k] for r in runs) for k in UNIT_KEYS}
         unit.update({k: med(r["unit"][k] for r in runs) for k in SLOWEST_KEYS if all(k in r["unit"] for r in runs)})
         shares = {k: med(r["contention"][k] for r in runs) for k in runs[0]["contention"]}
+        if all("host" in r for r in runs):  # the runtime's per-unit host seconds (host_rank)
+            unit["unit_host_forward_s"] = med(r["host"][0] for r in runs)
+            unit["unit_host_backward_s"] = med(r["host"][1] for r in runs)
         compute.append(MeasuredCompute(model=model, vocab=vocab, micro_batch=micro_batch, seq=seq, world=world,
                                        **shares, **unit))
         for group in runs[0]["concurrency"]:
@@ -397,6 +400,21 @@ def hardware_from(rounds: dict[int, list[dict]], model: str, vocab: int, micro_b
     return hw, raw
 
 
+def host_rank(model: str, vocab: int, micro_batch: int, seq: int, steps: int) -> tuple[float, float]:
+    """Spawn target, on one rank (so no wait on a collective is in it): the runtime's (forward,
+    backward) host seconds per stage-3 unit and micro-step, from its host-time breakdown."""
+    from zeroshard.comm.mesh import shutdown
+    from zeroshard.comm.world import init as zs_init
+    from zeroshard.tools.benchmark.host import measure, unit_host_seconds
+    from zeroshard.tools.sim.unit_probe import UnitProbe
+
+    zs_init()
+    probe = UnitProbe(model, vocab, micro_batch, seq)
+    result = measure(probe.model, probe.idx, probe.idx, stage=3, steps=steps)
+    shutdown()
+    return unit_host_seconds(result)
+
+
 def calibrate_hardware(worlds: tuple[int, ...], model: str, vocab: int, micro_batch: int, seq: int, *,
                        sizes: tuple[int, ...] = STEP_SIZES, repeats: int = 5, name: str = "local"):
     """A ``Hardware`` for this host with a fitted link per collective and world size and per-unit
@@ -404,5 +422,11 @@ def calibrate_hardware(worlds: tuple[int, ...], model: str, vocab: int, micro_ba
     timings (for a report)."""
     if not worlds or min(worlds) < 2:
         raise ValueError("calibration needs world sizes >= 2, e.g. --sweep 2,4")
+    from zeroshard.trainer.launch import spawn
+
     rounds = {w: [calibrate_world(w, model, vocab, micro_batch, seq, sizes=sizes, repeats=repeats)] for w in worlds}
+    host = spawn(host_rank, 1, args=(model, vocab, micro_batch, seq, max(repeats, 3)), timeout_s=900)[0]
+    for runs in rounds.values():
+        for run in runs:
+            run["host"] = list(host)
     return hardware_from(rounds, model, vocab, micro_batch, seq, name=name)

@@ -67,6 +67,12 @@ class MeasuredCompute:
     world size (see ``Hardware.contention``), measured with the rest; one figure per collective."""
     contention_reduce_scatter: float = 0.0
     contention_all_reduce: float = 0.0
+    unit_host_forward_s: float = 0.0
+    """The runtime's own host seconds per stage-3 unit and micro-step in forward (its hooks, the
+    copy into the params), from the host-time breakdown (zeroshard/tools/benchmark/host.py) on one
+    rank; the blocks' times above are of the plain block, without the runtime."""
+    unit_host_backward_s: float = 0.0
+    """The same in backward: the pre-backward and grad hooks and the reduction's bookkeeping."""
 
     def __post_init__(self) -> None:
         times = ("block_forward_s", "block_backward_s", "root_forward_s", "root_backward_s", "optimizer_s_per_param")
@@ -76,6 +82,8 @@ class MeasuredCompute:
             raise ValueError(f"measured compute for {self.model!r}: times must be >= 0, sizes positive")
         if min(self.contention_all_gather, self.contention_reduce_scatter, self.contention_all_reduce) < 0:
             raise ValueError(f"measured compute for {self.model!r}: contention must be >= 0")
+        if min(self.unit_host_forward_s, self.unit_host_backward_s) < 0:
+            raise ValueError(f"measured compute for {self.model!r}: unit host seconds must be >= 0")
 
     def contention(self, op: str) -> float:
         return float(getattr(self, f"contention_{op}"))

@@ -397,6 +397,12 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
     recompute = bf * w.recompute_fraction()[0] if w.checkpointing != "none" else 0.0
     L = w.shape.n_layer
     parts = {"blocks (measured)": L * (bf + bb), "root (measured)": rf + rb, "recompute": L * recompute}
+    if synced_per_unit:
+        # Stage 3's per-unit host work (hooks, gathers' copy-in, reduction bookkeeping), as measured:
+        # it does not scale with tokens, so it is what keeps small units from being free.
+        hf, hb = c.unit_host_forward_s, c.unit_host_backward_s
+        bf, bb, rf, rb = bf + hf, bb + hb, rf + hf, rb + hb
+        parts["runtime host (measured)"] = (L + 1) * (hf + hb)
     return _Durations(block_fwd=bf, block_bwd=bb + recompute, root_fwd=rf, root_bwd=rb, parts=parts,
                       block_recompute=recompute)
 
