@@ -93,7 +93,7 @@ def _train(run, steps: int) -> None:
 def _bytes_by_key(records) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in records:
-        if r.phase == step.METRICS_PHASE:
+        if r.phase in (step.METRICS_PHASE, "guard"):  # the step's metrics and the non-finite guard's flag
             continue
         key = f"{r.op}:{r.group}:{r.phase}"
         out[key] = out.get(key, 0) + r.bytes

@@ -106,6 +106,10 @@ def register_fake_device() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(rename=FAKE_DEVICE)
+    # The registration lasts the process (a pytest worker runs other files after this one): torch's
+    # own helpers that ask whether the PrivateUse1 backend is available (DCP's file writer picks a
+    # device-stream loader then) must keep seeing a plain CPU process.
+    getattr(torch, FAKE_DEVICE).is_available = lambda: False
     _fake_pin_memory()
     streams = module("zeroshard.runtime.streams", "zeroshard.runtime.streams")
     streams.RUNTIME[:] = [RecordingStreams()]

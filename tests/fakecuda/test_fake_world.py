@@ -131,7 +131,8 @@ def _calls(result: dict) -> list[tuple]:
     return [tuple(c) for c in result["calls"]]
 
 
-@pytest.mark.parametrize("name", ["stage3-w8", "stage3-w3", "stage2-w4-bf16-accum", "tp2-w4", "ep2-w4"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n))
+                                  for n in ("stage3-w8", "stage3-w3", "stage2-w4-bf16-accum", "tp2-w4", "ep2-w4")])
 def test_side_streams_wait_for_the_compute_they_follow(results, name):
     """Every entry into a side stream comes after that stream waited for an event just recorded on
     the compute stream (the reduce stream at each launch, the all-gather stream at the step's start)

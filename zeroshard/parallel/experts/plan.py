@@ -103,6 +103,11 @@ def moe_layout(model: nn.Module) -> list[MoELayer]:
     if unknown:
         raise MoELayoutError(f"{type(model).__name__}'s ep plan uses the style(s) {', '.join(unknown)}, which "
                              f"zeroshard does not run (it runs {EXPERTS_STYLE} and {STACKED_STYLE}); use ep=1")
+    from zeroshard.runtime.attached import find_engine
+
+    # A sharded model's params are flat pieces; the shapes that count experts are its layout's.
+    engine = find_engine(model)
+    shapes = {s.fqn: s.shape for g in engine.groups for s in g.layout.slots} if engine is not None else {}
     layers = []
     for name, module in model.named_modules():
         if plan.get(_generic(name)) != EXPERTS_STYLE:
@@ -114,18 +119,19 @@ def moe_layout(model: nn.Module) -> list[MoELayer]:
                                  f"params is marked {STACKED_STYLE}; use ep=1")
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         router = parent if hasattr(parent, "reduce_counts") else None
-        layers.append(MoELayer(name=name, module=module, num_experts=_total_experts(module, params, name),
+        layers.append(MoELayer(name=name, module=module, num_experts=_total_experts(module, params, name, shapes),
                                params=params, router=router))
     return layers
 
 
-def _total_experts(module: nn.Module, params: tuple[str, ...], name: str) -> int:
-    """The layer's expert count: dim 0 of its stacked params, times ep once they are split."""
+def _total_experts(module: nn.Module, params: tuple[str, ...], name: str, shapes: dict) -> int:
+    """The layer's expert count: dim 0 of its stacked params (their layout's shapes once sharded),
+    times ep once they are split."""
     rows = set()
     for p in params:
         param = getattr(module, p)
         mesh = expert_mesh_of(param)
-        rows.add(param.shape[0] * (mesh.ep_size if mesh is not None else 1))
+        rows.add(shapes.get(f"{name}.{p}", param.shape)[0] * (mesh.ep_size if mesh is not None else 1))
     if len(rows) != 1:
         raise MoELayoutError(f"the stacked params {', '.join(params)} of {name} disagree on the expert count (dim 0: "
                              f"{sorted(rows)}); an ep plan's params must stack the same experts on dim 0")
