@@ -54,6 +54,8 @@ def test_calibrate_writes_a_hardware_file_that_plan_time_replays(tmp_path, capsy
     # block, so every block is the slowest rank's, and the root the mean.
     met_seldom = n_layer * (c.block_forward_s + c.block_backward_s) + max(c.root_slowest_s, c.root_forward_s)
     per_block = n_layer * (c.block_forward_slowest_s + c.block_backward_slowest_s) + c.root_forward_s + c.root_backward_s
+    # ...plus the runtime's own host work per stage-3 unit (every block and the root), as calibrated.
+    per_block += (n_layer + 1) * (c.unit_host_forward_s + c.unit_host_backward_s)
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
         assert math.isclose(r["compute_s"], per_block if r["stage"] == 3 else met_seldom, rel_tol=1e-9)

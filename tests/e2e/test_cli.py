@@ -89,8 +89,10 @@ def test_train_writes_metrics_and_config_and_loss_falls(tmp_path: Path) -> None:
     assert header["kind"] == "header" and header["topology"] == summary["topology"]
     assert summary["topology"]["shape"] == "1 host x 2 ranks" and summary["topology"]["inside_host"]["shard"]
     assert "1 host x 2 ranks; inside a host: shard" in proc.stdout
-    # Stage 0 all-reduces every fp32 gradient once per step: exactly 4 bytes per parameter.
-    assert f"{config['params'] * 4:,}" in proc.stdout
+    # Stage 0 all-reduces every fp32 gradient once per step: exactly 4 bytes per parameter, plus the
+    # non-finite guard's flag (8 bytes: stage 0's clip norm is computed on each rank's whole grads,
+    # so the ranks agree on the flag through one all-reduce of their own).
+    assert f"{config['params'] * 4 + 8:,}" in proc.stdout
 
 
 def test_verify_stage0_matches_single_process() -> None:
