@@ -31,6 +31,7 @@ from zeroshard.tools.planner.spec import STAGE_NAMES, PlanSpec
 # The engine's constants, imported: one value, not two copies.
 from zeroshard.comm.quant import CommQuant
 from zeroshard.runtime.flat import StagePolicy
+from zeroshard.runtime.clip import SQUARE_CHUNK
 from zeroshard.runtime.optim import PIPELINE_MIN_NUMEL
 from zeroshard.runtime.schedule import step_schedule
 from zeroshard.comm.dims import ParallelDims
@@ -202,10 +203,13 @@ class Estimator:
         # optimizer.step (a unit's scratch, next to the reductions still running; ``_step``). What
         # the components over-count together is the overlap.
         states_total = sum(states.values())
+        # The step's global grad norm (clip's or the guard's): a float64 copy of one grad chunk at a time.
+        norm = 8 * min(SQUARE_CHUNK, max((g.shard_numel if v.policy.shard_optimizer else g.numel for u in units
+                                          for g in u.groups if g.trainable), default=0)) if self.inventory else 0
         phases = (states_total - t.late_grads + start + t.start_window + t.early,
                   states_total + t.during,
-                  states_total + t.step)
-        workspace = max(backward_ws, t.scratch)
+                  states_total + max(t.step, norm))
+        workspace = max(backward_ws, t.scratch, norm)
         allocated = max(phases)
         overlap = states_total + activations + t.window + t.buckets + workspace - allocated
         device = Components(**states, activations=activations, window=t.window, buckets=t.buckets,
