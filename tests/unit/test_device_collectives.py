@@ -87,10 +87,9 @@ def test_clip_scales_host_grad_shards_by_a_host_coefficient(monkeypatch):
 
     with FakeTensorMode():
         groups = offloaded_groups() + [SimpleNamespace(grad_shard=torch.ones(6, device=CUDA))]
-        monkeypatch.setattr(clip, "grad_norm", lambda model: torch.full((), 4.0, device=CUDA))
-        monkeypatch.setattr(clip, "get_engine", lambda model: SimpleNamespace(trainable_groups=groups))
-        norm = clip.clip_grad_norm_(object(), 1.0)  # before: "found at least two devices, cpu and cuda:0"
-        assert norm.device == CUDA
+        # clip_grad_norm_'s scaling, with the norm where the mesh computes it (the device):
+        # before, "found at least two devices, cpu and cuda:0"
+        clip.scale_grad_shards(groups, torch.full((), 4.0, device=CUDA), 1.0)
         assert [g.grad_shard.device.type for g in groups] == ["cpu", "cpu", "cuda"]
 
 

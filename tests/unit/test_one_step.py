@@ -23,6 +23,8 @@ ALLOWED = {
     ("zeroshard/trainer/train.py", "reference_backward"): "the reference's backward of a global batch",
     ("zeroshard/runtime/scaler.py", "step"): "ShardedGradScaler.step, torch's GradScaler API",
     ("zeroshard/tools/planner/optim_probe.py", "_one_step"): "one optimizer step on synthetic tensors, no model",
+    ("zeroshard/tools/planner/owner_state.py", "_step_state"): "one optimizer step on one param's shape, no model",
+    ("bench/context_parallel.py", "_saved_bytes"): "one forward/backward's saved activations per cp degree, no step",
     ("zeroshard/observing/profile/activations.py", "activation_bytes"): "one forward/backward's activations, no step",
     ("bench/activation_memory.py", "measure"): "a warm-up backward before measuring activations",
     ("bench/gpu_overhead.py", "main"): "a matmul backward that creates cuBLAS's workspace",
