@@ -81,3 +81,27 @@ def test_held_out_loss_at_every_stage_equals_one_process_and_packed_steps_match_
     print(f"one process {ref:.8f}; |diff| {', '.join(f'{k} {d:.1e}' for k, d in diffs.items())}")
     assert max(diffs.values()) <= 1e-6
     assert out["stage1"] == out["stage2"] == out["stage3"] == out["stage0"]  # bitwise: sharding changes no sum
+
+
+def test_lora_on_a_chat_file_at_stage_3_trains_only_the_adapters(files):
+    """The same chat file with LoRA adapters: the loss falls, the held-out loss is reported, and the
+    base model's weights leave the run as they came (only the adapters train)."""
+    from zeroshard.checkpoint.hf.pretrained import plain_pretrained
+    from zeroshard.cli.main import main
+
+    run_dir, ckpt = files["root"] / "lora-run", files["root"] / "lora-ckpt"
+    args = ["train", "--model", str(files["folder"]), "--data", str(files["data"]), "--eval-data", str(files["eval"]),
+            "--stage", "3", "--nproc", "2", "--steps", "10", "--batch", "4", "--seq-len", "256", "--lr", "1e-2",
+            "--warmup", "1", "--lora-r", "4", "--lora-alpha", "8", "--run-dir", str(run_dir),
+            "--save-every", "10", "--ckpt-dir", str(ckpt)]
+    assert main(args) == 0
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "step" in r]
+    assert steps[-1]["loss"] < steps[0]["loss"] and any("eval_loss" in r for r in steps)
+    merged = files["root"] / "lora-merged"
+    assert main(["ckpt", "export", str(ckpt), "--hf", str(merged)]) == 0
+    base = plain_pretrained(str(files["folder"]), torch.device("cpu")).state_dict()
+    trained = plain_pretrained(str(merged), torch.device("cpu")).state_dict()
+    moved = [k for k in base if not torch.equal(base[k], trained[k])]
+    # Merging folds each adapter into its target weight; every other weight is bitwise the base's.
+    assert moved and all(k.endswith("weight") and ("proj" in k or "attn" in k) for k in moved), moved
