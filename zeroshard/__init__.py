@@ -35,7 +35,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "MixedPrecision": ("zeroshard.runtime", "MixedPrecision"),
     "MoELayer": ("zeroshard.parallel.experts", "MoELayer"),
     "ModelSpec": ("zeroshard.models.spec", "ModelSpec"),
-    "spec_of": ("zeroshard.models.spec", "spec_of"),
+    "spec_of": ("zeroshard.models.specs", "spec_of"),
     "muon_groups": ("zeroshard.runtime.recipes", "muon_groups"),
     "new_mesh": ("zeroshard.comm.world", "new_mesh"),
     "no_sync": ("zeroshard.runtime", "no_sync"),
@@ -89,7 +89,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zeroshard.parallel.cp import apply_context_parallel as context_parallel
     from zeroshard.checkpoint.hf import build_pretrained, export_pretrained, load_pretrained
     from zeroshard.runtime.materialize import meta_init
-    from zeroshard.models.spec import ModelSpec, spec_of
+    from zeroshard.models.spec import ModelSpec
+    from zeroshard.models.specs import spec_of
     from zeroshard.runtime.recipes import muon_groups
     from zeroshard.observing import Observer, observe
     from zeroshard.runtime.offload import OffloadPolicy

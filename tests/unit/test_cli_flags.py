@@ -634,7 +634,7 @@ def test_the_tp_plan_models_are_the_runtimes_plans() -> None:
     from zeroshard.trainer.config import HF_MODEL_NAMES, MODEL_NAMES, TP_MODEL_NAMES
     from zeroshard.models.gpt import GPT, GPTConfig
     from zeroshard.models.hf import build_hf_model
-    from zeroshard.models.spec import spec_of
+    from zeroshard.models.specs import spec_of
 
     for name in MODEL_NAMES + HF_MODEL_NAMES:
         if name in HF_MODEL_NAMES:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import zeroshard as zs
-from zeroshard.models.spec import ModelSpec, spec_of
+from zeroshard.models.spec import ModelSpec
+from zeroshard.models.specs import spec_of
 from zeroshard.parallel.tp import check_tensor_parallel
 
 tf = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ parallelism splits it (fqn pattern -> style, transformers' vocabulary: zeroshard
 where its experts are and how expert parallelism splits them, how its checkpoint names convert,
 and a hook for its activation estimate. Nothing else in the package keys on a model's class.
 
-``spec_of(model)`` finds it:
+``zeroshard.models.specs.spec_of(model)`` finds it:
 
 1. a spec the user attached (``zs.tensor_parallel(model, spec=...)`` attaches it; ``attach``);
 2. zeroshard's own GPT: the spec written by hand in zeroshard/models/specs/gpt.py;
@@ -112,32 +112,6 @@ def attach(model: nn.Module, spec: ModelSpec) -> nn.Module:
                         "ModelSpec(blocks='transformer.h', tp_plan={...})")
     object.__setattr__(model, SPEC_ATTR, spec)  # not a submodule or param: a plain attribute
     return model
-
-
-def find_spec(model: nn.Module) -> ModelSpec | None:
-    """The model's spec (attached, zeroshard's GPT's, or derived from a transformers config), or None."""
-    own = getattr(model, SPEC_ATTR, None)
-    if isinstance(own, ModelSpec):
-        return own
-    derived = getattr(model, DERIVED_ATTR, None)
-    if isinstance(derived, ModelSpec):
-        return derived
-    from zeroshard.models.specs import derive
-
-    spec = derive(model)
-    if spec is not None:  # kept: an export asks once per tensor, and a model's modules do not change
-        object.__setattr__(model, DERIVED_ATTR, spec)
-    return spec
-
-
-def spec_of(model: nn.Module) -> ModelSpec:
-    """``find_spec``, or a one-line error saying how to give the model one."""
-    spec = find_spec(model)
-    if spec is None:
-        raise ValueError(f"zeroshard has no spec for {type(model).__name__}: it is neither zeroshard's GPT nor a "
-                         "transformers model; pass spec=zs.ModelSpec(blocks='<path of the blocks ModuleList>', "
-                         "tp_plan={'<path>.*.<linear>': 'colwise', ...}) (docs/model_specs.md)")
-    return spec
 
 
 def with_overrides(spec: ModelSpec, **changes: Any) -> ModelSpec:

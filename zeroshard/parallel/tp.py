@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from zeroshard.models.spec import ModelSpec, attach, spec_of
+from zeroshard.models.spec import ModelSpec, attach
+from zeroshard.models.specs import spec_of
 from zeroshard.runtime import tp as runtime_tp
 
 

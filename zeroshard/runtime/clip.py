@@ -37,6 +37,11 @@ def grad_norm_of(engine, *, phase: Phase = Phase.CLIP) -> torch.Tensor:
     return total[0].sqrt().to(torch.float32)
 
 
+def guard_norm(engine) -> torch.Tensor:
+    """The global grad norm the non-finite guard reads on a step that did not clip."""
+    return grad_norm_of(engine, phase=Phase.GUARD)
+
+
 SQUARE_CHUNK = 1 << 22
 """Grad elements squared at a time: a chunk's float64 copy (32 MiB) is clipping's whole temporary
 memory, however large the grad shard (a whole-shard float64 square would be twice its fp32 bytes

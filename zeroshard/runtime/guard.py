@@ -34,7 +34,7 @@ import json
 import math
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -157,10 +157,12 @@ def norm_value(engine: Any) -> float | None:
     return value
 
 
-def should_skip(engine: Any) -> bool:
+def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor]) -> bool:
     """Called by the sharded optimizer's step (collective unless clipping noted the norm over the
     whole world): True when every rank must skip this step. Raises ``NonFiniteRunError`` after
-    ``max_bad_steps`` consecutive skips."""
+    ``max_bad_steps`` consecutive skips. ``norm_of(engine)``: the global grad norm, computed as
+    clipping computes it, for a step that did not clip (``clip.guard_norm``; passed in because
+    clipping itself notes its norm here)."""
     st = state_of(engine)
     if not st.enabled:
         return False
@@ -169,10 +171,8 @@ def should_skip(engine: Any) -> bool:
     else:
         norm, logged = st.norm, st.norm is not None
         if norm is None:  # no clipping this step: the norm clipping would have computed
-            from zeroshard.runtime.clip import grad_norm_of
-
             inject_fault(engine)
-            norm = grad_norm_of(engine, phase=Phase.GUARD)
+            norm = norm_of(engine)
         bad = agree(engine, norm, over_world=not covers_world(engine), logged=logged)
     st.norm, st.loss, st.decided = None, None, None
     record(engine, bad)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zeroshard.runtime import guard
+from zeroshard.runtime.clip import guard_norm
 from zeroshard.runtime.offload.stepper import SlicedStep
 from zeroshard.runtime.engine import Engine, find_engine, get_engine
 from zeroshard.runtime.events import EventKind
@@ -108,7 +109,7 @@ def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
     def step(self, closure=None):
         state = self.zeroshard_state
         loss = None
-        if closure is None and guard.should_skip(state.engine):  # a non-finite step: every rank skips it
+        if closure is None and guard.should_skip(state.engine, guard_norm):  # a non-finite step: every rank skips it
             return None
         base_step = hc.timed_if(state.engine.host_clock, hc.OPTIMIZER_MATH, unhooked(optim_cls.step))
         if state.pipeline is None or closure is not None:
@@ -143,7 +144,7 @@ def _sharded_parts_class(optim_cls: type[torch.optim.Optimizer]) -> type:
         if state.engine.store is not None:  # offload: the host step reads grads the device copies down
             state.engine.finish_reductions()
             state.engine.wait_host_copies()
-        if guard.should_skip(state.engine):  # a non-finite step: every rank skips it
+        if guard.should_skip(state.engine, guard_norm):  # a non-finite step: every rank skips it
             return loss
         state.segments.attach_grads()
         # Owners first: its exchange reads every grad shard, so all reductions are done by then.

@@ -20,7 +20,7 @@ def tensor_parallel_plan(cfg: TrainConfig, model: torch.nn.Module) -> None:
     """Check that ``model`` can be split over ``cfg.tp`` ranks (its spec has a tensor-parallel plan,
     zeroshard/models/spec.py, and tp divides what the plan splits) without splitting it; a
     ValueError names the problem and the fix."""
-    from zeroshard.models.spec import spec_of
+    from zeroshard.models.specs import spec_of
     from zeroshard.parallel.tp import check_tensor_parallel as check
 
     spec = spec_of(model)

@@ -28,7 +28,7 @@ from zeroshard.checkpoint.hf.errors import PretrainedError
 def _conversions(model: Any) -> list[Any]:
     """The model's conversions, as its spec holds them (zeroshard/models/spec.py: transformers' own
     mapping for a transformers model, none for a model whose spec declares none)."""
-    from zeroshard.models.spec import find_spec
+    from zeroshard.models.specs import find_spec
 
     spec = find_spec(model)
     return [] if spec is None or spec.renames is None else list(spec.renames(model))

@@ -1,5 +1,5 @@
 """The model families zeroshard knows: its own GPT, written by hand, and every transformers model,
-derived from its config (zeroshard/models/spec.py says how a spec is found)."""
+derived from its config, or a spec a user attached (zeroshard/models/spec.py): ``find_spec``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 from torch import nn
 
-from zeroshard.models.spec import ModelSpec
+from zeroshard.models.spec import DERIVED_ATTR, SPEC_ATTR, ModelSpec
 from zeroshard.runtime.tp_plan import TPPlan
 
 
@@ -22,6 +22,30 @@ def derive(model: nn.Module) -> ModelSpec | None:
     from zeroshard.models.specs.hf import hf_spec, is_transformers_model
 
     return hf_spec(model) if is_transformers_model(model) else None
+
+
+def find_spec(model: nn.Module) -> ModelSpec | None:
+    """The model's spec (attached, zeroshard's GPT's, or derived from a transformers config), or None."""
+    own = getattr(model, SPEC_ATTR, None)
+    if isinstance(own, ModelSpec):
+        return own
+    derived = getattr(model, DERIVED_ATTR, None)
+    if isinstance(derived, ModelSpec):
+        return derived
+    spec = derive(model)
+    if spec is not None:  # kept: an export asks once per tensor, and a model's modules do not change
+        object.__setattr__(model, DERIVED_ATTR, spec)
+    return spec
+
+
+def spec_of(model: nn.Module) -> ModelSpec:
+    """``find_spec``, or a one-line error saying how to give the model one."""
+    spec = find_spec(model)
+    if spec is None:
+        raise ValueError(f"zeroshard has no spec for {type(model).__name__}: it is neither zeroshard's GPT nor a "
+                         "transformers model; pass spec=zs.ModelSpec(blocks='<path of the blocks ModuleList>', "
+                         "tp_plan={'<path>.*.<linear>': 'colwise', ...}) (docs/model_specs.md)")
+    return spec
 
 
 NAMED_TP_PLANS = ("gpt", "llama")

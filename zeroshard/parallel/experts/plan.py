@@ -81,7 +81,7 @@ def declared_ep_plan(model: nn.Module) -> dict[str, str]:
     """The expert-parallel plan ``model`` declares, keys relative to ``model`` (``*`` = a layer number):
     its spec's (zeroshard/models/spec.py: a transformers config's ``base_model_ep_plan`` under the base
     model's prefix, zeroshard's GPT's own, or a user's), else an ``ep_plan`` dict the model carries."""
-    from zeroshard.models.spec import find_spec
+    from zeroshard.models.specs import find_spec
 
     spec = find_spec(model)
     if spec is not None and spec.ep_plan:

@@ -51,7 +51,7 @@ def blocks_path(model: nn.Module, user_blocks: str | None = None) -> str:
             raise ValueError(f"blocks={user_blocks!r} is not a non-empty ModuleList of {name}; give the dotted path "
                              "of the list that holds its blocks (e.g. 'transformer.h')")
         return user_blocks
-    from zeroshard.models.spec import find_spec
+    from zeroshard.models.specs import find_spec
 
     spec = find_spec(model)  # the model family's own spec: zeroshard's GPT's, a transformers model's, a user's
     found = spec.blocks if spec is not None and _module_list(model, spec.blocks) is not None else None

@@ -91,7 +91,7 @@ class TensorParallel:
         """The runtime's split of any model with a spec (a transformers model's declared plan, or a
         user's), checked as the runtime checks it before anything is split: a ValueError names the
         problem (no plan, tp not dividing the heads or the MLP) and the fix."""
-        from zeroshard.models.spec import spec_of
+        from zeroshard.models.specs import spec_of
         from zeroshard.runtime.tp import check_plan
 
         plan = spec_of(model).tp()
