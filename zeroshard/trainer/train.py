@@ -115,6 +115,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     cfg = run.cfg
     t0 = time.perf_counter()
     fault_points.point("train.step", rank=run.mesh.rank, step=step + 1)  # 1-based, as the progress counts
+    fault_points.point("train.kill", rank=run.mesh.rank, step=step + 1)  # ZEROSHARD_KILL_FAULT: a lost node
     lr = run.opt.param_groups[0]["lr"]
     with phase("data"):
         indices = run.sampler.next_indices()
