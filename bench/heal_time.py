@@ -1,7 +1,7 @@
 """Time lost to one lost rank: replica recovery against a restart from the last checkpoint.
 
-    .venv/bin/python bench/heal_time.py                     # 500 steps, kill at step 131, a save every 20
-    .venv/bin/python bench/heal_time.py --steps 400 --kill-step 171 --save-every 50
+    .venv/bin/python bench/heal_time.py                     # 1000 steps, kill at step 131, a save every 20
+    .venv/bin/python bench/heal_time.py --steps 2000 --kill-step 171 --save-every 50
 
 Both runs train the same job (tiny, stage 3, 2 replicas x 2 shards = 4 ranks, global batch 8, the
 same seed), and in both the rank at shard 1 of replica 1 SIGKILLs itself at the start of the same
@@ -86,8 +86,11 @@ class Stamps:
         return min(later) if later else None
 
     def median_step(self, upto: int) -> float:
-        times = [self.first(s) for s in range(1, upto + 1)]
-        return statistics.median(b - a for a, b in zip(times[1:], times[2:]))  # the first step warms up
+        """The median time between consecutive steps up to ``upto`` (a group that joined late, healed
+        from a peer, has no records of the steps before it joined; its first step warms up)."""
+        have = sorted({s for _, s, _ in self.events if s <= upto})
+        times = {s: self.first(s) for s in have}
+        return statistics.median(times[s] - times[s - 1] for s in have[2:] if s - 1 in times)
 
 
 def figures(name: str, job: Stamps, killed: Stamps, kill: int, redone: int, fewer: int | None) -> dict:
@@ -141,19 +144,22 @@ def replica_run(root: Path, args: argparse.Namespace) -> dict:
             env["ZEROSHARD_KILL_FAULT"] = f"rank=1,step={args.kill_step},attempt=0"
         stamps.append(Stamps(run_dir / "metrics.jsonl"))
         procs.append(torchrun(2, [*common, "--run-dir", str(run_dir)], env, root / f"replica{group}.log"))
+        time.sleep(2)  # group 0 first, as a running job is when one of its groups dies (the other joins it)
     codes = watched(procs, stamps, args.timeout)
     lighthouse.terminate()
     lighthouse.wait()
     print(f"replicas: exit codes {codes} (logs {root}/replica*.log)", flush=True)
     back = stamps[1].after(stamps[1].first(args.kill_step - 1))
-    until = back[1] if back is not None else args.steps + 1  # the killed group's first step after it came back
+    # Until the killed group's first step after it came back from a live peer (a replacement that found
+    # none started again from step 1, alone).
+    until = back[1] if back is not None and back[1] >= args.kill_step else args.steps + 1
     fewer = len({s for _, s, n in stamps[0].events if n == 1 and args.kill_step <= s < until})
     return figures("replicas", stamps[0], stamps[1], args.kill_step, 0, fewer)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--kill-step", type=int, default=131)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=1800.0)
