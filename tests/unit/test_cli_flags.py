@@ -656,8 +656,10 @@ def test_train_verify_and_tune_help_list_tp() -> None:
         assert "--tp TP Tensor parallelism: split each block's matmuls" in text, command
 
 
-def test_rollback_with_replica_recovery_is_one_line_naming_why() -> None:
+def test_rollback_or_saves_with_replica_recovery_are_one_line_naming_why() -> None:
     from zeroshard.trainer.config import TrainConfig
 
     with pytest.raises(ValueError, match=r"keep no checkpoint .*; drop --rollback-on-spike or --replica-recovery$"):
         TrainConfig(replica_recovery=True, replicas=2, rollback_on_spike=3.0, save_every=2, ckpt_dir="c")
+    with pytest.raises(ValueError, match=r"^save_every=2 with replica_recovery: .*; drop --save-every$"):
+        TrainConfig(replica_recovery=True, replicas=2, save_every=2, ckpt_dir="c")
