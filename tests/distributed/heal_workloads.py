@@ -158,3 +158,38 @@ def rollback_suite(root: str) -> dict:
     return {"cpu_s": time.process_time(), "first": {k: v for k, v in first.items() if k != "params"},
             "again": {k: v for k, v in again.items() if k != "params"},
             "bitwise": _same(first["params"], again["params"])}
+
+
+PP_STEPS, PP_NAN = 4, 3
+
+
+def pp_loss_suite(root: str) -> dict:
+    """pp=2 on world 2: the last stage's own loss reads NaN at step PP_NAN (its grads stay finite) and
+    1000 times itself at the step after. Returns each step's loss and skip as this rank saw them, and
+    whether each step changed this rank's masters."""
+    mesh = zs.init(pp=2)
+    run = step_mod.build(_cfg("fp32", f"{root}/pp", pp=2, steps=PP_STEPS, microbatches=2), mesh)
+    pipe = run.pipeline
+    for module in pipe.modules:
+        module.eval()
+    last, inner = any(m.is_last for m in pipe.modules), pipe.run
+
+    def faulty(x, y, *, loss_scale):
+        total, step = inner(x, y, loss_scale=loss_scale), collectives.get_ledger().step
+        return total * {PP_NAN: float("nan"), PP_NAN + 1: 1000.0}.get(step, 1.0) if last else total
+
+    pipe.run = faulty
+
+    def masters() -> list[torch.Tensor]:
+        return [g.shard.detach().clone() for m in pipe.modules for g in get_engine(m).trainable_groups]
+
+    before, out = masters(), {"last": last, "losses": [], "skipped": [], "changed": []}
+    for index in range(PP_STEPS):
+        collectives.get_ledger().step = index + 1
+        rec = train_mod.train_step(run, index)
+        after = masters()
+        out["losses"].append(rec.loss)
+        out["skipped"].append(rec.skipped)
+        out["changed"].append(not all(torch.equal(a, b) for a, b in zip(before, after)))
+        before = after
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import heal_workloads as w
+from zeroshard.trainer.heal import SpikeWatch
 from zeroshard.trainer.launch import spawn
 
 
@@ -47,3 +48,22 @@ def test_spike_rolls_back_skips_its_window_and_a_rerun_reproduces_it(tmp_path):
         assert again["losses"] == first["losses"]
         assert out["bitwise"]
     print(f"rollback suite: {max(o['cpu_s'] for o in first_rank):.1f} s CPU per rank")
+
+
+def test_a_bad_loss_on_the_last_pp_stage_is_known_to_every_stage(tmp_path):
+    """pp=2: the loss only the last stage computes goes NaN (grads finite) at one step and spikes at the
+    next. Every stage skips the NaN step and reads the spike, so a rollback would be decided alike."""
+    ranks = spawn(w.pp_loss_suite, 2, args=(str(tmp_path),), timeout_s=300)
+    assert [r["last"] for r in ranks] == [False, True]
+    first, last = ranks
+    assert first["losses"][:w.PP_NAN - 1] == last["losses"][:w.PP_NAN - 1]
+    assert first["losses"][w.PP_NAN:] == last["losses"][w.PP_NAN:]
+    for r in ranks:
+        nan = w.PP_NAN - 1
+        assert r["losses"][nan] != r["losses"][nan]  # NaN on the first stage too
+        assert r["skipped"] == [i == nan for i in range(w.PP_STEPS)]
+        assert r["changed"] == [i != nan for i in range(w.PP_STEPS)]  # the skip left this stage's masters
+        assert r["losses"][nan + 1] > 100 * r["losses"][nan - 1]
+        watch = SpikeWatch(5.0, 2)  # both stages would roll back at the spike, and only there
+        decisions = [watch.spike(loss, skipped) is not None for loss, skipped in zip(r["losses"], r["skipped"])]
+        assert decisions == [i == nan + 1 for i in range(w.PP_STEPS)]

@@ -542,7 +542,10 @@ def _train_table(tmp: Path) -> dict[str, list[Entry]]:
                                      "--rollback-on-spike": [(plus(t, "--rollback-on-spike", "3"), None, REFUSED)],
                                      "--replica-recovery": [(plus(t, "--replica-recovery"), None, REFUSED),
                                                             (plus(t, "--replicas", "2", "--tp", "2", "--replica-recovery"),
-                                                             None, REFUSED)]}
+                                                             None, REFUSED),
+                                                            (plus(t, "--replicas", "2", "--replica-recovery",
+                                                                  "--rollback-on-spike", "3", "--save-every", "2",
+                                                                  "--ckpt-dir", "c"), None, REFUSED)]}
     for name in field_names():
         flag = "--" + name.replace("_", "-")
         if name in switches:
@@ -651,3 +654,12 @@ def test_train_verify_and_tune_help_list_tp() -> None:
     for command in ("train", "verify", "tune"):
         text = " ".join(_subparser(command).format_help().split())
         assert "--tp TP Tensor parallelism: split each block's matmuls" in text, command
+
+
+def test_rollback_or_saves_with_replica_recovery_are_one_line_naming_why() -> None:
+    from zeroshard.trainer.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"keep no checkpoint .*; drop --rollback-on-spike or --replica-recovery$"):
+        TrainConfig(replica_recovery=True, replicas=2, rollback_on_spike=3.0, save_every=2, ckpt_dir="c")
+    with pytest.raises(ValueError, match=r"^save_every=2 with replica_recovery: .*; drop --save-every$"):
+        TrainConfig(replica_recovery=True, replicas=2, save_every=2, ckpt_dir="c")

@@ -1,6 +1,7 @@
 """`zeroshard report RUN_DIR`: charts of a training run as PNG files.
 
-Writes RUN_DIR/report/loss.png (loss per step), step_time.png (each step's time stacked by phase),
+Writes RUN_DIR/report/loss.png (loss per step, with skipped steps, rollbacks and replica changes
+marked; they are printed too), step_time.png (each step's time stacked by phase),
 memory.png (memory over the last step, with the phases shaded) and mesh.png (the mesh drawn on the
 hosts the run ran on), from metrics.jsonl, summary.json and profile/memory-rank-0.json. Needs
 matplotlib (the `plot` extra).
@@ -23,6 +24,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("report", str(e))
     for path in paths:
         print(path)
+    from zeroshard.observing.heal_view import findings, lines
+
+    healed = lines(findings(args.run_dir))  # marked on loss.png too
+    if healed:
+        print("\n".join(["what the run healed (marked on loss.png):", *healed]))
     return 0
 
 

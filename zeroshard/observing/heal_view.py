@@ -79,6 +79,16 @@ def lines(found: dict[str, Any]) -> list[str]:
     return out
 
 
+def marks(found: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """(kind, step, label) of each thing the run healed, in step order, as `zeroshard report` marks
+    them on the loss chart: a skipped step, a rollback (at the spike) and a replica change."""
+    out = [("skipped", int(step), "skipped (non-finite)") for step in found["skipped_steps"]]
+    out += [("rollback", int(rb["step"]), f"rollback to step {rb['restored_step']}") for rb in found["rollbacks"]]
+    out += [("replica", int(ch["step"]), f"replica {ch.get('replica')} {ch.get('event')}")
+            for ch in found["replica_changes"]]
+    return sorted(out, key=lambda m: m[1])
+
+
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """Rows of the end-of-run table for what the run healed."""
     rows: list[tuple[str, str]] = []

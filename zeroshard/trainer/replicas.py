@@ -15,6 +15,7 @@ optimizer state, LR schedule, sampler, RNG and step.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from zeroshard.observing.heal_view import REPLICAS
 from zeroshard.observing.rank_metrics import METRICS_PHASE
 from zeroshard.runtime.engine import get_engine
 from zeroshard.trainer.data import collate
-from zeroshard.trainer.step import IGNORE_INDEX, Run, accumulate_gradients, optimizer_step
+from zeroshard.trainer.step import IGNORE_INDEX, Run, accumulate_gradients, optimizer_step, skipped
 
 
 class LiveState:
@@ -82,8 +83,9 @@ def replica_step(run: Run, group: Replicas, step: int) -> dict[str, Any]:
     else:
         run.opt.zero_grad()
     dt = time.perf_counter() - t0
+    # A NaN from one group's backward reaches every group through the average, so the guard skips alike.
     return {"step": step + 1, "loss": float(totals[0] / totals[1]), "lr": lr, "grad_norm": norm, "step_time_s": dt,
-            "committed": committed, "participants": group.participants}
+            "committed": committed, "participants": group.participants, "skipped": committed and skipped(run.model)}
 
 
 def run_replica_loop(run: Run, reporter: Any, obs: Any, *, timeout_s: float) -> dict[str, Any]:
@@ -93,13 +95,17 @@ def run_replica_loop(run: Run, reporter: Any, obs: Any, *, timeout_s: float) -> 
     group = Replicas(state_dict=live.state_dict, load_state_dict=live.load_state_dict, rank=run.mesh.rank,
                      world=run.mesh.world, timeout_s=timeout_s)
     log = ChangeLog(obs.run_dir if obs is not None else None, group.replica, run.mesh.rank == 0)
+    stale = logged_before(obs.run_dir) if obs is not None else 0  # a replacement's records, kept so far
+    first = True
     while live.step < run.cfg.steps:
         group.start_step()  # a replacement takes the live state here
         if live.healed:
-            live.healed = False
             log.record(live.step, "joined", f"took the live state of step {live.step} from a peer", group.participants)
-            if obs is not None:
-                obs.rewind(live.step)
+        if obs is not None and (live.healed or (first and stale)):
+            # Records up to the step this group now holds stay (a replacement's from before its group
+            # died, up to the live state it took); later ones go. One that found no peer starts at 0.
+            obs.rewind(live.step)
+        live.healed = first = False
         get_ledger().step = live.step + 1
         fault_points.point("train.kill", rank=run.mesh.rank, step=live.step + 1)  # ZEROSHARD_KILL_FAULT, else nothing
         out = replica_step(run, group, live.step)
@@ -109,7 +115,7 @@ def run_replica_loop(run: Run, reporter: Any, obs: Any, *, timeout_s: float) -> 
         live.step += 1
         if obs is not None:
             obs.step(out["loss"], lr=out["lr"], grad_norm=out["grad_norm"], step_time_s=out["step_time_s"],
-                     replicas=out["participants"])
+                     replicas=out["participants"], skipped=out["skipped"])
     digest = params_digest(run)
     group.shutdown()
     return {"replica": group.replica, "replica_changes": log.changes, "params_digest": digest}
@@ -136,6 +142,17 @@ class ChangeLog:
             event = "saw a group leave" if participants < self.participants else "saw a group join"
             self.record(step, event, f"{self.participants} -> {participants} groups training", participants)
         self.participants = participants
+
+
+def logged_before(run_dir: Path) -> int:
+    """The last step in RUN_DIR/metrics.jsonl when this process replaces a dead one of its group (a
+    torchrun restart attempt), else 0: the observer then keeps those records instead of starting anew."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or not path.is_file():
+        return 0
+    # A line cut short by the kill is left out.
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=0)
 
 
 def params_digest(run: Run) -> str:

@@ -553,6 +553,13 @@ class HealSection:
         if self.replica_recovery and replicas < 2:
             raise ValueError(f"replica_recovery=True needs replicas, but this run has {replicas}: pass --replicas N "
                              "(N >= 2 replica groups, each its own torchrun job; docs/heal.md)")
+        if self.replica_recovery and self.rollback_on_spike:
+            raise ValueError(f"rollback_on_spike={self.rollback_on_spike} cannot roll back replica groups that recover: "
+                             "they keep no checkpoint (a rejoining group takes a live peer's state), so no group has "
+                             "a step to go back to; drop --rollback-on-spike or --replica-recovery")
+        if self.replica_recovery and checkpoint.every:
+            raise ValueError(f"save_every={checkpoint.every} with replica_recovery: the replica groups save no "
+                             "checkpoint (a rejoining group takes a live peer's state); drop --save-every")
         if self.replica_recovery and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or dims.replicate > 1):
             raise ValueError("replica_recovery=True shards each replica group over its own ranks: use tp=1, pp=1, "
                              "ep=1 and no shard_size (the groups are the replicas)")

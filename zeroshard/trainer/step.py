@@ -427,9 +427,12 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
             scaler.step(run.opt)
             scaler.update()
         else:
-            # One non-finite flag for every stage of every pp rank, from the whole model's norm.
+            # One non-finite flag for every stage of every pp rank, from the whole model's norm. The loss,
+            # which only the last stage computed, joins it as 0 x loss: a non-finite loss there skips the
+            # step on every stage even when the grads it left are finite.
             if cfg.skip_nonfinite:
-                guard.decide_for([get_engine(m) for m in pipe.modules], norm if norm is not None else pipe.grad_norm())
+                flag = norm if norm is not None else pipe.grad_norm()
+                guard.decide_for([get_engine(m) for m in pipe.modules], flag + total.to(flag.dtype) * 0.0)
             run.opt.step()
         if scaler is not None or not skipped(run.model):
             run.scheduler.step()

@@ -115,6 +115,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     cfg = run.cfg
     t0 = time.perf_counter()
     fault_points.point("train.step", rank=run.mesh.rank, step=step + 1)  # 1-based, as the progress counts
+    fault_points.point("train.kill", rank=run.mesh.rank, step=step + 1)  # ZEROSHARD_KILL_FAULT: a lost node
     lr = run.opt.param_groups[0]["lr"]
     with phase("data"):
         indices = run.sampler.next_indices()
@@ -274,6 +275,10 @@ def train(cfg: TrainConfig, mesh: Any, obs: Observer, reporter: Reporter | None 
     info = run_info(run, obs.run_dir if is_main else None)
     if is_main:
         write_config(obs.run_dir, run, info)
+    if cfg.replica_recovery:  # a replacement keeps the records its group wrote before it died
+        from zeroshard.trainer.replicas import logged_before
+
+        start = logged_before(obs.run_dir)
     obs.attach(run.model, start_step=start)
     run.profiler = obs.profiler
     if run.profiler is not None and run.pipeline is not None:

@@ -1,6 +1,7 @@
 """``zeroshard report RUN_DIR``: PNG charts of a run, from the files the run wrote.
 
-- ``loss.png``: loss per step (and the data's entropy floor when it is known);
+- ``loss.png``: loss per step (and the data's entropy floor when it is known), with what the run
+  healed marked on it: skipped steps, spike rollbacks and replica changes (zeroshard/observing/heal_view.py);
 - ``step_time.png``: each step's time stacked by phase (zeroshard/observing/profile/breakdown.py), rank 0;
 - ``memory.png``: memory over the last step on rank 0: the process
   memory (CUDA allocated, or RSS on a CPU) and the full-parameter bytes gathered at stage 3, sampled
@@ -57,7 +58,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     plt = _pyplot()
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     title = _title(config)
-    paths = [_loss(plt, metrics, config, title, out / "loss.png")]
+    paths = [_loss(plt, metrics, config, title, out / "loss.png", run_dir)]
     if any(m.get("profile") for m in metrics):
         paths.append(_step_time(plt, metrics, title, out / "step_time.png"))
     memory_path = run_dir / "profile" / "memory-rank-0.json"
@@ -98,13 +99,25 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def _loss(plt, metrics: list[dict], config: dict, title: str, path: Path) -> Path:
+HEAL_STYLES = {"skipped": dict(color="#cc0000", linestyle=":", label="skipped step (non-finite)"),
+               "rollback": dict(color="#e69138", linestyle="--", label="spike rollback"),
+               "replica": dict(color="#674ea7", linestyle="-.", label="replica change")}
+
+
+def _loss(plt, metrics: list[dict], config: dict, title: str, path: Path, run_dir: Path) -> Path:
+    from zeroshard.observing.heal_view import findings, marks
+
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     steps = [m["step"] for m in metrics]
     ax.plot(steps, [m["loss"] for m in metrics], color="#1f4e79", linewidth=1.2, label="loss (global batch mean)")
     floor = config.get("entropy_floor")
     if floor:
         ax.axhline(floor, color="#cc0000", linestyle="--", linewidth=1, label=f"entropy floor {floor:.3f}")
+    labelled: set[str] = set()
+    for kind, step, _ in marks(findings(run_dir)):
+        style = dict(HEAL_STYLES[kind], label=None if kind in labelled else HEAL_STYLES[kind]["label"])  # once each
+        ax.axvline(step, linewidth=1, alpha=0.8, **style)
+        labelled.add(kind)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"loss: {title}", fontsize=11)
