@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import PieceReader, saved_rng
 from zeroshard.checkpoint.pieces import TP_PART, owned_slots
 from zeroshard.checkpoint.save import commit
+from zeroshard.checkpoint.staging import fresh_partial, partial_of, refuse_existing
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.runtime.expert_placement import split_over
@@ -52,8 +52,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     directory = resolve(src)
     manifest = verify(directory)
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; choose another output path or pass overwrite=True")
+    refuse_existing(out, overwrite, how="overwrite=True")
     entries, largest = [], 0
     params = full_params(manifest)
     for param in params:
@@ -63,7 +62,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
             entries.append(Entry(alias, dtype or saved, tuple(param["shape"])))
     for buffer in manifest["buffers"]:
         entries.append(Entry(buffer["name"], parse_dtype(buffer["dtype"], str(directory)), tuple(buffer["shape"])))
-    tmp = out.with_name(f".{out.name}.partial")
+    tmp = partial_of(out)
     meta = {"format": "pt", "zeroshard.source": str(directory), "zeroshard.trainer.step": json.dumps(manifest["step"])}
     writer = TensorFileWriter(tmp, entries, meta)
     reader = PieceReader(directory, manifest)
@@ -140,12 +139,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     saved_tp = any("tp" in p for p in manifest["params"])
     targets = {fqn: _target(p, tp, tp_plan, saved_tp, directory) for fqn, p in whole.items()}
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} already exists; choose another destination or pass overwrite=True")
-    partial = dst.parent / f".{dst.name}.partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    refuse_existing(dst, overwrite, choose="destination", how="overwrite=True")
+    partial = fresh_partial(dst)
     reader = PieceReader(directory, manifest)
     pieces: dict[str, list[dict]] = {}
     files: dict[str, dict] = {}
