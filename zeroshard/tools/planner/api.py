@@ -15,11 +15,12 @@ from zeroshard.tools.planner.activations import ActivationEstimate, gpt_activati
 from zeroshard.tools.planner.comm import Collective
 from zeroshard.tools.planner.experts import ExpertSplit, expert_split
 from zeroshard.tools.planner.inventory import Inventory, meta_gpt
-from zeroshard.tools.planner.memory import Estimator, variants
+from zeroshard.tools.planner.memory import Estimator
 from zeroshard.tools.planner.owner_state import per_tensor_params
 from zeroshard.tools.planner.result import LayoutPlan, Plan
 from zeroshard.tools.planner.spec import PlanSpec, parse_count, resolve_mp, resolve_optimizer
 from zeroshard.tools.planner.tp import TensorParallel, layer_collectives
+from zeroshard.tools.planner.variants import variants
 from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.wrap import UnitsArg
