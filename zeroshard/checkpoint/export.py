@@ -163,23 +163,31 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
             files[name] = {"sha256": digest, "bytes": size}
     finally:
         reader.close()
+    params = [entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces, world, ep)]
+    new = _resharded_manifest(manifest, directory, world=world, tp=tp, ep=ep, params=params, groups=groups,
+                              files=files)
+    fmt.check_coverage(new, partial)
+    fmt.write_manifest(partial, new)
+    commit(partial, dst, overwrite=overwrite, latest=False)
+    return dst
+
+
+def _resharded_manifest(manifest: dict, directory: Path, *, world: int, tp: int, ep: int, params: list[dict],
+                        groups: list, files: dict[str, dict]) -> dict:
+    """The saved manifest laid out for ``world`` (dp, tp) ranks at ``ep``, naming where it came from."""
     new = dict(manifest)
     new.pop("manifest_sha256", None)
     new.pop("pipeline", None)  # the rank files are laid out for (dp, tp) ranks that each run every stage
     new.update(
         world=world, mesh={"world": world, "shard_size": world // tp, "replicate_size": 1, "tp_size": tp,
                            **({"ep_size": ep} if ep > 1 else {}), "resharded_offline": True},
-        params=[entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces, world, ep)],
-        groups=groups, buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
+        params=params, groups=groups, buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
         resharded_from={"path": str(directory), "world": manifest["world"],
                         "tp": manifest["mesh"].get("tp_size", 1), "ep": manifest["mesh"].get("ep_size", 1),
                         "pp": manifest["mesh"].get("pp_size", 1)},
     )
-    fmt.check_coverage(new, partial)
-    fmt.write_manifest(partial, new)
-    commit(partial, dst, overwrite=overwrite, latest=False)
-    return dst
+    return new
 
 
 def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: Path) -> None:
