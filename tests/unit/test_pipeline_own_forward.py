@@ -14,9 +14,7 @@ import torch
 
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.parallel.pipeline.layout import blocks_path, hidden_width, layout_of, vocab_rows
-from zeroshard.parallel.pipeline.own_forward import StageModule
-from zeroshard.parallel.pipeline.split import even_split
-from zeroshard.parallel.pipeline.tied import find_tied, untie_copy
+from zeroshard.tools.planner.pipeline import cut_stages
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 import nano_gpt  # noqa: E402
@@ -38,16 +36,7 @@ def hf_configs() -> dict:
 
 def staged_logits(model: torch.nn.Module, num_stages: int, ids: torch.Tensor, blocks: str | None = None):
     """The stages the runtime cuts (the tied head's copy included), run one after another."""
-    layout = layout_of(model, blocks)
-    split = even_split(layout.count, num_stages)
-    tied = find_tied(model, layout, split)
-    stages = []
-    for s in range(num_stages):
-        stage = StageModule(model, layout, split.blocks[s], stage_index=s, num_stages=num_stages)
-        for t in tied:
-            if s == t.copy_stage:
-                untie_copy(stage, t)
-        stages.append(stage)
+    stages = cut_stages(model, num_stages, blocks)[0]
     x = ids
     for stage in stages:
         x = stage(x)

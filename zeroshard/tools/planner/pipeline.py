@@ -278,14 +278,21 @@ def _planned_gpt(model_or_config: Any, seq: int | None):
 
 def _stage_modules(cfg, num_stages: int) -> tuple[list, Any, list]:
     """The stages of a meta-device GPT, cut as the runtime cuts it: (modules, split, tied params)."""
+    from zeroshard.tools.planner.inventory import meta_gpt
+
+    return cut_stages(meta_gpt(cfg), num_stages)
+
+
+def cut_stages(model: Any, num_stages: int, blocks: str | None = None) -> tuple[list, Any, list]:
+    """``model``'s stages as the pipeline runtime cuts them, before it shards each: an even split of its
+    blocks (at ``blocks``, its dotted path, or found), the tied head's copy untied on its stage.
+    Returns (stage modules, split, tied params)."""
     from zeroshard.parallel.pipeline.layout import layout_of
     from zeroshard.parallel.pipeline.own_forward import StageModule
     from zeroshard.parallel.pipeline.split import even_split
     from zeroshard.parallel.pipeline.tied import find_tied, untie_copy
-    from zeroshard.tools.planner.inventory import meta_gpt
 
-    model = meta_gpt(cfg)
-    layout = layout_of(model)
+    layout = layout_of(model, blocks)
     split = even_split(layout.count, num_stages)
     tied = find_tied(model, layout, split)
     modules = []
