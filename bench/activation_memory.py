@@ -8,13 +8,13 @@ all, for the model's own depth L and for 4L (same width), so the O(L) vs O(√L)
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.observing.profile.activations import activation_bytes
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 POLICIES = ("none", "every:2", "sqrt", "all")
 
@@ -29,11 +29,7 @@ def measure(cfg: GPTConfig, policy: str, batch: int, seq: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, model="small", batch=4, seq=256).parse_args()
     base = GPTConfig.named(args.model, seq_len=args.seq)
     mib = 2**20
     for depth in (base.n_layer, 4 * base.n_layer):

@@ -19,7 +19,6 @@ It also prints the async save's host buffer on each rank against the planner's
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ from zeroshard.comm import collectives
 from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.trainer.step import one_step
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def _peak_rss_mib() -> float:
@@ -76,16 +76,9 @@ def worker(model_name: str, stage: int, saves: int, every: int, batch: int, seq:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--saves", type=int, default=20, help="saves of each kind (default 20)")
-    p.add_argument("--every", type=int, default=5, help="steps between saves (default 5)")
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
-    args = p.parse_args()
+    args = bench_parser(__doc__, model="small", world=2, stage=3, saves=(20, "saves of each kind (default 20)"),
+                        every=(5, "steps between saves (default 5)"), batch=(8, "global batch in sequences"), seq=64,
+                        dir=(None, "where to write the checkpoints (default: a temporary directory)")).parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         out = spawn(worker, args.world, args=(args.model, args.stage, args.saves, args.every, args.batch, args.seq,

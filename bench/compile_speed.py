@@ -13,13 +13,13 @@ agree (the step is zeroshard.trainer.train.train_step, the one training step).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import zeroshard as zs
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.launch import spawn
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def _timed_step(run, step: int) -> tuple[float, float]:
@@ -54,15 +54,8 @@ def worker(cfg: TrainConfig, steps: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--steps", type=int, default=5, help="steps per block")
-    parser.add_argument("--repeats", type=int, default=3, help="eager/compiled block pairs")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, model="tiny", stage=3, batch=8, seq_len=64, backend="inductor",
+                        steps=(5, "steps per block"), repeats=(3, "eager/compiled block pairs")).parse_args()
     cfg = TrainConfig(model=args.model, stage=args.stage, batch=args.batch, seq_len=args.seq_len, steps=10**6,
                       num_samples=max(256, args.batch * 4), vocab_size=16 if args.model == "tiny" else 256,
                       compile_backend=args.backend, profile=False)

@@ -23,6 +23,7 @@ from zeroshard.trainer import step as step_mod
 from zeroshard.trainer import train as train_mod
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.launch import spawn
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 CASES = (("clip, guard on", 1.0, True), ("clip, guard off", 1.0, False),
          ("no clip, guard on", 0.0, True), ("no clip, guard off", 0.0, False))
@@ -65,15 +66,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, model="small", nproc=2, stage=3, batch=4, seq=128, steps=8, rounds=3).parse_args()
     res = spawn(worker, args.nproc, args=(args,), timeout_s=3600)[0]
     print(f"{args.model}, stage {args.stage}, {args.nproc} gloo ranks, batch {args.batch} x {args.seq}")
     print(f"{'case':<20} {'median step ms':>15} {'guard ms':>9} {'collectives/step':>17}")

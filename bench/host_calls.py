@@ -12,7 +12,6 @@ and, with ``--top``, the functions called most.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 
@@ -22,6 +21,7 @@ import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.runtime import get_engine
 from zeroshard.trainer.step import one_step, plain_step
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def calls_per_step(step, steps: int, top: int = 0) -> float:
@@ -39,15 +39,8 @@ def calls_per_step(step, steps: int, top: int = 0) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--stages", default="0,1,2,3")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--top", type=int, default=0, help="also print the N most called functions of each run")
-    args = p.parse_args()
+    args = bench_parser(__doc__, layers=32, width=64, batch=1, seq=16, stages="0,1,2,3", steps=5,
+                        top=(0, "also print the N most called functions of each run")).parse_args()
     torch.set_num_threads(1)
     zs.init()
     cfg = GPTConfig.named("tiny", n_layer=args.layers, n_embd=args.width, seq_len=args.seq)

@@ -15,7 +15,6 @@ loggers) is printed as a direct figure that the machine's noise does not blur.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -26,6 +25,7 @@ import torch
 import zeroshard as zs
 from zeroshard.trainer.launch import spawn
 from zeroshard.models.gpt import GPT, GPTConfig
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 VOCAB = 256
 
@@ -91,13 +91,8 @@ def fast_half(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5, help="steps per round and mode (the first is left out)")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser = bench_parser(__doc__, model="small", stage=3, batch=(8, "global batch (rows)"), seq_len=256,
+                          steps=(5, "steps per round and mode (the first is left out)"), rounds=4)
     parser.add_argument("--log", default="none", help="loggers while on: tensorboard, wandb, or none")
     args = parser.parse_args()
     if args.steps < 2:

@@ -14,7 +14,6 @@ owner_exchange) and each rank's optimizer-state bytes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.trainer.launch import spawn
 from zeroshard.trainer.step import Each, one_step, plain_step
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def _zs_arm(cfg: GPTConfig, stage: int, muon: bool):
@@ -89,15 +89,8 @@ def worker(model_name: str, stage: int, rounds: int, steps: int, batch: int, seq
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=256)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, model="small", nproc=2, stage=3, rounds=5, steps=4, batch=(4, "sequences per rank"),
+                        seq=256).parse_args()
     ranks = spawn(worker, args.nproc, args=(args.model, args.stage, args.rounds, args.steps, args.batch, args.seq),
                   timeout_s=3600)
     print(f"{args.model}, world {args.nproc}, zs stage {args.stage}, {args.rounds} rounds x {args.steps} steps, "

@@ -36,6 +36,7 @@ import time
 import zeroshard as zs
 from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.launch import spawn
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def measure_rank(cfgs: list[TrainConfig], steps: int, warmup: int) -> list[dict]:
@@ -112,16 +113,9 @@ MULTI_GROUPS = {(2, 2): (2, 4, 8), (4, 2): (2, 4)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch on a rank")
-    ap.add_argument("--stage", type=int, default=2)
-    ap.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, interleaved-1f1b, interleaved-zero-bubble, ...")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5, help="calibration repeats")
-    args = ap.parse_args()
+    args = bench_parser(__doc__, model="small", seq=128, micro_batch=(1, "sequences per microbatch on a rank"), stage=2,
+                        schedule=("1f1b", "pp_schedule: 1f1b, interleaved-1f1b, interleaved-zero-bubble, ..."),
+                        steps=5, warmup=2, repeats=(5, "calibration repeats")).parse_args()
     from zeroshard.tools.sim.calibrate import calibrate_world, hardware_from
 
     cores = os.cpu_count() or 1

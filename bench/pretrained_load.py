@@ -18,7 +18,6 @@ The files were just written, so they are read from the page cache: MB/s is not d
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import threading
@@ -31,6 +30,7 @@ import zeroshard as zs
 from procstatus import status_bytes  # bench/ sibling: python puts the script's folder on sys.path
 from zeroshard.trainer.launch import spawn
 from zeroshard.runtime import get_engine
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 MIB = 2**20
 
@@ -107,13 +107,8 @@ def _rank(path: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--shard-size", default="100MB", help="save_pretrained's max_shard_size")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, world=4, layers=8, hidden=768, vocab=32000,
+                        shard_size=("100MB", "save_pretrained's max_shard_size")).parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"

@@ -19,7 +19,6 @@ the A/B cannot see them; the direct figure counts them.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ from zeroshard.trainer.config import TrainConfig
 from zeroshard.trainer.launch import spawn
 from zeroshard.observing.profile import step as step_profile
 from zeroshard.observing.profile import timeline
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def ledger_cost_per_collective(n: int = 20000) -> tuple[float, float]:
@@ -149,14 +149,8 @@ def worker(cfg: TrainConfig, steps: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="steps per block")
-    parser.add_argument("--repeats", type=int, default=4, help="off/on block pairs")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, model="tiny", batch=8, seq_len=32, stage=3, steps=(20, "steps per block"),
+                        repeats=(4, "off/on block pairs")).parse_args()
     cfg = TrainConfig(model=args.model, stage=args.stage, batch=args.batch, seq_len=args.seq_len, steps=10**6,
                       num_samples=max(256, args.batch * 4), vocab_size=256 if args.model != "tiny" else 16,
                       peak_flops=1e11)

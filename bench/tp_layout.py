@@ -10,7 +10,6 @@ measured cause of any difference. See docs/tensor_parallel.md.
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import time
@@ -25,6 +24,7 @@ from zeroshard.trainer.launch import spawn
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.runtime import get_engine
 from zeroshard.parallel.tp import tensor_parallel
+from flags import bench_parser  # bench/ sibling: python puts the script's folder on sys.path
 
 
 def _peak_rss_mib() -> float:
@@ -66,13 +66,8 @@ def run_layout(shard: int, tp: int, model: str, stage: int, steps: int, batch: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--seq", type=int, default=128)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, model="small", stage=3, steps=3, batch=(8, "global batch (sequences)"),
+                        seq=128).parse_args()
     for shard, tp in ((4, 1), (2, 2)):
         ranks = spawn(run_layout, 4, (shard, tp, args.model, args.stage, args.steps, args.batch, args.seq),
                       timeout_s=3600)

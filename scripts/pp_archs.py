@@ -17,32 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-VOCAB = 96
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "distributed")]  # the architectures, as the pipeline tests build them
+
+from pp_arch_configs import pp_arch_configs  # noqa: E402
+
 SHARD = "20KB"
-
-
-def configs() -> dict:
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return {
-        "gemma2": tf.Gemma2Config(**common, head_dim=8, sliding_window=4, final_logit_softcapping=3.0),
-        "mistral": tf.MistralConfig(**common, sliding_window=4),
-        "phi3": tf.Phi3Config(**common),
-        "olmo2": tf.Olmo2Config(**common),
-        "qwen3": tf.Qwen3Config(**common, head_dim=8),
-        "cohere": tf.CohereConfig(**common, logit_scale=0.5),
-        "granite": tf.GraniteConfig(**common, embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5),
-        "starcoder2": tf.Starcoder2Config(**common),
-        "gpt2": tf.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=64, vocab_size=VOCAB, bos_token_id=1,
-                              eos_token_id=2),
-        "falcon": tf.FalconConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB,
-                                  new_decoder_architecture=False, parallel_attn=True, bos_token_id=1, eos_token_id=2),
-        "qwen2_moe": tf.Qwen2MoeConfig(**{**common, "intermediate_size": 32}, moe_intermediate_size=16,
-                                       shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
-        "olmoe": tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
-    }
 
 
 def write(name: str, config, root: Path) -> Path:
@@ -74,7 +54,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated architectures (default: all)")
     parser.add_argument("--keep", default="", help="write the folders here and keep them")
     args = parser.parse_args()
-    chosen = configs()
+    chosen = pp_arch_configs()
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pp_archs_"))

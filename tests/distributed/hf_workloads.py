@@ -17,6 +17,7 @@ from zeroshard.trainer.adapter import loss_sum, mean_loss
 from zeroshard.models.hf import build_hf_model, init_weights
 from zeroshard.runtime import get_engine
 from zeroshard.runtime.wrap import find_blocks
+from reference_steps import plain_adamw_steps
 
 SEED = 1234
 LR = 1e-3
@@ -40,17 +41,8 @@ def reference_run(name: str) -> dict:
     """Plain single-process PyTorch on the same HF model: the numerical ground truth."""
     data = _data()
     model = _build(name, data.vocab_size, torch.device("cpu"))
-    opt = torch.optim.AdamW(zs.optim_groups(model, WEIGHT_DECAY), lr=LR, betas=(0.9, 0.95))
-    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=1, rank=0, seed=SEED)
-    losses = []
-    for _ in range(STEPS):
-        x, y = collate(data, sampler.next_indices())
-        loss = mean_loss(model, x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_adamw_steps(model, data, mean_loss, steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, lr=LR,
+                               weight_decay=WEIGHT_DECAY, clip=CLIP)
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 

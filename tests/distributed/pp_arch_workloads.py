@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import nano_gpt
+from pp_arch_configs import pp_arch_configs
 import zeroshard as zs
 from zeroshard.parallel.pipeline import Pipeline
 
@@ -36,10 +37,7 @@ def build(name: str) -> torch.nn.Module:
         return nano_gpt.NanoGPT(nano_gpt.NanoConfig(vocab_size=VOCAB, block_size=SEQ))
     import transformers as tf
 
-    config = tf.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                             sliding_window=4, final_logit_softcapping=3.0, pad_token_id=0, bos_token_id=1,
-                             eos_token_id=2)
+    config = pp_arch_configs()["gemma2"]
     return tf.AutoModelForCausalLM.from_config(config).train()
 
 

@@ -16,13 +16,14 @@ import torch
 import zeroshard as zs
 from zeroshard.trainer import step
 from zeroshard.trainer.config import TrainConfig
-from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer.data import build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.trainer.adapter import mean_loss
 from zeroshard.models.hf import build_hf_model
 from zeroshard.tools.planner.measure import model_state_bytes
 from zeroshard.runtime import get_engine
 from zeroshard.parallel.tp import tensor_parallel
+from reference_steps import plain_adamw_steps
 
 SEED = 1234
 LR = 1e-3
@@ -57,14 +58,8 @@ def reference_run(name: str, steps: int = STEPS) -> dict:
     """Plain single-process PyTorch on the same model and batches: the numerical ground truth."""
     data = dataset()
     model = build(name, data.vocab_size)
-    opt = torch.optim.AdamW(zs.optim_groups(model, WEIGHT_DECAY), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS[name])
-    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, world=1, rank=0, seed=SEED)
-    for _ in range(steps):
-        x, y = collate(data, sampler.next_indices())
-        mean_loss(model, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
+    plain_adamw_steps(model, data, mean_loss, steps=steps, global_batch=GLOBAL_BATCH, seed=SEED, lr=LR,
+                      weight_decay=WEIGHT_DECAY, clip=CLIP, eps=ADAM_EPS[name])
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -11,8 +11,9 @@ import torch
 import zeroshard as zs
 from zeroshard.trainer import step
 from zeroshard.trainer.config import TrainConfig
-from zeroshard.trainer.data import GlobalBatchSampler, build_dataset, collate
+from zeroshard.trainer.data import build_dataset, collate
 from zeroshard.models import GPT, GPTConfig
+from reference_steps import plain_adamw_steps
 
 SEED = 1234
 LR = 1e-3
@@ -31,17 +32,8 @@ def reference_run(steps: int, global_batch: int) -> dict:
     cfg, data = tiny_setup(global_batch)
     torch.manual_seed(SEED)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(zs.optim_groups(model, WEIGHT_DECAY), lr=LR, betas=(0.9, 0.95))
-    sampler = GlobalBatchSampler(len(data), global_batch, world=1, rank=0, seed=SEED)
-    losses = []
-    for _ in range(steps):
-        x, y = collate(data, sampler.next_indices())
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_adamw_steps(model, data, lambda m, x, y: m(x, y), steps=steps, global_batch=global_batch,
+                               seed=SEED, lr=LR, weight_decay=WEIGHT_DECAY, clip=CLIP)
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 

@@ -14,54 +14,29 @@ import torch
 
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.parallel.pipeline.layout import blocks_path, hidden_width, layout_of, vocab_rows
-from zeroshard.parallel.pipeline.own_forward import StageModule
-from zeroshard.parallel.pipeline.split import even_split
-from zeroshard.parallel.pipeline.tied import find_tied, untie_copy
+from zeroshard.tools.planner.pipeline import cut_stages
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 import nano_gpt  # noqa: E402
+from pp_arch_configs import VOCAB, pp_arch_configs  # noqa: E402
 
 LOGIT_TOL = 1e-6
-VOCAB = 96
+
+
+SUITE_ARCHS = ("gemma2", "mistral", "phi3", "qwen3", "granite", "gpt2", "falcon", "qwen2_moe")
+"""Eight of the shared architectures, each a way of writing a decoder (scripts/pp_archs.py runs all of
+them through `zeroshard verify` at pp 2)."""
 
 
 def hf_configs() -> dict:
-    """Eight architectures, each a way of writing a decoder (scripts/pp_archs.py runs more through
-    `zeroshard verify` at pp 2)."""
-    tf = pytest.importorskip("transformers")
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return {
-        # Embedding scale, final-logit soft-capping, sliding-window layers alternating with global ones.
-        "gemma2": tf.Gemma2Config(**common, head_dim=8, sliding_window=4, final_logit_softcapping=3.0),
-        "mistral": tf.MistralConfig(**common, sliding_window=4),
-        "phi3": tf.Phi3Config(**common),
-        "qwen3": tf.Qwen3Config(**common, head_dim=8),
-        # Embedding, residual and logit multipliers.
-        "granite": tf.GraniteConfig(**common, embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5),
-        # Blocks under transformer.h, learned positions, no pp plan.
-        "gpt2": tf.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=64, vocab_size=VOCAB, bos_token_id=1,
-                              eos_token_id=2),
-        # Blocks returning tuples, parallel attention.
-        "falcon": tf.FalconConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB,
-                                  new_decoder_architecture=False, parallel_attn=True, bos_token_id=1, eos_token_id=2),
-        "qwen2_moe": tf.Qwen2MoeConfig(**{**common, "intermediate_size": 32}, moe_intermediate_size=16,
-                                       shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
-    }
+    pytest.importorskip("transformers")
+    every = pp_arch_configs()
+    return {name: every[name] for name in SUITE_ARCHS}
 
 
 def staged_logits(model: torch.nn.Module, num_stages: int, ids: torch.Tensor, blocks: str | None = None):
     """The stages the runtime cuts (the tied head's copy included), run one after another."""
-    layout = layout_of(model, blocks)
-    split = even_split(layout.count, num_stages)
-    tied = find_tied(model, layout, split)
-    stages = []
-    for s in range(num_stages):
-        stage = StageModule(model, layout, split.blocks[s], stage_index=s, num_stages=num_stages)
-        for t in tied:
-            if s == t.copy_stage:
-                untie_copy(stage, t)
-        stages.append(stage)
+    stages = cut_stages(model, num_stages, blocks)[0]
     x = ids
     for stage in stages:
         x = stage(x)

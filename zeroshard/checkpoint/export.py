@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import PieceReader, saved_rng
 from zeroshard.checkpoint.pieces import TP_PART, owned_slots
 from zeroshard.checkpoint.save import commit
+from zeroshard.checkpoint.staging import fresh_partial, partial_of, refuse_existing
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.runtime.expert_placement import split_over
@@ -52,8 +52,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
     directory = resolve(src)
     manifest = verify(directory)
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; choose another output path or pass overwrite=True")
+    refuse_existing(out, overwrite, how="overwrite=True")
     entries, largest = [], 0
     params = full_params(manifest)
     for param in params:
@@ -63,7 +62,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype
             entries.append(Entry(alias, dtype or saved, tuple(param["shape"])))
     for buffer in manifest["buffers"]:
         entries.append(Entry(buffer["name"], parse_dtype(buffer["dtype"], str(directory)), tuple(buffer["shape"])))
-    tmp = out.with_name(f".{out.name}.partial")
+    tmp = partial_of(out)
     meta = {"format": "pt", "zeroshard.source": str(directory), "zeroshard.trainer.step": json.dumps(manifest["step"])}
     writer = TensorFileWriter(tmp, entries, meta)
     reader = PieceReader(directory, manifest)
@@ -140,12 +139,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
     saved_tp = any("tp" in p for p in manifest["params"])
     targets = {fqn: _target(p, tp, tp_plan, saved_tp, directory) for fqn, p in whole.items()}
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} already exists; choose another destination or pass overwrite=True")
-    partial = dst.parent / f".{dst.name}.partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    refuse_existing(dst, overwrite, choose="destination", how="overwrite=True")
+    partial = fresh_partial(dst)
     reader = PieceReader(directory, manifest)
     pieces: dict[str, list[dict]] = {}
     files: dict[str, dict] = {}
@@ -168,23 +163,31 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, world: int, *, tp: i
             files[name] = {"sha256": digest, "bytes": size}
     finally:
         reader.close()
+    params = [entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces, world, ep)]
+    new = _resharded_manifest(manifest, directory, world=world, tp=tp, ep=ep, params=params, groups=groups,
+                              files=files)
+    fmt.check_coverage(new, partial)
+    fmt.write_manifest(partial, new)
+    commit(partial, dst, overwrite=overwrite, latest=False)
+    return dst
+
+
+def _resharded_manifest(manifest: dict, directory: Path, *, world: int, tp: int, ep: int, params: list[dict],
+                        groups: list, files: dict[str, dict]) -> dict:
+    """The saved manifest laid out for ``world`` (dp, tp) ranks at ``ep``, naming where it came from."""
     new = dict(manifest)
     new.pop("manifest_sha256", None)
     new.pop("pipeline", None)  # the rank files are laid out for (dp, tp) ranks that each run every stage
     new.update(
         world=world, mesh={"world": world, "shard_size": world // tp, "replicate_size": 1, "tp_size": tp,
                            **({"ep_size": ep} if ep > 1 else {}), "resharded_offline": True},
-        params=[entry for fqn, p in whole.items() for entry in _entries(p, targets[fqn], tp, pieces, world, ep)],
-        groups=groups, buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
+        params=params, groups=groups, buffers=[dict(b, file=fmt.rank_file(0)) for b in manifest["buffers"]],
         ranks=[{"rank": r, "file": fmt.rank_file(r)} for r in range(world)], files=files,
         resharded_from={"path": str(directory), "world": manifest["world"],
                         "tp": manifest["mesh"].get("tp_size", 1), "ep": manifest["mesh"].get("ep_size", 1),
                         "pp": manifest["mesh"].get("pp_size", 1)},
     )
-    fmt.check_coverage(new, partial)
-    fmt.write_manifest(partial, new)
-    commit(partial, dst, overwrite=overwrite, latest=False)
-    return dst
+    return new
 
 
 def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: Path) -> None:

@@ -436,18 +436,24 @@ def load(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, *
         plan.reader.close()
     for part in parts.parts if parts is not None else []:
         if part.optimizer is not None:
-            for group, options in zip(part.optimizer.param_groups, plan.options):
-                group.update({k: v for k, v in options.items() if k != "params"})
-            mine = {p for g in part.optimizer.param_groups for p in g["params"]}  # its stage's segments
-            for param, state in plan.new_state.items():
-                if param in mine:
-                    part.optimizer.state[param] = state
-            if id(part.optimizer) in plan.owner_reads:  # collective: every rank's pieces to the owners
-                owner_state.gather_owned(part.optimizer, plan.owner_reads[id(part.optimizer)], plan.saved_groups)
+            _install_optimizer(part.optimizer, plan)
         _publish(part.engine)
     m = plan.manifest
     return Loaded(path=directory, step=m["step"], extra=fmt.from_json(m.get("extra")), saved_world=m["world"],
                   saved_stage=m["stage"], files_read=sorted(plan.files), lineage=m.get("lineage"), manifest=m)
+
+
+def _install_optimizer(optimizer, plan: Plan) -> None:
+    """The loaded options and state into one stage's optimizer (its own segments' state only), and the
+    owner ranks' whole-param state gathered from every rank's pieces (collective)."""
+    for group, options in zip(optimizer.param_groups, plan.options):
+        group.update({k: v for k, v in options.items() if k != "params"})
+    mine = {p for g in optimizer.param_groups for p in g["params"]}  # its stage's segments
+    for param, state in plan.new_state.items():
+        if param in mine:
+            optimizer.state[param] = state
+    if id(optimizer) in plan.owner_reads:  # collective: every rank's pieces to the owners
+        owner_state.gather_owned(optimizer, plan.owner_reads[id(optimizer)], plan.saved_groups)
 
 
 def _publish(engine) -> None:

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard.trainer.targets import Target, is_module_spec, is_preset
-from zeroshard.cli.train import fail, one_line
+from zeroshard.cli.train import fail
 from zeroshard.cli.typed_flags import given_knobs
 from zeroshard.cli import plan_pipeline
 from zeroshard.cli.plan_flags import DEFAULT_COMM_QUANT_BLOCK
@@ -226,30 +226,37 @@ def run(args: argparse.Namespace) -> int:
             from zeroshard.tools.planner.chart import plot
 
             chart = plot(p, args.plot, device_mem=rec.device_mem if rec else None)
-    except ValueError as e:
-        return fail("plan", str(e))
-    except Exception as e:  # a failed measurement rank arrives as WorkerError
-        from zeroshard.trainer.launch import WorkerError
-
-        if isinstance(e, WorkerError):
-            return fail("plan", one_line(e))
-        raise
+    except Exception as e:
+        if (line := plan_pipeline.planning_failure(e)) is None:
+            raise
+        return fail("plan", line)
     if args.json:
-        out = p.to_dict()
-        out["topology"] = topology.to_dict() if topology else None
-        if rec:
-            out["recommendation"] = rec.to_dict()
-        if checks:
-            out["measurement"] = [{"layout": c.layout, "method": c.method, "measured_bytes": c.measured,
-                                   "measured_total_bytes": c.measured_total, "model_state_error": c.model_state_error,
-                                   "total_error": c.total_error, "predicted_bytes": dataclasses.asdict(c.predicted),
-                                   "predicted_peak_bytes": c.predicted_peak or c.predicted.allocated,
-                                   "predicted_kept_activation_bytes": c.predicted_kept, "step_s": c.step_s}
-                                  for c in checks]
-        if chart:
-            out["plot"] = str(chart)
-        print(json.dumps(out, indent=1), flush=True)
+        print(json.dumps(_as_json(p, topology, rec, checks, chart), indent=1), flush=True)
         return 0
+    _print_plan(p, topology, rec, checks, chart)
+    return 0
+
+
+def _as_json(p, topology, rec, checks, chart) -> dict[str, Any]:
+    """`plan --json`: the plan, with the topology, recommendation, measurement and chart path given."""
+    out = p.to_dict()
+    out["topology"] = topology.to_dict() if topology else None
+    if rec:
+        out["recommendation"] = rec.to_dict()
+    if checks:
+        out["measurement"] = [{"layout": c.layout, "method": c.method, "measured_bytes": c.measured,
+                               "measured_total_bytes": c.measured_total, "model_state_error": c.model_state_error,
+                               "total_error": c.total_error, "predicted_bytes": dataclasses.asdict(c.predicted),
+                               "predicted_peak_bytes": c.predicted_peak or c.predicted.allocated,
+                               "predicted_kept_activation_bytes": c.predicted_kept, "step_s": c.step_s}
+                              for c in checks]
+    if chart:
+        out["plot"] = str(chart)
+    return out
+
+
+def _print_plan(p, topology, rec, checks, chart) -> None:
+    """The plan's table and notes, then the recommendation, measurement and chart given."""
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 120)  # a log keeps whole columns ("zero1 pred"), not 80-column cuts
@@ -268,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(measure_table(checks))
     if chart:
         console.print(f"chart written to {chart}")
-    return 0
 
 
 def _measure(p, args: argparse.Namespace):

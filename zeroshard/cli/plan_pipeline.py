@@ -253,6 +253,17 @@ def recommend_table(rec) -> Table:
     return table
 
 
+def planning_failure(e: Exception) -> str | None:
+    """The one line a planning or measuring error is shown as: a bad value, or a measurement rank that
+    failed (WorkerError); None for anything else, which is a bug to raise."""
+    from zeroshard.cli.train import one_line
+    from zeroshard.trainer.launch import WorkerError
+
+    if isinstance(e, ValueError):
+        return str(e)
+    return one_line(e) if isinstance(e, WorkerError) else None
+
+
 def run_recommend(args: argparse.Namespace) -> int:
     from zeroshard.cli.train import fail
 
@@ -275,7 +286,7 @@ def run_recommend(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """`plan memory --pp` and `plan measure --pp`, after `plan`'s own check of the flags given
     (zeroshard/cli/plan.py); `plan time --pp` is ``run_time``."""
-    from zeroshard.cli.train import fail, one_line
+    from zeroshard.cli.train import fail
 
     if args.world is None:
         return fail("plan", "--world is required: every rank of the run (pp x data-parallel x tp)")
@@ -289,14 +300,10 @@ def run(args: argparse.Namespace) -> int:
 
             stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
             checks = measure(pplan, stages, name=_preset(args))
-    except ValueError as e:
-        return fail("plan", str(e))
-    except Exception as e:  # a failed measurement rank arrives as WorkerError
-        from zeroshard.trainer.launch import WorkerError
-
-        if isinstance(e, WorkerError):
-            return fail("plan", one_line(e))
-        raise
+    except Exception as e:
+        if (line := planning_failure(e)) is None:
+            raise
+        return fail("plan", line)
     if args.json:
         out = pplan.to_dict()
         if checks:

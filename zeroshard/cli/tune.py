@@ -150,28 +150,52 @@ def _cp_axis(args: argparse.Namespace, base: Any) -> str | None:
     return args.cp_degrees
 
 
+def _grid(args: argparse.Namespace) -> tuple[Any, Any, int | None, Any]:
+    """(the base config, the grid's axes, the per-rank byte budget, the measurement spec), each checked
+    before any planning: a bad flag fails here."""
+    from zeroshard.tools.planner.spec import parse_bytes
+    from zeroshard.tools.tune.grid import parse_axes
+    from zeroshard.tools.tune.measure import MeasureSpec
+
+    base = _base_config(args)
+    axes = parse_axes(stages=args.stages, prefetch=args.grid_prefetch, bucket_mb=args.grid_bucket_mb,
+                      checkpointing=_checkpointing_axis(args, base), reshard=args.reshard,
+                      comm_quant=args.grid_comm_quant, pp_schedules=args.pp_schedules,
+                      microbatches=args.microbatch_counts, ep_degrees=_ep_axis(args, base),
+                      cp_degrees=_cp_axis(args, base))
+    budget = parse_bytes(args.device_mem) if args.device_mem else None
+    # Built now so that a bad --steps/--rounds/--warmup fails before any planning.
+    spec = MeasureSpec(base=base, candidates=(), steps=args.tune_steps, rounds=args.rounds, warmup=args.tune_warmup)
+    return base, axes, budget, spec
+
+
+def _show_ranking(console: Any, ranked: list[dict], base: Any, *, as_json: bool) -> None:
+    """The ranked rows: one JSON line each (--json), or the table; then each failed candidate's error."""
+    if as_json:
+        for row in ranked:
+            print(json.dumps(row), flush=True)
+    else:
+        ranks = f"{base.nproc} ranks" + (f" (tp {base.tp})" if base.tp > 1 else "") + (
+            f" in pp {base.pp}" if base.pp > 1 else "") + (f", ep {base.ep}" if base.ep > 1 else "")
+        console.print(ranking_table(ranked, f"zeroshard tune: {base.model}, {ranks}, global batch "
+                                            f"{base.batch} x {base.seq_len}, {base.mp}; useful tokens/s"))
+    for r in ranked:
+        if r["status"] == "failed":
+            console.print(f"[red]failed[/red] {r['candidate']}: {r['error']}", highlight=False, soft_wrap=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from zeroshard.trainer.launch import WorkerError
-    from zeroshard.tools.planner.spec import parse_bytes
     from zeroshard.tools.tune import choose, tomlfile
-    from zeroshard.tools.tune.grid import candidates, parse_axes
-    from zeroshard.tools.tune.measure import MeasureSpec, measure
+    from zeroshard.tools.tune.grid import candidates
+    from zeroshard.tools.tune.measure import measure
     from zeroshard.tools.tune.prune import mb, predict, prune
 
     console = Console(stderr=args.json)  # --json keeps stdout to the rows
     if not console.is_terminal:
         console.width = max(console.width, 120)  # a log keeps whole table rows, not 80-column wraps
     try:
-        base = _base_config(args)
-        axes = parse_axes(stages=args.stages, prefetch=args.grid_prefetch, bucket_mb=args.grid_bucket_mb,
-                          checkpointing=_checkpointing_axis(args, base), reshard=args.reshard,
-                          comm_quant=args.grid_comm_quant, pp_schedules=args.pp_schedules,
-                          microbatches=args.microbatch_counts, ep_degrees=_ep_axis(args, base),
-                          cp_degrees=_cp_axis(args, base))
-        budget = parse_bytes(args.device_mem) if args.device_mem else None
-        # Built now so that a bad --steps/--rounds/--warmup fails before any planning.
-        spec = MeasureSpec(base=base, candidates=(), steps=args.tune_steps, rounds=args.rounds,
-                           warmup=args.tune_warmup)
+        base, axes, budget, spec = _grid(args)
     except ValueError as e:
         return fail("tune", str(e))
 
@@ -209,17 +233,7 @@ def run(args: argparse.Namespace) -> int:
         winner["winner"] = True
         path = tomlfile.write(args.out, choose.tuned_values(base, winner),
                               header=choose.header(winner, ranked, base, budget))
-    if args.json:
-        for row in ranked:
-            print(json.dumps(row), flush=True)
-    else:
-        ranks = f"{base.nproc} ranks" + (f" (tp {base.tp})" if base.tp > 1 else "") + (
-            f" in pp {base.pp}" if base.pp > 1 else "") + (f", ep {base.ep}" if base.ep > 1 else "")
-        console.print(ranking_table(ranked, f"zeroshard tune: {base.model}, {ranks}, global batch "
-                                            f"{base.batch} x {base.seq_len}, {base.mp}; useful tokens/s"))
-    for r in ranked:
-        if r["status"] == "failed":
-            console.print(f"[red]failed[/red] {r['candidate']}: {r['error']}", highlight=False, soft_wrap=True)
+    _show_ranking(console, ranked, base, as_json=args.json)
     if not ok:
         return fail("tune", "every candidate failed; nothing written")
     if choose.close_call(ranked):

@@ -19,6 +19,8 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from zeroshard.trainer.data_windows import NaturalText, check_index, next_token_pair
+
 __all__ = [
     "MarkovSource",
     "TokenDataset",
@@ -208,12 +210,6 @@ class TokenDataset(Protocol):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def _check_index(i: int, n: int) -> int:
-    if not -n <= i < n:
-        raise IndexError(f"sample index {i} out of range for a dataset of {n} samples")
-    return i % n
-
-
 class SyntheticDataset:
     """``num_samples`` windows of a ``MarkovSource``; sample ``i`` is a pure function of (seed, i).
 
@@ -244,13 +240,12 @@ class SyntheticDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = _check_index(i, self.num_samples)
+        i = check_index(i, self.num_samples)
         rng = np.random.default_rng([self.seed, i])
-        seq = torch.from_numpy(self.source.generate(self.seq_len + 1, rng))  # (T+1,)
-        return seq[:-1], seq[1:]  # (T,), (T,)
+        return next_token_pair(torch.from_numpy(self.source.generate(self.seq_len + 1, rng)))  # (T,), (T,)
 
 
-class ByteFileDataset:
+class ByteFileDataset(NaturalText):
     """Byte-level tokens (vocab 256) of a file, cut into non-overlapping windows.
 
     Window ``i`` is bytes ``[i*(T+1), (i+1)*(T+1))``; the tail shorter than a window is
@@ -276,23 +271,15 @@ class ByteFileDataset:
             )
         self.path = path
         self.seq_len = seq_len
+        self._vocab = 256
         data = np.frombuffer(raw, dtype=np.uint8, count=n * window)
         self._windows = torch.from_numpy(data.astype(np.int64).reshape(n, window))  # (N, T+1)
-
-    @property
-    def vocab_size(self) -> int:
-        return 256
-
-    @property
-    def entropy_floor(self) -> None:
-        return None  # unknown for natural text
 
     def __len__(self) -> int:
         return self._windows.shape[0]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self._windows[_check_index(i, len(self))]  # (T+1,)
-        return w[:-1], w[1:]  # (T,), (T,)
+        return next_token_pair(self._windows[check_index(i, len(self))])  # (T,), (T,)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from zeroshard.trainer.data_records import Sample
+from zeroshard.trainer.data_windows import NaturalText, check_index
 
 __all__ = ["IGNORE_INDEX", "RecordDataset", "DocumentWindows", "document_positions",
            "collate_positions"]
@@ -26,7 +27,7 @@ __all__ = ["IGNORE_INDEX", "RecordDataset", "DocumentWindows", "document_positio
 IGNORE_INDEX = -100
 
 
-class RecordDataset:
+class RecordDataset(NaturalText):
     """Tokenized records as ``(x, y)`` rows of ``seq_len``; ``y`` is -100 where no loss is taken.
 
     A sample longer than ``seq_len + 1`` tokens is cut to that length (``truncated`` counts them);
@@ -49,14 +50,6 @@ class RecordDataset:
             [[i] for i in range(len(self.samples))]
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def entropy_floor(self) -> None:
-        return None  # unknown for natural text
-
-    @property
     def trained_tokens(self) -> int:
         return sum(sum(t != IGNORE_INDEX for t in y) for _, y in self.samples)
 
@@ -64,10 +57,7 @@ class RecordDataset:
         return len(self.rows)
 
     def _row(self, i: int) -> list[int]:
-        n = len(self.rows)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} out of range for a dataset of {n} rows")
-        return self.rows[i % n]
+        return self.rows[check_index(i, len(self.rows), "rows")]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from zeroshard.trainer.data_windows import NaturalText, check_index, next_token_pair
+
 __all__ = ["META_NAME", "FORMAT", "TokenFileDataset", "dtype_for_vocab", "is_token_dir"]
 
 META_NAME = "meta.json"
@@ -87,7 +89,7 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-class TokenFileDataset:
+class TokenFileDataset(NaturalText):
     """Non-overlapping ``seq_len + 1`` token windows over memory-mapped token files."""
 
     def __init__(self, root: str | Path, seq_len: int) -> None:
@@ -118,22 +120,11 @@ class TokenFileDataset:
         # nanoGPT's layout records no vocab: one pass over the files finds the largest id.
         return max((int(a.max()) for a in self._arrays if len(a)), default=0) + 1
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def entropy_floor(self) -> None:
-        return None  # unknown for natural text
-
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} out of range for a dataset of {n} samples")
-        i %= n
+        i = check_index(i, len(self))
         f = bisect.bisect_right(self._starts, i) - 1
         lo = (i - self._starts[f]) * (self.seq_len + 1)
         # Copy out of the map: int64 for the embedding, and no tensor aliases the file.
@@ -143,4 +134,4 @@ class TokenFileDataset:
                 f"token file {self.files[f]} holds id {int(w.max())} but {self.root / META_NAME} "
                 f"says vocab_size={self._vocab}; re-run `zeroshard data prepare`"
             )
-        return w[:-1], w[1:]  # (T,), (T,)
+        return next_token_pair(w)  # (T,), (T,)

@@ -26,9 +26,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from zeroshard.checkpoint import format as fmt
-from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.load import PieceReader
 from zeroshard.checkpoint.save import commit
+from zeroshard.checkpoint.staging import partial_of, refuse_existing
 from zeroshard.checkpoint.tensorfile import Entry, TensorFile, parse_dtype
 from zeroshard.checkpoint.verify import resolve, verify
 
@@ -133,10 +133,9 @@ def export_dcp(src: str | os.PathLike, out: str | os.PathLike, *, optimizer: boo
     directory = resolve(src)
     manifest = verify(directory)
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; choose another output path or pass --overwrite")
+    refuse_existing(out, overwrite)
     items = _items(manifest, str(directory), optimizer)
-    partial = out.parent / f".{out.name}.partial"
+    partial = partial_of(out)
     spill = out.parent / f".{out.name}.tensors"
     for stale in (partial, spill):
         if stale.exists():

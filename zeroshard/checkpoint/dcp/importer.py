@@ -32,6 +32,7 @@ from zeroshard.checkpoint import format as fmt
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.save import commit
+from zeroshard.checkpoint.staging import refuse_existing
 from zeroshard.checkpoint.tensorfile import Entry, TensorFileWriter, dtype_name
 from zeroshard.checkpoint.dcp import stream
 from zeroshard.checkpoint.dcp.layout import DCPLayout, Tensor, read_layout
@@ -205,8 +206,7 @@ def import_dcp(src: str | os.PathLike, out: str | os.PathLike, *, buffers: tuple
     Memory: one read batch (``batch_bytes``, or the largest tensor) plus the file writer's buffer.
     """
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; choose another output path or pass --overwrite")
+    refuse_existing(out, overwrite)
     if param_groups < 1:
         raise CheckpointError(f"param_groups must be >= 1, got {param_groups}")
     opt_class = optimizer_class_name(optimizer) if optimizer is not None else None

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.hf.errors import PretrainedError
+from zeroshard.checkpoint.staging import fresh_partial, refuse_existing
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -75,12 +76,8 @@ def write_adapter_folder(out: str | Path, record: dict[str, Any], tensors: dict[
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise PretrainedError(f"{out} already exists; choose another output folder or pass --overwrite")
-    tmp = out.parent / f".{out.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    refuse_existing(out, overwrite, error=PretrainedError, choose="output folder")
+    tmp = fresh_partial(out)
     try:
         config = {**record, "base_model_name_or_path": source or record.get("base_model_name_or_path")}
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

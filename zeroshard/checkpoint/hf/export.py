@@ -26,6 +26,7 @@ from zeroshard.checkpoint.hf.adapter import adapter_tensors, base_name, merged_v
 from zeroshard.checkpoint.hf.errors import PretrainedError
 from zeroshard.checkpoint.hf.folder import CONFIG, INDEX
 from zeroshard.checkpoint.hf.renames import saved_tensors, saved_tensors_of_config
+from zeroshard.checkpoint.staging import fresh_partial, refuse_existing
 
 __all__ = ["export_checkpoint", "export_pretrained", "parse_size"]
 
@@ -67,12 +68,8 @@ class FolderWriter:
     def __init__(self, out: str | Path, config: dict[str, Any], source: str | None, entries: list[Entry],
                  max_shard_size: int, overwrite: bool = False) -> None:
         self.out = Path(out)
-        if self.out.exists() and not overwrite:
-            raise PretrainedError(f"{self.out} already exists; choose another output folder or pass --overwrite")
-        self.tmp = self.out.parent / f".{self.out.name}.partial"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)  # left by an export that was killed
-        self.tmp.mkdir(parents=True)
+        refuse_existing(self.out, overwrite, error=PretrainedError, choose="output folder")
+        self.tmp = fresh_partial(self.out)
         self.files = _split(entries, max_shard_size)
         n = len(self.files)
         self.names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else ["model.safetensors"]

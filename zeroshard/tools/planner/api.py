@@ -15,11 +15,12 @@ from zeroshard.tools.planner.activations import ActivationEstimate, gpt_activati
 from zeroshard.tools.planner.comm import Collective
 from zeroshard.tools.planner.experts import ExpertSplit, expert_split
 from zeroshard.tools.planner.inventory import Inventory, meta_gpt
-from zeroshard.tools.planner.memory import Estimator, variants
+from zeroshard.tools.planner.memory import Estimator
 from zeroshard.tools.planner.owner_state import per_tensor_params
 from zeroshard.tools.planner.result import LayoutPlan, Plan
 from zeroshard.tools.planner.spec import PlanSpec, parse_count, resolve_mp, resolve_optimizer
 from zeroshard.tools.planner.tp import TensorParallel, layer_collectives
+from zeroshard.tools.planner.variants import variants
 from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.wrap import UnitsArg
@@ -138,6 +139,83 @@ def _traced_tp_collectives(split: TensorParallel, act: ActivationEstimate, spec:
                              rebuilt_layers=sum(b - a for a, b in act.segments), segments=len(act.segments))
 
 
+@dataclasses.dataclass
+class _Counted:
+    """What the plan counts: a bare parameter count, or a model's inventory and how tp and ep split it."""
+
+    model: Any
+    cfg: Any
+    inventory: Inventory | None
+    psi: int
+    frozen: int
+    seq: int
+    split: TensorParallel
+    experts: ExpertSplit
+
+
+def _count_params(model_or_config: Any, analytic: bool, *, seq: int | None, tp: int, sequence_parallel: bool,
+                  ep: int, units: UnitsArg, dims: ParallelDims, notes: list[str]) -> _Counted:
+    split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
+    model, inventory, cfg = None, None, None
+    experts = ExpertSplit()
+    if analytic:
+        if ep > 1:
+            raise ValueError(f"ep={ep} splits a model's MoE layers; pass --model (tiny-moe, an HF Mixtral or "
+                             "Qwen-MoE folder or hf: name), not a bare parameter count")
+        psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
+        if tp > 1:  # no layers to tell split params from replicated ones
+            psi //= tp
+            notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
+    else:
+        model, name, cfg, seq = _resolve_model(model_or_config, seq)
+        if tp > 1 and cfg is None:  # any model with a spec: its own plan, as the runtime splits it
+            split = TensorParallel.of_model(model, tp, sequence_parallel)
+        if cfg is not None:
+            # The runtime's split of these blocks: an MoE block's attention alone (zeroshard.runtime.tp).
+            split = TensorParallel.of_gpt(cfg, tp, sequence_parallel)
+            split.check_gpt(cfg)
+        if sequence_parallel and cfg is not None and cfg.n_expert > 0:
+            raise ValueError("sequence parallelism with an MoE model is not supported by the runtime (its MoE layer "
+                             "needs the whole sequence on every tp rank); plan without sequence parallelism")
+        experts = expert_split(model, ep, tp=tp)
+        # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
+        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
+                              dp=dims.dp, expert_dp=dims.edp)
+        psi, frozen = inventory.facts.trainable, inventory.facts.frozen
+    return _Counted(model=model, cfg=cfg, inventory=inventory, psi=psi, frozen=frozen, seq=seq, split=split,
+                    experts=experts)
+
+
+def _activations(model_or_config: Any, counted: _Counted, spec: PlanSpec, activations: ActivationEstimate | None,
+                 analytic: bool, gpus_per_node: int | None, notes: list[str]
+                 ) -> tuple[ActivationEstimate | None, tuple[Collective, ...]]:
+    """The activation estimate (a caller's own, a GPT's, a workload shape's, or one traced forward) and the
+    tp collectives that go with it."""
+    cfg, inventory, split, model = counted.cfg, counted.inventory, counted.split, counted.model
+    tp_comm: tuple[Collective, ...] = ()
+    # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
+    if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory
+        activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
+    elif activations is None and (shape := _shape(model_or_config)) is not None and inventory is not None:
+        activations = _shape_activations(shape, inventory, spec)
+    elif activations is None and analytic:
+        notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
+                     "workspace is the optimizer's scratch")
+    elif activations is None and inventory is not None:
+        try:
+            activations = _traced(model, inventory, spec)
+            notes.append("activations traced from one forward of the model on fake tensors; backward's "
+                         "temporaries estimated from its largest saved tensors")
+        except (TypeError, ValueError, RuntimeError, IndexError) as e:  # a module that takes no token ids
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            notes.append(f"activations not estimated: one forward on token ids failed ({first})")
+        if split.tp > 1 and activations is not None:
+            tp_comm = _traced_tp_collectives(split, activations, spec, gpus_per_node)
+            notes.append(f"tp={split.tp}: the model's own plan splits its params; the traced activations are "
+                         "one whole rank's (not divided by tp), so they are an upper bound")
+    return activations, tp_comm
+
+
 def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: MixedPrecision | str | None = None,
          optimizer: Any = "adamw", optimizer_kwargs: dict | None = None, batch: int | None = None,
          seq: int | None = None, accum: int = 1, shard_size: int | None = None, headroom: float = 0.10,
@@ -185,34 +263,10 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                          "or use accounting='textbook' with a bare parameter count")
     optim_cls = resolve_optimizer(optimizer)
     kwargs = dict(optimizer_kwargs or {})
-    split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
-    inventory, cfg = None, None
-    notes = []
-    experts = ExpertSplit()
-    if analytic:
-        if ep > 1:
-            raise ValueError(f"ep={ep} splits a model's MoE layers; pass --model (tiny-moe, an HF Mixtral or "
-                             "Qwen-MoE folder or hf: name), not a bare parameter count")
-        psi, frozen, seq = parse_count(model_or_config), 0, seq or _ANALYTIC_SEQ
-        if tp > 1:  # no layers to tell split params from replicated ones
-            psi //= tp
-            notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
-    else:
-        model, name, cfg, seq = _resolve_model(model_or_config, seq)
-        if tp > 1 and cfg is None:  # any model with a spec: its own plan, as the runtime splits it
-            split = TensorParallel.of_model(model, tp, sequence_parallel)
-        if cfg is not None:
-            # The runtime's split of these blocks: an MoE block's attention alone (zeroshard.runtime.tp).
-            split = TensorParallel.of_gpt(cfg, tp, sequence_parallel)
-            split.check_gpt(cfg)
-        if sequence_parallel and cfg is not None and cfg.n_expert > 0:
-            raise ValueError("sequence parallelism with an MoE model is not supported by the runtime (its MoE layer "
-                             "needs the whole sequence on every tp rank); plan without sequence parallelism")
-        experts = expert_split(model, ep, tp=tp)
-        # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
-        inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
-                              dp=dims.dp, expert_dp=dims.edp)
-        psi, frozen = inventory.facts.trainable, inventory.facts.frozen
+    notes: list[str] = []
+    counted = _count_params(model_or_config, analytic, seq=seq, tp=tp, sequence_parallel=sequence_parallel, ep=ep,
+                            units=units, dims=dims, notes=notes)
+    model, inventory, psi, frozen, seq = counted.model, counted.inventory, counted.psi, counted.frozen, counted.seq
     spec = PlanSpec(dims=dims, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
                     optimizer_kwargs=kwargs, batch=batch or dims.dp * accum, seq=seq, accum=accum,
                     engine=options, headroom=headroom,
@@ -220,27 +274,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
                     sequence_parallel=sequence_parallel, routing_skew=routing_skew, pipeline_order=pipeline_order,
                     cp_attention=cp_attention)
-    tp_comm: tuple[Collective, ...] = ()
-    # A caller's own estimate (a pipeline stage's activations in flight) is taken as given.
-    if activations is None and cfg is not None and inventory is not None:  # a GPT config comes with its inventory
-        activations, tp_comm = _gpt_activations_and_tp(cfg, inventory, spec, split, gpus_per_node)
-    elif activations is None and (shape := _shape(model_or_config)) is not None and inventory is not None:
-        activations = _shape_activations(shape, inventory, spec)
-    elif activations is None and analytic:
-        notes.append("analytic mode: no activations or all-gather window (they need a model: --model); "
-                     "workspace is the optimizer's scratch")
-    elif activations is None and inventory is not None:
-        try:
-            activations = _traced(model, inventory, spec)
-            notes.append("activations traced from one forward of the model on fake tensors; backward's "
-                         "temporaries estimated from its largest saved tensors")
-        except (TypeError, ValueError, RuntimeError, IndexError) as e:  # a module that takes no token ids
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            notes.append(f"activations not estimated: one forward on token ids failed ({first})")
-        if split.tp > 1 and activations is not None:
-            tp_comm = _traced_tp_collectives(split, activations, spec, gpus_per_node)
-            notes.append(f"tp={split.tp}: the model's own plan splits its params; the traced activations are "
-                         "one whole rank's (not divided by tp), so they are an upper bound")
+    activations, tp_comm = _activations(model_or_config, counted, spec, activations, analytic, gpus_per_node, notes)
     per_tensor = per_tensor_params(model, optim_cls, kwargs) if inventory is not None else None
     if per_tensor is not None:
         notes.append(f"{per_tensor.recipe}: {len(per_tensor.classes)} params step whole on owner ranks (the runtime's "
@@ -251,19 +285,19 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                      f"({'host memory' if spec.offload == 'cpu' else 'files'}), and steps there"
                      + ("; on a CPU run host and device are one memory" if device == "cpu" else ""))
     foreach = kwargs.get("foreach")
-    counted = None if spec.accounting == "textbook" else inventory
+    by_units = None if spec.accounting == "textbook" else inventory
     # With units, the step schedule sends what the runtime quantizes itself; a bare count splits the
     # textbook volumes afterwards (_with_comm_quant).
-    comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block) if counted is not None else None
-    estimator = Estimator(spec, inventory=counted, psi=psi,
+    comm = CommQuant.parse(spec.comm_quant, spec.comm_quant_block) if by_units is not None else None
+    estimator = Estimator(spec, inventory=by_units, psi=psi,
                           frozen=frozen, activations=activations,
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
-                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=experts,
+                          host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=counted.experts,
                           per_tensor=per_tensor)
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     if spec.comm_quant != "none":
-        layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=counted is None)
+        layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=by_units is None)
     return Plan(spec=spec, mode="analytic" if analytic else "model", model=inventory.facts if inventory else None,
                 params=psi + frozen, trainable=psi, optimizer_cost=tuple(estimator.costs.values()),
                 activations=activations, layouts=layouts, notes=tuple(notes))

@@ -22,6 +22,38 @@ def _scale(largest: float) -> tuple[float, str]:
     return (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
 
 
+def _component_bars(ax, plan: Plan, names: list[str], div: float) -> list[float]:
+    """Each component's bars stacked, at its own peak (headroom is drawn later); the stack's tops."""
+    bottoms = [0.0] * len(names)
+    for comp in COMPONENTS:
+        if comp == "headroom":
+            continue  # drawn last, on top of the predicted peak
+        values = [getattr(plan[n].device, comp) / div for n in names]
+        if not any(values):
+            continue  # keep the legend to the terms that exist in this plan
+        ax.bar(names, values, bottom=bottoms, color=_COLORS[comp], label=comp, width=0.6, edgecolor="white",
+               linewidth=0.5)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    return bottoms
+
+
+def _label_axes(ax, plan: Plan, names: list[str], unit: str, top: float, title: str | None) -> None:
+    """Title, axes, grid and the legend (outside, on the right, with how to read the bars)."""
+    spec = plan.spec
+    what = plan.model.name if plan.model else f"{plan.params / 1e9:.3g}B params"
+    ax.set_title(title or f"{what}: per-rank memory, world {spec.world}, micro-batch {spec.micro_batch} x seq {spec.seq}",
+                 fontsize=11)
+    ax.set_ylabel(f"bytes per rank ({unit}, decimal)")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylim(0, top * 1.12)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    ax.text(1.02, 0.0, "black line: predicted peak\nnumber: peak + headroom", transform=ax.transAxes, fontsize=8,
+            va="bottom", ha="left", color="#444444")
+
+
 def plot(plan: Plan, path: str | Path, *, device_mem: int | None = None, title: str | None = None) -> Path:
     """Write the chart to ``path`` (PNG or any format matplotlib knows from the suffix) and return it."""
     try:
@@ -35,16 +67,7 @@ def plot(plan: Plan, path: str | Path, *, device_mem: int | None = None, title: 
     totals = [plan[n].device.total for n in names]
     div, unit = _scale(max(totals + [device_mem or 0]))
     fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(names) + 3), 5.5), dpi=120)
-    bottoms = [0.0] * len(names)
-    for comp in COMPONENTS:
-        if comp == "headroom":
-            continue  # drawn last, on top of the predicted peak
-        values = [getattr(plan[n].device, comp) / div for n in names]
-        if not any(values):
-            continue  # keep the legend to the terms that exist in this plan
-        ax.bar(names, values, bottom=bottoms, color=_COLORS[comp], label=comp, width=0.6, edgecolor="white",
-               linewidth=0.5)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    bottoms = _component_bars(ax, plan, names, div)
     # Each component is drawn at its own peak, so the stack can over-count terms that never coexist
     # (activations at backward's start, gloo's grad buffers at its end): that top part is hatched,
     # and the solid line below it is the predicted peak. Headroom sits on the peak, drawn narrower
@@ -66,19 +89,8 @@ def plot(plan: Plan, path: str | Path, *, device_mem: int | None = None, title: 
         # x in axes fraction, y in data: the label sits at the right end of the line whatever the bars.
         ax.text(0.99, device_mem / div, f"device memory {device_mem / div:.3g} {unit}", ha="right", va="bottom",
                 fontsize=9, transform=ax.get_yaxis_transform())
-    spec = plan.spec
-    what = plan.model.name if plan.model else f"{plan.params / 1e9:.3g}B params"
-    ax.set_title(title or f"{what}: per-rank memory, world {spec.world}, micro-batch {spec.micro_batch} x seq {spec.seq}",
-                 fontsize=11)
-    ax.set_ylabel(f"bytes per rank ({unit}, decimal)")
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylim(0, max(bottoms + [t / div for t in totals] + [(device_mem or 0) / div]) * 1.12)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
-    ax.text(1.02, 0.0, "black line: predicted peak\nnumber: peak + headroom", transform=ax.transAxes, fontsize=8,
-            va="bottom", ha="left", color="#444444")
+    top = max(bottoms + [t / div for t in totals] + [(device_mem or 0) / div])
+    _label_axes(ax, plan, names, unit, top, title)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -276,6 +276,31 @@ def _optimizer(model, optim_cls: type, kwargs: dict):
     return zs_optimizer(model, optim_cls, **kwargs)
 
 
+def _rank_batch(req: dict, vocab: int, mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's whole slice, as training holds it; the step cuts it into `accum` micro-batches."""
+    gen = torch.Generator().manual_seed(1000 + mesh.dp_rank)  # a tp group's ranks share their batch
+    rows = req["micro_batch"] * req["accum"]
+    x = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
+    y = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
+    return x, y
+
+
+def _micro_hooks(engine, model, blocks, activations: dict[str, int] | None, tracker=None):
+    """``one_step``'s per-micro-step context: with ``activations``, the most bytes one micro-step's
+    forward saved (each backward frees what its forward saved) go to ``activations["peak"]``."""
+    @contextlib.contextmanager
+    def micro(index: int):
+        if index and hasattr(tracker, "reset_mod_stats"):
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; peaks stay
+        saved: dict[int, int] = {}
+        with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext(), \
+                _kept_block_inputs(model, blocks, saved) if activations is not None else contextlib.nullcontext():
+            yield
+        if activations is not None:  # per micro-step: each backward frees what its forward saved
+            activations["peak"] = max(activations.get("peak", 0), sum(saved.values()))
+    return micro
+
+
 def _measure_stage(stage: int, req: dict, mesh) -> dict:
     from zeroshard.runtime import get_engine
     from zeroshard.trainer.step import one_step
@@ -291,24 +316,10 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
     model, blocks, vocab = _build(req, stage, options, mesh)
     engine = get_engine(model)
     opt = _optimizer(model, req["optimizer"], req["optimizer_kwargs"])
-    gen = torch.Generator().manual_seed(1000 + mesh.dp_rank)  # a tp group's ranks share their batch
-    # The rank's whole slice, as training holds it; the step cuts it into `accum` micro-batches.
-    rows = req["micro_batch"] * req["accum"]
-    x = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
-    y = torch.randint(0, vocab, (rows, req["seq"]), generator=gen).to(mesh.device)
+    x, y = _rank_batch(req, vocab, mesh)
 
     def micro_hooks(activations: dict[str, int] | None, tracker=None):
-        @contextlib.contextmanager
-        def micro(index: int):
-            if index and hasattr(tracker, "reset_mod_stats"):
-                tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; peaks stay
-            saved: dict[int, int] = {}
-            with _saved_activations(engine, saved) if activations is not None else contextlib.nullcontext(), \
-                    _kept_block_inputs(model, blocks, saved) if activations is not None else contextlib.nullcontext():
-                yield
-            if activations is not None:  # per micro-step: each backward frees what its forward saved
-                activations["peak"] = max(activations.get("peak", 0), sum(saved.values()))
-        return micro
+        return _micro_hooks(engine, model, blocks, activations, tracker)
 
     # Warm-up: optimizer state exists and stage 3 has its unit order.
     one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(None))

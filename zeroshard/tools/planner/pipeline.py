@@ -155,6 +155,44 @@ def _larger(a: Plan, b: Plan) -> Plan:
     return dataclasses.replace(b, layouts=layouts)
 
 
+def _batch_split(shape: PipelineShape, *, world: int, pp: int, tp: int, batch: int | None,
+                 accum: int) -> tuple[int, int, int, int]:
+    """(ranks of a stage, its data-parallel ranks, the global batch, a microbatch's rows): how the
+    global batch splits over a stage's data-parallel ranks, accum and the schedule's microbatches."""
+    if world % (pp * tp):
+        raise ValueError(f"pp {pp} x tp {tp} does not divide world {world}; each stage has world / (pp x tp) "
+                         "data-parallel ranks, so pick pp and tp dividing it")
+    stage_world = world // pp
+    dp = stage_world // tp
+    batch = batch or dp * accum * shape.microbatches
+    if batch % (dp * accum):
+        raise ValueError(f"global batch {batch} does not split over the {dp} data-parallel ranks of a stage x accum "
+                         f"{accum}; use a multiple of {dp * accum}")
+    local = batch // (dp * accum)
+    check_microbatches(schedule_spec(shape.schedule), microbatches=shape.microbatches, pp=pp, local_batch=local)
+    return stage_world, dp, batch, local // shape.microbatches
+
+
+def _stage_estimates(cfg: Any, shape: PipelineShape, split: Any, policy: Checkpointing, *, micro: int, seq: int,
+                     c: int, tp: int) -> tuple[dict[int, ActivationEstimate], dict[int, Any]]:
+    """Per stage, the activation estimate of its blocks alone (each stage's engine checkpoints its own)
+    and what one microbatch in flight weighs there."""
+    tokens = micro * seq
+    est_of = {s: gpt_activations(dataclasses.replace(cfg, n_layer=len(split.blocks[s])), micro_batch=micro, seq=seq,
+                                 compute_bytes=c, policy=policy, tp=tp) for s in range(shape.num_stages)}
+    weight = {s: _stage_activations(cfg, est_of[s], blocks=len(split.blocks[s]), first=s == 0,
+                                    last=s == shape.num_stages - 1, tokens=tokens, seq=seq, c=c)
+              for s in range(shape.num_stages)}
+    return est_of, weight
+
+
+def _stage_runs(shape: PipelineShape, order: Any, *, pp: int, accum: int) -> dict[int, tuple]:
+    """What each stage's engine runs in a step: its forwards and backwards (or a split backward's
+    halves) in torch's order, once per schedule run (accum of them)."""
+    return {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
+                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
+
+
 def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str = "1f1b", microbatches: int = 0,
                   pp_stages_per_rank: int = 0, batch: int | None = None, seq: int | None = None, accum: int = 1,
                   tp: int = 1, mp: Any = None, device: str = "cuda", headroom: float = 0.10,
@@ -173,18 +211,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
                                   pp_stages_per_rank=pp_stages_per_rank)
     cfg = _planned_gpt(model_or_config, seq)
     seq = seq or cfg.seq_len
-    if world % (pp * tp):
-        raise ValueError(f"pp {pp} x tp {tp} does not divide world {world}; each stage has world / (pp x tp) "
-                         "data-parallel ranks, so pick pp and tp dividing it")
-    stage_world = world // pp
-    dp = stage_world // tp
-    batch = batch or dp * accum * shape.microbatches
-    if batch % (dp * accum):
-        raise ValueError(f"global batch {batch} does not split over the {dp} data-parallel ranks of a stage x accum "
-                         f"{accum}; use a multiple of {dp * accum}")
-    local = batch // (dp * accum)
-    check_microbatches(schedule_spec(shape.schedule), microbatches=shape.microbatches, pp=pp, local_batch=local)
-    micro = local // shape.microbatches
+    stage_world, dp, batch, micro = _batch_split(shape, world=world, pp=pp, tp=tp, batch=batch, accum=accum)
 
     modules, split, tied = _stage_modules(cfg, shape.num_stages)
 
@@ -199,20 +226,13 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     # Each stage's engine checkpoints its own blocks (the runtime's segments of them), so a
     # stage's activations are planned over its blocks alone.
     check_checkpointing(schedule_spec(shape.schedule), engine.checkpointing)  # as the runtime refuses it
-    policy = Checkpointing(engine.checkpointing)
-    est_of = {s: gpt_activations(dataclasses.replace(cfg, n_layer=len(split.blocks[s])), micro_batch=micro, seq=seq,
-                                 compute_bytes=c, policy=policy, tp=tp) for s in range(shape.num_stages)}
+    est_of, weight = _stage_estimates(cfg, shape, split, Checkpointing(engine.checkpointing), micro=micro, seq=seq,
+                                      c=c, tp=tp)
     est = est_of[0]  # the per-block workspace and the head's, the same on every stage
-    weight = {s: _stage_activations(cfg, est_of[s], blocks=len(split.blocks[s]), first=s == 0,
-                                    last=s == shape.num_stages - 1, tokens=tokens, seq=seq, c=c)
-              for s in range(shape.num_stages)}
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
-    # What each stage's engine runs in a step: its forwards and backwards (or a split backward's
-    # halves) in torch's order, once per schedule run (accum of them).
-    runs = {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
-                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
+    runs = _stage_runs(shape, order, pp=pp, accum=accum)
     ranks = []
     for r in range(pp):
         stages = shape.stages_of(r)
@@ -258,14 +278,21 @@ def _planned_gpt(model_or_config: Any, seq: int | None):
 
 def _stage_modules(cfg, num_stages: int) -> tuple[list, Any, list]:
     """The stages of a meta-device GPT, cut as the runtime cuts it: (modules, split, tied params)."""
+    from zeroshard.tools.planner.inventory import meta_gpt
+
+    return cut_stages(meta_gpt(cfg), num_stages)
+
+
+def cut_stages(model: Any, num_stages: int, blocks: str | None = None) -> tuple[list, Any, list]:
+    """``model``'s stages as the pipeline runtime cuts them, before it shards each: an even split of its
+    blocks (at ``blocks``, its dotted path, or found), the tied head's copy untied on its stage.
+    Returns (stage modules, split, tied params)."""
     from zeroshard.parallel.pipeline.layout import layout_of
     from zeroshard.parallel.pipeline.own_forward import StageModule
     from zeroshard.parallel.pipeline.split import even_split
     from zeroshard.parallel.pipeline.tied import find_tied, untie_copy
-    from zeroshard.tools.planner.inventory import meta_gpt
 
-    model = meta_gpt(cfg)
-    layout = layout_of(model)
+    layout = layout_of(model, blocks)
     split = even_split(layout.count, num_stages)
     tied = find_tied(model, layout, split)
     modules = []

@@ -70,6 +70,29 @@ def pp_options(n_layer: int, world: int, max_pp: int, stages_per_rank: int) -> t
                  if world % p == 0 and n_layer % (p * stages_per_rank) == 0)
 
 
+def _verdict(cands: list[PipelineCandidate], mem: int, world: int, hw: Any) -> PipelineRecommendation:
+    """The fastest candidate that fits in ``mem``, or the one-line reason nothing does, with ZeRO-3's row
+    at each pp to weigh them by."""
+    ranked = search.ranked(cands, lambda c: c.step_s, lambda c: c.pp, lambda c: c.layout)
+    zero3 = tuple(c for c in cands if c.layout == "zero3")
+    rows = "; ZeRO-3 against pp: " + ", ".join(
+        f"{label(c)} {gb(c.total_bytes)}, {c.step_s * 1e3:,.1f} ms a step"
+        + (f" ({c.bubble:.0%} bubble)" if c.pp > 1 else "") for c in zero3)
+    nodes = world // hw.gpus_per_node if world > hw.gpus_per_node else 1
+    where = f" ({world} ranks on {nodes} nodes of {hw.gpus_per_node})" if nodes > 1 else ""
+    best = search.first_fit(ranked, lambda c: c.fits)
+    if best is None:
+        small = min(cands, key=lambda c: c.total_bytes)
+        reason = (f"nothing fits in {gb(mem)} on the device{where}: the smallest, {label(small)}, needs "
+                  f"{gb(small.total_bytes)}; add ranks, raise --pp, or lower the batch" + rows)
+        return PipelineRecommendation(pp=None, layout=None, fits=False, reason=reason, device_mem=mem,
+                                      candidates=tuple(ranked), zero3_rows=zero3)
+    reason = (f"{label(best)} is the fastest that fits{where}: {best.step_s * 1e3:,.1f} ms a step, "
+              f"{gb(mem - best.total_bytes)} headroom" + rows)
+    return PipelineRecommendation(pp=best.pp, layout=best.layout, fits=True, reason=reason, device_mem=mem,
+                                  candidates=tuple(ranked), zero3_rows=zero3)
+
+
 def recommend_pipeline(cfg: Any, *, device_mem: int | str, world: int, max_pp: int, hw: Any,
                        pp_schedule: str = "1f1b", microbatches: int = 0, pp_stages_per_rank: int = 0,
                        batch: int | None = None, seq: int | None = None, mp: Any = None,
@@ -123,21 +146,4 @@ def recommend_pipeline(cfg: Any, *, device_mem: int | str, world: int, max_pp: i
                                       stages_per_rank=shape.stages_per_rank, world=world)
             cands.append(PipelineCandidate(pp=pp, layout=name, total_bytes=total, step_s=timed.step_s,
                                            bubble=timed.bubble, fits=total <= mem))
-    ranked = search.ranked(cands, lambda c: c.step_s, lambda c: c.pp, lambda c: c.layout)
-    zero3 = tuple(c for c in cands if c.layout == "zero3")
-    rows = "; ZeRO-3 against pp: " + ", ".join(
-        f"{label(c)} {gb(c.total_bytes)}, {c.step_s * 1e3:,.1f} ms a step"
-        + (f" ({c.bubble:.0%} bubble)" if c.pp > 1 else "") for c in zero3)
-    nodes = world // hw.gpus_per_node if world > hw.gpus_per_node else 1
-    where = f" ({world} ranks on {nodes} nodes of {hw.gpus_per_node})" if nodes > 1 else ""
-    best = search.first_fit(ranked, lambda c: c.fits)
-    if best is None:
-        small = min(cands, key=lambda c: c.total_bytes)
-        reason = (f"nothing fits in {gb(mem)} on the device{where}: the smallest, {label(small)}, needs "
-                  f"{gb(small.total_bytes)}; add ranks, raise --pp, or lower the batch" + rows)
-        return PipelineRecommendation(pp=None, layout=None, fits=False, reason=reason, device_mem=mem,
-                                      candidates=tuple(ranked), zero3_rows=zero3)
-    reason = (f"{label(best)} is the fastest that fits{where}: {best.step_s * 1e3:,.1f} ms a step, "
-              f"{gb(mem - best.total_bytes)} headroom" + rows)
-    return PipelineRecommendation(pp=best.pp, layout=best.layout, fits=True, reason=reason, device_mem=mem,
-                                  candidates=tuple(ranked), zero3_rows=zero3)
+    return _verdict(cands, mem, world, hw)

@@ -186,23 +186,28 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
             tp_all_reduces(1, e.bytes)
         elif e.op == "all_gather" and e.phase == PARAM_SYNC:
             out.param_sync_bytes += e.bytes
-        elif e.op == "all_gather" and e.mesh == EXPERTS:  # an expert group: over the ranks holding its experts
-            inflight.setdefault(e.unit, []).append(comm.launch("all_gather", e.bytes, layout.expert_group, out.t,
-                                                               stream="experts"))
-        elif e.op == "all_gather":
-            out.t += host.copy_in(sum(g.shard_numel for g in sizes[e.unit].groups))
-            inflight.setdefault(e.unit, []).append(comm.launch("all_gather", e.bytes, layout.shard_group, out.t))
-        elif e.group == "replicate":  # synchronous in Unit.finish_reduce: the next wait mark takes it
-            item = comm.launch(e.op, e.bytes, layout.replicas, out.t, spans=layout.world > comm.hw.gpus_per_node,
-                               stream="replicate")
+        else:
+            out.t, item = _launch(e, layout, comm, host, sizes, out.t)
             inflight.setdefault(e.unit, []).append(item)
-        elif e.mesh == EXPERTS:  # an expert group's reduction, on its own group's stream
-            inflight.setdefault(e.unit, []).append(comm.launch(e.op, e.bytes, layout.expert_group, out.t,
-                                                               stream="experts"))
-        else:  # a reduction: over the shard group, or every data-parallel rank at stage 0
-            group = layout.shard_group if layout.policy.shard_optimizer else layout.dp
-            inflight.setdefault(e.unit, []).append(comm.launch(e.op, e.bytes, group, out.t))
     return out
+
+
+def _launch(e, layout: Layout, comm: CommLink, host: HostLink, sizes: dict, t: float) -> tuple[float, Collective]:
+    """An all-gather or reduction of the schedule launched at ``t`` on its group's stream: (the time
+    compute goes on from, the collective in flight)."""
+    if e.op == "all_gather" and e.mesh == EXPERTS:  # an expert group: over the ranks holding its experts
+        return t, comm.launch("all_gather", e.bytes, layout.expert_group, t, stream="experts")
+    if e.op == "all_gather":
+        t += host.copy_in(sum(g.shard_numel for g in sizes[e.unit].groups))
+        return t, comm.launch("all_gather", e.bytes, layout.shard_group, t)
+    if e.group == "replicate":  # synchronous in Unit.finish_reduce: the next wait mark takes it
+        return t, comm.launch(e.op, e.bytes, layout.replicas, t, spans=layout.world > comm.hw.gpus_per_node,
+                              stream="replicate")
+    if e.mesh == EXPERTS:  # an expert group's reduction, on its own group's stream
+        return t, comm.launch(e.op, e.bytes, layout.expert_group, t, stream="experts")
+    # A reduction: over the shard group, or every data-parallel rank at stage 0.
+    group = layout.shard_group if layout.policy.shard_optimizer else layout.dp
+    return t, comm.launch(e.op, e.bytes, group, t)
 
 
 class _AllToAlls:
