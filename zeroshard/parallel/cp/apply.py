@@ -71,6 +71,12 @@ def context_of(model: nn.Module) -> ContextParallel | None:
     return _OWNERS.get(model)
 
 
+def share_context(module: nn.Module, ctx: ContextParallel | None) -> None:
+    """``module`` (a pipeline stage cut from a model given ``ctx``) splits sequences as its model does."""
+    if ctx is not None:
+        _OWNERS[module] = ctx
+
+
 def apply_context_parallel(model: nn.Module, mesh: Mesh, scheme: str = "ring") -> ContextParallel | None:
     """Make ``model``'s attention exact over sequences split on ``mesh``'s cp ranks (before
     ``zs.shard``). Nothing to do at cp 1. One-line ValueError for a scheme that is not one, heads
