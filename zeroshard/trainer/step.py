@@ -193,9 +193,6 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     if cfg.pp > 1:
         return _build_pipeline(cfg, mesh, model=model, dataset=dataset, **shard_overrides)
     dataset = build_data(cfg) if dataset is None else dataset
-    if cfg.cp > 1 and getattr(dataset, "positions", None) is not None and dataset.positions(0) is not None:
-        raise ValueError("packed samples (or doc_mask) need cp=1: context parallelism splits each row's tokens "
-                         "but not yet its samples' positions; use --packing off, drop --doc-mask, or cp=1")
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
@@ -358,6 +355,8 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
         last = index == len(pairs) - 1
         with contextlib.nullcontext() if last else no_sync(model), \
                 micro(index) if micro is not None else contextlib.nullcontext():
+            if cp is not None:  # packed samples: the attention masks by the whole rows' documents
+                pm = cp.pack(pm)
             with phase("forward"):
                 loss_sum, _ = adapter.loss_sum(model, xm, ym, pm)
             scaled = loss_sum * norm.to(loss_sum.dtype)
