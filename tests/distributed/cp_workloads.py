@@ -22,7 +22,9 @@ from zeroshard.trainer.train import setup, train_step
 VOCAB = 96
 SEQ = 32
 BATCH = 4
-STEPS = 10
+STEPS = 6
+"""The suite's steps (bench/context_parallel.py runs the 10-step matrix): the parity of every step is
+already within the tolerances from the first."""
 WORLD = 4
 LAYOUTS = (("shard2", 2, 3), ("shard2", 2, 1), ("replicate2", 1, 3))
 """(name, shard size, stage) at cp 2, world 4: cp 2 x shard 2 at stages 3 and 1; cp 2 x replicate 2
@@ -31,6 +33,11 @@ accumulation micro-steps (the token mean is over dp, cp and accumulation)."""
 ACCUM = {"replicate2": 2}
 CASES = [("gpt", scheme, layout) for scheme in ("ring", "ulysses") for layout in LAYOUTS] + \
         [("qwen3", scheme, LAYOUTS[0]) for scheme in ("ring", "ulysses")]
+PP_CASES = [("gpt", "ring", ("pp2", None, 3)), ("gpt", "ulysses", ("pp2", None, 1))]
+"""pp 2 x cp 2 at world 4: two pipeline stages, each sequence split over the cp ranks of a stage."""
+PACK_CASES = [("gpt", scheme, ("packed", 2, 3)) for scheme in ("ring", "ulysses")]
+"""cp 2 x shard 2, stage 3, on a token folder's documents packed into each row (doc_mask): the
+attention stays inside each document across the split."""
 
 
 def make_folder(root: Path) -> Path:
@@ -45,11 +52,44 @@ def make_folder(root: Path) -> Path:
     return out
 
 
+def make_tokens(root: Path) -> Path:
+    """A token folder of documents of 3-13 tokens, each ended by EOS (id 0), as `data prepare` writes."""
+    import json
+
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    tokens: list[int] = []
+    while len(tokens) < 4000:
+        tokens += [*g.integers(1, VOCAB, int(g.integers(3, 14))).tolist(), 0]
+    out = root / "tokens"
+    out.mkdir(parents=True, exist_ok=True)
+    np.array(tokens, dtype="<u2").tofile(out / "train.bin")
+    (out / "meta.json").write_text(json.dumps({"format": "zeroshard-tokens", "dtype": "uint16", "vocab_size": VOCAB,
+                                               "eos_id": 0, "files": ["train.bin"]}))
+    return out
+
+
 def train_config(model: str, *, scheme: str = "ring", shard: int | None = None, stage: int = 3,
-                 cp: int = 2, steps: int = STEPS, accum: int = 1) -> TrainConfig:
+                 cp: int = 2, steps: int = STEPS, accum: int = 1, pp: int = 1, data: str | None = None) -> TrainConfig:
     return TrainConfig(model=model, stage=stage, nproc=WORLD, cp=cp, cp_attention=scheme, shard_size=shard, accum=accum,
                        batch=BATCH, seq_len=SEQ, steps=steps, warmup=1, num_samples=64, dropout=False, profile=False,
-                       lr=5e-4, clip=1.0)
+                       lr=5e-4, clip=1.0, pp=pp, data=data, doc_mask=data is not None)
+
+
+def case_config(name: str, scheme: str, layout: tuple, folder: str) -> TrainConfig:
+    """The config of one case of CASES, PP_CASES or PACK_CASES."""
+    kind, shard, stage = layout
+    model = model_name(name, folder)
+    if kind == "pp2":
+        return train_config(model, scheme=scheme, stage=stage, pp=2)
+    data = str(Path(folder).parent / "tokens") if kind == "packed" else None
+    return train_config(model, scheme=scheme, shard=shard, stage=stage, accum=ACCUM.get(kind, 1), data=data)
+
+
+def case_dims(layout: tuple) -> ParallelDims:
+    kind, shard, _ = layout
+    return ParallelDims.of(WORLD, pp=2, cp=2) if kind == "pp2" else ParallelDims.of(WORLD, shard=shard, cp=2)
 
 
 def model_name(name: str, folder: str) -> str:
@@ -73,21 +113,43 @@ def resume_across_cp(root: str) -> dict:
     return {"losses": losses, "params": {k: v.detach().float().clone() for k, v in state.items()}}
 
 
+def schedule_cp(run, scheme: str) -> list[tuple[str, str, str, int]]:
+    """The cp events (op, phase, unit, bytes) the runtime's step schedule lists for one step of ``run``,
+    sized from the model's widths (zeroshard/parallel/cp/volume.py ``schedule_sizes``)."""
+    from zeroshard.parallel.cp.volume import schedule_sizes
+    from zeroshard.runtime import get_engine
+    from zeroshard.runtime.schedule import engine_schedule
+
+    cfg, model = run.cfg, run.model
+    if hasattr(run.model_cfg, "n_layer"):  # zeroshard's GPT
+        blocks, width, kv = run.model_cfg.n_layer, run.model_cfg.n_embd, run.model_cfg.n_embd
+    else:
+        c = model.config
+        blocks, width = c.num_hidden_layers, c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+    sizes = schedule_sizes(scheme, blocks=blocks, dtype=torch.float32, cp=2, rows=cfg.batch // run.mesh.dp_size // cfg.accum,
+                           seq=SEQ, q_width=width, kv_width=kv)
+    events = engine_schedule(get_engine(model), accum=cfg.accum, clip=cfg.clip > 0, cp=sizes).collectives
+    return [(e.op, e.phase, e.unit, e.bytes) for e in events if e.group == "cp"]
+
+
 def suite(folder: str) -> dict:
     zs.init()
     out: dict = {"cases": {}, "resumed": resume_across_cp(folder)}
-    for index, (name, scheme, (layout, shard, stage)) in enumerate(CASES):
-        cfg = train_config(model_name(name, folder), scheme=scheme, shard=shard, stage=stage, accum=ACCUM.get(layout, 1))
-        mesh = zs.new_mesh(dims=ParallelDims.of(WORLD, shard=shard, cp=2), name=f"cp{index}")
+    for index, (name, scheme, (layout, shard, stage)) in enumerate(CASES + PP_CASES + PACK_CASES):
+        cfg = case_config(name, scheme, (layout, shard, stage), folder)
+        mesh = zs.new_mesh(dims=case_dims((layout, shard, stage)), name=f"cp{index}")
         run = setup(cfg, mesh)
         losses, cp_bytes = [], []
         for step in range(cfg.steps):
             seq = mesh.ledger.next_seq
             losses.append(train_step(run, step).loss)
-            cp_bytes.append(sum(r.bytes for r in mesh.ledger.since(seq) if r.group == "cp" and r.mesh == mesh.name))
-        state = zs.full_state_dict(run.model)
+            cp = [(r.op, r.phase, r.unit, r.bytes) for r in mesh.ledger.since(seq) if r.group == "cp" and r.mesh == mesh.name]
+            cp_bytes.append(sum(r[-1] for r in cp))
+        state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
         out["cases"][(name, scheme, layout, stage)] = {
-            "losses": losses, "cp_bytes": cp_bytes,
+            "losses": losses, "cp_bytes": cp_bytes, "ledger_cp": cp,
+            "schedule_cp": schedule_cp(run, scheme) if run.pipeline is None else [],
             "params": {k: v.detach().float().clone() for k, v in state.items()},
             "mesh": mesh.describe(), "groups": {"cp": mesh.group_size("cp"), "shard": mesh.shard_size,
                                                 "dp": mesh.group_size("dp"), "batch_dp": mesh.dp_size}}

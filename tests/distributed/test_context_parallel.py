@@ -9,6 +9,7 @@ heavier matrix (cp 4, tp x cp, sliding windows, memory) and prints its figures.
 from __future__ import annotations
 
 import types
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ PARAM_TOL, LOSS_TOL = 1e-5, 1e-6
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    return w.make_folder(tmp_path_factory.mktemp("cp"))
+    root = tmp_path_factory.mktemp("cp")
+    w.make_tokens(root)  # next to the folder: the packed cases' documents
+    return w.make_folder(root)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,26 @@ def suite(folder) -> dict:
 @pytest.fixture(scope="module")
 def references(folder) -> dict:
     return {name: reference_train(w.train_config(w.model_name(name, str(folder)))) for name in ("gpt", "qwen3")}
+
+
+def _diffs(got: dict, ref: dict) -> tuple[float, float]:
+    assert set(got["params"]) == set(ref["params"])
+    param_diff = max((got["params"][k] - ref["params"][k].float()).abs().max().item() for k in ref["params"])
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    return param_diff, loss_diff
+
+
+@pytest.mark.parametrize("case", w.PP_CASES + w.PACK_CASES,
+                         ids=[f"{n}-{s}-{lay[0]}-stage{lay[2]}" for n, s, lay in w.PP_CASES + w.PACK_CASES])
+def test_pp_x_cp_and_packed_documents_train_as_one_process(suite, folder, case):
+    """pp 2 x cp 2 (the stages' sequences split), and packed documents under cp 2 x shard 2 (each
+    document's causal mask and positions across the split), against one process on whole rows."""
+    name, scheme, layout = case
+    ref = reference_train(w.case_config(name, scheme, layout, str(folder)))
+    param_diff, loss_diff = _diffs(suite[0]["cases"][(name, scheme, layout[0], layout[2])], ref)
+    print(f"{name} {scheme} cp 2 x {layout[0]} stage {layout[2]}: |param diff| {param_diff:.2e}, "
+          f"|loss diff| {loss_diff:.2e}")
+    assert param_diff <= PARAM_TOL and loss_diff <= LOSS_TOL
 
 
 @pytest.mark.parametrize("case", w.CASES, ids=[f"{n}-{s}-{lay[0]}-stage{lay[2]}" for n, s, lay in w.CASES])
@@ -95,6 +118,18 @@ def test_ledger_cp_bytes_equal_the_shapes(suite, name, scheme):
     want = _cp_bytes_from_shapes(name, scheme)
     print(f"{name} {scheme}: ledger cp bytes/step {got[0]:,} vs shapes {want:,}")
     assert got == [want] * w.STEPS
+
+
+@pytest.mark.parametrize("layout,stage", [("shard2", 3), ("shard2", 1), ("replicate2", 3)])
+@pytest.mark.parametrize("scheme", ["ring", "ulysses"])
+def test_the_step_schedule_lists_the_ledger_s_cp_exchanges(suite, scheme, layout, stage):
+    """The runtime's step schedule (which the planner and the simulator read) lists every cp
+    exchange the ledger recorded in a step: the same calls, phases and bytes (accumulation included)."""
+    got = suite[0]["cases"][("gpt", scheme, layout, stage)]
+    listed, recorded = Counter(got["schedule_cp"]), Counter(got["ledger_cp"])
+    print(f"gpt {scheme} {layout} stage {stage}: schedule cp bytes {sum(b for *_, b in got['schedule_cp']):,}, "
+          f"ledger {sum(b for *_, b in got['ledger_cp']):,}")
+    assert listed == recorded and len(listed) > 0
 
 
 def test_ring_layout_is_load_balanced_and_keeps_global_positions():

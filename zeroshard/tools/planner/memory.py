@@ -35,7 +35,7 @@ from zeroshard.runtime.clip import SQUARE_CHUNK
 from zeroshard.runtime.optim import PIPELINE_MIN_NUMEL
 from zeroshard.runtime.schedule import step_schedule
 from zeroshard.comm.dims import ParallelDims
-from zeroshard.runtime.schedule_events import GroupSizes, UnitSizes
+from zeroshard.runtime.schedule_events import ContextParallelSizes, GroupSizes, UnitSizes
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -137,8 +137,10 @@ class Estimator:
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, reduce_in_place: bool = False, host_is_device: bool = False,
                  tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None,
-                 experts: ExpertSplit | None = None, per_tensor: PerTensorParams | None = None) -> None:
+                 experts: ExpertSplit | None = None, per_tensor: PerTensorParams | None = None,
+                 cp_sizes: ContextParallelSizes | None = None) -> None:
         self.spec = spec
+        self.cp_sizes = cp_sizes  # the blocks' cp exchanges, which the step schedule lists
         self.per_tensor = per_tensor  # params stepped whole on owner ranks (owner_state.py)
         self.experts = experts or ExpertSplit()
         # The engine finishes the oldest reduction while more than this many are pending; with 0,
@@ -245,7 +247,7 @@ class Estimator:
         options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
         step = comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
                                      accum=spec.accum, gpus_per_node=dp_per_node, ep=spec.ep,
-                                     pipeline_order=spec.pipeline_order)
+                                     pipeline_order=spec.pipeline_order, cp=self.cp_sizes)
         return step + self._owner_exchange(units, v)
 
     def _owner_exchange(self, units: tuple[CommUnit, ...], v: Variant) -> tuple[comm.Collective, ...]:
