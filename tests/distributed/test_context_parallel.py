@@ -8,6 +8,7 @@ heavier matrix (cp 4, tp x cp, sliding windows, memory) and prints its figures.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import Counter
 from pathlib import Path
@@ -32,6 +33,7 @@ def folder(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("cp")
     w.make_tokens(root)  # next to the folder: the packed cases' documents
+    w.make_moe_folder(root)
     return w.make_folder(root)
 
 
@@ -45,6 +47,11 @@ def references(folder) -> dict:
     return {name: reference_train(w.train_config(w.model_name(name, str(folder)))) for name in ("gpt", "qwen3")}
 
 
+@functools.cache
+def other_reference(folder: Path, name: str, layout: tuple) -> dict:
+    return reference_train(w.case_config(name, "ring", layout, str(folder)))
+
+
 def _diffs(got: dict, ref: dict) -> tuple[float, float]:
     assert set(got["params"]) == set(ref["params"])
     param_diff = max((got["params"][k] - ref["params"][k].float()).abs().max().item() for k in ref["params"])
@@ -52,13 +59,18 @@ def _diffs(got: dict, ref: dict) -> tuple[float, float]:
     return param_diff, loss_diff
 
 
-@pytest.mark.parametrize("case", w.PP_CASES + w.PACK_CASES,
-                         ids=[f"{n}-{s}-{lay[0]}-stage{lay[2]}" for n, s, lay in w.PP_CASES + w.PACK_CASES])
-def test_pp_x_cp_and_packed_documents_train_as_one_process(suite, folder, case):
-    """pp 2 x cp 2 (the stages' sequences split), and packed documents under cp 2 x shard 2 (each
-    document's causal mask and positions across the split), against one process on whole rows."""
+COMPOSED = w.PP_CASES + w.PACK_CASES + w.EP_CASES
+
+
+@pytest.mark.parametrize("case", COMPOSED, ids=[f"{n}-{s}-{lay[0]}-stage{lay[2]}" for n, s, lay in COMPOSED])
+def test_pp_ep_x_cp_and_packed_documents_train_as_one_process(suite, references, folder, case):
+    """pp 2 x cp 2 (the stages' sequences split); packed documents under cp 2 x shard 2 (each
+    document's causal mask and positions across the split); ep 2 x cp 2 x shard 2 (each cp rank's
+    tokens routed over ep, the load-balancing loss the whole batch's): against one process on
+    whole rows."""
     name, scheme, layout = case
-    ref = reference_train(w.case_config(name, scheme, layout, str(folder)))
+    # One process on whole rows: pp does not change its numbers (no MoE), nor the scheme.
+    ref = references[name] if layout[0] == "pp2" else other_reference(folder, name, layout)
     param_diff, loss_diff = _diffs(suite[0]["cases"][(name, scheme, layout[0], layout[2])], ref)
     print(f"{name} {scheme} cp 2 x {layout[0]} stage {layout[2]}: |param diff| {param_diff:.2e}, "
           f"|loss diff| {loss_diff:.2e}")
@@ -153,7 +165,7 @@ def test_one_line_errors():
         apply_context_parallel(GPT(GPTConfig.named("tiny", seq_len=32)), _fake_mesh(8), "ulysses")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^cp=2: Linear's attention takes no path context parallelism can split"):
         apply_context_parallel(torch.nn.Linear(2, 2), _fake_mesh(2))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^cp=2 with pp=2 is not composed yet"):
-        TrainConfig(model="tiny", nproc=4, cp=2, pp=2, seq_len=32)
+    dims = TrainConfig(model="tiny", nproc=4, cp=2, pp=2, seq_len=32).dims  # pp x cp composes
+    assert (dims.pp, dims.cp, dims.dp, dims.zero_shard) == (2, 2, 1, 2)
     with pytest.raises(ValueError, match=r"^cp=3 does not divide the 4 ranks"):
         TrainConfig(model="tiny", nproc=4, cp=3, seq_len=36)
