@@ -169,3 +169,24 @@ def test_one_line_errors():
     assert (dims.pp, dims.cp, dims.dp, dims.zero_shard) == (2, 2, 1, 2)
     with pytest.raises(ValueError, match=r"^cp=3 does not divide the 4 ranks"):
         TrainConfig(model="tiny", nproc=4, cp=3, seq_len=36)
+
+
+def test_pp_ep_and_packing_with_cp_reach_the_flags_and_the_toml_keys(tmp_path):
+    """`zeroshard train` resolves pp x cp (TOML), ep x cp (flags) and packed documents with cp
+    (flags) to a runnable config, checked as before a launch, where each was refused before."""
+    from zeroshard.cli.main import build_parser
+    from zeroshard.cli.train import check_before_launch, config_from_args
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "tiny"\nnproc = 4\n[parallel]\ncp = 2\npp = 2\ncp_attention = "ulysses"\n'
+                    '[data]\nseq_len = 32\n')
+    tokens = str(w.make_tokens(tmp_path))
+    runs = {"pp": ["train", "--config", str(toml)],
+            "ep": ["train", "--model", "tiny-moe", "--nproc", "4", "--cp", "2", "--ep", "2", "--seq-len", "32"],
+            "packed": ["train", "--nproc", "2", "--cp", "2", "--data", tokens, "--doc-mask", "--seq-len", "32"]}
+    got = {}
+    for name, argv in runs.items():
+        cfg = config_from_args(build_parser().parse_args(argv))
+        check_before_launch(cfg)
+        got[name] = (cfg.dims.pp, cfg.dims.cp, cfg.dims.ep, cfg.parallel.cp_attention, cfg.data.doc_mask)
+    assert got == {"pp": (2, 2, 1, "ulysses", False), "ep": (1, 2, 2, "ring", False), "packed": (1, 2, 1, "ring", True)}
