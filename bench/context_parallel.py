@@ -2,7 +2,8 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/context_parallel.py [--seqs 256,512,1024,2048] [--budget-mib 256]
 
-1. Parity against one process on whole sequences (10 steps, fp32), each scheme: cp 4 (stage 3),
+1. Parity against one process on whole sequences (10 steps, fp32), each scheme: cp 2 x shard 2
+   (stages 3 and 1) on the GPT and (stage 3) a Qwen3 folder, cp 4 (stage 3),
    tp 2 x cp 2 (stage 3) on zeroshard's GPT; a Mistral folder with a sliding window of 8 tokens
    (cp 2 x shard 2, stage 3); pp 2 x cp 2 (stages 3 and 1) on the GPT and a Qwen3 folder; ep 2 x
    cp 2 x shard 2 (stage 3) on tiny-moe and a Mixtral folder with the routers' aux loss (lr 2e-4:
@@ -37,7 +38,9 @@ from zeroshard.trainer.train import reference_train, setup, train_step
 
 WORLD, SEQ, BATCH, STEPS, VOCAB = 4, 32, 4, 10, 96
 SCHEMES = ("ring", "ulysses")
-PARITY = [("tiny", scheme, dict(cp=4), 3) for scheme in SCHEMES] + \
+PARITY = [("tiny", scheme, dict(cp=2, shard=2), stage) for scheme in SCHEMES for stage in (3, 1)] + \
+         [("qwen3", scheme, dict(cp=2, shard=2), 3) for scheme in SCHEMES] + \
+         [("tiny", scheme, dict(cp=4), 3) for scheme in SCHEMES] + \
          [("tiny", scheme, dict(cp=2, tp=2), 3) for scheme in SCHEMES] + \
          [("mistral", scheme, dict(cp=2, shard=2), 3) for scheme in SCHEMES] + \
          [(name, scheme, dict(cp=2, pp=2), stage) for name in ("tiny", "qwen3") for scheme in SCHEMES
@@ -118,10 +121,20 @@ def activation_bytes(cp: int, seq: int) -> int:
     return _saved_bytes(model, x)
 
 
-def worker(folder: str, seqs: list[int], budget: int, parity: bool) -> dict:
+def chosen(match: str) -> list[tuple[int, tuple]]:
+    """The parity cases whose description contains ``match`` (all for "")."""
+    return [(i, case) for i, case in enumerate(PARITY) if match in describe(*case)]
+
+
+def describe(name: str, scheme: str, layout: dict, stage: int) -> str:
+    what = " x ".join(f"{k} {v}" for k, v in layout.items() if k != "packed") + (" packed" if layout.get("packed") else "")
+    return f"{name:8s} {scheme:8s} {what:22s} stage {stage}"
+
+
+def worker(folder: str, seqs: list[int], budget: int, parity: bool, match: str, memory: bool) -> dict:
     zs.init()
     out: dict = {"parity": {}, "memory": {}, "longest": {}}
-    for index, (name, scheme, layout, stage) in enumerate(PARITY if parity else []):
+    for index, (name, scheme, layout, stage) in chosen(match) if parity else []:
         cfg = parity_config(folder, name, scheme, layout, stage)
         dims = ParallelDims.of(WORLD, cp=layout["cp"], tp=layout.get("tp", 1), shard=layout.get("shard"),
                                pp=layout.get("pp", 1), ep=layout.get("ep", 1))
@@ -129,6 +142,8 @@ def worker(folder: str, seqs: list[int], budget: int, parity: bool) -> dict:
         losses = [train_step(run, step).loss for step in range(STEPS)]
         state = run.pipeline.full_state_dict() if run.pipeline is not None else zs.full_state_dict(run.model)
         out["parity"][index] = {"losses": losses, "params": {k: v.detach().float() for k, v in state.items()}}
+    if not memory:
+        return out
     for cp in (1, 2, 4):
         out["memory"][cp] = activation_bytes(cp, 1024)
     for cp in (1, 4):
@@ -147,25 +162,28 @@ def main() -> None:
     parser.add_argument("--seqs", default="256,512,1024,2048", help="sequence lengths to try, ascending")
     parser.add_argument("--budget-mib", type=int, default=256, help="per-rank saved-activation budget")
     parser.add_argument("--skip-parity", action="store_true", help="only the memory figures (2 and 3)")
+    parser.add_argument("--match", default="", help="only the parity cases whose line contains this (e.g. 'pp 2')")
+    parser.add_argument("--skip-memory", action="store_true", help="only the parity figures (1)")
     args = parser.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         make_folders(Path(tmp))
         folder = tmp
-        got = spawn(worker, WORLD, args=(folder, seqs, args.budget_mib * 2**20, not args.skip_parity),
-                    timeout_s=3000)[0]
+        got = spawn(worker, WORLD, args=(folder, seqs, args.budget_mib * 2**20, not args.skip_parity, args.match,
+                                         not args.skip_memory), timeout_s=3000)[0]
         print("1. parity against one process on whole sequences, 10 steps, fp32 (tolerances 1e-5 / 1e-6)")
         refs: dict = {}
-        for index, (name, scheme, layout, stage) in enumerate(PARITY if not args.skip_parity else []):
+        for index, (name, scheme, layout, stage) in chosen(args.match) if not args.skip_parity else []:
             key = (name, tuple(sorted(layout.items())))
             if key not in refs:
                 refs[key] = reference_train(parity_config(folder, name, scheme, layout, stage))
             ref, run = refs[key], got["parity"][index]
             dp = max((run["params"][k] - ref["params"][k].float()).abs().max().item() for k in ref["params"])
             dl = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
-            what = " x ".join(f"{k} {v}" for k, v in layout.items())
-            print(f"   {name:8s} {scheme:8s} {what:16s} stage {stage}: |param diff| {dp:.2e}  |loss diff| {dl:.2e}  "
+            print(f"   {describe(name, scheme, layout, stage)}: |param diff| {dp:.2e}  |loss diff| {dl:.2e}  "
                   f"{'ok' if dp <= 1e-5 and dl <= 1e-6 else 'OVER'}")
+    if args.skip_memory:
+        return
     from zeroshard.tools.planner.api import plan
 
     print("2. per-rank saved activations, small, seq 1024, one sequence per dp group (rank 0), vs the planner")

@@ -22,7 +22,7 @@ from zeroshard.trainer.train import setup, train_step
 VOCAB = 96
 SEQ = 32
 BATCH = 4
-STEPS = 6
+STEPS = 4
 """The suite's steps (bench/context_parallel.py runs the 10-step matrix): the parity of every step is
 already within the tolerances from the first."""
 WORLD = 4
@@ -31,8 +31,9 @@ LAYOUTS = (("shard2", 2, 3), ("shard2", 2, 1), ("replicate2", 1, 3))
 at stage 3 (ZeRO over the two cp ranks of each replica: cp 2 on two ranks, twice), with 2
 accumulation micro-steps (the token mean is over dp, cp and accumulation)."""
 ACCUM = {"replicate2": 2}
-CASES = [("gpt", scheme, layout) for scheme in ("ring", "ulysses") for layout in LAYOUTS] + \
-        [("qwen3", scheme, LAYOUTS[0]) for scheme in ("ring", "ulysses")]
+CASES = [("gpt", "ring", LAYOUTS[0]), ("gpt", "ring", LAYOUTS[2]), ("gpt", "ulysses", LAYOUTS[0]),
+         ("gpt", "ulysses", LAYOUTS[1])] + [("qwen3", scheme, LAYOUTS[0]) for scheme in ("ring", "ulysses")]
+"""Each layout with one scheme at least (bench/context_parallel.py runs every pairing, 10 steps)."""
 PP_CASES = [("gpt", "ring", ("pp2", None, 3)), ("gpt", "ulysses", ("pp2", None, 1))]
 """pp 2 x cp 2 at world 4: two pipeline stages, each sequence split over the cp ranks of a stage."""
 PACK_CASES = [("gpt", scheme, ("packed", 2, 3)) for scheme in ("ring", "ulysses")]

@@ -132,8 +132,7 @@ def test_ledger_cp_bytes_equal_the_shapes(suite, name, scheme):
     assert got == [want] * w.STEPS
 
 
-@pytest.mark.parametrize("layout,stage", [("shard2", 3), ("shard2", 1), ("replicate2", 3)])
-@pytest.mark.parametrize("scheme", ["ring", "ulysses"])
+@pytest.mark.parametrize("scheme,layout,stage", [(s, lay[0], lay[2]) for n, s, lay in w.CASES if n == "gpt"])
 def test_the_step_schedule_lists_the_ledger_s_cp_exchanges(suite, scheme, layout, stage):
     """The runtime's step schedule (which the planner and the simulator read) lists every cp
     exchange the ledger recorded in a step: the same calls, phases and bytes (accumulation included)."""
