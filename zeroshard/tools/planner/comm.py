@@ -81,6 +81,16 @@ def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: P
     return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node, ep=ep)
 
 
+def context_rows(cp: ContextParallelSizes, *, mesh: ParallelDims, accum: int = 1,
+                 gpus_per_node: int | None = None) -> tuple[Collective, ...]:
+    """The cp rows of a step without the engine's units (textbook accounting): the runtime's
+    schedule of the blocks alone, with their attention exchanges."""
+    blocks = UnitSizes(name="blocks", groups=(), blocks=cp.blocks)
+    schedule = step_schedule([blocks], policy=StagePolicy(0), mesh=mesh, options=EngineOptions(), accum=accum, cp=cp)
+    return schedule_rows(Schedule(tuple(e for e in schedule.events if e.group == "cp")), mesh,
+                         gpus_per_node=gpus_per_node)
+
+
 def schedule_rows(schedule: Schedule, mesh: ParallelDims, *, gpus_per_node: int | None = None,
                   ep: int = 1) -> tuple[Collective, ...]:
     """The schedule's collectives summed into rows, in the order the step first issues them: per
