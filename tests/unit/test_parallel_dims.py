@@ -142,7 +142,7 @@ def test_no_holder_keeps_a_degree_of_its_own(holder):
     (lambda: ParallelDims.of(8, tp=2, shard=3), "shard_size=3 does not divide the 4 data-parallel ranks"),
     (lambda: ParallelDims.of(4, ep=3), "ep=3 does not divide the 4 data-parallel ranks"),
     (lambda: ParallelDims.of(4, cp=3), "cp=3 does not divide the 4 ranks of a stage without tp"),
-    (lambda: ParallelDims(shard=2, cp=2, ep=2), "cp=2 with ep=2 is not composed yet"),
+    (lambda: ParallelDims(shard=1, cp=2, ep=4), r"ep=4 does not divide the 2 data-parallel x cp ranks \(dp 1 x cp 2\)"),
     (lambda: ParallelDims(tp=0), "tp=0 must be a positive int"),
 ])
 def test_a_bad_layout_is_one_line_naming_the_fix(call, message):

@@ -71,9 +71,8 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("pp", "replicate", "shard", "tp", "ep", "cp"):
             _positive(name, getattr(self, name))
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"cp={self.cp} with ep={self.ep} is not composed yet; use cp=1 with expert parallelism")
-        check_ep_layout(self.ep, self.dp, self.tp, self.pp)
+        # A cp rank routes its own tokens, as a data-parallel rank does: ep borrows from dp x cp x tp.
+        check_ep_layout(self.ep, self.dp, self.tp, self.pp, cp=self.cp)
 
     # ------------------------------------------------------------------ construction
 
@@ -259,15 +258,18 @@ class ParallelDims:
         return build_mesh(self, topology, name=name, ledger=ledger, allow_cross_host=allow_cross_host)
 
 
-def check_ep_layout(ep: Any, dp: int, tp: int, pp: int = 1) -> None:
+def check_ep_layout(ep: Any, dp: int, tp: int, pp: int = 1, *, cp: int = 1) -> None:
     """One line naming the problem and the fix, before any group exists. ep borrows its ranks from
-    dp x tp (the experts are not tensor parallel): an ep group is whole tp groups (ep a multiple of
-    tp) or a tp group is whole ep groups (tp a multiple of ep), so the two stay aligned."""
+    dp x cp x tp (the experts are not tensor parallel; a cp rank routes its own tokens): an ep group
+    is whole tp groups (ep a multiple of tp) or a tp group is whole ep groups (tp a multiple of ep),
+    so the two stay aligned."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive int (ep=1 is no expert parallelism)")
-    world = dp * tp
+    world = dp * cp * tp
     if world % ep:
         ranks = f"{dp} data-parallel ranks" if tp == 1 else f"{world} data-parallel x tp ranks (dp {dp} x tp {tp})"
+        ranks = f"{world} data-parallel x cp ranks (dp {dp} x cp {cp}{f' x tp {tp}' if tp > 1 else ''})" if cp > 1 \
+            else ranks
         ranks += " of a pipeline stage" if pp > 1 else ""
         raise ValueError(f"ep={ep} does not divide the {ranks}, so its product with the expert-data-parallel ranks "
                          f"is not the world size; pick a divisor of {world}")

@@ -176,7 +176,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, heads, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, heads, C // self.n_head).transpose(1, 2)
         mask = self.packed.mask if self.packed is not None else None
-        if self.attend is not None:  # context parallelism: its split attention (packing is refused with cp)
+        if self.attend is not None:  # context parallelism: its split attention (packed samples' too)
             y = self.attend(q, k, v)  # (B, nh, T, hd)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
@@ -394,7 +394,8 @@ class GPT(nn.Module):
                 f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}; "
                 f"truncate the input or build the model with a larger seq_len"
             )
-        self.packed.set(position_ids)
+        # Under context parallelism its attention masks packed samples by the whole rows' documents.
+        self.packed.set(position_ids if self.positions is None else None)
         if position_ids is not None:  # packed samples: positions restart in each
             pos = position_ids  # (T,) or (B, T)
         elif self.positions is not None:  # context parallelism: this rank's tokens' global positions

@@ -44,9 +44,10 @@ Which reductions finish inside backward on a mesh without replicas depends on ti
 reaps the ones the backend reports done), but finishing then issues no collective, so the
 sequence of collectives does not. Tensor parallelism's per-block all-reduces (DTensor's, sized by
 the caller: ``TensorParallelSizes``) come in their own order, at stage 3 also in place among the
-gathers and reductions. What is not modelled: sequence parallelism, the fp16 grad scaler's
-overflow all-reduce, the non-finite guard's own collectives (runtime/guard.py, phase "guard"), the
-step's own token-count all-reduce
+gathers and reductions; context parallelism's attention exchanges (sized by the caller:
+``ContextParallelSizes``) come with each block's forward and backward. What is not modelled:
+sequence parallelism, the fp16 grad scaler's overflow all-reduce, the non-finite guard's own
+collectives (runtime/guard.py, phase "guard"), the step's own token-count all-reduce
 (zeroshard/trainer/step.py, phase "metrics"), units that run on some ranks only, and a forward order
 that differs from the module order under checkpointing.
 """
@@ -64,8 +65,8 @@ from zeroshard.runtime.optim import PIPELINE_MIN_NUMEL
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.recompute import segment_bounds
 from zeroshard.runtime.schedule_events import (BACKWARD, CLIP, COMPUTE, EXPERTS, FORWARD, FREE, OPTIMIZER, PARAM_SYNC,
-                                                RECOMPUTE, WAIT, Event, GroupSizes, Schedule,
-                                                TensorParallelSizes, UnitSizes, dtype_name)
+                                                RECOMPUTE, WAIT, ContextParallelSizes, Event, GroupSizes,
+                                                Schedule, TensorParallelSizes, UnitSizes, dtype_name)
 
 if TYPE_CHECKING:
     from zeroshard.runtime.engine import Engine
@@ -74,7 +75,8 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Para
                   options: EngineOptions | None = None, comm: CommQuant | None = None, accum: int = 1,
                   first_step: bool = False, forward_order: Sequence[str] | None = None,
                   clip: bool = False, tp: TensorParallelSizes | None = None,
-                  pipeline_order: Sequence[tuple[str, int]] | None = None) -> Schedule:
+                  pipeline_order: Sequence[tuple[str, int]] | None = None,
+                  cp: ContextParallelSizes | None = None) -> Schedule:
     """The events of one optimizer step of ``accum`` micro-steps (all but the last inside
     ``zs.no_sync``), in the order the engine issues them.
 
@@ -100,8 +102,10 @@ def step_schedule(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: Para
         raise ValueError(f"accum must be a positive int (micro-steps per optimizer step), got {accum!r}")
     if tp is not None and mesh.tp == 1:
         raise ValueError("tp sizes were given for a mesh without a tp dim (ParallelDims.tp == 1)")
+    if cp is not None and mesh.cp == 1:
+        raise ValueError("cp sizes were given for a mesh without a cp dim (ParallelDims.cp == 1)")
     replay = _Replay(list(units), policy=policy, mesh=mesh, options=options or EngineOptions(),
-                     comm=comm or CommQuant(), forward_order=forward_order, tp=tp)
+                     comm=comm or CommQuant(), forward_order=forward_order, tp=tp, cp=cp)
     if pipeline_order is not None:
         replay.pipeline(pipeline_order, first_step=first_step)
     else:
@@ -116,9 +120,9 @@ class _Replay:
 
     def __init__(self, units: list[UnitSizes], *, policy: StagePolicy, mesh: ParallelDims, options: EngineOptions,
                  comm: CommQuant, forward_order: Sequence[str] | None,
-                 tp: TensorParallelSizes | None = None) -> None:
+                 tp: TensorParallelSizes | None = None, cp: ContextParallelSizes | None = None) -> None:
         self.units, self.policy, self.mesh, self.options, self.comm = units, policy, mesh, options, comm
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.shards = mesh.zero_shard if policy.shard_optimizer else 1  # shard x cp
         self.events: list[Event] = []
         self.micro = 0
@@ -188,10 +192,20 @@ class _Replay:
             for _ in range(count):
                 self._emit("all_reduce", "tp", "", phase, self.tp.numel, self.tp.dtype)
 
+    def context_parallel(self, *phases: str) -> None:
+        """One block's attention exchanges over the cp group in ``phases`` (the attention's own,
+        recorded under its unit)."""
+        for phase in phases if self.cp is not None else ():
+            for x in (x for x in self.cp.exchanges if x.phase == phase):  # type: ignore[union-attr]
+                for _ in range(x.count):
+                    self._emit(x.op, "cp", self.cp.unit, phase, x.numel, self.cp.dtype)  # type: ignore[union-attr]
+
     def block_backward_tp(self, segment_len: int | None) -> None:
         """A block's backward all-reduces, after its checkpoint segment's rebuild when it is the
         segment's last block: the rebuild runs the segment's forward ones again but the last, which
-        torch's non-reentrant checkpoint never recomputes (nothing saves that output)."""
+        torch's non-reentrant checkpoint never recomputes (nothing saves that output). Its
+        attention's cp exchanges (recompute, then backward) come first."""
+        self.context_parallel(RECOMPUTE, BACKWARD)
         if self.tp is None:
             return
         if segment_len is not None:
@@ -373,14 +387,17 @@ class _Replay:
         self.compute("", FORWARD)
         if self.tp is not None:
             self.tensor_parallel(FORWARD, self.tp.per_block * self.tp.blocks)
+        for _ in range(self.cp.blocks if self.cp is not None else 0):
+            self.context_parallel(FORWARD)
 
     def _backward_bucketed(self, defers: bool) -> None:
         """Stages 0-2: the loss and head, then the buckets in reduction order (after ``_forward_bucketed``)."""
         self.compute("", BACKWARD)
         placed = all(u.blocks is not None for u in self.units)
-        n = self.tp.blocks if self.tp is not None else sum(u.blocks or 0 for u in self.units)
+        sized = self.tp or self.cp
+        n = sized.blocks if sized is not None else sum(u.blocks or 0 for u in self.units)
         last_of = {b - 1: b - a for a, b in segment_bounds(self.options.checkpointing, n)}
-        if self.tp is not None and not placed:
+        if sized is not None and not placed:
             for block in reversed(range(n)):
                 self.block_backward_tp(last_of.get(block))
         block = n - 1  # backward runs the blocks in reverse module order
@@ -411,6 +428,7 @@ class _Replay:
                 self.compute(unit.name, FORWARD)
                 if self.tp is not None:  # its attention's and MLP's outputs
                     self.tensor_parallel(FORWARD, self.tp.per_block)
+                self.context_parallel(FORWARD)
 
         def leave(unit: UnitSizes) -> None:
             if self.options.reshard_after_forward and not unit.is_root and unit.name not in kept:
@@ -550,12 +568,14 @@ def engine_units(engine: Engine) -> tuple[UnitSizes, ...]:
 
 def engine_schedule(engine: Engine, *, accum: int = 1, first_step: bool = False, clip: bool = False,
                     tp: TensorParallelSizes | None = None,
-                    pipeline_order: Sequence[tuple[str, int]] | None = None) -> Schedule:
+                    pipeline_order: Sequence[tuple[str, int]] | None = None,
+                    cp: ContextParallelSizes | None = None) -> Schedule:
     """``step_schedule`` for a live sharded model's engine (``zeroshard.runtime.get_engine(model)``):
     its units, stage, options, quantized comm and mesh; the forward order it recorded, once it has.
     ``tp``: the blocks' tensor-parallel all-reduces, which the caller sizes from its batch.
-    ``pipeline_order``: the engine is a pipeline stage's, run in that order (``step_schedule``)."""
+    ``pipeline_order``: the engine is a pipeline stage's, run in that order (``step_schedule``).
+    ``cp``: the blocks' context-parallel exchanges, which the caller sizes from its scheme and batch."""
     order = [u.name for u in engine.forward_order] or None
     return step_schedule(engine_units(engine), policy=engine.policy, mesh=engine.mesh.dims,
                          options=engine.options, comm=engine.comm, accum=accum, first_step=first_step,
-                         forward_order=order, clip=clip, tp=tp, pipeline_order=pipeline_order)
+                         forward_order=order, clip=clip, tp=tp, pipeline_order=pipeline_order, cp=cp)

@@ -105,6 +105,32 @@ class TensorParallelSizes:
     per_block: int = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextExchange:
+    """One kind of a block's attention exchange over the cp group: ``count`` calls of ``op`` in
+    ``phase``, each of ``numel`` elements as the ledger counts them."""
+
+    op: str
+    phase: str
+    numel: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelSizes:
+    """What context parallelism's attention (zeroshard/parallel/cp/) exchanges over the cp group in
+    every block, each micro-step: its forward's exchanges where the block runs forward, its
+    recompute's and backward's where the block runs backward. They come from the attention, not
+    from the engine, so the caller who knows the scheme and the batch gives their sizes
+    (zeroshard/parallel/cp/volume.py ``schedule_sizes``). A checkpointed block's rebuild, which runs
+    its forward's exchanges again, is not listed."""
+
+    exchanges: tuple[ContextExchange, ...]
+    dtype: torch.dtype
+    blocks: int
+    unit: str = "cp.attention"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Event:
     """One thing the step does: a collective (what the ledger records for it) or a ``free``."""

@@ -157,18 +157,10 @@ class TrainConfig:
                              "runs at stages 0-3 with ep, or drop --lora-r")
         if ep > 1 and pp > 1 and tp > 1:
             raise ValueError(f"ep={ep} with tp={tp} under pp={pp} is not composed yet; use tp=1 with pp and ep, or pp=1")
-        if dims.cp > 1:
-            self._check_cp(dims)
         if ep > 1 and self.model in MODEL_NAMES + HF_MODEL_NAMES and self.model not in MOE_MODEL_NAMES:
             # (a pretrained folder's layers are checked before launch, on a meta build of it)
             raise ValueError(f"ep={ep} needs a mixture-of-experts model, but {self.model} has no MoE layer; use "
                              f"ep=1, {', '.join(MOE_MODEL_NAMES)}, or an HF Mixtral or Qwen-MoE save_pretrained folder")
-
-    def _check_cp(self, dims: ParallelDims) -> None:
-        """What context parallelism asks of the layout (the sequence its chunks must divide:
-        zeroshard/trainer/config_checks.py)."""
-        if dims.pp > 1:
-            raise ValueError(f"cp={dims.cp} with pp={dims.pp} is not composed yet; use cp=1 with pipeline parallelism")
 
     def _check_ranges(self) -> None:
         """The top-level keys, then what needs more than one section (each section checked its own)."""

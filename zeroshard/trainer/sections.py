@@ -227,7 +227,8 @@ class ParallelSection:
     """Context parallelism: split every sequence over this many ranks (between the data-parallel
     ranks and tp); attention exchanges keys and values over them (`cp_attention`), ZeRO shards over
     data-parallel x cp ranks (docs/context_parallel.md). Needs zeroshard's GPT or an HF model whose
-    attention goes through transformers' attention interface. 1 is no context parallelism."""
+    attention goes through transformers' attention interface; composes with pp, ep and packed
+    documents. 1 is no context parallelism."""
 
     cp_attention: str = "ring"
     """How attention sees the whole sequence under cp: "ring" (keys/values passed around the cp ranks,

@@ -47,7 +47,7 @@ from zeroshard.trainer.ep_setup import apply_expert_parallel
 from zeroshard.trainer.lora import apply_lora
 from zeroshard.trainer.schedules import lr_of
 from zeroshard.trainer.tp_setup import apply_tensor_parallel
-from zeroshard.parallel.cp import apply_context_parallel, context_of
+from zeroshard.parallel.cp import apply_context_parallel, context_of, share_context
 
 IGNORE_INDEX = -100
 META_INIT_THRESHOLD = 50_000_000
@@ -193,9 +193,6 @@ def build(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | None = None, 
     if cfg.pp > 1:
         return _build_pipeline(cfg, mesh, model=model, dataset=dataset, **shard_overrides)
     dataset = build_data(cfg) if dataset is None else dataset
-    if cfg.cp > 1 and getattr(dataset, "positions", None) is not None and dataset.positions(0) is not None:
-        raise ValueError("packed samples (or doc_mask) need cp=1: context parallelism splits each row's tokens "
-                         "but not yet its samples' positions; use --packing off, drop --doc-mask, or cp=1")
     model = build_model(cfg, dataset.vocab_size, mesh.device) if model is None else model
     num_params = adapter.num_params(model)
     apply_tensor_parallel(cfg, model, mesh)  # cfg.tp > 1: split the blocks before zs.shard flattens them
@@ -298,6 +295,8 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     # without one, the routers' load-balancing counts are still summed over the stage's batch.
     apply_expert_parallel(cfg, model, mesh)
     options = engine_options(cfg, **{k: shard_overrides.pop(k) for k in ENGINE_OPTION_NAMES if k in shard_overrides})
+    # A cp dim: every block's attention exact over the stage's split sequences, before the model is cut.
+    cp = apply_context_parallel(model, mesh, cfg.cp_attention)
     pipe = Pipeline(model, mesh=mesh, stage=cfg.stage, schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                     stages_per_rank=cfg.pp_stages_per_rank, mp=mixed_precision(cfg), options=options,
                     comm=CommQuant.parse(cfg.comm_quant, cfg.comm_quant_block),
@@ -311,6 +310,8 @@ def _build_pipeline(cfg: TrainConfig, mesh: Any, *, model: torch.nn.Module | Non
     sampler = make_sampler(cfg, dataset, mesh)
     # fp16: one scaler over all of this rank's stages, its overflow flag agreed over the world (every pp rank).
     scaler = zs_ShardedGradScaler(pipe.modules) if cfg.mp == "fp16" else None
+    for module in pipe.modules:  # the step and the loss read a stage's split as the model's
+        share_context(module, cp)
     return Run(cfg=cfg, mesh=mesh, model=pipe.modules[0], opt=Each(opts),
                scheduler=Each([make_scheduler(cfg, o) for o in opts]), scaler=scaler, dataset=dataset, sampler=sampler,
                model_cfg=getattr(model, "cfg", None), num_params=num_params, pipeline=pipe)
@@ -354,6 +355,8 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
         last = index == len(pairs) - 1
         with contextlib.nullcontext() if last else no_sync(model), \
                 micro(index) if micro is not None else contextlib.nullcontext():
+            if cp is not None:  # packed samples: the attention masks by the whole rows' documents
+                pm = cp.pack(pm)
             with phase("forward"):
                 loss_sum, _ = adapter.loss_sum(model, xm, ym, pm)
             scaled = loss_sum * norm.to(loss_sum.dtype)
@@ -411,6 +414,9 @@ def pipeline_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> StepOutcome:
     accumulated unreduced, then one reduction, clipping over every stage, and each stage's optimizer
     and LR schedule once. The loss and grads are the global-batch mean, as in `accumulate_gradients`."""
     pipe, cfg, scaler = run.pipeline, run.cfg, run.scaler
+    cp = context_of(run.model)
+    if cp is not None:  # a cp rank's stages run its tokens of the same samples; the count spans cp
+        x, y = cp.split(x), cp.split(y)
     count = global_token_count(y, run.mesh)  # over the stage's data-parallel ranks: the same on every stage
     scale = run.mesh.dp_size / count * (scaler.get_scale() if scaler is not None else 1.0)
     total = torch.zeros((), dtype=torch.float64, device=x.device)

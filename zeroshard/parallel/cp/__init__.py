@@ -6,9 +6,10 @@ attention ring or Ulysses (before ``zs.shard``); the trainer's step gives each r
 same samples (``ContextParallel.split``).
 """
 
-from zeroshard.parallel.cp.apply import HF_ATTENTION, ContextParallel, apply_context_parallel, context_of
+from zeroshard.parallel.cp.apply import (HF_ATTENTION, ContextParallel, apply_context_parallel, context_of,
+                                          share_context)
 from zeroshard.parallel.cp.attention import check_heads, ring_attention, ulysses_attention
 from zeroshard.parallel.cp.layout import CP_SCHEMES, check_seq, positions, split
 
 __all__ = ["CP_SCHEMES", "HF_ATTENTION", "ContextParallel", "apply_context_parallel", "check_heads", "check_seq",
-           "context_of", "positions", "ring_attention", "split", "ulysses_attention"]
+           "context_of", "positions", "ring_attention", "share_context", "split", "ulysses_attention"]

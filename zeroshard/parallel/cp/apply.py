@@ -33,12 +33,22 @@ _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 function is one for every model; the module it is called with says which split applies)."""
 
 
+class _Documents:
+    """Packed samples' document of each position of the whole rows in flight, or None: set by the
+    step before each micro-step's forward; each attention call reads it then (a recompute in
+    backward keeps what its forward read)."""
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
     """One model's split: the mesh whose cp group holds a sequence, and the attention scheme."""
 
     mesh: Mesh
     scheme: str
+    documents: _Documents = dataclasses.field(default_factory=_Documents, compare=False, repr=False)
 
     @property
     def cp(self) -> int:
@@ -56,6 +66,18 @@ class ContextParallel:
         """This rank's tokens of whole sequences ``t`` (the data loader's batch: ids or targets)."""
         return layout.split(t, cp=self.cp, rank=self.rank, scheme=self.scheme, dim=dim)
 
+    def pack(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Packed samples: from the whole rows' ``position_ids`` (B, seq), restarting in each sample,
+        every position's document (a new one wherever a position is not its predecessor's plus one,
+        transformers' rule and the GPT's), which the attention masks by; returns this rank's tokens'
+        position_ids for the model. None (no packing) clears them."""
+        if position_ids is None:
+            self.documents.ids = None
+            return None
+        step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+        self.documents.ids = (step != 1).cumsum(-1)
+        return self.split(position_ids)
+
     def check_seq(self, seq: int) -> None:
         layout.check_seq(seq, cp=self.cp, scheme=self.scheme)
 
@@ -63,12 +85,18 @@ class ContextParallel:
                   window: int | None = None) -> torch.Tensor:
         """(B, H, t, D) this rank's rows of causal attention over the whole sequence."""
         fn = ring_attention if self.scheme == "ring" else ulysses_attention
-        return fn(q, k, v, mesh=self.mesh, scale=scale, window=window)
+        return fn(q, k, v, mesh=self.mesh, scale=scale, window=window, documents=self.documents.ids)
 
 
 def context_of(model: nn.Module) -> ContextParallel | None:
     """The split ``apply_context_parallel`` gave ``model``, or None (whole sequences)."""
     return _OWNERS.get(model)
+
+
+def share_context(module: nn.Module, ctx: ContextParallel | None) -> None:
+    """``module`` (a pipeline stage cut from a model given ``ctx``) splits sequences as its model does."""
+    if ctx is not None:
+        _OWNERS[module] = ctx
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, scheme: str = "ring") -> ContextParallel | None:

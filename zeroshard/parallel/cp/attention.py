@@ -41,11 +41,17 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _allowed(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(tq, tk) True where query at qpos may attend key at kpos: causal, within the window if any."""
+def _allowed(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
+    """(tq, tk) True where query at qpos may attend key at kpos: causal, within the window if any;
+    with ``documents`` (B, seq: each global position's packed document), (B, 1, tq, tk) and only
+    inside a query's own document."""
     diff = qpos[:, None] - kpos[None, :]
     ok = diff >= 0
-    return ok & (diff < window) if window else ok
+    ok = ok & (diff < window) if window else ok
+    if documents is None:
+        return ok
+    return (ok & (documents[:, qpos, None] == documents[:, None, kpos]))[:, None]
 
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -69,7 +75,7 @@ def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scale: float | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's rows of causal attention over the whole sequence: its two query chunks against
     every earlier chunk of keys and values, merged by log-sum-exp ([Note: ring merge]).
 
@@ -77,12 +83,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: M
     and values and the blocks' scores live only while one layer's attention runs, so what a layer
     keeps for backward is this rank's q, k, v and output, 1/cp of the sequence's. Backward then
     gathers the keys and values again (the ledger's recompute phase) before reduce-scattering their
-    gradients, the volume a ring's backward passes around too."""
+    gradients, the volume a ring's backward passes around too. ``documents`` (B, seq), packed samples'
+    document of each global position (every cp rank holds the whole rows'), keeps them apart."""
     calls: list[int] = []
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         calls.append(1)
-        return _ring(q, k, v, mesh=mesh, scale=scale, window=window,
+        return _ring(q, k, v, mesh=mesh, scale=scale, window=window, documents=documents,
                      phase=Phase.FORWARD if len(calls) == 1 else Phase.RECOMPUTE)
 
     if not torch.is_grad_enabled():
@@ -91,7 +98,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: M
 
 
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scale: float | None,
-          window: int | None, phase: Phase) -> torch.Tensor:
+          window: int | None, documents: torch.Tensor | None, phase: Phase) -> torch.Tensor:
     cp, rank = mesh.cp_size, mesh.cp_rank
     B, H, t, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -111,7 +118,7 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scal
             at = where[cj]
             kc = _repeat_kv(keys[:, :, at:at + size], H)
             vc = _repeat_kv(values[:, :, at:at + size], H)
-            ob, lb = _block(qc, kc, vc, _allowed(qpos, kpos, window), scale)
+            ob, lb = _block(qc, kc, vc, _allowed(qpos, kpos, window, documents), scale)
             o, lse = (ob, lb) if o is None or lse is None else _merge(o, lse, ob, lb)
         outs.append(o)
     return torch.cat(outs, dim=2).to(q.dtype)  # type: ignore[arg-type]
@@ -125,16 +132,17 @@ def check_heads(heads: int, kv_heads: int, cp: int) -> None:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Mesh, scale: float | None = None,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """All-to-all to the whole sequence for H / cp heads, full causal attention, all-to-all back.
-    The tokens are the contiguous pieces in rank order, so the gathered sequence is in global order."""
+    The tokens are the contiguous pieces in rank order, so the gathered sequence is in global order
+    (and ``documents``, packed samples' document of each global position, masks it as it is)."""
     cp = mesh.cp_size
     check_heads(q.shape[1], k.shape[1], cp)
     qh, kh, vh = seq_to_heads(q, mesh), seq_to_heads(k, mesh), seq_to_heads(v, mesh)  # (B, h, T, D)
     kh, vh = _repeat_kv(kh, qh.shape[1]), _repeat_kv(vh, qh.shape[1])
-    if window:
+    if window or documents is not None:
         pos = torch.arange(qh.shape[2], device=q.device)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_allowed(pos, pos, window), scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_allowed(pos, pos, window, documents), scale=scale)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     return heads_to_seq(out, mesh)

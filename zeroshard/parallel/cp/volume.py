@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from zeroshard.runtime.schedule_events import ContextExchange, ContextParallelSizes
+
 
 @dataclasses.dataclass(frozen=True)
 class Exchange:
@@ -53,3 +57,15 @@ def transient_bytes(scheme: str, *, cp: int, rows: int, seq: int, q_width: int, 
     if scheme == "ring":
         return 2 * 2 * rows * seq * q_width * elem
     return rows * seq * (2 * q_width + 2 * kv_width) * elem // cp
+
+
+def schedule_sizes(scheme: str, *, blocks: int, dtype: torch.dtype, cp: int, rows: int, seq: int, q_width: int,
+                   kv_width: int) -> ContextParallelSizes | None:
+    """What the runtime's step schedule lists for the blocks' exchanges (``step_schedule(cp=...)``),
+    the one list the planner and the simulator read; None at cp 1."""
+    if cp == 1:
+        return None
+    elem = dtype.itemsize
+    found = exchanges(scheme, cp=cp, rows=rows, seq=seq, q_width=q_width, kv_width=kv_width, elem=elem)
+    return ContextParallelSizes(exchanges=tuple(ContextExchange(e.op, e.phase, e.bytes // elem, e.count) for e in found),
+                                dtype=dtype, blocks=blocks)

@@ -10,7 +10,9 @@ from torch import nn
 
 from zeroshard.comm.dims import ParallelDims
 from zeroshard.comm.quant import CommQuant
-from zeroshard.tools.planner.context import cp_collectives, cp_shape, with_exchange
+from zeroshard.tools.planner.context import cp_shape, with_exchange
+from zeroshard.parallel.cp.volume import schedule_sizes
+from zeroshard.runtime.schedule_events import ContextParallelSizes
 from zeroshard.tools.planner.activations import ActivationEstimate, gpt_activations
 from zeroshard.tools.planner.comm import Collective
 from zeroshard.tools.planner.experts import ExpertSplit, expert_split
@@ -87,7 +89,8 @@ def _resolve_model(model_or_config: Any, seq: int | None) -> tuple[nn.Module, st
 
 def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: TensorParallel,
                             gpus_per_node: int | None) -> tuple[ActivationEstimate, tuple[Collective, ...]]:
-    """Our GPT's activations per rank and its tp collectives per step (none at tp=1)."""
+    """Our GPT's activations per rank and its tp collectives per step (none at tp=1). Its cp
+    exchanges are the step schedule's (``_cp_sizes``)."""
     compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
     c = torch.empty(0, dtype=compute).element_size()
     activations = gpt_activations(cfg, micro_batch=spec.micro_batch, seq=spec.seq // spec.cp, compute_bytes=c,
@@ -97,16 +100,21 @@ def _gpt_activations_and_tp(cfg, inventory: Inventory, spec: PlanSpec, split: Te
         shape = cp_shape(cp=spec.cp, rows=spec.micro_batch, seq=spec.seq, q_width=cfg.n_embd // split.tp,
                          kv_width=cfg.n_embd // split.tp, elem=c)
         activations = with_exchange(activations, spec.cp_attention, shape)
-        cp_comm = cp_collectives(spec.cp_attention, shape, layers=cfg.n_layer, micro_steps=spec.accum,
-                                 spans_nodes=gpus_per_node is not None and spec.cp * spec.tp > gpus_per_node)
-    else:
-        cp_comm = ()
     tp_comm = layer_collectives(split, layers=cfg.n_layer, tokens=spec.tokens, width=cfg.n_embd, compute_bytes=c,
                                 micro_steps=spec.accum, gpus_per_node=gpus_per_node,
                                 norm_vectors=2 * (2 if cfg.bias else 1),  # ln1, ln2: weight (and bias)
                                 rebuilt_layers=sum(b - a for a, b in activations.segments),
                                 segments=len(activations.segments))
-    return activations, tp_comm + cp_comm
+    return activations, tp_comm
+
+
+def _cp_sizes(cfg: Any, inventory: Inventory | None, spec: PlanSpec, split: TensorParallel) -> ContextParallelSizes | None:
+    """Our GPT's attention exchanges per block under cp, as the runtime's step schedule lists them."""
+    if cfg is None or inventory is None or spec.cp == 1:
+        return None
+    compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
+    return schedule_sizes(spec.cp_attention, blocks=cfg.n_layer, dtype=compute, cp=spec.cp, rows=spec.micro_batch,
+                          seq=spec.seq, q_width=cfg.n_embd // split.tp, kv_width=cfg.n_embd // split.tp)
 
 
 def _shape_activations(shape: Any, inventory: Inventory, spec: PlanSpec) -> ActivationEstimate:
@@ -294,7 +302,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                           foreach=(device == "cuda") if foreach is None else bool(foreach),
                           gpus_per_node=gpus_per_node, reduce_in_place=device == "cpu",
                           host_is_device=device == "cpu", tp_collectives=tp_comm, comm_quant=comm, experts=counted.experts,
-                          per_tensor=per_tensor)
+                          per_tensor=per_tensor, cp_sizes=_cp_sizes(counted.cfg, inventory, spec, counted.split))
     layouts = {v.name: estimator.layout(v) for v in variants(spec)}
     if spec.comm_quant != "none":
         layouts = _with_comm_quant(layouts, spec, inventory, psi + frozen, notes, textbook=by_units is None)

@@ -28,7 +28,7 @@ from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.runtime.schedule import step_schedule
 from zeroshard.comm.dims import ParallelDims
-from zeroshard.runtime.schedule_events import EXPERTS, Schedule, UnitSizes
+from zeroshard.runtime.schedule_events import EXPERTS, ContextParallelSizes, Schedule, UnitSizes
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -70,13 +70,25 @@ class Collective:
 def step_collectives(units: Sequence[UnitSizes], *, policy: StagePolicy, mesh: ParallelDims, options: EngineOptions,
                      comm: CommQuant | None = None, accum: int = 1,
                      gpus_per_node: int | None = None, ep: int = 1,
-                     pipeline_order: Sequence[tuple[str, int]] | None = None) -> tuple[Collective, ...]:
+                     pipeline_order: Sequence[tuple[str, int]] | None = None,
+                     cp: ContextParallelSizes | None = None) -> tuple[Collective, ...]:
     """Collectives of one steady-state optimizer step of ``units`` (the engine's communication units,
     in its reduction order), from the runtime's step schedule. ``ep``: the expert groups' degree.
-    ``pipeline_order``: a pipeline stage's microbatches in torch's order (``step_schedule``)."""
+    ``pipeline_order``: a pipeline stage's microbatches in torch's order (``step_schedule``).
+    ``cp``: the blocks' attention exchanges under context parallelism, which the schedule lists."""
     schedule = step_schedule(units, policy=policy, mesh=mesh, options=options, comm=comm, accum=accum,
-                             pipeline_order=pipeline_order)
+                             pipeline_order=pipeline_order, cp=cp)
     return schedule_rows(schedule, mesh, gpus_per_node=gpus_per_node, ep=ep)
+
+
+def context_rows(cp: ContextParallelSizes, *, mesh: ParallelDims, accum: int = 1,
+                 gpus_per_node: int | None = None) -> tuple[Collective, ...]:
+    """The cp rows of a step without the engine's units (textbook accounting): the runtime's
+    schedule of the blocks alone, with their attention exchanges."""
+    blocks = UnitSizes(name="blocks", groups=(), blocks=cp.blocks)
+    schedule = step_schedule([blocks], policy=StagePolicy(0), mesh=mesh, options=EngineOptions(), accum=accum, cp=cp)
+    return schedule_rows(Schedule(tuple(e for e in schedule.events if e.group == "cp")), mesh,
+                         gpus_per_node=gpus_per_node)
 
 
 def schedule_rows(schedule: Schedule, mesh: ParallelDims, *, gpus_per_node: int | None = None,
@@ -110,6 +122,8 @@ EDP = "edp"
 def _spans_nodes(group: str, mesh: ParallelDims, gpus_per_node: int | None) -> bool:
     """Whether ``group`` crosses nodes of ``gpus_per_node`` data-parallel ranks (default: one node).
     An edp group (every ep-th rank) spans them exactly when the data-parallel ranks do."""
+    if group == "cp":  # a cp group is tp-strided neighbours (dp_per_node is gpus_per_node / tp)
+        return gpus_per_node is not None and mesh.cp > gpus_per_node
     gpn = gpus_per_node or mesh.dp
     return (mesh.zero_shard if group == "shard" else mesh.grad_dp) > gpn
 

@@ -16,6 +16,7 @@ from zeroshard.tools.planner.inventory import Inventory
 from zeroshard.tools.planner.optim_probe import probe
 from zeroshard.tools.planner.owner_state import PerTensorParams
 from zeroshard.tools.planner.spec import PlanSpec
+from zeroshard.runtime.schedule_events import ContextParallelSizes
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -60,8 +61,10 @@ class EstimatorBase:
                  activations: ActivationEstimate | None = None, foreach: bool = True,
                  gpus_per_node: int | None = None, reduce_in_place: bool = False, host_is_device: bool = False,
                  tp_collectives: tuple[comm.Collective, ...] = (), comm_quant: CommQuant | None = None,
-                 experts: ExpertSplit | None = None, per_tensor: PerTensorParams | None = None) -> None:
+                 experts: ExpertSplit | None = None, per_tensor: PerTensorParams | None = None,
+                 cp_sizes: ContextParallelSizes | None = None) -> None:
         self.spec = spec
+        self.cp_sizes = cp_sizes  # the blocks' cp exchanges, which the step schedule lists
         self.per_tensor = per_tensor  # params stepped whole on owner ranks (owner_state.py)
         self.experts = experts or ExpertSplit()
         # The engine finishes the oldest reduction while more than this many are pending; with 0,

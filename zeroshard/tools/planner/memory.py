@@ -110,15 +110,17 @@ class Estimator(BackwardMemory, OptimizerMemory, TextbookMemory):
         dp_per_node = None if self.gpus_per_node is None else max(1, self.gpus_per_node // spec.tp)
         if self.inventory is None:
             dtype = next(iter(self.master_dtypes))
+            exchanges = () if self.cp_sizes is None else comm.context_rows(self.cp_sizes, mesh=mesh, accum=spec.accum,
+                                                                           gpus_per_node=dp_per_node)
             return comm.textbook_collectives(
                 policy=v.policy, mesh=mesh, padded=padded, compute_bytes=element_bytes(self.compute(dtype)),
                 reduce_bytes=element_bytes(self.reduce(dtype)), accum=spec.accum, accumulation=spec.engine.accumulation,
-                reshard_after_forward=spec.engine.reshard_after_forward, gpus_per_node=dp_per_node)
+                reshard_after_forward=spec.engine.reshard_after_forward, gpus_per_node=dp_per_node) + exchanges
         # Offload changes where the step's end finishes its reductions, not what is sent: not passed.
         options = dataclasses.replace(spec.engine, offload=OffloadPolicy())
         step = comm.step_collectives(self._unit_sizes(units), policy=v.policy, mesh=mesh, options=options, comm=self.comm,
                                      accum=spec.accum, gpus_per_node=dp_per_node, ep=spec.ep,
-                                     pipeline_order=spec.pipeline_order)
+                                     pipeline_order=spec.pipeline_order, cp=self.cp_sizes)
         return step + self._owner_exchange(units, v)
 
     def _owner_exchange(self, units: tuple[CommUnit, ...], v: Variant) -> tuple[comm.Collective, ...]:

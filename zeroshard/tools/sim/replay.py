@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zeroshard.parallel.cp.volume import schedule_sizes
 from zeroshard.parallel.experts.tp_tokens import run_of
 from zeroshard.tools.planner.tp import ALL_REDUCES_PER_LAYER, MOE_ALL_REDUCES_PER_LAYER
 from zeroshard.runtime.engine import merge_in_order
@@ -112,9 +113,14 @@ def replay_schedule(w: Workload, layout: Layout, units: ScheduleUnits) -> Schedu
         per_block = MOE_ALL_REDUCES_PER_LAYER if w.shape.n_expert else ALL_REDUCES_PER_LAYER
         tp = TensorParallelSizes(numel=w.tokens * w.shape.hidden, dtype=_dtype(w.compute_bytes, "compute_bytes"),
                                  blocks=w.shape.n_layer, per_block=per_block)
+    cp = None
+    if layout.cp > 1:  # each block's attention exchanges, sized from the attention's own volumes
+        cp = schedule_sizes(layout.cp_attention, blocks=w.shape.n_layer, dtype=_dtype(w.compute_bytes, "compute_bytes"),
+                            cp=layout.cp, rows=w.micro_batch, seq=w.seq, q_width=w.shape.hidden // layout.tp,
+                            kv_width=w.shape.kv_dim // layout.tp)
     mesh = layout.mesh
     return step_schedule(units.units, policy=layout.policy, mesh=mesh, options=replay_options(w, layout),
-                         accum=w.accum, tp=tp)
+                         accum=w.accum, tp=tp, cp=cp)
 
 
 @dataclasses.dataclass
@@ -128,6 +134,8 @@ class Walked:
     ep_bytes: float = 0.0
     ep_s: float = 0.0
     """Seconds compute waited on the ep all-to-alls (all of theirs: nothing overlaps them)."""
+    cp_s: float = 0.0
+    """Seconds compute waited on the attention's cp exchanges (issued in line: nothing overlaps them)."""
 
 
 def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostLink) -> Walked:
@@ -184,6 +192,11 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
             continue
         elif e.group == "tp":
             tp_all_reduces(1, e.bytes)
+        elif e.group == "cp":  # the attention waits on its exchange
+            spans = layout.cp * layout.tp > comm.hw.gpus_per_node
+            cp_s = collective_seconds(e.op, e.bytes, layout.cp, comm.hw, spans=spans, world=layout.world)
+            out.t, out.cp_s, comm.busy = out.t + cp_s, out.cp_s + cp_s, comm.busy + cp_s
+            comm.wire += wire_bytes(e.op, e.bytes, layout.cp)
         elif e.op == "all_gather" and e.phase == PARAM_SYNC:
             out.param_sync_bytes += e.bytes
         else:

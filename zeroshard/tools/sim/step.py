@@ -35,7 +35,6 @@ import dataclasses
 from typing import Any
 
 from zeroshard.comm.dims import ParallelDims
-from zeroshard.parallel.cp.volume import exchanges
 from zeroshard.runtime.flat import StagePolicy
 from zeroshard.runtime.options import EngineOptions
 from zeroshard.tools.sim.hardware import Hardware
@@ -407,25 +406,14 @@ def _measured_durations(w: Workload, hw: Hardware, world: int, synced_per_unit: 
                       block_recompute=recompute)
 
 
-def with_cp(d: _Durations, w: Workload, hw: Hardware, layout: Layout) -> _Durations:
+def with_cp(d: _Durations, layout: Layout) -> _Durations:
     """A cp rank computes 1/cp of its micro-batch (every rank's causal attention is balanced: ring's
-    load-balanced chunks, Ulysses' head slices), and each block waits on its attention's exchanges
-    (zeroshard/parallel/cp/volume.py's bytes over the cp group, not overlapped with compute: the
-    runtime issues them in line)."""
-    cp, s = layout.cp, w.shape
-    shape = dict(cp=cp, rows=w.micro_batch, seq=w.seq, q_width=s.hidden // layout.tp,
-                 kv_width=s.kv_dim // layout.tp, elem=w.compute_bytes)
-    spans = cp * layout.tp > hw.gpus_per_node
-    fwd = bwd = 0.0
-    for e in exchanges(layout.cp_attention, **shape):
-        seconds = e.count * collective_seconds(e.op, e.bytes, cp, hw, spans=spans, world=layout.world)
-        if e.phase == "forward":
-            fwd += seconds
-        else:
-            bwd += seconds
-    parts = {k: v / cp for k, v in d.parts.items()} | {"attention exchange (cp)": s.n_layer * (fwd + bwd)}
-    return _Durations(block_fwd=d.block_fwd / cp + fwd, block_bwd=d.block_bwd / cp + bwd, root_fwd=d.root_fwd / cp,
-                      root_bwd=d.root_bwd / cp, parts=parts, block_recompute=d.block_recompute / cp)
+    load-balanced chunks, Ulysses' head slices). Its blocks' attention exchanges are the step
+    schedule's cp events, which the walk prices in line (zeroshard/tools/sim/replay.py)."""
+    cp = layout.cp
+    return _Durations(block_fwd=d.block_fwd / cp, block_bwd=d.block_bwd / cp, root_fwd=d.root_fwd / cp,
+                      root_bwd=d.root_bwd / cp, parts={k: v / cp for k, v in d.parts.items()},
+                      block_recompute=d.block_recompute / cp)
 
 
 def _durations(w: Workload, hw: Hardware, tp: int = 1, world: int = 1, synced_per_unit: bool = False,
@@ -467,7 +455,7 @@ def replayed_collectives(w: Workload, hw: Hardware, layout: Layout) -> list[tupl
 def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, CommLink]:
     d = _durations(w, hw, layout.tp, layout.world, synced_per_unit=layout.policy.shard_params, ep=layout.ep)
     if layout.cp > 1:
-        d = with_cp(d, w, hw, layout)
+        d = with_cp(d, layout)
     pol, s = layout.policy, w.shape
     comm, host = CommLink(hw, layout), HostLink(hw, layout)
     walked = walk(w, layout, d, comm, host)
@@ -481,7 +469,7 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
         t += host.copy_in(params / group)
     if walked.param_sync_bytes:
         t = comm.when(comm.launch("all_gather", walked.param_sync_bytes, group, t))
-    exposed = max(0.0, t - compute - optimizer - host.blocking - walked.ep_s)
+    exposed = max(0.0, t - compute - optimizer - host.blocking - walked.ep_s - walked.cp_s)
     # Communication that runs under compute still takes the measured share of the cores from it.
     under = comm.under_compute()
     stolen = _contention_seconds(w, hw, layout, under)
@@ -494,6 +482,8 @@ def _replay(w: Workload, hw: Hardware, layout: Layout) -> tuple[StepResult, Comm
         breakdown["host copies (offload)"] = host.blocking
     if walked.ep_s:
         breakdown["all-to-all (ep)"] = walked.ep_s
+    if walked.cp_s:
+        breakdown["attention exchange (cp)"] = walked.cp_s
     return StepResult(step_s=t, compute_s=compute, optimizer_s=optimizer, comm_s=comm.busy, exposed_comm_s=exposed,
                       tokens_per_s_per_gpu=tokens / t, mfu=tokens * w.mfu_flops_per_token() / t / hw.peak_flops,
                       wire_bytes=comm.wire, breakdown=breakdown, hidden_comm_s=sum(under.values()),
