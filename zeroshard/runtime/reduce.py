@@ -240,7 +240,7 @@ class GradReducer:
         self.in_flight = None
         t = self.target
         if isinstance(flight, PieceReduction):  # gather this rank's sums (padding stays zero)
-            reduced = self._own_sums(flight.pieces)
+            reduced = self.own_sums(flight.pieces)
         else:
             reduced = flight.output
         if self.shard_optimizer and self.mesh.replicate_size > 1:
@@ -256,7 +256,7 @@ class GradReducer:
             reduced.div_(self.mesh.dp_size)
         return reduced
 
-    def _own_sums(self, pieces: list[Piece]) -> torch.Tensor:
+    def own_sums(self, pieces: list[Piece]) -> torch.Tensor:
         """This rank's shard from the reduced pieces, in one concatenation (the plan's runs); a packed
         buffer that is the whole shard already is returned as it is (it is this reduction's own). A
         large piece never is: it is a view of a param's grad, whose whole storage it would keep alive."""
