@@ -434,7 +434,7 @@ class Engine:
                     unit.reshard()
             if not self.defers_reduction:
                 self._launch_ready()
-        elif self.reductions.in_flight:
+        elif self.reductions.finished < self.reductions.launched:  # (in_flight, without a call per grad)
             # Free the full grads of reductions that finished meanwhile, not only when the next
             # unit launches: at stages 2-3 they would otherwise overlap the next unit's full grads.
             self.reap_finished()
