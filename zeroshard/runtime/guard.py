@@ -21,7 +21,8 @@ The decision stays on the device when the optimizer can take it there: torch's f
 as ``found_inf`` and leave masters, moments and step counts untouched when it is set, bitwise as a
 step never taken. The step is then queued without waiting for the flag, and the guard reads it
 (with the norm, the same one read) when the grads are zeroed, while the grads the diagnosis reads
-still exist: ``settle``. Every reader of the guard's counts settles first. Any other optimizer
+still exist: ``settle``. Every reader of the guard's counts settles first. Such a step emits its
+``step`` event (the update ran, as a no-op) and the ``skip`` event follows when the flag is read. Any other optimizer
 needs the answer before its update, so the flag is read at once, as on the CPU, where a read costs
 no wait.
 
