@@ -213,7 +213,7 @@ def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: P
 def _groups_at(manifest: dict, whole: dict[str, dict], ep: int) -> list[dict]:
     """The flat groups a run at ``ep`` has: the saved ones, except that at ep 1 each expert group
     joins its unit's dense group of the same dtypes and grad policy, in the model's param order, as
-    the engine groups params when there is no expert mesh (``engine._split_groups``)."""
+    the engine groups params when there is no expert mesh (``split_groups``, zeroshard/runtime/grouping.py)."""
     if ep > 1 or not any("ep" in p for p in whole.values()):
         return manifest["groups"]
     order = {p["fqn"]: i for i, p in enumerate(full_params(manifest))}

@@ -89,10 +89,11 @@ def local_squares(engine, skip: frozenset[str] = frozenset()) -> torch.Tensor:
             continue
         holes = sorted((p.start - group.lo, p.stop - group.lo) for p in group.layout.pieces(group.shard_rank)
                        if group.layout.slots[p.slot_index].fqn in skip) if skip else []
-        for start, stop in ranges_without([(0, grad.numel())], holes):
+        for start, stop in ranges_without([(0, grad.numel())], holes) if holes else ((0, grad.numel()),):
             total[0] += square_sum(grad, start, stop)
-        for start, stop in ranges_without(tp_sharded_ranges(group), holes):
-            total[1] += square_sum(grad, start, stop)
+        if group.any_tp:
+            for start, stop in ranges_without(tp_sharded_ranges(group), holes):
+                total[1] += square_sum(grad, start, stop)
     return total
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,7 +17,6 @@ from torch import nn
 from zeroshard.comm.mesh import Mesh
 from zeroshard.comm.names import Phase
 from zeroshard.comm.quant import CommQuant
-from zeroshard.runtime.expert_placement import expert_mesh_of
 from zeroshard.runtime.offload import make_store
 from zeroshard.runtime.attached import attach_engine, find_engine, get_engine
 from zeroshard.runtime.compiled import eager_hook, refuse_traced
@@ -27,13 +26,16 @@ from zeroshard.runtime import host_clock as hc
 # The defaults live with the options; re-exported here, where the planner and simulator read them.
 from zeroshard.runtime.options import BACKWARD_PREFETCH_AT, MAX_INFLIGHT_REDUCTIONS, EngineOptions
 from zeroshard.runtime.precision import MixedPrecision
+from zeroshard.runtime.grouping import merge_in_order, reduction_buckets, split_groups
 from zeroshard.runtime.recompute import Recompute, segment_length
+from zeroshard.runtime.reduce_queue import ReductionQueue
+from zeroshard.runtime import split_backward
 from zeroshard.runtime.streams import Landings, side_streams
 from zeroshard.runtime.unit import FullTally, Unit, UnitState
-from zeroshard.runtime.wrap import ParamRef, UnitSpec
+from zeroshard.runtime.wrap import UnitSpec
 
 __all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "MemorySnapshot",
-           "TrainingState", "attach_engine", "find_engine", "get_engine", "reduction_buckets"]
+           "TrainingState", "attach_engine", "find_engine", "get_engine", "merge_in_order", "reduction_buckets"]
 
 
 class TrainingState(enum.Enum):
@@ -78,51 +80,6 @@ class ExecutionOrderError(RuntimeError):
     """Units ran in a different order than in the first step, so prefetching would be wrong."""
 
 
-def _split_groups(name: str, refs: list[ParamRef], config: GroupConfig) -> list[FlatGroup]:
-    """One flat group per (dtype, trainable, mesh) so each buffer has a single dtype, grad policy
-    and set of ranks: expert params (zeroshard/runtime/expert_placement.py) go to a group on their expert
-    mesh, sharded over the ranks that hold the same experts."""
-    keyed: dict[tuple, list[ParamRef]] = {}
-    meshes: dict[str, Mesh] = {}
-    for ref in refs:
-        mesh: Mesh = expert_mesh_of(ref.param) or config.mesh
-        if mesh is not config.mesh and mesh is not config.mesh.experts:
-            raise ValueError(f"{ref.fqn} was split by zs.expert_parallel for the mesh of {mesh.name!r}, but zs.shard "
-                             f"got mesh {config.mesh.name!r}; pass the same mesh= to both")
-        meshes[mesh.name] = mesh
-        keyed.setdefault((ref.param.dtype, ref.param.requires_grad, mesh.name), []).append(ref)
-    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable,
-                      config=config if meshes[mesh] is config.mesh else dataclasses.replace(config, mesh=meshes[mesh]))
-            for (dtype, trainable, mesh), group_refs in keyed.items()]
-
-
-def reduction_buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:
-    """Merge consecutive units (in expected backward order) into buckets of about ``bucket_bytes``
-    of params: the units of stages 0-2. The planner's inventory calls it too, so both bucket alike."""
-    return merge_in_order(specs, lambda spec: sum(r.param.numel() * r.param.element_size() for r in spec.refs),
-                          bucket_bytes)
-
-
-T = TypeVar("T")
-
-
-def merge_in_order(items: list[T], nbytes: Callable[[T], float], bucket_bytes: float) -> list[list[T]]:
-    """Consecutive items merged until a bucket reaches ``bucket_bytes`` (the last may be smaller):
-    the bucketing rule itself, which the step simulator also replays on sizes alone."""
-    buckets: list[list[T]] = []
-    current: list[T] = []
-    size = 0.0
-    for item in items:
-        current.append(item)
-        size += nbytes(item)
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0.0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 def _tensors_in(output) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
@@ -143,7 +100,7 @@ class Engine:
     launches its reduction, strictly in ``reduce_order`` so every rank issues the same collectives.
     Reductions are finished (waited on, full grads freed) in that same order: when a grad shard is
     read (optimizer, clipping), at the next forward, when too many are in flight, and, without a
-    replicate group, as soon as they are done (``_reap_finished`` says why hybrid waits).
+    replicate group, as soon as they are done (``reap_finished`` says why hybrid waits).
     Every knob is in ``options`` (an ``EngineOptions``); the engine owns what they call for: the
     offload ``store``, the activation ``recompute`` and, once ``materialize`` or a load ran,
     ``init_stats``. Observers subscribe to ``events`` (zeroshard/runtime/events.py).
@@ -176,7 +133,7 @@ class Engine:
         backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
         self._tally = FullTally()
         if policy.shard_params:
-            self.units = [Unit(s.name, s.module, _split_groups(s.name, s.refs, root_config if s.is_root else config),
+            self.units = [Unit(s.name, s.module, split_groups(s.name, s.refs, root_config if s.is_root else config),
                                is_root=s.is_root, sharded=True, events=self.events, tally=self._tally)
                           for s in backward_order]
         else:
@@ -185,16 +142,13 @@ class Engine:
                 name = "+".join(s.name for s in bucket)
                 refs = [r for s in bucket for r in s.refs]
                 is_root = any(s.is_root for s in bucket)
-                self.units.append(Unit(name, None, _split_groups(name, refs, root_config if is_root else config),
+                self.units.append(Unit(name, None, split_groups(name, refs, root_config if is_root else config),
                                        is_root=is_root, sharded=False, events=self.events, tally=self._tally))
                 for group in self.units[-1].groups:
                     group.register(unsharded=True)
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
-        # Reductions launch strictly in this order on every rank, so a grad that is late on one
-        # rank (an unused param) delays the collectives instead of reordering them.
-        self.reduce_order = list(self.units)
-        self._next_reduce = 0
-        self._next_reap = 0
+        # Reductions launch and finish strictly in the units' order on every rank.
+        self.reductions = ReductionQueue(list(self.units))
         self.state = TrainingState.IDLE
         self._forward_order: list[Unit] = []
         self._order_recorded = False
@@ -332,12 +286,12 @@ class Engine:
             self._check_order(unit)
         unit.unshard(Phase.FORWARD)
         unit.wait_unshard()
-        self._track_memory()
+        self.track_memory()
         if tracking and self._order_recorded:
             upcoming = self._forward_order[self._position:self._position + self.options.prefetch]
             for later in upcoming:
                 later.unshard(Phase.FORWARD)
-            self._track_memory()
+            self.track_memory()
 
     def _check_order(self, unit: Unit) -> None:
         if not self._order_recorded:
@@ -405,7 +359,7 @@ class Engine:
             return False
         unit.unshard(Phase.RECOMPUTE)
         unit.wait_unshard()
-        self._track_memory()
+        self.track_memory()
         return True
 
     def release_after_recompute(self, module) -> None:
@@ -415,7 +369,7 @@ class Engine:
     def _pre_backward(self, unit: Unit, grad) -> None:
         unit.unshard(Phase.BACKWARD)
         unit.wait_unshard()
-        self._track_memory()
+        self.track_memory()
         if self.recompute is not None:
             # Recomputing a segment needs all of its units at once, before any of its grads.
             self._prefetch_backward(unit)
@@ -434,7 +388,7 @@ class Engine:
         if index is not None:
             for earlier in self._forward_order[max(0, index - self.options.prefetch):index][::-1]:
                 earlier.unshard(Phase.BACKWARD)
-            self._track_memory()
+            self.track_memory()
 
     # -- gradient reduction -------------------------------------------------------------------
     @property
@@ -480,18 +434,21 @@ class Engine:
                     unit.reshard()
             if not self.defers_reduction:
                 self._launch_ready()
-        elif self._next_reap < self._next_reduce:
+        elif self.reductions.finished < self.reductions.launched:  # (in_flight, without a call per grad)
             # Free the full grads of reductions that finished meanwhile, not only when the next
             # unit launches: at stages 2-3 they would otherwise overlap the next unit's full grads.
-            self._reap_finished()
+            self.reap_finished()
+
+    @property
+    def reduce_order(self) -> list[Unit]:
+        """The order every rank launches and finishes the units' reductions in."""
+        return self.reductions.order
 
     def _launch_ready(self) -> None:
-        while self._next_reduce < len(self.reduce_order) and self.reduce_order[self._next_reduce].grads_ready:
-            self.reduce_order[self._next_reduce].launch_reduce()
-            self._next_reduce += 1
-        self._reap_finished()
+        self.reductions.launch_ready()
+        self.reap_finished()
 
-    def _reap_finished(self) -> None:
+    def reap_finished(self) -> None:
         """Finish reductions in order: those already done, and at stages 2-3 the oldest ones while
         more than ``options.max_inflight_reductions`` are pending.
 
@@ -504,26 +461,12 @@ class Engine:
         # reduce-scatter happened to be done would block while a replica waits on it for the next
         # all-gather (a cross-group deadlock). Then only the deterministic cap finishes here.
         # ``options.reap_when_done=False`` asks for that deterministic point always.
-        opportunistic = self.mesh.replicate_size == 1 and self.options.reap_when_done
-        while self._next_reap < self._next_reduce:
-            unit = self.reduce_order[self._next_reap]
-            pending = self._next_reduce - self._next_reap
-            over_cap = self.policy.transient_grads and pending > self.options.max_inflight_reductions
-            if not ((opportunistic and unit.reduce_done) or over_cap):
-                break
-            unit.finish_reduce()
-            self._next_reap += 1
+        self.reductions.reap(opportunistic=self.mesh.replicate_size == 1 and self.options.reap_when_done,
+                             cap=self.options.max_inflight_reductions if self.policy.transient_grads else None)
 
     def finish_reductions(self, through: Unit | None = None) -> None:
         """Finish pending reductions in launch order, up to and including ``through`` (default all)."""
-        while self._next_reap < self._next_reduce:
-            unit = self.reduce_order[self._next_reap]
-            unit.finish_reduce()
-            self._next_reap += 1
-            if unit is through:
-                break
-        if self.state is not TrainingState.BACKWARD and self._next_reap == self._next_reduce:
-            self._next_reduce = self._next_reap = 0
+        self.reductions.finish(through, restart=self.state is not TrainingState.BACKWARD)
 
     def _begin_forward(self, module, args) -> None:
         self.finish_reductions()
@@ -548,126 +491,46 @@ class Engine:
             return
         # Units with grads still missing (unused params) are reduced with zeros for those params,
         # in the fixed order, so every rank issues the same collectives.
-        for unit in self.reduce_order[self._next_reduce:]:
-            if unit.trainable_groups:
-                unit.launch_reduce()
-        self._next_reduce = len(self.reduce_order)
+        self.reductions.launch_rest()
         # The last reductions are left running: reading a grad shard (the optimizer, clipping, the
         # scaler) finishes them in order, so the units reduced first can step meanwhile.
-        self._reap_finished()
+        self.reap_finished()
         if self.policy.shard_params:
             for unit in self.units:
                 unit.reshard()
 
     def reduce_accumulated(self) -> None:
-        """Launch, in the fixed order, the reductions of the grads accumulated under ``no_sync``,
-        without another backward: a pipeline stage runs every microbatch's backward deferred and
-        reduces once after the schedule (zeroshard/parallel/pipeline/runtime.py). Call it outside ``no_sync``;
-        a grad read finishes the reductions as after a synchronising backward."""
+        """Launch the reductions of the grads accumulated under ``no_sync`` (a pipeline stage, once
+        after its schedule), in the fixed order."""
         if self.sync_grads is False or self.state is TrainingState.BACKWARD:
             raise RuntimeError("reduce_accumulated runs after the backward passes, outside no_sync")
-        for unit in self.reduce_order[self._next_reduce:]:
-            if unit.trainable_groups:
-                unit.launch_reduce()
-        self._next_reduce = len(self.reduce_order)
-        self._reap_finished()
+        split_backward.reduce_accumulated(self)
 
-    # -- split backward (zero-bubble pipeline schedules) ----------------------------------------
+    # -- split backward and grads by name (pipeline schedules: zeroshard/runtime/split_backward.py)
     def input_backward_done(self) -> None:
-        """The input half of a split backward has run for one microbatch: torch's
-        ``stage_backward_input`` differentiates to the stage's inputs only, so no param's
-        accumulate-grad hook fired and nothing resharded stage 3's blocks. Free them here; the
-        next forward, input half or weight half gathers them again."""
+        """The input half of a split backward ran for one microbatch: stage 3 frees its blocks."""
         self._prefetch_after_first_grad = None
-        self._reshard_units(root=False)
-
-    def _reshard_units(self, *, root: bool) -> None:
-        """Stage 3: free every unit's gathered params (the root's too when ``root``)."""
-        if self.policy.shard_params:
-            for unit in self.units:
-                if root or not unit.is_root:
-                    unit.reshard()
+        split_backward.input_backward_done(self)
 
     def gather_for_split_backward(self) -> None:
-        """Stage 3: gather every unit before either half of a split backward. torch finds the
-        params each half differentiates to through the module's registered params, which are the
-        unsharded ones only while gathered, and the weight half's graph reads the full params (a
-        layer norm's weight, a linear's transposed weight)."""
-        for unit in self.units:
-            unit.unshard(Phase.BACKWARD)
-        for unit in self.units:
-            unit.wait_unshard()
-        self._track_memory()
+        """Stage 3: gather every unit before either half of a split backward."""
+        split_backward.gather_for_split_backward(self)
 
     def split_backward_done(self) -> None:
-        """Every microbatch's weight half has run: stage 3 frees every unit, the root included,
-        which the hooked backward's end would have done (the next step gathers the updated values)."""
-        self._reshard_units(root=True)
+        """Every microbatch's weight half has run: stage 3 frees every unit, the root included."""
+        split_backward.split_backward_done(self)
 
     def take_assigned_grads(self) -> None:
-        """Take the grads a split backward's weight half assigned to ``param.grad`` itself (torch's
-        ``stage_backward_weight`` computes them with ``torch.autograd.grad``, which runs no
-        accumulate-grad hook) into the flat grad buffers, as the hooks do under ``no_sync``, and
-        free stage 3's blocks again. A param whose grad a hook already took holds none (stages 2-3)
-        or our own buffer view (stages 0-1), so calling this after a hooked backward changes nothing.
-        Where stages 2-3 reduce inside ``no_sync`` (``reduces_inside_no_sync``), the grads taken are
-        reduce-scattered at once instead, every unit in the fixed order, as a hooked backward's end does."""
-        if self.sync_grads:
-            raise RuntimeError("take_assigned_grads runs inside no_sync (a pipeline schedule's backward passes)")
-        reduce_now = self.reduces_inside_no_sync
-        if reduce_now:
-            self.finish_reductions()  # the previous microbatch's, so this one's launch from the first unit
-        took_any = False
-        for unit in self.units:
-            took = False
-            for group_index, group in enumerate(unit.groups):
-                if not group.trainable or group.params is None:
-                    continue
-                for param_index, param in enumerate(group.created_params()):
-                    if param.grad is not None:
-                        unit.mark_ready(group_index, param_index)
-                        took = True
-            took_any |= took
-            if took and not reduce_now:
-                unit.collect_grads()
-                unit.clear_ready()
-        self._reshard_units(root=False)
-        if reduce_now and took_any:
-            for unit in self.reduce_order:
-                if unit.trainable_groups:
-                    unit.launch_reduce()
-            self._next_reduce = len(self.reduce_order)
-            self._reap_finished()
+        """Take the grads a split backward's weight half assigned to ``param.grad`` itself."""
+        split_backward.take_assigned_grads(self)
 
     def accumulated_grad(self, fqn: str) -> torch.Tensor:
-        """The full grad of param ``fqn`` accumulated under ``no_sync`` and not yet reduced: a flat
-        view into its group's grad buffer, which a caller may change in place before
-        ``reduce_accumulated`` (a pipeline sums a tied param's two stages' grads there)."""
-        group, slot = self._slot_of(fqn)
-        return group.full_grads()[slot.offset:slot.end]
-
-    def _slot_of(self, fqn: str):
-        """The trainable flat group holding param ``fqn``, and the param's slot in it."""
-        for group in self.trainable_groups:
-            for slot in group.layout.slots:
-                if slot.fqn == fqn:
-                    return group, slot
-        raise KeyError(f"no trainable param {fqn!r} in this engine")
+        """The full grad of param ``fqn`` accumulated under ``no_sync``, a view a caller may change."""
+        return split_backward.accumulated_grad(self, fqn)
 
     def reduced_grad_piece(self, fqn: str) -> tuple[torch.Tensor, int, int]:
-        """The part of param ``fqn``'s reduced grad in this rank's grad shard, after the reductions
-        finished: ``(view, first, numel)``, the view holding the param's elements from ``first`` on
-        (empty where the shard holds none of it) and ``numel`` the whole param's. A caller may change
-        the view in place (a pipeline sums a tied param's two stages' reduced grads there)."""
-        self.finish_reductions()
-        group, slot = self._slot_of(fqn)
-        shard = group.grad_shard
-        if shard is None:
-            raise RuntimeError(f"param {fqn!r} has no reduced grad yet: call it after the backward")
-        lo, hi = max(slot.offset, group.lo), min(slot.end, group.hi)
-        if hi <= lo:
-            return shard[:0], 0, slot.numel
-        return shard[lo - group.lo:hi - group.lo], lo - slot.offset, slot.numel
+        """This rank's part of param ``fqn``'s reduced grad: ``(view, first, numel)``."""
+        return split_backward.reduced_grad_piece(self, fqn)
 
     # -- optimizer-facing ---------------------------------------------------------------------
     @property
@@ -716,7 +579,7 @@ class Engine:
         """Bytes of full-param storage allocated right now, read from the storages themselves."""
         return sum(u.full_bytes() for u in self.units)
 
-    def _track_memory(self) -> None:
+    def track_memory(self) -> None:
         # The units' running tally: summing every unit's storages here would cost O(units) per gather.
         tally = self._tally
         if tally.bytes > self.peak_full_bytes:

@@ -2,7 +2,7 @@
 
 ``zs.expert_parallel`` replaces each MoE layer's stacked expert params by this rank's block of
 experts and marks the new Parameters with their expert mesh. ``zs.shard`` then puts marked params
-in flat groups of their own, on that mesh (``Engine``'s ``_split_groups``), so everything a flat
+in flat groups of their own, on that mesh (``split_groups`` in zeroshard/runtime/grouping.py), so everything a flat
 group does (gathers, reductions, the optimizer's shard, clipping) runs over the expert groups.
 The mark lives on the Parameter object the user's model holds until ``zs.shard`` flattens it.
 """

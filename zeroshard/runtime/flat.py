@@ -211,7 +211,8 @@ class FlatGroup:
         self._swaps: dict[bool, list[tuple[dict, str, nn.Parameter]]] = {}  # register()'s, per side
         self.keeps_grads = not policy.transient_grads
         """Stages 0-1: a complete grad is kept in the flat buffer at once (``take_grad`` has work)."""
-        self._any_tp = any(spec is not None for spec in self.tp_specs)
+        self.any_tp = any(spec is not None for spec in self.tp_specs)
+        """Whether any param here is a tp DTensor (its grad may need ``tp.local_grad``): asked once."""
         self._in_place: bool | None = None  # reduce_scatter_lands_in_input, asked once
         self._own: torch.Tensor | None = None  # full[lo:hi] of the buffer _own_of, for the gathers
         self._own_of: torch.Tensor | None = None
@@ -456,7 +457,7 @@ class FlatGroup:
         fresh = self.grad_full is None
         params = self.params or ()
         grads = [p.grad for p in params]
-        if fresh and grads and not self._any_tp and all(g is not None and g.dtype == self.reduce_dtype for g in grads):
+        if fresh and grads and not self.any_tp and all(g is not None and g.dtype == self.reduce_dtype for g in grads):
             # Every grad present: one concatenation fills the buffer.
             self.grad_full = self._concat_grads(cast(list[torch.Tensor], grads))
         else:
@@ -531,7 +532,7 @@ class FlatGroup:
         if self._reduces_in_place():  # (never for a unit that did not run: its params were not created)
             params = self.created_params()
             pieces = self.reducer.pieces([tp.local_grad(p.grad, spec) for p, spec in zip(params, self.tp_specs)]
-                                         if self._any_tp else [p.grad for p in params])
+                                         if self.any_tp else [p.grad for p in params])
         if pieces is not None:
             for param in self.created_params():
                 param.grad = None  # the pieces keep the storages alive until finish_reduce

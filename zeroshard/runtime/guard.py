@@ -16,6 +16,16 @@ into every rank's), and every later loss is NaN. The sharded optimizer's ``step`
   world, one 4-byte all-reduce, as the fp16 scaler does. With ZeRO over the whole world the norm
   itself is that reduction. The guard's own collectives are recorded under phase ``guard``.
 
+The decision stays on the device when the optimizer can take it there: torch's fused optimizers
+(``_step_supports_amp_scaling``, the attribute ``torch.amp.GradScaler`` reads) take the agreed flag
+as ``found_inf`` and leave masters, moments and step counts untouched when it is set, bitwise as a
+step never taken. The step is then queued without waiting for the flag, and the guard reads it
+(with the norm, the same one read) when the grads are zeroed, while the grads the diagnosis reads
+still exist: ``settle``. Every reader of the guard's counts settles first. Such a step emits its
+``step`` event (the update ran, as a no-op) and the ``skip`` event follows when the flag is read. Any other optimizer
+needs the answer before its update, so the flag is read at once, as on the CPU, where a read costs
+no wait.
+
 A skipped step is counted, reported to the engine's event stream (``skip``) and diagnosed: every
 rank's per-unit squared norms of the grad shards it holds are gathered (once, on the bad step only)
 and the first rank and the first unit (in the engine's unit order) holding a non-finite value are
@@ -74,6 +84,9 @@ class GuardState:
     injected_step: int = -1
     norm_value: float | None = None
     """The norm as the guard read it on the host this step, for the step's log (no second read)."""
+    pending: torch.Tensor | None = None
+    """[bad, norm] of a step whose update took the flag on the device, until ``settle`` reads it."""
+    pending_logged: bool = False
 
 
 _STATES: weakref.WeakKeyDictionary[Any, GuardState] = weakref.WeakKeyDictionary()
@@ -137,35 +150,65 @@ def covers_world(engine: Any) -> bool:
                                and mesh.tp_size == 1 and mesh.pp_size == 1 and mesh.experts is None)
 
 
-def agree(engine: Any, norm: torch.Tensor, *, over_world: bool, logged: bool) -> bool:
-    """Whether the step is bad, the same on every rank: the norm's finiteness, max-reduced over the
-    world unless the norm's reduction already spanned it. One host read, which also reads the norm
-    itself: a step that logs its norm (``logged``: clipping computed it) takes it from
-    ``norm_value`` instead of reading it again."""
+def flag(engine: Any, norm: torch.Tensor, *, over_world: bool) -> torch.Tensor:
+    """[bad, norm] in float32 where the norm is, the same on every rank: the norm's finiteness,
+    max-reduced over the world unless the norm's reduction already spanned it."""
     pair = torch.stack([torch.logical_not(torch.isfinite(norm)).to(torch.float32), norm.to(torch.float32)])
     if over_world:  # the norm is the same on every rank, so its max is itself
         collectives.all_reduce(pair, op="max", group=Group.WORLD, phase=Phase.GUARD, mesh=engine.mesh)
+    return pair
+
+
+def read(engine: Any, pair: torch.Tensor, *, logged: bool) -> bool:
+    """The flag on the host: one read, which also reads the norm itself, so a step that logs its
+    norm (``logged``: clipping computed it) takes it from ``norm_value`` instead of reading it again."""
     bad, value = host_sync.tolist(pair, "step.grad_norm" if logged else "guard.nonfinite", fake_value=[0.0, 0.0])
     state_of(engine).norm_value = float(value)
     return bool(bad)
 
 
+def agree(engine: Any, norm: torch.Tensor, *, over_world: bool, logged: bool) -> bool:
+    """Whether the step is bad, the same on every rank (``flag``), read on the host (``read``)."""
+    return read(engine, flag(engine, norm, over_world=over_world), logged=logged)
+
+
+def takes_flag(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update takes the flag on the device (``found_inf``): torch's fused
+    optimizers, which skip the update of a step whose flag is set, step counts included."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def settle(engine: Any) -> None:
+    """Read the flag of a step whose update took it on the device, and count, diagnose and report
+    it as ``should_skip`` does at once elsewhere (collective on a bad step, which every rank sees
+    alike). Call it before the step's grads are zeroed; a no-op when nothing is pending."""
+    st = state_of(engine)
+    if st.pending is None:
+        return
+    pair, st.pending = st.pending, None
+    record(engine, read(engine, pair, logged=st.pending_logged))
+
+
 def norm_value(engine: Any) -> float | None:
     """The grad norm the guard read on the host for the step just taken (once), else None."""
+    settle(engine)
     st = state_of(engine)
     value, st.norm_value = st.norm_value, None
     return value
 
 
-def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor]) -> bool:
+def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor], optimizer: Any = None) -> bool:
     """Called by the sharded optimizer's step (collective unless clipping noted the norm over the
     whole world): True when every rank must skip this step. Raises ``NonFiniteRunError`` after
     ``max_bad_steps`` consecutive skips. ``norm_of(engine)``: the global grad norm, computed as
     clipping computes it, for a step that did not clip (``clip.guard_norm``; passed in because
-    clipping itself notes its norm here)."""
+    clipping itself notes its norm here). When ``optimizer`` takes the flag on the device
+    (``takes_flag``) it is set as its ``found_inf`` and False returned: the update skips itself,
+    and ``settle`` reads the flag later; the caller deletes ``found_inf`` after the update."""
     st = state_of(engine)
     if not st.enabled:
         return False
+    settle(engine)  # a previous step's flag nobody read (its grads were never zeroed)
     if st.decided is not None:
         bad = st.decided
     else:
@@ -173,10 +216,21 @@ def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor]) -> bool:
         if norm is None:  # no clipping this step: the norm clipping would have computed
             inject_fault(engine)
             norm = norm_of(engine)
-        bad = agree(engine, norm, over_world=not covers_world(engine), logged=logged)
+        pair = flag(engine, norm, over_world=not covers_world(engine))
+        if optimizer is not None and takes_flag(optimizer):
+            st.norm, st.loss, st.pending, st.pending_logged = None, None, pair, logged
+            optimizer.found_inf = pair[0]
+            return False
+        bad = read(engine, pair, logged=logged)
     st.norm, st.loss, st.decided = None, None, None
     record(engine, bad)
     return bad
+
+
+def skipped(engine: Any) -> bool:
+    """Whether the guard skipped the step just taken (the same on every rank)."""
+    settle(engine)
+    return state_of(engine).skipped
 
 
 def decide_for(engines: list[Any], norm: torch.Tensor) -> bool:
@@ -244,6 +298,7 @@ def stop_message(st: GuardState, path: Path | None) -> str:
 def report(engine: Any, *, stopped: bool = False) -> dict[str, Any]:
     """What the guard saw: skipped steps, the current run of skips and where it started, and whether
     it stopped the run."""
+    settle(engine)
     st = state_of(engine)
     return {"skipped_steps": st.skipped_steps, "consecutive": st.consecutive, "max_bad_steps": st.max_bad_steps,
             "stopped": stopped, "first": st.first_report, "skips": st.reports}

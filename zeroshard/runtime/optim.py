@@ -97,6 +97,7 @@ def _sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
 def _zero_grad_of(optim_cls: type[torch.optim.Optimizer]):
     """The sharded classes' zero_grad: the user's class drops its grads, the engine its flat ones."""
     def zero_grad(self, set_to_none: bool = True) -> None:
+        guard.settle(self.zeroshard_state.engine)  # a flag the update took on the device, while its grads exist
         optim_cls.zero_grad(self, set_to_none=True)
         self.zeroshard_state.engine.zero_grad()
 
@@ -109,16 +110,22 @@ def _make_sharded_class(optim_cls: type[torch.optim.Optimizer]) -> type:
     def step(self, closure=None):
         state = self.zeroshard_state
         loss = None
-        if closure is None and guard.should_skip(state.engine, guard_norm):  # a non-finite step: every rank skips it
+        # A non-finite step: every rank skips it. An optimizer that takes the flag on the device
+        # (without offload, whose host update would have to wait for it anyway) skips itself.
+        if closure is None and guard.should_skip(state.engine, guard_norm,
+                                                 self if state.engine.store is None else None):
             return None
         base_step = hc.timed_if(state.engine.host_clock, hc.OPTIMIZER_MATH, unhooked(optim_cls.step))
-        if state.pipeline is None or closure is not None:
-            state.segments.attach_grads()
-            sliced = state.sliced_step
-            loss = sliced(closure) if sliced is not None else base_step(self, closure)
-            state.engine.sync_params()
-        else:
-            state.pipeline.run(self, base_step)
+        try:
+            if state.pipeline is None or closure is not None:
+                state.segments.attach_grads()
+                sliced = state.sliced_step
+                loss = sliced(closure) if sliced is not None else base_step(self, closure)
+                state.engine.sync_params()
+            else:
+                state.pipeline.run(self, base_step)
+        finally:
+            self.__dict__.pop("found_inf", None)  # the guard's flag is this step's only
         state.report_step()
         return loss
 

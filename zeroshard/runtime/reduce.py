@@ -17,6 +17,7 @@ import dataclasses
 from typing import Union
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from zeroshard.comm import collectives
 from zeroshard.comm.mesh import Mesh
@@ -60,6 +61,21 @@ class PieceReduction:
 InFlight = Union[WholeReduction, PieceReduction]
 
 
+@dataclasses.dataclass(frozen=True)
+class PiecePlan:
+    """How a group's grads are cut into pieces, worked out once from its layout (it depends on no
+    grad): ``large`` (slot, start in it, length, owner, shard offset) are sent as views of their
+    grad; ``small`` per owner (in order) the (slot, start, length) packed into one buffer, with the
+    spans ``Piece`` reports; ``mine`` rebuilds this rank's shard from the pieces in shard order:
+    ("piece", index into the launch's pieces, start, length) or ("zero", 0, 0, length)."""
+
+    large: list[tuple[int, int, int, int, int]]
+    small: list[tuple[int, list[tuple[int, int, int]], list[tuple[int, int, int]]]]
+    mine: list[tuple[str, int, int, int]]
+    whole: list[list[int] | None]
+    """Per ``small`` owner: its slots when every part is a whole slot (packed by one flatten), else None."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReduceTarget:
     """What a group's reduction needs to know of it: its layout, this rank's slice and the dtypes."""
@@ -88,6 +104,7 @@ class GradReducer:
         self.mesh = mesh
         self.shard_optimizer = shard_optimizer
         self.in_flight: InFlight | None = None
+        self._plan: PiecePlan | None = None
 
     @property
     def reducing(self) -> bool:
@@ -153,36 +170,64 @@ class GradReducer:
         views of itself; the small ones (biases, norms) are packed into one buffer per owner, since
         every gloo op has a fixed cost that would dominate tiny pieces."""
         t = self.target
-        if any(g is not None and (g.dtype != t.reduce_dtype or not g.is_contiguous()) for g in grads):
-            return None
+        dtype = t.reduce_dtype
+        for g in grads:
+            if g is not None and (g.dtype != dtype or not g.is_contiguous()):
+                return None
+        plan = self._plan or self._make_plan()
+        slots = t.layout.slots
+        # A param unused here may have grads on other ranks: every rank reduces the same pieces.
+        present: list[torch.Tensor] = [torch.zeros(slot.shape, dtype=dtype, device=t.device) if grad is None
+                                       else grad for slot, grad in zip(slots, grads)]
+        out = [Piece(present[i].view(-1)[a:a + n], owner, [(0, offset, n)]) for i, a, n, owner, offset in plan.large]
+        for (owner, parts, spans), whole in zip(plan.small, plan.whole):
+            # One copy of every part into a fresh buffer: whole slots flattened in one call.
+            buffer = _flatten_dense_tensors([present[i] for i in whole]) if whole is not None else \
+                torch.cat([present[i].view(-1)[a:a + n] for i, a, n in parts])
+            out.append(Piece(buffer, owner, spans))
+        return out
+
+    def _make_plan(self) -> PiecePlan:
+        t = self.target
         per_shard = t.layout.shard_numel
-        large: list[Piece] = []
-        small: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}  # owner -> (flat, start, shard offset, n)
-        for slot, grad in zip(t.layout.slots, grads):
-            # A param unused here may have grads on other ranks: every rank reduces the same pieces.
-            flat = (torch.zeros(slot.numel, dtype=t.reduce_dtype, device=t.device) if grad is None
-                    else grad.view(-1))
+        large: list[tuple[int, int, int, int, int]] = []
+        small: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+        for index, slot in enumerate(t.layout.slots):
             start = slot.offset
             while start < slot.end:
                 owner = start // per_shard
                 stop = min(slot.end, (owner + 1) * per_shard)
                 a, n, shard_offset = start - slot.offset, stop - start, start - owner * per_shard
                 if slot.numel >= SMALL_GRAD_NUMEL:
-                    large.append(Piece(flat[a:a + n], owner, [(0, shard_offset, n)]))
+                    large.append((index, a, n, owner, shard_offset))
                 else:
-                    small.setdefault(owner, []).append((flat, a, shard_offset, n))
+                    parts, spans = small.setdefault(owner, ([], []))
+                    spans.append((sum(p[2] for p in parts), shard_offset, n))
+                    parts.append((index, a, n))
                 start = stop
-        packed = []
-        for owner in sorted(small):
-            parts = small[owner]
-            buffer = torch.empty(sum(n for *_, n in parts), dtype=t.reduce_dtype, device=t.device)
-            spans, at = [], 0
-            for flat, a, shard_offset, n in parts:
-                buffer[at:at + n].copy_(flat[a:a + n])
-                spans.append((at, shard_offset, n))
-                at += n
-            packed.append(Piece(buffer, owner, spans))
-        return large + packed
+        packed = [(owner, *small[owner]) for owner in sorted(small)]
+        # This rank's shard in order: (shard offset, piece index, start in the piece, length) ...
+        runs = [(offset, k, 0, n) for k, (_, _, n, owner, offset) in enumerate(large) if owner == t.shard_rank]
+        for k, (owner, _, spans) in enumerate(packed):
+            if owner == t.shard_rank:
+                runs += [(offset, len(large) + k, at, n) for at, offset, n in spans]
+        mine: list[tuple[str, int, int, int]] = []
+        covered = 0
+        for offset, k, at, n in sorted(runs):
+            if offset > covered:
+                mine.append(("zero", 0, 0, offset - covered))  # padding stays zero
+            last = mine[-1] if mine else None
+            if last is not None and last[0] == "piece" and last[1] == k and last[2] + last[3] == at:
+                mine[-1] = ("piece", k, last[2], last[3] + n)  # contiguous in the piece too: one run
+            else:
+                mine.append(("piece", k, at, n))
+            covered = offset + n
+        if covered < per_shard:
+            mine.append(("zero", 0, 0, per_shard - covered))
+        whole = [[i for i, _, _ in parts] if all(n == t.layout.slots[i].numel for i, _, n in parts) else None
+                 for _, parts, _ in packed]
+        self._plan = PiecePlan(large=large, small=packed, mine=mine, whole=whole)
+        return self._plan
 
     # -- finish --------------------------------------------------------------------------------
     def finish(self, phase: str) -> torch.Tensor:
@@ -195,11 +240,7 @@ class GradReducer:
         self.in_flight = None
         t = self.target
         if isinstance(flight, PieceReduction):  # gather this rank's sums (padding stays zero)
-            reduced = torch.zeros(t.layout.shard_numel, dtype=t.reduce_dtype, device=t.device)
-            for piece in flight.pieces:
-                if piece.owner == t.shard_rank:
-                    for at, offset, n in piece.spans:
-                        reduced[offset:offset + n].copy_(piece.tensor[at:at + n])
+            reduced = self.own_sums(flight.pieces)
         else:
             reduced = flight.output
         if self.shard_optimizer and self.mesh.replicate_size > 1:
@@ -214,3 +255,19 @@ class GradReducer:
         if self.mesh.dp_size > 1:
             reduced.div_(self.mesh.dp_size)
         return reduced
+
+    def own_sums(self, pieces: list[Piece]) -> torch.Tensor:
+        """This rank's shard from the reduced pieces, in one concatenation (the plan's runs); a packed
+        buffer that is the whole shard already is returned as it is (it is this reduction's own). A
+        large piece never is: it is a view of a param's grad, whose whole storage it would keep alive."""
+        t = self.target
+        plan = self._plan or self._make_plan()
+        mine = plan.mine
+        if len(mine) == 1 and mine[0][0] == "piece" and mine[0][2] == 0 and mine[0][1] >= len(plan.large):
+            whole = pieces[mine[0][1]].tensor
+            if whole.numel() == t.layout.shard_numel and whole.dtype == t.reduce_dtype:
+                return whole
+        if not mine:
+            return torch.zeros(t.layout.shard_numel, dtype=t.reduce_dtype, device=t.device)
+        return torch.cat([torch.zeros(n, dtype=t.reduce_dtype, device=t.device) if kind == "zero"
+                          else pieces[k].tensor[at:at + n] for kind, k, at, n in mine])

@@ -282,7 +282,7 @@ class _Replay:
                 break
 
     def reap(self) -> None:
-        """``Engine._reap_finished``: the oldest while more than the cap are pending (stages 2-3)."""
+        """``Engine.reap_finished``: the oldest while more than the cap are pending (stages 2-3)."""
         while self.policy.transient_grads and len(self.pending) > self.options.max_inflight_reductions:
             unit, micro = self.pending.pop(0)
             self.finish(unit, micro)

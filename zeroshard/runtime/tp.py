@@ -291,6 +291,8 @@ def full_value(value: torch.Tensor, spec: TPSpec | None, *, unit: str = "", phas
 
 def tp_sharded_ranges(group) -> list[tuple[int, int]]:
     """[start, stop) ranges of ``group.grad_shard`` (a FlatGroup's shard) that hold tp-sharded params."""
+    if not group.any_tp:  # asked once per group, not per param every step
+        return []
     if not any(spec is not None and spec.shard_dim is not None for spec in group.tp_specs):
         return []
     out = []

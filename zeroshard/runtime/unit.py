@@ -49,7 +49,8 @@ class Unit:
         self._phase = ""  # of the latest gather: a free reports the phase whose use of the params it ends
         self.module = module
         self.groups = groups
-        self._trainable = [g for g in groups if g.trainable]  # read per launch and finish
+        self.trainable_groups: list[FlatGroup] = [g for g in groups if g.trainable]
+        """Read per launch, finish and grad hook: an attribute, not a property (a call each time)."""
         self.is_root = is_root
         self.state = UnitState.SHARDED if sharded else UnitState.UNSHARDED
         self._gathers: list[collectives.Pending | QuantizedGather] = []
@@ -70,10 +71,6 @@ class Unit:
                 group.register(unsharded=False)
         else:
             self._count_live()
-
-    @property
-    def trainable_groups(self) -> list[FlatGroup]:
-        return self._trainable
 
     # -- params -------------------------------------------------------------------------------
     def unshard(self, phase: str) -> None:

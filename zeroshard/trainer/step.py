@@ -235,7 +235,7 @@ def configure_guard(cfg: TrainConfig, modules: Sequence[torch.nn.Module]) -> Non
 
 def skipped(model: torch.nn.Module) -> bool:
     """Whether the non-finite guard skipped the step just taken (on every rank alike)."""
-    return guard.state_of(get_engine(model)).skipped
+    return guard.skipped(get_engine(model))
 
 
 class Each:

@@ -133,7 +133,7 @@ def _groups(name: str, refs: list[ParamRef], shards: int, tp: TensorParallel, ex
             expert_shards: int) -> tuple[GroupShape, ...]:
     # Same split as the engine: one buffer per (dtype, trainable, mesh), in first-seen order, of
     # each param's tp-local part (what zs.shard flattens under tensor parallelism), or of an expert
-    # param's ep block, sharded over the expert-data-parallel ranks (Engine's _split_groups).
+    # param's ep block, sharded over the expert-data-parallel ranks (runtime/grouping.py's split_groups).
     keyed: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
         keyed.setdefault((ref.param.dtype, ref.param.requires_grad, experts.is_expert(ref.fqn)), []).append(ref)
