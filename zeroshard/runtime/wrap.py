@@ -69,8 +69,20 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if found:
         return found
     total = sum(p.numel() for p in model.parameters())
-    large = [(n, c) for n, c in model.named_children() if sum(p.numel() for p in c.parameters()) * 16 >= total]
+    large = [(n, c) for n, c in _called_children(model) if sum(p.numel() for p in c.parameters()) * 16 >= total]
     return large if len(large) >= 2 else []
+
+
+def _called_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's direct children, with a container (a one-block ModuleList, a ModuleDict) replaced by
+    its children: a unit's params are gathered by its forward hooks, and a container is never called."""
+    children: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            children.extend((f"{name}.{sub}", grandchild) for sub, grandchild in child.named_children())
+        else:
+            children.append((name, child))
+    return children
 
 
 def _select_units(model: nn.Module, units: UnitsArg) -> list[tuple[str, nn.Module]]:
