@@ -7,7 +7,8 @@ and compared with one process: "pass" with the largest loss and param difference
 losses <= 1e-6), "FAIL" with them, or the one-line refusal. Each line also gives the param that
 differs most and, from a second group of 2 ranks = tp 2, how far the split model's grads on one
 batch are from one process's against the largest grad: rounding is about 1e-7 of it, while a wrong
-split would show errors the size of the grads. A param difference above 1e-5 with grads that agree
+split would show errors the size of the grads; the same in float64 leaves only float64's rounding
+(about 1e-16 of it), so what differs in fp32 is rounding and nothing else. A param difference above 1e-5 with grads that agree
 to rounding is AdamW's first steps (lr * g / (|g| + eps)) scaling the rounding of grads of about
 1e-9 up to a fraction of lr (docs/tensor_parallel.md, "Adam at eps=1e-8"). GPT-2 and Falcon
 declare no plan: they are in the matrix to show the refusal. One spawned group of 4 runs them all.
@@ -60,7 +61,9 @@ def main() -> int:
                 folders[name] = root / name
                 tf.AutoModelForCausalLM.from_config(config).save_pretrained(folders[name], max_shard_size=w.SHARD_BYTES)
         got = spawn(w.suite, 4, args=({k: str(v) for k, v in folders.items()},), timeout_s=3000)[0]
-        grads = spawn(w.grad_suite, 2, args=({k: str(v) for k, v in folders.items()},), timeout_s=1200)[0]
+        paths = {k: str(v) for k, v in folders.items()}
+        grads = spawn(w.grad_suite, 2, args=(paths,), timeout_s=1200)[0]
+        exact = spawn(w.grad_suite, 2, args=(paths, "float64"), timeout_s=1200)[0]
         failed = 0
         for name, folder in folders.items():
             run = got[name]
@@ -73,10 +76,11 @@ def main() -> int:
             worst = max(diffs, key=lambda k: diffs[k])
             ok = loss <= loss_tol and diffs[worst] <= tol and set(run["params"]) == set(ref["params"])
             failed += not ok
-            g = grads[name]
+            g, g64 = grads[name], exact[name]
             print(f"{name:12s} {'pass' if ok else 'FAIL'}: tp 2 x shard 2, stage 3, {w.STEPS} steps: max |loss diff| "
                   f"{loss:.1e} (tol {loss_tol:.0e}), max |param diff| {diffs[worst]:.1e} (tol {tol:.0e}, {worst}); "
-                  f"grads at tp 2: max |diff| {g['diff']:.1e} of max |grad| {g['largest']:.1e}")
+                  f"grads at tp 2: max |diff| {g['diff']:.1e} of max |grad| {g['largest']:.1e}, in float64 "
+                  f"{g64['diff']:.1e}")
     return 1 if failed else 0
 
 

@@ -23,7 +23,12 @@ VOCAB = 96
 STEPS = 3
 SHARD_BYTES = "20KB"  # every folder spans >= 3 safetensors files
 DENSE = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-             max_position_embeddings=32, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+             max_position_embeddings=32, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             initializer_range=32 ** -0.5)
+"""``initializer_range`` 1/sqrt(width), the scale real checkpoints have relative to their width: the
+configs' default 0.02 is sized for widths in the thousands, and at width 32 it shrinks every matmul's
+output about 9x, so with Cohere's logit_scale (1/16) and tied head the grads sink to 1e-5..1e-9, where
+AdamW's eps=1e-8 turns TP's fp32 rounding into visible update differences (docs/tensor_parallel.md)."""
 SUITE = ("phi3", "qwen3")
 """The suite's subset, the styles beyond Llama's colwise/rowwise (which tests/distributed/test_tp.py
 covers): fused projections gathered whole (Phi-3's qkv_proj and gate_up_proj, colwise_gather_output
@@ -94,6 +99,53 @@ def suite(folders: dict[str, str], nano: bool = False) -> dict:
         out[name] = {"losses": losses, "params": {k: v.detach().float().clone() for k, v in state.items()}}
     zs.shutdown()
     return out if mesh.rank == 0 else {}
+
+
+def _full_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """A param's grad in the model's own layout (a tp part's joined, a partial sum summed)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from zeroshard.runtime import tp as tp_layout
+
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    spec = tp_layout.spec_of(param)
+    if spec is None or spec.shard_dim is None:
+        return grad.redistribute(placements=[Replicate()]).to_local()
+    parts = grad.redistribute(placements=list(spec.placements)).full_tensor().chunk(spec.mesh.size(), spec.shard_dim)
+    return tp_layout.canonical(list(parts), spec.describe())
+
+
+def grad_suite(folders: dict[str, str], dtype: str = "float32") -> dict:
+    """Per architecture on 2 ranks = tp 2: the largest difference between the split model's grads
+    and one process's on one batch, and the largest grad (what rounding is measured against); the
+    model cast to ``dtype`` (float64 shows what is left once rounding is 2^29 times smaller)."""
+    from zeroshard.checkpoint.hf.pretrained import plain_pretrained
+    from zeroshard.models.hf import hf_loss_sum
+
+    zs.init(tp=2)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for name, folder in folders.items():
+        grads = []
+        for split in (False, True):
+            model = plain_pretrained(folder).to(getattr(torch, dtype)).eval()
+            if split:
+                try:
+                    zs.tensor_parallel(model)
+                except ValueError as exc:
+                    out[name] = {"refused": str(exc)}
+                    break
+            total, count = hf_loss_sum(model, ids, ids.roll(-1, dims=1))
+            (total / count).backward()
+            grads.append({n: _full_grad(p) for n, p in model.named_parameters()})
+        else:
+            ref, got = grads
+            out[name] = {"diff": max((got[n] - ref[n]).abs().max().item() for n in ref),
+                         "largest": max(g.abs().max().item() for g in ref.values())}
+    zs.shutdown()
+    return out
 
 
 # -- a model of the user's own, through a spec the user writes ---------------------------------------
