@@ -96,6 +96,64 @@ def suite(folders: dict[str, str], nano: bool = False) -> dict:
     return out if mesh.rank == 0 else {}
 
 
+def _full_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """A param's grad in the model's own layout (a tp part's joined, a partial sum summed)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from zeroshard.runtime import tp as tp_layout
+
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    spec = tp_layout.spec_of(param)
+    if spec is None or spec.shard_dim is None:
+        return grad.redistribute(placements=[Replicate()]).to_local()
+    parts = grad.redistribute(placements=list(spec.placements)).full_tensor().chunk(spec.mesh.size(), spec.shard_dim)
+    return tp_layout.canonical(list(parts), spec.describe())
+
+
+NULL_GRAD = 1e-12
+"""A float64 grad this small against the largest is zero in exact arithmetic (an embedding row no
+token of the batch uses, a key bias's unrotated dims)."""
+
+
+def grad_suite(folders: dict[str, str], dtype: str = "float32") -> dict:
+    """Per architecture on 2 ranks = tp 2: the largest difference between the split model's grads
+    and one process's on one batch, and the largest grad (what rounding is measured against); the
+    model cast to ``dtype`` (float64 shows what is left once rounding is 2^29 times smaller)."""
+    from zeroshard.checkpoint.hf.pretrained import plain_pretrained
+    from zeroshard.models.hf import hf_loss_sum
+
+    zs.init(tp=2)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for name, folder in folders.items():
+        grads = []
+        for split in (False, True):
+            model = plain_pretrained(folder).to(getattr(torch, dtype)).eval()
+            if split:
+                try:
+                    zs.tensor_parallel(model)
+                except ValueError as exc:
+                    out[name] = {"refused": str(exc)}
+                    break
+            total, count = hf_loss_sum(model, ids, ids.roll(-1, dims=1))
+            (total / count).backward()
+            grads.append({n: _full_grad(p) for n, p in model.named_parameters()})
+        else:
+            ref, got = grads
+            largest = max(g.abs().max().item() for g in ref.values())
+            # Elements whose grad is zero but for rounding (a key bias's dims that rotary leaves
+            # alone: softmax ignores a shift shared by every key): Adam at eps=1e-8 steps them by
+            # rounding noise, in any run.
+            null = {n: g.abs() <= NULL_GRAD * largest for n, g in ref.items()
+                    if bool((g.abs() <= NULL_GRAD * largest).any())}
+            out[name] = {"diff": max((got[n] - ref[n]).abs().max().item() for n in ref), "largest": largest,
+                         "null": null}
+    zs.shutdown()
+    return out
+
+
 # -- a model of the user's own, through a spec the user writes ---------------------------------------
 class NanoAttention(torch.nn.Module):
     def __init__(self, width: int, heads: int) -> None:

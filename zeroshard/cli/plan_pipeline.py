@@ -22,7 +22,7 @@ PP_KNOBS = ("pp_grad_reduce",)
 """The engine's knobs read only under a pipeline (among plan's knob flags, from the engine's table)."""
 
 _UNPLANNED = {
-    "params": "--pp plans a model's stages; pass --model (a zeroshard GPT preset)",
+    "params": "--pp plans a model's stages; pass --model (a preset, a save_pretrained folder, hf:NAME or module:Class)",
     "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
@@ -91,18 +91,32 @@ def _preset(args: argparse.Namespace) -> str:
     from zeroshard.trainer.targets import is_preset
 
     if args.model is None or not is_preset(args.model):
-        raise ValueError(f"--pp plans zeroshard's GPT presets; got --model {args.model}: pass tiny, small or medium")
+        raise ValueError(f"--pp --device-mem weighs zeroshard's GPT presets; got --model {args.model}: pass tiny, small "
+                         "or medium, or plan the model at one --pp without --device-mem")
     return args.model
 
 
-def plan_of(args: argparse.Namespace):
-    from zeroshard.cli.typed_flags import given_knobs
+def _planned(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(what plan_pipeline plans, the Target --measure's ranks build again or None for a preset)."""
+    from zeroshard.cli.plan import _target
     from zeroshard.models import GPTConfig
+    from zeroshard.trainer.targets import is_preset
+
+    if args.model is None:
+        raise ValueError("--pp plans a model's stages; pass --model (a preset, a save_pretrained folder, hf:NAME or "
+                         "module:Class)")
+    if is_preset(args.model):
+        return (GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model), None
+    target = _target(args)
+    return target.build(), target  # on meta, as plan without --pp builds it
+
+
+def plan_of(args: argparse.Namespace, planned: Any = None):
+    from zeroshard.cli.typed_flags import given_knobs
     from zeroshard.tools.planner.pipeline import plan_pipeline
     from zeroshard.tools.planner.spec import PLANNED_KNOBS
 
-    name = _preset(args)
-    target: Any = GPTConfig.named(name, vocab_size=args.vocab_size) if args.vocab_size else name
+    target = planned if planned is not None else _planned(args)[0]
     return plan_pipeline(target, world=args.world, pp=args.pp, pp_schedule=args.pp_schedule or "1f1b",
                          microbatches=args.microbatches or 0, pp_stages_per_rank=args.pp_stages_per_rank or 0,
                          batch=args.batch, seq=args.seq, accum=args.accum, tp=args.tp, mp=args.mp,
@@ -116,7 +130,7 @@ def stages_table(pplan) -> Table:
     names = list(pplan.ranks[0].plan.layouts)
     div, unit, digits = size_unit(max(r.plan[n].device.total for r in pplan.ranks for n in names))
     shape = pplan.shape
-    table = Table(title=f"{pplan.gpt.n_layer}-block GPT in {shape.num_stages} stages on pp {shape.pp}, "
+    table = Table(title=f"{pplan.layers}-block {pplan.name} in {shape.num_stages} stages on pp {shape.pp}, "
                         f"{shape.schedule}, {shape.microbatches} microbatches: per-rank {unit} (allocated peak), "
                         f"world {pplan.world} = pp {shape.pp} x {pplan.dp} data-parallel"
                         + (f" x tp {pplan.world // shape.pp // pplan.dp}" if pplan.world // shape.pp // pplan.dp > 1
@@ -293,13 +307,14 @@ def run(args: argparse.Namespace) -> int:
     if args.device_mem is not None:
         return run_recommend(args)
     try:
-        pplan = plan_of(args)
+        planned, target = _planned(args)
+        pplan = plan_of(args, planned)
         checks = None
         if args.measure:
             from zeroshard.tools.planner.measure_pipeline import measure
 
             stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
-            checks = measure(pplan, stages, name=_preset(args))
+            checks = measure(pplan, stages, name=args.model, target=target)
     except Exception as e:
         if (line := planning_failure(e)) is None:
             raise

@@ -3,8 +3,9 @@
 A spec says where the blocks are (the dotted path of one ``nn.ModuleList``), which modules run
 before and after them and which param-free ones every pipeline stage needs, how tensor
 parallelism splits it (fqn pattern -> style, transformers' vocabulary: zeroshard/runtime/tp_plan.py),
-where its experts are and how expert parallelism splits them, how its checkpoint names convert,
-and a hook for its activation estimate. Nothing else in the package keys on a model's class.
+where its experts are and how expert parallelism splits them, and how its checkpoint names convert.
+The planner reads activations from the model itself (a traced forward), not from the spec. Nothing
+else in the package keys on a model's class.
 
 ``zeroshard.models.specs.spec_of(model)`` finds it:
 
@@ -75,8 +76,6 @@ class ModelSpec:
     """Class names of modules never cut apart (transformers' ``_no_split_modules``)."""
     renames: Callable[[nn.Module], list] | None = None
     """The model's checkpoint conversions (transformers' conversion mapping), or None for none."""
-    activations: Callable[..., int] | None = None
-    """Hook for the planner: activation bytes of one block, or None for the planner's own estimate."""
 
     def tp(self) -> TPPlan:
         """The tensor-parallel plan as the runtime takes it (zeroshard/runtime/tp.py): the entries under

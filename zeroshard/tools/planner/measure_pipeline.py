@@ -2,7 +2,8 @@
 against the pipeline planner's figure for its pp rank.
 
 The run is built as ``zeroshard train --pp`` builds it (``zeroshard.trainer.step.build`` with the plan's
-pp fields, on a GPT of the planned config) and stepped by ``zeroshard.trainer.step.pipeline_step``. Step 1
+pp fields, on a GPT of the planned config or the model --model names) and stepped by
+``zeroshard.trainer.step.pipeline_step``. Step 1
 is a warm-up (optimizer state, torch's receive buffers); step 2 is measured. The peak is storage
 accounting, torch's ``MemTracker`` as in ``--measure``, with every tensor alive before the step
 registered with it (found through the garbage collector, grads included), so torch's receive
@@ -95,13 +96,14 @@ def _measure_stages(req: dict, mesh) -> dict:
         held = _live_tensors()
         earlier = frozenset(t.untyped_storage().data_ptr() for t in held)
         torch.manual_seed(0)
-        model = GPT(GPTConfig.from_dict(req["gpt"]))
+        # zeroshard's GPT at the planned config; any other model as train builds it from --model
+        model = GPT(GPTConfig.from_dict(req["gpt"])) if req["gpt"] is not None else None
         run = step_mod.build(cfg, mesh, model=model, reap_when_done=False)
         del model
         gen = torch.Generator().manual_seed(1000 + mesh.dp_rank)
         rows = cfg.batch // mesh.dp_size
-        x = torch.randint(0, req["gpt"]["vocab_size"], (rows, cfg.seq_len), generator=gen)
-        y = torch.randint(0, req["gpt"]["vocab_size"], (rows, cfg.seq_len), generator=gen)
+        x = torch.randint(0, req["vocab"], (rows, cfg.seq_len), generator=gen)
+        y = torch.randint(0, req["vocab"], (rows, cfg.seq_len), generator=gen)
         step_mod.pipeline_step(run, x, y)  # warm-up
         gc.collect()
         tracker = _tracker()
@@ -115,11 +117,23 @@ def _measure_stages(req: dict, mesh) -> dict:
     return out
 
 
-def request(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, knobs: dict | None = None) -> dict:
+def request(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, knobs: dict | None = None,
+            target: Any = None) -> dict:
     """What the workers need: the plan's GPT and pipeline as TrainConfig fields (``name`` is the
-    preset the config check reads; the model built is the planned config)."""
+    --model the config check reads; a GPT built is the planned config, any other model is built from
+    ``name`` as train builds it; ``target``, the plan's --model as a Target, gives its vocabulary)."""
     shape = pplan.shape
-    return {"pp": shape.pp, "shard_size": None, "stages": tuple(stages), "gpt": pplan.gpt.to_dict(),
+    if pplan.gpt is None and target is None:
+        raise ValueError(f"measuring a pipeline plan of {pplan.name} builds the model again on each rank: pass "
+                         "target=zeroshard.trainer.targets.Target(spec=...) (the CLI's --model)")
+    if pplan.gpt is not None:
+        vocab = pplan.gpt.vocab_size
+    else:
+        from zeroshard.trainer import adapter
+
+        vocab = adapter.token_vocab(target.build())
+    return {"pp": shape.pp, "shard_size": None, "stages": tuple(stages), "vocab": vocab,
+            "gpt": pplan.gpt.to_dict() if pplan.gpt is not None else None,
             "knobs": {**pplan.knobs, **(knobs or {})},
             "config": {"model": name, "pp": shape.pp, "pp_schedule": shape.schedule,
                        "microbatches": shape.microbatches, "pp_stages_per_rank": shape.stages_per_rank,
@@ -138,7 +152,8 @@ def checks(pplan: PipelinePlan, per_rank: list[dict]) -> list[StageCheck]:
     return out
 
 
-def measure(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, timeout_s: float = 600.0) -> list[StageCheck]:
+def measure(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, target: Any = None,
+            timeout_s: float = 600.0) -> list[StageCheck]:
     from zeroshard.trainer.launch import spawn
     from zeroshard.parallel.pipeline.schedules import schedule_spec
 
@@ -147,5 +162,5 @@ def measure(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, timeout_
                          f"the torch.autograd.grad calls of {pplan.shape.schedule}'s split backward; plan it without "
                          "--measure, or measure interleaved-1f1b (the same stages, each backward whole)")
 
-    return checks(pplan, spawn(pipeline_measure_worker, pplan.world, args=(request(pplan, stages, name=name),),
+    return checks(pplan, spawn(pipeline_measure_worker, pplan.world, args=(request(pplan, stages, name=name, target=target),),
                                timeout_s=timeout_s))

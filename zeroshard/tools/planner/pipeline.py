@@ -1,13 +1,15 @@
 """Per-stage memory of a pipeline-parallel run, and its bubble (docs/pipeline.md, "Planning").
 
 The model is cut as the runtime cuts it (zeroshard/parallel/pipeline/split.py, layout.py, tied.py: the
-same functions, on a meta-device build), and each virtual stage is planned by ``zs.plan`` as the
+same functions, on a meta-device build; any model whose spec names its blocks), and each virtual
+stage is planned by ``zs.plan`` as the
 ``zs.shard`` engine the runtime makes of it: its blocks as units, over the stage's world / pp
 ranks, with the engine options the runtime gives a stage (zeroshard/parallel/pipeline/grad_reduce.py: at
 stages 2-3 every microbatch's grads kept unreduced until the step's end, or with
 ``pp_grad_reduce="microbatch"`` reduce-scattered after each into the grad shard) and one planned
 micro-step per microbatch. What a stage keeps for backward is counted per
-microbatch and multiplied by the microbatches its schedule holds in flight at the rank's worst
+microbatch (zeroshard's GPT by its formula, any other model from one forward traced on fake tensors,
+each block's bytes charged to its stage) and multiplied by the microbatches its schedule holds in flight at the rank's worst
 moment, read off torch's own action order (zeroshard/parallel/pipeline/order.py). torch's stages also keep
 one receive buffer per microbatch for the activations (every stage but the first) and for their
 grads (every stage but the last), for the whole run.
@@ -60,7 +62,7 @@ class PipelinePlan:
     micro_batch: int
     """Sequences per microbatch on one rank."""
     gpt: Any
-    """The planned GPTConfig."""
+    """The planned GPTConfig, or None for any other model (its activations traced: traced.py)."""
     batch: int
     """Global batch per optimizer step."""
     seq: int
@@ -70,6 +72,10 @@ class PipelinePlan:
     """The engine's knobs the caller gave, flat (``pp_grad_reduce="microbatch"``): ``plan --pp
     --measure`` runs with them."""
     notes: tuple[str, ...] = ()
+    name: str = "GPT"
+    """The model, as the report names it."""
+    layers: int = 0
+    """How many blocks the stages split."""
 
     @property
     def bubble(self) -> float:
@@ -117,10 +123,9 @@ def _stage_activations(cfg, est: ActivationEstimate, *, blocks: int, first: bool
     return out
 
 
-def _buffers(shape: PipelineShape, stage: int, *, tokens: int, width: int, c: int) -> int:
+def _buffers(shape: PipelineShape, stage: int, *, one: int) -> int:
     """torch's receive buffers of one stage: per microbatch, its input (after the first stage) and
-    its output's grad (before the last)."""
-    one = tokens * width * c
+    its output's grad (before the last), ``one`` bytes each."""
     return shape.microbatches * one * ((stage > 0) + (stage < shape.num_stages - 1))
 
 
@@ -173,33 +178,14 @@ def _batch_split(shape: PipelineShape, *, world: int, pp: int, tp: int, batch: i
     return stage_world, dp, batch, local // shape.microbatches
 
 
-def _stage_estimates(cfg: Any, shape: PipelineShape, split: Any, policy: Checkpointing, *, micro: int, seq: int,
-                     c: int, tp: int) -> tuple[dict[int, ActivationEstimate], dict[int, Any]]:
-    """Per stage, the activation estimate of its blocks alone (each stage's engine checkpoints its own)
-    and what one microbatch in flight weighs there."""
-    tokens = micro * seq
-    est_of = {s: gpt_activations(dataclasses.replace(cfg, n_layer=len(split.blocks[s])), micro_batch=micro, seq=seq,
-                                 compute_bytes=c, policy=policy, tp=tp) for s in range(shape.num_stages)}
-    weight = {s: _stage_activations(cfg, est_of[s], blocks=len(split.blocks[s]), first=s == 0,
-                                    last=s == shape.num_stages - 1, tokens=tokens, seq=seq, c=c)
-              for s in range(shape.num_stages)}
-    return est_of, weight
-
-
-def _stage_runs(shape: PipelineShape, order: Any, *, pp: int, accum: int) -> dict[int, tuple]:
-    """What each stage's engine runs in a step: its forwards and backwards (or a split backward's
-    halves) in torch's order, once per schedule run (accum of them)."""
-    return {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
-                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
-
-
 def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str = "1f1b", microbatches: int = 0,
                   pp_stages_per_rank: int = 0, batch: int | None = None, seq: int | None = None, accum: int = 1,
                   tp: int = 1, mp: Any = None, device: str = "cuda", headroom: float = 0.10,
                   **kwargs: Any) -> PipelinePlan:
     """Per pp rank, every layout's bytes (``zs.plan``'s table per stage) with the pipeline's
     activations in flight and buffers, and the bubble. ``model_or_config``: a preset name, a
-    ``GPTConfig`` or zeroshard's GPT (activations are planned for zeroshard's GPT). ``batch`` is the
+    ``GPTConfig`` or zeroshard's GPT (its activations from the GPT's formula), or any model with a
+    spec (a folder's or a user's, on the meta device or not: its activations traced). ``batch`` is the
     global batch per step, as ``zeroshard train --pp`` reads it. Other keywords are ``zs.plan``'s."""
     from zeroshard.parallel.pipeline.grad_reduce import stage_options
     from zeroshard.parallel.pipeline.runtime import PIPELINE_RESHARD_AFTER_FORWARD
@@ -209,15 +195,11 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
 
     shape = PipelineShape.resolve(pp=pp, pp_schedule=pp_schedule, microbatches=microbatches,
                                   pp_stages_per_rank=pp_stages_per_rank)
-    cfg = _planned_gpt(model_or_config, seq)
-    seq = seq or cfg.seq_len
+    cfg, model = _planned(model_or_config, seq)
+    seq = seq or (cfg.seq_len if cfg is not None else _default_seq(model))
     stage_world, dp, batch, micro = _batch_split(shape, world=world, pp=pp, tp=tp, batch=batch, accum=accum)
 
-    modules, split, tied = _stage_modules(cfg, shape.num_stages)
-
     precision = resolve_mp(mp, analytic=False)
-    c = torch.empty(0, dtype=precision.compute_dtype(torch.float32)).element_size()
-    tokens = micro * seq
     # The engine each stage runs: the runtime's own options for a stage (pp_grad_reduce as its
     # accumulation), with the pipeline's resharding default unless a knob says otherwise.
     knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in KNOB_NAMES}
@@ -226,18 +208,24 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     # Each stage's engine checkpoints its own blocks (the runtime's segments of them), so a
     # stage's activations are planned over its blocks alone.
     check_checkpointing(schedule_spec(shape.schedule), engine.checkpointing)  # as the runtime refuses it
-    est_of, weight = _stage_estimates(cfg, shape, split, Checkpointing(engine.checkpointing), micro=micro, seq=seq,
-                                      c=c, tp=tp)
-    est = est_of[0]  # the per-block workspace and the head's, the same on every stage
+    policy = Checkpointing(engine.checkpointing)
+    if cfg is not None:
+        st = _gpt_stages(cfg, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy, tp=tp)
+    else:
+        st = _traced_stages(model, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy)
+    modules, split, tied, est_of, weight = st.modules, st.split, st.tied, st.est_of, st.weight
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
-    runs = _stage_runs(shape, order, pp=pp, accum=accum)
+    # What each stage's engine runs in a step: its forwards and backwards (or a split backward's
+    # halves) in torch's order, once per schedule run (accum of them).
+    runs = {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
+                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
     ranks = []
     for r in range(pp):
         stages = shape.stages_of(r)
         moments = peak_in_flight(order[r], {s: weight[s] for s in stages})
-        buffers = sum(_buffers(shape, s, tokens=tokens, width=cfg.n_embd, c=c) for s in stages)
+        buffers = sum(_buffers(shape, s, one=st.one) for s in stages)
         combined = []
         # Two moments: the activation peak before the rank's first backward has accumulated any
         # grads (one planned micro-step: no carried grad buffers), and the one after it (every
@@ -246,8 +234,8 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
             plans = []
             for k, s in enumerate(stages):
                 # The rank's in-flight activations are charged to its first stage.
-                carried = _carried(est_of[s], est, held=moment.bytes if k == 0 else None, blocks=len(split.blocks[s]),
-                                   last=s == shape.num_stages - 1)
+                carried = _carried(est_of[s], st.workspace[s], held=moment.bytes if k == 0 else None,
+                                   blocks=len(split.blocks[s]), last=s == shape.num_stages - 1)
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
                                   accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
                                   units=modules[s].block_modules(), activations=carried, engine=engine,
@@ -257,30 +245,58 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
         ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
                                in_flight=worst.held, activation_bytes=worst.bytes, buffer_bytes=buffers,
                                plan=_larger(*combined)))
+    notes = _notes(shape, tied, grad_reduce=engine.pp_grad_reduce, steps=steps)
+    if cfg is None:
+        notes += ("activations traced from one forward of the whole model on fake tensors, each block's charged "
+                  "to its stage, the embeddings' to the first and the head's and loss's to the last",)
+        if tp > 1:
+            notes += (f"tp={tp}: the traced activations are one whole rank's (not divided by tp), an upper bound",)
     return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
-                        accum=accum, ranks=tuple(ranks), knobs=knobs,
-                        notes=_notes(shape, tied, grad_reduce=engine.pp_grad_reduce, steps=steps))
+                        accum=accum, ranks=tuple(ranks), knobs=knobs, notes=notes, name=st.name,
+                        layers=sum(len(b) for b in split.blocks))
 
 
-def _planned_gpt(model_or_config: Any, seq: int | None):
-    """The GPTConfig a preset name, a GPTConfig or a GPT gives, at ``seq`` when given."""
+def _planned(model_or_config: Any, seq: int | None) -> tuple[Any, Any]:
+    """(GPTConfig, None) for a preset name, a GPTConfig or a GPT, at ``seq`` when given; (None,
+    model) for any other module (a folder's or a user's model, on the meta device or not)."""
+    from torch import nn
+
     from zeroshard.models import GPT, GPTConfig
 
     if isinstance(model_or_config, str):
-        return GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {}))
+        return GPTConfig.named(model_or_config, **({"seq_len": seq} if seq else {})), None
     if isinstance(model_or_config, GPTConfig):
-        return dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config
+        return (dataclasses.replace(model_or_config, seq_len=seq) if seq else model_or_config), None
     if isinstance(model_or_config, GPT):
-        return model_or_config.cfg
-    raise ValueError("the pipeline planner plans zeroshard's GPT (a preset name, a GPTConfig or a GPT); "
-                     f"got {type(model_or_config).__name__}")
+        return model_or_config.cfg, None
+    if isinstance(model_or_config, nn.Module):
+        return None, model_or_config
+    raise ValueError("the pipeline planner plans a model (an nn.Module, on the meta device or not), a GPTConfig or "
+                     f"a preset name; got {type(model_or_config).__name__}")
 
 
-def _stage_modules(cfg, num_stages: int) -> tuple[list, Any, list]:
-    """The stages of a meta-device GPT, cut as the runtime cuts it: (modules, split, tied params)."""
-    from zeroshard.tools.planner.inventory import meta_gpt
+def _default_seq(model: Any) -> int:
+    from zeroshard.trainer.adapter import max_positions
 
-    return cut_stages(meta_gpt(cfg), num_stages)
+    return min(max_positions(model) or 64, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    """A model cut as the runtime cuts it, and what one microbatch leaves alive on each stage."""
+
+    name: str
+    modules: list
+    split: Any
+    tied: list
+    est_of: dict[int, ActivationEstimate]
+    """Each stage's activations over its own blocks."""
+    workspace: dict[int, ActivationEstimate]
+    """Whose backward temporaries (head, block) each stage plans with."""
+    weight: dict[int, int]
+    """Bytes one microbatch leaves alive on each stage from its forward to its backward."""
+    one: int
+    """Bytes of one microbatch's hidden state: a receive buffer."""
 
 
 def cut_stages(model: Any, num_stages: int, blocks: str | None = None) -> tuple[list, Any, list]:
@@ -303,6 +319,55 @@ def cut_stages(model: Any, num_stages: int, blocks: str | None = None) -> tuple[
                 untie_copy(module, t)
         modules.append(module)
     return modules, split, tied
+
+
+def _gpt_stages(cfg, num_stages: int, *, micro: int, seq: int, precision: Any, policy: Checkpointing,
+                tp: int) -> _Stages:
+    """zeroshard's GPT: each stage's activations from the GPT's formula (activations.py)."""
+    from zeroshard.tools.planner.inventory import meta_gpt
+
+    c = torch.empty(0, dtype=precision.compute_dtype(torch.float32)).element_size()
+    modules, split, tied = cut_stages(meta_gpt(cfg), num_stages)
+    est_of = {s: gpt_activations(dataclasses.replace(cfg, n_layer=len(split.blocks[s])), micro_batch=micro, seq=seq,
+                                 compute_bytes=c, policy=policy, tp=tp) for s in range(num_stages)}
+    weight = {s: _stage_activations(cfg, est_of[s], blocks=len(split.blocks[s]), first=s == 0,
+                                    last=s == num_stages - 1, tokens=micro * seq, seq=seq, c=c)
+              for s in range(num_stages)}
+    # the per-block workspace and the head's, the same on every stage
+    return _Stages(name="GPT", modules=modules, split=split, tied=tied, est_of=est_of,
+                   workspace={s: est_of[0] for s in range(num_stages)}, weight=weight, one=micro * seq * cfg.n_embd * c)
+
+
+def _traced_stages(model, num_stages: int, *, micro: int, seq: int, precision: Any,
+                   policy: Checkpointing) -> _Stages:
+    """Any other model: one forward of the whole model traced on fake tensors (traced.py), each
+    block's saved bytes charged to its stage, what the embeddings saved to the first stage and
+    what the final norm, head and loss saved to the last.
+
+    A stage other than the last also keeps its output for torch's backward call (one hidden
+    state); the last keeps the logits (unless autograd saved them already). A stage after the first
+    receives its input into torch's buffer, counted with the buffers, so its first block's saved
+    input is not counted twice: as ``_stage_activations`` counts zeroshard's GPT."""
+    from zeroshard.parallel.pipeline.layout import layout_of
+    from zeroshard.tools.planner.traced import estimate_of, trace
+
+    compute = precision.compute_dtype(next(model.parameters()).dtype)
+    c = torch.empty(0, dtype=compute).element_size()
+    layout = layout_of(model)
+    listed = model.get_submodule(layout.blocks)
+    t = trace(model, [(f"{layout.blocks}.{i}", b) for i, b in enumerate(listed)], micro_batch=micro, seq=seq,
+              compute=compute)
+    modules, split, tied = cut_stages(model, num_stages)
+    one = max(t.inputs, default=0)
+    est_of, weight = {}, {}
+    for s in range(num_stages):
+        first, last = s == 0, s == num_stages - 1
+        root = (t.before if first else 0) + ((t.after + (0 if t.logits_saved else t.logits * c)) if last else 0)
+        est_of[s] = estimate_of(t, split.blocks[s], compute, policy, root=root)
+        weight[s] = _blocks_saved(est_of[s], blocks=len(split.blocks[s])) + root + (0 if last else one) \
+            - (0 if first else one)
+    return _Stages(name=type(model).__name__, modules=modules, split=split, tied=tied, est_of=est_of,
+                   workspace=est_of, weight=weight, one=one)
 
 
 def _carried(stage_est: ActivationEstimate, est: ActivationEstimate, *, held: int | None, blocks: int,

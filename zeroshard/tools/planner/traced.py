@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,15 +38,23 @@ from zeroshard.tools.planner.spec import Checkpointing
 
 
 class _SavedBytes:
-    """Storages autograd saved, each once, charged to the block running when it was saved."""
+    """Storages autograd saved, each once, charged to the block running when it was saved; the rest
+    to the root, split into what was saved before the first block ran (embeddings) and after (final
+    norm, head, loss): a pipeline's first and last stage keep those."""
 
     def __init__(self, params: set[int]):
         self.params = params  # storage keys of the (meta) params: a weight saved for backward is not an activation
         self.seen: set[int] = set()
         self.block: int | None = None
+        self.started = False
         self.per_block: dict[int, int] = {}
         self.largest: dict[int, int] = {}
-        self.root = 0
+        self.before = 0
+        self.after = 0
+
+    @property
+    def root(self) -> int:
+        return self.before + self.after
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -55,8 +63,10 @@ class _SavedBytes:
             return tensor
         self.seen.add(key)
         size = storage.nbytes()
-        if self.block is None:
-            self.root += size
+        if self.block is None and self.started:
+            self.after += size
+        elif self.block is None:
+            self.before += size
         else:
             self.per_block[self.block] = self.per_block.get(self.block, 0) + size
             self.largest[self.block] = max(self.largest.get(self.block, 0), size)
@@ -69,7 +79,7 @@ def _charged_to_blocks(blocks: list[nn.Module], saved: _SavedBytes, inputs: dict
     (what a checkpoint segment starting there holds)."""
     def enter(index: int):
         def hook(module, args, kwargs) -> None:
-            saved.block = index
+            saved.block, saved.started = index, True
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             if first is not None:
                 inputs[index] = first.numel() * first.element_size()
@@ -87,6 +97,28 @@ def _charged_to_blocks(blocks: list[nn.Module], saved: _SavedBytes, inputs: dict
             h.remove()
 
 
+@contextlib.contextmanager
+def _fake_grouped_mm() -> Iterator[None]:
+    """transformers' stacked experts call torch's grouped_mm, whose fake (meta) kernel accepts bf16
+    only, while the CPU and GPU kernels take every float dtype. For the trace, transformers' own
+    fallback op is taken instead: it has a fake kernel for every dtype and saves what grouped_mm
+    saves for backward (its input and the expert weights, and the offsets)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # no transformers: no stacked experts of its to trace
+        yield
+        return
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        yield
+        return
+    original = moe._can_use_grouped_mm  # noqa: SLF001 - the dispatch's one switch
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False  # noqa: SLF001
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original  # noqa: SLF001
+
+
 def _fake_state(model: nn.Module, compute: torch.dtype) -> dict[str, torch.Tensor]:
     """Every param and buffer as a fake CPU tensor; floating ones in the compute dtype, as the runtime runs them.
     Tied params appear once: ``functional_call`` ties the others to it."""
@@ -98,9 +130,31 @@ def _fake_state(model: nn.Module, compute: torch.dtype) -> dict[str, torch.Tenso
     return out
 
 
-def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
-                       compute: torch.dtype, policy: Checkpointing) -> ActivationEstimate:
-    """Per rank, for one micro-batch of ``micro_batch`` × ``seq`` tokens (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """What one traced forward of the whole model saved for backward, per block and around them."""
+
+    per_block: tuple[int, ...]
+    """Bytes each block's forward saved (a storage seen by an earlier block is not counted again)."""
+    largest: tuple[int, ...]
+    """Each block's largest saved storage."""
+    inputs: tuple[int, ...]
+    """Each block's input (the residual stream): what a checkpoint segment or a pipeline stage's
+    received buffer holds."""
+    before: int
+    """Saved before the first block ran (embeddings): the first pipeline stage's."""
+    after: int
+    """Saved after the last block (final norm, head, loss): the last stage's."""
+    logits: int
+    """Elements of the model's output logits."""
+    logits_saved: bool
+    """Whether autograd saved the logits themselves (else a pipeline's last stage keeps them apart)."""
+
+
+def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
+          compute: torch.dtype) -> Trace:
+    """One forward and loss of ``model`` on fake tensors, its saved storages charged to ``blocks``
+    (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -110,12 +164,12 @@ def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *,
     saved, inputs = _SavedBytes(params), dict[int, int]()
     with fake:
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
-    logits_bytes: list[int] = []
+    outputs: list[torch.Tensor] = []
 
     def head(module, args, output) -> None:  # the logits: the root module's output
         logits = getattr(output, "logits", output)
         if isinstance(logits, torch.Tensor):
-            logits_bytes.append(logits.numel())
+            outputs.append(logits)
 
     modules = [m for _, m in blocks]
     wrapper = _LossOf(model)
@@ -126,14 +180,27 @@ def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *,
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a module that cannot take token ids is the caller's note, not torch's log
     try:
-        with fake, _charged_to_blocks(modules, saved, inputs), \
+        with fake, _charged_to_blocks(modules, saved, inputs), _fake_grouped_mm(), \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (ids,), strict=False)
     finally:
         handle.remove()
         model.train(mode)
         quiet.setLevel(level)
-    estimate = _estimate(saved, inputs, len(blocks), logits_bytes[0] if logits_bytes else 0, compute, policy)
+    n = len(blocks)
+    logits = outputs[0] if outputs else None
+    return Trace(per_block=tuple(saved.per_block.get(i, 0) for i in range(n)),
+                 largest=tuple(saved.largest.get(i, 0) for i in range(n)),
+                 inputs=tuple(inputs.get(i, 0) for i in range(n)), before=saved.before, after=saved.after,
+                 logits=logits.numel() if logits is not None else 0,
+                 logits_saved=logits is not None and logits.untyped_storage()._cdata in saved.seen)  # noqa: SLF001
+
+
+def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
+                       compute: torch.dtype, policy: Checkpointing) -> ActivationEstimate:
+    """Per rank, for one micro-batch of ``micro_batch`` × ``seq`` tokens (see the module docstring)."""
+    t = trace(model, blocks, micro_batch=micro_batch, seq=seq, compute=compute)
+    estimate = estimate_of(t, range(len(blocks)), compute, policy, root=t.before + t.after)
     return dataclasses.replace(estimate, block_names=tuple(name for name, _ in blocks))
 
 
@@ -151,20 +218,24 @@ class _LossOf(nn.Module):
         return total
 
 
-def _estimate(saved: _SavedBytes, inputs: dict[int, int], layers: int, logits: int, compute: torch.dtype,
-              policy: Checkpointing) -> ActivationEstimate:
+def estimate_of(t: Trace, blocks: Iterable[int], compute: torch.dtype, policy: Checkpointing, *,
+                root: int) -> ActivationEstimate:
+    """The estimate over ``blocks`` of the trace (all of them, or one pipeline stage's), with
+    ``root`` bytes saved outside them."""
+    chosen = list(blocks)
     c = torch.empty(0, dtype=compute).element_size()
-    block_bytes = sum(saved.per_block.values())
+    block_bytes = sum(t.per_block[i] for i in chosen)
+    layers = len(chosen)
     per_layer = block_bytes // layers if layers else 0
-    boundary = max(inputs.values(), default=0)
+    boundary = max((t.inputs[i] for i in chosen), default=0)
     segments = tuple(policy.segments(layers))
     if not segments:
         kept, recompute = block_bytes, 0
     else:
         kept = len(segments) * boundary
         recompute = max(b - a for a, b in segments) * per_layer
-    head = logits * 4 * 2 + (logits * c if c != 4 else 0)
-    block = 2 * max(saved.largest.values(), default=0) + 5 * boundary
-    return ActivationEstimate(saved=kept + saved.root, recompute=recompute, workspace=max(head, block),
-                              per_layer=per_layer, root=saved.root, boundary=boundary, head=head, block=block,
+    head = t.logits * 4 * 2 + (t.logits * c if c != 4 else 0)
+    block = 2 * max((t.largest[i] for i in chosen), default=0) + 5 * boundary
+    return ActivationEstimate(saved=kept + root, recompute=recompute, workspace=max(head, block),
+                              per_layer=per_layer, root=root, boundary=boundary, head=head, block=block,
                               segments=segments)

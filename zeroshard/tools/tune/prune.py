@@ -83,16 +83,14 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
 
 def _pipeline_prediction(gpt: Any, c: Candidate, base: TrainConfig, knobs: dict[str, Any], device: str,
                          plans: dict[tuple, Any], *, ep: int = 1) -> Prediction:
-    """The worst pp rank's memory (``plan_pipeline``, as `plan --pp` plans it) for ``c`` under
+    """The worst pp rank's memory (``plan_pipeline``, as `plan --pp` plans it: a preset's config or
+    any other model built on meta) for ``c`` under
     ``base``'s pipeline, with the candidate's schedule and microbatches where it sets them."""
-    from zeroshard.models import GPTConfig
     from zeroshard.tools.planner.pipeline import plan_pipeline
 
     if ep > 1:  # plan_pipeline plans every stage's experts whole, so it has no figure to prune ep by
         raise ValueError(f"tune --pp with ep={ep}: the pipeline planner does not count a stage's split experts yet "
                          "(train and verify run --pp with --ep); tune without --pp, or drop --ep/--ep-degrees")
-    if not isinstance(gpt, GPTConfig):
-        raise ValueError(f"tune --pp plans zeroshard's GPT presets (tiny, small, medium); got --model {base.model}")
     pipe: dict[str, Any] = {"pp_schedule": c.pp_schedule or base.pp_schedule,
                             "microbatches": c.microbatches or base.microbatches}
     engine = {k: v for k, v in knobs.items() if k not in ("comm_quant", "comm_quant_block")}

@@ -1,0 +1,70 @@
+"""The pipeline planner on a model that is not zeroshard's GPT (a transformers model, through its
+spec): each stage's activations from one traced forward, against the same bytes counted on a real
+forward of the model (saved storages charged to the block running, the rest before or after them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroshard.tools.planner.pipeline import plan_pipeline
+from zeroshard.trainer.adapter import loss_sum
+
+MICRO, SEQ = 2, 16
+
+
+def _mistral():
+    tf = pytest.importorskip("transformers")
+    config = tf.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).train()
+
+
+def _real_saved(model) -> dict:
+    """Bytes a real forward and loss save: per block index, and "before" / "after" the blocks."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, where, out = set(), ["before"], {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key not in seen:
+            seen.add(key)
+            out[where[0]] = out.get(where[0], 0) + t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for i, block in enumerate(model.model.layers):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
+        handles.append(block.register_forward_hook(lambda m, a, o: where.__setitem__(0, "after")))
+    ids = torch.randint(0, 96, (MICRO, SEQ))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_sum(model, ids, ids)
+    for h in handles:
+        h.remove()
+    return out
+
+
+def test_each_stage_is_charged_its_blocks_and_the_first_its_embeddings():
+    model = _mistral()
+    real = _real_saved(model)
+    pplan = plan_pipeline(model, world=4, pp=2, microbatches=2, batch=2 * 2 * MICRO, seq=SEQ, device="cpu")
+    first, last = pplan.ranks
+    assert pplan.gpt is None and pplan.layers == 4 and first.blocks == ((0, 1),) and last.blocks == ((2, 3),)
+    hidden = MICRO * SEQ * 32 * 4  # one microbatch's hidden state: what stage 0 keeps for torch's backward
+    # 1f1b at pp 2 with 2 microbatches: rank 0 holds both before its first backward, rank 1 one.
+    assert first.in_flight == {0: 2} and last.in_flight == {1: 1}
+    # A 0-dim constant (fake tensors' scalars) is a few bytes apart, nothing more.
+    assert first.activation_bytes == pytest.approx(2 * (real["before"] + real[0] + real[1] + hidden), abs=64)
+    # The last stage: its blocks (the first one's input is the received buffer's), the head's and
+    # the loss's saves, and the logits torch keeps for the stage's backward.
+    received = MICRO * SEQ * 32 * 4
+    logits = MICRO * SEQ * 96 * 4
+    assert last.activation_bytes == pytest.approx(real[2] + real[3] - received + real["after"] + logits, abs=64)
+    assert first.buffer_bytes == 2 * hidden  # one receive buffer per microbatch for the grads coming back
+    assert any("traced" in n for n in pplan.notes)
+
+
+def test_a_module_without_blocks_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="cannot tell where Linear keeps its blocks"):
+        plan_pipeline(torch.nn.Linear(4, 4), world=2, pp=2, device="cpu")
