@@ -28,20 +28,25 @@ if not Path(sys.executable).with_name("torchft_lighthouse").is_file():
     pytest.skip("torchft_lighthouse is not installed next to this Python", allow_module_level=True)
 
 KILL, STEPS, NAN = 30, 90, 26
-PACE_S = 0.3
+PACE_S, FIRST_PACE_S = 0.3, 1.0
 # A group training alone waits PACE_S after each step, so that it does not finish before the other
-# comes back (a replacement's start takes seconds); steps with both groups run at full speed. Group 0's
-# backward leaves a NaN in its grads at step NAN.
+# comes back (a replacement's start takes seconds); steps with both groups run at full speed. Until the
+# groups first train together, the one that started first waits FIRST_PACE_S a step: the other's
+# process start may lag by many seconds on a loaded machine, and both must be in before step KILL.
+# Group 0's backward leaves a NaN in its grads at step NAN.
 PACED = f"""
 import os, sys, time
 import zeroshard.trainer.replicas as replicas
 from zeroshard.comm import get_ledger
 from zeroshard.runtime.engine import get_engine
 step, backward = replicas.replica_step, replicas.accumulate_gradients
+together = []
 def paced(run, group, index):
     out = step(run, group, index)
     if out["participants"] == 1:
-        time.sleep({PACE_S})
+        time.sleep({PACE_S} if together else {FIRST_PACE_S})
+    else:
+        together.append(index)
     return out
 def nan_backward(model, x, y, **kw):
     out = backward(model, x, y, **kw)
@@ -71,6 +76,15 @@ def _group(index: int, lighthouse: str, run_dir: Path, attempt: int, log: Path) 
     return subprocess.Popen(cmd, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
+def _trained_alone(run_dir: Path, *, since: int, steps: int) -> bool:
+    """Whether the group of ``run_dir`` has recorded ``steps`` steps from ``since`` on with one group."""
+    try:
+        records = read_metrics(run_dir)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
+    return sum(1 for r in records if r["step"] >= since and r.get("replicas") == 1) >= steps
+
+
 def _run_groups(tmp_path: Path) -> tuple[list[int | None], int | None]:
     port = _port()
     lighthouse = subprocess.Popen([str(Path(sys.executable).with_name("torchft_lighthouse")), "--bind", f"[::]:{port}",
@@ -79,11 +93,15 @@ def _run_groups(tmp_path: Path) -> tuple[list[int | None], int | None]:
     address = f"http://127.0.0.1:{port}"
     try:
         procs = [_group(i, address, tmp_path / f"r{i}", 0, tmp_path / f"r{i}.log") for i in (0, 1)]
-        killed, deadline = None, time.monotonic() + 150
+        killed, replaced, deadline = None, None, time.monotonic() + 150
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             if killed is None and procs[1].poll() is not None:
-                killed = procs[1].returncode  # the replacement starts as torchrun's next attempt would
-                procs[1] = _group(1, address, tmp_path / "r1", 1, tmp_path / "r1.log")
+                killed = procs[1].returncode
+            if killed is not None and replaced is None and _trained_alone(tmp_path / "r0", since=KILL, steps=2):
+                # The replacement starts as torchrun's next attempt would, once group 0 has shown it goes
+                # on alone: a replacement that starts within the lighthouse's join timeout is simply let
+                # into the next quorum, and group 0 would never train alone.
+                replaced = procs[1] = _group(1, address, tmp_path / "r1", 1, tmp_path / "r1.log")
             time.sleep(0.05)
         for p in procs:
             if p.poll() is None:
