@@ -31,7 +31,8 @@ from zeroshard.trainer.train import global_micro_batches, reference_backward
 SEED = 1234
 VOCAB = 64
 SEQ = 16
-STEPS = 10
+STEPS = 5
+"""Steps of every suite case (each one a world-4 run and its reference); `zeroshard verify --ep 2` runs 20."""
 FROZEN = "blocks.0.mlp.experts."
 """The frozen experts of the frozen case (fine-tuning with some experts fixed)."""
 

@@ -23,7 +23,8 @@ from zeroshard.runtime import get_engine
 from zeroshard.trainer.train import train_step
 
 WORLD = 4
-STEPS = 10
+STEPS = 5
+"""Steps of every suite case (each one a world-4 run and its reference); `zeroshard verify --pp 2` runs 20."""
 MODELS = {"gpt": "tiny", "llama": "hf:llama-tiny"}
 SCHEDULES = ("1f1b", "interleaved-1f1b")
 CASES = [(name, stage, sched) for name in MODELS for sched in SCHEDULES for stage in (1, 2, 3)]
