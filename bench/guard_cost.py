@@ -32,10 +32,10 @@ CASES = (("clip, guard on", 1.0, True), ("clip, guard off", 1.0, False),
 def _timed_should_skip(spent: list[float]):
     original = guard.should_skip
 
-    def timed(engine):
+    def timed(*args, **kwargs):  # the guard's own arguments, passed through as they come
         t0 = time.perf_counter()
         try:
-            return original(engine)
+            return original(*args, **kwargs)
         finally:
             spent.append(time.perf_counter() - t0)
     return timed
