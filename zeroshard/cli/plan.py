@@ -26,11 +26,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.trainer.targets import Target, is_module_spec, is_preset
+from zeroshard.trainer.targets import is_module_spec, is_preset
 from zeroshard.cli.train import fail
 from zeroshard.cli.typed_flags import given_knobs
 from zeroshard.cli import plan_pipeline
 from zeroshard.cli.plan_flags import DEFAULT_COMM_QUANT_BLOCK
+from zeroshard.cli.plan_workload import model_target
 from zeroshard.cli.plan_pipeline import size_unit
 from zeroshard.tools.sim.hardware import DEFAULT_HW, Hardware, load_hardware, with_links
 from zeroshard.tools.planner.spec import PLANNED_KNOBS
@@ -138,7 +139,7 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
         # The preset's name reads better in the report; a vocabulary override needs the config itself.
         target = GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model
     else:  # a folder, hf:NAME or module:Class, built on meta as train builds it
-        target = _target(args).build()
+        target = model_target(args).build()
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
                   seq=args.seq, accum=args.accum, **given_knobs(args, PLANNED_KNOBS),
                   headroom=args.headroom, accounting=args.accounting,
@@ -147,11 +148,6 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
                   sequence_parallel=args.sequence_parallel, ep=args.ep or 1,
                   routing_skew=args.routing_skew or 0.0, cp=args.cp or 1, cp_attention=args.cp_attention or "ring")
     return target, kwargs
-
-
-def _target(args: argparse.Namespace) -> Target:
-    """--model as a non-preset target, with what it is built with (--measure's ranks build it again)."""
-    return Target(spec=args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64, config=args.model_config)
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -281,7 +277,7 @@ def _measure(p, args: argparse.Namespace):
     from zeroshard.tools.planner.measure import measure
 
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
-    target = None if args.params is not None or is_preset(args.model) else _target(args)
+    target = None if args.params is not None or is_preset(args.model) else model_target(args)
     return measure(p, stages, target=target, timed_steps=MEASURE_TIMED_STEPS)
 
 

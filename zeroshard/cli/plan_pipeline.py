@@ -98,7 +98,7 @@ def _preset(args: argparse.Namespace) -> str:
 
 def _planned(args: argparse.Namespace) -> tuple[Any, Any]:
     """(what plan_pipeline plans, the Target --measure's ranks build again or None for a preset)."""
-    from zeroshard.cli.plan import _target
+    from zeroshard.cli.plan_workload import model_target
     from zeroshard.models import GPTConfig
     from zeroshard.trainer.targets import is_preset
 
@@ -107,7 +107,7 @@ def _planned(args: argparse.Namespace) -> tuple[Any, Any]:
                          "module:Class)")
     if is_preset(args.model):
         return (GPTConfig.named(args.model, vocab_size=args.vocab_size) if args.vocab_size else args.model), None
-    target = _target(args)
+    target = model_target(args)
     return target.build(), target  # on meta, as plan without --pp builds it
 
 

@@ -100,3 +100,11 @@ def _check_tp_split(shape, tp: int) -> None:
     for what, size in (("n_head", shape.n_head), ("KV heads", shape.kv_dim // head_dim), ("the MLP width", shape.ffn)):
         if size % tp:
             raise ValueError(f"--tp {tp} does not divide {what} ({size}) of {shape.name}; pick a tp that divides it")
+
+
+def model_target(args: argparse.Namespace) -> Any:
+    """--model as a non-preset target (a trainer ``Target``), with what it is built with: `plan` builds it
+    on meta, and --measure's ranks build it again. `plan` and `plan --pp` both read it."""
+    from zeroshard.trainer.targets import Target
+
+    return Target(spec=args.model, vocab_size=args.vocab_size, seq_len=args.seq or 64, config=args.model_config)
