@@ -4,6 +4,7 @@ model, interleaved; then at world 2 against torch DDP and FSDP2.
     .venv/bin/python bench/runtime_overhead.py                       # 32 blocks x 64 wide: hooks dominate
     .venv/bin/python bench/runtime_overhead.py --shapes 4x64 --stages 0,3 --world2 0
     .venv/bin/python bench/runtime_overhead.py --layers 8 --width 512 --shapes 1x128 --world2 0
+    .venv/bin/python bench/runtime_overhead.py --guard both --world2 0   # each stage with the guard on and off
 
 World 1: at one rank every collective is a local no-op, so the difference from the plain step is
 the runtime's Python: hooks, flat-buffer bookkeeping, the sharded optimizer's segments. A thin, deep
@@ -16,6 +17,9 @@ World 2 (``--world2``, the first shape's batch and seq per rank): ``zeroshard be
 model, stages 0 and 3 against torch DDP, FSDP2 and the single-process step, interleaved. Stage 3's
 excess over the single process is split into the runtime's host work (stage 3's excess over the
 plain step at world 1, same shape) and the rest: the collectives' latency and the waits on them.
+
+``--guard both`` adds each stage with the non-finite guard off (``guard.configure(enabled=False)``): the
+plain step checks nothing, and without clipping the guard computes the grad norm itself every step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 import zeroshard as zs
 from zeroshard.models import GPT, GPTConfig
+from zeroshard.runtime import get_engine, guard
 from zeroshard.trainer.step import one_step, plain_step
 
 
@@ -51,10 +56,13 @@ def world1(args, stages: list[int]) -> dict[tuple[int, int], dict[str, float]]:
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
         steps[(batch, seq), "plain PyTorch"] = lambda m=plain, o=plain_opt, x=x: plain_step(m, o, x, x)
         for stage in stages:
-            torch.manual_seed(0)
-            model = zs.shard(GPT(cfg), stage=stage)
-            opt = zs.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, foreach=True)
-            steps[(batch, seq), f"zeroshard stage {stage}"] = lambda m=model, o=opt, x=x: one_step(m, o, x, x)
+            for guarded in (True, False) if args.guard == "both" else (True,):
+                torch.manual_seed(0)
+                model = zs.shard(GPT(cfg), stage=stage)
+                opt = zs.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, foreach=True)
+                guard.configure(get_engine(model), enabled=guarded)
+                name = f"zeroshard stage {stage}" + ("" if guarded else ", guard off")
+                steps[(batch, seq), name] = lambda m=model, o=opt, x=x: one_step(m, o, x, x)
     for step in steps.values():
         for _ in range(3):
             step()
@@ -102,6 +110,8 @@ def main() -> None:
     p.add_argument("--shapes", default="1x16,4x64", help="batch x seq per shape, comma-separated")
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--guard", choices=("on", "both"), default="on",
+                   help="both: each stage also with the non-finite guard off")
     p.add_argument("--world2", type=int, default=1, help="1: also the world-2 comparison (0 skips it)")
     p.add_argument("--world2-rounds", type=int, default=5)
     args = p.parse_args()
