@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Callable, cast
 
 import torch
@@ -26,6 +25,7 @@ from zeroshard.runtime.events import EngineEvents, EventKind
 from zeroshard.runtime.layout import FlatLayout
 from zeroshard.runtime.precision import MixedPrecision
 from zeroshard.runtime.reduce import GradReducer, ReduceTarget
+from zeroshard.runtime.stage_policy import StagePolicy  # re-exported: the engine's and the tools' one table
 from zeroshard.runtime.streams import Landings, SideStreams
 from zeroshard.runtime.wrap import ParamRef
 
@@ -45,56 +45,6 @@ def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor
     # torch accepts (storage, offset, size) with contiguous strides; its stubs list only the 4-argument form.
     view.set_(buffer.untyped_storage(), buffer.storage_offset() + offset, shape)  # type: ignore[call-overload]
     return view
-
-
-@dataclasses.dataclass(frozen=True)
-class StagePolicy:
-    """What a ZeRO stage shards. The four stages are this table, not four code paths."""
-
-    stage: int
-
-    def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {self.stage!r}")
-
-    @functools.cached_property  # read per param and step: a dict hit after the first
-    def shard_optimizer(self) -> bool:
-        return self.stage >= 1
-
-    @functools.cached_property
-    def transient_grads(self) -> bool:
-        """Full grads exist only until their reduce-scatter completes (stages 2 and 3)."""
-        return self.stage >= 2
-
-    @functools.cached_property
-    def shard_params(self) -> bool:
-        return self.stage == 3
-
-    @functools.cached_property
-    def gathers_after_step(self) -> bool:
-        """The updated shards are all-gathered into the full params after the optimizer step
-        (stages 1-2; stage 0 steps the full params, stage 3 gathers at the next forward)."""
-        return self.shard_optimizer and not self.shard_params
-
-    def reads(self, knob: str) -> bool:
-        """Whether the engine reads ``knob`` (a name in ``EngineOptions``' flat knob table) at this
-        stage. The gather schedule's knobs (prefetch window, resharding, backward prefetch point)
-        exist only where params are sharded; reduction buckets only where they are not (stage 3's
-        units are its modules); the in-flight cap and the accumulation choice only where full
-        grads are transient. Tools ask this instead of restating it, so a tuner never tries two
-        candidates that differ in a knob the run ignores."""
-        if knob in _SHARDED_PARAM_KNOBS:
-            return self.shard_params
-        if knob in _UNSHARDED_PARAM_KNOBS:
-            return not self.shard_params
-        if knob in _TRANSIENT_GRAD_KNOBS:
-            return self.transient_grads
-        return True
-
-
-_SHARDED_PARAM_KNOBS = frozenset({"prefetch", "reshard_after_forward", "backward_prefetch_at"})
-_UNSHARDED_PARAM_KNOBS = frozenset({"bucket_mb"})
-_TRANSIENT_GRAD_KNOBS = frozenset({"max_inflight_reductions", "accumulation", "pp_grad_reduce"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
