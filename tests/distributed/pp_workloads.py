@@ -27,7 +27,10 @@ STEPS = 5
 """Steps of every suite case (each one a world-4 run and its reference); `zeroshard verify --pp 2` runs 20."""
 MODELS = {"gpt": "tiny", "llama": "hf:llama-tiny"}
 SCHEDULES = ("1f1b", "interleaved-1f1b")
-CASES = [(name, stage, sched) for name in MODELS for sched in SCHEDULES for stage in (1, 2, 3)]
+CASES = [("gpt", stage, sched) for sched in SCHEDULES for stage in (1, 2, 3)]
+# Llama differs from the GPT in its model, not in how a stage reduces: its tied head and rotary
+# forward are held at stage 3 under each schedule, and at stage 1 (its compiled twin below).
+CASES += [("llama", 3, sched) for sched in SCHEDULES] + [("llama", 1, "interleaved-1f1b")]
 CASES += [("gpt", 3, "gpipe"), ("gpt", 2, "looped-bfs")]  # torch's other two schedules, one case each
 # The zero-bubble schedule splits each backward into input and weight halves that run no grad hook.
 CASES += [("gpt", 1, "interleaved-zero-bubble"), ("gpt", 3, "interleaved-zero-bubble"),

@@ -1,8 +1,8 @@
 """Pipeline parallelism with ZeRO inside every stage: world 4 = pp 2 x shard 2, against one process.
 
-One spawned world-4 group runs every case (pp_workloads.CASES: GPT and Llama with tied heads,
-stages 1-3, 1F1B and interleaved 1F1B, 10 steps; GRAD_REDUCE_CASES: the GPT reducing its grads
-after every microbatch); the tests below read its results.
+One spawned world-4 group runs every case (pp_workloads.CASES: the GPT at stages 1-3 and
+Llama with its tied head at stages 3 and 1, 1F1B and interleaved 1F1B, 5 steps;
+GRAD_REDUCE_CASES: the GPT reducing its grads after every microbatch); the tests below read its results.
 """
 
 from __future__ import annotations
