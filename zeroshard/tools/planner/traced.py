@@ -35,6 +35,8 @@ from torch import nn
 
 from zeroshard.tools.planner.activations import ActivationEstimate
 from zeroshard.tools.planner.spec import Checkpointing
+from zeroshard.tools.planner.tp_flow import SplitFlow, split_flow
+from zeroshard.runtime.tp_plan import TPPlan
 
 
 class _SavedBytes:
@@ -42,8 +44,11 @@ class _SavedBytes:
     to the root, split into what was saved before the first block ran (embeddings) and after (final
     norm, head, loss): a pipeline's first and last stage keep those."""
 
-    def __init__(self, params: set[int]):
-        self.params = params  # storage keys of the (meta) params: a weight saved for backward is not an activation
+    def __init__(self, params: set[int], tp: int = 1):
+        self.params = params
+        self.tp = tp
+        self.flow: SplitFlow | None = None
+        """Under tp, which storages a rank holds 1/tp of (tp_flow.py)."""  # storage keys of the (meta) params: a weight saved for backward is not an activation
         self.seen: set[int] = set()
         self.block: int | None = None
         self.started = False
@@ -63,6 +68,8 @@ class _SavedBytes:
             return tensor
         self.seen.add(key)
         size = storage.nbytes()
+        if self.flow is not None and self.flow.is_split(tensor):
+            size //= self.tp
         if self.block is None and self.started:
             self.after += size
         elif self.block is None:
@@ -152,16 +159,17 @@ class Trace:
 
 
 def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
-          compute: torch.dtype) -> Trace:
+          compute: torch.dtype, tp: int = 1, tp_plan: TPPlan | None = None) -> Trace:
     """One forward and loss of ``model`` on fake tensors, its saved storages charged to ``blocks``
-    (see the module docstring)."""
+    (see the module docstring); with ``tp`` > 1 and the model's ``tp_plan``, what one tp rank saves
+    (a tensor the plan splits counted 1/tp: tp_flow.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         state = _fake_state(model, compute)
     params = {t.untyped_storage()._cdata for t in state.values()}  # noqa: SLF001 - storage identity, as above
-    saved, inputs = _SavedBytes(params), dict[int, int]()
+    saved, inputs = _SavedBytes(params, tp), dict[int, int]()
     with fake:
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
     outputs: list[torch.Tensor] = []
@@ -181,6 +189,7 @@ def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch:
     quiet.setLevel(logging.CRITICAL)  # a module that cannot take token ids is the caller's note, not torch's log
     try:
         with fake, _charged_to_blocks(modules, saved, inputs), _fake_grouped_mm(), \
+                split_flow(model, tp_plan if tp > 1 else None) as saved.flow, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (ids,), strict=False)
     finally:
@@ -197,9 +206,10 @@ def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch:
 
 
 def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
-                       compute: torch.dtype, policy: Checkpointing) -> ActivationEstimate:
+                       compute: torch.dtype, policy: Checkpointing, tp: int = 1,
+                       tp_plan: TPPlan | None = None) -> ActivationEstimate:
     """Per rank, for one micro-batch of ``micro_batch`` × ``seq`` tokens (see the module docstring)."""
-    t = trace(model, blocks, micro_batch=micro_batch, seq=seq, compute=compute)
+    t = trace(model, blocks, micro_batch=micro_batch, seq=seq, compute=compute, tp=tp, tp_plan=tp_plan)
     estimate = estimate_of(t, range(len(blocks)), compute, policy, root=t.before + t.after)
     return dataclasses.replace(estimate, block_names=tuple(name for name, _ in blocks))
 
