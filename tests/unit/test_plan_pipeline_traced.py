@@ -68,3 +68,27 @@ def test_each_stage_is_charged_its_blocks_and_the_first_its_embeddings():
 def test_a_module_without_blocks_is_refused_in_one_line():
     with pytest.raises(ValueError, match="cannot tell where Linear keeps its blocks"):
         plan_pipeline(torch.nn.Linear(4, 4), world=2, pp=2, device="cpu")
+
+
+def test_a_tp_rank_saves_what_a_model_of_its_heads_and_mlp_columns_saves():
+    """At tp 2 the trace follows Mistral's plan through the forward: a rank's blocks save what a
+    Mistral of half the heads (each as wide) and half the MLP columns saves on a real forward, its
+    residual stream, norms and head whole."""
+    from zeroshard.parallel.pipeline.layout import layout_of
+    from zeroshard.tools.planner.tp import TensorParallel
+    from zeroshard.tools.planner.traced import trace
+
+    tf = pytest.importorskip("transformers")
+    model = _mistral()
+    half = tf.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    real = _real_saved(tf.AutoModelForCausalLM.from_config(half).train())
+    blocks = [(f"model.layers.{i}", b) for i, b in enumerate(model.get_submodule(layout_of(model).blocks))]
+    plan = TensorParallel.of_model(model, 2).plan
+    t = trace(model, blocks, micro_batch=MICRO, seq=SEQ, compute=torch.float32, tp=2, tp_plan=plan)
+    whole = trace(model, blocks, micro_batch=MICRO, seq=SEQ, compute=torch.float32)
+    for i in range(4):
+        assert t.per_block[i] == pytest.approx(real[i], abs=64)
+        assert t.per_block[i] < 0.8 * whole.per_block[i]
+    assert (t.before, t.after) == (whole.before, whole.after)
