@@ -268,7 +268,7 @@ def test_ep_refusals_are_one_line_before_measuring(capsys: pytest.CaptureFixture
             ([*quick, "--nproc", "8", "--batch", "8", "--ep-degrees", "8"], "does not divide the 4 experts"),
             ([*quick, "--ep-degrees", "1,x"], "'x' is not an expert-parallel degree"),
             ([*quick, "--ep", "2", "--ep-degrees", "1,2"], "give one of them"),
-            ([*quick, "--pp", "2", "--ep", "2"], "does not count a stage's split experts")):
+            ([*quick, "--pp", "2", "--ep", "4"], "ep=4 does not divide")):  # a stage's 2 ranks
         assert main(argv) == 1, argv
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err

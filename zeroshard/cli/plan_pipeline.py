@@ -26,7 +26,8 @@ _UNPLANNED = {
     "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
-    "routing_skew": "--routing-skew sizes expert parallelism, which plan --pp does not count yet; drop it",
+    "routing_skew": "plan --pp counts a stage's experts with balanced routing; drop --routing-skew (plan --ep "
+                    "without --pp weighs it)",
 }
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.comm.mesh_build import check_composed
 from zeroshard.parallel.pipeline.order import peak_in_flight, schedule_order, stage_order
 from zeroshard.parallel.pipeline.shape import PipelineShape  # noqa: F401  (the planner's callers name it here)
 from zeroshard.parallel.pipeline.schedules import check_checkpointing, check_microbatches, schedule_spec
@@ -205,6 +207,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     cfg, model = _planned(model_or_config, seq)
     seq = seq or (cfg.seq_len if cfg is not None else _default_seq(model))
     stage_world, dp, batch, micro = _batch_split(shape, world=world, pp=pp, tp=tp, batch=batch, accum=accum)
+    check_composed(ParallelDims.of(world, pp=pp, tp=tp, ep=ep))  # as the runtime refuses a layout it cannot build
 
     precision = resolve_mp(mp, analytic=False)
     # The engine each stage runs: the runtime's own options for a stage (pp_grad_reduce as its
@@ -379,7 +382,7 @@ def _traced_stages(model, num_stages: int, *, micro: int, seq: int, precision: A
     for s in range(num_stages):
         first, last = s == 0, s == num_stages - 1
         root = (t.before if first else 0) + ((t.after + (0 if t.logits_saved else t.logits * c)) if last else 0)
-        est_of[s] = estimate_of(t, split.blocks[s], compute, policy, root=root)
+        est_of[s] = estimate_of(t, split.blocks[s], compute, policy, root=root, head_saved=t.after if last else 0)
         weight[s] = _blocks_saved(est_of[s], blocks=len(split.blocks[s])) + root + (0 if last else one) \
             - (0 if first else one)
     return _Stages(name=type(model).__name__, modules=modules, split=split, tied=tied, est_of=est_of,
@@ -397,7 +400,8 @@ def _carried(stage_est: ActivationEstimate, est: ActivationEstimate, *, held: in
         saved=held or 0, recompute=stage_est.recompute, per_layer=stage_est.per_layer if mine else 0,
         root=(held or 0) - (_blocks_saved(stage_est, blocks=blocks) if mine else 0),
         boundary=stage_est.boundary if mine else 0, segments=stage_est.segments,
-        workspace=max(est.head, est.block) if last else est.block, head=est.head if last else 0, block=est.block)
+        workspace=max(est.head, est.block) if last else est.block, head=est.head if last else 0, block=est.block,
+        head_saved=stage_est.head_saved if mine and last else 0)
 
 
 def _notes(shape: PipelineShape, tied: list, *, grad_reduce: str, steps: int) -> tuple[str, ...]:

@@ -12,10 +12,11 @@ whose forward was running, the rest to the root (embeddings, final norm, head an
 
 The fake tensors sit on the CPU device, so attention picks the kernel a real run picks there
 (flash attention keeps its log-sum-exp, not the probabilities); a GPU's fused kernels keep the same.
-One known difference: transformers treats a fake tensor as a graph being traced, so a model whose
-real run would take the causal kernel without a mask (after checking its position ids hold one
-sequence) builds an explicit mask here, and GQA's keys and values are expanded for it: the plan
-then over-counts those (about 9% of a small Mistral's saved activations), never under-counts.
+transformers treats a fake tensor as a graph being traced, so it cannot read the fake position ids
+to see that each row holds one sequence, and would build an explicit mask (and expand GQA's keys
+and values for it) where a real run takes the causal kernel without one: the trace's rows are one
+sequence each, as a run's unpacked batch, so its check is answered as a real run's is
+(``_one_sequence_per_row``).
 Backward's temporaries are not traced (fake tensors have no lifetimes to watch); they follow the
 same two moments as the GPT formula: the loss head's gradients (the fp32 log-probabilities' and the
 logits' gradients, plus a compute-dtype copy of the latter), and inside a block twice its largest
@@ -126,6 +127,27 @@ def _fake_grouped_mm() -> Iterator[None]:
         moe._can_use_grouped_mm = original  # noqa: SLF001
 
 
+@contextlib.contextmanager
+def _one_sequence_per_row() -> Iterator[None]:
+    """transformers' packed-sequence check (``find_packed_sequence_indices``) reads the position
+    ids' values, which a fake tensor has not, so it answers "packed" for any traced input; the
+    traced rows are one sequence each, as the check finds on a real run's unpacked batch (None)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: no masks of its to build
+        yield
+        return
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _fake_state(model: nn.Module, compute: torch.dtype) -> dict[str, torch.Tensor]:
     """Every param and buffer as a fake CPU tensor; floating ones in the compute dtype, as the runtime runs them.
     Tied params appear once: ``functional_call`` ties the others to it."""
@@ -188,7 +210,7 @@ def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch:
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a module that cannot take token ids is the caller's note, not torch's log
     try:
-        with fake, _charged_to_blocks(modules, saved, inputs), _fake_grouped_mm(), \
+        with fake, _charged_to_blocks(modules, saved, inputs), _fake_grouped_mm(), _one_sequence_per_row(), \
                 split_flow(model, tp_plan if tp > 1 else None) as saved.flow, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (ids,), strict=False)
@@ -210,7 +232,7 @@ def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *,
                        tp_plan: TPPlan | None = None) -> ActivationEstimate:
     """Per rank, for one micro-batch of ``micro_batch`` × ``seq`` tokens (see the module docstring)."""
     t = trace(model, blocks, micro_batch=micro_batch, seq=seq, compute=compute, tp=tp, tp_plan=tp_plan)
-    estimate = estimate_of(t, range(len(blocks)), compute, policy, root=t.before + t.after)
+    estimate = estimate_of(t, range(len(blocks)), compute, policy, root=t.before + t.after, head_saved=t.after)
     return dataclasses.replace(estimate, block_names=tuple(name for name, _ in blocks))
 
 
@@ -229,9 +251,10 @@ class _LossOf(nn.Module):
 
 
 def estimate_of(t: Trace, blocks: Iterable[int], compute: torch.dtype, policy: Checkpointing, *,
-                root: int) -> ActivationEstimate:
+                root: int, head_saved: int = 0) -> ActivationEstimate:
     """The estimate over ``blocks`` of the trace (all of them, or one pipeline stage's), with
-    ``root`` bytes saved outside them."""
+    ``root`` bytes saved outside them, ``head_saved`` of them by the head and loss (freed by the
+    head's backward, before the blocks' backward)."""
     chosen = list(blocks)
     c = torch.empty(0, dtype=compute).element_size()
     block_bytes = sum(t.per_block[i] for i in chosen)
@@ -248,4 +271,4 @@ def estimate_of(t: Trace, blocks: Iterable[int], compute: torch.dtype, policy: C
     block = 2 * max((t.largest[i] for i in chosen), default=0) + 5 * boundary
     return ActivationEstimate(saved=kept + root, recompute=recompute, workspace=max(head, block),
                               per_layer=per_layer, root=root, boundary=boundary, head=head, block=block,
-                              segments=segments)
+                              segments=segments, head_saved=head_saved)
