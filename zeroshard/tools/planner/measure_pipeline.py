@@ -104,7 +104,7 @@ def _measure_stages(req: dict, mesh) -> dict:
         # They are held here until the measurement ends, so no storage of this run can take the
         # address of one (the skip set is by address).
         held = _live_tensors()
-        earlier = frozenset(_data_ptr(t) for t in held)
+        earlier = frozenset(p for t in held if (p := _data_ptr(t)) is not None)
         torch.manual_seed(0)
         # zeroshard's GPT at the planned config; any other model as train builds it from --model
         model = GPT(GPTConfig.from_dict(req["gpt"])) if req["gpt"] is not None else None

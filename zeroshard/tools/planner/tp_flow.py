@@ -17,7 +17,7 @@ too; that flow is not followed here (the whole-rank figure is kept, an upper bou
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 from torch import nn
@@ -72,7 +72,8 @@ def split_flow(model: nn.Module, plan: TPPlan | None) -> Iterator[SplitFlow | No
     if plan is None:
         yield None
         return
-    styles = {f"{plan.blocks}.{i}.{name}": style for i, block in enumerate(model.get_submodule(plan.blocks))
+    listed = cast(nn.ModuleList, model.get_submodule(plan.blocks))
+    styles = {f"{plan.blocks}.{i}.{name}": style for i, block in enumerate(listed)
               for name, style in resolve(block, plan.styles, f"{plan.blocks}.{i}.").items()}
     styles.update(resolve(model, plan.outer, ""))
     flow = SplitFlow()

@@ -46,10 +46,10 @@ class _SavedBytes:
     norm, head, loss): a pipeline's first and last stage keep those."""
 
     def __init__(self, params: set[int], tp: int = 1):
-        self.params = params
+        self.params = params  # storage keys of the (meta) params: a weight saved for backward is not an activation
         self.tp = tp
         self.flow: SplitFlow | None = None
-        """Under tp, which storages a rank holds 1/tp of (tp_flow.py)."""  # storage keys of the (meta) params: a weight saved for backward is not an activation
+        """Under tp, which storages a rank holds 1/tp of (tp_flow.py)."""
         self.seen: set[int] = set()
         self.block: int | None = None
         self.started = False
