@@ -20,8 +20,9 @@ sequence each, as a run's unpacked batch, so its check is answered as a real run
 Backward's temporaries are not traced (fake tensors have no lifetimes to watch); they follow the
 same two moments as the GPT formula: the loss head's gradients (the fp32 log-probabilities' and the
 logits' gradients, plus a compute-dtype copy of the latter), and inside a block twice its largest
-saved tensor (the gradients of the MLP's widest tensors) and five block-input-sized gradients (the
-residual stream's).
+saved tensor (the gradients of the MLP's widest tensors: a tensor's own bytes, so a half of a fused
+projection's output counts as the half its gradient is) and five block-input-sized gradients (the
+residual stream's), after the head's backward has freed what the head and loss saved.
 """
 
 from __future__ import annotations
@@ -65,19 +66,22 @@ class _SavedBytes:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata  # noqa: SLF001 - a storage's identity; fake storages have no data_ptr
-        if key in self.params or key in self.seen:
+        if key in self.params:
+            return tensor
+        split = self.tp if self.flow is not None and self.flow.is_split(tensor) else 1
+        if self.block is not None:  # its gradient is the tensor's own size, a view's too (not its storage's)
+            own = tensor.numel() * tensor.element_size() // split
+            self.largest[self.block] = max(self.largest.get(self.block, 0), own)
+        if key in self.seen:
             return tensor
         self.seen.add(key)
-        size = storage.nbytes()
-        if self.flow is not None and self.flow.is_split(tensor):
-            size //= self.tp
+        size = storage.nbytes() // split
         if self.block is None and self.started:
             self.after += size
         elif self.block is None:
             self.before += size
         else:
             self.per_block[self.block] = self.per_block.get(self.block, 0) + size
-            self.largest[self.block] = max(self.largest.get(self.block, 0), size)
         return tensor
 
 
@@ -166,7 +170,8 @@ class Trace:
     per_block: tuple[int, ...]
     """Bytes each block's forward saved (a storage seen by an earlier block is not counted again)."""
     largest: tuple[int, ...]
-    """Each block's largest saved storage."""
+    """Each block's largest saved tensor (its own bytes: a view of a wider storage, such as one half
+    of a fused gate and up projection, has a gradient of the view's size)."""
     inputs: tuple[int, ...]
     """Each block's input (the residual stream): what a checkpoint segment or a pipeline stage's
     received buffer holds."""
