@@ -250,6 +250,10 @@ def test_ep_axis_predictions_come_from_the_planner_at_each_degree(tmp_path: Path
     # A fixed --ep (no axis): every candidate at the base's ep, predicted at it.
     fixed = candidates(axes(stages="3", checkpointing="none", prefetch="1", reshard="true"))
     assert predict(fixed, dataclasses.replace(MOE, ep=2))[fixed[0]].allocated == zero3[2]
+    # Under a pipeline: the worst pp rank's figure at each degree, each stage's experts split over ep.
+    pp_grid = candidates(axes(stages="3", checkpointing="none", prefetch="1", reshard="true", ep_degrees="1,2"))
+    piped = predict(pp_grid, dataclasses.replace(MOE, pp=2))
+    assert piped[pp_grid[0]].allocated > piped[pp_grid[1]].allocated > 0
     # The winner's ep reaches the file train reads.
     row = _row(next(c for c in grid if c.ep == 2), 100.0)
     path = tomlfile.write(tmp_path / "tuned.toml", choose.tuned_values(MOE, row))
