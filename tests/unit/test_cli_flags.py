@@ -136,7 +136,7 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--tp": [(plus(m, "--tp", "2"), m, CHANGES)],
         "--sequence-parallel": [(plus(m, "--tp", "2", "--sequence-parallel"), plus(m, "--tp", "2"), CHANGES)],
         "--ep": [(plus(moe, "--ep", "2"), moe, CHANGES), (plus(m, "--ep", "2"), None, REFUSED),  # tiny has no experts
-                 (plus(moe, "--pp", "2", "--ep", "2"), None, REFUSED),  # plan --pp does not count experts yet
+                 (plus(moe, "--pp", "2", "--ep", "2"), plus(moe, "--pp", "2"), CHANGES),  # a stage's experts split
                  (plus(moe, "--tp", "2", "--ep", "2"), plus(moe, "--tp", "2"), CHANGES)],  # ep borrowing tp ranks
         "--routing-skew": [(plus(moe, "--ep", "2", "--routing-skew", "0.5"), plus(moe, "--ep", "2"), CHANGES),
                            (plus(moe, "--routing-skew", "0.5"), None, REFUSED)],

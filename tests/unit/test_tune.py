@@ -250,6 +250,10 @@ def test_ep_axis_predictions_come_from_the_planner_at_each_degree(tmp_path: Path
     # A fixed --ep (no axis): every candidate at the base's ep, predicted at it.
     fixed = candidates(axes(stages="3", checkpointing="none", prefetch="1", reshard="true"))
     assert predict(fixed, dataclasses.replace(MOE, ep=2))[fixed[0]].allocated == zero3[2]
+    # Under a pipeline: the worst pp rank's figure at each degree, each stage's experts split over ep.
+    pp_grid = candidates(axes(stages="3", checkpointing="none", prefetch="1", reshard="true", ep_degrees="1,2"))
+    piped = predict(pp_grid, dataclasses.replace(MOE, pp=2))
+    assert piped[pp_grid[0]].allocated > piped[pp_grid[1]].allocated > 0
     # The winner's ep reaches the file train reads.
     row = _row(next(c for c in grid if c.ep == 2), 100.0)
     path = tomlfile.write(tmp_path / "tuned.toml", choose.tuned_values(MOE, row))
@@ -268,7 +272,7 @@ def test_ep_refusals_are_one_line_before_measuring(capsys: pytest.CaptureFixture
             ([*quick, "--nproc", "8", "--batch", "8", "--ep-degrees", "8"], "does not divide the 4 experts"),
             ([*quick, "--ep-degrees", "1,x"], "'x' is not an expert-parallel degree"),
             ([*quick, "--ep", "2", "--ep-degrees", "1,2"], "give one of them"),
-            ([*quick, "--pp", "2", "--ep", "2"], "does not count a stage's split experts")):
+            ([*quick, "--pp", "2", "--ep", "4"], "ep=4 does not divide")):  # a stage's 2 ranks
         assert main(argv) == 1, argv
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err

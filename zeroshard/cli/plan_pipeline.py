@@ -26,9 +26,8 @@ _UNPLANNED = {
     "shard_size": "--pp does not plan hybrid sharding inside a stage yet; drop --shard-size",
     "plot": "--pp has no chart yet; drop --plot",
     "topology": "--pp takes --world; drop --topology",
-    "ep": "plan --pp does not count a stage's split experts yet (train and verify run --pp with --ep); drop --ep, "
-          "or plan the experts with --ep alone",
-    "routing_skew": "--routing-skew sizes expert parallelism, which plan --pp does not count yet; drop it",
+    "routing_skew": "plan --pp counts a stage's experts with balanced routing; drop --routing-skew (plan --ep "
+                    "without --pp weighs it)",
 }
 
 
@@ -119,7 +118,7 @@ def plan_of(args: argparse.Namespace, planned: Any = None):
     target = planned if planned is not None else _planned(args)[0]
     return plan_pipeline(target, world=args.world, pp=args.pp, pp_schedule=args.pp_schedule or "1f1b",
                          microbatches=args.microbatches or 0, pp_stages_per_rank=args.pp_stages_per_rank or 0,
-                         batch=args.batch, seq=args.seq, accum=args.accum, tp=args.tp, mp=args.mp,
+                         batch=args.batch, seq=args.seq, accum=args.accum, tp=args.tp, ep=args.ep or 1, mp=args.mp,
                          optimizer=args.optimizer, headroom=args.headroom, accounting=args.accounting,
                          gpus_per_node=args.gpus_per_node,
                          device="cpu" if args.measure else args.device, stage=args.stage,
@@ -134,7 +133,7 @@ def stages_table(pplan) -> Table:
                         f"{shape.schedule}, {shape.microbatches} microbatches: per-rank {unit} (allocated peak), "
                         f"world {pplan.world} = pp {shape.pp} x {pplan.dp} data-parallel"
                         + (f" x tp {pplan.world // shape.pp // pplan.dp}" if pplan.world // shape.pp // pplan.dp > 1
-                           else ""),
+                           else "") + (f", ep {pplan.ep}" if pplan.ep > 1 else ""),
                   caption=f"microbatch {pplan.micro_batch} x seq {pplan.seq}, accum {pplan.accum}; bubble "
                           f"{pplan.bubble:.1%}; decimal units")
     for col in ("pp rank", "stages", "blocks", "in flight", "activations", "p2p buffers"):

@@ -36,15 +36,20 @@ def _device_type() -> str:
     return device_for(dist.get_backend()).type
 
 
+def check_composed(dims: ParallelDims) -> None:
+    """One line for a layout whose dims are valid but not built together yet (a planner asks too)."""
+    if dims.ep > 1 and dims.pp > 1 and dims.tp > 1:
+        raise ValueError(f"ep={dims.ep} with tp={dims.tp} under pp={dims.pp} is not composed yet; use tp=1 with pp "
+                         "and ep, or pp=1")
+
+
 def build_mesh(dims: ParallelDims, topology: Topology | None, *, name: str, ledger: Ledger | None,
                allow_cross_host: bool = False) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if dims.world != world:
         raise ValueError(f"the layout {dims.describe()} covers {dims.world} ranks but the world has {world}; make "
                          "its degrees multiply to the world size")
-    if dims.ep > 1 and dims.pp > 1 and dims.tp > 1:
-        raise ValueError(f"ep={dims.ep} with tp={dims.tp} under pp={dims.pp} is not composed yet; use tp=1 with pp "
-                         "and ep, or pp=1")
+    check_composed(dims)
     if topology is not None:  # before any group: a refused layout builds nothing
         topology.check_placement(dims.sizes(), allow_cross_host=allow_cross_host)
     groups = _dense_groups(dims, rank)

@@ -54,6 +54,9 @@ class ActivationEstimate:
     """Backward temporaries inside one block: the MLP's hidden-size gradients and the residual's."""
     segments: tuple[tuple[int, int], ...] = ()
     """The runtime's checkpoint segments, ``[start, stop)`` block ranges (empty: none)."""
+    head_saved: int = 0
+    """What the final norm, head and loss saved (a traced model's): the head's backward frees it
+    before any block's backward runs, so a block's temporaries never sit next to it."""
     block_names: tuple[str, ...] = ()
     """The blocks' module names in forward order, where they are not our GPT's ``blocks.N``."""
 

@@ -127,14 +127,23 @@ def _shape_activations(shape: Any, inventory: Inventory, spec: PlanSpec) -> Acti
     return activation_estimate(w, tp=spec.tp)
 
 
-def _traced(model: nn.Module, inventory: Inventory, spec: PlanSpec) -> ActivationEstimate:
-    """Any other model's activations per rank, read from one traced forward (traced.py)."""
+def _traced(model: nn.Module, inventory: Inventory, spec: PlanSpec, split: TensorParallel) -> ActivationEstimate:
+    """Any other model's activations per rank, read from one traced forward (traced.py); under tp,
+    a rank's part of what the model's plan splits (tp_flow.py)."""
     from zeroshard.tools.planner.traced import traced_activations
 
     blocks = [(s.name, s.module) for s in inventory.specs if not s.is_root]
     compute = spec.mp.compute_dtype(next(iter(inventory.dtypes)))
     return traced_activations(model, blocks, micro_batch=spec.micro_batch, seq=spec.seq, compute=compute,
-                              policy=spec.checkpointing)
+                              policy=spec.checkpointing, **_flowed(split))
+
+
+def _flowed(split: TensorParallel) -> dict[str, Any]:
+    """The trace's tp arguments: the model's plan, followed through the forward (not under sequence
+    parallelism, whose stream split the trace does not follow: the whole rank's figure is kept)."""
+    if split.tp == 1 or split.plan is None or split.sequence_parallel:
+        return {}
+    return {"tp": split.tp, "tp_plan": split.plan}
 
 
 def _traced_tp_collectives(split: TensorParallel, act: ActivationEstimate, spec: PlanSpec,
@@ -162,7 +171,8 @@ class _Counted:
 
 
 def _count_params(model_or_config: Any, analytic: bool, *, seq: int | None, tp: int, sequence_parallel: bool,
-                  ep: int, units: UnitsArg, dims: ParallelDims, notes: list[str]) -> _Counted:
+                  ep: int, units: UnitsArg, dims: ParallelDims, notes: list[str], whole: nn.Module | None = None
+                  ) -> _Counted:
     split = TensorParallel(tp=tp, sequence_parallel=sequence_parallel)
     model, inventory, cfg = None, None, None
     experts = ExpertSplit()
@@ -176,16 +186,22 @@ def _count_params(model_or_config: Any, analytic: bool, *, seq: int | None, tp: 
             notes.append(f"analytic mode with tp={tp}: every param is taken as split over the tp ranks")
     else:
         model, name, cfg, seq = _resolve_model(model_or_config, seq)
-        if tp > 1 and cfg is None:  # any model with a spec: its own plan, as the runtime splits it
-            split = TensorParallel.of_model(model, tp, sequence_parallel)
-        if cfg is not None:
+        # A pipeline stage is split as its whole model is (the runtime splits the model, then cuts it):
+        # its params keep the model's names, so the whole model's tp split and MoE layers name them.
+        source = whole if whole is not None else model
+        source_cfg = _resolve_model(whole, None)[2] if whole is not None else cfg
+        if tp > 1 and source_cfg is None:  # any model with a spec: its own plan, as the runtime splits it
+            split = TensorParallel.of_model(source, tp, sequence_parallel)
+        if source_cfg is not None:
             # The runtime's split of these blocks: an MoE block's attention alone (zeroshard.runtime.tp).
-            split = TensorParallel.of_gpt(cfg, tp, sequence_parallel)
-            split.check_gpt(cfg)
-        if sequence_parallel and cfg is not None and cfg.n_expert > 0:
+            split = TensorParallel.of_gpt(source_cfg, tp, sequence_parallel)
+            split.check_gpt(source_cfg)
+        if sequence_parallel and source_cfg is not None and source_cfg.n_expert > 0:
             raise ValueError("sequence parallelism with an MoE model is not supported by the runtime (its MoE layer "
                              "needs the whole sequence on every tp rank); plan without sequence parallelism")
-        experts = expert_split(model, ep, tp=tp)
+        experts = expert_split(source, ep, tp=tp)
+        if whole is not None:  # the stage's own MoE layers
+            experts = experts.within({n for n, _ in model.named_parameters()})
         # Each expert is sharded over the world / ep ranks that hold it (ep borrows from dp x tp).
         inventory = Inventory(model, name=name, units=units, gpt=cfg, tp=split, experts=experts,
                               dp=dims.dp, expert_dp=dims.edp)
@@ -211,7 +227,7 @@ def _activations(model_or_config: Any, counted: _Counted, spec: PlanSpec, activa
                      "workspace is the optimizer's scratch")
     elif activations is None and inventory is not None:
         try:
-            activations = _traced(model, inventory, spec)
+            activations = _traced(model, inventory, spec, split)
             notes.append("activations traced from one forward of the model on fake tensors; backward's "
                          "temporaries estimated from its largest saved tensors")
         except (TypeError, ValueError, RuntimeError, IndexError) as e:  # a module that takes no token ids
@@ -220,7 +236,8 @@ def _activations(model_or_config: Any, counted: _Counted, spec: PlanSpec, activa
         if split.tp > 1 and activations is not None:
             tp_comm = _traced_tp_collectives(split, activations, spec, gpus_per_node)
             notes.append(f"tp={split.tp}: the model's own plan splits its params; the traced activations are "
-                         "one whole rank's (not divided by tp), so they are an upper bound")
+                         + ("one tp rank's (what the plan's column splits leave split, 1/tp each)" if _flowed(split)
+                            else "one whole rank's (sequence parallelism not followed), so they are an upper bound"))
     return activations, tp_comm
 
 
@@ -232,7 +249,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
          engine: EngineOptions | None = None, activations: ActivationEstimate | None = None,
          pp: int = 1, pipeline_order: tuple[tuple[str, int], ...] | None = None, cp: int = 1,
-         cp_attention: str = "ring", **knobs: Any) -> Plan:
+         cp_attention: str = "ring", whole: nn.Module | None = None, **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -256,7 +273,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
 
     ``activations`` replaces the activation estimate: the pipeline planner passes what a stage keeps
     in flight under its schedule (zeroshard/tools/planner/pipeline.py), for a stage that is not a whole GPT;
-    with ``pp`` and ``pipeline_order``, the order that stage's engine runs its microbatches in.
+    with ``pp`` and ``pipeline_order``, the order that stage's engine runs its microbatches in, and
+    ``whole``, the model the stage is cut from (its tp split and MoE layers, as the runtime reads them).
     """
     unknown = sorted(set(knobs) - set(KNOB_NAMES))
     if unknown:
@@ -273,7 +291,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     kwargs = dict(optimizer_kwargs or {})
     notes: list[str] = []
     counted = _count_params(model_or_config, analytic, seq=seq, tp=tp, sequence_parallel=sequence_parallel, ep=ep,
-                            units=units, dims=dims, notes=notes)
+                            units=units, dims=dims, notes=notes, whole=whole)
     model, inventory, psi, frozen, seq = counted.model, counted.inventory, counted.psi, counted.frozen, counted.seq
     spec = PlanSpec(dims=dims, stage=stage, mp=resolve_mp(mp, analytic=analytic), optimizer=optim_cls,
                     optimizer_kwargs=kwargs, batch=batch or dims.dp * accum, seq=seq, accum=accum,

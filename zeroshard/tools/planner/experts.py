@@ -63,6 +63,12 @@ class ExpertSplit:
     def params(self) -> frozenset[str]:
         return frozenset(p for layer in self.layers for p in layer.params) if self.ep > 1 else frozenset()
 
+    def within(self, names: set[str]) -> ExpertSplit:
+        """The MoE layers whose params are among ``names``: a pipeline stage's, split as the whole
+        model's (the runtime splits the experts before it cuts the stages)."""
+        return dataclasses.replace(self, layers=tuple(layer for layer in self.layers
+                                                      if all(p in names for p in layer.params)))
+
     def is_expert(self, fqn: str) -> bool:
         return fqn in self.params
 

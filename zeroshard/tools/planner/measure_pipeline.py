@@ -47,7 +47,16 @@ def _live_tensors(skip: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         warnings.simplefilter("ignore", FutureWarning)
         found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta"]
     found += [t.grad for t in found if t.grad is not None]
-    return [t for t in found if t.untyped_storage().data_ptr() not in skip]
+    return [t for t in found if (ptr := _data_ptr(t)) is not None and ptr not in skip]
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    """``t``'s storage address; None for a wrapper with no storage of its own (a tp run's DTensor,
+    whose local tensor the garbage collector finds on its own)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _tracker():
@@ -74,7 +83,8 @@ def pipeline_measure_many(reqs: list[dict]) -> list[dict]:
     """``pipeline_measure_worker`` for several requests of one pp layout, in one process group."""
     from zeroshard.comm.world import init
 
-    mesh = init(pp=reqs[0]["pp"], shard_size=reqs[0]["shard_size"])
+    first = reqs[0]["config"]
+    mesh = init(pp=reqs[0]["pp"], shard_size=reqs[0]["shard_size"], tp=first["tp"], ep=first["ep"])
     return [_measure_stages(req, mesh) for req in reqs]
 
 
@@ -94,14 +104,14 @@ def _measure_stages(req: dict, mesh) -> dict:
         # They are held here until the measurement ends, so no storage of this run can take the
         # address of one (the skip set is by address).
         held = _live_tensors()
-        earlier = frozenset(t.untyped_storage().data_ptr() for t in held)
+        earlier = frozenset(p for t in held if (p := _data_ptr(t)) is not None)
         torch.manual_seed(0)
         # zeroshard's GPT at the planned config; any other model as train builds it from --model
         model = GPT(GPTConfig.from_dict(req["gpt"])) if req["gpt"] is not None else None
         run = step_mod.build(cfg, mesh, model=model, reap_when_done=False)
         del model
         gen = torch.Generator().manual_seed(1000 + mesh.dp_rank)
-        rows = cfg.batch // mesh.dp_size
+        rows = cfg.batch // mesh.dp_size  # a tp group's ranks read the same rows
         x = torch.randint(0, req["vocab"], (rows, cfg.seq_len), generator=gen)
         y = torch.randint(0, req["vocab"], (rows, cfg.seq_len), generator=gen)
         step_mod.pipeline_step(run, x, y)  # warm-up
@@ -135,7 +145,7 @@ def request(pplan: PipelinePlan, stages: tuple[int, ...], *, name: str, knobs: d
     return {"pp": shape.pp, "shard_size": None, "stages": tuple(stages), "vocab": vocab,
             "gpt": pplan.gpt.to_dict() if pplan.gpt is not None else None,
             "knobs": {**pplan.knobs, **(knobs or {})},
-            "config": {"model": name, "pp": shape.pp, "pp_schedule": shape.schedule,
+            "config": {"model": name, "pp": shape.pp, "tp": pplan.tp, "ep": pplan.ep, "pp_schedule": shape.schedule,
                        "microbatches": shape.microbatches, "pp_stages_per_rank": shape.stages_per_rank,
                        "batch": pplan.batch, "seq_len": pplan.seq, "accum": pplan.accum,
                        "num_samples": max(4096, pplan.batch), "clip": 0.0}}

@@ -65,8 +65,9 @@ class Estimator(BackwardMemory, OptimizerMemory, TextbookMemory):
         # At backward's start: every saved activation and, at the larger of the two moments, the
         # loss head's gradients or the first segment rebuilt with one block's gradients (recompute
         # is 0 without checkpointing, when this is saved + workspace).
-        start = (self.act.saved + max(self.act.head, self.act.recompute + self.act.block + a2a) if self.act
-                 else a2a) + largest_grad
+        # A block's temporaries come after the head's backward, which has freed what the head saved.
+        start = (self.act.saved + max(self.act.head, self.act.recompute + self.act.block + a2a - self.act.head_saved)
+                 if self.act else a2a) + largest_grad
         # Each component is reported at its own peak; the step's peak is the largest of three moments:
         # backward's start (every saved activation, the window, backward temporaries, but not yet
         # the grads the reductions create), backward's worst later moment (``Transient.during``: at

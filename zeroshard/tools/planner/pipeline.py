@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.comm.dims import ParallelDims
+from zeroshard.comm.mesh_build import check_composed
 from zeroshard.parallel.pipeline.order import peak_in_flight, schedule_order, stage_order
 from zeroshard.parallel.pipeline.shape import PipelineShape  # noqa: F401  (the planner's callers name it here)
 from zeroshard.parallel.pipeline.schedules import check_checkpointing, check_microbatches, schedule_spec
@@ -76,6 +78,9 @@ class PipelinePlan:
     """The model, as the report names it."""
     layers: int = 0
     """How many blocks the stages split."""
+    tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks each stage's MoE layers are split over."""
 
     @property
     def bubble(self) -> float:
@@ -86,7 +91,8 @@ class PipelinePlan:
         return max(r.plan[layout].device.allocated for r in self.ranks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.shape.to_dict(), "world": self.world, "dp": self.dp, "micro_batch": self.micro_batch,
+        return {"pipeline": self.shape.to_dict(), "world": self.world, "dp": self.dp, "tp": self.tp, "ep": self.ep,
+                "micro_batch": self.micro_batch,
                 "ranks": [{"pp_rank": r.pp_rank, "stages": list(r.stages), "blocks": [list(b) for b in r.blocks],
                            "in_flight": {str(k): v for k, v in r.in_flight.items()},
                            "activation_bytes": r.activation_bytes, "buffer_bytes": r.buffer_bytes,
@@ -180,13 +186,16 @@ def _batch_split(shape: PipelineShape, *, world: int, pp: int, tp: int, batch: i
 
 def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str = "1f1b", microbatches: int = 0,
                   pp_stages_per_rank: int = 0, batch: int | None = None, seq: int | None = None, accum: int = 1,
-                  tp: int = 1, mp: Any = None, device: str = "cuda", headroom: float = 0.10,
+                  tp: int = 1, ep: int = 1, mp: Any = None, device: str = "cuda", headroom: float = 0.10,
                   **kwargs: Any) -> PipelinePlan:
     """Per pp rank, every layout's bytes (``zs.plan``'s table per stage) with the pipeline's
     activations in flight and buffers, and the bubble. ``model_or_config``: a preset name, a
     ``GPTConfig`` or zeroshard's GPT (its activations from the GPT's formula), or any model with a
     spec (a folder's or a user's, on the meta device or not: its activations traced). ``batch`` is the
-    global batch per step, as ``zeroshard train --pp`` reads it. Other keywords are ``zs.plan``'s."""
+    global batch per step, as ``zeroshard train --pp`` reads it. ``tp`` and ``ep`` split each stage as
+    the runtime splits the whole model before cutting it: its blocks' tp plan (the traced activations
+    a tp rank's part), its MoE layers' experts over the stage's ep groups (the ``ParallelDims`` of
+    the run: each expert sharded over its expert-data-parallel ranks). Other keywords are ``zs.plan``'s."""
     from zeroshard.parallel.pipeline.grad_reduce import stage_options
     from zeroshard.parallel.pipeline.runtime import PIPELINE_RESHARD_AFTER_FORWARD
     from zeroshard.tools.planner.api import plan
@@ -198,6 +207,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     cfg, model = _planned(model_or_config, seq)
     seq = seq or (cfg.seq_len if cfg is not None else _default_seq(model))
     stage_world, dp, batch, micro = _batch_split(shape, world=world, pp=pp, tp=tp, batch=batch, accum=accum)
+    check_composed(ParallelDims.of(world, pp=pp, tp=tp, ep=ep))  # as the runtime refuses a layout it cannot build
 
     precision = resolve_mp(mp, analytic=False)
     # The engine each stage runs: the runtime's own options for a stage (pp_grad_reduce as its
@@ -212,7 +222,8 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     if cfg is not None:
         st = _gpt_stages(cfg, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy, tp=tp)
     else:
-        st = _traced_stages(model, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy)
+        st = _traced_stages(model, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy,
+                            tp=tp)
     modules, split, tied, est_of, weight = st.modules, st.split, st.tied, st.est_of, st.weight
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
@@ -239,7 +250,7 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
                 plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
                                   accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
                                   units=modules[s].block_modules(), activations=carried, engine=engine,
-                                  pp=pp, pipeline_order=runs[s], **kwargs))
+                                  pp=pp, ep=ep, pipeline_order=runs[s], whole=st.whole, **kwargs))
             combined.append(_combine(plans, buffers, headroom))
         worst = max(moments, key=lambda m: m.bytes)
         ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
@@ -250,10 +261,11 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
         notes += ("activations traced from one forward of the whole model on fake tensors, each block's charged "
                   "to its stage, the embeddings' to the first and the head's and loss's to the last",)
         if tp > 1:
-            notes += (f"tp={tp}: the traced activations are one whole rank's (not divided by tp), an upper bound",)
+            notes += (f"tp={tp}: the traced activations are one tp rank's (what the model's plan leaves split "
+                      "counted 1/tp: tp_flow.py)",)
     return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
                         accum=accum, ranks=tuple(ranks), knobs=knobs, notes=notes, name=st.name,
-                        layers=sum(len(b) for b in split.blocks))
+                        layers=sum(len(b) for b in split.blocks), tp=tp, ep=ep)
 
 
 def _planned(model_or_config: Any, seq: int | None) -> tuple[Any, Any]:
@@ -297,6 +309,8 @@ class _Stages:
     """Bytes one microbatch leaves alive on each stage from its forward to its backward."""
     one: int
     """Bytes of one microbatch's hidden state: a receive buffer."""
+    whole: Any
+    """The model the stages are cut from: its spec gives their tp split and MoE layers."""
 
 
 def cut_stages(model: Any, num_stages: int, blocks: str | None = None) -> tuple[list, Any, list]:
@@ -327,7 +341,8 @@ def _gpt_stages(cfg, num_stages: int, *, micro: int, seq: int, precision: Any, p
     from zeroshard.tools.planner.inventory import meta_gpt
 
     c = torch.empty(0, dtype=precision.compute_dtype(torch.float32)).element_size()
-    modules, split, tied = cut_stages(meta_gpt(cfg), num_stages)
+    whole = meta_gpt(cfg)
+    modules, split, tied = cut_stages(whole, num_stages)
     est_of = {s: gpt_activations(dataclasses.replace(cfg, n_layer=len(split.blocks[s])), micro_batch=micro, seq=seq,
                                  compute_bytes=c, policy=policy, tp=tp) for s in range(num_stages)}
     weight = {s: _stage_activations(cfg, est_of[s], blocks=len(split.blocks[s]), first=s == 0,
@@ -335,11 +350,12 @@ def _gpt_stages(cfg, num_stages: int, *, micro: int, seq: int, precision: Any, p
               for s in range(num_stages)}
     # the per-block workspace and the head's, the same on every stage
     return _Stages(name="GPT", modules=modules, split=split, tied=tied, est_of=est_of,
-                   workspace={s: est_of[0] for s in range(num_stages)}, weight=weight, one=micro * seq * cfg.n_embd * c)
+                   workspace={s: est_of[0] for s in range(num_stages)}, weight=weight, one=micro * seq * cfg.n_embd * c,
+                   whole=whole)
 
 
 def _traced_stages(model, num_stages: int, *, micro: int, seq: int, precision: Any,
-                   policy: Checkpointing) -> _Stages:
+                   policy: Checkpointing, tp: int = 1) -> _Stages:
     """Any other model: one forward of the whole model traced on fake tensors (traced.py), each
     block's saved bytes charged to its stage, what the embeddings saved to the first stage and
     what the final norm, head and loss saved to the last.
@@ -347,27 +363,30 @@ def _traced_stages(model, num_stages: int, *, micro: int, seq: int, precision: A
     A stage other than the last also keeps its output for torch's backward call (one hidden
     state); the last keeps the logits (unless autograd saved them already). A stage after the first
     receives its input into torch's buffer, counted with the buffers, so its first block's saved
-    input is not counted twice: as ``_stage_activations`` counts zeroshard's GPT."""
+    input is not counted twice: as ``_stage_activations`` counts zeroshard's GPT. Under ``tp``, what
+    one tp rank saves: the model's plan followed through the forward (tp_flow.py)."""
     from zeroshard.parallel.pipeline.layout import layout_of
+    from zeroshard.tools.planner.tp import TensorParallel
     from zeroshard.tools.planner.traced import estimate_of, trace
 
     compute = precision.compute_dtype(next(model.parameters()).dtype)
     c = torch.empty(0, dtype=compute).element_size()
     layout = layout_of(model)
     listed = model.get_submodule(layout.blocks)
+    plan = TensorParallel.of_model(model, tp).plan if tp > 1 else None
     t = trace(model, [(f"{layout.blocks}.{i}", b) for i, b in enumerate(listed)], micro_batch=micro, seq=seq,
-              compute=compute)
+              compute=compute, tp=tp, tp_plan=plan)
     modules, split, tied = cut_stages(model, num_stages)
     one = max(t.inputs, default=0)
     est_of, weight = {}, {}
     for s in range(num_stages):
         first, last = s == 0, s == num_stages - 1
         root = (t.before if first else 0) + ((t.after + (0 if t.logits_saved else t.logits * c)) if last else 0)
-        est_of[s] = estimate_of(t, split.blocks[s], compute, policy, root=root)
+        est_of[s] = estimate_of(t, split.blocks[s], compute, policy, root=root, head_saved=t.after if last else 0)
         weight[s] = _blocks_saved(est_of[s], blocks=len(split.blocks[s])) + root + (0 if last else one) \
             - (0 if first else one)
     return _Stages(name=type(model).__name__, modules=modules, split=split, tied=tied, est_of=est_of,
-                   workspace=est_of, weight=weight, one=one)
+                   workspace=est_of, weight=weight, one=one, whole=model)
 
 
 def _carried(stage_est: ActivationEstimate, est: ActivationEstimate, *, held: int | None, blocks: int,
@@ -381,7 +400,8 @@ def _carried(stage_est: ActivationEstimate, est: ActivationEstimate, *, held: in
         saved=held or 0, recompute=stage_est.recompute, per_layer=stage_est.per_layer if mine else 0,
         root=(held or 0) - (_blocks_saved(stage_est, blocks=blocks) if mine else 0),
         boundary=stage_est.boundary if mine else 0, segments=stage_est.segments,
-        workspace=max(est.head, est.block) if last else est.block, head=est.head if last else 0, block=est.block)
+        workspace=max(est.head, est.block) if last else est.block, head=est.head if last else 0, block=est.block,
+        head_saved=stage_est.head_saved if mine and last else 0)
 
 
 def _notes(shape: PipelineShape, tied: list, *, grad_reduce: str, steps: int) -> tuple[str, ...]:

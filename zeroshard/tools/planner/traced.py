@@ -12,15 +12,17 @@ whose forward was running, the rest to the root (embeddings, final norm, head an
 
 The fake tensors sit on the CPU device, so attention picks the kernel a real run picks there
 (flash attention keeps its log-sum-exp, not the probabilities); a GPU's fused kernels keep the same.
-One known difference: transformers treats a fake tensor as a graph being traced, so a model whose
-real run would take the causal kernel without a mask (after checking its position ids hold one
-sequence) builds an explicit mask here, and GQA's keys and values are expanded for it: the plan
-then over-counts those (about 9% of a small Mistral's saved activations), never under-counts.
+transformers treats a fake tensor as a graph being traced, so it cannot read the fake position ids
+to see that each row holds one sequence, and would build an explicit mask (and expand GQA's keys
+and values for it) where a real run takes the causal kernel without one: the trace's rows are one
+sequence each, as a run's unpacked batch, so its check is answered as a real run's is
+(``_one_sequence_per_row``).
 Backward's temporaries are not traced (fake tensors have no lifetimes to watch); they follow the
 same two moments as the GPT formula: the loss head's gradients (the fp32 log-probabilities' and the
 logits' gradients, plus a compute-dtype copy of the latter), and inside a block twice its largest
-saved tensor (the gradients of the MLP's widest tensors) and five block-input-sized gradients (the
-residual stream's).
+saved tensor (the gradients of the MLP's widest tensors: a tensor's own bytes, so a half of a fused
+projection's output counts as the half its gradient is) and five block-input-sized gradients (the
+residual stream's), after the head's backward has freed what the head and loss saved.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from torch import nn
 
 from zeroshard.tools.planner.activations import ActivationEstimate
 from zeroshard.tools.planner.spec import Checkpointing
+from zeroshard.tools.planner.tp_flow import SplitFlow, split_flow
+from zeroshard.runtime.tp_plan import TPPlan
 
 
 class _SavedBytes:
@@ -42,8 +46,11 @@ class _SavedBytes:
     to the root, split into what was saved before the first block ran (embeddings) and after (final
     norm, head, loss): a pipeline's first and last stage keep those."""
 
-    def __init__(self, params: set[int]):
+    def __init__(self, params: set[int], tp: int = 1):
         self.params = params  # storage keys of the (meta) params: a weight saved for backward is not an activation
+        self.tp = tp
+        self.flow: SplitFlow | None = None
+        """Under tp, which storages a rank holds 1/tp of (tp_flow.py)."""
         self.seen: set[int] = set()
         self.block: int | None = None
         self.started = False
@@ -59,17 +66,22 @@ class _SavedBytes:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata  # noqa: SLF001 - a storage's identity; fake storages have no data_ptr
-        if key in self.params or key in self.seen:
+        if key in self.params:
+            return tensor
+        split = self.tp if self.flow is not None and self.flow.is_split(tensor) else 1
+        if self.block is not None:  # its gradient is the tensor's own size, a view's too (not its storage's)
+            own = tensor.numel() * tensor.element_size() // split
+            self.largest[self.block] = max(self.largest.get(self.block, 0), own)
+        if key in self.seen:
             return tensor
         self.seen.add(key)
-        size = storage.nbytes()
+        size = storage.nbytes() // split
         if self.block is None and self.started:
             self.after += size
         elif self.block is None:
             self.before += size
         else:
             self.per_block[self.block] = self.per_block.get(self.block, 0) + size
-            self.largest[self.block] = max(self.largest.get(self.block, 0), size)
         return tensor
 
 
@@ -119,6 +131,27 @@ def _fake_grouped_mm() -> Iterator[None]:
         moe._can_use_grouped_mm = original  # noqa: SLF001
 
 
+@contextlib.contextmanager
+def _one_sequence_per_row() -> Iterator[None]:
+    """transformers' packed-sequence check (``find_packed_sequence_indices``) reads the position
+    ids' values, which a fake tensor has not, so it answers "packed" for any traced input; the
+    traced rows are one sequence each, as the check finds on a real run's unpacked batch (None)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: no masks of its to build
+        yield
+        return
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _fake_state(model: nn.Module, compute: torch.dtype) -> dict[str, torch.Tensor]:
     """Every param and buffer as a fake CPU tensor; floating ones in the compute dtype, as the runtime runs them.
     Tied params appear once: ``functional_call`` ties the others to it."""
@@ -137,7 +170,8 @@ class Trace:
     per_block: tuple[int, ...]
     """Bytes each block's forward saved (a storage seen by an earlier block is not counted again)."""
     largest: tuple[int, ...]
-    """Each block's largest saved storage."""
+    """Each block's largest saved tensor (its own bytes: a view of a wider storage, such as one half
+    of a fused gate and up projection, has a gradient of the view's size)."""
     inputs: tuple[int, ...]
     """Each block's input (the residual stream): what a checkpoint segment or a pipeline stage's
     received buffer holds."""
@@ -152,16 +186,17 @@ class Trace:
 
 
 def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
-          compute: torch.dtype) -> Trace:
+          compute: torch.dtype, tp: int = 1, tp_plan: TPPlan | None = None) -> Trace:
     """One forward and loss of ``model`` on fake tensors, its saved storages charged to ``blocks``
-    (see the module docstring)."""
+    (see the module docstring); with ``tp`` > 1 and the model's ``tp_plan``, what one tp rank saves
+    (a tensor the plan splits counted 1/tp: tp_flow.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         state = _fake_state(model, compute)
     params = {t.untyped_storage()._cdata for t in state.values()}  # noqa: SLF001 - storage identity, as above
-    saved, inputs = _SavedBytes(params), dict[int, int]()
+    saved, inputs = _SavedBytes(params, tp), dict[int, int]()
     with fake:
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
     outputs: list[torch.Tensor] = []
@@ -180,7 +215,8 @@ def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch:
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a module that cannot take token ids is the caller's note, not torch's log
     try:
-        with fake, _charged_to_blocks(modules, saved, inputs), _fake_grouped_mm(), \
+        with fake, _charged_to_blocks(modules, saved, inputs), _fake_grouped_mm(), _one_sequence_per_row(), \
+                split_flow(model, tp_plan if tp > 1 else None) as saved.flow, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (ids,), strict=False)
     finally:
@@ -197,10 +233,11 @@ def trace(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch:
 
 
 def traced_activations(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, micro_batch: int, seq: int,
-                       compute: torch.dtype, policy: Checkpointing) -> ActivationEstimate:
+                       compute: torch.dtype, policy: Checkpointing, tp: int = 1,
+                       tp_plan: TPPlan | None = None) -> ActivationEstimate:
     """Per rank, for one micro-batch of ``micro_batch`` × ``seq`` tokens (see the module docstring)."""
-    t = trace(model, blocks, micro_batch=micro_batch, seq=seq, compute=compute)
-    estimate = estimate_of(t, range(len(blocks)), compute, policy, root=t.before + t.after)
+    t = trace(model, blocks, micro_batch=micro_batch, seq=seq, compute=compute, tp=tp, tp_plan=tp_plan)
+    estimate = estimate_of(t, range(len(blocks)), compute, policy, root=t.before + t.after, head_saved=t.after)
     return dataclasses.replace(estimate, block_names=tuple(name for name, _ in blocks))
 
 
@@ -219,9 +256,10 @@ class _LossOf(nn.Module):
 
 
 def estimate_of(t: Trace, blocks: Iterable[int], compute: torch.dtype, policy: Checkpointing, *,
-                root: int) -> ActivationEstimate:
+                root: int, head_saved: int = 0) -> ActivationEstimate:
     """The estimate over ``blocks`` of the trace (all of them, or one pipeline stage's), with
-    ``root`` bytes saved outside them."""
+    ``root`` bytes saved outside them, ``head_saved`` of them by the head and loss (freed by the
+    head's backward, before the blocks' backward)."""
     chosen = list(blocks)
     c = torch.empty(0, dtype=compute).element_size()
     block_bytes = sum(t.per_block[i] for i in chosen)
@@ -238,4 +276,4 @@ def estimate_of(t: Trace, blocks: Iterable[int], compute: torch.dtype, policy: C
     block = 2 * max((t.largest[i] for i in chosen), default=0) + 5 * boundary
     return ActivationEstimate(saved=kept + root, recompute=recompute, workspace=max(head, block),
                               per_layer=per_layer, root=root, boundary=boundary, head=head, block=block,
-                              segments=segments)
+                              segments=segments, head_saved=head_saved)

@@ -88,16 +88,13 @@ def _pipeline_prediction(gpt: Any, c: Candidate, base: TrainConfig, knobs: dict[
     ``base``'s pipeline, with the candidate's schedule and microbatches where it sets them."""
     from zeroshard.tools.planner.pipeline import plan_pipeline
 
-    if ep > 1:  # plan_pipeline plans every stage's experts whole, so it has no figure to prune ep by
-        raise ValueError(f"tune --pp with ep={ep}: the pipeline planner does not count a stage's split experts yet "
-                         "(train and verify run --pp with --ep); tune without --pp, or drop --ep/--ep-degrees")
     pipe: dict[str, Any] = {"pp_schedule": c.pp_schedule or base.pp_schedule,
                             "microbatches": c.microbatches or base.microbatches}
     engine = {k: v for k, v in knobs.items() if k not in ("comm_quant", "comm_quant_block")}
-    key = tuple(sorted({**engine, **pipe}.items()))
+    key = tuple(sorted({**engine, **pipe, "ep": ep}.items()))
     if key not in plans:
         plans[key] = plan_pipeline(gpt, world=base.nproc, pp=base.pp, pp_stages_per_rank=base.pp_stages_per_rank,
-                                   batch=base.batch, seq=base.seq_len, accum=base.accum, tp=base.tp, mp=base.mp,
+                                   batch=base.batch, seq=base.seq_len, accum=base.accum, tp=base.tp, ep=ep, mp=base.mp,
                                    device=device, optimizer="adamw", **pipe, **engine)
     name = LAYOUT[c.stage]
     ranks = plans[key].ranks
