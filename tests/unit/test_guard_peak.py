@@ -1,6 +1,6 @@
-"""The guard's check on a step that does not clip (the largest grad, not the float64 norm), one rank:
-for each kind of bad value it decides as the norm's finiteness does, and it squares nothing in float64
-unless the largest grad is finite but too large to tell (then the norm itself decides)."""
+"""The guard's check on a step that does not clip (each grad buffer's fp32 norm, not the float64
+global norm), one rank: for each kind of bad value it decides as the norm's finiteness does, and it
+squares nothing in float64 unless it suspects the step (then the norm itself decides)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def _shards(engine) -> list[torch.Tensor]:
 # (values written at the start of the first two shards, a loss) -> the norm is finite?
 CASES = {
     "finite": ((None, None), 1.0),
+    "large, below the bound": ((1e18, -1e18), 1.0),
     "nan": ((float("nan"), None), 1.0),
     "inf": ((None, float("inf")), 1.0),
     "-inf": ((float("-inf"), None), 1.0),
@@ -61,9 +62,10 @@ def test_the_decision_is_the_norms_finiteness(engine_and_model, case, monkeypatc
         real_square_sum = clip.square_sum
         monkeypatch.setattr(clip, "square_sum", lambda t, a, b: squared.append(b - a) or real_square_sum(t, a, b))
         bad = guard.should_skip(engine, clip.guard_norm)
-        assert bad == want == (case != "finite" and case != "one huge, norm finite")
-        # The float64 squares are taken only where the largest grad is finite and above BOUND.
-        assert bool(squared) == case.startswith(("one huge", "two huge"))
+        assert bad == want == (case not in ("finite", "large, below the bound", "one huge, norm finite"))
+        # The float64 squares are taken only for a suspected step: a non-finite value or loss, or a
+        # buffer norm at or above BOUND (a finite one, where the norm then says the step is good).
+        assert bool(squared) == (case not in ("finite", "large, below the bound"))
         assert guard.norm_value(engine) is None  # no norm was read to log
     finally:
         for shard, value in zip(shards, saved):
@@ -72,6 +74,7 @@ def test_the_decision_is_the_norms_finiteness(engine_and_model, case, monkeypatc
 
 
 def test_the_bound_leaves_room_for_every_square():
-    # MAX_ELEMENTS squares of a value just below BOUND, summed in float64, stay below fp32's largest square.
-    limit = torch.finfo(torch.float32).max
-    assert guard.MAX_ELEMENTS * float(guard.BOUND) ** 2 * (1 + 2.0 ** -20) < limit ** 2 / 2
+    # Below BOUND, each |value| (fp32 squares) or each buffer's squares (exact squares) is bounded:
+    # 2^48 values, or 2^48 buffers, sum in float64 to below fp32's largest square.
+    limit = float(torch.finfo(torch.float32).max)
+    assert 2.0 ** 48 * max(guard.BOUND ** 2, limit) < limit ** 2 / 2

@@ -7,12 +7,13 @@ into every rank's), and every later loss is NaN. The sharded optimizer's ``step`
 - the flag is ``not isfinite(global grad norm)``. ``zs.clip_grad_norm_`` already computes that norm
   and notes it here, so with clipping on the guard adds no collective and no host read the step did
   not make anyway (the step reads the norm on the host to log it). Without clipping the guard does not
-  compute the norm (clipping's float64 squares): it takes each grad shard's largest magnitude
-  (``largest_grad``: one fp32 read pass per flat buffer, a scalar out, NaN where any value is not
-  finite), max-reduced over the world as a code (``peak_flag``). The norm is finite exactly when that maximum is finite and
-  small enough that no sum of squares of ``MAX_ELEMENTS`` values could pass fp32's range
-  (``BOUND``); a finite maximum above it (grads of 1e31, never seen in practice) falls back to the
-  norm itself, so the decision is the norm's finiteness, bit for bit, either way;
+  compute the norm (clipping's float64 squares of every chunk): it takes each flat grad buffer's fp32
+  norm (``shard_norms``: one ``_foreach_norm``, one read pass, a scalar out per buffer) and calls the
+  step good when every one is below ``BOUND``, a 4-byte code max-reduced over the world
+  (``norm_code``). That implies the norm is finite; anything else (a non-finite value, a non-finite
+  loss, or finite grads too large to tell) is only a suspicion, and the norm itself then decides, so
+  the decision is the norm's finiteness bit for bit. An optimizer that takes the flag on the device
+  (below) gets the norm itself: the suspicion would need a host read before its update;
 - a loop that knows its local loss notes it (``note_loss``): its square's zero multiple is folded
   into the norm's squares, so a non-finite loss on any rank turns the norm non-finite too;
 - the norm is summed over the shard group only (replicas and DDP ranks hold identical grads). When
@@ -26,9 +27,7 @@ The decision stays on the device when the optimizer can take it there: torch's f
 as ``found_inf`` and leave masters, moments and step counts untouched when it is set, bitwise as a
 step never taken. The step is then queued without waiting for the flag, and the guard reads it
 (with the norm, the same one read) when the grads are zeroed, while the grads the diagnosis reads
-still exist: ``settle``. Every reader of the guard's counts settles first. Without clipping such
-an update also skips a step whose largest grad is finite but above ``BOUND`` (the norm's exact
-answer would need the flag on the host first). Such a step emits its
+still exist: ``settle``. Every reader of the guard's counts settles first. Such a step emits its
 ``step`` event (the update ran, as a no-op) and the ``skip`` event follows when the flag is read. Any other optimizer
 needs the answer before its update, so the flag is read at once, as on the CPU, where a read costs
 no wait.
@@ -166,58 +165,50 @@ def flag(engine: Any, norm: torch.Tensor, *, over_world: bool) -> torch.Tensor:
     return pair
 
 
-MAX_ELEMENTS = 1 << 48
-"""The most grad elements one norm counts (281 trillion), for ``BOUND``."""
-BOUND = torch.finfo(torch.float32).max / 2.0 ** 25
-"""A largest grad magnitude below this keeps the global norm finite: ``MAX_ELEMENTS`` squares of it
-sum to a quarter of fp32's largest square (float64 squares, exact, with room for their rounding)."""
+BOUND = 2.0 ** 64
+"""Every buffer's fp32 norm below this means the global norm is finite. Computed plainly in fp32, a
+finite buffer norm means no square overflowed, so every |value| < 2^64 and any count of values below
+2^48 sums far below fp32's largest square; computed more exactly (a wider accumulator, scaling), the
+buffers' squares are below 2^128 each. Either way the float64 norm cannot leave fp32's range."""
 
 
-def largest_grad(engine: Any) -> torch.Tensor:
-    """This rank's largest grad magnitude over its grad shards, in float32 on the mesh's device: NaN
-    when any value is not finite, or when the noted loss is not (its zero multiple is added). One
-    read pass per flat buffer (``_foreach_norm`` of order inf: no copy), where the norm squares a
-    float64 copy of every chunk."""
+def shard_norms(engine: Any) -> torch.Tensor:
+    """The largest fp32 norm of this rank's grad buffers (0 without any) on the mesh's device, NaN
+    when the noted loss is not finite (its zero multiple is added): one ``_foreach_norm`` per device,
+    no copy, where the global norm squares a float64 copy of every chunk."""
     device = engine.mesh.device
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for group in engine.trainable_groups:
         grad = group.grad_shard
-        if grad is not None and grad.numel():  # an empty shard has no maximum
+        if grad is not None and grad.numel():
             by_device.setdefault(grad.device, []).append(grad)
     peak: torch.Tensor | None = None if device in by_device else torch.zeros((), dtype=torch.float32, device=device)
     for where in sorted(by_device, key=lambda d: d != device):  # the mesh's device first
-        norms = torch._foreach_norm(by_device[where], math.inf, dtype=torch.float32)  # noqa: SLF001 (no public foreach norm)
-        here = norms[0] if len(norms) == 1 else torch.stack(norms).amax()
-        # An offloaded (host) shard's maximum joins as a host scalar: no blocking copy to the device.
+        norms = torch._foreach_norm(by_device[where], 2, dtype=torch.float32)  # noqa: SLF001 (no public foreach norm)
+        here = norms[0] if len(norms) == 1 else torch.stack(norms).amax()  # amax propagates NaN
+        # An offloaded (host) shard's norm joins as a host scalar: no blocking copy to the device.
         peak = here if peak is None else torch.maximum(peak, here)
     assert peak is not None  # the mesh's device was first, or the zeros
     loss = state_of(engine).loss
     return peak if loss is None else peak + loss.to(torch.float32) * 0.0
 
 
-def peak_flag(engine: Any) -> torch.Tensor:
-    """[bad, code] in float32, the same on every rank: ``largest_grad`` as a code (0 below ``BOUND``,
-    1 finite above it, 2 not finite), max-reduced over the world (one 4-byte all-reduce; a code,
-    because a backend's max need not propagate NaN). Code 1 is bad until the norm says otherwise."""
-    peak = largest_grad(engine)
-    code = torch.where(peak < BOUND, 0.0, torch.where(torch.isfinite(peak), 1.0, 2.0)).reshape(1)
+def norm_code(engine: Any) -> torch.Tensor:
+    """[suspect, suspect] in float32, the same on every rank: 1 where some rank's ``shard_norms`` is
+    not below ``BOUND`` (NaN included), max-reduced over the world (one 4-byte all-reduce; a code,
+    because a backend's max need not propagate NaN), else 0. The pair's shape is ``flag``'s."""
+    code = torch.logical_not(shard_norms(engine) < BOUND).to(torch.float32).reshape(1)
     if engine.mesh.world > 1:
         collectives.all_reduce(code, op="max", group=Group.WORLD, phase=Phase.GUARD, mesh=engine.mesh)
-    return torch.cat([(code > 0).to(torch.float32), code])
+    return torch.cat([code, code])
 
 
 def read(engine: Any, pair: torch.Tensor, *, logged: bool) -> bool:
     """The flag on the host: one read, which also reads the norm itself, so a step that logs its
     norm (``logged``: clipping computed it) takes it from ``norm_value`` instead of reading it again."""
-    return read_pair(engine, pair, logged=logged)[0]
-
-
-def read_pair(engine: Any, pair: torch.Tensor, *, logged: bool) -> tuple[bool, float]:
-    """``read``, also returning the pair's value (the norm, or without clipping ``peak_flag``'s code,
-    which is no norm to log: ``norm_value`` is then None)."""
     bad, value = host_sync.tolist(pair, "step.grad_norm" if logged else "guard.nonfinite", fake_value=[0.0, 0.0])
-    state_of(engine).norm_value = float(value) if logged else None
-    return bool(bad), float(value)
+    state_of(engine).norm_value = float(value) if logged else None  # unlogged: no norm to log, or no norm
+    return bool(bad)
 
 
 def agree(engine: Any, norm: torch.Tensor, *, over_world: bool, logged: bool) -> bool:
@@ -255,8 +246,8 @@ def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor], optimizer: 
     """Called by the sharded optimizer's step (collective unless clipping noted the norm over the
     whole world): True when every rank must skip this step. Raises ``NonFiniteRunError`` after
     ``max_bad_steps`` consecutive skips. ``norm_of(engine)``: the global grad norm, computed as
-    clipping computes it, for a step that did not clip and whose largest grad is finite but above
-    ``BOUND`` (``clip.guard_norm``; passed in because clipping itself notes its norm here). When
+    clipping computes it, for a step that did not clip, when ``norm_code`` suspects it or ``optimizer``
+    takes the flag on the device (``clip.guard_norm``; passed in because clipping notes its norm here). When
     ``optimizer`` takes the flag on the device (``takes_flag``) it is set as its ``found_inf`` and
     False returned: the update skips itself, and ``settle`` reads the flag later; the caller
     deletes ``found_inf`` after the update."""
@@ -267,18 +258,19 @@ def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor], optimizer: 
     if st.decided is not None:
         bad = st.decided
     else:
-        logged = st.norm is not None
+        logged, on_device = st.norm is not None, optimizer is not None and takes_flag(optimizer)
         if st.norm is not None:
             pair = flag(engine, st.norm, over_world=not covers_world(engine))
-        else:  # no clipping this step: the largest grad, not the norm (``largest_grad``)
+        else:  # no clipping this step
             inject_fault(engine)
-            pair = peak_flag(engine)
-        if optimizer is not None and takes_flag(optimizer):
+            pair = flag(engine, norm_of(engine), over_world=not covers_world(engine)) if on_device \
+                else norm_code(engine)
+        if on_device:
             st.norm, st.loss, st.pending, st.pending_logged = None, None, pair, logged
             optimizer.found_inf = pair[0]
             return False
-        bad, value = read_pair(engine, pair, logged=logged)
-        if not logged and value == 1.0:  # finite but above BOUND: the norm itself decides
+        bad = read(engine, pair, logged=logged)
+        if bad and not logged:  # a suspicion (``norm_code``): the norm itself decides
             bad = agree(engine, norm_of(engine), over_world=not covers_world(engine), logged=False)
     st.norm, st.loss, st.decided = None, None, None
     record(engine, bad)
