@@ -77,7 +77,7 @@ class Estimator(BackwardMemory, OptimizerMemory, TextbookMemory):
         # the components over-count together is the overlap.
         states_total = sum(states.values())
         # Clipping's global grad norm: a float64 copy of one grad chunk at a time (a run that does not
-        # clip makes none: the non-finite guard reads the largest grad instead).
+        # clip makes none: the non-finite guard reads fp32 buffer norms instead).
         norm = 8 * min(SQUARE_CHUNK, max((g.shard_numel if v.policy.shard_optimizer else g.numel for u in units
                                           for g in u.groups if g.trainable), default=0)) \
             if self.inventory and self.spec.clip > 0 else 0

@@ -158,8 +158,8 @@ class PlanSpec:
     accum: int = 1
     clip: float = dataclasses.field(default_factory=trainer_clip)
     """The run's global grad-norm clipping (``zeroshard train``'s ``clip``; 0 does not clip). Only a
-    run that clips squares its grads in float64 chunks each step (the non-finite guard alone reads the
-    largest grad): the chunk is in the step's peak only then."""
+    run that clips squares its grads in float64 chunks each step (the non-finite guard alone reads fp32
+    buffer norms): the chunk is in the step's peak only then."""
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     """The engine's knobs the run will use (checkpointing, offload, prefetch, resharding, buckets,
     accumulation): the runtime's own options object, so the plan reads what the engine reads."""
