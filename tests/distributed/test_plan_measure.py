@@ -4,7 +4,8 @@
 - the checkpointing × offload matrix, {none, sqrt, every:2} × {none, cpu}, each pair at two stages
   so that every stage meets every policy and both offloads (a pairwise cover of the 24 cases, in
   12 measured steps): model states within 10%, the peak within 25%, the offloaded bytes and the
-  kept checkpoint inputs as predicted. The two pairs without checkpointing run without clipping. The matrix runs 5 blocks (so sqrt's 3+2 segments differ
+  kept checkpoint inputs as predicted. The two pairs without checkpointing run without clipping.
+  The matrix runs 5 blocks (so sqrt's 3+2 segments differ
   from every:2's 2+2+1) at a quarter of small's width.
 
 One spawn for the whole module (a gloo world costs seconds per process here); the worker runs every
