@@ -5,8 +5,8 @@
   so that every stage meets every policy and both offloads (a pairwise cover of the 24 cases, in
   12 measured steps): model states within 10%, the peak within 25%, the offloaded bytes and the
   kept checkpoint inputs as predicted. The two pairs without checkpointing run without clipping.
-  The matrix runs 5 blocks (so sqrt's 3+2 segments differ
-  from every:2's 2+2+1) at a quarter of small's width.
+  The matrix runs 5 blocks (so sqrt's 3+2 segments differ from every:2's 2+2+1) at a quarter of
+  small's width.
 
 One spawn for the whole module (a gloo world costs seconds per process here); the worker runs every
 plan and stage one after the other on fresh models and returns plain numbers.
