@@ -71,7 +71,7 @@ def _expected_syncs(case: wc.Case) -> dict[str, int]:
     if cfg.clip > 0:
         want["step.grad_norm"] = 1  # the logged norm, read with the non-finite guard's flag
     elif cfg.skip_nonfinite:
-        want["guard.nonfinite"] = 1  # the guard's flag: without clipping it computes the norm itself
+        want["guard.nonfinite"] = 1  # the guard's flag: without clipping, from fp32 buffer norms
     if cfg.mp == "fp16":
         want["scaler.found_inf"] = 1  # one agreed flag, over every group
     if cfg.engine.offload.kind != "none":

@@ -144,6 +144,8 @@ def _plan_tables(tmp: Path) -> tuple[dict[str, list[Entry]], dict[str, list[Entr
         "--batch": [(plus(m, "--batch", "8"), m, CHANGES)],
         "--seq": [(plus(m, "--seq", "32"), m, CHANGES)],
         "--accum": [(plus(m, "--accum", "2"), m, CHANGES)],
+        # train's clip (default 1.0): without clipping no float64 norm chunk in the step's workspace
+        "--clip": [(plus(m, "--clip", "0"), m, CHANGES), (plus(m, "--clip", "-1"), None, REFUSED)],
         "--mp": [(plus(m, "--mp", "bf16"), m, CHANGES)],
         "--optimizer": [(plus(m, "--optimizer", "sgd"), m, CHANGES)],
         "--vocab-size": [(plus(m, "--vocab-size", "32"), m, CHANGES)],
@@ -336,7 +338,7 @@ def test_a_flag_a_plan_subcommand_does_not_read_is_refused_by_argparse(tmp_path,
             assert got.err == (f"zeroshard plan {mode}: error: plan {mode} does not read {flag} (it is read by "
                                f"{readers}); drop {flag}\n"), got.err
             refused += 1
-    assert refused == 62 and called == {}  # 4 each for memory and measure, 15 for time, 39 for calibrate
+    assert refused == 64 and called == {}  # 4 each for memory and measure, 16 for time, 40 for calibrate
 
 
 def test_the_old_plan_spellings_are_the_subcommands(tmp_path, capsys, monkeypatch) -> None:

@@ -204,9 +204,12 @@ def test_cpu_optimizer_scratch_is_two_temporaries_and_the_previous_denominator()
     mlp = 2048 * 512 * 4  # fc.weight and the MLP projection: consecutive decaying segments
     assert p["zero1"].device.workspace >= 3 * mlp
     states = p["zero1"].device.model_states
-    # Before the loop, the step's global grad norm (clipping's, or the non-finite guard's) squares one
-    # float64 chunk of SQUARE_CHUNK elements at a time: 32 MiB, more than the loop's three temporaries.
-    assert p["zero1"].device.allocated == states + max(3 * mlp, 8 * SQUARE_CHUNK)
+    # Before the loop, clipping's global grad norm (train's default clip) squares one float64 chunk of
+    # SQUARE_CHUNK elements at a time: 32 MiB, more than the loop's three temporaries.
+    assert p.spec.clip == 1.0 and p["zero1"].device.allocated == states + max(3 * mlp, 8 * SQUARE_CHUNK)
+    # A run that does not clip makes no such chunk (the non-finite guard reads fp32 buffer norms).
+    unclipped = plan("small", world=2, batch=2, seq=128, device="cpu", clip=0.0)
+    assert unclipped["zero1"].device.allocated == states + 3 * mlp
 
 
 # -- activations (not divided by ZeRO) ------------------------------------------------------------

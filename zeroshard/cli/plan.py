@@ -141,7 +141,7 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[Any, dict]:
     else:  # a folder, hf:NAME or module:Class, built on meta as train builds it
         target = model_target(args).build()
     kwargs = dict(world=args.world, stage=args.stage, mp=args.mp, optimizer=args.optimizer, batch=args.batch,
-                  seq=args.seq, accum=args.accum, **given_knobs(args, PLANNED_KNOBS),
+                  seq=args.seq, accum=args.accum, clip=getattr(args, "clip", None), **given_knobs(args, PLANNED_KNOBS),
                   headroom=args.headroom, accounting=args.accounting,
                   comm_quant=args.comm_quant or "none", comm_quant_block=args.comm_quant_block or DEFAULT_COMM_QUANT_BLOCK,
                   device="cpu" if args.measure else args.device, tp=args.tp,

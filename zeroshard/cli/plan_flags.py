@@ -96,6 +96,8 @@ def _layout(p: argparse.ArgumentParser, mode: str) -> None:
                              "world, or 1)")
     g.add_argument("--seq", type=int, help="tokens per sequence (default: the model's seq_len, 8192 for a shape)")
     g.add_argument("--accum", type=int, default=1, help="gradient-accumulation micro-steps (default: 1)")
+    if mode != "time":  # train's own key: clipping's float64 chunk is in the step only when it clips
+        add_typed_flag(g, "clip", field_type("clip"), f"{field_help('clip')} (default: train's)")
     g.add_argument("--mp", choices=("fp32", "bf16", "fp16"), help="compute dtype (fp32 master, fp32 reduction); "
                    "default: the model's own dtype, or bf16 params and grads for --params")
     g.add_argument("--vocab-size", type=int, help="override the GPT's vocabulary size")

@@ -6,8 +6,14 @@ into every rank's), and every later loss is NaN. The sharded optimizer's ``step`
 
 - the flag is ``not isfinite(global grad norm)``. ``zs.clip_grad_norm_`` already computes that norm
   and notes it here, so with clipping on the guard adds no collective and no host read the step did
-  not make anyway (the step reads the norm on the host to log it). Without clipping, the guard
-  computes the same norm itself (local squares, summed over the shard group, as clipping does);
+  not make anyway (the step reads the norm on the host to log it). Without clipping the guard does not
+  compute the norm (clipping's float64 squares of every chunk): it takes each flat grad buffer's fp32
+  norm (``shard_norms``: one ``_foreach_norm``, one read pass, a scalar out per buffer) and calls the
+  step good when every one is below ``BOUND``, a 4-byte code max-reduced over the world
+  (``norm_code``). That implies the norm is finite; anything else (a non-finite value, a non-finite
+  loss, or finite grads too large to tell) is only a suspicion, and the norm itself then decides, so
+  the decision is the norm's finiteness bit for bit. An optimizer that takes the flag on the device
+  (below) gets the norm itself: the suspicion would need a host read before its update;
 - a loop that knows its local loss notes it (``note_loss``): its square's zero multiple is folded
   into the norm's squares, so a non-finite loss on any rank turns the norm non-finite too;
 - the norm is summed over the shard group only (replicas and DDP ranks hold identical grads). When
@@ -159,11 +165,49 @@ def flag(engine: Any, norm: torch.Tensor, *, over_world: bool) -> torch.Tensor:
     return pair
 
 
+BOUND = 2.0 ** 64
+"""Every buffer's fp32 norm below this means the global norm is finite. Computed plainly in fp32, a
+finite buffer norm means no square overflowed, so every |value| < 2^64 and any count of values below
+2^48 sums far below fp32's largest square; computed more exactly (a wider accumulator, scaling), the
+buffers' squares are below 2^128 each. Either way the float64 norm cannot leave fp32's range."""
+
+
+def shard_norms(engine: Any) -> torch.Tensor:
+    """The largest fp32 norm of this rank's grad buffers (0 without any) on the mesh's device, NaN
+    when the noted loss is not finite (its zero multiple is added): one ``_foreach_norm`` per device,
+    no copy, where the global norm squares a float64 copy of every chunk."""
+    device = engine.mesh.device
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for group in engine.trainable_groups:
+        grad = group.grad_shard
+        if grad is not None and grad.numel():
+            by_device.setdefault(grad.device, []).append(grad)
+    peak: torch.Tensor | None = None if device in by_device else torch.zeros((), dtype=torch.float32, device=device)
+    for where in sorted(by_device, key=lambda d: d != device):  # the mesh's device first
+        norms = torch._foreach_norm(by_device[where], 2, dtype=torch.float32)  # noqa: SLF001 (no public foreach norm)
+        here = norms[0] if len(norms) == 1 else torch.stack(norms).amax()  # amax propagates NaN
+        # An offloaded (host) shard's norm joins as a host scalar: no blocking copy to the device.
+        peak = here if peak is None else torch.maximum(peak, here)
+    assert peak is not None  # the mesh's device was first, or the zeros
+    loss = state_of(engine).loss
+    return peak if loss is None else peak + loss.to(torch.float32) * 0.0
+
+
+def norm_code(engine: Any) -> torch.Tensor:
+    """[suspect, suspect] in float32, the same on every rank: 1 where some rank's ``shard_norms`` is
+    not below ``BOUND`` (NaN included), max-reduced over the world (one 4-byte all-reduce; a code,
+    because a backend's max need not propagate NaN), else 0. The pair's shape is ``flag``'s."""
+    code = torch.logical_not(shard_norms(engine) < BOUND).to(torch.float32).reshape(1)
+    if engine.mesh.world > 1:
+        collectives.all_reduce(code, op="max", group=Group.WORLD, phase=Phase.GUARD, mesh=engine.mesh)
+    return torch.cat([code, code])
+
+
 def read(engine: Any, pair: torch.Tensor, *, logged: bool) -> bool:
     """The flag on the host: one read, which also reads the norm itself, so a step that logs its
     norm (``logged``: clipping computed it) takes it from ``norm_value`` instead of reading it again."""
     bad, value = host_sync.tolist(pair, "step.grad_norm" if logged else "guard.nonfinite", fake_value=[0.0, 0.0])
-    state_of(engine).norm_value = float(value)
+    state_of(engine).norm_value = float(value) if logged else None  # unlogged: no norm to log, or no norm
     return bool(bad)
 
 
@@ -190,7 +234,8 @@ def settle(engine: Any) -> None:
 
 
 def norm_value(engine: Any) -> float | None:
-    """The grad norm the guard read on the host for the step just taken (once), else None."""
+    """The grad norm the guard read on the host for the step just taken (once; a step that clipped),
+    else None."""
     settle(engine)
     st = state_of(engine)
     value, st.norm_value = st.norm_value, None
@@ -201,10 +246,11 @@ def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor], optimizer: 
     """Called by the sharded optimizer's step (collective unless clipping noted the norm over the
     whole world): True when every rank must skip this step. Raises ``NonFiniteRunError`` after
     ``max_bad_steps`` consecutive skips. ``norm_of(engine)``: the global grad norm, computed as
-    clipping computes it, for a step that did not clip (``clip.guard_norm``; passed in because
-    clipping itself notes its norm here). When ``optimizer`` takes the flag on the device
-    (``takes_flag``) it is set as its ``found_inf`` and False returned: the update skips itself,
-    and ``settle`` reads the flag later; the caller deletes ``found_inf`` after the update."""
+    clipping computes it, for a step that did not clip, when ``norm_code`` suspects it or ``optimizer``
+    takes the flag on the device (``clip.guard_norm``; passed in because clipping notes its norm here). When
+    ``optimizer`` takes the flag on the device (``takes_flag``) it is set as its ``found_inf`` and
+    False returned: the update skips itself, and ``settle`` reads the flag later; the caller
+    deletes ``found_inf`` after the update."""
     st = state_of(engine)
     if not st.enabled:
         return False
@@ -212,16 +258,20 @@ def should_skip(engine: Any, norm_of: Callable[[Any], torch.Tensor], optimizer: 
     if st.decided is not None:
         bad = st.decided
     else:
-        norm, logged = st.norm, st.norm is not None
-        if norm is None:  # no clipping this step: the norm clipping would have computed
+        logged, on_device = st.norm is not None, optimizer is not None and takes_flag(optimizer)
+        if st.norm is not None:
+            pair = flag(engine, st.norm, over_world=not covers_world(engine))
+        else:  # no clipping this step
             inject_fault(engine)
-            norm = norm_of(engine)
-        pair = flag(engine, norm, over_world=not covers_world(engine))
-        if optimizer is not None and takes_flag(optimizer):
+            pair = flag(engine, norm_of(engine), over_world=not covers_world(engine)) if on_device \
+                else norm_code(engine)
+        if on_device:
             st.norm, st.loss, st.pending, st.pending_logged = None, None, pair, logged
             optimizer.found_inf = pair[0]
             return False
         bad = read(engine, pair, logged=logged)
+        if bad and not logged:  # a suspicion (``norm_code``): the norm itself decides
+            bad = agree(engine, norm_of(engine), over_world=not covers_world(engine), logged=False)
     st.norm, st.loss, st.decided = None, None, None
     record(engine, bad)
     return bad

@@ -249,7 +249,8 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, routing_skew: float = 0.0,
          engine: EngineOptions | None = None, activations: ActivationEstimate | None = None,
          pp: int = 1, pipeline_order: tuple[tuple[str, int], ...] | None = None, cp: int = 1,
-         cp_attention: str = "ring", whole: nn.Module | None = None, **knobs: Any) -> Plan:
+         cp_attention: str = "ring", whole: nn.Module | None = None, clip: float | None = None,
+         **knobs: Any) -> Plan:
     """Per-rank memory of DDP and ZeRO-1/2/3 (plus hybrid/offload variants when asked) for one run.
 
     ``model_or_config`` is a model (real or on the meta device), a ``GPTConfig``, a preset name, or
@@ -270,6 +271,9 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
     The engine's knobs are the runtime's ``EngineOptions``: pass one as ``engine``, or its knobs
     flat as ``zs.shard`` and ``zeroshard train`` spell them (``checkpointing="sqrt"``,
     ``prefetch=2``, ``offload="cpu"``; the names in ``zeroshard.runtime.options.KNOB_NAMES``).
+
+    ``clip`` is the run's grad clipping (None: ``zeroshard train``'s default); only a run that clips
+    holds clipping's float64 chunk in its step.
 
     ``activations`` replaces the activation estimate: the pipeline planner passes what a stage keeps
     in flight under its schedule (zeroshard/tools/planner/pipeline.py), for a stage that is not a whole GPT;
@@ -299,7 +303,7 @@ def plan(model_or_config: Any, *, world: int, stage: int | None = None, mp: Mixe
                     accounting=accounting or ("textbook" if analytic else "runtime"),
                     comm_quant=comm_quant, comm_quant_block=comm_quant_block,
                     sequence_parallel=sequence_parallel, routing_skew=routing_skew, pipeline_order=pipeline_order,
-                    cp_attention=cp_attention)
+                    cp_attention=cp_attention, **({} if clip is None else {"clip": clip}))
     activations, tp_comm = _activations(model_or_config, counted, spec, activations, analytic, gpus_per_node, notes)
     per_tensor = per_tensor_params(model, optim_cls, kwargs) if inventory is not None else None
     if per_tensor is not None:

@@ -322,7 +322,8 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
         return _micro_hooks(engine, model, blocks, activations, tracker)
 
     # Warm-up: optimizer state exists and stage 3 has its unit order.
-    one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(None))
+    clip = req["clip"]  # the plan's: clipping's float64 chunk is in the step only when it clips
+    one_step(model, opt, x, y, accum=req["accum"], clip=clip, micro=micro_hooks(None))
     gc.collect()
 
     engine.reset_memory_stats()
@@ -345,12 +346,13 @@ def _measure_stage(stage: int, req: dict, mesh) -> dict:
         # MemTracker's grad hook can read param.grad after the engine has moved it into the flat
         # buffer (stages 2-3 leave None there); it warns and skips, which is right: the buffer is tracked.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-        one_step(model, opt, x, y, accum=req["accum"], micro=micro_hooks(saved, tracker), before_zero_grad=read_grads)
+        one_step(model, opt, x, y, accum=req["accum"], clip=clip, micro=micro_hooks(saved, tracker),
+                 before_zero_grad=read_grads)
     sampler.close()
     for handle in expert_hooks:
         handle.remove()
     # Plain steps (no tracker, no hooks); the parent takes the slowest rank's per step.
-    times = timed(lambda: one_step(model, opt, x, y, accum=req["accum"]), req["timed_steps"], phase="measure",
+    times = timed(lambda: one_step(model, opt, x, y, accum=req["accum"], clip=clip), req["timed_steps"], phase="measure",
                   device=mesh.device)
     host = {k.removeprefix("host_"): v for k, v in states.items() if k.startswith("host_")}
     out = {
@@ -458,7 +460,8 @@ def request(plan: Plan, stages: tuple[int, ...], *, target: Target | None = None
         "target": target if plan.model.gpt is None else None, "timed_steps": timed_steps, "stages": tuple(stages),
         "mp": spec.mp, "optimizer": spec.optimizer,
         "optimizer_kwargs": dict(spec.optimizer_kwargs), "engine": spec.engine,
-        "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "shard_size": spec.shard_size,
+        "micro_batch": spec.micro_batch, "seq": spec.seq, "accum": spec.accum, "clip": spec.clip,
+        "shard_size": spec.shard_size,
         "ep": spec.ep, "tp": spec.tp, "lora": lora,
     }
 

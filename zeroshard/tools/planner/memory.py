@@ -77,9 +77,11 @@ class Estimator(BackwardMemory, OptimizerMemory, TextbookMemory):
         # optimizer.step (a unit's scratch, next to the reductions still running; ``_step``). What
         # the components over-count together is the overlap.
         states_total = sum(states.values())
-        # The step's global grad norm (clip's or the guard's): a float64 copy of one grad chunk at a time.
+        # Clipping's global grad norm: a float64 copy of one grad chunk at a time (a run that does not
+        # clip makes none: the non-finite guard reads fp32 buffer norms instead).
         norm = 8 * min(SQUARE_CHUNK, max((g.shard_numel if v.policy.shard_optimizer else g.numel for u in units
-                                          for g in u.groups if g.trainable), default=0)) if self.inventory else 0
+                                          for g in u.groups if g.trainable), default=0)) \
+            if self.inventory and self.spec.clip > 0 else 0
         phases = (states_total - t.late_grads + start + t.start_window + t.early,
                   states_total + t.during,
                   states_total + max(t.step, norm))

@@ -18,7 +18,7 @@ from zeroshard.comm.names import Dim
 from zeroshard.comm.topology import Topology
 from zeroshard.tools.planner.api import plan
 from zeroshard.tools.planner.result import Plan
-from zeroshard.tools.planner.spec import STAGE_NAMES
+from zeroshard.tools.planner.spec import STAGE_NAMES, trainer_clip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,8 @@ def plan_run(model: Any, train: Mapping[str, Any], *, world: int, shard_size: in
     """``zs.plan`` for a ``zeroshard train`` run's settings (``train`` is ``TrainConfig.to_dict()``)."""
     # The engine's knobs with zs.plan's defaults: a config written before a knob existed lacks it.
     return plan(model, world=world, stage=train["stage"], mp=train.get("mp"), batch=train["batch"],
-                seq=train["seq_len"], accum=train.get("accum", 1), checkpointing=train.get("checkpointing", "none"),
-                shard_size=shard_size, prefetch=train.get("prefetch", 1),
+                seq=train["seq_len"], accum=train.get("accum", 1), clip=train.get("clip"),
+                checkpointing=train.get("checkpointing", "none"), shard_size=shard_size, prefetch=train.get("prefetch", 1),
                 reshard_after_forward=train.get("reshard_after_forward", True), bucket_mb=train.get("bucket_mb", 25.0),
                 device=device, gpus_per_node=gpus_per_node, tp=train.get("tp", 1))
 
@@ -92,6 +92,8 @@ def plan_command(model: Any, train: Mapping[str, Any], *, world: int, shard_size
             f"--shard-size {shard_size}", f"--device {device}"]
     optional = {"tp": 1, "accum": 1, "checkpointing": "none", "prefetch": 1, "bucket_mb": 25.0}
     args += [f"--{k.replace('_', '-')} {train[k]}" for k, default in optional.items() if train.get(k, default) != default]
+    if train.get("clip", trainer_clip()) != trainer_clip():  # clipping's chunk is in the step's peak
+        args.append(f"--clip {train['clip']}")
     return "zeroshard plan memory " + " ".join(args)
 
 

@@ -131,6 +131,13 @@ def resolve_mp(mp: MixedPrecision | str | None, *, analytic: bool) -> MixedPreci
                           reduce_dtype=torch.float32)
 
 
+def trainer_clip() -> float:
+    """``zeroshard train``'s grad clipping when none is given: the trainer's own default, read."""
+    from zeroshard.trainer.sections import OptimSection
+
+    return OptimSection().clip
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSpec:
     """The run being planned. ``batch`` is the GLOBAL batch per optimizer step, as in ``zeroshard train``.
@@ -149,6 +156,10 @@ class PlanSpec:
     batch: int
     seq: int
     accum: int = 1
+    clip: float = dataclasses.field(default_factory=trainer_clip)
+    """The run's global grad-norm clipping (``zeroshard train``'s ``clip``; 0 does not clip). Only a
+    run that clips squares its grads in float64 chunks each step (the non-finite guard alone reads fp32
+    buffer norms): the chunk is in the step's peak only then."""
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
     """The engine's knobs the run will use (checkpointing, offload, prefetch, resharding, buckets,
     accumulation): the runtime's own options object, so the plan reads what the engine reads."""
@@ -175,6 +186,8 @@ class PlanSpec:
         _positive_int("batch", self.batch)
         _positive_int("seq", self.seq)
         _positive_int("accum", self.accum)
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or self.clip < 0:
+            raise ValueError(f"clip={self.clip!r} must be a number >= 0 (0 does not clip)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tp ranks; it needs tp > 1")
         self._check_ep()
@@ -289,7 +302,7 @@ class PlanSpec:
 
         return {
             "world": self.world, "stage": self.stage, "batch": self.batch, "micro_batch": self.micro_batch,
-            "seq": self.seq, "accum": self.accum, **self.engine.flat(), "shard_size": self.shard_size,
+            "seq": self.seq, "accum": self.accum, "clip": self.clip, **self.engine.flat(), "shard_size": self.shard_size,
             "headroom": self.headroom, "accounting": self.accounting, "optimizer": self.optimizer.__name__,
             "param_dtype": name(self.mp.param_dtype), "reduce_dtype": name(self.mp.reduce_dtype),
             "comm_quant": self.comm_quant, "comm_quant_block": self.comm_quant_block,

@@ -70,7 +70,7 @@ def predict(cands: list[Candidate], base: TrainConfig, *, device: str = "cpu") -
             # The planner splits the experts over ep (zeroshard/tools/planner/experts.py) and refuses, in
             # one line, what it does not model yet (ep with tp).
             plans[key] = plan(gpt, world=base.nproc, tp=base.tp, ep=ep, cp=cp, cp_attention=base.cp_attention,
-                              mp=base.mp, batch=base.batch,
+                              mp=base.mp, batch=base.batch, clip=base.clip,
                               seq=base.seq_len, accum=base.accum, accumulation=base.engine.accumulation,
                               device=device, optimizer="adamw", offload=base.engine.offload.kind,
                               optimizer_kwargs={"weight_decay": base.weight_decay, "foreach": True}, **knobs)
