@@ -5,15 +5,17 @@ Gemma3; scripts/arch_matrix.py), trains three runs of the same STEPS steps (the 
 config: stage 3, AdamW eps 1e-8, the same data and schedule) and compares their params:
 
 - "tp": 4 ranks = 2 shard x 2 tp, fp32, as `zeroshard verify --model DIR --nproc 4 --stage 3 --tp 2`;
+- "dp": 4 ranks = 4 shard, fp32, the same at tp 1 (what data parallelism alone does to the sums);
 - "one": one process, fp32 (verify's reference, reference_train);
 - "f64": one process, the model cast to float64, and every float32 cast in its code (a norm's
   ``x.float()``, softmax's ``dtype=torch.float32``, the loss's fp32 logits) made float64 too
   (Float64Mode): the same steps with rounding 2^29 times smaller, the near-exact answer.
 
-Prints per architecture: the params that differ most between tp and one (max |diff|), each with
-the one-process grad and Adam's denominator sqrt(v_hat) at that element; then how far each fp32
-run is from the float64 one (max and mean |diff| over every element), and at the elements where
-tp and one differ most.
+Prints per architecture: the largest param difference of tp and of dp from one; the params that
+differ most between tp and one (max |diff|), each with the one-process grad at step 1 and Adam's
+denominator sqrt(v_hat) after the last step at that element; then how far each fp32 run is from the
+float64 one (max and mean |diff| over every element, and at the elements where tp and one differ
+most).
 
     python scripts/tp_rounding.py [--only cohere,glm] [--steps 20]
 """
@@ -99,27 +101,32 @@ def one_process(folder: str, steps: int, float64: bool) -> tuple[dict, StepProbe
     return params, probe, losses
 
 
-def report(name: str, tp: dict, one: tuple, f64: tuple) -> None:
+def report(name: str, tp: dict, dp: dict, one: tuple, f64: tuple) -> None:
     (one_p, probe, one_losses), (f64_p, _, f64_losses) = one, f64
-    tp_p = {k: v.double() for k, v in tp["params"].items()}
+    runs = {"one": (one_p, one_losses)}
+    for who, run in (("tp", tp), ("dp", dp)):
+        runs[who] = ({k: v.double() for k, v in run["params"].items()}, run["losses"])
+    tp_p = runs["tp"][0]
     denom = probe.adam_denominator()
     first = probe.grads[0]
     diffs = {k: (tp_p[k] - one_p[k]).abs() for k in one_p}
     worst = sorted(diffs, key=lambda k: -diffs[k].max().item())[:TOP]
-    print(f"== {name}: {len(probe.grads)} steps, loss |tp - one| max "
-          f"{max(abs(a - b) for a, b in zip(tp['losses'], one_losses)):.1e}")
+    dp_one = {k: (runs["dp"][0][k] - one_p[k]).abs().max().item() for k in one_p}
+    dp_worst = max(dp_one, key=lambda k: dp_one[k])
+    print(f"== {name}: {len(probe.grads)} steps; max |param diff| from one: tp {diffs[worst[0]].max().item():.1e}, "
+          f"dp {dp_one[dp_worst]:.1e} ({dp_worst})")
     for k in worst:
         i = int(diffs[k].argmax())
         g1, d = first[k].flatten()[i].abs().item(), denom[k].flatten()[i].item()
-        print(f"  {k:42s} |tp - one| {diffs[k].max().item():.1e}; at that element: step-1 |grad| {g1:.1e}, "
-              f"sqrt(v_hat) {d:.1e}; the param's max step-1 |grad| {first[k].abs().max().item():.1e}")
-    for who, p in (("one", one_p), ("tp ", tp_p)):
+        print(f"  {k:42s} |tp - one| {diffs[k].max().item():.1e}; there: step-1 |grad| {g1:.1e}, "
+              f"final sqrt(v_hat) {d:.1e}; the param's largest step-1 |grad| {first[k].abs().max().item():.1e}")
+    for who, (p, losses) in runs.items():
         d = {k: (p[k] - f64_p[k]).abs() for k in f64_p}
         at = max(d[k].flatten()[int(diffs[k].argmax())].item() for k in worst)
-        total = sum(v.sum().item() for v in d.values()) / sum(v.numel() for v in d.values())
-        print(f"  |{who} - f64|: max {max(v.max().item() for v in d.values()):.1e}, mean {total:.1e}, "
-              f"at the {TOP} elements above (max) {at:.1e}; loss max "
-              f"{max(abs(a - b) for a, b in zip(tp['losses'] if who == 'tp ' else one_losses, f64_losses)):.1e}")
+        mean = sum(v.sum().item() for v in d.values()) / sum(v.numel() for v in d.values())
+        loss = max(abs(a - b) for a, b in zip(losses, f64_losses))
+        print(f"  |{who} - f64|: params max {max(v.max().item() for v in d.values()):.1e}, mean {mean:.1e}, "
+              f"at the {TOP} elements above {at:.1e}; loss max {loss:.1e}")
 
 
 def main() -> int:
@@ -133,8 +140,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {k: str(v) for k, v in w.make_folders(Path(tmp), names).items()}
         tp = spawn(w.suite, 4, args=(paths, False, args.steps), timeout_s=3000)[0]
+        dp = spawn(w.suite, 4, args=(paths, False, args.steps, 1), timeout_s=3000)[0]
         for name, folder in paths.items():
-            report(name, tp[name], one_process(folder, args.steps, False), one_process(folder, args.steps, True))
+            report(name, tp[name], dp[name], one_process(folder, args.steps, False),
+                   one_process(folder, args.steps, True))
     return 0
 
 
