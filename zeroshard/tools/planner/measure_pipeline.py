@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.tools.planner.mem_tracker import memory_tracker
 from zeroshard.tools.planner.pipeline import PipelinePlan
 from zeroshard.tools.planner.spec import STAGE_NAMES
 
@@ -48,21 +49,6 @@ def _live_tensors(skip: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta"]
     found += [t.grad for t in found if t.grad is not None]
     return [t for t in found if t.untyped_storage().data_ptr() not in skip]
-
-
-def _tracker():
-    """torch's MemTracker, taking a module's second forward in one step as a new call: a pipeline
-    stage runs once per microbatch, which MemTracker otherwise refuses (it expects one forward per
-    module per step). Only the step's global peak is read, not its per-module statistics."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class PerMicrobatch(MemTracker):
-        def _pre_fw_hook(self, module, inputs):  # type: ignore[no-untyped-def]
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-    return PerMicrobatch()
 
 
 def pipeline_measure_worker(req: dict) -> dict:
@@ -106,7 +92,7 @@ def _measure_stages(req: dict, mesh) -> dict:
         y = torch.randint(0, req["vocab"], (rows, cfg.seq_len), generator=gen)
         step_mod.pipeline_step(run, x, y)  # warm-up
         gc.collect()
-        tracker = _tracker()
+        tracker = memory_tracker(per_microbatch=True)
         tracker.track_external(*_live_tensors(earlier))
         with tracker, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
