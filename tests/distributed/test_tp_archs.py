@@ -6,23 +6,31 @@ scripts/arch_matrix.py runs every architecture of tp_arch_workloads.configs().""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import moe_matrix  # noqa: E402
 import tp_arch_workloads as w  # noqa: E402
 from zeroshard.cli.verify import default_tolerances  # noqa: E402
 from zeroshard.trainer.launch import spawn  # noqa: E402
 from zeroshard.trainer.train import reference_train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
+MLA = "deepseek_v2"
+"""Latent attention (MLA): its kv_a_proj_with_mqa is whole on every rank, and the rotary key part of its
+output, which every rank's heads read, has its grad summed over tp (transformers' 'mla_kv_a_proj')."""
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    return w.make_folders(tmp_path_factory.mktemp("tp-archs"), w.SUITE)
+    root = tmp_path_factory.mktemp("tp-archs")
+    return {**w.make_folders(root, w.SUITE), MLA: moe_matrix.make_folder(MLA, root)}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,7 @@ def world4(folders) -> dict:
     return spawn(w.suite, 4, args=({k: str(v) for k, v in folders.items()}, True), timeout_s=900)[0]
 
 
-@pytest.mark.parametrize("name", w.SUITE)
+@pytest.mark.parametrize("name", [*w.SUITE, MLA])
 def test_declared_plan_at_tp2_trains_as_one_process_does(world4, folders, name):
     index = json.loads((folders[name] / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 3

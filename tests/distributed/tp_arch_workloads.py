@@ -73,23 +73,23 @@ def train_config(folder: str, **overrides) -> TrainConfig:
                                  num_samples=64, dropout=False, profile=False), **overrides})
 
 
-def suite(folders: dict[str, str], nano: bool = False) -> dict:
-    """Per architecture: STEPS training steps at stage 3, tp 2 (losses, full params), or the one-line
+def suite(folders: dict[str, str], nano: bool = False, steps: int = STEPS, tp: int = 2) -> dict:
+    """Per architecture: ``steps`` training steps at stage 3, ``tp`` (losses, full params), or the one-line
     refusal; with ``nano``, NanoGPT through its own spec too (under "nanoGPT"); on rank 0."""
     from zeroshard.trainer.train import setup, train_step
 
     out: dict = {}
-    mesh = zs.init(tp=2)
+    mesh = zs.init(tp=tp)
     if nano:
         out["nanoGPT"] = _nano_train(mesh)
     for name, folder in folders.items():
-        cfg = train_config(folder)
+        cfg = train_config(folder, steps=steps, tp=tp)
         try:
             run = setup(cfg, mesh)
         except ValueError as exc:  # refused by name before anything is split
             out[name] = {"refused": str(exc)}
             continue
-        losses = [train_step(run, step).loss for step in range(STEPS)]
+        losses = [train_step(run, step).loss for step in range(steps)]
         state = zs.full_state_dict(run.model)  # collective
         out[name] = {"losses": losses, "params": {k: v.detach().float().clone() for k, v in state.items()}}
     zs.shutdown()

@@ -71,9 +71,9 @@ def test_what_tp_cannot_split_is_refused_in_one_line(config, message):
 
 def test_a_style_zeroshard_does_not_honour_is_refused_by_name():
     model = _meta(tf.MistralConfig(**SMALL))
-    spec = ModelSpec(blocks="model.layers", tp_plan={"model.layers.*.self_attn.q_proj": "mla_kv_a_proj"})
+    spec = ModelSpec(blocks="model.layers", tp_plan={"model.layers.*.self_attn.q_proj": "packed_rowwise"})
     zs.models.spec.attach(model, spec)
-    with pytest.raises(ValueError, match="style 'mla_kv_a_proj' .*self_attn.q_proj.* is not supported"):
+    with pytest.raises(ValueError, match="style 'packed_rowwise' .*self_attn.q_proj.* is not supported"):
         check_tensor_parallel(model, 2)
 
 

@@ -58,6 +58,8 @@ class ModelSpec:
     """A column-split entry that stacks several projections by rows (fused q/k/v: 3) -> how many."""
     tp_divides: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Sizes tp must divide (heads, kv heads, MLP width), by the names the errors use."""
+    tp_tails: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """An ``mla_kv_a_proj`` entry -> how many of its output's last features every head reads (the rotary key part)."""
     tp_refusal: str = ""
     """Why this family has no tensor-parallel plan (empty when it has one)."""
     sequence_norms: tuple[str, ...] = ()
@@ -93,7 +95,9 @@ class ModelSpec:
                 outer[pattern] = style
         for pattern, n in self.tp_chunks.items():
             chunks[pattern[len(prefix):] if pattern.startswith(prefix) else pattern] = n
+        tails = {pattern[len(prefix):] if pattern.startswith(prefix) else pattern: n for pattern, n in self.tp_tails.items()}
         return TPPlan(blocks=self.blocks, styles=inner, outer=outer, chunks=chunks, divides=dict(self.tp_divides),
+                      tails=tails,
                       sequence_norms=self.sequence_norms, sequence_refusal=self.sequence_refusal,
                       stream_inputs=self.stream_inputs, name=self.name)
 

@@ -35,7 +35,7 @@ from zeroshard.comm.names import Group, Phase
 from zeroshard.runtime.lazy_dtensor import is_dtensor
 from zeroshard.runtime.attached import find_engine
 from zeroshard.runtime.tp_plan import (SEQUENCE, SEQUENCE_STYLES, TPPlan, check_divides, check_param_sizes,
-                                       chunk_count, resolve, stream_input, stream_parents, torch_style)
+                                       chunk_count, matches, resolve, stream_input, stream_parents, torch_style)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -182,7 +182,8 @@ def _block_styles(block: nn.Module, plan: TPPlan, sequence_parallel: bool) -> tu
     styles: dict[str, ParallelStyle] = {}
     for name, style in resolved.items():
         prepared = name.rpartition(".")[0] in parents
-        styles[name] = torch_style(style, stream, prepared=prepared)
+        tail = next((n for pattern, n in plan.tails.items() if matches(name, pattern)), 0)
+        styles[name] = torch_style(style, stream, prepared=prepared, tail=tail)
     # Each such module takes the stream once as one whole DTensor: its projections' input grads then
     # add up as one Partial DTensor, reduced once per module, not once per projection (q, k, v: three).
     # Under sequence parallelism this is where the all-gather runs.

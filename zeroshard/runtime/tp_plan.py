@@ -20,6 +20,11 @@ one. Each name maps onto torch's own styles, so every split is DTensor's:
 ``embedding_rowwise``          ``RowwiseParallel`` on an ``nn.Embedding``: the vocabulary split, the
                                ranks' lookups summed
 ``sequence_parallel``          ``SequenceParallel``: a norm on the sequence-split stream
+``mla_kv_a_proj``              a whole projection (MLA's ``kv_a_proj_with_mqa``) whose output's last
+                               ``tails`` features (the rotary key part) every rank's heads read: their
+                               grad, a partial sum over the heads, is summed over the tp ranks (as
+                               transformers' ``MlaKvAProjParallel``); the rest reaches a column-split
+                               projection, whose input grad is summed already
 ============================== ===========================================================================
 
 Any other name (``moe_tp_experts``, ``packed_rowwise``, ``mla_kv_a_proj``, ...) is refused by name
@@ -32,6 +37,7 @@ import dataclasses
 import fnmatch
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -42,8 +48,9 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 COLWISE_GATHER, ROWWISE_SPLIT = "colwise_gather_output", "rowwise_split_input"
 PACKED_COLWISE, REPLICATED_GRAD = "packed_colwise", "replicated_with_grad_allreduce"
 EMBEDDING_ROWWISE, SEQUENCE = "embedding_rowwise", "sequence_parallel"
+SHARED_TAIL = "mla_kv_a_proj"
 STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, ROWWISE_SPLIT, PACKED_COLWISE, REPLICATED_GRAD, EMBEDDING_ROWWISE,
-          SEQUENCE)
+          SEQUENCE, SHARED_TAIL)
 """The style names a plan may use."""
 COLUMN_STYLES = (COLWISE, COLWISE_GATHER, PACKED_COLWISE)
 """Styles that split a linear's output features: its input is whole on every rank, its input grad a partial sum."""
@@ -65,6 +72,8 @@ class TPPlan:
     """A ``packed_colwise`` entry -> how many row blocks it stacks (default 2: gate and up)."""
     divides: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Sizes tp must divide (heads, kv heads, MLP width), checked before anything is split."""
+    tails: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """An ``mla_kv_a_proj`` entry -> how many of its output's last features every rank's heads read."""
     sequence_norms: tuple[str, ...] = ()
     """The block's children that run on the sequence-split stream under sequence parallelism."""
     sequence_refusal: str = ""
@@ -113,7 +122,7 @@ def check_param_sizes(root: nn.Module, resolved: Mapping[str, str], chunks: Mapp
     """Every split dim divides evenly over tp (each row block of a packed projection on its own)."""
     for name, style in resolved.items():
         weight = getattr(root.get_submodule(name), "weight", None)
-        if not isinstance(weight, nn.Parameter) or style in (REPLICATED_GRAD, SEQUENCE):
+        if not isinstance(weight, nn.Parameter) or style in (REPLICATED_GRAD, SEQUENCE, SHARED_TAIL):
             continue
         if style in COLUMN_STYLES or style == EMBEDDING_ROWWISE:
             n = chunk_count(name, style, chunks)
@@ -136,9 +145,10 @@ def chunk_count(name: str, style: str, chunks: Mapping[str, int]) -> int:
     return given if given is not None else (2 if style == PACKED_COLWISE else 1)
 
 
-def torch_style(style: str, stream: Placement, *, prepared: bool) -> ParallelStyle:
+def torch_style(style: str, stream: Placement, *, prepared: bool, tail: int = 0) -> ParallelStyle:
     """The torch style for ``style``; ``stream``: the residual stream's layout (Shard(1) under sequence
-    parallelism, else Replicate); ``prepared``: the module's input arrives as a whole DTensor already."""
+    parallelism, else Replicate); ``prepared``: the module's input arrives as a whole DTensor already;
+    ``tail``: an ``mla_kv_a_proj``'s shared last features."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -156,8 +166,33 @@ def torch_style(style: str, stream: Placement, *, prepared: bool) -> ParallelSty
         # The param is replicated, its input is this rank's heads (dim -2): DTensor computes the
         # norm locally and turns the param's grad, a partial sum over the heads, into the total.
         return SequenceParallel(sequence_dim=-2, use_local_output=True)
+    if style == SHARED_TAIL:
+        return shared_tail(tail)
     assert style == SEQUENCE, style
     return SequenceParallel()
+
+
+def shared_tail(tail: int) -> ParallelStyle:
+    """A whole module whose output's last ``tail`` features feed every rank's heads: in backward
+    their grad (this rank's heads' part) is summed over the tp ranks by DTensor (a Partial grad
+    made Replicate); forward is unchanged."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class SharedTail(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def hook(_: nn.Module, args: tuple, output: Any) -> Any:
+                kept, shared = output.split([output.shape[-1] - tail, tail], dim=-1)
+                shared = DTensor.from_local(shared, device_mesh, (Replicate(),), run_check=False)
+                return torch.cat([kept, shared.to_local(grad_placements=(Partial(),))], dim=-1)
+
+            module.register_forward_hook(hook)
+            return module
+
+    if tail < 1:
+        raise ValueError(f"tensor-parallel style {SHARED_TAIL!r} needs the size of its output's shared part "
+                         "(the config's qk_rope_head_dim); give it in the spec's tp_tails")
+    return SharedTail()
 
 
 def stream_input(stream: Placement) -> ParallelStyle:

@@ -15,7 +15,7 @@ from typing import Any, Mapping, cast
 from torch import nn
 
 from zeroshard.models.spec import ModelSpec
-from zeroshard.runtime.tp_plan import COLUMN_STYLES, matches
+from zeroshard.runtime.tp_plan import COLUMN_STYLES, SHARED_TAIL, matches
 
 EXPERTS_STYLE = "ep_dispatch_experts"
 """transformers' ep-plan style on a module of stacked experts."""
@@ -126,6 +126,8 @@ def hf_spec(model: nn.Module) -> ModelSpec | None:
     return ModelSpec(
         name=name, blocks=blocks, before=before, after=after, shared=shared, tp_plan=tp_plan,
         tp_divides=_divides(model, config, split, blocks),
+        # transformers' mla_kv_a_proj reads the shared (rotary) part's size from the config the same way
+        tp_tails={p: getattr(config, "qk_rope_head_dim", 0) for p, s in tp_plan.items() if s == SHARED_TAIL},
         tp_refusal="" if tp_plan else (f"{name} declares no tensor-parallel plan (its config's base_model_tp_plan is "
                                        "empty); use tp=1, or pass spec=zs.ModelSpec(..., tp_plan={...})"),
         sequence_norms=norms, sequence_refusal=sequence_refusal, ep_plan=ep_plan, experts=experts,

@@ -184,35 +184,15 @@ def _peak_tracker(device: torch.device, externals: list):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return contextlib.nullcontext(), lambda: torch.cuda.max_memory_allocated(), "cuda max_memory_allocated"
-    tracker = _frozen_aware_tracker()
+    from zeroshard.tools.planner.mem_tracker import memory_tracker
+
+    tracker = memory_tracker()
     tracker.track_external(*[e for e in externals if e is not None])
 
     def peak() -> int:
         return max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
 
     return tracker, peak, "storage accounting (torch MemTracker)"
-
-
-class _NoHook:
-    @staticmethod
-    def remove() -> None:
-        pass
-
-
-def _frozen_aware_tracker() -> Any:
-    """torch's MemTracker, which hooks every param's grad in each forward and so fails on a frozen
-    param (an adapter's base weights: "cannot register a hook on a tensor that doesn't require
-    gradient"); a frozen param is marked hooked already, with a handle that removes nothing."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):  # type: ignore[override]
-            for param in module.parameters():
-                if not param.requires_grad:
-                    self._param_to_grad_hook_handles.setdefault(param, (_NoHook, _NoHook))
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    return Tracker()
 
 
 def _build(req: dict, stage: int, options, mesh) -> tuple[torch.nn.Module, list, int]:

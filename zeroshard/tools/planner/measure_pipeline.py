@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.tools.planner.mem_tracker import memory_tracker
 from zeroshard.tools.planner.pipeline import PipelinePlan
 from zeroshard.tools.planner.spec import STAGE_NAMES
 
@@ -57,21 +58,6 @@ def _data_ptr(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
         return None
-
-
-def _tracker():
-    """torch's MemTracker, taking a module's second forward in one step as a new call: a pipeline
-    stage runs once per microbatch, which MemTracker otherwise refuses (it expects one forward per
-    module per step). Only the step's global peak is read, not its per-module statistics."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class PerMicrobatch(MemTracker):
-        def _pre_fw_hook(self, module, inputs):  # type: ignore[no-untyped-def]
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-    return PerMicrobatch()
 
 
 def pipeline_measure_worker(req: dict) -> dict:
@@ -116,7 +102,7 @@ def _measure_stages(req: dict, mesh) -> dict:
         y = torch.randint(0, req["vocab"], (rows, cfg.seq_len), generator=gen)
         step_mod.pipeline_step(run, x, y)  # warm-up
         gc.collect()
-        tracker = _tracker()
+        tracker = memory_tracker(per_microbatch=True)
         tracker.track_external(*_live_tensors(earlier))
         with tracker, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")

@@ -121,9 +121,9 @@ def _peak_bytes(built: _Built, x, y, device: Any) -> int | None:
     its peak per pp rank is `plan --pp --measure`'s (every stage's engine tracked), not read here."""
     if built.run.pipeline is not None:
         return None
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from zeroshard.tools.planner.mem_tracker import memory_tracker
 
-    tracker = MemTracker()
+    tracker = memory_tracker()  # a frozen param (an adapter's base, a model's own frozen bias) taken
     tracker.track_external(*built.externals(x, y))
     with tracker, warnings.catch_warnings():
         # Stages 2-3 move each grad into the engine's flat buffer and leave param.grad None; the
