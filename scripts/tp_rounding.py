@@ -32,26 +32,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "distributed")]
 
 import torch  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import tp_arch_workloads as w  # noqa: E402
+from zeroshard.trainer.exact import Float64Mode  # noqa: E402
 
 NAMES = ("cohere", "glm", "gemma3_text")
 TOP = 6
-
-
-class Float64Mode(TorchFunctionMode):
-    """float32 means float64 inside: a model's own upcasts (``.float()``, ``.to(torch.float32)``,
-    ``dtype=torch.float32``) stay in float64, so a float64 model keeps no fp32 island."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.float:
-            return args[0].to(torch.float64)
-        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        if kwargs.get("dtype") is torch.float32:
-            kwargs["dtype"] = torch.float64
-        return func(*args, **kwargs)
 
 
 class StepProbe:
