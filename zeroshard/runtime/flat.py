@@ -136,6 +136,8 @@ class FlatGroup:
         # zeroshard.init replays the model's init into them, keeping only what this rank holds.
         self.from_meta = self.refs[0].param.is_meta
         self.params: list[nn.Parameter] | None = None
+        self.shard: torch.Tensor  # both set by the stage's branch below
+        self.full: torch.Tensor
         if self.policy.shard_params:
             self._init_sharded_values()
         else:
