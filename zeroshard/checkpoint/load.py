@@ -391,27 +391,7 @@ def load(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, *
     try:
         directory = resolve(path)
         plan = Plan(directory, fmt.read_manifest(directory))
-        fmt.check_coverage(plan.manifest, directory)
-        if parts is not None:
-            whole = parts.state_names  # a pipeline rank: checked against the whole model's names
-            for part in parts.parts:
-                plan.engine(part.engine, check_unused=whole is None)
-                if part.optimizer is not None:
-                    plan.optimizer(part.optimizer)
-                buffers += plan.buffers(part.module, strict=whole is None)
-            if whole is not None:
-                plan.check_names(whole)
-        else:
-            if optimizer is not None:
-                raise CheckpointError("optimizer state can only be loaded into a sharded model's optimizer "
-                                      "(zs.shard + zs.optimizer); load the plain model with optimizer=None")
-            assert isinstance(model, nn.Module)  # has_engine: a Pipeline always has parts
-            plan.plain(model)
-            buffers = plan.buffers(model)
-        ranks = {r["rank"]: r["file"] for r in plan.manifest["ranks"]}
-        if rng:
-            plan.files.add(ranks.get(rank, ranks[0]))
-        verify(directory, plan.files)
+        buffers = _check_plan(plan, model, optimizer, parts, rank=rank, rng=rng)
         _side(plan.manifest, directory, scheduler, sampler, scaler)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         problem = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
@@ -425,6 +405,50 @@ def load(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, *
         raise CheckpointError(problem)
     assert plan is not None  # no rank had a problem, so every step above ran
 
+    _read(plan, buffers, rank=rank, rng=rng)
+    for part in parts.parts if parts is not None else []:
+        if part.optimizer is not None:
+            _install_optimizer(part.optimizer, plan)
+        _publish(part.engine)
+    m = plan.manifest
+    return Loaded(path=directory, step=m["step"], extra=fmt.from_json(m.get("extra")), saved_world=m["world"],
+                  saved_stage=m["stage"], files_read=sorted(plan.files), lineage=m.get("lineage"), manifest=m)
+
+
+def _check_plan(plan: Plan, model: nn.Module | Pipeline, optimizer, parts, *, rank: int,
+                rng: bool) -> list[tuple[torch.Tensor, dict]]:
+    """Everything this rank can check before any value is read (so every rank can refuse together):
+    the checkpoint covers the model (and optimizer), and the files to read are complete. Returns
+    the buffers to read, with their manifest entries."""
+    directory = plan.directory
+    fmt.check_coverage(plan.manifest, directory)
+    if parts is not None:
+        whole = parts.state_names  # a pipeline rank: checked against the whole model's names
+        buffers: list[tuple[torch.Tensor, dict]] = []
+        for part in parts.parts:
+            plan.engine(part.engine, check_unused=whole is None)
+            if part.optimizer is not None:
+                plan.optimizer(part.optimizer)
+            buffers += plan.buffers(part.module, strict=whole is None)
+        if whole is not None:
+            plan.check_names(whole)
+    else:
+        if optimizer is not None:
+            raise CheckpointError("optimizer state can only be loaded into a sharded model's optimizer "
+                                  "(zs.shard + zs.optimizer); load the plain model with optimizer=None")
+        assert isinstance(model, nn.Module)  # has_engine: a Pipeline always has parts
+        plan.plain(model)
+        buffers = plan.buffers(model)
+    ranks = {r["rank"]: r["file"] for r in plan.manifest["ranks"]}
+    if rng:
+        plan.files.add(ranks.get(rank, ranks[0]))
+    verify(directory, plan.files)
+    return buffers
+
+
+def _read(plan: Plan, buffers: list[tuple[torch.Tensor, dict]], *, rank: int, rng: bool) -> None:
+    """Read the checked plan's values into the params, optimizer state and buffers (and this
+    rank's RNG states), closing the checkpoint's files whatever happens."""
     try:
         plan.execute()
         with torch.no_grad():
@@ -434,13 +458,6 @@ def load(path: str | os.PathLike, model: nn.Module | Pipeline, optimizer=None, *
             rng_state.restore(saved_rng(plan.reader, rank))
     finally:
         plan.reader.close()
-    for part in parts.parts if parts is not None else []:
-        if part.optimizer is not None:
-            _install_optimizer(part.optimizer, plan)
-        _publish(part.engine)
-    m = plan.manifest
-    return Loaded(path=directory, step=m["step"], extra=fmt.from_json(m.get("extra")), saved_world=m["world"],
-                  saved_stage=m["stage"], files_read=sorted(plan.files), lineage=m.get("lineage"), manifest=m)
 
 
 def _install_optimizer(optimizer, plan: Plan) -> None:

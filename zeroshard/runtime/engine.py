@@ -120,35 +120,54 @@ class Engine:
         self.store = make_store(options.offload, device, mesh.rank)
         # How the params got their values: replicated from the model as built, unless materialize ran.
         self.init_stats: dict[str, Any] = {"path": "replicated", "peak_temp_bytes": 0}
-        self.comm = comm = comm or CommQuant()
+        self.comm = comm or CommQuant()
         self._unit_of_group: dict[int, Unit] = {}  # filled once the units exist; the callbacks read it
         # On an accelerator: the all-gather and reduce streams ([Note: side streams]); None on the CPU.
         self.streams = side_streams(device)
-        config = GroupConfig(policy=policy, mesh=mesh, mp=mp, device=device, store=self.store, events=self.events,
-                             comm=comm, before_grad_read=self._before_grad_read,
-                             on_params_created=self._on_params_created, streams=self.streams,
-                             landings=Landings(device) if self.store is not None and self.store.pin else None)
-        root_config = dataclasses.replace(config, is_root=True)
-        # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
-        backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
         self._tally = FullTally()
-        if policy.shard_params:
-            self.units = [Unit(s.name, s.module, split_groups(s.name, s.refs, root_config if s.is_root else config),
-                               is_root=s.is_root, sharded=True, events=self.events, tally=self._tally)
-                          for s in backward_order]
-        else:
-            self.units = []
-            for bucket in reduction_buckets(backward_order, options.bucket_bytes):
-                name = "+".join(s.name for s in bucket)
-                refs = [r for s in bucket for r in s.refs]
-                is_root = any(s.is_root for s in bucket)
-                self.units.append(Unit(name, None, split_groups(name, refs, root_config if is_root else config),
-                                       is_root=is_root, sharded=False, events=self.events, tally=self._tally))
-                for group in self.units[-1].groups:
-                    group.register(unsharded=True)
+        self.units = self._build_units(specs, self._group_config(device))
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         # Reductions launch and finish strictly in the units' order on every rank.
         self.reductions = ReductionQueue(list(self.units))
+        self._init_step_state()
+        self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
+            if policy.shard_params else {}
+        self._install_hooks(model)
+        blocks = [spec.module for spec in specs if not spec.is_root]
+        self.recompute: Recompute | None = None
+        if segment_length(options.checkpointing, len(blocks)) is not None:
+            self.recompute = Recompute(model, blocks, options.checkpointing, self if policy.shard_params else None)
+
+    def _group_config(self, device: torch.device) -> GroupConfig:
+        """What every flat group is built from; the callbacks are how a group asks this engine."""
+        return GroupConfig(policy=self.policy, mesh=self.mesh, mp=self.mp, device=device, store=self.store,
+                           events=self.events, comm=self.comm, before_grad_read=self._before_grad_read,
+                           on_params_created=self._on_params_created, streams=self.streams,
+                           landings=Landings(device) if self.store is not None and self.store.pin else None)
+
+    def _build_units(self, specs: list[UnitSpec], config: GroupConfig) -> list[Unit]:
+        """The units in backward order: one per wrapped module at stage 3, else buckets of about
+        ``bucket_bytes`` (whose params stay whole, so they are registered once here)."""
+        root_config = dataclasses.replace(config, is_root=True)
+        # specs arrive as [blocks in module order..., root]; backward runs roughly in reverse.
+        backward_order = [s for s in reversed(specs) if not s.is_root] + [s for s in specs if s.is_root]
+        if self.policy.shard_params:
+            return [Unit(s.name, s.module, split_groups(s.name, s.refs, root_config if s.is_root else config),
+                         is_root=s.is_root, sharded=True, events=self.events, tally=self._tally)
+                    for s in backward_order]
+        units = []
+        for bucket in reduction_buckets(backward_order, self.options.bucket_bytes):
+            name = "+".join(s.name for s in bucket)
+            refs = [r for s in bucket for r in s.refs]
+            is_root = any(s.is_root for s in bucket)
+            units.append(Unit(name, None, split_groups(name, refs, root_config if is_root else config),
+                              is_root=is_root, sharded=False, events=self.events, tally=self._tally))
+            for group in units[-1].groups:
+                group.register(unsharded=True)
+        return units
+
+    def _init_step_state(self) -> None:
+        """Where the engine is in a step, the recorded forward order and the memory counters."""
         self.state = TrainingState.IDLE
         self._forward_order: list[Unit] = []
         self._order_recorded = False
@@ -162,8 +181,9 @@ class Engine:
         self._held: set[Unit] = set()
         self.peak_full_bytes = 0
         self.max_unsharded_units = 0
-        self.unit_of_module = {id(u.module): u for u in self.units if u.module is not None} \
-            if policy.shard_params else {}
+
+    def _install_hooks(self, model: nn.Module) -> None:
+        """The model's and the params' hooks."""
         # None unless built inside host_clock.recording(): then the hooks below are timed ones.
         self.host_clock = clock = hc.requested()
         # Made once: the pre-backward hook is registered every forward, the end-of-backward callback queued every backward.
@@ -180,12 +200,8 @@ class Engine:
         self._hooks.append(model.register_forward_hook(eager_hook(hc.timed_if(clock, hc.POST_FORWARD,
                                                                                self._end_forward))))
         self._register_grad_hooks()
-        if policy.shard_params:
+        if self.policy.shard_params:
             self._register_forward_hooks()
-        blocks = [spec.module for spec in specs if not spec.is_root]
-        self.recompute: Recompute | None = None
-        if segment_length(options.checkpointing, len(blocks)) is not None:
-            self.recompute = Recompute(model, blocks, options.checkpointing, self if policy.shard_params else None)
 
     def materialize(self, init_fn: Callable[[nn.Module], None] | None, *, require_all: bool = True) -> None:
         """Give a model built on the meta device its values by replaying its init, shard by shard

@@ -90,7 +90,7 @@ class FlatGroup:
     """
 
     def __init__(self, *, unit: str, refs: list[ParamRef], trainable: bool, config: GroupConfig) -> None:
-        policy, mesh, mp, device, store = config.policy, config.mesh, config.mp, config.device, config.store
+        policy, mesh, mp = config.policy, config.mesh, config.mp
         self.config = config
         self.unit = unit
         self.refs = refs
@@ -108,55 +108,77 @@ class FlatGroup:
         self.compute_dtype = mp.compute_dtype(self.master_dtype)
         self.reduce_dtype = mp.reduction_dtype(self.master_dtype)
         self.lo, self.hi = self.layout.shard_range(self.shard_rank)
-        self.device = device
+        self.device = config.device
         self.events = config.events
-        comm = config.comm
+        self._init_comm_quant()
+        self._init_values()
+        self._init_grad_state()
+
+    def _init_comm_quant(self) -> None:
+        """Which of this group's collectives are sent quantized (qwZ, qgZ), asked once here."""
+        comm, policy = self.config.comm, self.policy
         # Block size when stage 3's weight all-gather is sent quantized, else None.
         self.weight_quant: int | None = comm.block_size if policy.shard_params and \
-            comm.quantizes(self.layout.numel, config.is_root) else None
+            comm.quantizes(self.layout.numel, self.config.is_root) else None
         # Block size when this group's grads are reduced quantized (qgZ, stages 2-3), else None.
-        self.grad_quant: int | None = comm.block_size if policy.transient_grads and trainable and \
+        self.grad_quant: int | None = comm.block_size if policy.transient_grads and self.trainable and \
             comm.quantizes_grads(self.layout.numel) else None
         # qgZ's carried rounding error, when enabled.
         self.grad_feedback = ErrorFeedback() if self.grad_quant is not None and comm.error_feedback else None
 
+    def _init_values(self) -> None:
+        """The param values: ``shard`` (the master slice) and ``full`` (the compute-dtype buffer), as
+        the stage keeps them; the original params are released once copied in."""
         # Offloaded masters (zeroshard.runtime.offload) live in their own store, never inside the params.
-        self.store = store if trainable else None
-        self.aliased = self.compute_dtype == self.master_dtype and not policy.shard_params and self.store is None
+        self.store = self.config.store if self.trainable else None
+        self.aliased = self.compute_dtype == self.master_dtype and not self.policy.shard_params and self.store is None
         # A model built on the meta device has no values yet: buffers start at zero and
         # zeroshard.init replays the model's init into them, keeping only what this rank holds.
-        self.from_meta = refs[0].param.is_meta
+        self.from_meta = self.refs[0].param.is_meta
         self.params: list[nn.Parameter] | None = None
-        if policy.shard_params:
-            if self.from_meta:
-                self.shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
-            else:
-                self.shard = self._replicated_originals(device)[self.lo:self.hi].clone()
-            # Grown, and the params created as views of it, at the first gather; never whole before.
-            self.full = torch.empty(0, dtype=self.compute_dtype, device=device)
+        self.shard: torch.Tensor  # both set by the stage's branch below
+        self.full: torch.Tensor
+        if self.policy.shard_params:
+            self._init_sharded_values()
         else:
-            whole = (torch.zeros(self.layout.numel, dtype=self.master_dtype, device=device) if self.from_meta
-                     else self._replicated_originals(device))
-            if self.aliased:
-                self.full, self.shard = whole, whole[self.lo:self.hi]
-            else:
-                self.shard = whole[self.lo:self.hi].clone()
-                self.full = whole.to(self.compute_dtype)
-            del whole
-            self._create_params()
+            self._init_whole_values()
         if self.store is not None:
             self.shard = self._offload_master(self.shard)
-        self.sharded_params = self._make_sharded_params() if policy.shard_params else None
-        for ref in refs:
+        self.sharded_params = self._make_sharded_params() if self.policy.shard_params else None
+        for ref in self.refs:
             ref.release()  # otherwise the original full-size params would outlive sharding
 
+    def _init_sharded_values(self) -> None:
+        """Stage 3: only this rank's shard is held; ``full`` starts empty."""
+        if self.from_meta:
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=self.device)
+        else:
+            self.shard = self._replicated_originals(self.device)[self.lo:self.hi].clone()
+        # Grown, and the params created as views of it, at the first gather; never whole before.
+        self.full = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    def _init_whole_values(self) -> None:
+        """Stages 0-2: the full buffer persists and the params are views of it from the start."""
+        whole = (torch.zeros(self.layout.numel, dtype=self.master_dtype, device=self.device) if self.from_meta
+                 else self._replicated_originals(self.device))
+        if self.aliased:
+            self.full, self.shard = whole, whole[self.lo:self.hi]
+        else:
+            self.shard = whole[self.lo:self.hi].clone()
+            self.full = whole.to(self.compute_dtype)
+        del whole
+        self._create_params()
+
+    def _init_grad_state(self) -> None:
+        """The grad buffers, the reducer, and the caches the hot paths fill once."""
+        policy = self.policy
         self.grad_full: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
         self._landing = 0  # the ticket of a device->host grad copy not yet waited on (Landings)
-        self.reducer = GradReducer(ReduceTarget(unit=unit, layout=self.layout, shard_rank=self.shard_rank, lo=self.lo,
-                                                hi=self.hi, reduce_dtype=self.reduce_dtype,
-                                                master_dtype=self.master_dtype, device=device),
-                                   mesh=mesh, shard_optimizer=policy.shard_optimizer)
+        self.reducer = GradReducer(ReduceTarget(unit=self.unit, layout=self.layout, shard_rank=self.shard_rank,
+                                                lo=self.lo, hi=self.hi, reduce_dtype=self.reduce_dtype,
+                                                master_dtype=self.master_dtype, device=self.device),
+                                   mesh=self.mesh, shard_optimizer=policy.shard_optimizer)
         self._grad_full_zero = True
         self._swaps: dict[bool, list[tuple[dict, str, nn.Parameter]]] = {}  # register()'s, per side
         self.keeps_grads = not policy.transient_grads
@@ -170,8 +192,8 @@ class FlatGroup:
         self._pads: list[torch.Tensor | None] | None = None  # _concat_grads' zeros after each slot
         self._grad_views: list[torch.Tensor] = []
         self._grad_views_of: torch.Tensor | None = None  # the grad buffer the cached views are of
-        if trainable and not policy.transient_grads:
-            self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=device)
+        if self.trainable and not policy.transient_grads:
+            self.grad_full = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)
             self.attach_grad_views()
 
     # -- construction -------------------------------------------------------------------------

@@ -20,65 +20,95 @@ def replay_order(order: dict[int, list], times: StageTimes, p2p: float, cores: f
     k > cores actions run, each advances at cores / k of its own speed. None: one device per rank.
     ``tails``: after its last action each rank runs this many seconds of its own (the step's
     reduction and update), sharing the cores like an action; ``finished`` gets when each ends."""
-    last = len(times.fwd) - 1
-    upstream = "I" if any(a.kind == "I" for actions in order.values() for a in actions) else "B"
-    done: dict[tuple[str, int, int], float] = {}
-    busy = dict.fromkeys(order, 0.0)
-    nxt = dict.fromkeys(order, 0)
-    free_at = dict.fromkeys(order, 0.0)  # when the rank finished its previous action
-    ends = dict.fromkeys(order, 0.0)  # when the rank finished its last action
-    running: dict[int, list[float]] = {}  # rank -> [work left (own seconds), started at]
+    walk = _OrderWalk(order, times, p2p, tails)
     now = 0.0
-    steps = {r: len(order[r]) + (1 if tails is not None else 0) for r in order}  # the tail: one more
+    while walk.pending() or walk.running:
+        walk.start_ready(now)
+        # Oversubscribed cores slow every running action alike.
+        rate = 1.0 if cores is None or len(walk.running) <= cores else cores / len(walk.running)
+        t = walk.next_event(now, rate)
+        walk.advance(now, t, rate, finished)
+        now = t
+    return {r: (walk.ends[r], walk.busy[r]) for r in order}
 
-    def ready_at(r: int) -> float | None:
+
+class _OrderWalk:
+    """``replay_order``'s state: per rank, its next action, what it runs now, and when each action
+    (kind, stage, microbatch) finished, which the actions depending on it wait for."""
+
+    def __init__(self, order: dict[int, list], times: StageTimes, p2p: float, tails: dict[int, float] | None) -> None:
+        self.order, self.times, self.p2p, self.tails = order, times, p2p, tails
+        self.last = len(times.fwd) - 1
+        # A zero-bubble order's grads flow upstream from the input half of a split backward.
+        self.upstream = "I" if any(a.kind == "I" for actions in order.values() for a in actions) else "B"
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.busy = dict.fromkeys(order, 0.0)
+        self.nxt = dict.fromkeys(order, 0)
+        self.free_at = dict.fromkeys(order, 0.0)  # when the rank finished its previous action
+        self.ends = dict.fromkeys(order, 0.0)  # when the rank finished its last action
+        self.running: dict[int, list[float]] = {}  # rank -> [work left (own seconds), started at]
+        self.steps = {r: len(order[r]) + (1 if tails is not None else 0) for r in order}  # the tail: one more
+
+    def pending(self) -> bool:
+        return any(self.nxt[r] < self.steps[r] for r in self.order)
+
+    def ready_at(self, r: int) -> float | None:
         """When rank r's next action may start (None: its input is not computed yet)."""
-        if nxt[r] == len(order[r]):  # the tail: once the rank is done with its schedule
+        free_at = self.free_at
+        if self.nxt[r] == len(self.order[r]):  # the tail: once the rank is done with its schedule
             return free_at[r]
-        a = order[r][nxt[r]]
+        a = self.order[r][self.nxt[r]]
         if a.kind == "F":
             dep = None if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
         elif a.kind == "W":  # the weight half follows its own input half
             dep = ("I", a.stage, a.microbatch)
         else:  # B or I: the grad of the stage's output, from the next stage's B or I
-            dep = ("F", a.stage, a.microbatch) if a.stage == last else (upstream, a.stage + 1, a.microbatch)
+            dep = ("F", a.stage, a.microbatch) if a.stage == self.last else (self.upstream, a.stage + 1, a.microbatch)
         if dep is None:
             return free_at[r]
-        if dep not in done:
+        if dep not in self.done:
             return None
-        return max(free_at[r], done[dep] + (p2p if dep[1] != a.stage else 0.0))
+        return max(free_at[r], self.done[dep] + (self.p2p if dep[1] != a.stage else 0.0))
 
-    while any(nxt[r] < steps[r] for r in order) or running:
+    def start_ready(self, now: float) -> None:
+        """Start every idle rank's next action (or tail) whose input has arrived by ``now``."""
+        order, nxt, tails = self.order, self.nxt, self.tails
         for r in order:
-            if r not in running and nxt[r] < steps[r]:
-                at = ready_at(r)
+            if r not in self.running and nxt[r] < self.steps[r]:
+                at = self.ready_at(r)
                 if at is not None and at <= now:
-                    work = tails[r] if nxt[r] == len(order[r]) and tails is not None else times.seconds(order[r][nxt[r]])
-                    running[r] = [work, now]
-        rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
-        waits = [at for r in order if r not in running and nxt[r] < steps[r]
-                 for at in [ready_at(r)] if at is not None and at > now]
-        finish = min((left / rate for left, _ in running.values()), default=None)
+                    work = tails[r] if nxt[r] == len(order[r]) and tails is not None else \
+                        self.times.seconds(order[r][nxt[r]])
+                    self.running[r] = [work, now]
+
+    def next_event(self, now: float, rate: float) -> float:
+        """The next moment something changes: a running action ends or an idle rank's input arrives."""
+        waits = [at for r in self.order if r not in self.running and self.nxt[r] < self.steps[r]
+                 for at in [self.ready_at(r)] if at is not None and at > now]
+        finish = min((left / rate for left, _ in self.running.values()), default=None)
         candidates = ([now + finish] if finish is not None else []) + waits
         if not candidates:
             raise RuntimeError("pipeline replay stalled: the schedule's order has an action whose input never comes")
-        t = min(candidates)
+        return min(candidates)
+
+    def advance(self, now: float, t: float, rate: float, finished: dict[int, float] | None) -> None:
+        """Run every running action from ``now`` to ``t``, and retire those it completes."""
+        running, nxt = self.running, self.nxt
         for r in list(running):
             running[r][0] -= (t - now) * rate
+            # Relative to t: the subtractions leave rounding crumbs, never an action's real work.
             if running[r][0] <= 1e-12 * max(1.0, t):
-                if nxt[r] == len(order[r]):  # its tail
+                if nxt[r] == len(self.order[r]):  # its tail
                     if finished is not None:
                         finished[r] = t
                 else:
-                    a = order[r][nxt[r]]
-                    done[(a.kind, a.stage, a.microbatch)] = t
-                    busy[r] += t - running[r][1]
-                    ends[r] = t
-                free_at[r] = t
+                    a = self.order[r][nxt[r]]
+                    self.done[(a.kind, a.stage, a.microbatch)] = t
+                    self.busy[r] += t - running[r][1]
+                    self.ends[r] = t
+                self.free_at[r] = t
                 nxt[r] += 1
                 del running[r]
-        now = t
-    return {r: (ends[r], busy[r]) for r in order}
 
 
 @dataclasses.dataclass(frozen=True)

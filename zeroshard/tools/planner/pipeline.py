@@ -23,7 +23,7 @@ the bound, not a moment.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -196,11 +196,8 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     the runtime splits the whole model before cutting it: its blocks' tp plan (the traced activations
     a tp rank's part), its MoE layers' experts over the stage's ep groups (the ``ParallelDims`` of
     the run: each expert sharded over its expert-data-parallel ranks). Other keywords are ``zs.plan``'s."""
-    from zeroshard.parallel.pipeline.grad_reduce import stage_options
-    from zeroshard.parallel.pipeline.runtime import PIPELINE_RESHARD_AFTER_FORWARD
     from zeroshard.tools.planner.api import plan
     from zeroshard.tools.planner.spec import resolve_mp
-    from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
 
     shape = PipelineShape.resolve(pp=pp, pp_schedule=pp_schedule, microbatches=microbatches,
                                   pp_stages_per_rank=pp_stages_per_rank)
@@ -210,62 +207,90 @@ def plan_pipeline(model_or_config: Any, *, world: int, pp: int, pp_schedule: str
     check_composed(ParallelDims.of(world, pp=pp, tp=tp, ep=ep))  # as the runtime refuses a layout it cannot build
 
     precision = resolve_mp(mp, analytic=False)
-    # The engine each stage runs: the runtime's own options for a stage (pp_grad_reduce as its
-    # accumulation), with the pipeline's resharding default unless a knob says otherwise.
-    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in KNOB_NAMES}
-    engine = stage_options(EngineOptions.from_flat({"reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
-                                                    **knobs}), stage=kwargs.get("stage"))
-    # Each stage's engine checkpoints its own blocks (the runtime's segments of them), so a
-    # stage's activations are planned over its blocks alone.
-    check_checkpointing(schedule_spec(shape.schedule), engine.checkpointing)  # as the runtime refuses it
+    engine, knobs = _stage_engine(shape, kwargs)
     policy = Checkpointing(engine.checkpointing)
     if cfg is not None:
         st = _gpt_stages(cfg, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy, tp=tp)
     else:
         st = _traced_stages(model, shape.num_stages, micro=micro, seq=seq, precision=precision, policy=policy,
                             tp=tp)
-    modules, split, tied, est_of, weight = st.modules, st.split, st.tied, st.est_of, st.weight
     order = schedule_order(shape.schedule, pp=pp, stages_per_rank=shape.stages_per_rank,
                            microbatches=shape.microbatches)
     steps = accum * shape.microbatches  # micro-steps of one optimizer step, as the engine sees them
-    # What each stage's engine runs in a step: its forwards and backwards (or a split backward's
-    # halves) in torch's order, once per schedule run (accum of them).
-    runs = {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
-                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
-    ranks = []
-    for r in range(pp):
-        stages = shape.stages_of(r)
-        moments = peak_in_flight(order[r], {s: weight[s] for s in stages})
-        buffers = sum(_buffers(shape, s, one=st.one) for s in stages)
-        combined = []
-        # Two moments: the activation peak before the rank's first backward has accumulated any
-        # grads (one planned micro-step: no carried grad buffers), and the one after it (every
-        # micro-step's grads carried in their full buffers, as the engine accumulates them).
-        for moment, micro_steps in zip(moments, (1, steps)):
-            plans = []
-            for k, s in enumerate(stages):
-                # The rank's in-flight activations are charged to its first stage.
-                carried = _carried(est_of[s], st.workspace[s], held=moment.bytes if k == 0 else None,
-                                   blocks=len(split.blocks[s]), last=s == shape.num_stages - 1)
-                plans.append(plan(modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
-                                  accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
-                                  units=modules[s].block_modules(), activations=carried, engine=engine,
-                                  pp=pp, ep=ep, pipeline_order=runs[s], whole=st.whole, **kwargs))
-            combined.append(_combine(plans, buffers, headroom))
-        worst = max(moments, key=lambda m: m.bytes)
-        ranks.append(StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(split.blocks[s] for s in stages),
-                               in_flight=worst.held, activation_bytes=worst.bytes, buffer_bytes=buffers,
-                               plan=_larger(*combined)))
-    notes = _notes(shape, tied, grad_reduce=engine.pp_grad_reduce, steps=steps)
-    if cfg is None:
-        notes += ("activations traced from one forward of the whole model on fake tensors, each block's charged "
-                  "to its stage, the embeddings' to the first and the head's and loss's to the last",)
-        if tp > 1:
-            notes += (f"tp={tp}: the traced activations are one tp rank's (what the model's plan leaves split "
-                      "counted 1/tp: tp_flow.py)",)
+    runs = _stage_runs(shape, order, pp=pp, accum=accum)
+
+    def plan_stage(s: int, carried: ActivationEstimate, micro_steps: int) -> Plan:
+        return plan(st.modules[s], world=stage_world, batch=dp * micro * micro_steps, seq=seq,
+                    accum=micro_steps, tp=tp, mp=precision, device=device, headroom=headroom,
+                    units=st.modules[s].block_modules(), activations=carried, engine=engine,
+                    pp=pp, ep=ep, pipeline_order=runs[s], whole=st.whole, **kwargs)
+
+    ranks = [_plan_rank(r, shape, order[r], st, steps=steps, headroom=headroom, plan_stage=plan_stage)
+             for r in range(pp)]
+    notes = _notes(shape, st.tied, grad_reduce=engine.pp_grad_reduce, steps=steps) + _traced_notes(cfg, tp)
     return PipelinePlan(shape=shape, world=world, dp=dp, micro_batch=micro, gpt=cfg, batch=batch, seq=seq,
                         accum=accum, ranks=tuple(ranks), knobs=knobs, notes=notes, name=st.name,
-                        layers=sum(len(b) for b in split.blocks), tp=tp, ep=ep)
+                        layers=sum(len(b) for b in st.split.blocks), tp=tp, ep=ep)
+
+
+def _stage_engine(shape: PipelineShape, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The engine options each stage runs, and the knobs taken out of ``kwargs`` (popped: the rest
+    are ``zs.plan``'s): the runtime's own options for a stage (pp_grad_reduce as its accumulation),
+    with the pipeline's resharding default unless a knob says otherwise."""
+    from zeroshard.parallel.pipeline.grad_reduce import stage_options
+    from zeroshard.parallel.pipeline.runtime import PIPELINE_RESHARD_AFTER_FORWARD
+    from zeroshard.runtime.options import KNOB_NAMES, EngineOptions
+
+    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in KNOB_NAMES}
+    engine = stage_options(EngineOptions.from_flat({"reshard_after_forward": PIPELINE_RESHARD_AFTER_FORWARD,
+                                                    **knobs}), stage=kwargs.get("stage"))
+    # Each stage's engine checkpoints its own blocks (the runtime's segments of them), so a
+    # stage's activations are planned over its blocks alone.
+    check_checkpointing(schedule_spec(shape.schedule), engine.checkpointing)  # as the runtime refuses it
+    return engine, knobs
+
+
+def _stage_runs(shape: PipelineShape, order: Any, *, pp: int, accum: int) -> dict[int, tuple]:
+    """What each stage's engine runs in a step: its forwards and backwards (or a split backward's
+    halves) in torch's order, once per schedule run (accum of them)."""
+    return {s: tuple((kind, mb + k * shape.microbatches) for k in range(accum)
+                     for kind, mb in stage_order(order[s % pp], s)) for s in range(shape.num_stages)}
+
+
+def _plan_rank(r: int, shape: PipelineShape, rank_order: Any, st: _Stages, *, steps: int, headroom: float,
+               plan_stage: Callable[[int, ActivationEstimate, int], Plan]) -> StageRank:
+    """Pp rank ``r``'s plan: the larger of its two moments, each the sum of its stages' plans."""
+    stages = shape.stages_of(r)
+    moments = peak_in_flight(rank_order, {s: st.weight[s] for s in stages})
+    buffers = sum(_buffers(shape, s, one=st.one) for s in stages)
+    combined = []
+    # Two moments: the activation peak before the rank's first backward has accumulated any
+    # grads (one planned micro-step: no carried grad buffers), and the one after it (every
+    # micro-step's grads carried in their full buffers, as the engine accumulates them).
+    for moment, micro_steps in zip(moments, (1, steps)):
+        plans = []
+        for k, s in enumerate(stages):
+            # The rank's in-flight activations are charged to its first stage.
+            carried = _carried(st.est_of[s], st.workspace[s], held=moment.bytes if k == 0 else None,
+                               blocks=len(st.split.blocks[s]), last=s == shape.num_stages - 1)
+            plans.append(plan_stage(s, carried, micro_steps))
+        combined.append(_combine(plans, buffers, headroom))
+    worst = max(moments, key=lambda m: m.bytes)
+    return StageRank(pp_rank=r, stages=tuple(stages), blocks=tuple(st.split.blocks[s] for s in stages),
+                     in_flight=worst.held, activation_bytes=worst.bytes, buffer_bytes=buffers,
+                     plan=_larger(*combined))
+
+
+def _traced_notes(cfg: Any, tp: int) -> tuple[str, ...]:
+    """What a plan of a traced (non-GPT) model says about where its activations came from."""
+    if cfg is not None:
+        return ()
+    notes: tuple[str, ...] = ("activations traced from one forward of the whole model on fake tensors, each block's "
+                              "charged to its stage, the embeddings' to the first and the head's and loss's to the last",)
+    if tp > 1:
+        notes += (f"tp={tp}: the traced activations are one tp rank's (what the model's plan leaves split "
+                  "counted 1/tp: tp_flow.py)",)
+    return notes
 
 
 def _planned(model_or_config: Any, seq: int | None) -> tuple[Any, Any]:

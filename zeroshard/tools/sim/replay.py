@@ -142,67 +142,101 @@ def walk(w: Workload, layout: Layout, d: _Durations, comm: CommLink, host: HostL
     """Price the schedule's micro-steps on ``comm`` and ``host``, up to the optimizer's update."""
     units = schedule_units(w, layout)
     schedule = replay_schedule(w, layout, units)
-    sizes = {u.name: u for u in units.units}
     rebuilds = any(e.op == COMPUTE and e.phase == RECOMPUTE for e in schedule.events)
-    backward = d.block_bwd - (d.block_recompute if rebuilds else 0.0)
-    tp_one = 0.0
-    if layout.tp > 1:
-        tp_one = collective_seconds("all_reduce", w.tokens * w.shape.hidden * w.compute_bytes, layout.tp, comm.hw,
-                                    spans=False)
-    # torchtitan's op-level policies rebuild blocks outside the engine's schedule: their forward
-    # all-reduces run again in backward, spread over the blocks.
-    rebuilt_tp = _torchtitan_rebuilt_all_reduces(w) / w.shape.n_layer if layout.tp > 1 else 0.0
-    out = Walked(t=0.0, optimizer_share=0.0, param_sync_bytes=0.0, tp_bytes=0.0)
-    a2a = _AllToAlls(w, layout, comm)
-    inflight: dict[str, list[Collective]] = {}
+    walker = _Walker(w, layout, units, d, comm, host, rebuilds=rebuilds)
+    for e in schedule.events:
+        walker.price(e)
+    return walker.out
 
-    def seconds(unit: str, phase: str) -> float:
+
+class _Walker:
+    """``walk``'s state: the two timelines' clock (``out.t``), the collectives in flight per unit,
+    and what one event of each kind costs."""
+
+    def __init__(self, w: Workload, layout: Layout, units: ScheduleUnits, d: _Durations, comm: CommLink,
+                 host: HostLink, *, rebuilds: bool) -> None:
+        self.w, self.layout, self.units, self.d, self.comm, self.host = w, layout, units, d, comm, host
+        self.sizes = {u.name: u for u in units.units}
+        # The block's backward time includes its rebuild; the engine's own checkpointing has it as an
+        # event of its own in the schedule, so it is taken out here rather than priced twice.
+        self.backward = d.block_bwd - (d.block_recompute if rebuilds else 0.0)
+        self.tp_one = 0.0
+        if layout.tp > 1:
+            self.tp_one = collective_seconds("all_reduce", w.tokens * w.shape.hidden * w.compute_bytes, layout.tp,
+                                             comm.hw, spans=False)
+        # torchtitan's op-level policies rebuild blocks outside the engine's schedule: their forward
+        # all-reduces run again in backward, spread over the blocks.
+        self.rebuilt_tp = _torchtitan_rebuilt_all_reduces(w) / w.shape.n_layer if layout.tp > 1 else 0.0
+        self.out = Walked(t=0.0, optimizer_share=0.0, param_sync_bytes=0.0, tp_bytes=0.0)
+        self.a2a = _AllToAlls(w, layout, comm)
+        self.inflight: dict[str, list[Collective]] = {}
+
+    def seconds(self, unit: str, phase: str) -> float:
+        d = self.d
         if unit == "":  # stages 0-2: the model outside its buckets' blocks
-            return w.shape.n_layer * d.block_fwd + d.root_fwd if phase == FORWARD else d.root_bwd
-        if sizes[unit].is_root and layout.policy.shard_params:
+            return self.w.shape.n_layer * d.block_fwd + d.root_fwd if phase == FORWARD else d.root_bwd
+        if self.sizes[unit].is_root and self.layout.policy.shard_params:
             return d.root_fwd if phase == FORWARD else d.root_bwd
-        per_block = {FORWARD: d.block_fwd, BACKWARD: backward, RECOMPUTE: d.block_recompute}[phase]
-        return units.blocks[unit] * per_block
+        per_block = {FORWARD: d.block_fwd, BACKWARD: self.backward, RECOMPUTE: d.block_recompute}[phase]
+        return self.units.blocks[unit] * per_block
 
-    def tp_all_reduces(count: float, nbytes: float) -> None:
-        out.t += count * tp_one
-        comm.busy += count * tp_one
-        comm.wire += count * wire_bytes("all_reduce", nbytes, layout.tp)
+    def tp_all_reduces(self, count: float, nbytes: float) -> None:
+        out, comm = self.out, self.comm
+        out.t += count * self.tp_one
+        comm.busy += count * self.tp_one
+        comm.wire += count * wire_bytes("all_reduce", nbytes, self.layout.tp)
         out.tp_bytes += count * nbytes
 
-    for e in schedule.events:
+    def price(self, e) -> None:
+        """Advance the timelines by one schedule event."""
+        out, layout = self.out, self.layout
         if e.op == COMPUTE and e.phase == OPTIMIZER:
             out.optimizer_share += e.share
         elif e.op == COMPUTE:
-            out.t = comm.compute(out.t, e.share * seconds(e.unit, e.phase))
-            if a2a.on:  # each MoE block's token exchanges, on the critical path
-                # unit "": stages 0-2's whole forward, or the root's backward (no block)
-                blocks = (w.shape.n_layer if e.phase == FORWARD else 0) if e.unit == "" else units.blocks[e.unit]
-                out.t = a2a.price(out.t, e.share * blocks, e.phase, out)
-            if rebuilt_tp and e.phase == BACKWARD and e.unit:  # a block or bucket (the root holds no block)
-                tp_all_reduces(e.share * rebuilt_tp * units.blocks[e.unit], w.tokens * w.shape.hidden * w.compute_bytes)
+            self._compute(e)
         elif e.op == WAIT:
-            done = inflight.pop(e.unit, [])
-            for c in done:
-                out.t = max(out.t, comm.when(c))
-            if e.phase == BACKWARD and any(c.op != "all_gather" for c in done):
-                # Offload runs without replicas (Layout): one wait per finished reduction.
-                host.copy_out(sum(g.shard_numel for g in sizes[e.unit].groups), out.t)
+            self._wait(e)
         elif e.op == FREE:
-            continue
+            return
         elif e.group == "tp":
-            tp_all_reduces(1, e.bytes)
-        elif e.group == "cp":  # the attention waits on its exchange
-            spans = layout.cp * layout.tp > comm.hw.gpus_per_node
-            cp_s = collective_seconds(e.op, e.bytes, layout.cp, comm.hw, spans=spans, world=layout.world)
-            out.t, out.cp_s, comm.busy = out.t + cp_s, out.cp_s + cp_s, comm.busy + cp_s
-            comm.wire += wire_bytes(e.op, e.bytes, layout.cp)
+            self.tp_all_reduces(1, e.bytes)
+        elif e.group == "cp":
+            self._cp_exchange(e)
         elif e.op == "all_gather" and e.phase == PARAM_SYNC:
             out.param_sync_bytes += e.bytes
         else:
-            out.t, item = _launch(e, layout, comm, host, sizes, out.t)
-            inflight.setdefault(e.unit, []).append(item)
-    return out
+            out.t, item = _launch(e, layout, self.comm, self.host, self.sizes, out.t)
+            self.inflight.setdefault(e.unit, []).append(item)
+
+    def _compute(self, e) -> None:
+        """A compute mark: its share of the unit's pass, and the exchanges that block it."""
+        w, out, units = self.w, self.out, self.units
+        out.t = self.comm.compute(out.t, e.share * self.seconds(e.unit, e.phase))
+        if self.a2a.on:  # each MoE block's token exchanges, on the critical path
+            # unit "": stages 0-2's whole forward, or the root's backward (no block)
+            blocks = (w.shape.n_layer if e.phase == FORWARD else 0) if e.unit == "" else units.blocks[e.unit]
+            out.t = self.a2a.price(out.t, e.share * blocks, e.phase, out)
+        if self.rebuilt_tp and e.phase == BACKWARD and e.unit:  # a block or bucket (the root holds no block)
+            self.tp_all_reduces(e.share * self.rebuilt_tp * units.blocks[e.unit],
+                                w.tokens * w.shape.hidden * w.compute_bytes)
+
+    def _wait(self, e) -> None:
+        """A wait mark: compute waits for the unit's collectives in flight."""
+        out = self.out
+        done = self.inflight.pop(e.unit, [])
+        for c in done:
+            out.t = max(out.t, self.comm.when(c))
+        if e.phase == BACKWARD and any(c.op != "all_gather" for c in done):
+            # Offload runs without replicas (Layout): one wait per finished reduction.
+            self.host.copy_out(sum(g.shard_numel for g in self.sizes[e.unit].groups), out.t)
+
+    def _cp_exchange(self, e) -> None:
+        """The attention waits on its cp exchange (issued in line: nothing overlaps it)."""
+        out, comm, layout = self.out, self.comm, self.layout
+        spans = layout.cp * layout.tp > comm.hw.gpus_per_node
+        cp_s = collective_seconds(e.op, e.bytes, layout.cp, comm.hw, spans=spans, world=layout.world)
+        out.t, out.cp_s, comm.busy = out.t + cp_s, out.cp_s + cp_s, comm.busy + cp_s
+        comm.wire += wire_bytes(e.op, e.bytes, layout.cp)
 
 
 def _launch(e, layout: Layout, comm: CommLink, host: HostLink, sizes: dict, t: float) -> tuple[float, Collective]:
