@@ -12,6 +12,7 @@ the runtime's ``slot_exchange_bytes`` on the same layouts, so the plan and the l
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import functools
 from typing import Any
 
@@ -66,10 +67,10 @@ def _step_state(optim_cls: type, shape: tuple[int, ...], dtype: torch.dtype, kwa
 
 @functools.lru_cache(maxsize=None)
 def _state_cached(optim_cls: type, shape: tuple[int, ...], dtype: torch.dtype, kwargs: tuple) -> int:
-    try:  # shapes only: a class whose step needs no values (Muon) is sized on meta, allocating nothing
+    # Shapes only: a class whose step needs no values (Muon) is sized on meta, allocating nothing. One
+    # that reads a value (Adafactor's .item()) raises there, and is sized by a real step below.
+    with contextlib.suppress(RuntimeError, NotImplementedError):
         return _step_state(optim_cls, shape, dtype, kwargs, "meta")
-    except (RuntimeError, NotImplementedError):  # one that reads a value (Adafactor's .item()) runs for real
-        pass
     numel = int(torch.Size(shape).numel())
     if numel <= _REAL_PROBE_NUMEL:
         return _step_state(optim_cls, shape, dtype, kwargs, "cpu")
