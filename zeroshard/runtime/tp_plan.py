@@ -27,7 +27,7 @@ one. Each name maps onto torch's own styles, so every split is DTensor's:
                                projection, whose input grad is summed already
 ============================== ===========================================================================
 
-Any other name (``moe_tp_experts``, ``packed_rowwise``, ``mla_kv_a_proj``, ...) is refused by name
+Any other name (``moe_tp_experts``, ``packed_rowwise``, ...) is refused by name
 when it names a module the model has: nothing is approximated.
 """
 
