@@ -25,7 +25,7 @@ from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.runtime.expert_placement import split_over
 from zeroshard.runtime.tp_plan import placement_of
 from zeroshard.models.specs import NAMED_TP_PLANS, named_tp_plan
-from zeroshard.runtime.layout import FlatLayout
+from zeroshard.runtime.layout import FlatLayout, decay_first
 
 
 @dataclasses.dataclass
@@ -212,19 +212,25 @@ def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: P
 
 def _groups_at(manifest: dict, whole: dict[str, dict], ep: int) -> list[dict]:
     """The flat groups a run at ``ep`` has: the saved ones, except that at ep 1 each expert group
-    joins its unit's dense group of the same dtypes and grad policy, in the model's param order, as
-    the engine groups params when there is no expert mesh (``split_groups``, zeroshard/runtime/grouping.py)."""
-    if ep > 1 or not any("ep" in p for p in whole.values()):
-        return manifest["groups"]
+    joins its unit's dense group of the same dtypes and grad policy, as the engine groups params
+    when there is no expert mesh (``split_groups``, zeroshard/runtime/grouping.py). Each group's
+    params are in the engine's buffer order: the model's param order, decaying ones first
+    (``decay_first``), which also lays out a checkpoint saved before that order as a run reads it now."""
     order = {p["fqn"]: i for i, p in enumerate(full_params(manifest))}
+
+    def in_buffer_order(params: list[str]) -> list[str]:
+        return decay_first(sorted(params, key=order.__getitem__), lambda f: (f, torch.Size(whole[f]["shape"])))
+
+    if ep > 1 or not any("ep" in p for p in whole.values()):
+        return [dict(group, params=in_buffer_order(group["params"])) for group in manifest["groups"]]
     merged: dict[tuple, dict] = {}
     for group in manifest["groups"]:
         key = (group["unit"], group["trainable"], group["master_dtype"], group["compute_dtype"])
         if key in merged:
-            merged[key]["params"] = sorted(merged[key]["params"] + group["params"], key=order.__getitem__)
+            merged[key]["params"] += group["params"]
         else:
             merged[key] = dict(group, params=list(group["params"]))
-    return list(merged.values())
+    return [dict(group, params=in_buffer_order(group["params"])) for group in merged.values()]
 
 
 def _expert_block(param: dict, ep: int) -> list[int] | None:
