@@ -119,9 +119,9 @@ def test_padding_frozen_and_tied_params_are_counted_like_the_runtime():
     assert (trainable, frozen) == (320, 128)
     assert ddp.params == 4 * (trainable + frozen)
     assert ddp.grads == 4 * trainable  # frozen params have no grads...
-    # ...and no optimizer state; the buffer [b.w, b.b, a.b, a.w] makes 3 decay/no-decay segments,
-    # each with AdamW's 4-byte step counter.
-    assert ddp.optimizer == 8 * trainable + 3 * 4
+    # ...and no optimizer state; the buffer holds the decaying matrices first ([b.w, a.w], then
+    # [b.b, a.b]), so it makes 2 decay/no-decay segments, each with AdamW's 4-byte step counter.
+    assert ddp.optimizer == 8 * trainable + 2 * 4
     assert p.activations is None and any("activations not estimated" in n for n in p.notes)  # it has no forward
 
 

@@ -25,7 +25,8 @@ from zeroshard.checkpoint.verify import resolve, verify
 from zeroshard.runtime.expert_placement import split_over
 from zeroshard.runtime.tp_plan import placement_of
 from zeroshard.models.specs import NAMED_TP_PLANS, named_tp_plan
-from zeroshard.runtime.layout import FlatLayout
+from zeroshard.runtime.layout import FlatLayout, decay_first
+from zeroshard.runtime.wrap import BUCKET_JOIN, ROOT
 
 
 @dataclasses.dataclass
@@ -212,19 +213,37 @@ def _check_ep(whole: dict[str, dict], world: int, tp: int, ep: int, directory: P
 
 def _groups_at(manifest: dict, whole: dict[str, dict], ep: int) -> list[dict]:
     """The flat groups a run at ``ep`` has: the saved ones, except that at ep 1 each expert group
-    joins its unit's dense group of the same dtypes and grad policy, in the model's param order, as
-    the engine groups params when there is no expert mesh (``split_groups``, zeroshard/runtime/grouping.py)."""
+    joins its unit's dense group of the same dtypes and grad policy, as the engine groups params
+    when there is no expert mesh (``split_groups``, zeroshard/runtime/grouping.py). Each group's
+    params are in the engine's buffer order: its units' params in the bucket's unit order, each
+    unit's in model order, then decaying ones first (``decay_first``); a checkpoint saved before that
+    last rule is laid out as a run reads it now."""
+    def decaying_first(params: list[str]) -> list[str]:
+        return decay_first(params, lambda f: (f, torch.Size(whole[f]["shape"])))
+
     if ep > 1 or not any("ep" in p for p in whole.values()):
-        return manifest["groups"]
+        return [dict(group, params=decaying_first(group["params"])) for group in manifest["groups"]]
     order = {p["fqn"]: i for i, p in enumerate(full_params(manifest))}
     merged: dict[tuple, dict] = {}
     for group in manifest["groups"]:
         key = (group["unit"], group["trainable"], group["master_dtype"], group["compute_dtype"])
         if key in merged:
-            merged[key]["params"] = sorted(merged[key]["params"] + group["params"], key=order.__getitem__)
+            merged[key]["params"] += group["params"]
         else:
             merged[key] = dict(group, params=list(group["params"]))
+    for group in merged.values():
+        units = group["unit"].split(BUCKET_JOIN)
+        group["params"] = decaying_first(sorted(group["params"], key=lambda f: (_unit_of(f, units), order[f])))
     return list(merged.values())
+
+
+def _unit_of(fqn: str, units: list[str]) -> int:
+    """The index in ``units`` (a bucket's, in its order) of the unit holding param ``fqn``: the module
+    prefix of it (units are disjoint), else the root."""
+    for index, unit in enumerate(units):
+        if unit != ROOT and fqn.startswith(unit + "."):
+            return index
+    return units.index(ROOT) if ROOT in units else len(units)
 
 
 def _expert_block(param: dict, ep: int) -> list[int] | None:

@@ -32,7 +32,7 @@ from zeroshard.runtime.reduce_queue import ReductionQueue
 from zeroshard.runtime import split_backward
 from zeroshard.runtime.streams import Landings, side_streams
 from zeroshard.runtime.unit import FullTally, Unit, UnitState
-from zeroshard.runtime.wrap import UnitSpec
+from zeroshard.runtime.wrap import BUCKET_JOIN, UnitSpec
 
 __all__ = ["BACKWARD_PREFETCH_AT", "MAX_INFLIGHT_REDUCTIONS", "Engine", "ExecutionOrderError", "MemorySnapshot",
            "TrainingState", "attach_engine", "find_engine", "get_engine", "merge_in_order", "reduction_buckets"]
@@ -119,7 +119,7 @@ class Engine:
                     for s in backward_order]
         units = []
         for bucket in reduction_buckets(backward_order, self.options.bucket_bytes):
-            name = "+".join(s.name for s in bucket)
+            name = BUCKET_JOIN.join(s.name for s in bucket)
             refs = [r for s in bucket for r in s.refs]
             is_root = any(s.is_root for s in bucket)
             units.append(Unit(name, None, split_groups(name, refs, root_config if is_root else config),

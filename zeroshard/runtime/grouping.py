@@ -8,16 +8,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, TypeVar
 
+import torch
+
 from zeroshard.comm.mesh import Mesh
 from zeroshard.runtime.expert_placement import expert_mesh_of
 from zeroshard.runtime.flat import FlatGroup, GroupConfig
+from zeroshard.runtime.layout import decay_first
 from zeroshard.runtime.wrap import ParamRef, UnitSpec
 
 
 def split_groups(name: str, refs: list[ParamRef], config: GroupConfig) -> list[FlatGroup]:
     """One flat group per (dtype, trainable, mesh) so each buffer has a single dtype, grad policy
     and set of ranks: expert params (zeroshard/runtime/expert_placement.py) go to a group on their expert
-    mesh, sharded over the ranks that hold the same experts."""
+    mesh, sharded over the ranks that hold the same experts. Inside a group, decaying params come
+    first (layout.py's ``decay_first``)."""
     keyed: dict[tuple, list[ParamRef]] = {}
     meshes: dict[str, Mesh] = {}
     for ref in refs:
@@ -27,9 +31,13 @@ def split_groups(name: str, refs: list[ParamRef], config: GroupConfig) -> list[F
                              f"got mesh {config.mesh.name!r}; pass the same mesh= to both")
         meshes[mesh.name] = mesh
         keyed.setdefault((ref.param.dtype, ref.param.requires_grad, mesh.name), []).append(ref)
-    return [FlatGroup(unit=name, refs=group_refs, trainable=trainable,
+    return [FlatGroup(unit=name, refs=decay_first(group_refs, _name_and_shape), trainable=trainable,
                       config=config if meshes[mesh] is config.mesh else dataclasses.replace(config, mesh=meshes[mesh]))
             for (dtype, trainable, mesh), group_refs in keyed.items()]
+
+
+def _name_and_shape(ref: ParamRef) -> tuple[str, torch.Size]:
+    return ref.fqn, ref.param.shape
 
 
 def reduction_buckets(specs: list[UnitSpec], bucket_bytes: int) -> list[list[UnitSpec]]:

@@ -6,16 +6,47 @@ ends on an ALIGN boundary, whatever the world size. That is what makes stage 0 a
 bitwise equal: CPU elementwise kernels take a vectorised path for full vectors and a scalar path
 for the tail, and the two can round differently; with aligned segments no element is ever in a
 tail. See docs/runtime.md.
+
+Inside a buffer the params are laid out decaying ones first (``decay_first``), each class in model
+order. The optimizer steps maximal runs of one param group (optim.py's segments); in model order a
+block's matrices and its biases and norm weights alternate, so a unit of twelve params became nine
+segments and AdamW's per-tensor work ran once for each. Grouped by the default weight-decay rule,
+a rank's shard of a buffer holds two segments of small params, and its large ones one each.
+
+A segment grows past the buffer's largest param only up to ``SEGMENT_NUMEL``: torch's per-tensor
+optimizer loop (its default on the CPU, so every offloaded step) allocates temporaries the size of
+the tensor it is on, so an unbounded run of a unit's matrices would multiply that peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, TypeVar
 
 import torch
 
 ALIGN = 64
+
+SEGMENT_NUMEL = 1 << 20
+"""Elements a merged optimizer segment may reach when no single param in the shard is larger: 4 MiB
+of fp32, so three loop temporaries of it stay small beside any model worth sharding."""
+
+T = TypeVar("T")
+
+
+def decays(fqn: str, shape: torch.Size) -> bool:
+    """Default weight-decay rule: matrices and embeddings decay; biases and norm weights do not."""
+    return len(shape) >= 2
+
+
+def decay_first(items: list[T], name_and_shape: Callable[[T], tuple[str, torch.Size]]) -> list[T]:
+    """``items`` in buffer order: those ``decays`` picks first, then the rest, each in the given order.
+
+    The engine's groups (runtime/grouping.py) and the planner's (tools/planner/inventory.py) both
+    order their params with it, so the planner sees the runtime's segments."""
+    flags = [decays(*name_and_shape(item)) for item in items]
+    return [i for i, f in zip(items, flags) if f] + [i for i, f in zip(items, flags) if not f]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -72,6 +103,22 @@ class FlatLayout:
     def shard_range(self, shard_rank: int) -> tuple[int, int]:
         lo = shard_rank * self.shard_numel
         return lo, lo + self.shard_numel
+
+    def segments(self, shard_rank: int, key_of_slot: Callable[[int], T]) -> list[tuple[T, int, int]]:
+        """(key, start, stop) of this rank's optimizer segments, in buffer order: consecutive pieces
+        whose slots have one key (their param group) merged while the run stays within the larger of
+        ``SEGMENT_NUMEL`` and the shard's largest piece. The sharded optimizer (runtime/optim.py)
+        builds its params from these and the planner counts them, so both see the same runs."""
+        pieces = self.pieces(shard_rank)
+        cap = max([SEGMENT_NUMEL] + [p.numel for p in pieces])
+        runs: list[list] = []
+        for piece in pieces:
+            key = key_of_slot(piece.slot_index)
+            if runs and runs[-1][0] == key and runs[-1][2] == piece.start and piece.stop - runs[-1][1] <= cap:
+                runs[-1][2] = piece.stop
+            else:
+                runs.append([key, piece.start, piece.stop])
+        return [(key, start, stop) for key, start, stop in runs]
 
     def pieces(self, shard_rank: int) -> list[Piece]:
         """Intersections of each slot's span with this rank's shard, in buffer order."""

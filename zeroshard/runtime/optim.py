@@ -21,19 +21,15 @@ from zeroshard.runtime.offload.stepper import SlicedStep
 from zeroshard.runtime.engine import Engine, find_engine, get_engine
 from zeroshard.runtime.events import EventKind
 from zeroshard.runtime.flat import FlatGroup
+from zeroshard.runtime.layout import decays
 from zeroshard.runtime import host_clock as hc
 from zeroshard.runtime.optim_kinds import ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, OptimKind
 from zeroshard.runtime.optim_parts import Part, build_parts, group_plans, probe, step_parts, unhooked
 from zeroshard.runtime.owners import OwnedParam, PerTensorStep, assign_owners
 
 # Re-exported: the classification lives with its own concept (zeroshard/runtime/optim_kinds.py).
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "PER_TENSOR_OPTIMIZERS", "optim_groups", "optimizer", "sharded_state",
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "PER_TENSOR_OPTIMIZERS", "decays", "optim_groups", "optimizer", "sharded_state",
            "user_class"]
-
-
-def decays(fqn: str, shape: torch.Size) -> bool:
-    """Default weight-decay rule: matrices and embeddings decay; biases and norm weights do not."""
-    return len(shape) >= 2
 
 
 def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -177,15 +173,8 @@ def _group_index(fqn: str, shape: torch.Size, user_groups: list[dict] | None, na
 
 def _segments(group: FlatGroup, group_of_slot: list[int]) -> list[tuple[int, int, int]]:
     """(param group index, start, stop) runs over this rank's shard, relative to the shard."""
-    runs: list[list[int]] = []
-    for piece in group.layout.pieces(group.shard_rank):
-        index = group_of_slot[piece.slot_index]
-        start, stop = piece.start - group.lo, piece.stop - group.lo
-        if runs and runs[-1][0] == index and runs[-1][2] == start:
-            runs[-1][2] = stop
-        else:
-            runs.append([index, start, stop])
-    return [(r[0], r[1], r[2]) for r in runs]
+    return [(index, start - group.lo, stop - group.lo)
+            for index, start, stop in group.layout.segments(group.shard_rank, group_of_slot.__getitem__)]
 
 
 class SegmentMap:

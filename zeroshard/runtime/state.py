@@ -30,9 +30,10 @@ def gathered_master(group: FlatGroup, phase: Phase = Phase.STATE_DICT) -> torch.
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every param at full size in its master dtype, under every name it is registered as, plus
-    persistent buffers. A collective: call it on every rank. Costs one full copy of the model per rank."""
+    persistent buffers, in the order ``model.state_dict()`` lists them (not the flat buffers' order).
+    A collective: call it on every rank. Costs one full copy of the model per rank."""
     engine = get_engine(model)
-    out: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
     for group in engine.groups:
         whole = gathered_master(group)
         for slot, ref, spec in zip(group.layout.slots, group.refs, group.tp_specs):
@@ -43,13 +44,19 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             # A copy where the masters live: offloaded ones stay off the device (a whole model's worth).
             value = value.to(group.shard.device, copy=True)
             for alias in ref.aliases:
-                out[alias] = value
-    for module_name, module in model.named_modules():
+                params[alias] = value
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+            if prefix + name in params:
+                out[prefix + name] = params.pop(prefix + name)
         for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
             # As nn.Module.state_dict does: a non-persistent buffer (an HF model's rotary inv_freq)
             # is derived, not state, so a plain model's state_dict() and this compare key for key.
             if name not in module._non_persistent_buffers_set:  # noqa: SLF001 (no public API)
-                out[f"{module_name}.{name}" if module_name else name] = buffer.detach().clone()
+                out[prefix + name] = buffer.detach().clone()
+    out.update(params)  # a name the module walk does not reach stays, after the rest
     return out
 
 

@@ -20,6 +20,10 @@ UnitsArg = Union[None, Iterable[nn.Module], Callable[[str, nn.Module], bool]]
 
 ROOT = "<root>"
 
+BUCKET_JOIN = "+"
+"""Joins the names of the units a stage 0-2 reduction bucket merges, in its order (a checkpoint's
+groups record it; ``ckpt reshard`` splits it again)."""
+
 
 @dataclasses.dataclass
 class ParamRef:

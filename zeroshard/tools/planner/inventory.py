@@ -18,8 +18,7 @@ from zeroshard.tools.planner.experts import ExpertSplit
 from zeroshard.tools.planner.tp import TensorParallel
 from zeroshard.runtime.engine import merge_in_order, reduction_buckets
 from zeroshard.runtime.flat import StagePolicy
-from zeroshard.runtime.layout import FlatLayout
-from zeroshard.runtime.optim import decays
+from zeroshard.runtime.layout import FlatLayout, decay_first, decays
 from zeroshard.runtime.wrap import ParamRef, UnitSpec, UnitsArg, plan_units
 
 if TYPE_CHECKING:
@@ -78,14 +77,8 @@ class GroupShape:
 
     def segment_numels(self, shard_rank: int) -> list[tuple[bool, int]]:
         """(decays, elements) of each optimizer param on this rank, in buffer order."""
-        runs: list[list] = []
-        for piece in self.layout.pieces(self.shard_of(shard_rank)):
-            flag = self.decay[piece.slot_index]
-            if runs and runs[-1][0] == flag:
-                runs[-1][1] += piece.numel
-            else:
-                runs.append([flag, piece.numel])
-        return [(flag, numel) for flag, numel in runs]
+        return [(flag, stop - start)
+                for flag, start, stop in self.layout.segments(self.shard_of(shard_rank), self.decay.__getitem__)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,12 +126,14 @@ def _groups(name: str, refs: list[ParamRef], shards: int, tp: TensorParallel, ex
             expert_shards: int) -> tuple[GroupShape, ...]:
     # Same split as the engine: one buffer per (dtype, trainable, mesh), in first-seen order, of
     # each param's tp-local part (what zs.shard flattens under tensor parallelism), or of an expert
-    # param's ep block, sharded over the expert-data-parallel ranks (runtime/grouping.py's split_groups).
+    # param's ep block, sharded over the expert-data-parallel ranks; decaying params first
+    # (runtime/grouping.py's split_groups).
     keyed: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
         keyed.setdefault((ref.param.dtype, ref.param.requires_grad, experts.is_expert(ref.fqn)), []).append(ref)
     out = []
     for (dtype, trainable, expert), group_refs in keyed.items():
+        group_refs = decay_first(group_refs, lambda r: (r.fqn, r.param.shape))
         shapes = [(r.fqn, experts.local_shape(r.fqn, tp.local_shape(r.fqn, r.param.shape))) for r in group_refs]
         layout = FlatLayout(shapes, expert_shards if expert else shards)
         out.append(GroupShape(unit=name, dtype=dtype, trainable=trainable, layout=layout,
