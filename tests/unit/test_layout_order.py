@@ -90,3 +90,27 @@ def test_steps_equal_torch_adamw_over_the_same_groups(stage):
     got = zs.full_state_dict(model)
     for name, value in plain.state_dict().items():
         assert torch.equal(got[name], value), name
+
+
+def _manifest(groups: list[tuple[str, list[str]]], shapes: dict[str, tuple[int, ...]], experts: frozenset[str] = frozenset()):
+    params = [{"fqn": f, "shape": list(s), **({"ep": {"ep": 2}} if f in experts else {})} for f, s in shapes.items()]
+    return {"params": params, "groups": [{"unit": unit, "trainable": True, "master_dtype": "float32",
+                                          "compute_dtype": "float32", "params": names} for unit, names in groups]}
+
+
+def test_reshard_lays_a_checkpoint_in_model_order_out_as_the_runtime_does_now():
+    """A checkpoint saved before decaying params came first lists each group in model order (a
+    bucket's units in backward order): ``ckpt reshard`` lays it out in today's buffer order."""
+    from zeroshard.checkpoint.export import _groups_at
+
+    shapes = {"b0.w": (4, 4), "b0.b": (4,), "b1.w": (4, 4), "b1.b": (4,), "emb": (8, 4), "norm": (4,)}
+    manifest = _manifest([("b1+b0+<root>", ["b1.w", "b1.b", "b0.w", "b0.b", "emb", "norm"])], shapes)
+    whole = {p["fqn"]: p for p in manifest["params"]}
+    assert _groups_at(manifest, whole, ep=1)[0]["params"] == ["b1.w", "b0.w", "emb", "b1.b", "b0.b", "norm"]
+    # At ep 1 an expert group joins its unit's dense group: units in the bucket's order, model order
+    # inside each, then decaying first, as split_groups orders the joined refs.
+    shapes = {"b0.w": (4, 4), "b0.experts": (2, 4, 4), "b0.b": (4,), "b1.w": (4, 4), "b1.experts": (2, 4, 4)}
+    manifest = _manifest([("b1+b0", ["b1.w", "b0.w", "b0.b"]), ("b1+b0", ["b1.experts", "b0.experts"])], shapes,
+                         experts=frozenset({"b0.experts", "b1.experts"}))
+    whole = {p["fqn"]: p for p in manifest["params"]}
+    assert _groups_at(manifest, whole, ep=1)[0]["params"] == ["b1.w", "b1.experts", "b0.w", "b0.experts", "b0.b"]
