@@ -8,9 +8,9 @@ for the tail, and the two can round differently; with aligned segments no elemen
 tail. See docs/runtime.md.
 
 Inside a buffer the params are laid out decaying ones first (``decay_first``), each class in model
-order. The optimizer steps maximal runs of one param group (optim.py's segments); in model order a
-block's matrices and its biases and norm weights alternate, so a unit of twelve params became nine
-segments and AdamW's per-tensor work ran once for each. Grouped by the default weight-decay rule,
+order. The optimizer steps maximal runs of one param group (optim.py's segments), and its per-tensor
+work runs once for each. In model order a block's matrices and its biases and norm weights
+alternate (a twelve-param GPT block would be nine runs); grouped by the default weight-decay rule,
 a rank's shard of a buffer holds two segments of small params, and its large ones one each.
 
 A segment grows past the buffer's largest param only up to ``SEGMENT_NUMEL``: torch's per-tensor
